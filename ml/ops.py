@@ -1,0 +1,92 @@
+"""Tensor numerics used by the Llama transformer: RMS norm, rotary embeddings, attention."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Root-mean-square norm computed in float32, cast back to ``x``'s dtype before the scale.
+
+    Half-precision sums of squares overflow and lose digits, so the statistic is always float32;
+    the cast back before multiplying by ``weight`` matches what Meta and Hugging Face do.
+    """
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 frequency scaling (``rope_scaling.rope_type == "llama3"``)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """Inverse frequencies, one per pair of channels, in float32 (optionally Llama 3.1 scaled)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Long wavelengths are stretched by `factor`, short ones kept, the band between blended
+    # smoothly: the published Llama 3.1 recipe.
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_table(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
+    """``(max_seq_len, head_dim // 2, 2)`` float32 table of (cos, sin) for every position."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs ``(x[2i], x[2i+1])`` of ``x`` by each token's position.
+
+    ``x`` is ``(batch, seq, heads, head_dim)``; ``positions`` is ``(batch, seq)`` so every row of a
+    batch may sit at its own offset. The rotation is done in float32.
+    """
+    cos_sin = table[positions]  # (batch, seq, head_dim/2, 2)
+    cos = cos_sin[..., 0].unsqueeze(2)
+    sin = cos_sin[..., 1].unsqueeze(2)
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    *, causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads.
+
+    ``q`` is ``(batch, heads, seq, head_dim)``; ``k`` and ``v`` are ``(batch, kv_heads, kv_len,
+    head_dim)`` with ``heads`` a multiple of ``kv_heads``; ``mask`` is a boolean
+    ``(batch, 1, seq, kv_len)`` (True = may attend) or None when every query sees every key;
+    ``causal`` (with no mask) means query ``i`` sees keys ``0..i``, queries and keys aligned at 0.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        # Expanding is cheaper than SDPA's enable_gqa on CPU and behaves the same on every backend.
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)

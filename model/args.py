@@ -1,0 +1,163 @@
+"""``ModelArgs``: the one description of a Llama architecture, built from any checkpoint's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from llama_chat.ml.ops import RopeScaling
+from llama_chat.model.errors import ModelLoadError
+
+
+class ConfigError(ModelLoadError):
+    """A model config (params.json, config.json, a llama2.c header) is missing or has bad fields."""
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Meta's SwiGLU width: 2/3 of 4*dim, optionally scaled, rounded up to ``multiple_of``."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    hidden_dim: int
+    n_kv_heads: int | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "hidden_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, found {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def with_max_seq_len(self, max_seq_len: int) -> ModelArgs:
+        return replace(self, max_seq_len=max_seq_len)
+
+    @classmethod
+    def from_params_json(cls, params: dict[str, Any], *, vocab_size: int | None = None,
+                         max_seq_len: int = 2048) -> ModelArgs:
+        """From Meta's ``params.json``. Llama 2 files say ``vocab_size: -1``; pass the tokenizer's."""
+        try:
+            dim = int(params["dim"])
+            n_heads = int(params["n_heads"])
+            vocab = int(params.get("vocab_size", -1))
+            if vocab <= 0:
+                if vocab_size is None:
+                    raise ConfigError("params.json: vocab_size is -1 and no tokenizer size was given")
+                vocab = vocab_size
+            scaling = None
+            if params.get("use_scaled_rope"):
+                scaling = RopeScaling(factor=float(params.get("rope_scaling_factor", 8.0)))
+            hidden = params.get("hidden_dim") or ffn_hidden_dim(
+                dim, int(params.get("multiple_of", 256)), params.get("ffn_dim_multiplier")
+            )
+            return cls(
+                dim=dim,
+                n_layers=int(params["n_layers"]),
+                n_heads=n_heads,
+                n_kv_heads=int(params["n_kv_heads"]) if params.get("n_kv_heads") else None,
+                vocab_size=vocab,
+                hidden_dim=int(hidden),
+                norm_eps=float(params.get("norm_eps", 1e-5)),
+                rope_theta=float(params.get("rope_theta", 10000.0)),
+                rope_scaling=scaling,
+                max_seq_len=int(params.get("max_seq_len", max_seq_len)),
+                tie_embeddings=bool(params.get("tie_embeddings", False)),
+            )
+        except KeyError as e:
+            raise ConfigError(f"params.json: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"params.json: bad field value ({e})") from None
+
+    def to_params_json(self) -> dict[str, Any]:
+        """Meta-style ``params.json`` (with our explicit ``hidden_dim`` so it round-trips)."""
+        params: dict[str, Any] = {
+            "dim": self.dim,
+            "n_layers": self.n_layers,
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "vocab_size": self.vocab_size,
+            "hidden_dim": self.hidden_dim,
+            "norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_seq_len": self.max_seq_len,
+            "tie_embeddings": self.tie_embeddings,
+        }
+        if self.rope_scaling is not None:
+            params["use_scaled_rope"] = True
+            params["rope_scaling_factor"] = self.rope_scaling.factor
+        return params
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelArgs:
+        """From a Hugging Face ``config.json`` of a ``LlamaForCausalLM``."""
+        try:
+            scaling = None
+            # transformers 4.x writes `rope_scaling` + `rope_theta`; 5.x folds both into
+            # `rope_parameters`, whose rope_type is "default" when nothing is scaled.
+            rope_params = config.get("rope_parameters") or {}
+            rs = config.get("rope_scaling") or rope_params
+            kind = rs.get("rope_type", rs.get("type")) if rs else None
+            if kind not in (None, "default"):
+                if kind != "llama3":
+                    raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (expected 'llama3')")
+                scaling = RopeScaling(
+                    factor=float(rs["factor"]),
+                    low_freq_factor=float(rs["low_freq_factor"]),
+                    high_freq_factor=float(rs["high_freq_factor"]),
+                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                )
+            rope_theta = config.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
+            return cls(
+                dim=int(config["hidden_size"]),
+                n_layers=int(config["num_hidden_layers"]),
+                n_heads=int(config["num_attention_heads"]),
+                n_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+                vocab_size=int(config["vocab_size"]),
+                hidden_dim=int(config["intermediate_size"]),
+                norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta),
+                rope_scaling=scaling,
+                max_seq_len=int(config.get("max_position_embeddings", 2048)),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json: missing field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_llama2c_header(cls, dim: int, hidden_dim: int, n_layers: int, n_heads: int,
+                            n_kv_heads: int, vocab_size: int, max_seq_len: int,
+                            shared_classifier: bool) -> ModelArgs:
+        """From the integers of a llama2.c ``.bin`` header (both the v0 and the v1 layout)."""
+        return cls(
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            vocab_size=vocab_size,
+            hidden_dim=hidden_dim,
+            max_seq_len=max_seq_len,
+            tie_embeddings=shared_classifier,
+        )

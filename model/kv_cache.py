@@ -1,0 +1,51 @@
+"""A preallocated key/value cache indexed by token position, one slot of rows per sequence."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for every layer, shaped ``(rows, kv_heads, max_seq_len, head_dim)``.
+
+    Row ``b`` of a forward batch writes its keys at the positions it is given, so sequences of
+    different lengths share one cache; reads return the first ``kv_len`` positions, enough for the
+    furthest row, and the model's mask keeps each row to its own past.
+    """
+
+    def __init__(self, n_layers: int, rows: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+                 *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        shape = (rows, n_kv_heads, max_seq_len, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.max_seq_len = max_seq_len
+
+    @classmethod
+    def for_model(cls, args, rows: int = 1, *, max_seq_len: int | None = None,
+                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> KVCache:
+        return cls(args.n_layers, rows, args.n_kv_heads, max_seq_len or args.max_seq_len,
+                   args.head_dim, device=device, dtype=dtype)
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               kv_len: int, contiguous_from: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` (``(batch, kv_heads, seq, head_dim)``) at ``positions`` (``(batch, seq)``).
+
+        ``contiguous_from`` is the common first position when every row holds the same run of
+        consecutive positions (the common single-prompt case): a slice write instead of a scatter.
+        Returns the cached keys and values of positions ``[0, kv_len)`` for rows ``[0, batch)``.
+        """
+        batch, seq = positions.shape
+        cache_k, cache_v = self.keys[layer], self.values[layer]
+        if contiguous_from is not None:
+            cache_k[:batch, :, contiguous_from:contiguous_from + seq] = k
+            cache_v[:batch, :, contiguous_from:contiguous_from + seq] = v
+        else:
+            rows = torch.arange(batch, device=positions.device).unsqueeze(1).expand(batch, seq)
+            # Advanced indices on dims 0 and 2 put (batch, seq) first: (batch, seq, heads, dim).
+            cache_k[rows, :, positions] = k.transpose(1, 2)
+            cache_v[rows, :, positions] = v.transpose(1, 2)
+        return cache_k[:batch, :, :kv_len], cache_v[:batch, :, :kv_len]

@@ -1,0 +1,41 @@
+"""The tokenizer interface every backend (SentencePiece, tiktoken, Hugging Face) implements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text <-> token ids, plus what streaming needs: the exact bytes of any single token.
+
+    ``token_bytes`` is what the streaming decoder consumes: ``<0xNN>`` byte pieces give that one
+    byte, ``▁`` gives a space, tiktoken tokens give their byte string, control/special tokens give
+    ``b""`` (they are never printed).
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Every id that ends a generation (end of sequence, end of turn, end of message)."""
+        ...
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Names of special/control tokens (``"<s>"``, ``"<|eot_id|>"``, ...) to their ids."""
+        ...
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...

@@ -1,0 +1,171 @@
+"""The Llama transformer, with Meta's parameter names and interleaved rotary embeddings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama_chat.ml import ops
+from llama_chat.model.args import ModelArgs
+from llama_chat.model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What every layer of one forward needs to know about where its tokens sit."""
+
+    positions: torch.Tensor  # (batch, seq) int64
+    mask: torch.Tensor | None  # (batch, 1, seq, kv_len) bool, or None when all keys are visible
+    kv_len: int
+    contiguous_from: int | None
+    causal: bool  # no cache: plain causal attention among the given tokens
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, layout: StepLayout,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q = ops.apply_rope(q, rope, layout.positions).transpose(1, 2)
+        k = ops.apply_rope(k, rope, layout.positions).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(layer, k, v, layout.positions, layout.kv_len, layout.contiguous_from)
+        out = ops.attention(q, k, v, layout.mask, causal=layout.causal)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, layout: StepLayout,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, layout, cache, layer)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids and their positions in, float32 logits out; nothing here knows about generation."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        # The rotary table stays float32 whatever the weights' dtype, so it is kept out of the
+        # module's buffers (which .to(dtype) would cast) and built once per device.
+        self._rope: dict[torch.device, torch.Tensor] = {}
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection when the checkpoint ties them.
+
+        Called again after loading with ``assign=True``, which replaces the parameters.
+        """
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def rope_table(self, device: torch.device) -> torch.Tensor:
+        table = self._rope.get(device)
+        if table is None:
+            a = self.args
+            table = ops.rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
+            self._rope[device] = table
+        return table
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random weights (normal, ``std``; norms at one), for tests and training from scratch."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, *, last_only: bool = False) -> torch.Tensor:
+        """``tokens`` and ``positions`` are ``(batch, seq)``; returns ``(batch, seq or 1, vocab)``.
+
+        Without a cache the tokens attend causally among themselves (training, scoring). With a
+        cache each row's keys are written at its positions and it attends to everything it has
+        stored up to its own position. ``last_only`` projects only the last token of each row.
+        """
+        batch, seq = tokens.shape
+        device = tokens.device
+        if positions is None:
+            positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
+        layout = self._layout(positions, cache)
+        h = self.tok_embeddings(tokens)
+        rope = self.rope_table(device)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, layout, cache, i)
+        if last_only:
+            h = h[:, -1:, :]
+        return self.output(self.norm(h)).float()
+
+    def _layout(self, positions: torch.Tensor, cache: KVCache | None) -> StepLayout:
+        batch, seq = positions.shape
+        if cache is None:
+            return StepLayout(positions, None, seq, None, causal=True)
+        # One host sync per forward: the positions decide how much of the cache is read.
+        first = positions[:, 0]
+        lo, hi = int(first.min()), int(positions.max())
+        if hi >= cache.max_seq_len:
+            raise IndexError(f"position {hi} is past the cache length {cache.max_seq_len}")
+        same_run = lo == int(first.max()) and (
+            seq == 1 or bool((positions == positions[:1, :1] + torch.arange(seq, device=positions.device)).all())
+        )
+        kv_len = hi + 1
+        if same_run and seq == 1:
+            mask = None  # every row is at the last cached position: all keys visible
+        elif same_run and lo == 0:
+            return StepLayout(positions, None, kv_len, 0, causal=True)  # a fresh prefill
+        else:
+            keys = torch.arange(kv_len, device=positions.device)
+            mask = (keys.view(1, 1, 1, kv_len) <= positions.view(batch, 1, seq, 1))
+        return StepLayout(positions, mask, kv_len, lo if same_run else None, causal=False)
