@@ -1,0 +1,76 @@
+"""Build the tiny models and tokenizers the tests run on (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+
+from llama_chat.model.args import ModelArgs
+from llama_chat.model.transformer import Transformer
+
+SAMPLE_TEXT = [
+    "Once upon a time there was a little fox who lived in the forest.",
+    "The fox liked to play with the rabbit and the bird near the river.",
+    "One day it rained, and the fox and the rabbit hid under a big tree.",
+    "Café au lait, naïve façade, über, señor, déjà vu.",
+    "東京は大きな都市です。猫が好きです。",
+    "Привет, как дела? Всё хорошо.",
+    "The sun is warm ☀️ and the cat 🐱 sleeps. 👨‍👩‍👧 went to the park 🇫🇷.",
+    "Hello world! How are you today? I am fine, thank you.",
+]
+
+
+def train_sentencepiece(out_dir: Path, *, vocab_size: int = 320, lines: list[str] | None = None) -> Path:
+    """A byte-fallback BPE SentencePiece model; returns the path of ``tokenizer.model``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = (lines or SAMPLE_TEXT) * 20
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        num_threads=1,
+        minloglevel=2,
+    )
+    path = out_dir / "tokenizer.model"
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def tiny_args(vocab_size: int, **overrides) -> ModelArgs:
+    fields = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab_size, hidden_dim=160,
+                  max_seq_len=256)
+    fields.update(overrides)
+    return ModelArgs(**fields)
+
+
+def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
+    model = Transformer(args)
+    model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def write_meta_checkpoint(model: Transformer, out_dir: Path, tokenizer_model: Path | None = None) -> Path:
+    """Meta's original layout: ``params.json`` + ``consolidated.00.pth`` (+ ``tokenizer.model``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "params.json").write_text(json.dumps(model.args.to_params_json()))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if model.args.tie_embeddings:
+        state.pop("output.weight", None)
+    torch.save(state, out_dir / "consolidated.00.pth")
+    if tokenizer_model is not None and tokenizer_model != out_dir / "tokenizer.model":
+        shutil.copy(tokenizer_model, out_dir / "tokenizer.model")
+    return out_dir
