@@ -1,0 +1,26 @@
+"""Split rendered chat text on special-token names, for backends that cannot do it themselves."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+
+
+def split_on_specials(text: str, specials: Mapping[str, int]) -> Iterator[tuple[str, int | None]]:
+    """Yield ``(text, None)`` for plain stretches and ``(name, id)`` for each special token.
+
+    Longer names are tried first so that ``<|eot_id|>`` never matches as a shorter prefix token.
+    """
+    if not specials:
+        if text:
+            yield text, None
+        return
+    pattern = re.compile("|".join(re.escape(name) for name in sorted(specials, key=len, reverse=True)))
+    pos = 0
+    for match in pattern.finditer(text):
+        if match.start() > pos:
+            yield text[pos:match.start()], None
+        yield match.group(), specials[match.group()]
+        pos = match.end()
+    if pos < len(text):
+        yield text[pos:], None
