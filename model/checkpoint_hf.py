@@ -1,0 +1,159 @@
+"""Hugging Face layout: ``config.json`` and safetensors (or ``pytorch_model.bin``) weights."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from llama_chat.model.args import ModelArgs
+from llama_chat.model.checkpoint_common import Checkpoint, as_mapping, config_error, read_json, unreadable
+from llama_chat.model.errors import ModelLoadError
+
+# Hugging Face name (after the "model." prefix) -> Meta name.
+_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Old exports carry their rotary frequencies as a buffer; we build our own table.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def has_weights(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name in WEIGHT_FILES)
+
+
+def read_hf(model_dir: Path) -> Checkpoint:
+    """Read ``config.json`` and the weights; tensors stay memory-mapped except q/k (permuted)."""
+    config = read_json(model_dir / "config.json")
+    args = _args(config)
+    loaded, origin, files = _read_tensors(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    renamed_origin: dict[str, str] = {}
+    for hf_name, tensor in loaded.items():
+        if _IGNORED.fullmatch(hf_name):
+            continue
+        name = meta_name(hf_name)
+        if name is None:
+            raise ModelLoadError(f"{origin[hf_name]}: unexpected tensor {hf_name!r}")
+        if name.endswith("attention.wq.weight"):
+            tensor = hf_to_interleaved(tensor, args.n_heads)
+        elif name.endswith("attention.wk.weight"):
+            tensor = hf_to_interleaved(tensor, args.n_kv_heads)
+        state[name] = tensor
+        renamed_origin[name] = origin[hf_name]
+    return Checkpoint(args=args, state=state, origin=renamed_origin, files=tuple(files))
+
+
+def meta_name(hf_name: str) -> str | None:
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    m = _LAYER.fullmatch(hf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder a q or k projection's output rows from Hugging Face's rotary layout to Meta's.
+
+    Why: Meta's Llama rotates interleaved channel pairs ``(2i, 2i+1)`` of each head; Hugging Face's
+    conversion script permuted the q/k rows so that its ``rotate_half`` can rotate the pairs
+    ``(i, i + head_dim/2)`` instead. Our model keeps Meta's convention everywhere (the llama2.c and
+    Meta checkpoints need no change), so this is the one place that undoes HF's permutation: rows
+    ``[pair-halves..., head_dim/2]`` per head go back to ``[pairs, 2]``. Rows are reordered, never
+    mixed, and q and k get the same order, so ``q . k`` and the attention scores are unchanged.
+    It copies the tensor (the only weights that leave their memory map when loading HF files).
+    """
+    rows, cols = w.shape
+    head_dim = rows // n_heads
+    if rows % n_heads or head_dim % 2:
+        raise ModelLoadError(f"q/k projection of shape ({rows}, {cols}) does not split into {n_heads} heads")
+    return w.view(n_heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _args(config: dict) -> ModelArgs:
+    model_type = config.get("model_type", "llama")
+    if model_type != "llama":
+        raise ModelLoadError(f"config.json: model_type {model_type!r} is not supported (expected 'llama')")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (expected 'silu')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise ModelLoadError(f"config.json: {flag} is true; biases are not supported")
+    try:
+        args = ModelArgs.from_hf_config(config)
+    except (TypeError, ValueError, ModelLoadError) as e:
+        raise config_error("config.json", e) from None
+    head_dim = config.get("head_dim")
+    if head_dim is not None and int(head_dim) != args.head_dim:
+        raise ModelLoadError(
+            f"config.json: head_dim {head_dim} differs from hidden_size / num_attention_heads = {args.head_dim}"
+        )
+    return args
+
+
+def _read_tensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], list[Path]]:
+    """All tensors by their HF name, the file each came from, and the files read."""
+    for index_name, single_name in (("model.safetensors.index.json", "model.safetensors"),
+                                    ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index_path = model_dir / index_name
+        if index_path.is_file():
+            weight_map = read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ModelLoadError(f"{index_name}: missing or empty 'weight_map'")
+            files = sorted(set(weight_map.values()))
+            break
+        if (model_dir / single_name).is_file():
+            files = [single_name]
+            break
+    else:
+        raise ModelLoadError(f"{model_dir}: no model.safetensors or pytorch_model.bin next to config.json")
+
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    paths = [model_dir / name for name in files]
+    for path in paths:
+        if not path.is_file():
+            raise ModelLoadError(f"{path.name}: weights file listed in the index is missing")
+        part = _read_safetensors(path) if path.suffix == ".safetensors" else _read_torch(path)
+        for name, tensor in part.items():
+            tensors[name] = tensor
+            origin[name] = path.name
+    return tensors, origin, paths
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    try:
+        # safe_open maps the file; get_tensor returns views of that mapping, read on first touch.
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # SafetensorError, OSError: truncated header or data
+        raise unreadable(path, e) from None
+
+
+def _read_torch(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # zip reader and unpickler raise assorted types for a damaged file
+        raise unreadable(path, e) from None
+    return as_mapping(loaded, path)

@@ -1,0 +1,125 @@
+"""Meta's original layout: ``params.json`` and ``consolidated.NN.pth`` model-parallel shards."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from llama_chat.model.args import ModelArgs
+from llama_chat.model.checkpoint_common import (
+    Checkpoint,
+    as_mapping,
+    config_error,
+    expected_shapes,
+    read_json,
+    unreadable,
+)
+from llama_chat.model.errors import ModelLoadError
+
+_SHARD = re.compile(r"consolidated\.(\d+)\.pth")
+
+# Meta's model-parallel layers: ColumnParallelLinear splits its output features (dim 0),
+# RowParallelLinear its input features (dim 1). Norms are replicated in every shard. The token
+# embedding is split on dim 1 in Llama 2 (ParallelEmbedding) and on dim 0 in Llama 3
+# (VocabParallelEmbedding), so that one is decided by the shape it must end up with.
+_PARALLEL_DIM = {
+    "attention.wq.weight": 0,
+    "attention.wk.weight": 0,
+    "attention.wv.weight": 0,
+    "feed_forward.w1.weight": 0,
+    "feed_forward.w3.weight": 0,
+    "output.weight": 0,
+    "attention.wo.weight": 1,
+    "feed_forward.w2.weight": 1,
+}
+
+# Precomputed rotary frequencies some Meta checkpoints carry; we build our own table.
+_IGNORED = {"rope.freqs"}
+
+
+def shard_files(model_dir: Path) -> list[Path]:
+    """``consolidated.00.pth``, ``consolidated.01.pth``, ... in order; numbering must be complete."""
+    found = sorted(
+        (int(m.group(1)), p) for p in model_dir.iterdir() if (m := _SHARD.fullmatch(p.name))
+    )
+    if not found:
+        raise ModelLoadError(f"{model_dir}: no consolidated.NN.pth weights next to params.json")
+    for want, (got, path) in enumerate(found):
+        if got != want:
+            raise ModelLoadError(f"{model_dir}: shard consolidated.{want:02d}.pth is missing (found {path.name})")
+    return [p for _, p in found]
+
+
+def read_meta(model_dir: Path, *, tokenizer_vocab: int | None = None) -> Checkpoint:
+    """Read ``params.json`` and every shard; the tensors stay memory-mapped for one shard.
+
+    ``tokenizer_vocab`` fills in Llama 2's ``"vocab_size": -1``.
+    """
+    params_path = model_dir / "params.json"
+    params = read_json(params_path)
+    try:
+        args = ModelArgs.from_params_json(params, vocab_size=tokenizer_vocab)
+    except (TypeError, ValueError, ModelLoadError) as e:
+        raise config_error("params.json", e) from None
+
+    files = shard_files(model_dir)
+    shards = [_load_shard(path) for path in files]
+    if len(shards) == 1:
+        state = shards[0]
+        origin = {name: files[0].name for name in state}
+    else:
+        state = _merge(shards, files, expected_shapes(args))
+        origin = {name: "consolidated.*.pth" for name in state}
+    return Checkpoint(args=args, state=state, origin=origin, files=tuple(files))
+
+
+def _load_shard(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # zip reader and unpickler raise assorted types for a damaged file
+        raise unreadable(path, e) from None
+    state = as_mapping(loaded, path)
+    for name in _IGNORED:
+        state.pop(name, None)
+    return state
+
+
+def _merge(shards: list[dict[str, torch.Tensor]], files: list[Path],
+           want: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Concatenate each weight's slices along its model-parallel dimension.
+
+    This copies: a merged tensor cannot be a view of several files. Single-shard checkpoints
+    (every Llama up to 8B) stay memory-mapped.
+    """
+    names = list(shards[0])
+    for path, shard in zip(files[1:], shards[1:]):
+        if set(shard) != set(names):
+            missing = sorted(set(names) ^ set(shard))[0]
+            raise ModelLoadError(f"{path.name}: shards disagree on tensor {missing!r}")
+    merged: dict[str, torch.Tensor] = {}
+    for name in names:
+        parts = [shard[name] for shard in shards]
+        merged[name] = _merge_one(name, parts, want.get(name))
+        for shard in shards:
+            del shard[name]  # release each slice's mapping as soon as it has been copied
+    return merged
+
+
+def _merge_one(name: str, parts: list[torch.Tensor], want: tuple[int, ...] | None) -> torch.Tensor:
+    if parts[0].dim() < 2:
+        return parts[0]  # replicated (norms)
+    suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    dim = _PARALLEL_DIM.get(suffix)
+    if dim is None:
+        # The embedding (or anything unknown): whichever split yields the expected shape.
+        dim = 1
+        if want is not None:
+            for d in (0, 1):
+                if sum(p.shape[d] for p in parts) == want[d] and all(
+                    p.shape[1 - d] == want[1 - d] for p in parts
+                ):
+                    dim = d
+                    break
+    return torch.cat(parts, dim=dim)

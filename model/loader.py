@@ -1,0 +1,225 @@
+"""One entry point for every weight format: find the layout, read it, build the model on a device.
+
+``load_model`` reads the tokenizer first (Meta's ``params.json`` may take its vocabulary size from
+it), then the checkpoint as memory-mapped tensors with Meta names, checks every tensor's shape,
+assigns them to a Transformer built on the ``meta`` device (so no memory is spent on random
+initial weights), and finally moves it to the device and dtype. Nothing here prints: progress goes
+to an optional ``on_progress(done_bytes, total_bytes)`` callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llama_chat.model.args import ModelArgs
+from llama_chat.model.chat_format import ChatFormat
+from llama_chat.model.checkpoint_common import Checkpoint, check_state
+from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.tokenizer import Tokenizer
+from llama_chat.model.transformer import Transformer
+
+ProgressCallback = Callable[[int, int], None]
+
+META = "meta"
+HF = "hf"
+LLAMA2C = "llama2c"
+
+# Without an explicit max_seq_len the context is the checkpoint's, capped here: Llama 3.1 says
+# 131072, whose KV cache alone would be 16 GiB for an 8B model. Ask for more with max_seq_len.
+DEFAULT_MAX_SEQ_LEN = 4096
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Transformer
+    args: ModelArgs
+    tokenizer: Tokenizer
+    chat_format: ChatFormat | None
+    path: Path
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    layout: str  # "meta" | "hf" | "llama2c"
+
+
+def default_model_dir() -> Path:
+    """The small model shipped inside the package (Meta layout)."""
+    return Path(__file__).parent / "default_model"
+
+
+def detect_layout(path: Path | str) -> str:
+    """``"meta"``, ``"hf"`` or ``"llama2c"`` for a model directory or a weights file in one.
+
+    A directory is Meta's when it has ``params.json`` and ``consolidated.*.pth``, Hugging Face's
+    when it has ``config.json`` and safetensors or ``pytorch_model.bin`` weights, llama2.c's when
+    it holds exactly one llama2.c ``.bin``. A file is judged by its name and first bytes.
+    """
+    from llama_chat.model import checkpoint_hf, checkpoint_llama2c
+
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_file():
+        if checkpoint_llama2c.sniff(path) is not None and path.suffix != ".pth" and not _is_hf_file(path):
+            return LLAMA2C
+        if path.name.startswith("consolidated.") and path.suffix == ".pth" or path.name == "params.json":
+            return detect_layout(path.parent)
+        if _is_hf_file(path):
+            return detect_layout(path.parent)
+        raise ModelLoadError(f"{path}: unknown model layout (not a llama2.c .bin, Meta or Hugging Face file)")
+    if (path / "params.json").is_file() and any(path.glob("consolidated.*.pth")):
+        return META
+    if (path / "config.json").is_file() and checkpoint_hf.has_weights(path):
+        return HF
+    if len(_llama2c_files(path)) == 1:
+        return LLAMA2C
+    raise ModelLoadError(
+        f"{path}: unknown model layout (expected params.json + consolidated.*.pth, "
+        "config.json + *.safetensors, or one llama2.c .bin)"
+    )
+
+
+def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+               max_seq_len: int | None = None, tokenizer_file: Path | str | None = None,
+               chat_format: str = "auto", on_progress: ProgressCallback | None = None) -> LoadedModel:
+    """Load a model directory (or weights file) in any supported layout, ready for inference.
+
+    ``device``: "auto" (cuda, then mps, then cpu) or any torch device. ``dtype``: "auto" (float32
+    on cpu, bfloat16 on cuda, float16 on mps), "float32", "bfloat16" or "float16".
+    ``max_seq_len``: the context length the rotary table and caches are sized for; by default
+    the checkpoint's, at most ``DEFAULT_MAX_SEQ_LEN``. ``tokenizer_file`` overrides the tokenizer
+    found beside the weights; ``chat_format`` is a format name or "auto".
+    Every problem with the files raises ``ModelLoadError`` with a one-line message.
+    """
+    path = Path(path)
+    layout = detect_layout(path)
+    weights_file = path if path.is_file() else None
+    model_dir = path.parent if path.is_file() else path
+    if layout == LLAMA2C and weights_file is None:
+        weights_file = _llama2c_files(model_dir)[0]
+    target_device = _resolve_device(device)
+    target_dtype = _resolve_dtype(dtype, target_device)
+
+    tokenizer = _load_tokenizer(model_dir, Path(tokenizer_file) if tokenizer_file else None)
+    ckpt = _read(layout, model_dir, weights_file, tokenizer.vocab_size)
+    if tokenizer.vocab_size > ckpt.args.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {ckpt.args.vocab_size}: "
+            "they do not belong together"
+        )
+    state = check_state(ckpt)
+    args = ckpt.args.with_max_seq_len(
+        max_seq_len if max_seq_len is not None else min(ckpt.args.max_seq_len, DEFAULT_MAX_SEQ_LEN)
+    )
+    model = _build(args, state, target_device, target_dtype, on_progress)
+    fmt = _chat_format(model_dir, tokenizer, chat_format)
+    name = weights_file.stem if layout == LLAMA2C else model_dir.resolve().name
+    return LoadedModel(model=model, args=args, tokenizer=tokenizer, chat_format=fmt, path=path, name=name,
+                       device=target_device, dtype=target_dtype, layout=layout)
+
+
+def _read(layout: str, model_dir: Path, weights_file: Path | None, tokenizer_vocab: int) -> Checkpoint:
+    if layout == META:
+        from llama_chat.model.checkpoint_meta import read_meta
+
+        return read_meta(model_dir, tokenizer_vocab=tokenizer_vocab)
+    if layout == HF:
+        from llama_chat.model.checkpoint_hf import read_hf
+
+        return read_hf(model_dir)
+    from llama_chat.model.checkpoint_llama2c import read_llama2c
+
+    assert weights_file is not None
+    return read_llama2c(weights_file)
+
+
+def _build(args: ModelArgs, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+           on_progress: ProgressCallback | None) -> Transformer:
+    """Assign the checked tensors to a Transformer built without allocating any weights.
+
+    Each tensor is moved to its device and dtype on its own, before assignment, so at most one
+    converted tensor is in flight beyond the model itself and progress can be reported per tensor.
+    A float32 checkpoint loaded as float32 on the CPU is not copied at all: the parameters are the
+    memory-mapped file, and pages are read as the forward first touches them.
+    """
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    done = 0
+    if on_progress is not None:
+        on_progress(0, total)
+    moved: dict[str, torch.Tensor] = {}
+    for name in list(state):
+        tensor = state.pop(name)
+        done += tensor.numel() * tensor.element_size()
+        moved[name] = tensor.to(device=device, dtype=dtype)
+        del tensor
+        if on_progress is not None:
+            on_progress(done, total)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(moved, assign=True, strict=True)
+    model.tie_weights()
+    model.to(device=device, dtype=dtype)  # a no-op for the weights; kept so buffers follow too
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _load_tokenizer(model_dir: Path, tokenizer_file: Path | None) -> Tokenizer:
+    from llama_chat.model.tokenizer_loading import load_tokenizer
+
+    return load_tokenizer(model_dir, tokenizer_file=tokenizer_file)
+
+
+def _chat_format(model_dir: Path, tokenizer: Tokenizer, name: str) -> ChatFormat | None:
+    try:
+        from llama_chat.model.chat_format import chat_format_for
+    except ImportError:  # chat formats land separately; until then a model simply has none
+        return None
+    return chat_format_for(model_dir, tokenizer, name)
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, str) and device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ModelLoadError(f"device {device!r} is not a valid torch device ({e})") from None
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "mps":
+            return torch.float16
+        return torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported (expected auto, float32, bfloat16 or float16)") from None
+
+
+def _is_hf_file(path: Path) -> bool:
+    return path.suffix == ".safetensors" or path.name.startswith("pytorch_model") or path.name == "config.json"
+
+
+def _llama2c_files(model_dir: Path) -> list[Path]:
+    from llama_chat.model.checkpoint_llama2c import sniff
+
+    return sorted(
+        p for p in model_dir.glob("*.bin")
+        if not p.name.startswith(("tokenizer", "tok", "pytorch_model")) and sniff(p) is not None
+    )
