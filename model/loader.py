@@ -160,6 +160,9 @@ def _build(args: ModelArgs, state: dict[str, torch.Tensor], device: torch.device
         del tensor
         if on_progress is not None:
             on_progress(done, total)
+    if args.tie_embeddings:
+        # The module lists the tied projection as its own key; it is the embedding itself.
+        moved["output.weight"] = moved["tok_embeddings.weight"]
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(moved, assign=True, strict=True)
