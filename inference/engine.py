@@ -1,0 +1,170 @@
+"""The engine: a loaded model and tokenizer, and the producer that streams one request's tokens.
+
+The producer is an async task that drives the blocking forward one step per worker-thread call
+(``anyio.to_thread.run_sync``) and sends a ``TokenEvent`` into a bounded memory object stream after
+each step. Because every forward is its own thread call, a cancel lands between two steps: the
+thread finishes the step it is in, the next ``await`` raises, and no thread is left running on its
+own. Because the channel is bounded, a slow consumer blocks the producer in ``send`` instead of
+letting tokens pile up. Prompts are prefilled in chunks for the same reason steps are short: a
+cancel during a long prefill waits for one chunk, not for the whole prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from llama_chat.inference.decoding import StreamDecoder
+from llama_chat.inference.errors import EmptyPrompt, EngineBusy, PromptTooLong
+from llama_chat.inference.model_step import ModelStep, Sampler
+from llama_chat.inference.results import Completion, Tally
+from llama_chat.inference.stopping import state_after, stop_ids_of
+from llama_chat.inference.types import GenerationState, Request, TokenEvent
+from llama_chat.ml.sampling import sample
+from llama_chat.model.tokenizer import Tokenizer
+from llama_chat.model.transformer import Transformer
+
+# A few tokens of slack absorb a renderer's short stalls; more would only hide backpressure.
+DEFAULT_BUFFER_SIZE = 8
+# Prompt tokens per prefill forward: the bound on how long a cancel waits during prefill.
+DEFAULT_PREFILL_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    buffer_size: int = DEFAULT_BUFFER_SIZE
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+
+
+class Engine:
+    """Owns a model (with its KV cache) and a tokenizer; serves one request at a time."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, *, options: EngineOptions = EngineOptions(),
+                 sampler: Sampler = sample, name: str = "") -> None:
+        self.step = ModelStep(model)
+        self.tokenizer = tokenizer
+        self.options = options
+        self.name = name
+        self.stop_ids = stop_ids_of(tokenizer)
+        self._sampler = sampler
+        self._busy = False
+
+    @classmethod
+    def from_loaded(cls, loaded, **kwargs) -> Engine:
+        """From a ``model.loader.LoadedModel``."""
+        return cls(loaded.model, loaded.tokenizer, name=loaded.name, **kwargs)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.step.max_seq_len
+
+    def check(self, request: Request) -> None:
+        """Raise a ``RequestError`` for a request that cannot run (before any work is done)."""
+        if not request.prompt_ids:
+            raise EmptyPrompt()
+        if len(request.prompt_ids) >= self.max_seq_len:
+            raise PromptTooLong(len(request.prompt_ids), self.max_seq_len)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        # Stop tokens are never printed, whatever bytes a tokenizer gives them.
+        return b"" if token_id in self.stop_ids else self.tokenizer.token_bytes(token_id)
+
+    # -- the producer ----------------------------------------------------------------------------
+
+    async def produce(self, request: Request, send: MemoryObjectSendStream[TokenEvent]) -> None:
+        """Generate ``request`` into ``send``, closing it at the end; stop quietly if the reader left."""
+        async with send:
+            self.check(request)
+            if self._busy:
+                raise EngineBusy("this engine is already generating")
+            self._busy = True
+            try:
+                await self._produce(request, send)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the consumer closed its end: nobody is listening, so stop
+            finally:
+                self._busy = False
+
+    async def _produce(self, request: Request, send: MemoryObjectSendStream[TokenEvent]) -> None:
+        step = self.step
+        params = [request.sampling]
+        generator = [torch.Generator(device=step.device).manual_seed(request.seed)]
+        prompt = list(request.prompt_ids)
+        chunk = self.options.prefill_chunk
+        start = time.perf_counter()
+
+        # Prefill every chunk but the last without sampling; the last one yields the first token.
+        last_from = ((len(prompt) - 1) // chunk) * chunk
+        for pos in range(0, last_from, chunk):
+            await anyio.to_thread.run_sync(step.forward, [prompt[pos:pos + chunk]], [pos])
+        rows, pos = [prompt[last_from:]], last_from
+
+        index = 0
+        while True:
+            (token,) = await anyio.to_thread.run_sync(
+                step.forward_and_sample, rows, [pos], params, generator, self._sampler)
+            state = state_after(token, index=index, request=request, stop_ids=self.stop_ids,
+                                max_seq_len=step.max_seq_len)
+            await send.send(TokenEvent(request.request_id, index, token, self.token_bytes(token), state,
+                                       time.perf_counter() - start))
+            if state.finished:
+                return
+            pos += len(rows[0])
+            rows = [[token]]
+            index += 1
+
+    # -- ways to consume it ----------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def stream(self, request: Request) -> AsyncIterator[MemoryObjectReceiveStream[TokenEvent]]:
+        """``async with engine.stream(req) as events: async for event in events: ...``
+
+        The producer runs in a task group around the body. An exception in the producer or the
+        body comes out as itself, not wrapped in an exception group. Leaving the body early
+        closes the receiving end, which stops the producer after its current step.
+        """
+        self.check(request)
+        send, receive = anyio.create_memory_object_stream[TokenEvent](self.options.buffer_size)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.produce, request, send)
+                with receive:
+                    yield receive
+        except BaseExceptionGroup as group:
+            raise _sole(group) from None
+
+    async def complete(self, request: Request) -> Completion:
+        """Run ``request`` to the end and return its text, tokens, finish reason and timings."""
+        tally = Tally(request.request_id, len(request.prompt_ids))
+        decoder = StreamDecoder()
+        parts: list[str] = []
+        async with self.stream(request) as events:
+            async for event in events:
+                tally.add(event)
+                parts.append(decoder.feed(event.data))
+        parts.append(decoder.flush())
+        return tally.completion("".join(parts))
+
+    def generate(self, request: Request) -> Completion:
+        """The blocking form of ``complete``, for scripts and tests."""
+        return anyio.run(self.complete, request)
+
+
+def _sole(group: BaseExceptionGroup) -> BaseException:
+    """The one exception inside (possibly nested) groups, or the group itself when there are more."""
+    leaves: list[BaseException] = []
+    pending = [group]
+    while pending:
+        g = pending.pop()
+        for exc in g.exceptions:
+            (pending if isinstance(exc, BaseExceptionGroup) else leaves).append(exc)
+    return leaves[0] if len(leaves) == 1 else group
+
+
+__all__ = ["DEFAULT_BUFFER_SIZE", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineOptions", "GenerationState"]

@@ -1,0 +1,261 @@
+"""The producer, the bounded channel and cancellation, on a tiny random model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+import sentencepiece as spm
+import torch
+
+from builders import random_model, tiny_args, train_sentencepiece
+from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.errors import EmptyPrompt, PromptTooLong
+from llama_chat.inference.types import GenerationState, Request, TokenEvent
+from llama_chat.ml.sampling import SamplingParams, sample
+from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+    # Enough pieces for every character of the sample text plus the 256 byte pieces.
+    return train_sentencepiece(tmp_path_factory.mktemp("engine_spm"), vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_path):
+    return SentencePieceTokenizer(tokenizer_path)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer_path):
+    vocab = spm.SentencePieceProcessor(model_file=str(tokenizer_path)).vocab_size()
+    return random_model(tiny_args(vocab, max_seq_len=128), seed=1)
+
+
+def prompt(tokenizer, text="Once upon a time") -> tuple[int, ...]:
+    return tuple(tokenizer.encode(text, bos=True))
+
+
+class Recorder:
+    """A sampler that counts calls, can be slow, and never picks a stop token unless told to."""
+
+    def __init__(self, stop_ids=frozenset(), delay_s=0.0, fail_at=None, force=None):
+        self.calls = 0
+        self.in_flight = 0
+        self.threads: set[int] = set()
+        self.stop_ids = sorted(stop_ids)
+        self.delay_s = delay_s
+        self.fail_at = fail_at
+        self.force = force
+
+    def __call__(self, logits, params, generator):
+        self.in_flight += 1
+        try:
+            self.calls += 1
+            self.threads.add(threading.get_ident())
+            if self.fail_at is not None and self.calls == self.fail_at:
+                raise Boom(f"forward failed at step {self.calls}")
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if self.force is not None:
+                return torch.tensor([self.force(self.calls)])
+            logits = logits.clone()
+            logits[:, self.stop_ids] = float("-inf")
+            return sample(logits, params, generator)
+        finally:
+            self.in_flight -= 1
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def reference_greedy(model, ids, n, banned=()):
+    """Greedy tokens from full causal forwards over the whole sequence, with no cache."""
+    ids = list(ids)
+    out = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]))[0, -1]
+            logits[list(banned)] = float("-inf")
+            tok = int(logits.argmax())
+            out.append(tok)
+            ids.append(tok)
+    return out
+
+
+async def collect(engine, request) -> list[TokenEvent]:
+    async with engine.stream(request) as events:
+        return [e async for e in events]
+
+
+def test_events_arrive_in_order_and_match_a_cacheless_greedy_run(model, tokenizer):
+    rec = Recorder(stop_ids=tokenizer.stop_ids)
+    engine = Engine(model, tokenizer, sampler=rec, options=EngineOptions(prefill_chunk=3))
+    req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=20)
+    events = anyio.run(collect, engine, req)
+    assert [e.index for e in events] == list(range(20))
+    assert [e.state for e in events] == [GenerationState.IN_PROGRESS] * 19 + [GenerationState.MAX_TOKENS]
+    assert all(e.request_id == req.request_id for e in events)
+    assert [e.elapsed_s for e in events] == sorted(e.elapsed_s for e in events)
+    assert [e.data for e in events] == [tokenizer.token_bytes(e.token_id) for e in events]
+    # Chunked prefill plus cached decode must give what full recomputation gives.
+    assert [e.token_id for e in events] == reference_greedy(model, req.prompt_ids, 20, tokenizer.stop_ids)
+    # One forward at a time, each on the same reused worker thread: no oversubscription.
+    assert len(rec.threads) == 1 and threading.get_ident() not in rec.threads
+
+
+def test_generate_is_the_same_path(model, tokenizer):
+    engine = Engine(model, tokenizer, sampler=Recorder(stop_ids=tokenizer.stop_ids))
+    req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=12)
+    done = engine.generate(req)
+    assert done.finish_reason is GenerationState.MAX_TOKENS
+    assert list(done.token_ids) == reference_greedy(model, req.prompt_ids, 12, tokenizer.stop_ids)
+    assert done.text == b"".join(tokenizer.token_bytes(t) for t in done.token_ids).decode("utf-8", "replace")
+    assert done.prompt_tokens == len(req.prompt_ids) and done.completion_tokens == 12
+    assert done.timings.ttft_s > 0 and done.timings.decode_tok_s > 0
+
+
+def test_seeded_sampling_is_reproducible(model, tokenizer):
+    engine = Engine(model, tokenizer, sampler=Recorder(stop_ids=tokenizer.stop_ids))
+    hot = SamplingParams(temperature=1.5, top_p=0.95)
+    runs = [engine.generate(Request(prompt(tokenizer), sampling=hot, seed=s, max_tokens=16)).token_ids
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_stop_token_ends_with_eos_and_prints_nothing(model, tokenizer):
+    eos = tokenizer.eos_id
+    engine = Engine(model, tokenizer, sampler=Recorder(force=lambda n: eos if n == 4 else 100))
+    done = engine.generate(Request(prompt(tokenizer), sampling=GREEDY))
+    assert done.finish_reason is GenerationState.EOS
+    assert done.token_ids[-1] == eos and len(done.token_ids) == 4
+    assert done.text == tokenizer.token_bytes(100).decode() * 3
+
+
+def test_context_full(model, tokenizer):
+    engine = Engine(model, tokenizer, sampler=Recorder(force=lambda n: 100))
+    ids = (1,) + (100,) * 119
+    done = engine.generate(Request(ids, sampling=GREEDY))
+    assert done.finish_reason is GenerationState.CONTEXT_FULL
+    assert len(ids) + done.completion_tokens == engine.max_seq_len
+
+
+def test_bad_requests_fail_before_any_work(model, tokenizer):
+    rec = Recorder()
+    engine = Engine(model, tokenizer, sampler=rec)
+    with pytest.raises(EmptyPrompt):
+        engine.generate(Request(()))
+    with pytest.raises(PromptTooLong):
+        engine.generate(Request((1,) * 128))
+    assert rec.calls == 0
+
+
+def test_bounded_channel_holds_a_slow_consumer_back(model, tokenizer):
+    rec = Recorder(stop_ids=tokenizer.stop_ids)
+    size = 2
+    engine = Engine(model, tokenizer, sampler=rec, options=EngineOptions(buffer_size=size))
+    req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=30)
+    seen = []
+
+    async def slow_consumer():
+        async with engine.stream(req) as events:
+            async for event in events:
+                seen.append(event.index)
+                assert events.statistics().current_buffer_used <= size
+                # Received k: at most `size` more wait in the buffer and one more in `send`.
+                assert rec.calls <= len(seen) + size + 1
+                await anyio.sleep(0.01)
+                # Given time, the producer fills the buffer and then waits on us.
+                assert rec.calls >= min(len(seen) + size, 30)
+
+    anyio.run(slow_consumer)
+    assert seen == list(range(30))
+
+
+def test_cancel_stops_the_producer_within_one_step(model, tokenizer):
+    rec = Recorder(stop_ids=tokenizer.stop_ids, delay_s=0.05)
+    engine = Engine(model, tokenizer, sampler=rec)
+    req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=100)
+    result = {}
+
+    async def main():
+        with anyio.CancelScope() as scope:
+            async with engine.stream(req) as events:
+                async for event in events:
+                    if event.index == 2:
+                        result["calls_at_cancel"] = rec.calls
+                        scope.cancel()
+        result["in_flight"] = rec.in_flight
+        result["calls_after"] = rec.calls
+        await anyio.sleep(0.2)
+        result["calls_later"] = rec.calls
+
+    started = time.perf_counter()
+    anyio.run(main)
+    assert time.perf_counter() - started < 0.05 * 6 + 1.0
+    # The step in flight when the cancel landed may finish; no step starts after it.
+    assert result["calls_after"] <= result["calls_at_cancel"] + 1
+    assert result["in_flight"] == 0 and result["calls_later"] == result["calls_after"]
+    assert not engine._busy
+
+
+def test_cancel_during_prefill_waits_for_one_chunk(model, tokenizer):
+    chunks = []
+    engine = Engine(model, tokenizer, options=EngineOptions(prefill_chunk=4))
+    step_forward = engine.step.forward
+
+    def slow_forward(rows, starts):
+        chunks.append(starts[0])
+        time.sleep(0.05)
+        return step_forward(rows, starts)
+
+    engine.step.forward = slow_forward
+    req = Request((1,) + (100,) * 99, sampling=GREEDY, max_tokens=5)
+
+    async def main():
+        with anyio.move_on_after(0.12):
+            await collect(engine, req)
+
+    anyio.run(main)
+    assert 2 <= len(chunks) <= 4 and chunks == [4 * i for i in range(len(chunks))]
+
+
+def test_forward_error_reaches_the_caller_as_itself_once(model, tokenizer):
+    rec = Recorder(stop_ids=tokenizer.stop_ids, fail_at=3)
+    engine = Engine(model, tokenizer, sampler=rec)
+    req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=50)
+    received = []
+
+    async def main():
+        async with engine.stream(req) as events:
+            async for event in events:
+                received.append(event)
+
+    with pytest.raises(Boom) as info:
+        anyio.run(main)
+    assert type(info.value) is Boom and "step 3" in str(info.value)
+    assert len(received) == 2 and rec.calls == 3 and not engine._busy
+    # The engine is usable again after a failure.
+    rec.fail_at = None
+    assert engine.generate(req).completion_tokens == 50
+
+
+def test_consumer_leaving_early_stops_the_producer(model, tokenizer):
+    rec = Recorder(stop_ids=tokenizer.stop_ids)
+    engine = Engine(model, tokenizer, sampler=rec, options=EngineOptions(buffer_size=1))
+    req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=100)
+
+    async def main():
+        async with engine.stream(req) as events:
+            async for event in events:
+                if event.index == 3:
+                    break
+
+    anyio.run(main)
+    assert rec.calls <= 4 + 1 + 1 and rec.in_flight == 0
