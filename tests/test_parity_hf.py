@@ -1,0 +1,121 @@
+"""Numerical parity with ``transformers.LlamaForCausalLM`` through the real loading path.
+
+The reference model is built by transformers with random weights, saved with ``save_pretrained``
+and loaded back with ``load_model``: names, the q/k rotary permutation, tied embeddings, grouped
+query heads and Llama 3.1 rope scaling are all exercised by the comparison.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from builders import train_sentencepiece  # noqa: E402
+from llama_chat.model.kv_cache import KVCache  # noqa: E402
+from llama_chat.model.loader import DEFAULT_MAX_SEQ_LEN, load_model  # noqa: E402
+
+PROMPT_LEN = 64
+NEW_TOKENS = 32
+
+LLAMA31_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+}
+
+CONFIGS = {
+    # plain multi-head attention, separate output projection, vocabulary padded past the tokenizer's
+    "mha-untied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                       vocab_pad=48, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # grouped-query attention (4 query heads per kv head), output tied to the embedding
+    "gqa-tied": dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+                     vocab_pad=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Llama 3.1: scaled rotary frequencies, theta 500000, a 128k context (capped on load)
+    "llama3.1-rope": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                          vocab_pad=16, rope_parameters=LLAMA31_ROPE, max_position_embeddings=131072),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_model(tmp_path_factory) -> Path:
+    return train_sentencepiece(tmp_path_factory.mktemp("spm"), vocab_size=400)
+
+
+def _hf_model(tokenizer_vocab: int, spec: dict, seed: int):
+    spec = dict(spec)
+    vocab = tokenizer_vocab + spec.pop("vocab_pad")
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        rms_norm_eps=1e-5, max_position_embeddings=spec.pop("max_position_embeddings", 2048),
+        bos_token_id=1, eos_token_id=2, **spec,
+    )
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # Large random weights so logits are well separated and greedy choices are not ties;
+        # norms away from one so swapping attention_norm and ffn_norm would show.
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    hf.generation_config.eos_token_id = None  # always generate all the tokens asked for
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def _greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    """Prefill once, then one token per forward through our KV cache."""
+    cache = KVCache.for_model(model.args, 1, max_seq_len=prompt.shape[1] + n)
+    pos = prompt.shape[1]
+    logits = model(prompt, torch.arange(pos).unsqueeze(0), cache, last_only=True)
+    out: list[int] = []
+    for _ in range(n):
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        logits = model(torch.tensor([[token]]), torch.tensor([[pos]]), cache)
+        pos += 1
+    return out
+
+
+# Every config from one safetensors file; one of them also from shards through the index.
+CASES = [(name, False) for name in CONFIGS] + [("gqa-tied", True)]
+
+
+@pytest.mark.parametrize(("name", "sharded"), CASES, ids=[n + ("-sharded" if s else "") for n, s in CASES])
+def test_logits_and_greedy_tokens_match_transformers(tmp_path, tokenizer_model, name, sharded):
+    tok_vocab = spm.SentencePieceProcessor(model_file=str(tokenizer_model)).vocab_size()
+    hf = _hf_model(tok_vocab, CONFIGS[name], seed=len(name))
+    out = tmp_path / name
+    hf.save_pretrained(out, max_shard_size="200KB" if sharded else "5GB")
+    (out / "tokenizer.model").write_bytes(tokenizer_model.read_bytes())
+    assert (out / "model.safetensors.index.json").is_file() == sharded
+    assert (len(list(out.glob("*.safetensors"))) > 1) == sharded
+
+    loaded = load_model(out, device="cpu", dtype="float32")
+    assert loaded.layout == "hf"
+    assert loaded.args.tie_embeddings == hf.config.tie_word_embeddings
+    if name == "llama3.1-rope":
+        assert loaded.args.rope_scaling is not None and loaded.args.rope_theta == 500000.0
+        assert loaded.args.max_seq_len == DEFAULT_MAX_SEQ_LEN
+
+    vocab = hf.config.vocab_size
+    prompt = torch.randint(3, tok_vocab, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = hf(prompt).logits.float()
+        got = loaded.model(prompt)
+        assert got.shape == (1, PROMPT_LEN, vocab)
+        diff = (got - want).abs().max().item()
+        print(f"{name}{' sharded' if sharded else ''}: max |logit diff| {diff:.2e}")
+        assert diff <= 1e-4
+
+        hf_tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                max_new_tokens=NEW_TOKENS)[0, PROMPT_LEN:].tolist()
+        ours = _greedy(loaded.model, prompt, NEW_TOKENS)
+    assert len(hf_tokens) == NEW_TOKENS
+    assert ours == hf_tokens
