@@ -1,9 +1,10 @@
-"""Split rendered chat text on special-token names, for backends that cannot do it themselves."""
+"""Special-token helpers shared by the backends and chat formats."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 
 def split_on_specials(text: str, specials: Mapping[str, int]) -> Iterator[tuple[str, int | None]]:
@@ -24,3 +25,10 @@ def split_on_specials(text: str, specials: Mapping[str, int]) -> Iterator[tuple[
         pos = match.end()
     if pos < len(text):
         yield text[pos:], None
+
+
+def token_name(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, ``{"content": ...}`` or null."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
