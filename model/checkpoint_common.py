@@ -103,7 +103,8 @@ def check_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
 def config_error(file: str, e: Exception) -> ModelLoadError:
     """A config file's bad value as a one-line ModelLoadError naming the file."""
     if isinstance(e, ModelLoadError):
-        return e
+        message = str(e)
+        return e if message.startswith(file) else ModelLoadError(f"{file}: {message}")
     return ModelLoadError(f"{file}: bad field value ({_one_line(e)})")
 
 
@@ -117,8 +118,10 @@ def _shape(shape: tuple[int, ...] | torch.Size) -> str:
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return lines[0].split(". ")[0][:200]  # the first sentence says what went wrong
 
 
 def as_mapping(state: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
