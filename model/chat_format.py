@@ -1,10 +1,27 @@
-"""Chat formats: a dialog of messages in, the exact token ids a model was trained on out."""
+"""Chat formats: a dialog of messages in, the exact token ids a model was trained on out.
+
+Three formats, each building ids from the tokenizer's ids of special tokens, never by tokenizing
+strings such as ``"<s>"``:
+
+* ``Llama2ChatFormat``: Meta's Llama 2 chat layout, one ``<s>[INST] ... [/INST] reply </s>`` per turn;
+* ``Llama3ChatFormat``: ``<|begin_of_text|>`` then a header and ``<|eot_id|>`` per message;
+* ``HFTemplateChatFormat``: the checkpoint's own Jinja ``chat_template``.
+
+``chat_format_for`` picks one; its ``auto`` rule is written there and in docs/tokenizers.md.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.tokenizer import Tokenizer
+from llama_chat.model.tokenizer_specials import split_on_specials, token_name
 
 
 @dataclass(frozen=True)
@@ -19,3 +36,254 @@ class ChatFormat(Protocol):
     def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids for the dialog, ending (when asked) where the assistant's reply begins."""
         ...
+
+
+FORMAT_NAMES = ("auto", "none", "llama2", "llama3", "hf")
+HINT_FILES = ("chat_format.json", "params.json", "config.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama 2
+
+
+class Llama2ChatFormat:
+    """Meta's Llama 2 chat layout.
+
+    ``[bos] "[INST] {user} [/INST] {assistant} " [eos]`` per finished turn, then
+    ``[bos] "[INST] {user} [/INST]"`` for the turn being answered. A system message is folded into
+    the first user message as ``"<<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user}"``. Contents are
+    stripped, as Meta's reference does. The prompt always ends with ``[/INST]`` after a user
+    message, so ``add_generation_prompt`` changes nothing here.
+    """
+
+    name = "llama2"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        if tokenizer.bos_id is None or tokenizer.eos_id is None:
+            raise ModelLoadError("chat format 'llama2' needs a tokenizer with bos and eos ids")
+        self.tokenizer = tokenizer
+
+    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+        messages = list(messages)
+        if messages and messages[0].role == "system":
+            system, messages = messages[0], messages[1:]
+            if not messages or messages[0].role != "user":
+                raise ValueError("llama2 chat: a system message must be followed by a user message")
+            first = f"<<SYS>>\n{system.content}\n<</SYS>>\n\n{messages[0].content}"
+            messages[0] = Message("user", first)
+        _check_alternating(messages)
+
+        tok = self.tokenizer
+        ids: list[int] = []
+        for user, assistant in zip(messages[::2], messages[1::2]):
+            text = f"[INST] {user.content.strip()} [/INST] {assistant.content.strip()} "
+            ids += [tok.bos_id, *tok.encode(text), tok.eos_id]
+        if len(messages) % 2 == 1:
+            ids += [tok.bos_id, *tok.encode(f"[INST] {messages[-1].content.strip()} [/INST]")]
+        return ids
+
+
+def _check_alternating(messages: Sequence[Message]) -> None:
+    for i, message in enumerate(messages):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if message.role != expected:
+            raise ValueError(f"chat message {i}: expected role {expected!r}, found {message.role!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama 3
+
+
+class Llama3ChatFormat:
+    """Meta's Llama 3 chat layout.
+
+    ``<|begin_of_text|>``, then per message ``<|start_header_id|>{role}<|end_header_id|>\\n\\n``
+    ``{content}<|eot_id|>``; the generation prompt is an empty assistant header.
+    """
+
+    name = "llama3"
+    NEEDED = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        specials = tokenizer.special_tokens
+        missing = [name for name in self.NEEDED if name not in specials]
+        if missing:
+            raise ModelLoadError(f"chat format 'llama3' needs {', '.join(missing)} in the tokenizer, not found")
+        self.tokenizer = tokenizer
+        self._bos, self._start, self._end, self._eot = (specials[name] for name in self.NEEDED)
+
+    def _header(self, role: str) -> list[int]:
+        return [self._start, *self.tokenizer.encode(role), self._end, *self.tokenizer.encode("\n\n")]
+
+    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+        ids = [self._bos]
+        for message in messages:
+            ids += [*self._header(message.role), *self.tokenizer.encode(message.content.strip()), self._eot]
+        if add_generation_prompt:
+            ids += self._header("assistant")
+        return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face Jinja chat templates
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    # Templates expect the Hugging Face flavour: non-ASCII kept as it is.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class HFTemplateChatFormat:
+    """Render a checkpoint's ``chat_template`` with Jinja (sandboxed), then tokenize the text.
+
+    Rendering gets what Hugging Face's ``apply_chat_template`` passes: ``messages`` (dicts),
+    ``bos_token``, ``eos_token``, ``add_generation_prompt``, ``raise_exception`` and
+    ``strftime_now``. The rendered text is tokenized with special-token names mapped to their
+    ids. A bos id is prepended only when the tokenizer starts prompts with bos and the template
+    did not already write one, so there is never a doubled bos.
+    """
+
+    name = "hf"
+
+    def __init__(self, template: str, tokenizer: Tokenizer, *, bos_token: str | None = None,
+                 eos_token: str | None = None) -> None:
+        from jinja2.exceptions import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(template)
+        except TemplateSyntaxError as exc:
+            raise ModelLoadError(f"chat_template: Jinja syntax error on line {exc.lineno}: {exc.message}") from None
+        self.tokenizer = tokenizer
+        names = {i: name for name, i in tokenizer.special_tokens.items()}
+        self.bos_token = bos_token if bos_token is not None else names.get(tokenizer.bos_id, "")
+        self.eos_token = eos_token if eos_token is not None else names.get(tokenizer.eos_id, "")
+
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+        """The template's text; ValueError when the template rejects the dialog."""
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self._template.render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except TemplateError as exc:
+            raise ValueError(f"chat template: {exc}") from None
+
+    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+        text = self.render(messages, add_generation_prompt=add_generation_prompt)
+        ids = encode_allowing_special(self.tokenizer, text)
+        tok = self.tokenizer
+        if getattr(tok, "add_bos", True) and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
+            ids.insert(0, tok.bos_id)
+        return ids
+
+
+def encode_allowing_special(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Tokenize rendered template text, special-token names becoming their ids."""
+    native = getattr(tokenizer, "encode_allowing_special", None)
+    if native is not None:
+        return native(text)
+    ids: list[int] = []
+    for chunk, special_id in split_on_specials(text, tokenizer.special_tokens):
+        ids.extend([special_id] if special_id is not None else tokenizer.encode(chunk))
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing a format
+
+
+def read_chat_template(model_dir: Path) -> tuple[str | None, dict]:
+    """The checkpoint's chat template and its tokenizer_config.json (``{}`` when absent).
+
+    Looked up in ``tokenizer_config.json`` (``chat_template``: a string, or a list of
+    ``{"name", "template"}`` of which ``default`` is used), then ``chat_template.jinja``, then
+    ``chat_template.json``.
+    """
+    config_path = model_dir / "tokenizer_config.json"
+    config = _read_object(config_path) if config_path.is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is None and (model_dir / "chat_template.json").is_file():
+        template = _read_object(model_dir / "chat_template.json").get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"{config_path}: chat_template must be a string, found {type(template).__name__}")
+    return template, config
+
+
+def chat_format_hint(model_dir: Path) -> str | None:
+    """An explicit ``"chat_format"`` field in chat_format.json, params.json or config.json."""
+    for name in HINT_FILES:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        value = _read_object(path).get("chat_format")
+        if value is None:
+            continue
+        if value not in FORMAT_NAMES or value == "auto":
+            raise ModelLoadError(f"{path}: chat_format must be one of none, llama2, llama3, hf; found {value!r}")
+        return value
+    return None
+
+
+def chat_format_for(model_dir: Path, tokenizer: Tokenizer, name: str = "auto") -> ChatFormat | None:
+    """The chat format to use, or None for plain completion.
+
+    ``auto`` takes, in order: an explicit ``"chat_format"`` field (chat_format.json, params.json,
+    config.json); the checkpoint's Jinja chat template; ``llama3`` when the tokenizer has
+    ``<|start_header_id|>``; otherwise None. A SentencePiece Llama 2 chat model cannot be told
+    from its base model by its files, so it needs the explicit field.
+    """
+    if name not in FORMAT_NAMES:
+        raise ValueError(f"unknown chat format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
+    model_dir = Path(model_dir)
+    if name == "auto":
+        name = chat_format_hint(model_dir) or "auto"
+    if name == "none":
+        return None
+    if name == "llama2":
+        return Llama2ChatFormat(tokenizer)
+    if name == "llama3":
+        return Llama3ChatFormat(tokenizer)
+
+    template, config = read_chat_template(model_dir)
+    if template is not None:
+        return HFTemplateChatFormat(template, tokenizer, bos_token=token_name(config.get("bos_token")),
+                                    eos_token=token_name(config.get("eos_token")))
+    if name == "hf":
+        raise ModelLoadError(f"{model_dir / 'tokenizer_config.json'}: no chat_template for chat format 'hf'")
+    if "<|start_header_id|>" in tokenizer.special_tokens:
+        return Llama3ChatFormat(tokenizer)
+    return None
+
+
+def _read_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data

@@ -168,7 +168,10 @@ def write_metaspace_tokenizer_json(out_dir: Path, sp_model: Path, *, chat_templa
 
 
 def _write_config(out_dir: Path, *, bos: str, eos: str, chat_template: str | None, add_bos: bool | None = None):
-    config: dict = {"bos_token": {"content": bos}, "eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}
+    # bos as the object form real configs use, eos as a plain string: both spellings occur.
+    bos_token = {"__type": "AddedToken", "content": bos, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": True}
+    config: dict = {"bos_token": bos_token, "eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}
     if add_bos is not None:
         config["add_bos_token"] = add_bos
     if chat_template is not None:
