@@ -39,7 +39,8 @@ LLAMA2_TEMPLATE = (
 )
 
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|eot_id|>' + '\\n' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|eot_id|>' + '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -91,7 +92,8 @@ def test_llama2_rejects_out_of_order_roles(sp_dir):
 def test_llama3_dialog_and_generation_prompt(tiktoken_dir):
     tok = load_tokenizer(tiktoken_dir)
     s = tok.special_tokens
-    bot, start, end, eot = (s[n] for n in ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"))
+    names = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    bot, start, end, eot = (s[n] for n in names)
     nl2 = tok.encode("\n\n")
 
     def header(role):
@@ -101,7 +103,8 @@ def test_llama3_dialog_and_generation_prompt(tiktoken_dir):
     ids = fmt.encode_dialog([SYSTEM, USER1])
     assert ids == [bot, *header("system"), *tok.encode("Be brief."), eot,
                    *header("user"), *tok.encode("Hi there!"), eot, *header("assistant")]
-    assert fmt.encode_dialog([USER1], add_generation_prompt=False) == [bot, *header("user"), *tok.encode("Hi there!"), eot]
+    without_prompt = fmt.encode_dialog([USER1], add_generation_prompt=False)
+    assert without_prompt == [bot, *header("user"), *tok.encode("Hi there!"), eot]
     # The same ids as rendering the documented text and mapping special names to ids.
     text = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there!<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\n")

@@ -151,6 +151,16 @@ def test_hf_metaspace_equals_sentencepiece_ids(metaspace_dir, sp_dir):
     assert [hf.token_bytes(i) for i in range(1, hf.vocab_size)] == [sp.token_bytes(i) for i in range(1, sp.vocab_size)]
 
 
+def test_byte_level_table_is_gpt2s():
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from llama_chat.model.tokenizer_hf import byte_level_decoder
+
+    assert byte_level_decoder() == {char: byte for byte, char in bytes_to_unicode().items()}
+    assert set(byte_level_decoder()) == set(ByteLevel.alphabet())
+
+
 def test_hf_specials_bytes_and_stops(bytelevel_dir):
     tok = load_tokenizer(bytelevel_dir)
     eot = tok.special_tokens["<|eot_id|>"]
