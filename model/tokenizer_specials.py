@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from functools import lru_cache
 from typing import Any
 
 
@@ -16,7 +17,7 @@ def split_on_specials(text: str, specials: Mapping[str, int]) -> Iterator[tuple[
         if text:
             yield text, None
         return
-    pattern = re.compile("|".join(re.escape(name) for name in sorted(specials, key=len, reverse=True)))
+    pattern = _alternation(tuple(sorted(specials, key=len, reverse=True)))
     pos = 0
     for match in pattern.finditer(text):
         if match.start() > pos:
@@ -25,6 +26,12 @@ def split_on_specials(text: str, specials: Mapping[str, int]) -> Iterator[tuple[
         pos = match.end()
     if pos < len(text):
         yield text[pos:], None
+
+
+@lru_cache(maxsize=8)
+def _alternation(names: tuple[str, ...]) -> re.Pattern[str]:
+    # Compiled once per vocabulary: chat templates are tokenized on every turn.
+    return re.compile("|".join(re.escape(name) for name in names))
 
 
 def token_name(value: Any) -> str | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import tiktoken
 
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.tokenizer_specials import split_on_specials
 
 # Llama 3's pre-tokenizer split (letters, 1-3 digit groups, punctuation runs, newlines, spaces).
 LLAMA3_PATTERN = (
@@ -164,9 +165,14 @@ class TiktokenTokenizer:
         return True
 
     def encode_allowing_special(self, text: str) -> list[int]:
-        """Encode rendered chat-template text: special-token names become their ids."""
-        return [i for piece in split_for_encoding(text)
-                for i in self._enc.encode(piece, allowed_special="all")]
+        """Encode rendered chat-template text: special-token names become their ids.
+
+        Specials are split out first so that the long-run cuts can never fall inside a name.
+        """
+        ids: list[int] = []
+        for chunk, special_id in split_on_specials(text, self._specials):
+            ids.extend([special_id] if special_id is not None else self.encode(chunk))
+        return ids
 
 
 def looks_like_tiktoken(head: bytes) -> bool:
