@@ -96,6 +96,20 @@ def test_sentencepiece_matches_transformers_sentencepiece_tokenizer(sp_dir):
         assert ours.decode(ids) == text
 
 
+def test_sentencepiece_matches_transformers_llama_tokenizer(sp_dir, metaspace_dir):
+    """``transformers.LlamaTokenizer`` itself (tokenizers-based in transformers 5, ``legacy=False``)
+    on the same vocabulary in ``tokenizer.json`` form. It differs only on text that already starts
+    with a space: non-legacy Metaspace then adds no ``▁`` of its own, SentencePiece always does."""
+    from transformers import LlamaTokenizer
+
+    ref = LlamaTokenizer.from_pretrained(str(metaspace_dir))
+    ours = SentencePieceTokenizer(sp_dir / "tokenizer.model")
+    for text in TEXTS:
+        if not text.startswith(" "):
+            assert ours.encode(text) == ref.encode(text, add_special_tokens=False), text
+            assert ours.encode(text, bos=True) == ref.encode(text), text
+
+
 def test_sentencepiece_token_bytes_rules(sp_dir):
     tok = SentencePieceTokenizer(sp_dir / "tokenizer.model")
     sp = spm.SentencePieceProcessor(model_file=str(sp_dir / "tokenizer.model"))
