@@ -21,7 +21,7 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from llama_chat.inference.decoding import StreamDecoder
-from llama_chat.inference.errors import EmptyPrompt, EngineBusy, PromptTooLong
+from llama_chat.inference.errors import EmptyPrompt, EngineBusy, PromptTooLong, sole_exception
 from llama_chat.inference.model_step import ModelStep, Sampler
 from llama_chat.inference.results import Completion, Tally
 from llama_chat.inference.stopping import state_after, stop_ids_of
@@ -137,7 +137,7 @@ class Engine:
                 with receive:
                     yield receive
         except BaseExceptionGroup as group:
-            raise _sole(group) from None
+            raise sole_exception(group) from None
 
     async def complete(self, request: Request) -> Completion:
         """Run ``request`` to the end and return its text, tokens, finish reason and timings."""
@@ -154,17 +154,6 @@ class Engine:
     def generate(self, request: Request) -> Completion:
         """The blocking form of ``complete``, for scripts and tests."""
         return anyio.run(self.complete, request)
-
-
-def _sole(group: BaseExceptionGroup) -> BaseException:
-    """The one exception inside (possibly nested) groups, or the group itself when there are more."""
-    leaves: list[BaseException] = []
-    pending = [group]
-    while pending:
-        g = pending.pop()
-        for exc in g.exceptions:
-            (pending if isinstance(exc, BaseExceptionGroup) else leaves).append(exc)
-    return leaves[0] if len(leaves) == 1 else group
 
 
 __all__ = ["DEFAULT_BUFFER_SIZE", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineOptions", "GenerationState"]

@@ -25,3 +25,18 @@ class PromptTooLong(RequestError):
 
 class EngineBusy(RuntimeError):
     """A second request reached an engine that serves one at a time."""
+
+
+def sole_exception(group: BaseExceptionGroup) -> BaseException:
+    """The one exception inside (possibly nested) groups, or the group itself when there are more.
+
+    Task groups always wrap what their children raise; a caller of a single stream wants the
+    error itself, so it can catch it by type.
+    """
+    leaves: list[BaseException] = []
+    pending = [group]
+    while pending:
+        g = pending.pop()
+        for exc in g.exceptions:
+            (pending if isinstance(exc, BaseExceptionGroup) else leaves).append(exc)
+    return leaves[0] if len(leaves) == 1 else group

@@ -1,0 +1,104 @@
+"""One prompt, one answer: the producer, the consumer and the signal watcher in one task group.
+
+::
+
+    task group
+    ├── watch_signals      first SIGINT/SIGTERM cancels `generation`; a second exits at once
+    └── generation scope
+        └── engine.stream  producer task: forward steps in a worker thread -> bounded channel
+            consumer        (this function's body): bytes -> StreamDecoder -> renderer
+
+Whatever ends the stream (a stop token, the budget, a signal, a closed stdout, an error), the
+decoder is flushed and the renderer finished, so committed text stays and the terminal is restored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+
+from llama_chat.cmd.render import OutputClosed, Renderer
+from llama_chat.cmd.signals import StopRequest, watch_signals
+from llama_chat.inference.decoding import StreamDecoder
+from llama_chat.inference.engine import Engine
+from llama_chat.inference.errors import sole_exception
+from llama_chat.inference.results import Completion, Tally
+from llama_chat.inference.types import Request
+
+
+@dataclass(frozen=True)
+class Outcome:
+    completion: Completion
+    signum: int | None  # the signal that stopped generation, if one did
+    output_closed: bool  # stdout's reader went away
+
+
+async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | None) -> Outcome:
+    """Generate ``request``, rendering as it goes (``renderer`` None: collect only, for ``--json``)."""
+    consumer = _Consumer(renderer)
+    stop = StopRequest()
+    tally = Tally(request.request_id, len(request.prompt_ids))
+    try:
+        try:
+            async with anyio.create_task_group() as tg:
+                generation = anyio.CancelScope()
+                await tg.start(watch_signals, generation, stop)
+                with generation:
+                    consumer.start()
+                    async with engine.stream(request) as events:
+                        async for event in events:
+                            tally.add(event)
+                            consumer.feed(event.data)
+                tg.cancel_scope.cancel()  # generation is over: stop listening for signals here
+        except BaseExceptionGroup as group:
+            error = sole_exception(group)
+            if not isinstance(error, OutputClosed):
+                raise error from None
+            consumer.output_closed = True  # not a failure: nobody is reading any more
+        # A stream that ends without a finishing event (a signal, a closed stdout) keeps Tally's
+        # default reason, cancelled. Pending bytes are flushed whatever ended it.
+        consumer.flush()
+    finally:
+        consumer.finish()
+    return Outcome(tally.completion(consumer.text), stop.signum, consumer.output_closed)
+
+
+class _Consumer:
+    """Token bytes -> StreamDecoder -> renderer; remembers everything it committed."""
+
+    def __init__(self, renderer: Renderer | None) -> None:
+        self.renderer = renderer
+        self.decoder = StreamDecoder()
+        self.parts: list[str] = []
+        self.output_closed = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def start(self) -> None:
+        self._render(lambda r: r.start())
+
+    def feed(self, data: bytes) -> None:
+        text = self.decoder.feed(data)
+        self.parts.append(text)
+        # The renderer raises OutputClosed from here when stdout's reader has gone away.
+        if self.renderer is not None and not self.output_closed:
+            self.renderer.update(text, self.decoder.pending_bytes, self.decoder.pending_text)
+
+    def flush(self) -> None:
+        text = self.decoder.flush()
+        self.parts.append(text)
+        self._render(lambda r: r.update(text, b"", ""))
+
+    def finish(self) -> None:
+        self._render(lambda r: r.finish())
+
+    def _render(self, action) -> None:
+        if self.renderer is None or self.output_closed:
+            return
+        try:
+            action(self.renderer)
+        except OutputClosed:
+            self.output_closed = True

@@ -1,0 +1,56 @@
+"""What is said after generation: the finish line and stats on stderr, or one JSON object on stdout."""
+
+from __future__ import annotations
+
+import json
+from typing import TextIO
+
+from rich.console import Console
+from rich.text import Text
+
+from llama_chat.inference.results import Completion
+
+
+def _fmt(value: float | None, unit: str, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f} {unit}"
+
+
+def finish_line(completion: Completion, seed: int) -> Text:
+    line = Text("finish: ", style="dim")
+    line.append(completion.finish_reason.value, style="bold")
+    line.append(f"  seed: {seed}", style="dim")
+    return line
+
+
+def stats_line(completion: Completion, seed: int) -> Text:
+    t = completion.timings
+    return Text(
+        f"tokens: {completion.prompt_tokens} prompt, {completion.completion_tokens} generated  "
+        f"ttft: {_fmt(t.ttft_s, 's', 3)}  prefill: {_fmt(t.prefill_tok_s, 'tok/s')}  "
+        f"decode: {_fmt(t.decode_tok_s, 'tok/s')}  seed: {seed}",
+        style="dim",
+    )
+
+
+def print_summary(err: Console, completion: Completion, seed: int, *, stats: bool) -> None:
+    err.print(finish_line(completion, seed), highlight=False, soft_wrap=True)
+    if stats:
+        err.print(stats_line(completion, seed), highlight=False, soft_wrap=True)
+
+
+def json_object(completion: Completion, *, seed: int, model: str) -> dict:
+    return {
+        "text": completion.text,
+        "token_ids": list(completion.token_ids),
+        "finish_reason": completion.finish_reason.value,
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": completion.completion_tokens,
+        "seed": seed,
+        "model": model,
+        "timings": completion.timings.as_dict(),
+    }
+
+
+def write_json(out: TextIO, completion: Completion, *, seed: int, model: str) -> None:
+    out.write(json.dumps(json_object(completion, seed=seed, model=model), ensure_ascii=False) + "\n")
+    out.flush()

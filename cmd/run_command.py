@@ -1,0 +1,92 @@
+"""The one-shot command from options to exit status: read input, load, generate, report.
+
+Everything before and after ``anyio.run`` runs with signals raising exceptions in the main thread
+(see ``signals.py``); ``app.execute`` turns those and every error into an exit status.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+
+import anyio
+from rich.console import Console
+
+from llama_chat.cmd import exit_status
+from llama_chat.cmd.inputs import UsageProblem, combine_prompt, read_stdin_text
+from llama_chat.cmd.one_shot import Outcome, run_one_shot
+from llama_chat.cmd.prompt import prompt_ids
+from llama_chat.cmd.render import make_renderer
+from llama_chat.cmd.report import print_summary, write_json
+from llama_chat.cmd.signals import install_sync_handlers
+from llama_chat.inference.engine import Engine
+from llama_chat.inference.types import Request
+from llama_chat.ml.sampling import SamplingParams
+from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
+
+
+def gather_prompt(prompt: str | None) -> str:
+    stdin_text = None if sys.stdin is None or sys.stdin.isatty() else read_stdin_text(sys.stdin.buffer)
+    return combine_prompt(prompt, stdin_text)
+
+
+def load(opts, err: Console) -> LoadedModel:
+    path = opts.model if opts.model is not None else default_model_dir()
+    return load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
+                      on_progress=_progress_callback(err))
+
+
+def _progress_callback(err: Console):
+    """A progress bar on an interactive stderr, when the loader's bar is available."""
+    if not err.is_terminal:
+        return None
+    try:
+        from llama_chat.cmd.load_progress import progress_callback
+    except ImportError:
+        return None
+    return progress_callback(err)
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail on a closed pipe.
+
+    Python's documented recipe for SIGPIPE-free programs: without it, the flush at exit prints
+    "Exception ignored ... BrokenPipeError" to stderr.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def run_command(opts, color: str, err: Console) -> int:
+    if opts.top_p <= 0:
+        raise UsageProblem("--top-p must be greater than 0")
+    text = gather_prompt(opts.prompt)
+    loaded = load(opts, err)
+    ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
+    seed = opts.seed if opts.seed is not None else secrets.randbelow(2**31)
+    request = Request(ids, sampling=SamplingParams(temperature=opts.temperature, top_p=opts.top_p), seed=seed,
+                      max_tokens=opts.max_tokens)
+    engine = Engine.from_loaded(loaded)
+    engine.check(request)  # a prompt longer than the context is bad input, found before any work
+
+    renderer = None if opts.json else make_renderer(sys.stdout.isatty(), color, sys.stdout)
+    try:
+        outcome: Outcome = anyio.run(run_one_shot, engine, request, renderer)
+    finally:
+        install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
+
+    if outcome.output_closed:
+        silence_stdout()
+        return exit_status.OUTPUT_CLOSED
+    if opts.json:
+        try:
+            write_json(sys.stdout, outcome.completion, seed=seed, model=loaded.name)
+        except BrokenPipeError:
+            silence_stdout()
+            return exit_status.OUTPUT_CLOSED
+    print_summary(err, outcome.completion, seed, stats=opts.stats)
+    if outcome.signum is not None:
+        return exit_status.for_signal(outcome.signum)
+    return exit_status.OK
