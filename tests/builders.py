@@ -25,7 +25,7 @@ SAMPLE_TEXT = [
 ]
 
 
-def train_sentencepiece(out_dir: Path, *, vocab_size: int = 320, lines: list[str] | None = None) -> Path:
+def train_sentencepiece(out_dir: Path, *, vocab_size: int = 400, lines: list[str] | None = None) -> Path:
     """A byte-fallback BPE SentencePiece model; returns the path of ``tokenizer.model``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     text = (lines or SAMPLE_TEXT) * 20
