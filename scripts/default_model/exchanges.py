@@ -48,6 +48,15 @@ def story_request(rng: random.Random) -> tuple[str, str]:
     return ask, stories.story(rng, hero)
 
 
+def opening_request(rng: random.Random) -> tuple[str, str]:
+    """A story asked for by its first words (what ``llama-chat -p "Once upon a time"`` sends)."""
+    ask = rng.choice(["Once upon a time", "Once upon a time", "Once upon a time...", "Long ago",
+                      "There once was", "Tell me a story", "Tell me a story.", "Tell me a story, please.",
+                      "Write a story.", "Tell me a bedtime story."])
+    openings = [o for o in stories.OPENINGS if o.startswith(ask.rstrip("."))] or stories.OPENINGS
+    return ask, stories.story(rng, opening=rng.choice(openings))
+
+
 def small_talk(rng: random.Random) -> tuple[str, str]:
     r = rng
     kind = r.randrange(7)
@@ -79,7 +88,13 @@ def small_talk(rng: random.Random) -> tuple[str, str]:
 def exchange(rng: random.Random) -> list[str]:
     """One conversation: a list of turns, each to be wrapped in ``<s>`` ... ``</s>``."""
     system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.15 else None
-    user, answer = story_request(rng) if rng.random() < 0.7 else small_talk(rng)
+    kind = rng.random()
+    if kind < 0.55:
+        user, answer = story_request(rng)
+    elif kind < 0.75:
+        user, answer = opening_request(rng)
+    else:
+        user, answer = small_talk(rng)
     turns = [turn(user, answer, system)]
     if rng.random() < 0.2:
         follow = rng.choice([

@@ -38,12 +38,16 @@ def pick_hero(rng: random.Random, species: tuple[str, str] | None = None) -> Her
     return Hero(rng.choice(V.NAMES), rng.choice(V.ADJECTIVES), kind, emoji, rng.choice(["he", "she"]))
 
 
+OPENINGS = ["Once upon a time, there was", "Once upon a time there was", "Long ago, there was", "There once was"]
+
+
 class Teller:
     """Writes one story; ``emoji`` decides how often an emoji follows the word it belongs to."""
 
-    def __init__(self, rng: random.Random, emoji_rate: float) -> None:
+    def __init__(self, rng: random.Random, emoji_rate: float, opening: str | None = None) -> None:
         self.rng = rng
         self.emoji_rate = emoji_rate
+        self.opening = opening
 
     def e(self, emoji: str) -> str:
         """`` <emoji>`` or nothing, so the same sentence appears both with and without one."""
@@ -53,8 +57,7 @@ class Teller:
 
     def intro(self, hero: Hero, place: tuple[str, str]) -> str:
         r = self.rng
-        opening = r.choice(["Once upon a time, there was", "Once upon a time there was",
-                            "Long ago, there was", "There once was"])
+        opening = self.opening or r.choice(OPENINGS)
         where = r.choice([f" who lived in {place[0]}", f" who lived near {place[0]}", ""])
         return f"{opening} {article(hero.adjective)} {hero.adjective} {hero.species} named {hero.name}{self.e(hero.emoji)}{where}."
 
@@ -207,7 +210,8 @@ class Teller:
         return " ".join([self.intro(hero, place), *body, *self.ending(hero)])
 
 
-def story(rng: random.Random, hero: Hero | None = None) -> str:
+def story(rng: random.Random, hero: Hero | None = None, opening: str | None = None) -> str:
+    """``opening`` (one of ``OPENINGS``) fixes how the first sentence begins."""
     # Most stories carry emoji, some none at all, so both kinds of text are normal to the model.
     rate = rng.choice([0.0, 0.3, 0.6, 0.9])
-    return Teller(rng, rate).story(hero or pick_hero(rng))
+    return Teller(rng, rate, opening).story(hero or pick_hero(rng))
