@@ -1,0 +1,120 @@
+"""Next-token sampling for a batch of rows: temperature, nucleus (top-p), seeded draw.
+
+``sample`` is a short pipeline: scale, filter, draw. Later controls (top-k, min-p, repetition
+penalties) slot in as extra fields on ``SamplingParams`` and extra steps before the draw, without
+changing its signature. Every step works on a whole ``(batch, vocab)`` tensor at once; one set of
+parameters applies to every row for now (per-row settings arrive with batched serving).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SamplingParams", "apply_top_p", "sample"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+
+    def __post_init__(self) -> None:
+        # Validated once here, not per token: a bad value should fail before generation starts.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# Candidate pool sizes tried before sorting the whole vocabulary. A full sort of 128k logits costs
+# ~10 ms on one CPU core, top-256 ~0.2 ms; a typical next-token distribution puts almost all of its
+# mass in a few hundred tokens, so the first pool nearly always holds the whole nucleus.
+_CANDIDATE_POOLS = (256, 4096)
+
+
+class _Nucleus(NamedTuple):
+    """Each row's candidate tokens, most probable first, all ``(batch, k)``."""
+
+    ids: torch.Tensor
+    logits: torch.Tensor
+    weights: torch.Tensor  # probabilities, zero outside the nucleus
+    keep: torch.Tensor  # bool, inside the nucleus
+
+
+def _nucleus(logits: torch.Tensor, top_p: float) -> _Nucleus:
+    """The candidates covering each row's nucleus.
+
+    The nucleus is the smallest set of most-probable tokens whose probabilities sum to at least
+    ``top_p``: a token is kept when the mass ranked strictly above it is below ``top_p``, so the
+    top token always survives. If the top-k candidates of every row already carry ``top_p`` of the
+    mass, the nucleus lies inside them and the result is exact without a full sort.
+    """
+    vocab = logits.shape[-1]
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)  # normalises over the full vocab
+    for k in (*(k for k in _CANDIDATE_POOLS if k < vocab), vocab):
+        if k < vocab:
+            values, ids = torch.topk(logits, k, dim=-1)
+        else:
+            values, ids = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.exp(values - log_total)
+        cumulative = torch.cumsum(probs, dim=-1)
+        if k == vocab or bool((cumulative[:, -1] >= top_p).all()):
+            break
+    keep = (cumulative - probs) < top_p
+    return _Nucleus(ids, values, probs * keep, keep)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` with every token outside each row's nucleus set to -inf (see ``_nucleus``)."""
+    if top_p >= 1.0:
+        return logits
+    nucleus = _nucleus(logits, top_p)
+    kept = nucleus.logits.masked_fill(~nucleus.keep, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, nucleus.ids, kept)
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row with probability proportional to ``weights`` (non-negative, any scale).
+
+    Inverse-CDF with one uniform per row. ``torch.multinomial`` would draw one exponential per
+    vocabulary entry, ~3.5 ms for a 128k row on one core against ~0.3 ms here. The CDF is float64 so
+    that a long tail of tiny probabilities is not lost to rounding.
+    """
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=weights.device)
+    index = torch.searchsorted(cdf, u * total, right=True)
+    # u * total can round up to total; the last index whose weight counts is the first where the
+    # CDF reaches its total, and nothing after it may be chosen.
+    last = (cdf < total).sum(dim=-1, keepdim=True)
+    return torch.minimum(index, last).squeeze(-1)
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Pick one token per row: ``(batch, vocab)`` float logits -> ``(batch,)`` int64 token ids.
+
+    Deterministic for a given ``generator`` seed (and device). ``generator=None`` uses torch's
+    global RNG. The greedy path neither normalises nor touches the generator.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (batch, vocab), got shape {tuple(logits.shape)}")
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    scaled = logits.float() / params.temperature
+    if params.top_p < 1.0:
+        # Draw among the sorted candidates only: the nucleus is usually tiny.
+        nucleus = _nucleus(scaled, params.top_p)
+        return nucleus.ids.gather(-1, _draw(nucleus.weights, generator)[:, None]).squeeze(-1)
+    return _draw(torch.softmax(scaled, dim=-1), generator)
