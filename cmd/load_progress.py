@@ -5,6 +5,9 @@ Usage::
     with load_progress(str(path)) as on_progress:
         loaded = load_model(path, on_progress=on_progress)
 
+or, without a with-block, ``load_model(path, on_progress=progress_callback(console))``: that bar
+closes itself when the last byte is reported (the with-block also closes it when loading fails).
+
 The bar appears only when stderr is a terminal and the checkpoint is large enough for loading to
 take a noticeable time; pipes, logs and small models see nothing. It is transient: once loading is
 done (or fails) it is erased, so it never mixes with the model's output.
@@ -45,6 +48,8 @@ class _LazyBar:
                 self._progress.start()
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=done, total=total)
+            if done >= total:
+                self.close()
 
     def close(self) -> None:
         if self._progress is not None:
@@ -60,3 +65,9 @@ def load_progress(label: str, *, min_bytes: int = MIN_BYTES, console: Console | 
         yield bar
     finally:
         bar.close()
+
+
+def progress_callback(console: Console | None = None, *, label: str = "model",
+                      min_bytes: int = MIN_BYTES) -> _LazyBar:
+    """A callback for ``load_model(on_progress=...)`` that closes its bar once loading is done."""
+    return _LazyBar(label, console or Console(stderr=True), min_bytes)

@@ -124,8 +124,24 @@ def _one_line(e: BaseException) -> str:
     return lines[0].split(". ")[0][:200]  # the first sentence says what went wrong
 
 
-def as_mapping(state: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
-    """Only the tensors of a loaded ``torch.load`` object, which must be a flat dict of them."""
+def torch_load(path: Path) -> dict[str, torch.Tensor]:
+    """A ``torch.save``d dict of tensors, memory-mapped; tensors only, anything else dropped."""
+    try:
+        state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except RuntimeError as e:
+        if "mmap can only be used" not in str(e):
+            raise unreadable(path, e) from None
+        # Files from before torch's zip format (torch < 1.6) cannot be mapped: read them whole.
+        try:
+            state = torch.load(path, weights_only=True, map_location="cpu")
+        except Exception as e2:  # zip reader and unpickler raise assorted types for a damaged file
+            raise unreadable(path, e2) from None
+    except Exception as e:
+        raise unreadable(path, e) from None
+    return _as_mapping(state, path)
+
+
+def _as_mapping(state: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, Mapping):
         raise ModelLoadError(f"{path.name}: expected a dict of tensors, found {type(state).__name__}")
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from llama_chat.model.args import ModelArgs
-from llama_chat.model.checkpoint_common import Checkpoint, as_mapping, config_error, read_json, unreadable
+from llama_chat.model.checkpoint_common import Checkpoint, config_error, read_json, torch_load, unreadable
 from llama_chat.model.errors import ModelLoadError
 
 # Hugging Face name (after the "model." prefix) -> Meta name.
@@ -152,8 +152,4 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_torch(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-    except Exception as e:  # zip reader and unpickler raise assorted types for a damaged file
-        raise unreadable(path, e) from None
-    return as_mapping(loaded, path)
+    return torch_load(path)

@@ -79,9 +79,13 @@ def read_llama2c(path: Path) -> Checkpoint:
     want_bytes = offset + 4 * want_floats
     size = path.stat().st_size
     if size < want_bytes:
-        raise ModelLoadError(f"{path.name}: truncated: expected {want_bytes} bytes for its header's model, found {size}")
+        raise ModelLoadError(
+            f"{path.name}: truncated: expected {want_bytes} bytes for its header's model, found {size}"
+        )
     if size > want_bytes:
-        raise ModelLoadError(f"{path.name}: {size - want_bytes} bytes past the last weight; the header does not match the data")
+        raise ModelLoadError(
+            f"{path.name}: {size - want_bytes} bytes past the last weight; the header does not match the data"
+        )
 
     # One private mapping of the whole file as float32 (both header sizes are multiples of 4);
     # every weight is a view into it, so pages are read only when a weight is first used.

@@ -10,11 +10,10 @@ import torch
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.checkpoint_common import (
     Checkpoint,
-    as_mapping,
     config_error,
     expected_shapes,
     read_json,
-    unreadable,
+    torch_load,
 )
 from llama_chat.model.errors import ModelLoadError
 
@@ -76,11 +75,7 @@ def read_meta(model_dir: Path, *, tokenizer_vocab: int | None = None) -> Checkpo
 
 
 def _load_shard(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        loaded = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-    except Exception as e:  # zip reader and unpickler raise assorted types for a damaged file
-        raise unreadable(path, e) from None
-    state = as_mapping(loaded, path)
+    state = torch_load(path)
     for name in _IGNORED:
         state.pop(name, None)
     return state

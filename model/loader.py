@@ -67,12 +67,12 @@ def detect_layout(path: Path | str) -> str:
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
     if path.is_file():
-        if checkpoint_llama2c.sniff(path) is not None and path.suffix != ".pth" and not _is_hf_file(path):
-            return LLAMA2C
-        if path.name.startswith("consolidated.") and path.suffix == ".pth" or path.name == "params.json":
+        if path.name == "params.json" or (path.name.startswith("consolidated.") and path.suffix == ".pth"):
             return detect_layout(path.parent)
         if _is_hf_file(path):
             return detect_layout(path.parent)
+        if checkpoint_llama2c.sniff(path) is not None:
+            return LLAMA2C
         raise ModelLoadError(f"{path}: unknown model layout (not a llama2.c .bin, Meta or Hugging Face file)")
     if (path / "params.json").is_file() and any(path.glob("consolidated.*.pth")):
         return META
@@ -230,7 +230,9 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise ModelLoadError(f"dtype {dtype!r} is not supported (expected auto, float32, bfloat16 or float16)") from None
+        raise ModelLoadError(
+            f"dtype {dtype!r} is not supported (expected auto, float32, bfloat16 or float16)"
+        ) from None
 
 
 def _is_hf_file(path: Path) -> bool:

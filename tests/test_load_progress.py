@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from llama_chat.cmd.load_progress import load_progress
+from llama_chat.cmd.load_progress import load_progress, progress_callback
 
 
 def _drive(console: Console, total: int, min_bytes: int) -> None:
@@ -26,3 +26,12 @@ def test_nothing_for_a_small_checkpoint_or_a_pipe():
     _drive(Console(file=small, force_terminal=True, width=80), total=1000, min_bytes=5000)
     _drive(Console(file=pipe, force_terminal=False, width=80), total=1000, min_bytes=500)
     assert small.getvalue() == "" and pipe.getvalue() == ""
+
+
+def test_plain_callback_closes_its_bar_when_done():
+    out = io.StringIO()
+    on_progress = progress_callback(Console(file=out, force_terminal=True, width=80), min_bytes=10)
+    for done in (0, 50, 100):
+        on_progress(done, 100)
+    assert "loading model" in out.getvalue()
+    assert on_progress._progress is None  # stopped: nothing keeps redrawing
