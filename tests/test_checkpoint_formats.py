@@ -119,3 +119,16 @@ def test_dtype_context_and_progress(tmp_path, tokenizer_model, vocab):
     tokens = torch.arange(12).unsqueeze(0)
     diff = (_logits(loaded.model, tokens) - _logits(model, tokens)).abs().max().item()
     assert diff < 0.25  # bfloat16 weights: close, not equal
+
+
+def test_llama2c_with_its_own_tokenizer_bin(tmp_path, tokenizer_model, vocab):
+    from tokenizer_builders import write_llama2c_tokenizer
+
+    model = random_model(tiny_args(vocab, tie_embeddings=True), seed=10)
+    path = write_llama2c(model, tmp_path / "stories.bin", version=0)
+    write_llama2c_tokenizer(tmp_path / "tokenizer.bin", tokenizer_model)
+    loaded = load_model(path, device="cpu")
+    assert loaded.tokenizer.vocab_size == vocab
+    assert type(loaded.tokenizer).__name__ == "Llama2cTokenizer"
+    tokens = torch.tensor([loaded.tokenizer.encode("Once upon a time", bos=True)])
+    assert (_logits(loaded.model, tokens) - _logits(model, tokens)).abs().max().item() <= 1e-5
