@@ -91,8 +91,11 @@ def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _args(config: dict) -> ModelArgs:
     model_type = config.get("model_type", "llama")
-    if model_type != "llama":
+    # Mistral is a Llama with an optional sliding attention window; without one it is the same model.
+    if model_type not in ("llama", "mistral"):
         raise ModelLoadError(f"config.json: model_type {model_type!r} is not supported (expected 'llama')")
+    if config.get("sliding_window") is not None:
+        raise ModelLoadError(f"config.json: sliding_window {config['sliding_window']} is not supported")
     if config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (expected 'silu')")
     for flag in ("attention_bias", "mlp_bias"):

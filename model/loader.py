@@ -213,9 +213,16 @@ def _resolve_device(device: str | torch.device) -> torch.device:
             return torch.device("mps")
         return torch.device("cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ModelLoadError(f"device {device!r} is not a valid torch device ({e})") from None
+    available = {
+        "cuda": torch.cuda.is_available,
+        "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+    }.get(resolved.type)
+    if available is not None and not available():
+        raise ModelLoadError(f"device {str(device)!r} is not available on this machine")
+    return resolved
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

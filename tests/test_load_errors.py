@@ -157,6 +157,7 @@ def test_params_json_not_json(meta_dir):
 @pytest.mark.parametrize(("field", "value", "expect"), [
     ("num_hidden_layers", None, "config.json: missing field 'num_hidden_layers'"),
     ("model_type", "gpt2", "config.json: model_type 'gpt2' is not supported"),
+    ("sliding_window", 4096, "config.json: sliding_window 4096 is not supported"),
     ("hidden_act", "gelu", "config.json: hidden_act 'gelu' is not supported"),
     ("num_attention_heads", 0, "config.json: n_heads must be positive"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "config.json: rope_scaling type 'yarn'"),
@@ -176,3 +177,5 @@ def test_tokenizer_larger_than_the_embedding(tmp_path, tokenizer_model, vocab):
 def test_bad_dtype_and_device(meta_dir):
     assert "dtype 'float8'" in _error(meta_dir, dtype="float8")
     assert "device 'tpu9'" in _error(meta_dir, device="tpu9")
+    if not torch.cuda.is_available():
+        assert _error(meta_dir, device="cuda") == "device 'cuda' is not available on this machine"
