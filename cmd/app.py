@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from llama_chat.cmd.inputs import UsageProblem
+from llama_chat.cmd.inputs import UsageProblem, gather_prompt
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.signals import Terminated, install_sync_handlers
 
@@ -113,12 +113,16 @@ def stderr_console(color: str) -> Console:
 
 
 def execute(opts: Options) -> int:
-    from llama_chat.cmd.run_command import run_command  # heavy imports (torch) only past --help
-
     color = resolve_color(opts.color)
     err = stderr_console(color)
     try:
-        return run_command(opts, color, err)
+        # Input problems are found before torch is imported: a usage error should be instant.
+        if opts.top_p <= 0:
+            raise UsageProblem("--top-p must be greater than 0")
+        text = gather_prompt(opts.prompt)
+        from llama_chat.cmd.run_command import run_command
+
+        return run_command(opts, text, color, err)
     except KeyboardInterrupt:
         err.print("finish: cancelled", style="dim")
         return exit_status.SIGINT

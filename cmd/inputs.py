@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import BinaryIO
 
 
@@ -28,3 +29,9 @@ def combine_prompt(prompt: str | None, stdin_text: str | None) -> str:
                                "(interactive chat is not available yet)")
         raise UsageProblem("the prompt is empty")
     return text
+
+
+def gather_prompt(prompt: str | None) -> str:
+    """The prompt from ``--prompt`` and, when stdin is not a terminal, all of stdin."""
+    piped = sys.stdin is not None and not sys.stdin.isatty()
+    return combine_prompt(prompt, read_stdin_text(sys.stdin.buffer) if piped else None)

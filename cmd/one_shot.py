@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import anyio
 
 from llama_chat.cmd.render import OutputClosed, Renderer
+from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.signals import StopRequest, watch_signals
 from llama_chat.inference.decoding import StreamDecoder
 from llama_chat.inference.engine import Engine
@@ -85,12 +86,12 @@ class _Consumer:
         self.parts.append(text)
         # The renderer raises OutputClosed from here when stdout's reader has gone away.
         if self.renderer is not None and not self.output_closed:
-            self.renderer.update(text, self.decoder.pending_bytes, self.decoder.pending_text)
+            self.renderer.update(displayable(text), self.decoder.pending_bytes, self.decoder.pending_text)
 
     def flush(self) -> None:
         text = self.decoder.flush()
         self.parts.append(text)
-        self._render(lambda r: r.update(text, b"", ""))
+        self._render(lambda r: r.update(displayable(text), b"", ""))
 
     def finish(self) -> None:
         self._render(lambda r: r.finish())

@@ -14,7 +14,6 @@ import anyio
 from rich.console import Console
 
 from llama_chat.cmd import exit_status
-from llama_chat.cmd.inputs import UsageProblem, combine_prompt, read_stdin_text
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.prompt import prompt_ids
 from llama_chat.cmd.render import make_renderer
@@ -24,11 +23,6 @@ from llama_chat.inference.engine import Engine
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
-
-
-def gather_prompt(prompt: str | None) -> str:
-    stdin_text = None if sys.stdin is None or sys.stdin.isatty() else read_stdin_text(sys.stdin.buffer)
-    return combine_prompt(prompt, stdin_text)
 
 
 def load(opts, err: Console) -> LoadedModel:
@@ -59,10 +53,8 @@ def silence_stdout() -> None:
     os.close(devnull)
 
 
-def run_command(opts, color: str, err: Console) -> int:
-    if opts.top_p <= 0:
-        raise UsageProblem("--top-p must be greater than 0")
-    text = gather_prompt(opts.prompt)
+def run_command(opts, text: str, color: str, err: Console) -> int:
+    """Load, generate ``text`` (the prompt, already read and checked) and report; the exit status."""
     loaded = load(opts, err)
     ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
     seed = opts.seed if opts.seed is not None else secrets.randbelow(2**31)

@@ -1,0 +1,73 @@
+"""What the end-to-end tests of the ``llama-chat`` process share: a tiny model and a runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+
+from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
+
+ANSI = re.compile(rb"\x1b[\[\]()#;?]*[0-9;?]*[A-Za-z]")
+STOP_IDS = (2,)  # the SentencePiece builder's eos; the tiny vocabulary has no other stop token
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    path: Path
+    model: object  # the Transformer the checkpoint was written from
+    tokenizer_path: Path
+
+
+def build_tiny_model(out_dir: Path, *, max_seq_len: int = 1024) -> TinyModel:
+    """A random Llama that never ends on its own: the stop token's output row is zero.
+
+    Its logit is then exactly 0 while the best of the other 500-odd random logits is well above
+    it, so greedy runs of hundreds of tokens never stop early and a signal lands mid-generation.
+    """
+    tok = train_sentencepiece(out_dir / "spm", vocab_size=512)
+    vocab = spm.SentencePieceProcessor(model_file=str(tok)).vocab_size()
+    model = random_model(tiny_args(vocab, max_seq_len=max_seq_len), seed=3)
+    with torch.no_grad():
+        model.output.weight[list(STOP_IDS)] = 0.0
+    write_meta_checkpoint(model, out_dir / "tiny", tok)
+    return TinyModel(out_dir / "tiny", model, tok)
+
+
+def llama_chat_command() -> list[str]:
+    exe = shutil.which("llama-chat")
+    if exe is None:  # not on PATH (a venv not activated): the same entry point through Python
+        return [sys.executable, "-c", "from llama_chat.cmd.app import main; main()"]
+    return [exe]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("NO_COLOR", None)
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, stdin: bytes | None = None, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """Run the installed command to completion; stdin is /dev/null unless bytes are given."""
+    return subprocess.run(
+        [*llama_chat_command(), *args],
+        input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None,
+        capture_output=True,
+        timeout=timeout,
+        env=cli_env(**env),
+    )
+
+
+def json_result(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr.decode()
+    return json.loads(proc.stdout)
