@@ -23,6 +23,8 @@ GLUE = {0x200D, 0xFE0F, 0x20E3}  # zero-width joiner, variation selector 16, com
 
 def is_emoji_char(ch: str) -> bool:
     cp = ord(ch)
+    if cp == 0xFFFD:  # the replacement character is a symbol too, but marks broken bytes, not an emoji
+        return False
     if cp in GLUE or 0xE0020 <= cp <= 0xE007F:  # tag characters (subdivision flags)
         return True
     # Symbols ("So": animals, food, flags' regional indicators, ☀, ❄) and modifiers ("Sk": skin tones).
