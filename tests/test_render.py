@@ -1,0 +1,271 @@
+"""Renderers: exact text to a pipe; on a terminal, markers that vanish and a restored cursor."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from dataclasses import dataclass, field
+
+import pytest
+from rich.console import Console
+
+from llama_chat.cmd.render import (
+    MARKER,
+    LiveRenderer,
+    OutputClosed,
+    PlainRenderer,
+    make_renderer,
+)
+from llama_chat.inference.decoding import StreamDecoder
+
+FAMILY = "\U0001F468\u200d\U0001F469\u200d\U0001F467\u200d\U0001F466"
+TEXT = f"Hello {FAMILY} and 日本語, caf\u00e9 \U0001F1EB\U0001F1F7!\nSecond\tline \u2764\ufe0f ok"
+
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
+_CURSOR = re.compile(r"\x1b\[\?25[hl]")
+
+
+@dataclass
+class Screen:
+    """A tiny terminal: one cell per code point, backspace stops at the left edge, lines wrap at
+    ``width`` (xterm style: a full line wraps when the next character arrives)."""
+
+    width: int = 10_000
+    rows: list[list[str]] = field(default_factory=lambda: [[]])
+    col: int = 0
+    cursor_visible: bool = True
+    cursor_log: list[bool] = field(default_factory=list)
+    max_col_seen: int = 0
+
+    def feed(self, out: str) -> None:
+        i = 0
+        while i < len(out):
+            if out[i] == "\x1b":
+                m = _CURSOR.match(out, i) or _SGR.match(out, i)
+                assert m, f"unexpected escape sequence at {out[i:i + 10]!r}"
+                if m.re is _CURSOR:
+                    self.cursor_visible = m.group().endswith("h")
+                    self.cursor_log.append(self.cursor_visible)
+                i = m.end()
+                continue
+            ch = out[i]
+            i += 1
+            if ch == "\n":
+                self.rows.append([])
+                self.col = 0
+            elif ch == "\b":
+                self.col = max(self.col - 1, 0)
+            else:
+                if self.col >= self.width:
+                    self.rows.append([])
+                    self.col = 0
+                row = self.rows[-1]
+                row.extend(" " * (self.col + 1 - len(row)))
+                row[self.col] = ch
+                self.col += 1
+                self.max_col_seen = max(self.max_col_seen, self.col)
+
+    def lines(self) -> list[str]:
+        return ["".join(r).rstrip(" ") for r in self.rows]
+
+    def visible(self) -> str:
+        return "\n".join(self.lines()).rstrip("\n")
+
+
+def visible_text(text: str) -> str:
+    return "\n".join(line.rstrip(" ") for line in text.split("\n")).rstrip("\n")
+
+
+def stream_through(renderer, text: str, screen: Screen | None = None, out: io.StringIO | None = None):
+    """Spell ``text`` byte by byte through a StreamDecoder into ``renderer``, as the CLI does."""
+    dec = StreamDecoder()
+    renderer.start()
+    snapshots = []
+    for b in text.encode():
+        renderer.update(dec.feed(bytes([b])), dec.pending_bytes, dec.pending_text)
+        if screen is not None and out is not None:
+            screen.feed(out.getvalue())
+            out.seek(0)
+            out.truncate()
+            snapshots.append(screen.visible())
+    renderer.update(dec.flush(), b"", "")
+    renderer.finish()
+    return snapshots
+
+
+# --- PlainRenderer --------------------------------------------------------------------------------
+
+
+class CountingFlush(io.StringIO):
+    flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        super().flush()
+
+
+def test_plain_writes_exactly_the_committed_text_and_flushes():
+    out = CountingFlush()
+    stream_through(PlainRenderer(out), TEXT)
+    assert out.getvalue() == TEXT
+    assert "\x1b" not in out.getvalue() and "\b" not in out.getvalue()
+    assert out.flushes >= TEXT.count(" ")  # flushed per token that committed text
+
+
+def test_plain_raises_output_closed_on_a_closed_pipe():
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    stream = os.fdopen(write_fd, "w", encoding="utf-8")
+    renderer = PlainRenderer(stream)
+    renderer.start()
+    with pytest.raises(OutputClosed):
+        renderer.update("hello", b"", "")
+    renderer.finish()  # quiet, and again
+    renderer.finish()
+    try:
+        stream.close()
+    except BrokenPipeError:
+        pass  # the unflushed "hello" still sits in the buffer
+
+
+# --- LiveRenderer ---------------------------------------------------------------------------------
+
+
+def live(width: int = 80, color: bool = True) -> tuple[LiveRenderer, io.StringIO]:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=width, no_color=not color)
+    return LiveRenderer(console, color=color), out
+
+
+@pytest.mark.parametrize("color", [True, False])
+def test_live_final_screen_is_the_text(color):
+    renderer, out = live(color=color)
+    screen = Screen()
+    snapshots = stream_through(renderer, TEXT, screen, out)
+    assert screen.visible() == visible_text(TEXT)
+    # Markers were shown while bytes were pending, and only then.
+    assert any(s.endswith(MARKER) for s in snapshots)
+    assert all(MARKER not in s for s in snapshots if not s.endswith(MARKER))
+
+
+def test_live_family_emoji_appears_whole_and_markers_count_waiting_bytes():
+    renderer, out = live()
+    screen = Screen()
+    snapshots = stream_through(renderer, f"a{FAMILY} b", screen, out)
+    for snap in snapshots:
+        assert "\U0001F468" not in snap or FAMILY in snap  # never a lone face on screen
+    assert snapshots[1:4] == ["a.", "a..", "a..."]  # first face, 1-3 bytes in
+    assert snapshots[-3] == "a" + "." * 8  # capped at MAX_MARKERS
+    assert snapshots[-2] == f"a{FAMILY}"  # whole, with the space that released it
+
+
+def test_live_hides_the_cursor_while_streaming_and_restores_it():
+    renderer, out = live()
+    screen = Screen()
+    stream_through(renderer, TEXT, screen)
+    screen.feed(out.getvalue())
+    assert screen.cursor_log == [False, True]
+    assert out.getvalue().startswith("\x1b[?25l") and out.getvalue().endswith("\x1b[?25h")
+
+
+def test_live_without_color_writes_no_escape_at_all():
+    renderer, out = live(color=False)
+    stream_through(renderer, TEXT)
+    assert "\x1b" not in out.getvalue()
+    screen = Screen()
+    screen.feed(out.getvalue())
+    assert screen.visible() == visible_text(TEXT)
+
+
+def test_live_finish_is_idempotent_and_restores_on_errors():
+    renderer, out = live()
+    with pytest.raises(RuntimeError):
+        with renderer:
+            renderer.update("partial ", b"\xf0\x9f", "")
+            raise RuntimeError("generation failed")
+    written = out.getvalue()
+    renderer.finish()
+    assert out.getvalue() == written  # the second finish writes nothing
+    screen = Screen()
+    screen.feed(written)
+    assert screen.visible() == "partial" and screen.cursor_visible
+    assert screen.col == 0  # the unfinished line was ended
+
+
+def test_live_finish_without_start_or_text_writes_nothing():
+    renderer, out = live()
+    renderer.finish()
+    assert out.getvalue() == ""
+
+
+def test_live_markers_never_cross_the_right_edge():
+    # ASCII text so that this screen's one-cell-per-character model is exact.
+    width = 20
+    text = ("word " * 30).strip() + " \U0001F600 end"
+    renderer, out = live(width=width)
+    screen = Screen(width=width)
+    snapshots = stream_through(renderer, text, screen, out)
+    assert screen.max_col_seen <= width
+    expected = Screen(width=width)
+    expected.feed(text)
+    assert screen.lines() == expected.lines()
+    assert any(s.endswith(MARKER) for s in snapshots)
+
+
+def test_live_markers_skipped_when_the_line_is_full():
+    renderer, out = live(width=10)
+    renderer.start()
+    renderer.update("123456789", b"\xf0\x9f", "")  # 9 cells: two markers would not fit
+    assert MARKER not in out.getvalue()
+    renderer.update("", b"\xf0\x9f\x98", "")
+    assert MARKER not in out.getvalue()
+    renderer.finish()
+
+
+def test_live_broken_pipe_becomes_output_closed():
+    class Broken(io.StringIO):
+        def write(self, s: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    console = Console(file=Broken(), force_terminal=True)
+    renderer = LiveRenderer(console, color=True)
+    with pytest.raises(OutputClosed):
+        renderer.start()
+    renderer.finish()  # quiet
+
+
+# --- make_renderer --------------------------------------------------------------------------------
+
+
+def test_make_renderer_pipe_is_plain_whatever_the_color_mode():
+    for mode in ("auto", "always", "never"):
+        assert isinstance(make_renderer(False, mode, io.StringIO()), PlainRenderer)
+
+
+@pytest.mark.parametrize(
+    ("mode", "env", "color"),
+    [
+        ("auto", {}, True),
+        ("auto", {"NO_COLOR": "1"}, False),
+        ("auto", {"NO_COLOR": ""}, True),  # no-color.org: only a non-empty value counts
+        ("auto", {"TERM": "dumb"}, False),
+        ("always", {"NO_COLOR": "1"}, True),
+        ("never", {}, False),
+    ],
+)
+def test_make_renderer_terminal_color(monkeypatch, mode, env, color):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = io.StringIO()
+    renderer = make_renderer(True, mode, out)
+    assert isinstance(renderer, LiveRenderer)
+    stream_through(renderer, f"x {FAMILY} y")
+    assert ("\x1b" in out.getvalue()) is color
+
+
+def test_make_renderer_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="auto, always or never"):
+        make_renderer(True, "sometimes", io.StringIO())
