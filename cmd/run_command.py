@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+from pathlib import Path
 
 import anyio
 from rich.console import Console
 
 from llama_chat.cmd import exit_status
+from llama_chat.cmd.load_progress import load_progress
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.prompt import prompt_ids
 from llama_chat.cmd.render import make_renderer
@@ -27,19 +29,10 @@ from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 
 def load(opts, err: Console) -> LoadedModel:
     path = opts.model if opts.model is not None else default_model_dir()
-    return load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
-                      on_progress=_progress_callback(err))
-
-
-def _progress_callback(err: Console):
-    """A progress bar on an interactive stderr, when the loader's bar is available."""
-    if not err.is_terminal:
-        return None
-    try:
-        from llama_chat.cmd.load_progress import progress_callback
-    except ImportError:
-        return None
-    return progress_callback(err)
+    # The bar (stderr on a terminal, big checkpoints only) is erased on success, error or Ctrl+C.
+    with load_progress(Path(path).name or str(path), console=err) as on_progress:
+        return load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
+                          on_progress=on_progress)
 
 
 def silence_stdout() -> None:
