@@ -6,11 +6,12 @@ may still grow). Text arrives already displayable: control characters other than
 have been replaced (``cmd/sanitize.py``).
 
 On a terminal the pending state is shown as dim ASCII dots after the committed text, one per
-waiting byte (at most ``MAX_MARKERS``), and erased with backspace-space-backspace before the next
-write. Plain ASCII markers have a width every terminal agrees on, so erasing them never depends on
-how a terminal measures emoji; and they are only drawn when they fit on the current line, because
-a backspace cannot go back across a line wrap. Committed text is written once and never redrawn,
-so a long answer costs O(length) in total.
+waiting byte (at most ``MAX_MARKERS``), added one by one as bytes arrive and erased with
+backspace-space-backspace before the next text is written. Plain ASCII markers have a width every
+terminal agrees on, so erasing them never depends on how a terminal measures emoji; and only as
+many are drawn as fit before the right edge, because a backspace cannot go back across a line
+wrap. Committed text is written once and never redrawn, so a long answer costs O(length) in
+total.
 """
 
 from __future__ import annotations
@@ -113,16 +114,13 @@ class LiveRenderer:
 
     def update(self, committed: str, pending_bytes: bytes, pending_text: str) -> None:
         waiting = len(pending_bytes) + (len(pending_text.encode("utf-8")) if pending_text else 0)
-        markers = min(waiting, MAX_MARKERS)
-        if not committed and markers == self._markers:
-            return  # nothing visible changes: the common case for a byte inside a character
-        parts = [self._erase_markers()]
-        if committed:
-            parts.append(committed)
-            self._advance(committed)
-        if markers and self._fits(markers):
-            parts.append(self._marker_text(markers))
-            self._markers = markers
+        if not committed:
+            # Only the markers change (a byte inside a character): add or remove dots at the end.
+            self._write(self._resize_markers(min(waiting, MAX_MARKERS, self._room())))
+            return
+        parts = [self._erase_markers(), committed]
+        self._advance(committed)
+        parts.append(self._resize_markers(min(waiting, MAX_MARKERS, self._room())))
         self._write("".join(parts))
 
     def finish(self) -> None:
@@ -151,12 +149,17 @@ class LiveRenderer:
     # --- helpers ------------------------------------------------------------------------------
 
     def _erase_markers(self) -> str:
-        n, self._markers = self._markers, 0
-        return "\b" * n + " " * n + "\b" * n
+        return self._resize_markers(0)
 
-    def _marker_text(self, n: int) -> str:
-        text = MARKER * n
-        return self._dim.render(text) if self._color else text
+    def _resize_markers(self, n: int) -> str:
+        """Output that turns the markers on screen into ``n`` markers, cursor after them."""
+        shown = self._markers
+        self._markers = n
+        if n > shown:
+            dots = MARKER * (n - shown)
+            return self._dim.render(dots) if self._color else dots
+        d = shown - n  # erase the last d markers: back, blank, back
+        return "\b" * d + " " * d + "\b" * d
 
     def _advance(self, text: str) -> None:
         """Track how many cells the current line holds after writing ``text``."""
@@ -179,8 +182,9 @@ class LiveRenderer:
             return width
         return self._line_cells % width
 
-    def _fits(self, markers: int) -> bool:
-        return self._column() + markers + _EDGE_MARGIN <= self._console.width
+    def _room(self) -> int:
+        """How many markers fit after the cursor without reaching the right edge."""
+        return max(self._console.width - self._column() - _EDGE_MARGIN, 0)
 
     def _write(self, text: str) -> None:
         if not text:

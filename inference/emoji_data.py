@@ -3,8 +3,9 @@
 Python's ``unicodedata`` has no ``Extended_Pictographic`` property, so the ranges are embedded.
 They are the ``Extended_Pictographic`` lines of the Unicode emoji data file ``emoji-data.txt``
 (Unicode 15.1.0, https://www.unicode.org/Public/15.1.0/ucd/emoji/emoji-data.txt), adjacent lines
-merged. The property deliberately covers reserved code points in the emoji blocks so that it stays
-stable as emoji are added; its 3,537 code points have not changed since Unicode 13.0.
+merged: 3,537 code points. The property deliberately covers reserved code points in the emoji
+blocks, so that new emoji arrive already inside it and the table does not go stale with each
+Unicode release.
 """
 
 from __future__ import annotations

@@ -105,8 +105,9 @@ def sample(
 ) -> torch.Tensor:
     """Pick one token per row: ``(batch, vocab)`` float logits -> ``(batch,)`` int64 token ids.
 
-    Deterministic for a given ``generator`` seed (and device). ``generator=None`` uses torch's
-    global RNG. The greedy path neither normalises nor touches the generator.
+    Deterministic for a given ``generator`` seed (and device); the generator must live on the
+    logits' device. ``generator=None`` uses torch's global RNG. The greedy path neither normalises
+    nor touches the generator.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be (batch, vocab), got shape {tuple(logits.shape)}")

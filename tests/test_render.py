@@ -20,7 +20,10 @@ from llama_chat.cmd.render import (
 from llama_chat.inference.decoding import StreamDecoder
 
 FAMILY = "\U0001F468\u200d\U0001F469\u200d\U0001F467\u200d\U0001F466"
-TEXT = f"Hello {FAMILY} and 日本語, caf\u00e9 \U0001F1EB\U0001F1F7!\nSecond\tline \u2764\ufe0f ok"
+TEXT = (
+    f"Hello {FAMILY} and 日本語, caf\u00e9 \U0001F1EB\U0001F1F7!\n"
+    "Second\tline \u2764\ufe0f ok"
+)
 
 _SGR = re.compile(r"\x1b\[[0-9;]*m")
 _CURSOR = re.compile(r"\x1b\[\?25[hl]")
@@ -77,8 +80,13 @@ def visible_text(text: str) -> str:
     return "\n".join(line.rstrip(" ") for line in text.split("\n")).rstrip("\n")
 
 
-def stream_through(renderer, text: str, screen: Screen | None = None, out: io.StringIO | None = None):
-    """Spell ``text`` byte by byte through a StreamDecoder into ``renderer``, as the CLI does."""
+def stream_through(
+    renderer, text: str, screen: Screen | None = None, out: io.StringIO | None = None
+):
+    """Spell ``text`` byte by byte through a StreamDecoder into ``renderer``, as the CLI does.
+
+    With ``screen`` and ``out``, returns what the screen shows after every byte.
+    """
     dec = StreamDecoder()
     renderer.start()
     snapshots = []
@@ -220,6 +228,15 @@ def test_live_markers_skipped_when_the_line_is_full():
     assert MARKER not in out.getvalue()
     renderer.update("", b"\xf0\x9f\x98", "")
     assert MARKER not in out.getvalue()
+    renderer.finish()
+
+
+def test_live_markers_count_wide_characters_as_two_cells():
+    renderer, out = live(width=12)
+    renderer.update("日本語", b"", "\U0001F1EB")  # 6 cells used; 4 waiting bytes
+    assert out.getvalue().count(MARKER) == 4  # 12 - 6 - 2 cells of margin: exactly room for 4
+    renderer.update("", b"\xf0\x9f", "\U0001F1EB")  # 6 waiting now, still room for 4
+    assert out.getvalue().count(MARKER) == 4
     renderer.finish()
 
 

@@ -169,3 +169,14 @@ def test_invalid_params_raise_one_line_errors(kwargs, message):
 def test_logits_must_be_batched():
     with pytest.raises(ValueError, match="batch, vocab"):
         sample(torch.zeros(10), SamplingParams(), None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rows_are_deterministic_and_stay_in_the_nucleus():
+    logits = random_logits(16, 128256, seed=15).cuda()
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    a = sample(logits, params, torch.Generator("cuda").manual_seed(1))
+    b = sample(logits, params, torch.Generator("cuda").manual_seed(1))
+    assert a.device.type == "cuda" and torch.equal(a, b)
+    kept = torch.isfinite(apply_top_p(logits / 0.8, 0.9))
+    assert bool(kept.gather(-1, a[:, None]).all())
