@@ -22,7 +22,7 @@ from llama_chat.model.transformer import Transformer
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1500
+    steps: int = 900
     batch: int = 8
     seq_len: int = 512
     lr: float = 2e-3
