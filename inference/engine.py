@@ -111,8 +111,15 @@ class Engine:
                 step.forward_and_sample, rows, [pos], params, generator, self._sampler)
             state = state_after(token, index=index, request=request, stop_ids=self.stop_ids,
                                 max_seq_len=step.max_seq_len)
-            await send.send(TokenEvent(request.request_id, index, token, self.token_bytes(token), state,
-                                       time.perf_counter() - start))
+            event = TokenEvent(request.request_id, index, token, self.token_bytes(token), state,
+                               time.perf_counter() - start)
+            try:
+                # No extra trip through the event loop when the buffer has room: the next
+                # forward is submitted sooner. The thread call below is still a checkpoint, so
+                # a cancel lands between steps all the same.
+                send.send_nowait(event)
+            except anyio.WouldBlock:
+                await send.send(event)  # the buffer is full: wait for the consumer (backpressure)
             if state.finished:
                 return
             pos += len(rows[0])

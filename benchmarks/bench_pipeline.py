@@ -1,0 +1,163 @@
+"""What the streaming pipeline costs: the full pipeline against a bare loop of forward steps.
+
+Both runs use the same model in the same process and generate the same greedy tokens:
+
+* bare: ``model(tokens, positions, cache)`` then ``argmax`` then ``int()``, in a plain loop on the
+  main thread;
+* pipeline: what ``llama-chat`` runs, ``run_one_shot``: the producer task with one worker-thread
+  call per forward, the bounded channel, the signal watcher, the StreamDecoder, and the plain
+  renderer writing every token to a pipe read by a ``cat`` child process.
+
+Rounds alternate bare and pipeline so that drift in machine load hits both alike; the medians and
+the median of the per-round ratios are printed. The default model has the shape of llama2.c's
+stories15M (dim 288, 6 layers, 6 heads, vocab 32000, context 256) with random weights.
+
+    python benchmarks/bench_pipeline.py [--tokens 200] [--rounds 7] [--dim 288 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+
+import anyio
+import torch
+
+from llama_chat.cmd.one_shot import run_one_shot
+from llama_chat.cmd.render import PlainRenderer
+from llama_chat.inference.engine import Engine
+from llama_chat.inference.types import Request
+from llama_chat.ml.sampling import SamplingParams
+from llama_chat.model.args import ModelArgs
+from llama_chat.model.kv_cache import KVCache
+from llama_chat.model.transformer import Transformer
+
+EOS = 2
+
+
+class SyntheticTokenizer:
+    """A SentencePiece-shaped vocabulary of any size: specials, 256 byte pieces, then words."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self._vocab = vocab_size
+
+    vocab_size = property(lambda self: self._vocab)
+    bos_id = property(lambda self: 1)
+    eos_id = property(lambda self: EOS)
+    stop_ids = property(lambda self: frozenset({EOS}))
+    special_tokens = property(lambda self: {"<unk>": 0, "<s>": 1, "</s>": EOS})
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = [259 + (sum(map(ord, word)) % (self._vocab - 259)) for word in text.split()]
+        return ([1] if bos else []) + ids + ([EOS] if eos else [])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(map(self.token_bytes, ids)).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id < 3:
+            return b""
+        if token_id < 259:
+            return bytes([token_id - 3])
+        letters = "abcdefghijklmnopqrstuvwxyzéü"
+        return (" " + letters[token_id % 28] * (1 + token_id % 5)).encode()
+
+
+def build_model(args: ModelArgs, seed: int = 0) -> Transformer:
+    model = Transformer(args)
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model.output.weight[EOS] = 0.0  # never stop early: both runs make every token asked for
+    return model.eval()
+
+
+def bare_loop(model: Transformer, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    cache = KVCache.for_model(model.args, 1)
+    out: list[int] = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        tokens = torch.tensor([prompt])
+        positions = torch.arange(len(prompt)).unsqueeze(0)
+        for _ in range(n):
+            logits = model(tokens, positions, cache, last_only=True)
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            next_pos = int(positions[0, -1]) + 1
+            tokens = torch.tensor([[token]])
+            positions = torch.tensor([[next_pos]])
+    return time.perf_counter() - start, out
+
+
+def pipeline(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    sink = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    stream = io.TextIOWrapper(sink.stdin, encoding="utf-8", errors="replace", write_through=False)
+    request = Request(tuple(prompt), sampling=SamplingParams(temperature=0.0), max_tokens=n)
+    try:
+        start = time.perf_counter()
+        outcome = anyio.run(run_one_shot, engine, request, PlainRenderer(stream))
+        elapsed = time.perf_counter() - start
+    finally:
+        stream.close()
+        sink.wait()
+    return elapsed, list(outcome.completion.token_ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=288)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    opts = parser.parse_args()
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+
+    args = ModelArgs(dim=opts.dim, n_layers=opts.layers, n_heads=opts.heads, vocab_size=opts.vocab,
+                     hidden_dim=opts.hidden, max_seq_len=opts.context)
+    model = build_model(args)
+    engine = Engine(model, SyntheticTokenizer(opts.vocab))
+    prompt = [1] + [259 + (i * 7919) % (opts.vocab - 259) for i in range(opts.prompt_tokens - 1)]
+    n = opts.tokens
+    assert len(prompt) + n <= opts.context, "prompt plus tokens must fit the context"
+
+    print(f"model: dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads, vocab {args.vocab_size}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; prompt {len(prompt)} tokens, "
+          f"{n} generated; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
+    # Warm up both paths (allocator, thread pool, first-call dispatch), and check they agree.
+    _, bare_ids = bare_loop(model, prompt, n)
+    _, pipe_ids = pipeline(engine, prompt, n)
+    assert bare_ids == pipe_ids, "the pipeline and the bare loop generated different tokens"
+
+    bare_rates, pipe_rates, ratios = [], [], []
+    for r in range(opts.rounds):
+        # Alternate which goes first, so a trend in machine load does not favour either.
+        if r % 2:
+            pipe_s, _ = pipeline(engine, prompt, n)
+            bare_s, _ = bare_loop(model, prompt, n)
+        else:
+            bare_s, _ = bare_loop(model, prompt, n)
+            pipe_s, _ = pipeline(engine, prompt, n)
+        bare_rates.append(n / bare_s)
+        pipe_rates.append(n / pipe_s)
+        ratios.append(bare_s / pipe_s)
+        print(f"round {r + 1}: bare {n / bare_s:7.1f} tok/s   pipeline {n / pipe_s:7.1f} tok/s   "
+              f"ratio {bare_s / pipe_s:.3f}")
+    print(f"median: bare {statistics.median(bare_rates):.1f} tok/s, pipeline {statistics.median(pipe_rates):.1f} "
+          f"tok/s, pipeline/bare {statistics.median(ratios):.3f}")
+    print(f"best:   bare {max(bare_rates):.1f} tok/s, pipeline {max(pipe_rates):.1f} tok/s, "
+          f"pipeline/bare {max(pipe_rates) / max(bare_rates):.3f}")
+
+
+if __name__ == "__main__":
+    main()
