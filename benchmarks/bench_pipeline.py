@@ -157,6 +157,30 @@ def main() -> None:
           f"tok/s, pipeline/bare {statistics.median(ratios):.3f}")
     print(f"best:   bare {max(bare_rates):.1f} tok/s, pipeline {max(pipe_rates):.1f} tok/s, "
           f"pipeline/bare {max(pipe_rates) / max(bare_rates):.3f}")
+    forward_ms, gap_ms = step_gaps(engine, prompt, n)
+    print(f"pipeline per token: forward + sample in the worker {forward_ms:.3f} ms, between two forwards "
+          f"{gap_ms:.3f} ms (thread hand-offs, event, channel; medians)")
+
+
+def step_gaps(engine: Engine, prompt: list[int], n: int) -> tuple[float, float]:
+    """Median time inside each worker call and between consecutive calls, in one pipeline run."""
+    marks: list[tuple[float, float]] = []
+    step = engine.step.forward_and_sample
+
+    def timed(*args):
+        begin = time.perf_counter()
+        result = step(*args)
+        marks.append((begin, time.perf_counter()))
+        return result
+
+    engine.step.forward_and_sample = timed
+    try:
+        pipeline(engine, prompt, n)
+    finally:
+        del engine.step.forward_and_sample
+    inside = [end - begin for begin, end in marks[1:]]
+    between = [marks[i + 1][0] - marks[i][1] for i in range(1, len(marks) - 1)]
+    return statistics.median(inside) * 1e3, statistics.median(between) * 1e3
 
 
 if __name__ == "__main__":

@@ -35,9 +35,14 @@ class Outcome:
     output_closed: bool  # stdout's reader went away
 
 
-async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | None) -> Outcome:
-    """Generate ``request``, rendering as it goes (``renderer`` None: collect only, for ``--json``)."""
-    consumer = _Consumer(renderer)
+async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | None, *,
+                       strip_leading_space: bool = False) -> Outcome:
+    """Generate ``request``, rendering as it goes (``renderer`` None: collect only, for ``--json``).
+
+    ``strip_leading_space`` drops one space from the start of the answer: SentencePiece spells a
+    reply's first word with the word-start marker, which only makes sense when continuing text.
+    """
+    consumer = _Consumer(renderer, strip_leading_space)
     stop = StopRequest()
     tally = Tally(request.request_id, len(request.prompt_ids))
     try:
@@ -68,8 +73,9 @@ async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | No
 class _Consumer:
     """Token bytes -> StreamDecoder -> renderer; remembers everything it committed."""
 
-    def __init__(self, renderer: Renderer | None) -> None:
+    def __init__(self, renderer: Renderer | None, strip_leading_space: bool = False) -> None:
         self.renderer = renderer
+        self._strip = strip_leading_space
         self.decoder = StreamDecoder()
         self.parts: list[str] = []
         self.output_closed = False
@@ -82,6 +88,10 @@ class _Consumer:
         self._render(lambda r: r.start())
 
     def feed(self, data: bytes) -> None:
+        if self._strip and data:
+            self._strip = False
+            if data.startswith(b" "):
+                data = data[1:]
         text = self.decoder.feed(data)
         self.parts.append(text)
         # The renderer raises OutputClosed from here when stdout's reader has gone away.

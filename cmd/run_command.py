@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -58,7 +59,9 @@ def run_command(opts, text: str, color: str, err: Console) -> int:
 
     renderer = None if opts.json else make_renderer(sys.stdout.isatty(), color, sys.stdout)
     try:
-        outcome: Outcome = anyio.run(run_one_shot, engine, request, renderer)
+        # A chat reply is not a continuation of the prompt text: no leading word-start space.
+        strip = loaded.chat_format is not None and getattr(loaded.tokenizer, "strips_leading_space", False)
+        outcome: Outcome = anyio.run(partial(run_one_shot, strip_leading_space=strip), engine, request, renderer)
     finally:
         install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
 
