@@ -108,7 +108,8 @@ def resolve_color(mode: str) -> str:
 
 
 def stderr_console(color: str) -> Console:
-    return Console(stderr=True, highlight=False, no_color=color == "never",
+    # color_system=None writes no escape sequence at all: NO_COLOR users get no dim or bold either.
+    return Console(stderr=True, highlight=False, color_system=None if color == "never" else "auto",
                    force_terminal=True if color == "always" else None)
 
 

@@ -89,12 +89,12 @@ def test_closed_stdout_stops_quietly(tiny):
     assert proc.returncode == 141 and err == b""
 
 
-def _pty_run(tiny, *args: str, interrupt_after_output: bool = False) -> tuple[int, bytes]:
+def _pty_run(tiny, *args: str, interrupt_after_output: bool = False, **env: str) -> tuple[int, bytes]:
     """Run with stdout and stderr on a 160-column pseudo-terminal; return (status, everything shown)."""
     primary, secondary = os.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     proc = subprocess.Popen([*llama_chat_command(), "-m", str(tiny.path), *args], stdin=subprocess.DEVNULL,
-                            stdout=secondary, stderr=secondary, env=cli_env(TERM="xterm-256color"))
+                            stdout=secondary, stderr=secondary, env=cli_env(TERM="xterm-256color", **env))
     os.close(secondary)
     shown = b""
     interrupted = False
@@ -151,3 +151,8 @@ def _apply_backspaces(text: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+def test_no_color_on_a_terminal_writes_no_escape_sequence(tiny):
+    status, shown = _pty_run(tiny, "-t", "0", "-n", "20", "-p", "Once", "--stats", NO_COLOR="1")
+    assert status == 0 and b"\x1b" not in shown and b"finish: max_tokens" in shown

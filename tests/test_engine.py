@@ -13,6 +13,7 @@ import torch
 from builders import random_model, tiny_args, train_sentencepiece
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.errors import EmptyPrompt, PromptTooLong
+from llama_chat.inference.stopping import stop_ids_of
 from llama_chat.inference.types import GenerationState, Request, TokenEvent
 from llama_chat.ml.sampling import SamplingParams, sample
 from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer
@@ -144,6 +145,16 @@ def test_context_full(model, tokenizer):
     done = engine.generate(Request(ids, sampling=GREEDY))
     assert done.finish_reason is GenerationState.CONTEXT_FULL
     assert len(ids) + done.completion_tokens == engine.max_seq_len
+
+
+def test_every_declared_end_marker_stops():
+    class Llama3Like:
+        stop_ids = frozenset({128009})
+        eos_id = 128001
+        special_tokens = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eom_id|>": 128008,
+                          "<|eot_id|>": 128009, "<|start_header_id|>": 128006}
+
+    assert stop_ids_of(Llama3Like()) == {128001, 128008, 128009}
 
 
 def test_bad_requests_fail_before_any_work(model, tokenizer):
