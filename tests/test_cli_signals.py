@@ -16,7 +16,9 @@ import pytest
 from cli_support import ANSI, build_tiny_model, cli_env, json_result, llama_chat_command, run_cli
 from llama_chat.cmd.sanitize import displayable
 
-LONG = ("-t", "0", "-n", "600", "-p", "Once upon a time")  # about 10 s of tokens on a loaded CPU
+# Long enough that a signal sent after the first bytes always lands mid-generation: the tiny model
+# makes 1000 to 1500 tokens/s here (well under 100 with busy-waiting OpenMP helpers on a shared CPU).
+LONG = ("-t", "0", "-n", "1000", "-p", "Once upon a time")
 
 
 @pytest.fixture(scope="module")
