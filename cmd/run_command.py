@@ -11,6 +11,7 @@ import secrets
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 from rich.console import Console
@@ -27,8 +28,11 @@ from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 
+if TYPE_CHECKING:
+    from llama_chat.cmd.app import Options
 
-def load(opts, err: Console) -> LoadedModel:
+
+def load(opts: Options, err: Console) -> LoadedModel:
     path = opts.model if opts.model is not None else default_model_dir()
     # The bar (stderr on a terminal, big checkpoints only) is erased on success, error or Ctrl+C.
     with load_progress(Path(path).name or str(path), console=err) as on_progress:
@@ -47,7 +51,7 @@ def silence_stdout() -> None:
     os.close(devnull)
 
 
-def run_command(opts, text: str, color: str, err: Console) -> int:
+def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     """Load, generate ``text`` (the prompt, already read and checked) and report; the exit status."""
     loaded = load(opts, err)
     ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)

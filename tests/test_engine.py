@@ -214,6 +214,17 @@ def test_cancel_stops_the_producer_within_one_step(model, tokenizer):
     assert result["calls_after"] <= result["calls_at_cancel"] + 1
     assert result["in_flight"] == 0 and result["calls_later"] == result["calls_after"]
     assert not engine._busy
+    # And the worker thread itself is gone once the event loop is.
+    assert _worker_threads_exit()
+
+
+def _worker_threads_exit(timeout_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(t.name == "AnyIO worker thread" and t.is_alive() for t in threading.enumerate()):
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_cancel_during_prefill_waits_for_one_chunk(model, tokenizer):
