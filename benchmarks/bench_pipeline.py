@@ -160,6 +160,25 @@ def main() -> None:
     forward_ms, gap_ms = step_gaps(engine, prompt, n)
     print(f"pipeline per token: forward + sample in the worker {forward_ms:.3f} ms, between two forwards "
           f"{gap_ms:.3f} ms (thread hand-offs, event, channel; medians)")
+    idle_ms = anyio.run(handoff_ms, forward_ms / 1e3)
+    busy_ms = anyio.run(handoff_ms, 0.0)
+    print(f"run_sync round trip alone: {idle_ms:.3f} ms around a {forward_ms:.1f} ms time.sleep, "
+          f"{busy_ms:.3f} ms around a no-op (medians): the machine's thread hand-off cost")
+
+
+async def handoff_ms(sleep_s: float, calls: int = 200) -> float:
+    """Median time between consecutive ``run_sync`` calls whose work is only ``time.sleep``."""
+    marks: list[tuple[float, float]] = []
+
+    def work() -> None:
+        begin = time.perf_counter()
+        if sleep_s:
+            time.sleep(sleep_s)
+        marks.append((begin, time.perf_counter()))
+
+    for _ in range(calls):
+        await anyio.to_thread.run_sync(work)
+    return statistics.median(marks[i + 1][0] - marks[i][1] for i in range(len(marks) - 1)) * 1e3
 
 
 def step_gaps(engine: Engine, prompt: list[int], n: int) -> tuple[float, float]:
