@@ -48,6 +48,7 @@ class StopRequest:
 def hard_exit(signum: int) -> None:
     """The second signal: reset the terminal, say so on stderr, and leave without unwinding."""
     try:
+        sys.stdout.flush()  # committed text stays, even on the way out
         if sys.stdout.isatty():
             os.write(sys.stdout.fileno(), _TERMINAL_RESET.encode())
         os.write(sys.stderr.fileno(), b"\nfinish: cancelled (second signal, exiting now)\n")
@@ -66,7 +67,8 @@ async def watch_signals(scope: anyio.CancelScope, stop: StopRequest, *,
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
         async for signum in signals:
-            if stop.signum is not None:
+            if stop.signum is None:
+                stop.signum = signum
+                scope.cancel()
+            else:
                 hard_exit(signum)
-            stop.signum = signum
-            scope.cancel()

@@ -11,9 +11,11 @@ import subprocess
 import termios
 import time
 
+import anyio
 import pytest
 
 from cli_support import ANSI, build_tiny_model, cli_env, json_result, llama_chat_command, run_cli
+from llama_chat.cmd import signals as cli_signals
 from llama_chat.cmd.sanitize import displayable
 
 # Long enough that a signal sent after the first bytes always lands mid-generation: the tiny model
@@ -158,3 +160,27 @@ def _apply_backspaces(text: str) -> str:
 def test_no_color_on_a_terminal_writes_no_escape_sequence(tiny):
     status, shown = _pty_run(tiny, "-t", "0", "-n", "20", "-p", "Once", "--stats", NO_COLOR="1")
     assert status == 0 and b"\x1b" not in shown and b"finish: max_tokens" in shown
+
+
+def test_watcher_first_signal_cancels_and_a_second_exits(monkeypatch):
+    exits = []
+    monkeypatch.setattr(cli_signals, "hard_exit", exits.append)
+    stop = cli_signals.StopRequest()
+    seen = {}
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            generation = anyio.CancelScope()
+            await tg.start(cli_signals.watch_signals, generation, stop)
+            with generation:
+                os.kill(os.getpid(), signal.SIGINT)
+                await anyio.sleep(10)
+            seen["cancelled"] = generation.cancelled_caught
+            os.kill(os.getpid(), signal.SIGTERM)  # the watcher still listens while unwinding
+            with anyio.move_on_after(5):
+                while not exits:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert seen["cancelled"] and stop.signum == signal.SIGINT and exits == [signal.SIGTERM]
