@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -119,12 +120,18 @@ def build_samples(n: int) -> list[Sample]:
     return stories + requests
 
 
+def hero_sentence(text: str) -> str:
+    """The story's first sentence, where its hero is introduced."""
+    return re.split(r"(?<=[.!?])\s+", text.strip(), maxsplit=1)[0]
+
+
 def report(samples: list[Sample], vocab: set[str], known: set[str], seconds: float) -> dict:
     words = [w for s in samples for w in corpus.words(s.text)]
     unknown = sorted({w for w in words if w not in vocab})
     in_vocab = sum(w in vocab for w in words)
     requests = [s for s in samples if s.subject]
     mentioned = [s for s in requests if s.subject in corpus.words(s.text)]
+    heroes = [s for s in requests if s.subject in corpus.words(hero_sentence(s.text))]
     with_emoji = [s for s in samples if emoji_spans(s.text)]
     whole = [s for s in samples if whole_emoji(s, known)]
     return {
@@ -133,7 +140,8 @@ def report(samples: list[Sample], vocab: set[str], known: set[str], seconds: flo
                   "unknown": unknown[:40]},
         "mentions": {"mentioned": len(mentioned), "requests": len(requests),
                      "fraction": len(mentioned) / max(1, len(requests)),
-                     "missed": [s.subject for s in requests if s not in mentioned]},
+                     "missed": [s.subject for s in requests if s not in mentioned],
+                     "hero_is_x": len(heroes)},
         "emoji": {"whole": len(whole), "with_any_emoji": len(with_emoji), "outputs": len(samples),
                   "fraction": len(whole) / len(samples),
                   "broken": sum("\ufffd" in s.text for s in samples)},
@@ -170,6 +178,7 @@ def main() -> None:
     print(f"model: {loaded.path}  temperature {a.temperature}  top_p 0.95  max_tokens {MAX_TOKENS}")
     print(f"(a) words in corpus vocabulary: {w['in_corpus']}/{w['total']} = {w['fraction']:.4f}  (target >= 0.97)")
     print(f"(b) requests that mention X:    {m['mentioned']}/{m['requests']} = {m['fraction']:.2f}  (target >= 0.8)")
+    print(f"    (stricter: the story's first sentence names X in {m['hero_is_x']}/{m['requests']})")
     print(f"(c) outputs with a whole emoji: {e['whole']}/{e['outputs']} = {e['fraction']:.2f}  (target >= 0.2)")
     print(f"    outputs with any emoji {e['with_any_emoji']}, with U+FFFD {e['broken']}; "
           f"byte tokens generated {result['byte_tokens']} of {result['tokens']} tokens")

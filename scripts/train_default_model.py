@@ -1,9 +1,5 @@
 """Make the default model end to end: corpus -> tokenizer -> training -> package data.
 
-Training has two phases: pretraining on the main corpus (stories and chat exchanges), then a short
-instruction-tuning phase on a mix richer in "Tell me a story about X" exchanges whose answers open
-by naming X. The tokenizer is trained on the main corpus only.
-
     python scripts/train_default_model.py            # the shipped model (CPU, 2 threads)
     python scripts/train_default_model.py --prepare-only   # corpus and tokenizer only (and hashes)
 
@@ -19,7 +15,7 @@ import argparse
 import hashlib
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import sentencepiece as spm
@@ -41,9 +37,6 @@ LOSS_PNG = ROOT / "docs" / "default-model-loss.png"
 VOCAB_SIZE = 1024
 TRAIN_DOCS = 40_000
 VAL_DOCS = 1_000
-TUNE_DOCS = 8_000
-PRETRAIN = TrainConfig(steps=1400)
-TUNE = TrainConfig(steps=300, lr=6e-4, warmup=30, eval_every=50, seed=1)
 
 
 def model_args() -> ModelArgs:
@@ -57,21 +50,20 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def prepare(seed: int, work: Path) -> tuple[Path, Path, Path, Path]:
-    train_jsonl, val_jsonl, tune_jsonl = corpus.write(seed, TRAIN_DOCS, VAL_DOCS, work / "corpus", TUNE_DOCS)
+def prepare(seed: int, work: Path) -> tuple[Path, Path, Path]:
+    train_jsonl, val_jsonl = corpus.write(seed, TRAIN_DOCS, VAL_DOCS, work / "corpus")
     segments = (s for doc in corpus.read(train_jsonl) for s in doc)
     tok = tokenizer.train(segments, work / "tokenizer.model", VOCAB_SIZE)
-    for p in (train_jsonl, val_jsonl, tune_jsonl, tok):
+    for p in (train_jsonl, val_jsonl, tok):
         print(f"{sha256(p)}  {p.name}", flush=True)
-    return train_jsonl, val_jsonl, tune_jsonl, tok
+    return train_jsonl, val_jsonl, tok
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=PRETRAIN.steps, help="pretraining steps")
-    ap.add_argument("--tune-steps", type=int, default=TUNE.steps, help="instruction-tuning steps")
-    ap.add_argument("--eval-every", type=int, default=PRETRAIN.eval_every)
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=WORK)
     ap.add_argument("--out", type=Path, default=PACKAGE_DIR)
@@ -82,15 +74,13 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    train_jsonl, val_jsonl, tune_jsonl, tok_path = prepare(a.seed, a.work)
+    train_jsonl, val_jsonl, tok_path = prepare(a.seed, a.work)
     if a.prepare_only:
         return
     sp = spm.SentencePieceProcessor(model_file=str(tok_path))
     stream = encode_documents(sp, corpus.read(train_jsonl))
     val_stream = encode_documents(sp, corpus.read(val_jsonl))
-    tune_stream = encode_documents(sp, corpus.read(tune_jsonl))
-    cfg = replace(PRETRAIN, steps=a.steps, eval_every=a.eval_every, seed=a.seed)
-    tune_cfg = replace(TUNE, steps=a.tune_steps, seed=a.seed + 1)
+    cfg = TrainConfig(steps=a.steps, eval_every=a.eval_every, seed=a.seed)
     val = fixed_windows(val_stream, 32, cfg.seq_len)
     print(f"train tokens {stream.numel():,}  val tokens {val_stream.numel():,}  prep {time.perf_counter() - t0:.0f}s",
           flush=True)
@@ -102,28 +92,19 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model {args}  parameters {n_params:,}", flush=True)
 
-    state_path, tune_state_path = a.work / "train_state.pt", a.work / "tune_state.pt"
-    if a.fresh:
-        for p in (state_path, tune_state_path):
-            p.unlink(missing_ok=True)
-    log = a.work / "loss.csv"
-    pretrain = train(model, stream, val, cfg, log, state_path)
-    print(f"pretraining done: {pretrain}", flush=True)
-    tune = train(model, tune_stream, val, tune_cfg, log, tune_state_path,
-                 log_offset=(cfg.steps, pretrain["tokens"], pretrain["elapsed_s"]))
-    print(f"instruction tuning done: {tune}", flush=True)
+    state_path = a.work / "train_state.pt"
+    if a.fresh and state_path.exists():
+        state_path.unlink()
+    result = train(model, stream, val, cfg, a.work / "loss.csv", state_path)
 
     files = export(model.eval(), tok_path, a.out)
     plot_loss(a.work / "loss.csv", a.loss_png)
     summary = {
         "seed": a.seed, "threads": a.threads, "parameters": n_params, "model": args.to_params_json(),
-        "pretrain": {**asdict(cfg), **pretrain, "corpus_tokens": stream.numel()},
-        "tune": {**asdict(tune_cfg), **tune, "corpus_tokens": tune_stream.numel()},
-        "training_s": pretrain["elapsed_s"] + tune["elapsed_s"],
-        "tokens_seen": pretrain["tokens"] + tune["tokens"], "val_loss": tune["val_loss"],
+        "train": asdict(cfg), "train_tokens_in_corpus": stream.numel(), **result,
         "total_s": time.perf_counter() - t0,
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files},
-        "corpus_sha256": {p.name: sha256(p) for p in (train_jsonl, val_jsonl, tune_jsonl)},
+        "corpus_sha256": {p.name: sha256(p) for p in (train_jsonl, val_jsonl)},
     }
     (a.work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2), flush=True)

@@ -35,39 +35,22 @@ def documents(seed: int, count: int) -> Iterator[list[str]]:
             yield exchanges.exchange(rng)
 
 
-def tuning_documents(seed: int, count: int) -> Iterator[list[str]]:
-    """The instruction-tuning mix: half documents like the main corpus, half tuned chat exchanges."""
-    rng = random.Random(seed)
-    for _ in range(count):
-        r = rng.random()
-        if r < 0.3:
-            yield [stories.story(rng)]
-        elif r < 0.5:
-            yield exchanges.exchange(rng)
-        else:
-            yield exchanges.exchange(rng, tuned=True)
-
-
 def words(text: str) -> list[str]:
     """The words of a text as the evaluation counts them: runs of letters, lower-cased."""
     return [w.lower() for w in WORD.findall(text)]
 
 
-def write(seed: int, train_docs: int, val_docs: int, out_dir: Path,
-          tune_docs: int = 0) -> tuple[Path, ...]:
-    """``train.jsonl``, ``val.jsonl`` and (``tune_docs`` > 0) ``tune.jsonl``, each from its own seed stream."""
+def write(seed: int, train_docs: int, val_docs: int, out_dir: Path) -> tuple[Path, Path]:
+    """``train.jsonl`` and ``val.jsonl``; validation documents come from a different seed stream."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    parts = [("train", documents, seed, train_docs), ("val", documents, seed + 1_000_003, val_docs)]
-    if tune_docs:
-        parts.append(("tune", tuning_documents, seed + 2_000_003, tune_docs))
-    for name, make, sub_seed, count in parts:
+    for name, sub_seed, count in (("train", seed, train_docs), ("val", seed + 1_000_003, val_docs)):
         path = out_dir / f"{name}.jsonl"
         with path.open("w", encoding="utf-8") as f:
-            for doc in make(sub_seed, count):
+            for doc in documents(sub_seed, count):
                 f.write(json.dumps(doc, ensure_ascii=False) + "\n")
         paths.append(path)
-    return tuple(paths)
+    return paths[0], paths[1]
 
 
 def read(path: Path) -> Iterator[list[str]]:

@@ -32,31 +32,20 @@ def turn(user: str, answer: str, system: str | None = None) -> str:
     return f"[INST] {user.strip()} [/INST] {answer.strip()} "
 
 
-def story_request(rng: random.Random, opener: bool = False) -> tuple[str, str]:
-    """"Tell me a story about X" and a story whose hero is X.
-
-    With ``opener`` the answer first says what it is about ("Here is a story about a fox."): the
-    words before X then repeat the request's, which a small model learns to copy far more easily
-    than it learns to find X from "there was a little ...".
-    """
+def story_request(rng: random.Random) -> tuple[str, str]:
     species = rng.choice(V.CREATURES)
     hero = stories.pick_hero(rng, species)
     x = f"{stories.article(hero.species)} {hero.species}"
-    brave = f"{stories.article(hero.adjective)} {hero.adjective} {hero.species}"
     # The plain form is the one users type most; the others keep the model from overfitting to it.
-    ask, subject = rng.choice([
-        (f"Tell me a story about {x}", x), (f"Tell me a story about {x}", x), (f"Tell me a story about {x}", x),
-        (f"Tell me a story about {x}.", x), (f"Tell me a short story about {x}.", x),
-        (f"Can you tell me a story about {x}?", x), (f"Write a story about {x}.", x),
-        (f"Tell me a bedtime story about {x}.", x),
-        (f"Tell me a story about {brave}", brave),
-        (f"Tell me a story about {x} named {hero.name}", f"{x} named {hero.name}"),
+    ask = rng.choice([
+        f"Tell me a story about {x}", f"Tell me a story about {x}", f"Tell me a story about {x}",
+        f"Tell me a story about {x}.", f"Tell me a short story about {x}.",
+        f"Can you tell me a story about {x}?", f"Write a story about {x}.",
+        f"Tell me a bedtime story about {x}.",
+        f"Tell me a story about {stories.article(hero.adjective)} {hero.adjective} {hero.species}",
+        f"Tell me a story about {x} named {hero.name}",
     ])
-    answer = stories.story(rng, hero)
-    if opener:
-        lead = rng.choice(["Here is a story about", "Sure! Here is a story about", "Of course! Here is a story about"])
-        answer = f"{lead} {subject}{rng.choice(['.', ':', ' ' + hero.emoji + '.'])} {answer}"
-    return ask, answer
+    return ask, stories.story(rng, hero)
 
 
 def opening_request(rng: random.Random) -> tuple[str, str]:
@@ -96,16 +85,13 @@ def small_talk(rng: random.Random) -> tuple[str, str]:
             f"Here is a fun fact: every {species} {emoji} in my stories has a name and a best friend!")
 
 
-def exchange(rng: random.Random, tuned: bool = False) -> list[str]:
-    """One conversation: a list of turns, each to be wrapped in ``<s>`` ... ``</s>``.
-
-    ``tuned``: the instruction-tuning mix, richer in story requests, whose answers name their subject.
-    """
+def exchange(rng: random.Random) -> list[str]:
+    """One conversation: a list of turns, each to be wrapped in ``<s>`` ... ``</s>``."""
     system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.15 else None
     kind = rng.random()
-    if kind < (0.7 if tuned else 0.55):
-        user, answer = story_request(rng, opener=tuned)
-    elif kind < (0.85 if tuned else 0.75):
+    if kind < 0.55:
+        user, answer = story_request(rng)
+    elif kind < 0.75:
         user, answer = opening_request(rng)
     else:
         user, answer = small_talk(rng)
@@ -114,7 +100,7 @@ def exchange(rng: random.Random, tuned: bool = False) -> list[str]:
         follow = rng.choice([
             ("Thank you!", "You are welcome! 😊 Sweet dreams."),
             ("Thanks", "You are welcome! Do you want another story?"),
-            story_request(rng, opener=tuned),
+            story_request(rng),
         ])
         turns.append(turn(*follow))
     return turns

@@ -22,7 +22,7 @@ from llama_chat.model.transformer import Transformer
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 900
+    steps: int = 1400
     batch: int = 8
     seq_len: int = 512
     lr: float = 2e-3
@@ -64,14 +64,8 @@ def optimizer_for(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def train(model: Transformer, stream: torch.Tensor, val: torch.Tensor, cfg: TrainConfig, log_path: Path,
-          state_path: Path, *, log_offset: tuple[int, int, float] = (0, 0, 0.0),
-          on_eval: Callable[[int], None] | None = None) -> dict:
-    """Runs to ``cfg.steps``; resumes from ``state_path`` when it exists (a run that was stopped).
-
-    ``log_offset`` is (steps, tokens, seconds) of earlier phases, so a later phase continues the
-    same loss log.
-    """
-    step0, tokens0, seconds0 = log_offset
+          state_path: Path, on_eval: Callable[[int], None] | None = None) -> dict:
+    """Runs to ``cfg.steps``; resumes from ``state_path`` when it exists (a run that was stopped)."""
     opt = optimizer_for(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     start, elapsed = 0, 0.0
@@ -82,7 +76,7 @@ def train(model: Transformer, stream: torch.Tensor, val: torch.Tensor, cfg: Trai
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
         start, elapsed = state["step"], state["elapsed"]
-    new_log = start == 0 and step0 == 0
+    new_log = start == 0
     log = log_path.open("w" if new_log else "a", newline="")
     writer = csv.writer(log)
     if new_log:
@@ -104,8 +98,7 @@ def train(model: Transformer, stream: torch.Tensor, val: torch.Tensor, cfg: Trai
         if done % cfg.eval_every == 0 or done == cfg.steps:
             vl = validation_loss(model, val)
             el = time.perf_counter() - t0
-            writer.writerow([step0 + done, tokens0 + done * cfg.batch * cfg.seq_len, f"{lr:.6g}", f"{running:.4f}",
-                             f"{vl:.4f}", f"{seconds0 + el:.1f}"])
+            writer.writerow([done, done * cfg.batch * cfg.seq_len, f"{lr:.6g}", f"{running:.4f}", f"{vl:.4f}", f"{el:.1f}"])
             log.flush()
             print(f"step {done}/{cfg.steps} lr {lr:.2e} train {running:.4f} val {vl:.4f} {el:.0f}s", flush=True)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
@@ -113,7 +106,5 @@ def train(model: Transformer, stream: torch.Tensor, val: torch.Tensor, cfg: Trai
             if on_eval:
                 on_eval(done)
     log.close()
-    if start < cfg.steps:
-        elapsed = time.perf_counter() - t0
     return {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch * cfg.seq_len,
-            "elapsed_s": elapsed, "val_loss": validation_loss(model, val)}
+            "elapsed_s": time.perf_counter() - t0, "val_loss": validation_loss(model, val)}
