@@ -59,7 +59,8 @@ class Teller:
         r = self.rng
         opening = self.opening or r.choice(OPENINGS)
         where = r.choice([f" who lived in {place[0]}", f" who lived near {place[0]}", ""])
-        return f"{opening} {article(hero.adjective)} {hero.adjective} {hero.species} named {hero.name}{self.e(hero.emoji)}{where}."
+        return (f"{opening} {article(hero.adjective)} {hero.adjective} {hero.species} "
+                f"named {hero.name}{self.e(hero.emoji)}{where}.")
 
     def friend(self, hero: Hero) -> Hero:
         while True:
@@ -73,7 +74,8 @@ class Teller:
             f"{hero.name} learned that {r.choice(V.LESSONS)}.",
             f"That night, {hero.name} went to sleep with a big smile{self.e(r.choice(V.HEARTS))}.",
             f"And from then on, {hero.name} was always {r.choice(V.FEELINGS)}{self.e(r.choice(V.HEARTS))}.",
-            f"{hero.name} went home to {hero.possessive} family{self.e(r.choice(V.FAMILIES))} and told them everything.",
+            f"{hero.name} went home to {hero.possessive} family{self.e(r.choice(V.FAMILIES))} "
+            f"and told them everything.",
         ])]
         if r.random() < 0.4:
             out.append("The end.")
@@ -102,7 +104,8 @@ class Teller:
         friend = self.friend(hero)
         return [
             f"{r.choice(V.TIMES)}, {hero.name} went to {place}{self.e(place_e)}.",
-            f"There {hero.pronoun} met {article(friend.adjective)} {friend.adjective} {friend.species} named {friend.name}{self.e(friend.emoji)}.",
+            f"There {hero.pronoun} met {article(friend.adjective)} {friend.adjective} {friend.species} "
+            f"named {friend.name}{self.e(friend.emoji)}.",
             f"At first {friend.name} was shy and did not say a word.",
             f"{hero.name} smiled and waved{self.e(r.choice(V.WAVES))}.",
             f"\"Do you want to play with me?\" {hero.pronoun} asked.",
@@ -143,7 +146,8 @@ class Teller:
         food, food_e = r.choice(V.FOODS)
         friend = self.friend(hero)
         return [
-            f"{r.choice(V.TIMES)}, {hero.name} wanted to make {food}{self.e(food_e)} for {friend.name} the {friend.species}.",
+            f"{r.choice(V.TIMES)}, {hero.name} wanted to make {food}{self.e(food_e)} "
+            f"for {friend.name} the {friend.species}.",
             f"{hero.pronoun.capitalize()} took a big bowl, a wooden spoon and some flour.",
             f"The kitchen got very messy, and there was flour on {hero.possessive} nose.",
             f"But at last the {food} was ready, and it smelled so good.",
@@ -159,7 +163,8 @@ class Teller:
             f"{hero.name} was afraid of {fear}.",
             f"{r.choice(V.TIMES)}, {hero.name} had to face {fear} all alone.",
             f"{hero.possessive.capitalize()} legs were shaking, and {hero.pronoun} wanted to run away.",
-            f"Then {hero.pronoun} remembered what {friend.name} the {friend.species}{self.e(friend.emoji)} had said: \"Take a deep breath.\"",
+            f"Then {hero.pronoun} remembered what {friend.name} the {friend.species}{self.e(friend.emoji)} "
+            f"had said: \"Take a deep breath.\"",
             f"{hero.name} took a deep breath and took one small step, then another.",
             f"Soon {fear} did not seem so scary anymore{self.e(r.choice(V.WAVES))}.",
         ]
@@ -187,7 +192,8 @@ class Teller:
             f"{hero.name} wanted to give {friend.name} something special.",
             f"{hero.pronoun.capitalize()} found {obj}{self.e(obj_e)} and wrapped it in shiny paper{self.e('🎁')}.",
             f"At the party there was {food}{self.e(food_e)} and music, and everyone danced.",
-            f"When {friend.name} opened the gift, {friend.pronoun} gave {hero.name} a big hug{self.e(r.choice(V.HEARTS))}.",
+            f"When {friend.name} opened the gift, {friend.pronoun} gave {hero.name} "
+            f"a big hug{self.e(r.choice(V.HEARTS))}.",
         ]
 
     def bedtime(self, hero: Hero) -> list[str]:
@@ -197,7 +203,8 @@ class Teller:
             f"Late one night, {hero.name} could not fall asleep.",
             f"The moon was bright{self.e('🌙')} and the stars were twinkling{self.e('⭐')}.",
             f"{hero.pronoun.capitalize()} thought about {place} and all the friends who lived there.",
-            f"{hero.possessive.capitalize()} mom sang a soft song and gave {hero.object_pronoun} a warm hug{self.e(r.choice(V.FAMILIES))}.",
+            f"{hero.possessive.capitalize()} mom sang a soft song and gave {hero.object_pronoun} "
+            f"a warm hug{self.e(r.choice(V.FAMILIES))}.",
             f"Soon {hero.name} closed {hero.possessive} eyes and dreamed of {place}{self.e(place_e)}.",
         ]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +63,7 @@ def optimizer_for(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def train(model: Transformer, stream: torch.Tensor, val: torch.Tensor, cfg: TrainConfig, log_path: Path,
-          state_path: Path, on_eval: Callable[[int], None] | None = None) -> dict:
+          state_path: Path) -> dict:
     """Runs to ``cfg.steps``; resumes from ``state_path`` when it exists (a run that was stopped)."""
     opt = optimizer_for(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -98,13 +97,12 @@ def train(model: Transformer, stream: torch.Tensor, val: torch.Tensor, cfg: Trai
         if done % cfg.eval_every == 0 or done == cfg.steps:
             vl = validation_loss(model, val)
             el = time.perf_counter() - t0
-            writer.writerow([done, done * cfg.batch * cfg.seq_len, f"{lr:.6g}", f"{running:.4f}", f"{vl:.4f}", f"{el:.1f}"])
+            tokens = done * cfg.batch * cfg.seq_len
+            writer.writerow([done, tokens, f"{lr:.6g}", f"{running:.4f}", f"{vl:.4f}", f"{el:.1f}"])
             log.flush()
             print(f"step {done}/{cfg.steps} lr {lr:.2e} train {running:.4f} val {vl:.4f} {el:.0f}s", flush=True)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
                         "step": done, "elapsed": el}, state_path)
-            if on_eval:
-                on_eval(done)
     log.close()
     return {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch * cfg.seq_len,
             "elapsed_s": time.perf_counter() - t0, "val_loss": validation_loss(model, val)}
