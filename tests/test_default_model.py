@@ -103,16 +103,20 @@ def test_tokenizer_training_is_reproducible(tmp_path):
 
 # -- the golden output, through the real command -------------------------------------------------
 
-# Greedy decoding of the shipped model, pinned. It must change only when the model is retrained
-# (then run the command below and paste its output here). The reply contains an emoji, which the
-# model can only produce as <0xNN> byte tokens: the path from byte tokens to whole characters is
-# part of what this pins.
-GOLDEN_PROMPT = "Tell me a story about a penguin"
-GOLDEN_TOKENS = 60
-GOLDEN_TEXT = ("Once upon a time there was a clever penguin named Milo 🐧 who lived in the snowy hills. "
-               "One spring morning, Milo lost his favorite toy, a pink flower 🌸.")
-# The two emoji are tokens 20-23 and 55-58 of the reply: "▁" then four <0xNN> byte tokens each.
-GOLDEN_BYTE_TOKENS = [[0xF0, 0x9F, 0x90, 0xA7], [0xF0, 0x9F, 0x8C, 0xB8]]
+# Greedy decoding of the shipped model, pinned. It changes only when the model is retrained (then
+# run `llama-chat -p "$GOLDEN_PROMPT" --temperature 0 -n $GOLDEN_TOKENS --seed 0` and paste its
+# output here). The reply contains emoji, which the model can only produce as <0xNN> byte tokens:
+# the path from byte tokens to whole characters is part of what this pins.
+GOLDEN_PROMPT = "Tell me a story about a pirate"
+GOLDEN_TOKENS = 63
+GOLDEN_TEXT = ("Once upon a time there was a clever pirate named Milo \U0001F3F4\u200D\u2620\uFE0F who lived in the "
+               "snowy hills. One spring morning, Milo lost her favorite toy, a ball \u26BD.")
+# The pirate flag (black flag, zero-width joiner, skull and crossbones, VS16) arrives as 13 byte
+# tokens in a row, the ball as 3; each token is one <0xNN> piece.
+GOLDEN_BYTE_TOKENS = [
+    [0xF0, 0x9F, 0x8F, 0xB4, 0xE2, 0x80, 0x8D, 0xE2, 0x98, 0xA0, 0xEF, 0xB8, 0x8F],
+    [0xE2, 0x9A, 0xBD],
+]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
