@@ -1,10 +1,10 @@
 """The engine: a loaded model and tokenizer, and the producer that streams one request's tokens.
 
 The producer is an async task that drives the blocking forward one step per worker-thread call
-(``anyio.to_thread.run_sync``) and sends a ``TokenEvent`` into a bounded memory object stream after
-each step. Because every forward is its own thread call, a cancel lands between two steps: the
-thread finishes the step it is in, the next ``await`` raises, and no thread is left running on its
-own. Because the channel is bounded, a slow consumer blocks the producer in ``send`` instead of
+(``StepWorker``, a dedicated thread fed one call per step) and sends a ``TokenEvent`` into a bounded
+memory object stream after each step. Because every forward is its own call, a cancel lands between
+two steps: the step running finishes, the one queued behind it is revoked, the next ``await``
+raises, and no thread is left running on its own. Because the channel is bounded, a slow consumer blocks the producer in ``send`` instead of
 letting tokens pile up. Prompts are prefilled in chunks for the same reason steps are short: a
 cancel during a long prefill waits for one chunk, not for the whole prompt.
 """
@@ -12,6 +12,7 @@ cancel during a long prefill waits for one chunk, not for the whole prompt.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from llama_chat.inference.decoding import StreamDecoder
 from llama_chat.inference.errors import EmptyPrompt, EngineBusy, PromptTooLong, sole_exception
 from llama_chat.inference.model_step import ModelStep, Sampler
 from llama_chat.inference.results import Completion, Tally
+from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.stopping import state_after, stop_ids_of
 from llama_chat.inference.types import GenerationState, Request, TokenEvent
 from llama_chat.ml.sampling import sample
@@ -34,12 +36,19 @@ from llama_chat.model.transformer import Transformer
 DEFAULT_BUFFER_SIZE = 8
 # Prompt tokens per prefill forward: the bound on how long a cancel waits during prefill.
 DEFAULT_PREFILL_CHUNK = 64
+# Decode steps queued in the worker ahead of the one being handled, so that it never waits for the
+# event loop between two forwards; also the most steps computed that a cancel throws away.
+DEFAULT_LOOKAHEAD = 8
+# How often finished steps are reported to the event loop while the worker keeps computing.
+DEFAULT_REPORT_EVERY_S = 0.02
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     buffer_size: int = DEFAULT_BUFFER_SIZE
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    lookahead: int = DEFAULT_LOOKAHEAD
+    report_every_s: float = DEFAULT_REPORT_EVERY_S
 
 
 class Engine:
@@ -92,39 +101,32 @@ class Engine:
                 self._busy = False
 
     async def _produce(self, request: Request, send: MemoryObjectSendStream[TokenEvent]) -> None:
-        step = self.step
-        params = [request.sampling]
-        generator = [torch.Generator(device=step.device).manual_seed(request.seed)]
         prompt = list(request.prompt_ids)
         chunk = self.options.prefill_chunk
-        start = time.perf_counter()
+        run = _DecodeRun(self, request, start=time.perf_counter())
+        async with StepWorker(report_every_s=self.options.report_every_s) as worker:
+            # Prefill every chunk but the last without sampling; the last one yields the first
+            # token. One chunk per call, awaited in turn, so a cancel waits for one chunk at most.
+            last_from = ((len(prompt) - 1) // chunk) * chunk
+            for pos in range(0, last_from, chunk):
+                await worker.result(worker.submit(self.step.forward, [prompt[pos:pos + chunk]], [pos]))
+            run.rows, run.pos = [prompt[last_from:]], last_from
 
-        # Prefill every chunk but the last without sampling; the last one yields the first token.
-        last_from = ((len(prompt) - 1) // chunk) * chunk
-        for pos in range(0, last_from, chunk):
-            await anyio.to_thread.run_sync(step.forward, [prompt[pos:pos + chunk]], [pos])
-        rows, pos = [prompt[last_from:]], last_from
-
-        index = 0
-        while True:
-            (token,) = await anyio.to_thread.run_sync(
-                step.forward_and_sample, rows, [pos], params, generator, self._sampler)
-            state = state_after(token, index=index, request=request, stop_ids=self.stop_ids,
-                                max_seq_len=step.max_seq_len)
-            event = TokenEvent(request.request_id, index, token, self.token_bytes(token), state,
-                               time.perf_counter() - start)
-            try:
-                # No extra trip through the event loop when the buffer has room: the next
-                # forward is submitted sooner. The thread call below is still a checkpoint, so
-                # a cancel lands between steps all the same.
-                send.send_nowait(event)
-            except anyio.WouldBlock:
-                await send.send(event)  # the buffer is full: wait for the consumer (backpressure)
-            if state.finished:
-                return
-            pos += len(rows[0])
-            rows = [[token]]
-            index += 1
+            # Steps are queued ahead of the one being handled: each runs on the token the one before
+            # it sampled, straight after it in the worker, while earlier events travel to the
+            # consumer. A cancel revokes those not started; steps queued after the last token
+            # find the run finished and return at once.
+            calls = deque(worker.submit(run.step) for _ in range(1 + self.options.lookahead))
+            while True:
+                call = calls.popleft()
+                calls.append(worker.submit(run.step))
+                event: TokenEvent = await worker.result(call)
+                try:
+                    send.send_nowait(event)
+                except anyio.WouldBlock:
+                    await send.send(event)  # the buffer is full: wait for the consumer (backpressure)
+                if event.state.finished:
+                    return
 
     # -- ways to consume it ----------------------------------------------------------------------
 
@@ -163,4 +165,35 @@ class Engine:
         return anyio.run(self.complete, request)
 
 
-__all__ = ["DEFAULT_BUFFER_SIZE", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineOptions", "GenerationState"]
+class _DecodeRun:
+    """The decode loop's state, advanced one token per ``step`` call in the worker thread only."""
+
+    def __init__(self, engine: Engine, request: Request, *, start: float) -> None:
+        self.engine = engine
+        self.request = request
+        self.start = start
+        self.params = [request.sampling]
+        self.generators = [torch.Generator(device=engine.step.device).manual_seed(request.seed)]
+        self.rows: list[list[int]] = []
+        self.pos = 0
+        self.index = 0
+        self.finished = False
+
+    def step(self) -> TokenEvent | None:
+        if self.finished:
+            return None
+        engine = self.engine
+        (token,) = engine.step.forward_and_sample(self.rows, [self.pos], self.params, self.generators,
+                                                  engine._sampler)
+        state = state_after(token, index=self.index, request=self.request, stop_ids=engine.stop_ids,
+                            max_seq_len=engine.step.max_seq_len)
+        event = TokenEvent(self.request.request_id, self.index, token, engine.token_bytes(token), state,
+                           time.perf_counter() - self.start)
+        self.finished = state.finished
+        self.pos += len(self.rows[0])
+        self.rows = [[token]]
+        self.index += 1
+        return event
+
+
+__all__ = ["DEFAULT_BUFFER_SIZE", "DEFAULT_LOOKAHEAD", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineOptions", "GenerationState"]

@@ -11,7 +11,8 @@ import sentencepiece as spm
 import torch
 
 from builders import random_model, tiny_args, train_sentencepiece
-from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.engine import DEFAULT_LOOKAHEAD, Engine, EngineOptions
+from llama_chat.inference.step_worker import THREAD_NAME as STEP_THREAD_NAME
 from llama_chat.inference.errors import EmptyPrompt, PromptTooLong
 from llama_chat.inference.stopping import stop_ids_of
 from llama_chat.inference.types import GenerationState, Request, TokenEvent
@@ -19,6 +20,7 @@ from llama_chat.ml.sampling import SamplingParams, sample
 from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
+WORKER_THREAD_NAMES = ("AnyIO worker thread", STEP_THREAD_NAME)
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +181,9 @@ def test_bounded_channel_holds_a_slow_consumer_back(model, tokenizer):
             async for event in events:
                 seen.append(event.index)
                 assert events.statistics().current_buffer_used <= size
-                # Received k: at most `size` more wait in the buffer and one more in `send`.
-                assert rec.calls <= len(seen) + size + 1
+                # Received k: at most `size` more wait in the buffer, one more in `send`, and the
+                # worker has computed at most the steps queued ahead of it.
+                assert rec.calls <= len(seen) + size + 1 + DEFAULT_LOOKAHEAD
                 await anyio.sleep(0.01)
                 # Given time, the producer fills the buffer and then waits on us.
                 assert rec.calls >= min(len(seen) + size, 30)
@@ -221,7 +224,7 @@ def test_cancel_stops_the_producer_within_one_step(model, tokenizer):
 def _worker_threads_exit(timeout_s: float = 2.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not any(t.name == "AnyIO worker thread" and t.is_alive() for t in threading.enumerate()):
+        if not any(t.name in WORKER_THREAD_NAMES and t.is_alive() for t in threading.enumerate()):
             return True
         time.sleep(0.01)
     return False
@@ -280,4 +283,5 @@ def test_consumer_leaving_early_stops_the_producer(model, tokenizer):
                     break
 
     anyio.run(main)
-    assert rec.calls <= 4 + 1 + 1 and rec.in_flight == 0
+    # Four consumed, one in the buffer, one in `send`, and the steps the worker had queued ahead.
+    assert rec.calls <= 4 + 1 + 1 + DEFAULT_LOOKAHEAD and rec.in_flight == 0

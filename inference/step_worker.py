@@ -1,0 +1,161 @@
+"""A dedicated worker thread that runs model steps in order, each submitted as its own call.
+
+Why not ``anyio.to_thread.run_sync`` for every step: each call then costs two thread wake-ups on
+the critical path between two forwards (the event loop waking for the result, then the pool
+thread waking for the next call). On a small model on a virtual machine those wake-ups were 0.3
+to 0.45 ms against a 6 ms forward, 7% of decode speed. Here the producer queues steps *ahead* of
+the one whose result it is handling, so the thread goes from one forward straight into the next,
+and the event loop learns of results without the thread waiting for it.
+
+Results reach the event loop in batches, at most every ``report_every_s`` (and at once when the
+thread has nothing queued): every wake of the event loop takes the GIL from the forward a few
+times, which on that machine cost the forward another 5%. A 20 ms batch is below what a reader
+can see, and a step slower than that is reported as soon as it ends.
+
+What stays the same as ``to_thread.run_sync``: each call is one step; a step is never abandoned
+half-way (a cancel revokes the steps that have not started and waits for the one that has); and
+the thread is gone when the ``async with`` block ends, so none outlives a generation.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import sniffio
+
+THREAD_NAME = "llama-chat step worker"
+_STOP = object()
+
+
+@dataclass(eq=False)
+class StepCall:
+    """One submitted call: its function and arguments, then its result or its exception."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Any = None
+    error: BaseException | None = None
+    revoked: bool = False
+
+
+def _call_soon_threadsafe() -> Callable[[Callable[[], None]], None]:
+    """How a foreign thread schedules a callback on the running event loop, without waiting."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    import asyncio
+
+    return asyncio.get_running_loop().call_soon_threadsafe
+
+
+class StepWorker:
+    """``async with StepWorker() as worker: call = worker.submit(fn, ...); await worker.result(call)``.
+
+    Calls run one at a time in submission order. A call that raises revokes every call queued
+    after it: later steps build on earlier ones, so they would run on a broken state.
+    """
+
+    def __init__(self, name: str = THREAD_NAME, *, report_every_s: float = 0.0) -> None:
+        self._name = name
+        self._report_every_s = report_every_s
+        self._queue: queue.SimpleQueue[StepCall | object] = queue.SimpleQueue()
+        self._pending: list[StepCall] = []  # submitted, not yet reported done to the event loop
+        self._thread: threading.Thread | None = None
+        self._exited: anyio.Event | None = None
+        self._notify: Callable[[Callable[[], None]], None] | None = None
+
+    async def __aenter__(self) -> StepWorker:
+        self._notify = _call_soon_threadsafe()
+        self._exited = anyio.Event()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.revoke_pending()
+        self._queue.put(_STOP)
+        assert self._exited is not None and self._thread is not None
+        # Shielded: a cancel must not leave the thread running a step on its own.
+        with anyio.CancelScope(shield=True):
+            await self._exited.wait()
+        self._thread.join()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> StepCall:
+        call = StepCall(fn, args)
+        self._pending.append(call)
+        self._queue.put(call)
+        return call
+
+    def revoke_pending(self) -> None:
+        """Steps that have not started will not start (the one running finishes)."""
+        for call in self._pending:
+            call.revoked = True
+
+    async def result(self, call: StepCall) -> Any:
+        """The call's return value, or its exception raised here; a cancel revokes what is queued.
+
+        On a cancel the step already running is waited for (shielded), as ``to_thread.run_sync``
+        does, so that the caller never races a step still writing the KV cache.
+        """
+        try:
+            await call.done.wait()
+        except BaseException:
+            self.revoke_pending()
+            with anyio.CancelScope(shield=True):
+                for pending in list(self._pending):
+                    await pending.done.wait()
+            raise
+        if call.error is not None:
+            raise call.error
+        if call.revoked:
+            raise RuntimeError("a revoked step was awaited")  # a bug in the caller, never input
+        return call.result
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        notify = self._notify
+        assert notify is not None
+        failed = False
+        done: list[StepCall] = []
+        last_report = float("-inf")
+        while True:
+            call = self._queue.get()
+            if call is _STOP:
+                break
+            assert isinstance(call, StepCall)
+            if not (call.revoked or failed):
+                try:
+                    call.result = call.fn(*call.args)
+                except BaseException as e:  # handed to the awaiting task, raised there
+                    call.error = e
+                    failed = True
+            elif not call.revoked:
+                call.revoked = True
+            done.append(call)
+            now = time.perf_counter()
+            # Nothing queued: the producer has to act before this thread can go on, so tell it now.
+            if self._queue.empty() or now - last_report >= self._report_every_s:
+                notify(lambda calls=done: self._finish(calls))
+                done = []
+                last_report = now
+        if done:
+            notify(lambda calls=done: self._finish(calls))
+        notify(self._thread_exited)
+
+    def _finish(self, calls: list[StepCall]) -> None:  # on the event loop
+        for call in calls:
+            self._pending.remove(call)
+            call.done.set()
+
+    def _thread_exited(self) -> None:  # on the event loop
+        assert self._exited is not None
+        self._exited.set()

@@ -1,0 +1,105 @@
+"""The dedicated step thread: order, errors, cancellation, and no thread left behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+
+from llama_chat.inference.step_worker import StepWorker
+
+
+def _alive(name: str = "llama-chat step worker") -> bool:
+    return any(t.name == name and t.is_alive() for t in threading.enumerate())
+
+
+def test_calls_run_in_order_on_one_thread_off_the_loop():
+    ran: list[tuple[int, int]] = []
+
+    async def main():
+        async with StepWorker() as worker:
+            calls = [worker.submit(lambda i=i: ran.append((i, threading.get_ident())) or i) for i in range(20)]
+            return [await worker.result(c) for c in calls]
+
+    assert anyio.run(main) == list(range(20))
+    assert [i for i, _ in ran] == list(range(20))
+    assert len({t for _, t in ran}) == 1 and threading.get_ident() not in {t for _, t in ran}
+    assert not _alive()
+
+
+def test_an_error_is_raised_once_and_revokes_the_calls_queued_after_it():
+    ran: list[int] = []
+
+    def step(i):
+        ran.append(i)
+        if i == 2:
+            raise KeyError("boom")
+        return i
+
+    async def main():
+        async with StepWorker() as worker:
+            calls = [worker.submit(step, i) for i in range(6)]
+            assert await worker.result(calls[0]) == 0
+            assert await worker.result(calls[1]) == 1
+            with pytest.raises(KeyError):
+                await worker.result(calls[2])
+            for c in calls[3:]:
+                await c.done.wait()
+                assert c.revoked
+
+    anyio.run(main)
+    assert ran == [0, 1, 2]
+    assert not _alive()
+
+
+def test_cancel_waits_for_the_running_call_and_revokes_the_queued_ones():
+    ran: list[int] = []
+    finished: list[int] = []
+
+    def slow(i):
+        ran.append(i)
+        time.sleep(0.1)
+        finished.append(i)
+
+    async def main():
+        async with StepWorker() as worker:
+            calls = [worker.submit(slow, i) for i in range(5)]
+            with anyio.move_on_after(0.05):
+                await worker.result(calls[0])
+            # The cancel returned only after the running call had finished.
+            assert finished == [0]
+
+    started = time.perf_counter()
+    anyio.run(main)
+    assert time.perf_counter() - started < 0.5
+    assert ran == [0] and finished == [0]
+    assert not _alive()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_works_on_every_anyio_backend(backend):
+    if backend == "trio":
+        pytest.importorskip("trio")
+
+    async def main():
+        async with StepWorker() as worker:
+            return await worker.result(worker.submit(sum, (1, 2, 3)))
+
+    assert anyio.run(main, backend=backend) == 6
+
+
+def test_results_are_batched_but_never_held_when_the_worker_runs_dry():
+    async def main():
+        async with StepWorker(report_every_s=10.0) as worker:
+            started = time.perf_counter()
+            # With nothing queued behind it, a call's result is reported at once...
+            assert await worker.result(worker.submit(lambda: 1)) == 1
+            assert time.perf_counter() - started < 1.0
+            # ...and a run of quick calls arrives whole, in order, in one batch.
+            calls = [worker.submit(lambda i=i: i) for i in range(50)]
+            assert [await worker.result(c) for c in calls] == list(range(50))
+            assert time.perf_counter() - started < 1.0
+
+    anyio.run(main)
