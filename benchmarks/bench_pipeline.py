@@ -4,8 +4,8 @@ Both runs use the same model in the same process and generate the same greedy to
 
 * bare: ``model(tokens, positions, cache)`` then ``argmax`` then ``int()``, in a plain loop on the
   main thread;
-* pipeline: what ``llama-chat`` runs, ``run_one_shot``: the producer task with one worker-thread
-  call per forward, the bounded channel, the signal watcher, the StreamDecoder, and the plain
+* pipeline: what ``llama-chat`` runs, ``run_one_shot``: the producer task feeding the step thread
+  one call per forward, the bounded channel, the signal watcher, the StreamDecoder, and the plain
   renderer writing every token to a pipe read by a ``cat`` child process.
 
 Rounds alternate bare and pipeline so that drift in machine load hits both alike; the medians and

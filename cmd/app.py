@@ -149,6 +149,12 @@ def execute(opts: Options) -> int:
 
 
 def main() -> None:
+    # Set before torch is imported, which is when OpenMP reads it. Besides torch's threads this
+    # process always has a busy event loop (and often a terminal or pipe reader beside it); with
+    # OpenMP's default, idle helper threads spin between parallel regions and take the cores from
+    # both: 0.91 of a bare loop against 0.97 when they sleep, and far worse on a busy machine
+    # (docs/benchmarks.md). A user's own setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     install_sync_handlers()
     try:
         # Standalone mode: typer reports its own usage errors (exit 2) and raises SystemExit.
