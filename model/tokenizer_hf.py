@@ -25,6 +25,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.tokenizer_sentencepiece import END_OF_TURN_PIECES
 from llama_chat.model.tokenizer_specials import token_name
+from llama_chat.model.tokenizer_table import ByteTableTokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
@@ -72,7 +73,7 @@ def _uses_byte_level(spec: dict) -> bool:
     return has(spec.get("decoder")) or has(spec.get("pre_tokenizer"))
 
 
-class HFTokenizer:
+class HFTokenizer(ByteTableTokenizer):
     """A ``Tokenizer`` over a Hugging Face ``tokenizer.json``."""
 
     def __init__(self, path: Path, *, extra_stop_ids: Iterable[int] = ()) -> None:
@@ -136,26 +137,6 @@ class HFTokenizer:
                 return found
         return None
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._bytes)
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._eos
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        return self._stops
-
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        return dict(self._specials)
-
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = self._plain.encode(text, add_special_tokens=False).ids
         if bos and self._bos is not None:
@@ -166,9 +147,6 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._raw.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
 
     @property
     def strips_leading_space(self) -> bool:

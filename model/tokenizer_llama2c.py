@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.tokenizer_table import ByteTableTokenizer
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3  # id of <0x00>
@@ -54,7 +55,7 @@ def read_tokenizer_bin(path: Path) -> tuple[list[bytes], list[float]]:
     return pieces, scores
 
 
-class Llama2cTokenizer:
+class Llama2cTokenizer(ByteTableTokenizer):
     """A ``Tokenizer`` over a llama2.c ``tokenizer.bin``."""
 
     def __init__(self, path: Path) -> None:
@@ -76,26 +77,7 @@ class Llama2cTokenizer:
                 table.append(piece)
         self._bytes = table
         self._specials = {"<unk>": UNK_ID, "<s>": BOS_ID, "</s>": EOS_ID}
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._pieces)
-
-    @property
-    def bos_id(self) -> int | None:
-        return BOS_ID
-
-    @property
-    def eos_id(self) -> int | None:
-        return EOS_ID
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        return frozenset({EOS_ID})
-
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        return dict(self._specials)
+        self._bos, self._eos, self._stops = BOS_ID, EOS_ID, frozenset({EOS_ID})
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = [BOS_ID] if bos else []
@@ -166,9 +148,6 @@ class Llama2cTokenizer:
             out += piece
             prev = i
         return out.decode("utf-8", errors="replace")
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
 
     @property
     def strips_leading_space(self) -> bool:

@@ -25,6 +25,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.tokenizer_table import ByteTableTokenizer
 
 # End-of-turn markers of chat fine-tunes that kept a SentencePiece vocabulary; whichever exist
 # as pieces stop generation along with ``</s>``.
@@ -101,7 +102,7 @@ def parse_model_proto(proto: bytes) -> ModelProtoInfo:
     return ModelProtoInfo(piece_types=types, add_dummy_prefix=add_dummy_prefix)
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(ByteTableTokenizer):
     """A ``Tokenizer`` over a SentencePiece model; ``encode``/``decode`` are SentencePiece's own."""
 
     def __init__(self, path: Path, *, extra_stop_ids: Iterable[int] = ()) -> None:
@@ -149,26 +150,6 @@ class SentencePieceTokenizer:
 
     # -- Tokenizer protocol -------------------------------------------------------------------
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._bytes)
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._eos
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        return self._stops
-
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        return dict(self._specials)
-
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         # Text is always plain text: "</s>" typed by a user is spelled out, never the eos id.
         ids = self._sp.encode(text)
@@ -180,9 +161,6 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
 
     # -- beyond the protocol ------------------------------------------------------------------
 

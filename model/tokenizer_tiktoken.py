@@ -18,6 +18,7 @@ import tiktoken
 
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.tokenizer_specials import split_on_specials
+from llama_chat.model.tokenizer_table import ByteTableTokenizer
 
 # Llama 3's pre-tokenizer split (letters, 1-3 digit groups, punctuation runs, newlines, spaces).
 LLAMA3_PATTERN = (
@@ -95,7 +96,7 @@ def split_for_encoding(text: str) -> Iterator[str]:
         yield chunk[cut:]
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(ByteTableTokenizer):
     """A ``Tokenizer`` over a Llama 3 tiktoken rank file."""
 
     def __init__(self, path: Path, *, extra_stop_ids: Iterable[int] = ()) -> None:
@@ -119,26 +120,6 @@ class TiktokenTokenizer:
         stops.update(i for i in extra_stop_ids if 0 <= i < len(table))
         self._stops = frozenset(stops)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._bytes)
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._eos
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        return self._stops
-
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        return dict(self._specials)
-
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         # Special-token names in user text are encoded as the plain text they are.
         ids = [i for piece in split_for_encoding(text)
@@ -152,9 +133,6 @@ class TiktokenTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         # Special tokens decode to nothing, exactly as token_bytes says.
         return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
 
     @property
     def strips_leading_space(self) -> bool:
