@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.json_files import read_json
 from llama_chat.model.tokenizer import Tokenizer
 from llama_chat.model.tokenizer_specials import split_on_specials, token_name
 
@@ -217,7 +218,7 @@ def read_chat_template(model_dir: Path) -> tuple[str | None, dict]:
     ``chat_template.json``.
     """
     config_path = model_dir / "tokenizer_config.json"
-    config = _read_object(config_path) if config_path.is_file() else {}
+    config = read_json(config_path) if config_path.is_file() else {}
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -225,7 +226,7 @@ def read_chat_template(model_dir: Path) -> tuple[str | None, dict]:
     if template is None and (model_dir / "chat_template.jinja").is_file():
         template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
     if template is None and (model_dir / "chat_template.json").is_file():
-        template = _read_object(model_dir / "chat_template.json").get("chat_template")
+        template = read_json(model_dir / "chat_template.json").get("chat_template")
     if template is not None and not isinstance(template, str):
         raise ModelLoadError(f"{config_path}: chat_template must be a string, found {type(template).__name__}")
     return template, config
@@ -237,7 +238,7 @@ def chat_format_hint(model_dir: Path) -> str | None:
         path = model_dir / name
         if not path.is_file():
             continue
-        value = _read_object(path).get("chat_format")
+        value = read_json(path).get("chat_format")
         if value is None:
             continue
         if value not in FORMAT_NAMES or value == "auto":
@@ -275,15 +276,3 @@ def chat_format_for(model_dir: Path, tokenizer: Tokenizer, name: str = "auto") -
     if "<|start_header_id|>" in tokenizer.special_tokens:
         return Llama3ChatFormat(tokenizer)
     return None
-
-
-def _read_object(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: invalid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data

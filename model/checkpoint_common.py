@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.json_files import first_sentence
 
 
 @dataclass(frozen=True)
@@ -30,19 +30,6 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state.values())
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``, or a one-line ModelLoadError naming the file."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path.name}: not valid JSON ({_one_line(e)})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path.name}: expected a JSON object, found {type(data).__name__}")
-    return data
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -105,23 +92,16 @@ def config_error(file: str, e: Exception) -> ModelLoadError:
     if isinstance(e, ModelLoadError):
         message = str(e)
         return e if message.startswith(file) else ModelLoadError(f"{file}: {message}")
-    return ModelLoadError(f"{file}: bad field value ({_one_line(e)})")
+    return ModelLoadError(f"{file}: bad field value ({first_sentence(e)})")
 
 
 def unreadable(path: Path, e: BaseException) -> ModelLoadError:
     """A weights file that its library refused: truncated, corrupt, or not that format at all."""
-    return ModelLoadError(f"{path.name}: cannot read weights, the file is truncated or corrupt ({_one_line(e)})")
+    return ModelLoadError(f"{path.name}: cannot read weights, the file is truncated or corrupt ({first_sentence(e)})")
 
 
 def _shape(shape: tuple[int, ...] | torch.Size) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ")"
-
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    if not lines:
-        return type(e).__name__
-    return lines[0].split(". ")[0][:200]  # the first sentence says what went wrong
 
 
 def torch_load(path: Path) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from llama_chat.model.args import ModelArgs
-from llama_chat.model.checkpoint_common import Checkpoint, config_error, read_json, torch_load, unreadable
+from llama_chat.model.checkpoint_common import Checkpoint, config_error, torch_load, unreadable
+from llama_chat.model.json_files import read_json
 from llama_chat.model.errors import ModelLoadError
 
 # Hugging Face name (after the "model." prefix) -> Meta name.

@@ -12,10 +12,10 @@ from llama_chat.model.checkpoint_common import (
     Checkpoint,
     config_error,
     expected_shapes,
-    read_json,
     torch_load,
 )
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.json_files import read_json
 
 _SHARD = re.compile(r"consolidated\.(\d+)\.pth")
 

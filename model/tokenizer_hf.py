@@ -23,6 +23,7 @@ from typing import Any
 from tokenizers import Tokenizer as RawTokenizer
 
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.json_files import read_json
 from llama_chat.model.tokenizer_sentencepiece import END_OF_TURN_PIECES
 from llama_chat.model.tokenizer_specials import token_name
 from llama_chat.model.tokenizer_table import ByteTableTokenizer
@@ -45,18 +46,6 @@ def byte_level_decoder() -> dict[str, int]:
             table[chr(shifted)] = b
             shifted += 1
     return table
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: invalid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
 
 
 def _uses_byte_level(spec: dict) -> bool:

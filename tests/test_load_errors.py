@@ -151,7 +151,7 @@ def test_params_json_bad_values(meta_dir):
 
 def test_params_json_not_json(meta_dir):
     (meta_dir / "params.json").write_text("{dim: 64")
-    assert _error(meta_dir).startswith("params.json: not valid JSON")
+    assert _error(meta_dir).startswith(f"{meta_dir / 'params.json'}: not valid JSON")
 
 
 @pytest.mark.parametrize(("field", "value", "expect"), [
