@@ -14,6 +14,7 @@ decoder is flushed and the renderer finished, so committed text stays and the te
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import anyio
@@ -70,6 +71,21 @@ async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | No
     return Outcome(tally.completion(consumer.text), stop.signum, consumer.output_closed)
 
 
+def _tokens_holding(lengths: deque[int], held: int) -> int:
+    """How many of the last tokens (by byte length, newest last) the held suffix reaches into.
+
+    What the decoder holds is always a suffix of the bytes fed, valid UTF-8 or raw bytes alike,
+    so it is covered by the fewest recent tokens whose lengths add up to it.
+    """
+    count = covered = 0
+    for n in reversed(lengths):
+        if covered >= held:
+            break
+        covered += n
+        count += 1
+    return count
+
+
 class _Consumer:
     """Token bytes -> StreamDecoder -> renderer; remembers everything it committed."""
 
@@ -78,6 +94,8 @@ class _Consumer:
         self._strip = strip_leading_space
         self.decoder = StreamDecoder()
         self.parts: list[str] = []
+        self.pending_tokens = 0  # tokens whose bytes are (partly) held by the decoder
+        self._recent: deque[int] = deque(maxlen=64)  # byte lengths of the last tokens fed
         self.output_closed = False
 
     @property
@@ -94,14 +112,21 @@ class _Consumer:
                 data = data[1:]
         text = self.decoder.feed(data)
         self.parts.append(text)
+        decoder = self.decoder
+        if data:
+            self._recent.append(len(data))
+        self.pending_tokens = _tokens_holding(self._recent, len(decoder.pending_bytes)
+                                              + len(decoder.pending_text.encode("utf-8")))
         # The renderer raises OutputClosed from here when stdout's reader has gone away.
         if self.renderer is not None and not self.output_closed:
-            self.renderer.update(displayable(text), self.decoder.pending_bytes, self.decoder.pending_text)
+            self.renderer.update(displayable(text), decoder.pending_bytes, decoder.pending_text,
+                                 self.pending_tokens)
 
     def flush(self) -> None:
         text = self.decoder.flush()
         self.parts.append(text)
-        self._render(lambda r: r.update(displayable(text), b"", ""))
+        self.pending_tokens = 0
+        self._render(lambda r: r.update(displayable(text), b"", "", 0))
 
     def finish(self) -> None:
         self._render(lambda r: r.finish())

@@ -6,7 +6,8 @@ may still grow). Text arrives already displayable: control characters other than
 have been replaced (``cmd/sanitize.py``).
 
 On a terminal the pending state is shown as dim ASCII dots after the committed text, one per
-waiting byte (at most ``MAX_MARKERS``), added one by one as bytes arrive and erased with
+token whose bytes are still held (one per waiting byte when the caller does not count tokens; at
+most ``MAX_MARKERS``), added one by one as tokens arrive and erased with
 backspace-space-backspace before the next text is written. Plain ASCII markers have a width every
 terminal agrees on, so erasing them never depends on how a terminal measures emoji; and only as
 many are drawn as fit before the right edge, because a backspace cannot go back across a line
@@ -47,8 +48,13 @@ class Renderer(Protocol):
     def start(self) -> None:
         """Prepare the output (a terminal hides its cursor)."""
 
-    def update(self, committed: str, pending_bytes: bytes, pending_text: str) -> None:
-        """Show ``committed`` (new text, possibly "") and the decoder's current pending state."""
+    def update(self, committed: str, pending_bytes: bytes, pending_text: str,
+               pending_tokens: int | None = None) -> None:
+        """Show ``committed`` (new text, possibly "") and the decoder's current pending state.
+
+        ``pending_tokens`` is how many tokens the pending state holds, when the caller knows it:
+        one marker per token then, else one per pending byte.
+        """
 
     def finish(self) -> None:
         """Erase pending markers and restore the terminal. Idempotent; safe after any error."""
@@ -64,7 +70,8 @@ class PlainRenderer:
     def start(self) -> None:
         pass
 
-    def update(self, committed: str, pending_bytes: bytes, pending_text: str) -> None:
+    def update(self, committed: str, pending_bytes: bytes, pending_text: str,
+               pending_tokens: int | None = None) -> None:
         if not committed:
             return
         try:
@@ -91,7 +98,7 @@ class PlainRenderer:
 
 
 class LiveRenderer:
-    """For a terminal: streamed text, dim markers for pending bytes, cursor hidden meanwhile.
+    """For a terminal: streamed text, dim markers for pending tokens, cursor hidden meanwhile.
 
     ``color=False`` (``NO_COLOR``, ``--color never``) writes no escape sequence at all: markers are
     undimmed and the cursor stays visible. ``finish`` also ends an unfinished line, so whatever is
@@ -112,8 +119,12 @@ class LiveRenderer:
             self._write(_HIDE_CURSOR)
             self._cursor_hidden = True
 
-    def update(self, committed: str, pending_bytes: bytes, pending_text: str) -> None:
-        waiting = len(pending_bytes) + (len(pending_text.encode("utf-8")) if pending_text else 0)
+    def update(self, committed: str, pending_bytes: bytes, pending_text: str,
+               pending_tokens: int | None = None) -> None:
+        if pending_tokens is not None:
+            waiting = pending_tokens if pending_bytes or pending_text else 0
+        else:
+            waiting = len(pending_bytes) + (len(pending_text.encode("utf-8")) if pending_text else 0)
         if not committed:
             # Only the markers change (a byte inside a character): add or remove dots at the end.
             self._write(self._resize_markers(min(waiting, MAX_MARKERS, self._room())))
