@@ -128,11 +128,7 @@ class HFTokenizer(ByteTableTokenizer):
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = self._plain.encode(text, add_special_tokens=False).ids
-        if bos and self._bos is not None:
-            ids.insert(0, self._bos)
-        if eos and self._eos is not None:
-            ids.append(self._eos)
-        return ids
+        return self._with_markers(ids, bos, eos)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._raw.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -153,11 +153,7 @@ class SentencePieceTokenizer(ByteTableTokenizer):
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         # Text is always plain text: "</s>" typed by a user is spelled out, never the eos id.
         ids = self._sp.encode(text)
-        if bos and self._bos is not None:
-            ids.insert(0, self._bos)
-        if eos and self._eos is not None:
-            ids.append(self._eos)
-        return ids
+        return self._with_markers(ids, bos, eos)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])

@@ -39,3 +39,11 @@ class ByteTableTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._bytes[token_id]
+
+    def _with_markers(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
+        """``ids`` with the begin/end-of-sequence ids around them, where asked for and defined."""
+        if bos and self._bos is not None:
+            ids.insert(0, self._bos)
+        if eos and self._eos is not None:
+            ids.append(self._eos)
+        return ids

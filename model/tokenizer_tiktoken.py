@@ -124,11 +124,7 @@ class TiktokenTokenizer(ByteTableTokenizer):
         # Special-token names in user text are encoded as the plain text they are.
         ids = [i for piece in split_for_encoding(text)
                for i in self._enc.encode(piece, allowed_special=set(), disallowed_special=())]
-        if bos:
-            ids.insert(0, self._bos)
-        if eos:
-            ids.append(self._eos)
-        return ids
+        return self._with_markers(ids, bos, eos)
 
     def decode(self, ids: Sequence[int]) -> str:
         # Special tokens decode to nothing, exactly as token_bytes says.
