@@ -25,12 +25,16 @@ SAMPLE_TEXT = [
 ]
 
 
-def train_sentencepiece(out_dir: Path, *, vocab_size: int = 400, lines: list[str] | None = None) -> Path:
-    """A byte-fallback BPE SentencePiece model; returns the path of ``tokenizer.model``."""
+def train_sentencepiece(out_dir: Path, *, vocab_size: int = 400, lines: list[str] | None = None,
+                        **options) -> Path:
+    """A byte-fallback BPE SentencePiece model; returns the path of ``tokenizer.model``.
+
+    ``options`` are further trainer settings, overriding the defaults below.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     text = (lines or SAMPLE_TEXT) * 20
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
+    spm.SentencePieceTrainer.train(**dict(
         sentence_iterator=iter(text),
         model_writer=buf,
         vocab_size=vocab_size,
@@ -44,7 +48,7 @@ def train_sentencepiece(out_dir: Path, *, vocab_size: int = 400, lines: list[str
         pad_id=-1,
         num_threads=1,
         minloglevel=2,
-    )
+    ) | options)
     path = out_dir / "tokenizer.model"
     path.write_bytes(buf.getvalue())
     return path

@@ -15,8 +15,12 @@ def sp_model_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_meta_dir(tmp_path_factory, sp_model_path) -> Path:
+def sp_vocab_size(sp_model_path) -> int:
+    return spm.SentencePieceProcessor(model_file=str(sp_model_path)).vocab_size()
+
+
+@pytest.fixture(scope="session")
+def tiny_meta_dir(tmp_path_factory, sp_model_path, sp_vocab_size) -> Path:
     """A random tiny Llama in Meta layout whose vocabulary is the SentencePiece model's."""
-    vocab = spm.SentencePieceProcessor(model_file=str(sp_model_path)).vocab_size()
-    model = random_model(tiny_args(vocab), seed=0)
+    model = random_model(tiny_args(sp_vocab_size), seed=0)
     return write_meta_checkpoint(model, tmp_path_factory.mktemp("tiny_meta"), sp_model_path)

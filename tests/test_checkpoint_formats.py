@@ -6,22 +6,21 @@ import json
 from pathlib import Path
 
 import pytest
-import sentencepiece as spm
 import torch
 
-from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
+from builders import random_model, tiny_args, write_meta_checkpoint
 from builders_formats import hf_state, write_hf_checkpoint, write_llama2c, write_meta_shards
 from llama_chat.model.loader import DEFAULT_MAX_SEQ_LEN, detect_layout, load_model
 
 
 @pytest.fixture(scope="module")
-def tokenizer_model(tmp_path_factory) -> Path:
-    return train_sentencepiece(tmp_path_factory.mktemp("spm"), vocab_size=400)
+def tokenizer_model(sp_model_path) -> Path:
+    return sp_model_path
 
 
 @pytest.fixture(scope="module")
-def vocab(tokenizer_model) -> int:
-    return spm.SentencePieceProcessor(model_file=str(tokenizer_model)).vocab_size()
+def vocab(sp_vocab_size) -> int:
+    return sp_vocab_size
 
 
 def _logits(model, tokens: torch.Tensor) -> torch.Tensor:

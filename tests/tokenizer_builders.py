@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 import struct
 from collections import Counter
@@ -23,6 +22,7 @@ from pathlib import Path
 import regex
 import sentencepiece as spm
 
+from builders import train_sentencepiece
 from llama_chat.model.tokenizer_tiktoken import LLAMA3_PATTERN
 
 CORPUS = [
@@ -44,31 +44,14 @@ SPECIALS_SP = ("<unk>", "<s>", "</s>")
 def train_llama_sentencepiece(out_dir: Path, *, vocab_size: int = 600, lines: list[str] | None = None,
                               user_defined: tuple[str, ...] = ()) -> Path:
     """A SentencePiece BPE model shaped like Llama 2's; returns the path of ``tokenizer.model``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter((lines or CORPUS) * 20),
-        model_writer=buf,
-        vocab_size=vocab_size,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=1.0,
-        hard_vocab_limit=False,
+    return train_sentencepiece(
+        out_dir, vocab_size=vocab_size, lines=lines or CORPUS,
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,
         split_digits=True,
         allow_whitespace_only_pieces=True,
         user_defined_symbols=list(user_defined),
-        bos_id=1,
-        eos_id=2,
-        unk_id=0,
-        pad_id=-1,
-        num_threads=1,
-        minloglevel=2,
     )
-    path = out_dir / "tokenizer.model"
-    path.write_bytes(buf.getvalue())
-    return path
 
 
 # -- tiktoken --------------------------------------------------------------------------------
