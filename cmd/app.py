@@ -1,24 +1,33 @@
 """The ``llama-chat`` command line: options in, exit status out.
 
-Exit statuses are listed in ``exit_status.py``.
+Exit statuses are listed in ``exit_status.py``. Every message that reaches stderr passes through
+``sanitize.one_line``: messages quote values from model files and from the command line, and
+neither may put escape codes on the user's terminal.
 """
 
 from __future__ import annotations
 
-import enum
-import os
-import sys
-import traceback
-from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
+from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds
 
-import typer
-from rich.console import Console
+# A Ctrl+C while the command's own modules load ends the run with status 130 and no traceback.
+with deferred_signals(exit_now=True):
+    import enum
+    import math
+    import os
+    import re
+    import sys
+    import traceback
+    from dataclasses import dataclass
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
 
-from llama_chat.cmd.inputs import UsageProblem, gather_prompt
-from llama_chat.cmd import exit_status
-from llama_chat.cmd.signals import Terminated, install_sync_handlers
+    import typer
+    from rich.console import Console
+
+    from llama_chat.cmd import exit_status
+    from llama_chat.cmd.inputs import UsageProblem, gather_prompt
+    from llama_chat.cmd.sanitize import one_line
+    from llama_chat.cmd.signals import install_sync_handlers
 
 
 class Template(str, enum.Enum):
@@ -33,6 +42,13 @@ class ColorMode(str, enum.Enum):
     auto = "auto"
     always = "always"
     never = "never"
+
+
+class DType(str, enum.Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 @dataclass(frozen=True)
@@ -51,6 +67,13 @@ class Options:
     stats: bool
     color: str
     debug: bool
+    ctx_size: int | None = None
+    file: str | None = None
+    no_stdin: bool = False
+
+
+MAX_SEED = 2**64 - 1
+_DEVICE = re.compile(r"auto|cpu|(cuda|mps)(:\d{1,3})?")
 
 
 def _package_version() -> str:
@@ -66,25 +89,72 @@ def _show_version(value: bool) -> None:
         raise typer.Exit()
 
 
+# Range checks are callbacks, not typer's min/max, so that --help and the error say the same thing.
+def _check_temperature(value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise typer.BadParameter(f"must be a finite number >= 0, got {value}")
+    return value
+
+
+def _check_top_p(value: float) -> float:
+    if not (0 < value <= 1):
+        raise typer.BadParameter(f"must be in 0 < p <= 1, got {value}")
+    return value
+
+
+def _check_max_tokens(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise typer.BadParameter(f"must be at least 1, got {value}")
+    return value
+
+
+def _check_seed(value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= MAX_SEED:
+        raise typer.BadParameter(f"must be in 0 <= seed <= 2**64-1, got {value}")
+    return value
+
+
+def _check_ctx_size(value: int | None) -> int | None:
+    if value is not None and value < 0:
+        raise typer.BadParameter(f"must be 0 (the model's full context) or a positive number, got {value}")
+    return value
+
+
+def _check_device(value: str) -> str:
+    if not _DEVICE.fullmatch(value):
+        raise typer.BadParameter(f"expected auto, cpu, cuda, cuda:N, mps; got {value!r}")
+    return value
+
+
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
 
 
 @app.command(help="Generate text from a Llama-family model. The prompt comes from --prompt, "
-                  "from piped stdin, or both (prompt first, a blank line, then stdin).")
+                  "from --file or piped stdin, or both (prompt first, a blank line, then the rest).")
 def llama_chat(
     model: Path | None = typer.Option(None, "--model", "-m", help="Model directory or weights file "
                                       "(default: the small model shipped with the package)."),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="The prompt."),
+    file: str | None = typer.Option(None, "--file", "-f", help="Read the prompt from this file ('-': stdin); "
+                                    "stdin is then not read otherwise."),
+    no_stdin: bool = typer.Option(False, "--no-stdin", help="Do not read stdin, even when it is a pipe."),
     system: str | None = typer.Option(None, "--system", "-s", help="A system message (needs a chat template)."),
-    max_tokens: int | None = typer.Option(None, "--max-tokens", "-n", min=1,
-                                          help="Most tokens to generate (default: until a stop token "
-                                               "or the context is full)."),
-    temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0, help="0 means greedy."),
-    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (0 < p <= 1)."),
-    seed: int | None = typer.Option(None, "--seed", min=0, help="Sampling seed (default: random; always reported)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, mps ..."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", "-n", callback=_check_max_tokens,
+                                          help="Most tokens to generate, at least 1 (default: until a stop "
+                                               "token or the context is full)."),
+    ctx_size: int | None = typer.Option(None, "--ctx-size", "-c", callback=_check_ctx_size,
+                                        help="Context length in tokens, at most the model's; 0: the model's "
+                                             "full context (default: the model's, at most 4096)."),
+    temperature: float = typer.Option(0.8, "--temperature", "-t", callback=_check_temperature,
+                                      help="Sampling temperature, >= 0; 0 means greedy."),
+    top_p: float = typer.Option(0.95, "--top-p", callback=_check_top_p,
+                                help="Nucleus sampling mass, 0 < p <= 1."),
+    seed: int | None = typer.Option(None, "--seed", callback=_check_seed,
+                                    help="Sampling seed, 0 <= seed < 2**64 (default: random; always reported)."),
+    device: str = typer.Option("auto", "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: DType = typer.Option(DType.auto, "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 "
+                                "on cuda, float16 on mps."),
     template: Template = typer.Option(Template.auto, "--template", help="Chat format; auto: the model's "
                                       "if it has one, else plain completion."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of text."),
@@ -95,8 +165,9 @@ def llama_chat(
                                       help="Print the version and exit."),
 ) -> None:
     opts = Options(model=model, prompt=prompt, system=system, max_tokens=max_tokens, temperature=temperature,
-                   top_p=top_p, seed=seed, device=device, dtype=dtype, template=template.value, json=json_out,
-                   stats=stats, color=color.value, debug=debug)
+                   top_p=top_p, seed=seed, device=device, dtype=dtype.value, template=template.value,
+                   json=json_out, stats=stats, color=color.value, debug=debug, ctx_size=ctx_size, file=file,
+                   no_stdin=no_stdin)
     raise typer.Exit(execute(opts))
 
 
@@ -113,39 +184,56 @@ def stderr_console(color: str) -> Console:
                    force_terminal=True if color == "always" else None)
 
 
+def _error(err: Console, message: str) -> None:
+    err.print(f"llama-chat: error: {one_line(message)}", markup=False, soft_wrap=True, highlight=False)
+
+
 def execute(opts: Options) -> int:
     color = resolve_color(opts.color)
     err = stderr_console(color)
     try:
         # Input problems are found before torch is imported: a usage error should be instant.
-        if opts.top_p <= 0:
-            raise UsageProblem("--top-p must be greater than 0")
-        text = gather_prompt(opts.prompt)
-        from llama_chat.cmd.run_command import run_command
+        if sys.stdout is None:  # started with stdout closed (`>&-`)
+            raise UsageProblem("standard output is closed: there is nowhere to write the answer")
+        text = gather_prompt(opts.prompt, file=opts.file, read_stdin=not opts.no_stdin)
+        with deferred_signals():  # torch is imported here
+            from llama_chat.cmd.run_command import run_command
 
         return run_command(opts, text, color, err)
     except KeyboardInterrupt:
         err.print("finish: cancelled", style="dim")
         return exit_status.SIGINT
-    except Terminated:
+    except Terminated as e:
         err.print("finish: cancelled", style="dim")
-        return exit_status.SIGTERM
+        return exit_status.for_signal(e.signum)
     except UsageProblem as e:
-        err.print(f"llama-chat: error: {e}", markup=False, soft_wrap=True)
+        _error(err, str(e))
         return exit_status.USAGE
     except Exception as e:  # noqa: BLE001 - the last line of defence: one line, or a traceback on request
         from llama_chat.inference.errors import RequestError
         from llama_chat.model.errors import ModelLoadError
 
-        if isinstance(e, (ModelLoadError, RequestError)):
-            err.print(f"llama-chat: error: {e}", markup=False, soft_wrap=True)
-            return exit_status.USAGE
         if opts.debug:
             traceback.print_exc()
+        if isinstance(e, (ModelLoadError, RequestError)):
+            _error(err, " ".join(str(e).split("\n")))
+            return exit_status.USAGE
         message = str(e).splitlines()[0] if str(e) else ""
-        err.print(f"llama-chat: error: {type(e).__name__}{': ' + message if message else ''}",
-                  markup=False, soft_wrap=True)
+        _error(err, f"{type(e).__name__}{': ' + message if message else ''}")
         return exit_status.FAILURE
+
+
+# typer carries its own copy of click; its exceptions all derive from this one.
+_ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def _usage_error(e: Exception) -> int:
+    message = "; ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
+    try:
+        sys.stderr.write(f"llama-chat: error: {one_line(message)} (see llama-chat --help)\n")
+    except (OSError, ValueError):
+        pass
+    return exit_status.USAGE
 
 
 def main() -> None:
@@ -157,13 +245,18 @@ def main() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     install_sync_handlers()
     try:
-        # Standalone mode: typer reports its own usage errors (exit 2) and raises SystemExit.
-        app(prog_name="llama-chat")
-        status = exit_status.OK
+        ensure_std_fds()
+        # Not standalone: usage errors come back here as exceptions and are printed on one line.
+        status = app(prog_name="llama-chat", standalone_mode=False)
+        status = exit_status.OK if status is None else status
+    except typer.Abort:  # Ctrl+C while the options were parsed
+        status = exit_status.SIGINT
+    except _ClickException as e:
+        status = _usage_error(e)
     except SystemExit as e:
         status = e.code
-    except Terminated:  # SIGTERM while the options were being parsed
-        status = exit_status.SIGTERM
+    except Terminated as e:  # SIGTERM/SIGHUP while the options were being parsed
+        status = exit_status.for_signal(e.signum)
     except KeyboardInterrupt:
         status = exit_status.SIGINT
     _exit_now(status)
@@ -180,7 +273,8 @@ def _exit_now(code: int | str | None) -> None:
         code = exit_status.FAILURE
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except (OSError, ValueError):
             pass  # a closed pipe: nothing more can reach it
     os._exit(code or exit_status.OK)
