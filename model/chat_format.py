@@ -40,6 +40,7 @@ class ChatFormat(Protocol):
 
 
 FORMAT_NAMES = ("auto", "none", "llama2", "llama3", "hf")
+MAX_JSON_INDENT = 64
 HINT_FILES = ("chat_format.json", "params.json", "config.json")
 
 
@@ -129,6 +130,10 @@ class Llama3ChatFormat:
 # Hugging Face Jinja chat templates
 
 
+class ChatTemplateError(ModelLoadError, ValueError):
+    """The model's chat template failed: it raised, broke a limit, or hit an error (exit status 2)."""
+
+
 def _raise_exception(message: str) -> None:
     from jinja2.exceptions import TemplateError
 
@@ -138,17 +143,23 @@ def _raise_exception(message: str) -> None:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
             sort_keys: bool = False) -> str:
     # Templates expect the Hugging Face flavour: non-ASCII kept as it is.
+    if indent is not None and not (isinstance(indent, int) and 0 <= indent <= MAX_JSON_INDENT):
+        from llama_chat.model.template_sandbox import TemplateLimitError
+
+        raise TemplateLimitError(f"tojson: indent must be an integer from 0 to {MAX_JSON_INDENT}, found {indent!r}")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class HFTemplateChatFormat:
-    """Render a checkpoint's ``chat_template`` with Jinja (sandboxed), then tokenize the text.
+    """Render a checkpoint's ``chat_template`` with Jinja (sandboxed, bounded), then tokenize the text.
 
     Rendering gets what Hugging Face's ``apply_chat_template`` passes: ``messages`` (dicts),
     ``bos_token``, ``eos_token``, ``add_generation_prompt``, ``raise_exception`` and
     ``strftime_now``. The rendered text is tokenized with special-token names mapped to their
     ids. A bos id is prepended only when the tokenizer starts prompts with bos and the template
-    did not already write one, so there is never a doubled bos.
+    did not already write one, so there is never a doubled bos. The template's output, the size of
+    every value it builds and the work it does are bounded (``template_sandbox.py``); whatever goes
+    wrong while it renders is a ``ChatTemplateError``.
     """
 
     name = "hf"
@@ -156,35 +167,51 @@ class HFTemplateChatFormat:
     def __init__(self, template: str, tokenizer: Tokenizer, *, bos_token: str | None = None,
                  eos_token: str | None = None) -> None:
         from jinja2.exceptions import TemplateSyntaxError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
+        from llama_chat.model.template_sandbox import BoundedSandbox
+
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = env._bounded_filter("tojson", _tojson)
+        env.globals.pop("lipsum", None)  # a text generator, not something a chat template needs
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self._template = env.from_string(template)
         except TemplateSyntaxError as exc:
             raise ModelLoadError(f"chat_template: Jinja syntax error on line {exc.lineno}: {exc.message}") from None
+        except Exception as exc:  # noqa: BLE001 - compiling runs constant expressions: any error is the file's
+            raise ChatTemplateError(f"chat_template: cannot compile it ({type(exc).__name__}: {exc})") from None
+        env.install_joins(self._template)
+        self._env = env
         self.tokenizer = tokenizer
         names = {i: name for name, i in tokenizer.special_tokens.items()}
         self.bos_token = bos_token if bos_token is not None else names.get(tokenizer.bos_id, "")
         self.eos_token = eos_token if eos_token is not None else names.get(tokenizer.eos_id, "")
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
-        """The template's text; ValueError when the template rejects the dialog."""
-        from jinja2.exceptions import TemplateError
+        """The template's text; ``ChatTemplateError`` (a ValueError) when the template fails."""
+        from llama_chat.model.template_sandbox import TemplateLimitError, iter_limit, render_bounded
 
+        limit = iter_limit(m.content for m in messages)
         try:
-            return self._template.render(
+            return render_bounded(
+                self._env, self._template, limit,
                 messages=[{"role": m.role, "content": m.content} for m in messages],
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 add_generation_prompt=add_generation_prompt,
             )
-        except TemplateError as exc:
-            raise ValueError(f"chat template: {exc}") from None
+        except TemplateLimitError as exc:
+            raise ChatTemplateError(f"chat template: {exc}") from None
+        except RecursionError:
+            raise ChatTemplateError("chat template: recursion too deep") from None
+        except MemoryError:
+            raise ChatTemplateError("chat template: out of memory") from None
+        except Exception as exc:  # noqa: BLE001 - a template's own raise_exception, or any error in it
+            from jinja2.exceptions import TemplateError
+
+            detail = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+            raise ChatTemplateError(f"chat template: {detail}") from None
 
     def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
         text = self.render(messages, add_generation_prompt=add_generation_prompt)

@@ -8,7 +8,15 @@ from pathlib import Path
 import torch
 
 from llama_chat.model.args import ModelArgs
-from llama_chat.model.checkpoint_common import Checkpoint, config_error, torch_load, unreadable
+from llama_chat.model.checkpoint_common import (
+    Checkpoint,
+    Permuted,
+    Weight,
+    check_claimed_size,
+    config_error,
+    torch_load,
+    unreadable,
+)
 from llama_chat.model.json_files import read_json
 from llama_chat.model.errors import ModelLoadError
 
@@ -45,8 +53,8 @@ def read_hf(model_dir: Path) -> Checkpoint:
     """Read ``config.json`` and the weights; tensors stay memory-mapped except q/k (permuted)."""
     config = read_json(model_dir / "config.json")
     args = _args(config)
-    loaded, origin, files = _read_tensors(model_dir)
-    state: dict[str, torch.Tensor] = {}
+    loaded, origin, files = _read_tensors(model_dir, args)
+    state: dict[str, Weight] = {}
     renamed_origin: dict[str, str] = {}
     for hf_name, tensor in loaded.items():
         if _IGNORED.fullmatch(hf_name):
@@ -54,10 +62,11 @@ def read_hf(model_dir: Path) -> Checkpoint:
         name = meta_name(hf_name)
         if name is None:
             raise ModelLoadError(f"{origin[hf_name]}: unexpected tensor {hf_name!r}")
+        # The q/k rows are reordered as they are copied to the target (see hf_to_interleaved).
         if name.endswith("attention.wq.weight"):
-            tensor = hf_to_interleaved(tensor, args.n_heads)
+            tensor = _permuted(tensor, args.n_heads, origin[hf_name], name)
         elif name.endswith("attention.wk.weight"):
-            tensor = hf_to_interleaved(tensor, args.n_kv_heads)
+            tensor = _permuted(tensor, args.n_kv_heads, origin[hf_name], name)
         state[name] = tensor
         renamed_origin[name] = origin[hf_name]
     return Checkpoint(args=args, state=state, origin=renamed_origin, files=tuple(files))
@@ -90,6 +99,15 @@ def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def _permuted(tensor: torch.Tensor, n_heads: int, file: str, name: str) -> Weight:
+    if tensor.dim() != 2:
+        return tensor  # the shape check names it
+    try:
+        return Permuted(tensor, n_heads)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{file}: tensor {name!r}: {e}") from None
+
+
 def _args(config: dict) -> ModelArgs:
     model_type = config.get("model_type", "llama")
     # Mistral is a Llama with an optional sliding attention window; without one it is the same model.
@@ -114,7 +132,7 @@ def _args(config: dict) -> ModelArgs:
     return args
 
 
-def _read_tensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], list[Path]]:
+def _read_tensors(model_dir: Path, args: ModelArgs) -> tuple[dict[str, torch.Tensor], dict[str, str], list[Path]]:
     """All tensors by their HF name, the file each came from, and the files read."""
     for index_name, single_name in (("model.safetensors.index.json", "model.safetensors"),
                                     ("pytorch_model.bin.index.json", "pytorch_model.bin")):
@@ -123,7 +141,7 @@ def _read_tensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ModelLoadError(f"{index_name}: missing or empty 'weight_map'")
-            files = sorted(set(weight_map.values()))
+            files = sorted({_shard_name(index_name, tensor, file) for tensor, file in weight_map.items()})
             break
         if (model_dir / single_name).is_file():
             files = [single_name]
@@ -131,17 +149,35 @@ def _read_tensors(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, s
     else:
         raise ModelLoadError(f"{model_dir}: no model.safetensors or pytorch_model.bin next to config.json")
 
-    tensors: dict[str, torch.Tensor] = {}
-    origin: dict[str, str] = {}
     paths = [model_dir / name for name in files]
     for path in paths:
         if not path.is_file():
             raise ModelLoadError(f"{path.name}: weights file listed in the index is missing")
+    check_claimed_size(args, paths, "config.json")
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}
+    for path in paths:
         part = _read_safetensors(path) if path.suffix == ".safetensors" else _read_torch(path)
         for name, tensor in part.items():
             tensors[name] = tensor
             origin[name] = path.name
     return tensors, origin, paths
+
+
+def _shard_name(index_name: str, tensor: object, file: object) -> str:
+    """A ``weight_map`` value: the name of a weights file in the model directory itself.
+
+    An index could name any path (``../../home/user/secret.bin``, ``/dev/zero``); only plain file
+    names are accepted. The file itself may be a symbolic link, as in the Hugging Face cache.
+    """
+    if not isinstance(file, str) or not isinstance(tensor, str):
+        raise ModelLoadError(f"{index_name}: weight_map must map tensor names to file names, "
+                             f"found {tensor!r}: {file!r}")
+    if not file or "/" in file or "\\" in file or file in (".", "..") or "\0" in file:
+        raise ModelLoadError(f"{index_name}: weight_map names {file!r}, which is not a file in the model directory")
+    if not file.endswith((".safetensors", ".bin")):
+        raise ModelLoadError(f"{index_name}: weight_map names {file!r}, not a .safetensors or .bin file")
+    return file
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

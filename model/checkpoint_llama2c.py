@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from llama_chat.model.args import ModelArgs
-from llama_chat.model.checkpoint_common import Checkpoint
+from llama_chat.model.checkpoint_common import Checkpoint, parameter_count
 from llama_chat.model.errors import ModelLoadError
 
 MAGIC = 0x616B3432
@@ -74,9 +74,10 @@ def read_llama2c(path: Path) -> Checkpoint:
     except ModelLoadError as e:
         raise ModelLoadError(f"{path.name}: bad header ({e})") from None
 
-    order = _order(args, version)
-    want_floats = sum(n for _, n, _ in order)
-    want_bytes = offset + 4 * want_floats
+    # The header's sizes are checked against the file's by arithmetic first: listing every
+    # layer's weights for a header that claims 2**31-1 layers would exhaust memory.
+    rope_floats = args.max_seq_len * args.head_dim if version == 0 else 0
+    want_bytes = offset + 4 * (parameter_count(args) + rope_floats)
     size = path.stat().st_size
     if size < want_bytes:
         raise ModelLoadError(
@@ -87,6 +88,8 @@ def read_llama2c(path: Path) -> Checkpoint:
             f"{path.name}: {size - want_bytes} bytes past the last weight; the header does not match the data"
         )
 
+    order = _order(args, version)
+    assert offset + 4 * sum(n for _, n, _ in order) == want_bytes
     # One private mapping of the whole file as float32 (both header sizes are multiples of 4);
     # every weight is a view into it, so pages are read only when a weight is first used.
     data = torch.from_file(str(path), shared=False, size=size // 4, dtype=torch.float32)

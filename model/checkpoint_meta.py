@@ -10,6 +10,9 @@ import torch
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.checkpoint_common import (
     Checkpoint,
+    Concatenated,
+    Weight,
+    check_claimed_size,
     config_error,
     expected_shapes,
     torch_load,
@@ -64,6 +67,7 @@ def read_meta(model_dir: Path, *, tokenizer_vocab: int | None = None) -> Checkpo
         raise config_error("params.json", e) from None
 
     files = shard_files(model_dir)
+    check_claimed_size(args, files, "params.json")
     shards = [_load_shard(path) for path in files]
     if len(shards) == 1:
         state = shards[0]
@@ -82,27 +86,22 @@ def _load_shard(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _merge(shards: list[dict[str, torch.Tensor]], files: list[Path],
-           want: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Concatenate each weight's slices along its model-parallel dimension.
+           want: dict[str, tuple[int, ...]]) -> dict[str, Weight]:
+    """Each weight's slices, to be joined along its model-parallel dimension when it is loaded.
 
-    This copies: a merged tensor cannot be a view of several files. Single-shard checkpoints
-    (every Llama up to 8B) stay memory-mapped.
+    Nothing is copied here: the loader writes the slices straight into the final tensor, on the
+    target device and in the target dtype, one weight at a time (``Concatenated``).
     """
     names = list(shards[0])
     for path, shard in zip(files[1:], shards[1:]):
         if set(shard) != set(names):
             missing = sorted(set(names) ^ set(shard))[0]
             raise ModelLoadError(f"{path.name}: shards disagree on tensor {missing!r}")
-    merged: dict[str, torch.Tensor] = {}
-    for name in names:
-        parts = [shard[name] for shard in shards]
-        merged[name] = _merge_one(name, parts, want.get(name))
-        for shard in shards:
-            del shard[name]  # release each slice's mapping as soon as it has been copied
-    return merged
+    return {name: _merge_one(name, [shard[name] for shard in shards], want.get(name), files) for name in names}
 
 
-def _merge_one(name: str, parts: list[torch.Tensor], want: tuple[int, ...] | None) -> torch.Tensor:
+def _merge_one(name: str, parts: list[torch.Tensor], want: tuple[int, ...] | None,
+               files: list[Path]) -> Weight:
     if parts[0].dim() < 2:
         return parts[0]  # replicated (norms)
     suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
@@ -110,11 +109,11 @@ def _merge_one(name: str, parts: list[torch.Tensor], want: tuple[int, ...] | Non
     if dim is None:
         # The embedding (or anything unknown): whichever split yields the expected shape.
         dim = 1
-        if want is not None:
+        if want is not None and len(want) == 2 and all(p.dim() == 2 for p in parts):
             for d in (0, 1):
                 if sum(p.shape[d] for p in parts) == want[d] and all(
                     p.shape[1 - d] == want[1 - d] for p in parts
                 ):
                     dim = d
                     break
-    return torch.cat(parts, dim=dim)
+    return Concatenated(name, parts, dim, [f.name for f in files])

@@ -1,10 +1,11 @@
 """One entry point for every weight format: find the layout, read it, build the model on a device.
 
 ``load_model`` reads the tokenizer first (Meta's ``params.json`` may take its vocabulary size from
-it), then the checkpoint as memory-mapped tensors with Meta names, checks every tensor's shape,
-assigns them to a Transformer built on the ``meta`` device (so no memory is spent on random
-initial weights), and finally moves it to the device and dtype. Nothing here prints: progress goes
-to an optional ``on_progress(done_bytes, total_bytes)`` callback.
+it), then the checkpoint as memory-mapped tensors with Meta names (the sizes its config claims
+checked against the files' sizes first), checks every tensor's shape, converts each tensor
+straight to the target device and dtype, one at a time, and assigns them to a Transformer built on
+the ``meta`` device (so no memory is spent on random initial weights). Nothing here prints:
+progress goes to an optional ``on_progress(done_bytes, total_bytes)`` callback.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.chat_format import ChatFormat
-from llama_chat.model.checkpoint_common import Checkpoint, check_state
+from llama_chat.model.checkpoint_common import Checkpoint, Weight, check_state, realize
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.tokenizer import Tokenizer
 from llama_chat.model.transformer import Transformer
@@ -93,8 +94,8 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
 
     ``device``: "auto" (cuda, then mps, then cpu) or any torch device. ``dtype``: "auto" (float32
     on cpu, bfloat16 on cuda, float16 on mps), "float32", "bfloat16" or "float16".
-    ``max_seq_len``: the context length the rotary table and caches are sized for; by default
-    the checkpoint's, at most ``DEFAULT_MAX_SEQ_LEN``. ``tokenizer_file`` overrides the tokenizer
+    ``max_seq_len``: the context length the rotary table and caches are sized for, at most the
+    checkpoint's (0: the checkpoint's); by default the checkpoint's, at most ``DEFAULT_MAX_SEQ_LEN``. ``tokenizer_file`` overrides the tokenizer
     found beside the weights; ``chat_format`` is a format name or "auto".
     Every problem with the files raises ``ModelLoadError`` with a one-line message.
     """
@@ -114,10 +115,9 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {ckpt.args.vocab_size}: "
             "they do not belong together"
         )
+    args = ckpt.args.with_max_seq_len(_context(max_seq_len, ckpt.args.max_seq_len))
     state = check_state(ckpt)
-    args = ckpt.args.with_max_seq_len(
-        max_seq_len if max_seq_len is not None else min(ckpt.args.max_seq_len, DEFAULT_MAX_SEQ_LEN)
-    )
+    del ckpt  # `state` holds the only references to the source tensors, released one by one
     model = _build(args, state, target_device, target_dtype, on_progress)
     fmt = _chat_format(model_dir, tokenizer, chat_format)
     name = weights_file.stem if layout == LLAMA2C else model_dir.resolve().name
@@ -140,13 +140,26 @@ def _read(layout: str, model_dir: Path, weights_file: Path | None, tokenizer_voc
     return read_llama2c(weights_file)
 
 
-def _build(args: ModelArgs, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+def _context(asked: int | None, trained: int) -> int:
+    if asked is None:
+        return min(trained, DEFAULT_MAX_SEQ_LEN)
+    if asked == 0:
+        return trained
+    if asked < 0:
+        raise ModelLoadError(f"context length must be positive, found {asked}")
+    if asked > trained:
+        raise ModelLoadError(f"a context of {asked} tokens was asked for, but the model's is {trained}")
+    return asked
+
+
+def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtype: torch.dtype,
            on_progress: ProgressCallback | None) -> Transformer:
     """Assign the checked tensors to a Transformer built without allocating any weights.
 
-    Each tensor is moved to its device and dtype on its own, before assignment, so at most one
-    converted tensor is in flight beyond the model itself and progress can be reported per tensor.
-    A float32 checkpoint loaded as float32 on the CPU is not copied at all: the parameters are the
+    Each tensor goes from the file to its device and dtype on its own (``realize``), before
+    assignment, and the file pages it was read from are released at once; so beyond the model
+    itself at most one tensor is in flight, and progress can be reported per tensor. A float32
+    checkpoint loaded as float32 on the CPU is not copied at all: the parameters are the
     memory-mapped file, and pages are read as the forward first touches them.
     """
     total = sum(t.numel() * t.element_size() for t in state.values())
@@ -157,7 +170,7 @@ def _build(args: ModelArgs, state: dict[str, torch.Tensor], device: torch.device
     for name in list(state):
         tensor = state.pop(name)
         done += tensor.numel() * tensor.element_size()
-        moved[name] = tensor.to(device=device, dtype=dtype)
+        moved[name] = realize(tensor, device, dtype)
         del tensor
         if on_progress is not None:
             on_progress(done, total)
@@ -216,6 +229,12 @@ def _resolve_device(device: str | torch.device) -> torch.device:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ModelLoadError(f"device {device!r} is not a valid torch device ({e})") from None
+    if resolved.type not in ("cpu", "cuda", "mps"):
+        raise ModelLoadError(f"device {str(device)!r} cannot run a model (expected cpu, cuda or mps)")
+    if resolved.type == "cuda" and resolved.index is not None and torch.cuda.is_available() \
+            and resolved.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {str(device)!r} is not available on this machine "
+                             f"({torch.cuda.device_count()} CUDA devices)")
     available = {
         "cuda": torch.cuda.is_available,
         "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),

@@ -14,10 +14,10 @@ checkpoints list their end-of-turn tokens there.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.json_files import read_json
 from llama_chat.model.tokenizer import Tokenizer
 
 LOOKED_FOR = ("tokenizer.json", "tokenizer.model", "tokenizer.bin")
@@ -77,10 +77,7 @@ def _generation_stop_ids(model_dir: Path) -> list[int]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return []
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        raise ModelLoadError(f"{path}: not a JSON object") from None
+    value = read_json(path).get("eos_token_id")
     if value is None:
         return []
     values = value if isinstance(value, list) else [value]

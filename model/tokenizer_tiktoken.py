@@ -77,6 +77,13 @@ def read_ranks(path: Path) -> dict[bytes, int]:
         raise ModelLoadError(f"{path}: empty tiktoken rank file")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ModelLoadError(f"{path}: ranks must be 0..{len(ranks) - 1} without gaps or repeats")
+    # Byte-level BPE must be able to spell any byte; tiktoken's Rust core panics (a BaseException,
+    # with a traceback) on text that needs a byte the file lacks, so such a file is refused here.
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ModelLoadError(f"{path}: no token for the single byte 0x{missing[0]:02x}"
+                             f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; "
+                             "a byte-level tokenizer needs all 256")
     return ranks
 
 
