@@ -150,15 +150,22 @@ def test_no_prompt_and_stdin_a_terminal_is_a_usage_error(tiny):
     assert proc.returncode == 2 and b"no prompt" in proc.stderr
 
 
-def test_other_failures_exit_1_with_one_line_and_a_traceback_only_with_debug(tiny):
-    # The meta device has no data: loading works, reading back the first sampled token fails.
-    args = ("-m", str(tiny.path), "-p", PROMPT, "-n", "2", "--device", "meta")
-    proc = run_cli(*args)
+def test_other_failures_exit_1_with_one_line_and_a_traceback_only_with_debug(tiny, tmp_path):
+    # An internal failure, injected: the model's forward raises (sitecustomize runs at start-up).
+    (tmp_path / "sitecustomize.py").write_text(
+        "from llama_chat.model import transformer\n"
+        "def _fail(self, *args, **kwargs):\n"
+        "    raise RuntimeError('injected failure')\n"
+        "transformer.Transformer.forward = _fail\n"
+    )
+    args = ("-m", str(tiny.path), "-p", PROMPT, "-n", "2")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    proc = run_cli(*args, **env)
     assert proc.returncode == 1, proc.stderr.decode()
     assert proc.stdout == b"" or not ANSI.search(proc.stdout)
     lines = [line for line in proc.stderr.decode().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("llama-chat: error:"), lines
-    debug = run_cli(*args, "--debug")
+    debug = run_cli(*args, "--debug", **env)
     assert debug.returncode == 1 and b"Traceback" in debug.stderr
 
 
