@@ -19,6 +19,7 @@ the thread is gone when the ``async with`` block ends, so none outlives a genera
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import sniffio
+import anyio.lowlevel
 
 THREAD_NAME = "llama-chat step worker"
 _STOP = object()
@@ -46,14 +47,15 @@ class StepCall:
 
 
 def _call_soon_threadsafe() -> Callable[[Callable[[], None]], None]:
-    """How a foreign thread schedules a callback on the running event loop, without waiting."""
-    if sniffio.current_async_library() == "trio":
-        import trio
+    """How a foreign thread schedules a callback on the running event loop, without waiting.
 
-        return trio.lowlevel.current_trio_token().run_sync_soon
-    import asyncio
-
-    return asyncio.get_running_loop().call_soon_threadsafe
+    anyio's event loop token carries the running loop's native handle: an asyncio event loop, or
+    on trio a ``TrioToken``. Each has its own thread-safe, non-blocking way to schedule a call.
+    """
+    native = anyio.lowlevel.current_token().native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        return native.call_soon_threadsafe
+    return native.run_sync_soon  # trio.lowlevel.TrioToken
 
 
 class StepWorker:
