@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds
 
+# First of all, before any module opens a file that could take over fd 1 or 2 (`llama-chat >&-`).
+ensure_std_fds()
 # A Ctrl+C while the command's own modules load ends the run with status 130 and no traceback.
 with deferred_signals(exit_now=True):
     import enum
@@ -245,7 +247,6 @@ def main() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     install_sync_handlers()
     try:
-        ensure_std_fds()
         # Not standalone: usage errors come back here as exceptions and are printed on one line.
         status = app(prog_name="llama-chat", standalone_mode=False)
         status = exit_status.OK if status is None else status

@@ -3,23 +3,30 @@
 ::
 
     task group
-    ├── watch_signals      first SIGINT/SIGTERM cancels `generation`; a second exits at once
+    ├── watch_signals      first SIGINT/SIGTERM/SIGHUP cancels `generation`; a second exits at once
+    ├── watch_reader       stdout a pipe: its reader leaving cancels `generation` (even mid-prefill)
     └── generation scope
         └── engine.stream  producer task: forward steps in a worker thread -> bounded channel
             consumer        (this function's body): bytes -> StreamDecoder -> renderer
 
 Whatever ends the stream (a stop token, the budget, a signal, a closed stdout, an error), the
 decoder is flushed and the renderer finished, so committed text stays and the terminal is restored.
+A stream that was cut off (a signal, a closed stdout) drops the bytes of a character it never
+finished instead of showing them as U+FFFD.
 """
 
 from __future__ import annotations
 
+import os
+import select
+import stat
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 
-from llama_chat.cmd.render import OutputClosed, Renderer
+from llama_chat.cmd.render import OutputClosed, Renderer, suspend_hooks
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.signals import StopRequest, watch_signals
 from llama_chat.inference.decoding import StreamDecoder
@@ -36,21 +43,58 @@ class Outcome:
     output_closed: bool  # stdout's reader went away
 
 
+# How often a pipe on stdout is checked for a reader that has gone while nothing is written.
+READER_POLL_S = 0.1
+
+
+def watched_pipe(fd: int | None) -> int | None:
+    """``fd`` when it is a pipe or socket whose reader can leave unnoticed, else None."""
+    if fd is None or not hasattr(select, "poll"):
+        return None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return None
+    return fd if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) else None
+
+
+async def watch_reader(fd: int, scope: anyio.CancelScope, consumer: _Consumer) -> None:
+    """Cancel ``scope`` once the reader of pipe ``fd`` has gone.
+
+    A write would say so, but nothing is written during a long prefill; the write end of a pipe
+    reports POLLERR as soon as its read end is closed, so the prefill stops at its next chunk.
+    """
+    poller = select.poll()
+    poller.register(fd, 0)  # POLLERR and POLLHUP are always reported
+    while True:
+        if any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0)):
+            consumer.output_closed = True
+            scope.cancel()
+            return
+        await anyio.sleep(READER_POLL_S)
+
+
 async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | None, *,
-                       strip_leading_space: bool = False) -> Outcome:
+                       strip_leading_space: bool = False, output_fd: int | None = None) -> Outcome:
     """Generate ``request``, rendering as it goes (``renderer`` None: collect only, for ``--json``).
 
     ``strip_leading_space`` drops one space from the start of the answer: SentencePiece spells a
     reply's first word with the word-start marker, which only makes sense when continuing text.
+    ``output_fd``: the file descriptor the answer goes to; when it is a pipe, a reader that leaves
+    stops generation even before anything was written.
     """
     consumer = _Consumer(renderer, strip_leading_space)
     stop = StopRequest()
     tally = Tally(request.request_id, len(request.prompt_ids))
+    on_suspend, on_resume = suspend_hooks(renderer)
+    pipe = watched_pipe(output_fd)
     try:
         try:
             async with anyio.create_task_group() as tg:
                 generation = anyio.CancelScope()
-                await tg.start(watch_signals, generation, stop)
+                await tg.start(partial(watch_signals, on_suspend=on_suspend, on_resume=on_resume), generation, stop)
+                if pipe is not None:
+                    tg.start_soon(watch_reader, pipe, generation, consumer)
                 with generation:
                     consumer.start()
                     async with engine.stream(request) as events:
@@ -64,8 +108,9 @@ async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | No
                 raise error from None
             consumer.output_closed = True  # not a failure: nobody is reading any more
         # A stream that ends without a finishing event (a signal, a closed stdout) keeps Tally's
-        # default reason, cancelled. Pending bytes are flushed whatever ended it.
-        consumer.flush()
+        # default reason, cancelled. Pending text is flushed whatever ended it; bytes of a
+        # character cut off by a cancel are dropped.
+        consumer.flush(cut_off=stop.signum is not None or consumer.output_closed)
     finally:
         consumer.finish()
     return Outcome(tally.completion(consumer.text), stop.signum, consumer.output_closed)
@@ -122,8 +167,12 @@ class _Consumer:
             self.renderer.update(displayable(text), decoder.pending_bytes, decoder.pending_text,
                                  self.pending_tokens)
 
-    def flush(self) -> None:
-        text = self.decoder.flush()
+    def flush(self, cut_off: bool = False) -> None:
+        if cut_off:
+            text = self.decoder.pending_text  # whole characters only
+            self.decoder.flush()
+        else:
+            text = self.decoder.flush()
         self.parts.append(text)
         self.pending_tokens = 0
         self._render(lambda r: r.update(displayable(text), b"", "", 0))

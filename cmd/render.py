@@ -7,12 +7,22 @@ have been replaced (``cmd/sanitize.py``).
 
 On a terminal the pending state is shown as dim ASCII dots after the committed text, one per
 token whose bytes are still held (one per waiting byte when the caller does not count tokens; at
-most ``MAX_MARKERS``), added one by one as tokens arrive and erased with
-backspace-space-backspace before the next text is written. Plain ASCII markers have a width every
-terminal agrees on, so erasing them never depends on how a terminal measures emoji; and only as
-many are drawn as fit before the right edge, because a backspace cannot go back across a line
-wrap. Committed text is written once and never redrawn, so a long answer costs O(length) in
-total.
+most ``MAX_MARKERS``), added one by one as tokens arrive and erased before the next text is
+written. Plain ASCII markers have a width every terminal agrees on, so erasing them never depends
+on how a terminal measures emoji; and only as many are drawn as fit before the right edge.
+Committed text is written once and never redrawn, so a long answer costs O(length) in total.
+
+How markers are erased. With colour (the default) the cursor position right after the committed
+text is saved (``ESC 7``) each time text is written, and erasing goes back to it (``ESC 8``) and
+clears the rest of the line (``ESC [K``). That also removes whatever the terminal itself drew after
+our output: the ``^C`` a terminal echoes for Ctrl+C (two columns, which would otherwise make
+relative backspaces erase the echo instead of the markers), or keys typed while the answer streams.
+Without colour (``NO_COLOR``, ``--color never``) no escape sequence is written at all, so markers are
+erased with backspace-space-backspace, which cannot account for an echo.
+
+When generation is cancelled while bytes of a character are held, the incomplete character is
+dropped: the screen keeps exactly the committed text (plus any whole characters that were held
+back only because an emoji might have continued), never a U+FFFD for bytes that were cut off.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ _TAB = 8
 
 _HIDE_CURSOR = "\x1b[?25l"
 _SHOW_CURSOR = "\x1b[?25h"
+_SAVE_CURSOR = "\x1b7"
+_RESTORE_AND_CLEAR = "\x1b8\x1b[K"
 
 ColorMode = Literal["auto", "always", "never"]
 
@@ -58,6 +70,13 @@ class Renderer(Protocol):
 
     def finish(self) -> None:
         """Erase pending markers and restore the terminal. Idempotent; safe after any error."""
+
+
+def suspend_hooks(renderer: Renderer | None):
+    """``(on_suspend, on_resume)`` for Ctrl+Z when ``renderer`` draws on a terminal, else ``(None, None)``."""
+    if isinstance(renderer, LiveRenderer):
+        return renderer.suspend, renderer.resume
+    return None, None
 
 
 class PlainRenderer:
@@ -112,6 +131,7 @@ class LiveRenderer:
         self._line_cells = 0  # cells written since the last newline, as rich measures them
         self._cursor_hidden = False
         self._finished = False
+        self._saved = False  # a cursor position after the committed text is saved (colour only)
         self._dim = Style(dim=True)
 
     def start(self) -> None:
@@ -131,14 +151,35 @@ class LiveRenderer:
             return
         parts = [self._erase_markers(), committed]
         self._advance(committed)
+        parts.append(self._save_point())
         parts.append(self._resize_markers(min(waiting, MAX_MARKERS, self._room())))
         self._write("".join(parts))
+
+    def suspend(self) -> None:
+        """Before the process stops (Ctrl+Z): markers erased, cursor shown."""
+        parts = [self._erase_markers(clear=True)]
+        if self._cursor_hidden:
+            parts.append(_SHOW_CURSOR)
+        try:
+            self._write("".join(parts))
+        except OutputClosed:
+            pass
+
+    def resume(self) -> None:
+        """After ``fg``: the shell has written its lines, so a new line starts where the cursor is."""
+        self._line_cells = 0
+        self._saved = False
+        try:
+            if self._cursor_hidden:
+                self._write(_HIDE_CURSOR)
+        except OutputClosed:
+            pass
 
     def finish(self) -> None:
         if self._finished:
             return
         self._finished = True
-        parts = [self._erase_markers()]
+        parts = [self._erase_markers(clear=True)]
         if self._line_cells:
             parts.append("\n")
             self._line_cells = 0
@@ -159,16 +200,33 @@ class LiveRenderer:
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _erase_markers(self) -> str:
+    def _save_point(self) -> str:
+        """Remember where the committed text ends (colour only), unless the line is full: there a
+        terminal's cursor sits on the last character, which clearing from it would erase."""
+        if not self._color:
+            return ""
+        self._saved = self._column() < max(self._console.width, 1)
+        return _SAVE_CURSOR if self._saved else ""
+
+    def _erase_markers(self, clear: bool = False) -> str:
+        """Output that removes the markers; with ``clear`` also anything drawn after them."""
+        if self._saved and (self._markers or clear):
+            self._markers = 0
+            return _RESTORE_AND_CLEAR
         return self._resize_markers(0)
 
     def _resize_markers(self, n: int) -> str:
         """Output that turns the markers on screen into ``n`` markers, cursor after them."""
         shown = self._markers
-        self._markers = n
         if n > shown:
+            self._markers = n
             dots = MARKER * (n - shown)
             return self._dim.render(dots) if self._color else dots
+        if n < shown and self._saved:
+            self._markers = n
+            dots = MARKER * n
+            return _RESTORE_AND_CLEAR + (self._dim.render(dots) if dots else "")
+        self._markers = n
         d = shown - n  # erase the last d markers: back, blank, back
         return "\b" * d + " " * d + "\b" * d
 

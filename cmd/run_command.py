@@ -25,7 +25,7 @@ from llama_chat.cmd.report import print_summary, write_json
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.engine import Engine
 from llama_chat.inference.types import Request
-from llama_chat.ml.sampling import SamplingParams
+from llama_chat.ml.sampling import SamplingParams, sample
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 
 if TYPE_CHECKING:
@@ -37,7 +37,32 @@ def load(opts: Options, err: Console) -> LoadedModel:
     # The bar (stderr on a terminal, big checkpoints only) is erased on success, error or Ctrl+C.
     with load_progress(Path(path).name or str(path), console=err) as on_progress:
         return load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
-                          on_progress=on_progress)
+                          max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress)
+
+
+def _fileno(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def padded_vocab_sampler(loaded: LoadedModel) -> dict:
+    """Engine arguments that keep ids past the tokenizer's vocabulary from ever being sampled.
+
+    A checkpoint may pad its embedding past the tokenizer's size (to a multiple of 64 or 128);
+    those ids have no text, and a model with random or untrained rows there could pick one. The
+    sampler then sees only the first ``tokenizer.vocab_size`` logits. Unpadded models keep the
+    engine's own sampler.
+    """
+    n = loaded.tokenizer.vocab_size
+    if n >= loaded.args.vocab_size:
+        return {}
+
+    def limited(logits, params, *rest):
+        return sample(logits[..., :n], params, *rest)
+
+    return {"sampler": limited}
 
 
 def silence_stdout() -> None:
@@ -58,14 +83,16 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     seed = opts.seed if opts.seed is not None else secrets.randbelow(2**31)
     request = Request(ids, sampling=SamplingParams(temperature=opts.temperature, top_p=opts.top_p), seed=seed,
                       max_tokens=opts.max_tokens)
-    engine = Engine.from_loaded(loaded)
+    engine = Engine.from_loaded(loaded, **padded_vocab_sampler(loaded))
     engine.check(request)  # a prompt longer than the context is bad input, found before any work
 
-    renderer = None if opts.json else make_renderer(sys.stdout.isatty(), color, sys.stdout)
+    stdout_tty = sys.stdout.isatty()
+    renderer = None if opts.json else make_renderer(stdout_tty, color, sys.stdout)
     try:
         # A chat reply is not a continuation of the prompt text: no leading word-start space.
         strip = loaded.chat_format is not None and getattr(loaded.tokenizer, "strips_leading_space", False)
-        outcome: Outcome = anyio.run(partial(run_one_shot, strip_leading_space=strip), engine, request, renderer)
+        outcome: Outcome = anyio.run(partial(run_one_shot, strip_leading_space=strip, output_fd=_fileno(sys.stdout)),
+                                     engine, request, renderer)
     finally:
         install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
 
@@ -78,6 +105,11 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
         except BrokenPipeError:
             silence_stdout()
             return exit_status.OUTPUT_CLOSED
+    if not opts.json and not stdout_tty and err.is_terminal and outcome.completion.text \
+            and not outcome.completion.text.endswith("\n"):
+        # `llama-chat -p hi | cat`: the answer and the summary meet on one terminal, and the
+        # answer did not end its line, so the summary starts a fresh one.
+        err.file.write("\n")
     print_summary(err, outcome.completion, seed, stats=opts.stats)
     if outcome.signum is not None:
         return exit_status.for_signal(outcome.signum)

@@ -27,6 +27,7 @@ TEXT = (
 
 _SGR = re.compile(r"\x1b\[[0-9;]*m")
 _CURSOR = re.compile(r"\x1b\[\?25[hl]")
+_SAVE, _RESTORE, _CLEAR_EOL = "\x1b7", "\x1b8", "\x1b[K"
 
 
 @dataclass
@@ -40,10 +41,24 @@ class Screen:
     cursor_visible: bool = True
     cursor_log: list[bool] = field(default_factory=list)
     max_col_seen: int = 0
+    saved: tuple[int, int] = (0, 0)
 
     def feed(self, out: str) -> None:
         i = 0
         while i < len(out):
+            if out.startswith(_SAVE, i):
+                self.saved = (len(self.rows) - 1, self.col)
+                i += len(_SAVE)
+                continue
+            if out.startswith(_RESTORE, i):
+                row, self.col = self.saved
+                del self.rows[row + 1:]
+                i += len(_RESTORE)
+                continue
+            if out.startswith(_CLEAR_EOL, i):
+                del self.rows[-1][self.col:]
+                i += len(_CLEAR_EOL)
+                continue
             if out[i] == "\x1b":
                 m = _CURSOR.match(out, i) or _SGR.match(out, i)
                 assert m, f"unexpected escape sequence at {out[i:i + 10]!r}"
