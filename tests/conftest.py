@@ -1,11 +1,24 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import sentencepiece as spm
+from hypothesis import HealthCheck, settings
 
 from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
+
+# Hypothesis profiles, picked with HYPOTHESIS_PROFILE (default: quick).
+#   quick: what every run and CI use; the decoder properties take a few seconds in all.
+#   long:  10,000 examples per property, for changes to the streaming decoder or the emoji rules:
+#          HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_stream_decoder.py
+# No deadline and no too-slow health check in either: on a busy machine a slow example is the
+# machine, not the code. Tests that set their own max_examples keep it.
+_BUSY_MACHINE_SAFE = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("quick", max_examples=300, **_BUSY_MACHINE_SAFE)
+settings.register_profile("long", max_examples=10_000, **_BUSY_MACHINE_SAFE)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,9 @@ from llama_chat.inference.emoji_data import (
     may_grow_emoji,
 )
 
-PROPERTY = settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Examples per property come from the hypothesis profile (tests/conftest.py): a few hundred by
+# default, 10,000 with HYPOTHESIS_PROFILE=long.
+PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FLUSH = -1  # "feed index" of the final flush
 
 
