@@ -16,7 +16,9 @@ import torch
 
 from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
 
-ANSI = re.compile(rb"\x1b[\[\]()#;?]*[0-9;?]*[A-Za-z]")
+# Escape sequences: CSI and the like (colours, cursor shown or hidden, erase line), and the
+# two-byte save and restore cursor (ESC 7, ESC 8).
+ANSI = re.compile(rb"\x1b(?:[\[\]()#;?]*[0-9;?]*[A-Za-z]|[78])")
 STOP_IDS = (2,)  # the SentencePiece builder's eos; the tiny vocabulary has no other stop token
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import select
 import signal
 import struct
@@ -247,9 +248,8 @@ def test_live_rendering_on_a_terminal_finishes_cleanly(tiny):
     status, shown = _pty_run(tiny, "-t", "0", "-n", str(n), "-p", "Once")
     assert status == 0, shown.decode(errors="replace")
     assert _terminal_restored(shown) and b"Traceback" not in shown
-    text = ANSI.sub(b"", shown).decode(errors="replace").replace("\r", "")
-    # Markers were drawn and erased with backspaces; what remains on screen is the answer.
-    screen = _apply_backspaces(text)
+    # Markers were drawn and erased; what remains on screen is the answer.
+    screen = _screen(shown)
     assert "".join(displayable(expected).split()) in "".join(screen.split())
     assert "finish: max_tokens" in screen
 
@@ -260,14 +260,28 @@ def test_sigint_on_a_terminal_restores_it(tiny):
     assert _terminal_restored(shown) and b"Traceback" not in shown and b"finish: cancelled" in ANSI.sub(b"", shown)
 
 
-def _apply_backspaces(text: str) -> str:
+_SCREEN_TOKENS = re.compile(r"\x1b7|\x1b8|\x1b[\[\]()#;?]*[0-9;?]*[A-Za-z]|.", re.DOTALL)
+
+
+def _screen(shown: bytes) -> str:
+    """What a terminal shows after ``shown``, for what the live renderer writes: text, backspaces
+    (markers erased without colour), and save cursor / restore cursor + erase to the end of the
+    line (markers erased with colour; they never wrap, so restoring drops all written since)."""
     out: list[str] = []
-    for ch in text:
-        if ch == "\b":
+    saved = None
+    for token in _SCREEN_TOKENS.findall(shown.decode(errors="replace").replace("\r", "")):
+        if token == "\x1b7":
+            saved = len(out)
+        elif token == "\x1b8":
+            if saved is not None:
+                del out[saved:]
+        elif token.startswith("\x1b"):
+            continue  # colours, cursor shown or hidden, erase line: nothing to keep
+        elif token == "\b":
             if out:
                 out.pop()
         else:
-            out.append(ch)
+            out.append(token)
     return "".join(out)
 
 
