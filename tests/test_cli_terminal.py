@@ -1,0 +1,348 @@
+"""The installed command against terminals, signals and odd stdio: what the user is left with.
+
+Terminal cases run on a pseudo-terminal that is the process's controlling terminal, so Ctrl+C and
+Ctrl+Z are typed (the line discipline echoes ``^C`` and sends the signal), as a user would.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import select
+import signal
+import struct
+import subprocess
+import termios
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import torch
+
+from builders import random_model, tiny_args, write_meta_checkpoint
+from cli_support import build_tiny_model, cli_env, llama_chat_command
+from llama_chat.cmd.sanitize import displayable, one_line
+
+WAIT_S = 60.0  # how long to wait for something that must happen, on however busy a machine
+LONG = ("-t", "0", "-n", "1000", "-p", "Once upon a time")
+
+
+def _held_bytes_model(out: Path, sp_model: Path) -> Path:
+    """A model whose answer is "é", then the first three bytes of 🐱 and then bos for ever.
+
+    Attention and feed-forward add nothing, so the next token depends only on the last one: a
+    chain written into the embeddings (token -> basis vector) and the output rows (basis vector ->
+    next token). The decoder then holds three bytes while tokens keep coming, so a Ctrl+C always
+    lands while bytes are held.
+    """
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
+    byte = lambda b: sp.piece_to_id(f"<0x{b:02X}>")  # noqa: E731
+    chain = [byte(0xC3), byte(0xA9), byte(0xF0), byte(0x9F), byte(0x90), sp.bos_id()]
+    model = random_model(tiny_args(sp.vocab_size(), n_layers=1, max_seq_len=16384), seed=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight", "output.weight")):
+                p.zero_()
+            elif name.endswith("norm.weight"):
+                p.fill_(1.0)
+        emb, out_w = model.tok_embeddings.weight, model.output.weight
+        emb.zero_()
+        emb[:, 0] = 10.0  # every other token leads to the first of the chain
+        for k, token in enumerate(chain):
+            emb[token] = 0
+            emb[token, min(k + 1, len(chain) - 1)] = 10.0
+            out_w[token, k] = 10.0
+    return write_meta_checkpoint(model, out, sp_model)
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory, sp_model_path) -> Path:
+    return _held_bytes_model(tmp_path_factory.mktemp("held") / "model", sp_model_path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("terminal"))
+
+
+class Pty:
+    """A child on a pseudo-terminal that is its controlling terminal; everything shown is kept."""
+
+    def __init__(self, *args: str, **env: str) -> None:
+        self.primary, secondary = os.openpty()
+        fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        attrs = termios.tcgetattr(secondary)
+        attrs[3] |= termios.ECHO | termios.ECHOCTL | termios.ISIG | termios.ICANON
+        termios.tcsetattr(secondary, termios.TCSANOW, attrs)
+
+        def become_controlling_terminal() -> None:
+            os.setsid()
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.proc = subprocess.Popen([*llama_chat_command(), *args], stdin=secondary, stdout=secondary,
+                                     stderr=secondary, preexec_fn=become_controlling_terminal,
+                                     env=cli_env(TERM="xterm-256color", **env))
+        os.close(secondary)
+        self.shown = b""
+
+    def read_until(self, condition, timeout: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.primary], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(self.primary, 65536)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                self.shown += chunk
+        assert condition(), f"timed out; shown so far: {self.shown[-300:]!r}"
+
+    def type(self, data: bytes) -> None:
+        os.write(self.primary, data)
+
+    def finish(self) -> int:
+        status = None
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.primary], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(self.primary, 65536)
+                except OSError:
+                    chunk = b""
+                self.shown += chunk
+                if chunk:
+                    continue
+            if self.proc.poll() is not None:
+                status = self.proc.returncode
+                break
+        os.close(self.primary)
+        return status if status is not None else self.proc.wait(timeout=10)
+
+
+_SGR = re.compile(rb"\x1b\[[0-9;]*m")
+
+
+def screen(shown: bytes) -> tuple[list[str], bool]:
+    """The lines a terminal shows after ``shown``, and whether the cursor is visible at the end."""
+    rows: list[list[str]] = [[]]
+    col, saved, visible = 0, (0, 0), True
+    text = _SGR.sub(b"", shown).decode("utf-8", errors="replace")
+    i = 0
+    while i < len(text):
+        for seq, action in (("\x1b7", "save"), ("\x1b8", "restore"), ("\x1b[K", "clear"),
+                            ("\x1b[?25l", "hide"), ("\x1b[?25h", "show")):
+            if text.startswith(seq, i):
+                if action == "save":
+                    saved = (len(rows) - 1, col)
+                elif action == "restore":
+                    row, col = saved
+                    del rows[row + 1:]
+                elif action == "clear":
+                    del rows[-1][col:]
+                else:
+                    visible = action == "show"
+                i += len(seq)
+                break
+        else:
+            ch = text[i]
+            i += 1
+            if ch == "\n":
+                rows.append([])
+                col = 0
+            elif ch == "\r":
+                col = 0
+            elif ch == "\b":
+                col = max(col - 1, 0)
+            else:
+                row = rows[-1]
+                row.extend(" " * (col + 1 - len(row)))
+                row[col] = ch
+                col += 1
+    return ["".join(r).rstrip() for r in rows], visible
+
+
+def test_ctrl_c_while_bytes_are_held_leaves_exactly_the_committed_text(held):
+    term = Pty("-m", str(held), "-p", "hi", "-t", "0", "-c", "0")
+    term.read_until(lambda: "é".encode() in term.shown and term.shown.count(b".") >= 3)
+    term.type(b"\x03")
+    status = term.finish()
+    lines, cursor_visible = screen(term.shown)
+    assert status == 130, term.shown
+    assert lines[0] == "é", lines  # no markers, no ^C, no U+FFFD for the cut-off cat
+    assert lines[1].startswith("finish: cancelled") and cursor_visible
+    assert b"Traceback" not in term.shown
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_ctrl_z_shows_the_cursor_and_fg_hides_it_again(held):
+    term = Pty("-m", str(held), "-p", "hi", "-t", "0", "-c", "0")
+    term.read_until(lambda: b"\x1b[?25l" in term.shown and "é".encode() in term.shown)
+    term.type(b"\x1a")
+    deadline = time.monotonic() + WAIT_S
+    while _state(term.proc.pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _state(term.proc.pid) == "T"
+    term.read_until(lambda: term.shown.rfind(b"\x1b[?25h") > term.shown.rfind(b"\x1b[?25l"))
+    _, visible_while_stopped = screen(term.shown)
+    assert visible_while_stopped
+    stopped_at = len(term.shown)
+    os.kill(term.proc.pid, signal.SIGCONT)  # what the shell's `fg` sends
+    term.read_until(lambda: b"\x1b[?25l" in term.shown[stopped_at:])
+    term.type(b"\x03")
+    status = term.finish()
+    _, visible = screen(term.shown)
+    assert status == 130 and visible
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGHUP, 129), (signal.SIGQUIT, 131)])
+def test_sighup_and_sigquit_restore_the_cursor(held, signum, status):
+    term = Pty("-m", str(held), "-p", "hi", "-t", "0", "-c", "0")
+    term.read_until(lambda: b"\x1b[?25l" in term.shown and "é".encode() in term.shown)
+    term.proc.send_signal(signum)
+    assert term.finish() == status
+    _, visible = screen(term.shown)
+    assert visible and b"Traceback" not in term.shown
+
+
+def test_sigint_at_any_moment_of_start_up_gives_130_and_no_traceback(tiny):
+    def run(delay: float) -> tuple[float, int, bytes]:
+        proc = subprocess.Popen([*_real_command(), "-m", str(tiny.path), *LONG], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env())
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=WAIT_S)
+        return delay, proc.returncode, err
+
+    # From 0.3 s: before that the interpreter may still be starting (its site module and .pth
+    # files, 0.1-0.2 s on a busy machine), where a Ctrl+C is Python's own business and can end in
+    # "Fatal Python error: init_import_site". From the command module's first line on, it is ours.
+    delays = [0.3 + 0.1 * i for i in range(8)] + [2.0]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run, delays))
+    for delay, status, err in results:
+        # -SIGINT: the signal came before Python had set up its own handler (the default killed it).
+        assert status in (130, -signal.SIGINT), (delay, status, err)
+        assert b"Traceback" not in err and b"Error" not in err, (delay, err)
+
+
+def _real_command() -> list[str]:
+    """The entry point itself, not a version manager's shell shim (which reports its own status
+    when stderr is closed)."""
+    cmd = llama_chat_command()
+    real = Path(os.__file__).parents[2] / "bin" / "llama-chat"
+    if cmd and cmd[0].endswith("llama-chat") and real.is_file():
+        return [str(real)]
+    return cmd
+
+
+def _run_closing(fd: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*_real_command(), *args], stdin=subprocess.DEVNULL, capture_output=True,
+                          timeout=WAIT_S, env=cli_env(), preexec_fn=lambda: os.close(fd))
+
+
+def test_stdout_closed_is_one_line_and_exit_2(tiny):
+    proc = _run_closing(1, "-m", str(tiny.path), "-p", "hi", "-n", "3")
+    assert proc.returncode == 2
+    assert proc.stderr.decode().strip() == ("llama-chat: error: standard output is closed: "
+                                            "there is nowhere to write the answer")
+
+
+def test_stderr_closed_still_succeeds(tiny):
+    proc = _run_closing(2, "-m", str(tiny.path), "-p", "hi", "-n", "3", "-t", "0")
+    assert proc.returncode == 0 and proc.stdout
+
+
+def test_finish_line_starts_on_a_fresh_line_when_stdout_is_piped(tiny):
+    primary, secondary = os.openpty()
+    proc = subprocess.run([*llama_chat_command(), "-m", str(tiny.path), "-p", "hi", "-n", "5", "-t", "0"],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=secondary, timeout=WAIT_S,
+                          env=cli_env())
+    os.close(secondary)
+    err = b""
+    while select.select([primary], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(primary)
+    assert proc.returncode == 0 and proc.stdout and not proc.stdout.endswith(b"\n")
+    assert _SGR.sub(b"", err).startswith(b"\r\nfinish: max_tokens")
+
+
+def test_reader_leaving_before_any_output_stops_quietly(tiny):
+    long_prompt = " ".join(["Once upon a time"] * 200)
+    proc = subprocess.Popen([*llama_chat_command(), "-m", str(tiny.path), "-t", "0", "-p", long_prompt],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    proc.stdout.close()  # the reader is gone before anything was written
+    _, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 141 and err == b""
+
+
+def test_no_stdin_and_file_options(tiny, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon a time\n")
+    base = [*llama_chat_command(), "-m", str(tiny.path), "-n", "3", "-t", "0", "--json"]
+    # A pipe that never closes: without --no-stdin the run would wait for it for ever.
+    waiting = subprocess.Popen(["sleep", "120"], stdout=subprocess.PIPE)
+    try:
+        proc = subprocess.run([*base, "-p", "Once upon a time", "--no-stdin"], stdin=waiting.stdout,
+                              capture_output=True, timeout=WAIT_S, env=cli_env())
+        from_file = subprocess.run([*base, "-f", str(prompt)], stdin=waiting.stdout, capture_output=True,
+                                   timeout=WAIT_S, env=cli_env())
+    finally:
+        waiting.kill()
+        waiting.wait()
+    from_stdin = subprocess.run([*base, "-f", "-"], input=b"Once upon a time\n", capture_output=True,
+                                timeout=WAIT_S, env=cli_env())
+    assert proc.returncode == from_file.returncode == from_stdin.returncode == 0, proc.stderr
+    texts = [json.loads(p.stdout)["text"] for p in (proc, from_file, from_stdin)]
+    assert texts[0] == texts[1] == texts[2]
+    missing = subprocess.run([*base, "-f", str(tmp_path / "nope")], capture_output=True, timeout=WAIT_S,
+                             env=cli_env())
+    assert missing.returncode == 2 and missing.stderr.decode().count("\n") == 1
+    assert "cannot read it" in missing.stderr.decode()
+
+
+def test_ctx_size_limits_the_context(tiny):
+    proc = subprocess.run([*llama_chat_command(), "-m", str(tiny.path), "-c", "8", "-p",
+                           "Once upon a time there was a little fox who lived in the forest"],
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=WAIT_S, env=cli_env())
+    assert proc.returncode == 2 and b"the context holds 8" in proc.stderr
+
+
+def test_usage_errors_are_one_line_with_a_hint():
+    for args in (["--top-p", "0"], ["--bogus"], ["-n", "0"], ["--dtype", "float8"], ["-c", "-1"]):
+        proc = subprocess.run([*llama_chat_command(), *args], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=WAIT_S, env=cli_env())
+        lines = proc.stderr.decode().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (args, lines)
+        assert lines[0].startswith("llama-chat: error: ") and lines[0].endswith("(see llama-chat --help)")
+
+
+def test_help_states_each_range_once():
+    helped = subprocess.run([*llama_chat_command(), "--help"], capture_output=True, timeout=WAIT_S,
+                            env=cli_env(COLUMNS="200")).stdout.decode()
+    assert "0 < p <= 1" in helped and "<=x<=" not in helped and "x>=" not in helped
+    for option in ("--ctx-size", "--file", "--no-stdin"):
+        assert option in helped
+
+
+def test_c1_controls_and_bidi_overrides_are_shown():
+    assert displayable("a\x9b31mb") == "a<U+009B>31mb"
+    assert displayable("\u202eevil\u202c") == "<U+202E>evil<U+202C>"
+    assert displayable("x\x1b[2J\ty\n") == "x\u241b[2J\ty\n"
+    assert displayable("family \U0001F468\u200d\U0001F469") == "family \U0001F468\u200d\U0001F469"
+    assert one_line("two\nlines\x07") == "two\u240alines\u2407"
