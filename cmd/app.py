@@ -72,6 +72,7 @@ class Options:
     ctx_size: int | None = None
     file: str | None = None
     no_stdin: bool = False
+    compile: bool | None = None
 
 
 MAX_SEED = 2**64 - 1
@@ -157,6 +158,9 @@ def llama_chat(
     device: str = typer.Option("auto", "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps."),
     dtype: DType = typer.Option(DType.auto, "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 "
                                 "on cuda, float16 on mps."),
+    compile: bool | None = typer.Option(None, "--compile/--no-compile", help="Compile the decode step "
+                                        "(default: on CUDA for models over 50M parameters). The first run "
+                                        "compiles; later runs reuse the on-disk cache."),
     template: Template = typer.Option(Template.auto, "--template", help="Chat format; auto: the model's "
                                       "if it has one, else plain completion."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of text."),
@@ -169,7 +173,7 @@ def llama_chat(
     opts = Options(model=model, prompt=prompt, system=system, max_tokens=max_tokens, temperature=temperature,
                    top_p=top_p, seed=seed, device=device, dtype=dtype.value, template=template.value,
                    json=json_out, stats=stats, color=color.value, debug=debug, ctx_size=ctx_size, file=file,
-                   no_stdin=no_stdin)
+                   no_stdin=no_stdin, compile=compile)
     raise typer.Exit(execute(opts))
 
 

@@ -23,9 +23,9 @@ from llama_chat.cmd.prompt import prompt_ids
 from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.report import print_summary, write_json
 from llama_chat.cmd.signals import install_sync_handlers
-from llama_chat.inference.engine import Engine
+from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.types import Request
-from llama_chat.ml.sampling import SamplingParams, sample
+from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 
 if TYPE_CHECKING:
@@ -40,29 +40,20 @@ def load(opts: Options, err: Console) -> LoadedModel:
                           max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress)
 
 
+def warm_up(engine: Engine, request: Request, err: Console, *, quiet: bool) -> None:
+    """Compile and capture the decode step before the prompt is timed, saying so on a terminal."""
+    if engine.compiles and not quiet and err.is_terminal:
+        with err.status(f"compiling for {engine.step.device.type} (first run only)", spinner="dots"):
+            engine.warm_up(request.sampling)
+    else:
+        engine.warm_up(request.sampling)
+
+
 def _fileno(stream) -> int | None:
     try:
         return stream.fileno()
     except (AttributeError, OSError, ValueError):
         return None
-
-
-def padded_vocab_sampler(loaded: LoadedModel) -> dict:
-    """Engine arguments that keep ids past the tokenizer's vocabulary from ever being sampled.
-
-    A checkpoint may pad its embedding past the tokenizer's size (to a multiple of 64 or 128);
-    those ids have no text, and a model with random or untrained rows there could pick one. The
-    sampler then sees only the first ``tokenizer.vocab_size`` logits. Unpadded models keep the
-    engine's own sampler.
-    """
-    n = loaded.tokenizer.vocab_size
-    if n >= loaded.args.vocab_size:
-        return {}
-
-    def limited(logits, params, *rest):
-        return sample(logits[..., :n], params, *rest)
-
-    return {"sampler": limited}
 
 
 def silence_stdout() -> None:
@@ -83,8 +74,9 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     seed = opts.seed if opts.seed is not None else secrets.randbelow(2**31)
     request = Request(ids, sampling=SamplingParams(temperature=opts.temperature, top_p=opts.top_p), seed=seed,
                       max_tokens=opts.max_tokens)
-    engine = Engine.from_loaded(loaded, **padded_vocab_sampler(loaded))
+    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile))
     engine.check(request)  # a prompt longer than the context is bad input, found before any work
+    warm_up(engine, request, err, quiet=opts.json)
 
     stdout_tty = sys.stdout.isatty()
     renderer = None if opts.json else make_renderer(stdout_tty, color, sys.stdout)

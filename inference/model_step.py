@@ -1,21 +1,48 @@
-"""The blocking half of generation: one forward over some rows, then one sampled token per row.
+"""The blocking half of generation: prefill forwards, then one sampled token per decode step.
 
-These functions run in a worker thread, one call per forward, so that everything between two calls
+These run in a worker thread, one call per forward, so that everything between two calls
 (cancellation, sending into the channel, rendering) happens in async code. They take and return
-plain Python values; the tensors they build never leave the call.
+plain Python values; the tensors they build never leave the model step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from llama_chat.ml.sampling import SamplingParams, sample
+from llama_chat.inference.decode_step import StaticStep, StaticStepOptions
+from llama_chat.ml.sampling import SamplingParams, draw_uniforms, sample
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
 
-Sampler = Callable[[torch.Tensor, SamplingParams, torch.Generator], torch.Tensor]
+# (logits (batch, vocab), settings, randomness: one float64 uniform per row) -> (batch,) token ids
+Sampler = Callable[[torch.Tensor, SamplingParams, torch.Tensor], torch.Tensor]
+
+# Below this many parameters a compile costs more time than it ever saves: the shipped model
+# decodes in a fraction of the half-minute a first compile takes.
+COMPILE_MIN_PARAMETERS = 50_000_000
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How decode steps run. ``static``: the compiled-shape step of ``decode_step``."""
+
+    static: bool = False
+    compile: bool = False
+    cuda_graph: bool = False
+    backend: str = "inductor"
+
+    @classmethod
+    def for_device(cls, device: torch.device, parameters: int, compile: bool | None = None) -> StepOptions:
+        """The defaults: on CUDA the static step in a CUDA graph, compiled when the model is big
+        enough to pay for it; elsewhere the eager step, or the compiled static one if asked."""
+        if compile is None:
+            compile = device.type == "cuda" and parameters >= COMPILE_MIN_PARAMETERS
+        if device.type == "cuda":
+            return cls(static=True, compile=compile, cuda_graph=True)
+        return cls(static=compile, compile=compile)
 
 
 class ModelStep:
@@ -28,14 +55,33 @@ class ModelStep:
     """
 
     def __init__(self, model: Transformer, *, rows: int = 1, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, options: StepOptions | None = None,
+                 max_seq_len: int | None = None, sample_ids: int | None = None) -> None:
         first = next(model.parameters())
         self.model = model
         self.device = torch.device(device) if device is not None else first.device
         self.dtype = dtype or first.dtype
-        self.max_seq_len = model.args.max_seq_len
+        self.max_seq_len = min(max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
         self.vocab_size = model.args.vocab_size
-        self.cache = KVCache.for_model(model.args, rows, device=self.device, dtype=self.dtype)
+        # Ids the sampler may pick: a checkpoint may pad its vocabulary past the tokenizer's (to a
+        # multiple of 64 or 128), and those ids have no text, so their logits are cut off.
+        self.sample_ids = sample_ids if sample_ids is not None and sample_ids < self.vocab_size else None
+        if options is None:
+            options = StepOptions.for_device(self.device, sum(p.numel() for p in model.parameters()))
+        self.options = options
+        self.cache = KVCache.for_model(model.args, rows, max_seq_len=self.max_seq_len,
+                                       device=self.device, dtype=self.dtype)
+        self.static: StaticStep | None = None
+        if self.device.type == "cuda":
+            # cuDNN's attention builds an execution plan for every new key length, which costs
+            # more than the attention itself at every prefill chunk; flash and memory-efficient
+            # attention do not.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            model.fuse_projections()
+        if options.static:
+            self.static = StaticStep(model, self.cache, self.device,
+                                     StaticStepOptions(options.compile, options.cuda_graph, options.backend),
+                                     sample_ids=self.sample_ids)
 
     def forward(self, rows: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
         """Logits ``(len(rows), vocab)`` for the last token of each row (rows of equal length)."""
@@ -46,17 +92,68 @@ class ModelStep:
             positions = torch.tensor(starts, dtype=torch.long, device=self.device).unsqueeze(1) + offsets
             return self.model(tokens, positions, self.cache, last_only=True)[:, -1, :]
 
-    def forward_and_sample(self, rows: Sequence[Sequence[int]], starts: Sequence[int],
-                           params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
-                           sampler: Sampler = sample) -> list[int]:
-        """One forward, then one token per row, each with its own settings and generator.
+    def decode(self, tail: Sequence[int], start: int, params: SamplingParams, seed: int,
+               sampler: Sampler = sample) -> Decode:
+        """A request's decode loop, from the last prompt chunk ``tail`` that begins at ``start``.
 
-        Sampling happens in the same worker call as the forward: one thread hop per token, and
-        the only host sync is reading the sampled ids back.
+        Call in the worker thread; the returned object's ``next_token`` too.
         """
+        uniforms = draw_uniforms(self.max_seq_len, seed, self.device)
+        if self.static is not None and sampler is sample:
+            return StaticDecode(self, self.static, list(tail), start, params, uniforms)
+        return EagerDecode(self, list(tail), start, params, uniforms, sampler)
+
+
+class Decode:
+    """One request's decode loop: each ``next_token`` call returns the next sampled token id."""
+
+    def next_token(self) -> int:
+        raise NotImplementedError
+
+
+class EagerDecode(Decode):
+    """A forward over the tokens not yet fed, then the sampler, each step."""
+
+    def __init__(self, step: ModelStep, tail: list[int], start: int, params: SamplingParams,
+                 uniforms: torch.Tensor, sampler: Sampler) -> None:
+        self.step, self.rows, self.pos = step, [tail], start
+        self.params, self.uniforms, self.sampler = params, uniforms, sampler
+
+    def next_token(self) -> int:
         with torch.inference_mode():
-            logits = self.forward(rows, starts)
-            if len(rows) == 1:
-                return [int(sampler(logits, params[0], generators[0])[0])]
-            return [int(sampler(logits[i:i + 1], p, g)[0])
-                    for i, (p, g) in enumerate(zip(params, generators))]
+            fed = len(self.rows[0])
+            logits = self.step.forward(self.rows, [self.pos])[:, :self.step.sample_ids]
+            last = self.pos + fed - 1  # the token after position p is drawn with uniform p
+            token = int(self.sampler(logits, self.params, self.uniforms[last:last + 1])[0])
+        self.pos += fed
+        self.rows = [[token]]
+        return token
+
+
+class StaticDecode(Decode):
+    """The prompt's last chunk through the eager forward, then static steps, one queued ahead.
+
+    A step is queued ahead only while its position fits in the cache; the one computed after the
+    request's last token is thrown away (its keys sit past the request's end, masked).
+    """
+
+    def __init__(self, step: ModelStep, static: StaticStep, tail: list[int], start: int,
+                 params: SamplingParams, uniforms: torch.Tensor) -> None:
+        self.step, self.static = step, static
+        self.tail, self.start = tail, start
+        self.params, self.uniforms = params, uniforms
+        self.next_position = 0  # the position the next queued step feeds its token at
+
+    def next_token(self) -> int:
+        with torch.inference_mode():
+            static = self.static
+            if self.tail:
+                static.begin(self.params, self.uniforms)
+                logits = self.step.forward([self.tail], [self.start])
+                self.next_position = self.start + len(self.tail)
+                static.load(logits, self.next_position)
+                self.tail = []
+            while static.in_flight < 2 and self.next_position < self.step.max_seq_len:
+                static.advance()
+                self.next_position += 1
+            return static.take()

@@ -15,9 +15,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Half-precision sums of squares overflow and lose digits, so the statistic is always float32;
     the cast back before multiplying by ``weight`` matches what Meta and Hugging Face do.
     """
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return normed.type_as(x) * weight
+    # F.rms_norm is one fused kernel on CUDA where the spelled-out form is five.
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x) * weight
 
 
 @dataclass(frozen=True)
@@ -58,17 +57,23 @@ def rope_table(
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def rope_at(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (cos, sin) from ``rope_table``, each ``(batch, seq, 1, head_dim // 2)``.
+
+    Looked up once per forward and shared by every layer's queries and keys.
+    """
+    cos_sin = table[positions]
+    return cos_sin[..., 0].unsqueeze(2), cos_sin[..., 1].unsqueeze(2)
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate interleaved channel pairs ``(x[2i], x[2i+1])`` of ``x`` by each token's position.
 
-    ``x`` is ``(batch, seq, heads, head_dim)``; ``positions`` is ``(batch, seq)`` so every row of a
-    batch may sit at its own offset. The rotation is done in float32.
+    ``x`` is ``(batch, seq, heads, head_dim)`` and ``rope`` comes from ``rope_at`` for the same
+    positions, so every row of a batch may sit at its own offset. The rotation is done in float32.
     """
-    cos_sin = table[positions]  # (batch, seq, head_dim/2, 2)
-    cos = cos_sin[..., 0].unsqueeze(2)
-    sin = cos_sin[..., 1].unsqueeze(2)
-    pairs = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = rope
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -85,8 +90,44 @@ def attention(
     ``causal`` (with no mask) means query ``i`` sees keys ``0..i``, queries and keys aligned at 0.
     """
     n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        # Expanding is cheaper than SDPA's enable_gqa on CPU and behaves the same on every backend.
+    if n_rep == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+    if causal and mask is None:
+        # Only a fresh prefill gets here, where the keys are the chunk's own. CUDA's flash kernel
+        # reads grouped heads itself; elsewhere copying them per query head is cheaper.
+        if q.is_cuda:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # The query heads that share a key head become extra query rows of that head, so the cached
+    # keys are read once per key head instead of being copied n_rep times: in a decode step over
+    # the whole cache that copy would cost more memory traffic than the attention itself.
+    batch, heads, seq, head_dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, kv_heads, n_rep * seq, head_dim)
+    if mask is not None:
+        mask = mask.unsqueeze(2).expand(batch, mask.shape[1], n_rep, seq, mask.shape[-1])
+        mask = mask.reshape(batch, mask.shape[1], n_rep * seq, mask.shape[-1])
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+    return out.reshape(batch, heads, seq, head_dim)  # some kernels return another layout
+
+
+def attention_over_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A few queries against a whole fixed-size KV cache, under a boolean mask: a decode step.
+
+    Plain products and a float32 softmax rather than a fused attention kernel: the fused kernels
+    spread their work over batch, heads and queries, which at batch 1 of a grouped-query model
+    is four thread blocks for a GPU of over a hundred multiprocessors; two batched products
+    spread over the keys, and a compiler fuses the mask and softmax between them. Shapes as in
+    ``attention``; grouped heads are handled as there, without copying the cache.
+    """
+    batch, heads, seq, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    n_rep = heads // kv_heads
+    grouped = q.reshape(batch, kv_heads, n_rep * seq, head_dim)
+    mask = mask.unsqueeze(2).expand(batch, mask.shape[1], n_rep, seq, kv_len)
+    mask = mask.reshape(batch, mask.shape[1], n_rep * seq, kv_len)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(head_dim))
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(batch, heads, seq, head_dim)

@@ -8,13 +8,14 @@ parameters applies to every row for now (per-row settings arrive with batched se
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["SamplingParams", "apply_top_p", "sample"]
+__all__ = ["SamplingMode", "SamplingParams", "apply_top_p", "draw_uniforms", "sample", "sample_in_graph"]
 
 
 @dataclass(frozen=True)
@@ -83,39 +84,90 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter_(-1, nucleus.ids, kept)
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One index per row with probability proportional to ``weights`` (non-negative, any scale).
 
-    Inverse-CDF with one uniform per row. ``torch.multinomial`` would draw one exponential per
-    vocabulary entry, ~3.5 ms for a 128k row on one core against ~0.3 ms here. The CDF is float64 so
-    that a long tail of tiny probabilities is not lost to rounding.
+    Inverse-CDF with one uniform in [0, 1) per row (``uniform`` is ``(batch,)`` float64).
+    ``torch.multinomial`` would draw one exponential per vocabulary entry, ~3.5 ms for a 128k row
+    on one core against ~0.3 ms here. The CDF is float64 so that a long tail of tiny
+    probabilities is not lost to rounding.
     """
     cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=weights.device)
-    index = torch.searchsorted(cdf, u * total, right=True)
+    index = torch.searchsorted(cdf, uniform.to(torch.float64).view(-1, 1) * total, right=True)
     # u * total can round up to total; the last index whose weight counts is the first where the
     # CDF reaches its total, and nothing after it may be chosen.
     last = (cdf < total).sum(dim=-1, keepdim=True)
     return torch.minimum(index, last).squeeze(-1)
 
 
+def draw_uniforms(count: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``count`` float64 uniforms in [0, 1) from ``seed``, the same on every device.
+
+    A request draws them all at its start and samples the token after position ``p`` with
+    uniform ``p``, so that a step needs no generator: the eager step and a compiled or
+    CUDA-graph step then make the same choices from the same seed.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(count, dtype=torch.float64, generator=generator).to(device)
+
+
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams,
+    randomness: torch.Generator | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick one token per row: ``(batch, vocab)`` float logits -> ``(batch,)`` int64 token ids.
 
-    Deterministic for a given ``generator`` seed (and device); the generator must live on the
-    logits' device. ``generator=None`` uses torch's global RNG. The greedy path neither normalises
-    nor touches the generator.
+    ``randomness`` is either the uniforms themselves (one float64 in [0, 1) per row, as the
+    engine passes them, see ``draw_uniforms``) or a generator to draw them from (on the logits'
+    device; None: torch's global RNG). Deterministic for a given seed and device. The greedy path
+    neither normalises nor draws.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be (batch, vocab), got shape {tuple(logits.shape)}")
     if params.greedy:
         return logits.argmax(dim=-1)
+    if isinstance(randomness, torch.Tensor):
+        uniform = randomness
+    else:
+        uniform = torch.rand(logits.shape[0], dtype=torch.float64, generator=randomness, device=logits.device)
     scaled = logits.float() / params.temperature
     if params.top_p < 1.0:
         # Draw among the sorted candidates only: the nucleus is usually tiny.
         nucleus = _nucleus(scaled, params.top_p)
-        return nucleus.ids.gather(-1, _draw(nucleus.weights, generator)[:, None]).squeeze(-1)
-    return _draw(torch.softmax(scaled, dim=-1), generator)
+        return nucleus.ids.gather(-1, _draw(nucleus.weights, uniform)[:, None]).squeeze(-1)
+    return _draw(torch.softmax(scaled, dim=-1), uniform)
+
+
+class SamplingMode(str, enum.Enum):
+    """The shape of a sampling computation; within one mode only tensor values change."""
+
+    GREEDY = "greedy"
+    FULL = "full"  # temperature over the whole vocabulary
+    NUCLEUS = "nucleus"  # temperature, then top-p
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> SamplingMode:
+        if params.greedy:
+            return cls.GREEDY
+        return cls.NUCLEUS if params.top_p < 1.0 else cls.FULL
+
+
+def sample_in_graph(logits: torch.Tensor, mode: SamplingMode, temperature: torch.Tensor,
+                    top_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """``sample`` without host syncs or data-dependent shapes, for a compiled step or CUDA graph.
+
+    ``temperature`` and ``top_p`` are tensors (so new values need no new graph), ``uniform`` one
+    float64 per row. The nucleus is taken over a full sort instead of ``sample``'s candidate
+    pools, whose size is chosen on the host; for the same uniform both pick the same token.
+    """
+    if mode is SamplingMode.GREEDY:
+        return logits.argmax(dim=-1)
+    scaled = logits.float() / temperature
+    if mode is SamplingMode.FULL:
+        return _draw(torch.softmax(scaled, dim=-1), uniform)
+    values, ids = torch.sort(scaled, dim=-1, descending=True)
+    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))
+    cumulative = torch.cumsum(probs, dim=-1)
+    keep = (cumulative - probs) < top_p
+    return ids.gather(-1, _draw(probs * keep, uniform)[:, None]).squeeze(-1)

@@ -43,6 +43,10 @@ class KVCache:
         if contiguous_from is not None:
             cache_k[:batch, :, contiguous_from:contiguous_from + seq] = k
             cache_v[:batch, :, contiguous_from:contiguous_from + seq] = v
+        elif batch == 1:
+            # One row at positions held on the device (a static step): no host read of them.
+            cache_k[0].index_copy_(1, positions[0], k[0])
+            cache_v[0].index_copy_(1, positions[0], v[0])
         else:
             rows = torch.arange(batch, device=positions.device).unsqueeze(1).expand(batch, seq)
             # Advanced indices on dims 0 and 2 put (batch, seq) first: (batch, seq, heads, dim).

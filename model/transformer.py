@@ -32,6 +32,19 @@ class StepLayout:
     kv_len: int
     contiguous_from: int | None
     causal: bool  # no cache: plain causal attention among the given tokens
+    whole_cache: bool = False  # attention over every cache slot, masked (a static step)
+
+    @classmethod
+    def over_whole_cache(cls, positions: torch.Tensor, capacity: int) -> StepLayout:
+        """Every row attends over all ``capacity`` cache slots, masked to its own past.
+
+        Built from device tensors alone, with shapes that do not depend on the positions: the
+        layout of a step that is compiled once and replayed at every position.
+        """
+        batch, seq = positions.shape
+        keys = torch.arange(capacity, device=positions.device)
+        mask = keys.view(1, 1, 1, capacity) <= positions.view(batch, 1, seq, 1)
+        return cls(positions, mask, capacity, None, causal=False, whole_cache=True)
 
 
 class Attention(nn.Module):
@@ -44,19 +57,35 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv: nn.Linear | None = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, layout: StepLayout,
+    def fuse(self) -> None:
+        """One projection for q, k and v (see ``Transformer.fuse_projections``)."""
+        if self.wqkv is None:
+            self.wqkv = _fused_linear(self.wq, self.wk, self.wv)
+            del self.wq, self.wk, self.wv
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: StepLayout,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        q = ops.apply_rope(q, rope, layout.positions).transpose(1, 2)
-        k = ops.apply_rope(k, rope, layout.positions).transpose(1, 2)
-        v = v.transpose(1, 2)
+        if self.wqkv is not None:
+            q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            qkv = self.wqkv(x)
+            # Queries and keys side by side are rotated by one call: half the kernels.
+            qk = qkv[..., :q_width + kv_width].view(batch, seq, self.n_heads + self.n_kv_heads, self.head_dim)
+            q, k = ops.apply_rope(qk, rope).split([self.n_heads, self.n_kv_heads], dim=2)
+            v = qkv[..., q_width + kv_width:].view(batch, seq, self.n_kv_heads, self.head_dim)
+        else:
+            q = ops.apply_rope(self.wq(x).view(batch, seq, self.n_heads, self.head_dim), rope)
+            k = ops.apply_rope(self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim), rope)
+            v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(layer, k, v, layout.positions, layout.kv_len, layout.contiguous_from)
-        out = ops.attention(q, k, v, layout.mask, causal=layout.causal)
+        if layout.whole_cache:
+            out = ops.attention_over_cache(q, k, v, layout.mask)
+        else:
+            out = ops.attention(q, k, v, layout.mask, causal=layout.causal)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -68,9 +97,26 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w13: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        if self.w13 is None:
+            self.w13 = _fused_linear(self.w1, self.w3)
+            del self.w1, self.w3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _fused_linear(*parts: nn.Linear) -> nn.Linear:
+    """One bias-free linear layer whose output is the outputs of ``parts`` side by side."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    return fused
 
 
 class TransformerBlock(nn.Module):
@@ -81,7 +127,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, layout: StepLayout,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: StepLayout,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, layout, cache, layer)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -110,6 +156,18 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
+    def fuse_projections(self) -> None:
+        """Concatenate q/k/v and the two SwiGLU input projections, layer by layer, in place.
+
+        Decoding one token is a row-vector times every weight matrix; three small products read
+        no faster than one of their combined size but cost three kernels, so a decode step on a
+        GPU saves a fifth of its kernels. Parameter names change (``wqkv``, ``w13``), so this
+        runs after loading, and the separate weights are freed layer by layer as it goes.
+        """
+        for layer in self.layers:
+            layer.attention.fuse()
+            layer.feed_forward.fuse()
+
     def rope_table(self, device: torch.device) -> torch.Tensor:
         table = self._rope.get(device)
         if table is None:
@@ -128,20 +186,28 @@ class Transformer(nn.Module):
                 p.normal_(0.0, std, generator=generator)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, *, last_only: bool = False) -> torch.Tensor:
+                cache: KVCache | None = None, *, last_only: bool = False,
+                static: bool = False) -> torch.Tensor:
         """``tokens`` and ``positions`` are ``(batch, seq)``; returns ``(batch, seq or 1, vocab)``.
 
         Without a cache the tokens attend causally among themselves (training, scoring). With a
         cache each row's keys are written at its positions and it attends to everything it has
         stored up to its own position. ``last_only`` projects only the last token of each row.
+        ``static`` attends over the whole cache with a mask instead of the part the positions
+        reach: no host sync and the same shapes at every position, for a compiled step.
         """
         batch, seq = tokens.shape
         device = tokens.device
         if positions is None:
             positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
-        layout = self._layout(positions, cache)
+        if static:
+            if cache is None:
+                raise ValueError("a static forward needs a KV cache")
+            layout = StepLayout.over_whole_cache(positions, cache.max_seq_len)
+        else:
+            layout = self._layout(positions, cache)
         h = self.tok_embeddings(tokens)
-        rope = self.rope_table(device)
+        rope = ops.rope_at(self.rope_table(device), positions)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, layout, cache, i)
         if last_only:

@@ -1,0 +1,194 @@
+"""The decode step with static shapes: compiled once, and on CUDA replayed as a CUDA graph.
+
+One call advances one sequence by one token: it embeds the token held in a device buffer at the
+position held in another, writes its keys and values into the KV cache, attends over the whole
+cache under a mask, samples the next token (sampler included) and writes it and the next position
+back into the same buffers. Nothing in it depends on the position's value for its shapes, and
+nothing reads a value back to the host, so one compiled graph serves every position of every
+request, and on CUDA the whole step is a single graph replay instead of a thousand kernel launches.
+
+The host learns each token through a small pinned copy made after the replay. Because the next
+step reads its input token from the device buffer, the host can queue step ``n + 1`` before it
+reads the id of step ``n``: the GPU never waits for Python between two steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from llama_chat.ml.sampling import SamplingMode, SamplingParams, sample_in_graph
+from llama_chat.model.kv_cache import KVCache
+from llama_chat.model.transformer import Transformer
+
+# Where compiled kernels are kept between runs, so that the second run of a model starts fast.
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# Steps kept in flight on the GPU ahead of the one whose token the host is reading.
+RUN_AHEAD = 1
+
+
+def use_persistent_compile_cache() -> str:
+    """Point inductor's on-disk cache at a user cache folder (unless the user chose one)."""
+    if not os.environ.get(COMPILE_CACHE_ENV):
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        os.environ[COMPILE_CACHE_ENV] = os.path.join(base, "llama-chat", "torch-compile")
+    return os.environ[COMPILE_CACHE_ENV]
+
+
+@dataclass(frozen=True)
+class StaticStepOptions:
+    """How the static step runs: compiled with inductor or not, replayed as a CUDA graph or not."""
+
+    compile: bool = False
+    cuda_graph: bool = False
+    backend: str = "inductor"  # torch.compile's backend; tests use a cheaper one
+
+
+class StaticStep:
+    """One-token decode steps of batch 1 over a fixed-size KV cache, each one call, no host sync.
+
+    ``begin`` sets a request's sampling settings and random stream; ``load`` puts the token to feed
+    next and its position into the device buffers (after a prefill); ``advance`` queues one step;
+    ``take`` returns the oldest queued step's token id. The caller keeps positions below the
+    cache's capacity: a step writes at its position without checking it.
+    """
+
+    def __init__(self, model: Transformer, cache: KVCache, device: torch.device,
+                 options: StaticStepOptions = StaticStepOptions(), *, sample_ids: int | None = None) -> None:
+        if cache.rows != 1:
+            raise ValueError(f"the static step decodes one sequence, the cache has {cache.rows} rows")
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.options = options
+        self.capacity = cache.max_seq_len
+        self.sample_ids = sample_ids  # only ids below this are sampled (None: every id)
+        # The step's whole state lives in these buffers; a CUDA graph captures their addresses.
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.uniforms = torch.zeros(self.capacity, dtype=torch.float64, device=device)
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        self.top_p = torch.ones((), dtype=torch.float32, device=device)
+        self.mode = SamplingMode.GREEDY
+        model.rope_table(device)  # built now, or the first trace would guard on its absence
+        self._run = self._step
+        if options.compile:
+            use_persistent_compile_cache()
+            self._run = torch.compile(self._step, backend=options.backend, fullgraph=True, dynamic=False)
+        self._graphs: dict[SamplingMode, torch.cuda.CUDAGraph] = {}
+        self._prepared: set[SamplingMode] = set()
+        self._in_flight: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
+        self._host = [torch.zeros(1, dtype=torch.long, pin_memory=device.type == "cuda")
+                      for _ in range(RUN_AHEAD + 2)]
+        self._next_host = 0
+
+    @property
+    def cuda_graph(self) -> bool:
+        return self.options.cuda_graph and self.device.type == "cuda"
+
+    def _step(self, mode: SamplingMode) -> None:
+        logits = self.model(self.token, self.position, self.cache, last_only=True, static=True)
+        logits = logits[:, -1, :self.sample_ids]
+        uniform = self.uniforms[self.position[:, -1]]
+        chosen = sample_in_graph(logits, mode, self.temperature, self.top_p, uniform)
+        self.token.copy_(chosen.view(1, 1))
+        self.position.add_(1)
+
+    # -- per request -----------------------------------------------------------------------------
+
+    def begin(self, params: SamplingParams, uniforms: torch.Tensor) -> None:
+        """A new request's settings; compiles or captures its sampling mode's step if needed.
+
+        Warming up runs the step (twice on CUDA, before capture), which writes throwaway keys
+        into the last cache slots. That happens here, before the request's prefill, so it never
+        overwrites keys a request holds unless its context is full to the last two slots.
+        """
+        self.discard()
+        self.mode = SamplingMode.of(params)
+        self.temperature.fill_(params.temperature or 1.0)
+        self.top_p.fill_(params.top_p)
+        self.uniforms.copy_(uniforms[: self.capacity])
+        self.prepare(self.mode)
+
+    def prepare(self, mode: SamplingMode) -> None:
+        """Compile (and on CUDA capture) the step for ``mode`` now rather than at its first use."""
+        if mode in self._prepared:
+            return
+        if self.cuda_graph:
+            self._graphs[mode] = self._capture(mode)
+        elif self.options.compile:
+            self._warm_up(mode, runs=1)
+        self._prepared.add(mode)
+
+    def load(self, logits: torch.Tensor, position: int) -> None:
+        """Sample the first token from a prefill's last logits; it is fed at ``position``."""
+        uniform = self.uniforms[position - 1: position]
+        chosen = sample_in_graph(logits[:, :self.sample_ids], self.mode, self.temperature, self.top_p, uniform)
+        self.token.copy_(chosen.view(1, 1))
+        self.position.fill_(position)
+        self._queue_read()
+
+    def advance(self) -> None:
+        """Queue one step: feed the current token, sample the next into the buffers."""
+        graph = self._graphs.get(self.mode) if self.cuda_graph else None
+        if graph is not None:
+            graph.replay()
+        else:
+            self._run(self.mode)
+        self._queue_read()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def take(self) -> int:
+        """The token id of the oldest queued step (waits for that step only)."""
+        host, done = self._in_flight.popleft()
+        if done is not None:
+            done.synchronize()
+        return int(host[0])
+
+    def discard(self) -> None:
+        """Forget queued steps (their results are not wanted); waits for the device to finish them."""
+        while self._in_flight:
+            self.take()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _queue_read(self) -> None:
+        host = self._host[self._next_host]
+        self._next_host = (self._next_host + 1) % len(self._host)
+        host.copy_(self.token.view(1), non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self._in_flight.append((host, done))
+
+    def _warm_up(self, mode: SamplingMode, runs: int) -> None:
+        token, position = self.token.clone(), self.position.clone()
+        self.position.fill_(self.capacity - runs)
+        for _ in range(runs):
+            self._run(mode)
+        self.token.copy_(token)
+        self.position.copy_(position)
+
+    def _capture(self, mode: SamplingMode) -> torch.cuda.CUDAGraph:
+        # Warm-up on a side stream, as CUDA graph capture requires: it compiles, picks kernels and
+        # makes the libraries' lazy allocations outside the graph.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._warm_up(mode, runs=2)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        token, position = self.token.clone(), self.position.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._run(mode)
+        # Capture records without running; the buffers are as they were, but restore to be sure.
+        self.token.copy_(token)
+        self.position.copy_(position)
+        return graph
