@@ -23,13 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
 import time
+
+# As the command does (cmd/app.py): OpenMP helpers that spin after each parallel region would
+# take the cores from the other thread's forward, and the bare loop and the step thread alternate.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
@@ -157,8 +160,13 @@ def llama_chat_round(key: str, path: str, device: torch.device, dtype: str, args
     bare = []
     for _ in range(args.runs):
         bare.append(bare_loop(engine, prompt, args.new))
-    sampled = engine.generate(Request(prompt, sampling=SamplingParams(temperature=0.8, top_p=0.95), seed=1,
-                                      max_tokens=args.new)).timings.decode_tok_s
+    sampled = None
+    if args.sampled:  # temperature and top-p: a second graph, compiled here, outside the timings
+        nucleus = SamplingParams(temperature=0.8, top_p=0.95)
+        t = time.perf_counter()
+        engine.warm_up(nucleus)
+        emit(system="llama_chat_setup_sampled", config=key, warm_up_s=time.perf_counter() - t)
+        sampled = engine.generate(Request(prompt, sampling=nucleus, seed=1, max_tokens=args.new)).timings.decode_tok_s
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     row = dict(system="llama_chat", config=key, decode_tok_s=spread(decode), ttft_16_s=spread(ttft),
                prefill_512_tok_s=spread(prefill), bare_loop_tok_s=spread(bare),
@@ -167,7 +175,7 @@ def llama_chat_round(key: str, path: str, device: torch.device, dtype: str, args
     emit(**row)
     row["tokens"] = tokens
     if args.parity_bf16:
-        row["bf16"] = bf16_check(loaded, engine, prompt, device)
+        row["bf16"] = bf16_check(loaded, engine, prompt, device, args.logits_check)
     del engine, loaded
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -187,7 +195,7 @@ def bare_loop(engine, prompt, n: int) -> float:
     return (n - 1) / (time.perf_counter() - t)
 
 
-def bf16_check(loaded, engine, prompt, device) -> dict:
+def bf16_check(loaded, engine, prompt, device, logits: bool) -> dict:
     """The compiled step's greedy tokens against the eager step's, and one forward's logits."""
     from llama_chat.inference.model_step import ModelStep, StepOptions
     from llama_chat.ml.sampling import SamplingParams
@@ -199,6 +207,9 @@ def bf16_check(loaded, engine, prompt, device) -> dict:
     d = engine.step.decode(list(prompt), 0, greedy, 0)
     compiled_ids = [d.next_token() for _ in range(64)]
     same = next((i for i, (a, b) in enumerate(zip(eager_ids, compiled_ids)) if a != b), 64)
+    emit(system="bf16_step_vs_eager", greedy_ids_equal_until=same, of=64)
+    if not logits:
+        return {}
     tokens = torch.tensor([list(prompt)], device=device)
     with torch.inference_mode():
         ref = loaded.model(tokens).float()
@@ -216,7 +227,7 @@ def command_run(path: str, dtype: str, args, env: dict) -> None:
     """The installed command in a new process: its wall time with a warm compile cache."""
     launcher = "import sys; from llama_chat.cmd.app import main; sys.argv[0] = 'llama-chat'; main()"
     cmd = [sys.executable, "-c", launcher, "-m", path, "-p", "w300 w301 w302 w303", "-n", "64",
-           "-t", "0", "--json", "--template", "none", "--dtype", dtype]
+           "-t", "0", "--json", "--template", "none", "--dtype", dtype, "-c", str(args.ctx)]
     if args.compile is not None:
         cmd.append("--compile" if args.compile else "--no-compile")
     t = time.perf_counter()
@@ -338,7 +349,8 @@ def fp32_parity(key: str, c: dict, work: str, device, args, prompt) -> None:
     from llama_chat.model.loader import load_model
 
     loaded = load_model(path, device=device, dtype="float32", max_seq_len=args.ctx)
-    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=args.compile))
+    # The same static step in a CUDA graph, uncompiled: the bf16 rows compare compiled with eager.
+    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=False))
     ours = list(engine.generate(Request(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=48)).token_ids)
     same = next((i for i, (a, b) in enumerate(zip(hf_ids, ours)) if a != b), len(ours))
     emit(system="fp32_parity", config=key, identical=hf_ids == ours, first_difference=same, n=len(ours))
@@ -373,7 +385,11 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-hf-static", action="store_true")
     ap.add_argument("--skip-command", action="store_true")
+    ap.add_argument("--skip-second-run", action="store_true")
+    ap.add_argument("--sampled", action="store_true", help="also decode with temperature 0.8 and top-p 0.95")
     ap.add_argument("--parity", action="store_true", help="also fp32 greedy ids against HF, and bf16 checks")
+    ap.add_argument("--logits-check", action="store_true",
+                    help="with --parity: also compile the whole model to compare bf16 logits with eager")
     ap.add_argument("--warm-up-only", metavar="PATH", help=argparse.SUPPRESS)
     ap.add_argument("--keep-compile-cache", action="store_true",
                     help="reuse the user's compile cache instead of measuring a cold first compile")
@@ -413,7 +429,8 @@ def main() -> None:
             same = next((i for i, (a, b) in enumerate(zip(hf_tokens, ours["tokens"])) if a != b), len(hf_tokens))
             emit(system="bf16_greedy_vs_hf", config=key, equal_until=same, of=len(hf_tokens))
             hf = {r["system"]: r for r in RESULTS if r.get("config") == key and r["system"].startswith("hf_")}
-        second_run_warm_up(path, dtype_name, args, dict(os.environ))
+        if not args.skip_second_run:
+            second_run_warm_up(path, dtype_name, args, dict(os.environ))
         if not args.skip_command:
             command_run(path, dtype_name, args, dict(os.environ))
         bound = bandwidth * 1e9 / bytes_per_token(c)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import platform
 import statistics
 import subprocess
@@ -26,6 +27,11 @@ import time
 from collections.abc import Sequence
 
 import anyio
+
+# As the command does (cmd/app.py): OpenMP helpers that spin after each parallel region would
+# take the cores from the other thread's forward, and the bare loop and the step thread alternate.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 from llama_chat.cmd.one_shot import run_one_shot
@@ -184,19 +190,26 @@ async def handoff_ms(sleep_s: float, calls: int = 200) -> float:
 def step_gaps(engine: Engine, prompt: list[int], n: int) -> tuple[float, float]:
     """Median time inside each worker call and between consecutive calls, in one pipeline run."""
     marks: list[tuple[float, float]] = []
-    step = engine.step.forward_and_sample
+    make_decode = engine.step.decode
 
-    def timed(*args):
-        begin = time.perf_counter()
-        result = step(*args)
-        marks.append((begin, time.perf_counter()))
-        return result
+    def timed_decode(*args, **kwargs):
+        decode = make_decode(*args, **kwargs)
+        next_token = decode.next_token
 
-    engine.step.forward_and_sample = timed
+        def timed():
+            begin = time.perf_counter()
+            token = next_token()
+            marks.append((begin, time.perf_counter()))
+            return token
+
+        decode.next_token = timed
+        return decode
+
+    engine.step.decode = timed_decode
     try:
         pipeline(engine, prompt, n)
     finally:
-        del engine.step.forward_and_sample
+        del engine.step.decode
     inside = [end - begin for begin, end in marks[1:]]
     between = [marks[i + 1][0] - marks[i][1] for i in range(1, len(marks) - 1)]
     return statistics.median(inside) * 1e3, statistics.median(between) * 1e3
