@@ -45,6 +45,7 @@ class StaticStepOptions:
     compile: bool = False
     cuda_graph: bool = False
     backend: str = "inductor"  # torch.compile's backend; tests use a cheaper one
+    row_products: bool = False  # projections as multiply-and-sum for the compiler (ops.linear)
 
 
 class StaticStep:
@@ -96,7 +97,8 @@ class StaticStep:
         return self.options.cuda_graph and self.device.type == "cuda"
 
     def _step(self, mode: SamplingMode) -> None:
-        logits = self.model(self.token, self.position, self.cache, last_only=True, static=True)
+        logits = self.model(self.token, self.position, self.cache, last_only=True, static=True,
+                            row_products=self.options.row_products)
         logits = logits[:, -1, :self.sample_ids]
         uniform = self.uniforms[self.position[:, -1]]
         chosen = sample_in_graph(logits, mode, self.temperature, self.top_p, uniform)

@@ -33,6 +33,7 @@ class StepOptions:
     compile: bool = False
     cuda_graph: bool = False
     backend: str = "inductor"
+    row_products: bool = False
 
     @classmethod
     def for_device(cls, device: torch.device, parameters: int, compile: bool | None = None) -> StepOptions:
@@ -80,7 +81,8 @@ class ModelStep:
             model.fuse_projections()
         if options.static:
             self.static = StaticStep(model, self.cache, self.device,
-                                     StaticStepOptions(options.compile, options.cuda_graph, options.backend),
+                                     StaticStepOptions(options.compile, options.cuda_graph, options.backend,
+                                                       options.row_products and options.compile),
                                      sample_ids=self.sample_ids)
 
     def forward(self, rows: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:

@@ -33,9 +33,10 @@ class StepLayout:
     contiguous_from: int | None
     causal: bool  # no cache: plain causal attention among the given tokens
     whole_cache: bool = False  # attention over every cache slot, masked (a static step)
+    row_products: bool = False  # projections as multiply-and-sum (see ops.linear)
 
     @classmethod
-    def over_whole_cache(cls, positions: torch.Tensor, capacity: int) -> StepLayout:
+    def over_whole_cache(cls, positions: torch.Tensor, capacity: int, *, row_products: bool = False) -> StepLayout:
         """Every row attends over all ``capacity`` cache slots, masked to its own past.
 
         Built from device tensors alone, with shapes that do not depend on the positions: the
@@ -44,7 +45,7 @@ class StepLayout:
         batch, seq = positions.shape
         keys = torch.arange(capacity, device=positions.device)
         mask = keys.view(1, 1, 1, capacity) <= positions.view(batch, 1, seq, 1)
-        return cls(positions, mask, capacity, None, causal=False, whole_cache=True)
+        return cls(positions, mask, capacity, None, causal=False, whole_cache=True, row_products=row_products)
 
 
 class Attention(nn.Module):
@@ -70,15 +71,16 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         if self.wqkv is not None:
             q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            qkv = self.wqkv(x)
+            qkv = ops.linear(x, self.wqkv.weight, layout.row_products)
             # Queries and keys side by side are rotated by one call: half the kernels.
             qk = qkv[..., :q_width + kv_width].view(batch, seq, self.n_heads + self.n_kv_heads, self.head_dim)
             q, k = ops.apply_rope(qk, rope).split([self.n_heads, self.n_kv_heads], dim=2)
             v = qkv[..., q_width + kv_width:].view(batch, seq, self.n_kv_heads, self.head_dim)
         else:
-            q = ops.apply_rope(self.wq(x).view(batch, seq, self.n_heads, self.head_dim), rope)
-            k = ops.apply_rope(self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim), rope)
-            v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+            q, k, v = (ops.linear(x, w.weight, layout.row_products) for w in (self.wq, self.wk, self.wv))
+            q = ops.apply_rope(q.view(batch, seq, self.n_heads, self.head_dim), rope)
+            k = ops.apply_rope(k.view(batch, seq, self.n_kv_heads, self.head_dim), rope)
+            v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(layer, k, v, layout.positions, layout.kv_len, layout.contiguous_from)
@@ -86,7 +88,7 @@ class Attention(nn.Module):
             out = ops.attention_over_cache(q, k, v, layout.mask)
         else:
             out = ops.attention(q, k, v, layout.mask, causal=layout.causal)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return ops.linear(out.transpose(1, 2).reshape(batch, seq, -1), self.wo.weight, layout.row_products)
 
 
 class FeedForward(nn.Module):
@@ -104,11 +106,12 @@ class FeedForward(nn.Module):
             self.w13 = _fused_linear(self.w1, self.w3)
             del self.w1, self.w3
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, row_products: bool = False) -> torch.Tensor:
         if self.w13 is not None:
-            gate, up = self.w13(x).chunk(2, dim=-1)
-            return self.w2(F.silu(gate) * up)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            gate, up = ops.linear(x, self.w13.weight, row_products).chunk(2, dim=-1)
+        else:
+            gate, up = ops.linear(x, self.w1.weight, row_products), ops.linear(x, self.w3.weight, row_products)
+        return ops.linear(F.silu(gate) * up, self.w2.weight, row_products)
 
 
 def _fused_linear(*parts: nn.Linear) -> nn.Linear:
@@ -130,7 +133,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: StepLayout,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, layout, cache, layer)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.feed_forward(self.ffn_norm(h), layout.row_products)
 
 
 class Transformer(nn.Module):
@@ -187,7 +190,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, *, last_only: bool = False,
-                static: bool = False) -> torch.Tensor:
+                static: bool = False, row_products: bool = False) -> torch.Tensor:
         """``tokens`` and ``positions`` are ``(batch, seq)``; returns ``(batch, seq or 1, vocab)``.
 
         Without a cache the tokens attend causally among themselves (training, scoring). With a
@@ -195,6 +198,7 @@ class Transformer(nn.Module):
         stored up to its own position. ``last_only`` projects only the last token of each row.
         ``static`` attends over the whole cache with a mask instead of the part the positions
         reach: no host sync and the same shapes at every position, for a compiled step.
+        ``row_products`` (static only) spells projections out for the compiler (``ops.linear``).
         """
         batch, seq = tokens.shape
         device = tokens.device
@@ -203,7 +207,7 @@ class Transformer(nn.Module):
         if static:
             if cache is None:
                 raise ValueError("a static forward needs a KV cache")
-            layout = StepLayout.over_whole_cache(positions, cache.max_seq_len)
+            layout = StepLayout.over_whole_cache(positions, cache.max_seq_len, row_products=row_products)
         else:
             layout = self._layout(positions, cache)
         h = self.tok_embeddings(tokens)
@@ -212,7 +216,7 @@ class Transformer(nn.Module):
             h = layer(h, rope, layout, cache, i)
         if last_only:
             h = h[:, -1:, :]
-        return self.output(self.norm(h)).float()
+        return ops.linear(self.norm(h), self.output.weight, layout.row_products).float()
 
     def _layout(self, positions: torch.Tensor, cache: KVCache | None) -> StepLayout:
         batch, seq = positions.shape

@@ -171,3 +171,18 @@ def test_ids_past_the_tokenizer_are_never_sampled(static):
         assert max(tokens) < 250, tokens
     unlimited = ModelStep(model, options=StepOptions(static=static))
     assert max(decode_tokens(unlimited, [5, 17, 42], 30, GREEDY, 1)) >= 250
+
+
+def test_compiled_row_products_give_the_eager_tokens(model):
+    # Projections as multiply-and-sum, compiled: another summation order, the same greedy tokens.
+    compiled = ModelStep(model, options=StepOptions(static=True, compile=True, row_products=True),
+                         max_seq_len=400)
+    eager = ModelStep(model, options=StepOptions())
+    prompt = [5, 17, 42]
+    assert decode_tokens(compiled, prompt, 40, GREEDY, 0) == decode_tokens(eager, prompt, 40, GREEDY, 0)
+
+
+def test_linear_as_row_products_matches():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(1, 1, 32, generator=g), torch.randn(48, 32, generator=g)
+    torch.testing.assert_close(ops.linear(x, w, row_products=True), ops.linear(x, w))
