@@ -8,7 +8,7 @@ from typing import TextIO
 from rich.console import Console
 from rich.text import Text
 
-from llama_chat.inference.results import Completion
+from llama_chat.inference.types import Completion
 
 
 def _fmt(value: float | None, unit: str, digits: int = 1) -> str:

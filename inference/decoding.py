@@ -36,9 +36,12 @@ that set arrives, which releases the whole run at once. Consequences worth knowi
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
+
 from llama_chat.inference.emoji_data import may_grow_emoji
 
-__all__ = ["StreamDecoder"]
+__all__ = ["StreamDecoder", "TextMaker"]
 
 
 def _sequence_length(lead: int) -> int:
@@ -133,3 +136,95 @@ class StreamDecoder:
         if len(self._held) > 1:
             self._held[:] = ["".join(self._held)]
         return self._held[0] if self._held else ""
+
+
+class TextMaker:
+    """Token bytes in, text to show out: the one place where generated text is made.
+
+    On top of ``StreamDecoder`` (whole characters, whole emoji) it drops the word-start space
+    before a chat reply's first word (``strip_leading_space``) and applies stop strings: text is
+    matched across token boundaries, a match ends the text just before it (``stopped`` is then
+    true and everything after is ignored), and text is held back only while it could still be the
+    start of a stop string. It also counts how many of the latest tokens what is held comes from.
+
+    For any token stream, ``"".join(feed(d) for d in tokens) + finish()`` equals the decoder's
+    text without the stripped space, cut before the first occurrence of any stop string.
+    """
+
+    def __init__(self, stops: Sequence[str] = (), *, strip_leading_space: bool = False) -> None:
+        self.decoder = StreamDecoder()
+        self.stops = tuple(s for s in stops if s)
+        self._strip = strip_leading_space
+        self._stop_held = ""  # released by the decoder, but perhaps the start of a stop string
+        self._released = 0  # characters the decoder has released so far
+        self._committed = 0  # characters handed out so far
+        # For each recent token whose bytes are not all committed yet: how many characters there
+        # will be once its bytes are decoded. It is held while that is beyond what is committed.
+        self._ends: deque[int] = deque()
+        self.stopped = False
+
+    def feed(self, data: bytes) -> str:
+        """One token's bytes; the text it newly commits (possibly "")."""
+        if self.stopped:
+            return ""
+        if self._strip and data:
+            self._strip = False
+            if data.startswith(b" "):
+                data = data[1:]
+        text = self._release(self.decoder.feed(data), final=False)
+        if data and not self.stopped:
+            d = self.decoder
+            self._ends.append(self._released + len(d.pending_text) + (1 if d.pending_bytes else 0))
+        while self._ends and self._ends[0] <= self._committed:
+            self._ends.popleft()
+        if self.stopped:
+            self._ends.clear()
+        return text
+
+    def finish(self, *, cut_off: bool = False) -> str:
+        """Everything still held. ``cut_off`` (a cancelled stream): bytes of an unfinished
+        character are dropped instead of shown as U+FFFD; whole held characters are kept."""
+        tail = self.decoder.pending_text if cut_off else ""
+        flushed = self.decoder.flush()
+        self._ends.clear()
+        if self.stopped:
+            return ""
+        return self._release(tail if cut_off else flushed, final=True)
+
+    @property
+    def held_bytes(self) -> bytes:
+        return b"" if self.stopped else self.decoder.pending_bytes
+
+    @property
+    def held_text(self) -> str:
+        return "" if self.stopped else self._stop_held + self.decoder.pending_text
+
+    @property
+    def held_tokens(self) -> int:
+        return len(self._ends)
+
+    def _release(self, new: str, *, final: bool) -> str:
+        """Pass text the decoder released through the stop strings; what may be shown now."""
+        self._released += len(new)
+        if not self.stops:
+            self._committed += len(new)
+            return new
+        buf = self._stop_held + new if self._stop_held else new
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self._stop_held, self.stopped = buf[:min(hits)], "", True
+        elif final:
+            out, self._stop_held = buf, ""
+        else:
+            keep = self._possible_start(buf)
+            out, self._stop_held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        self._committed += len(out)
+        return out
+
+    def _possible_start(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that a stop string starts with."""
+        for k in range(min(len(buf), max(map(len, self.stops)) - 1), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0

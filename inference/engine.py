@@ -7,13 +7,24 @@ two steps: the step running finishes, the one queued behind it is revoked, the n
 raises, and no thread is left running on its own. Because the channel is bounded, a slow consumer blocks the producer in ``send`` instead of
 letting tokens pile up. Prompts are prefilled in chunks for the same reason steps are short: a
 cancel during a long prefill waits for one chunk, not for the whole prompt.
+
+Two layers: ``Engine.events`` is the producer's channel of raw ``TokenEvent`` items (ids and bytes);
+``Engine.stream`` is what every consumer uses, the same events made into text (``Response``: the
+committed text, what is held back, the state), with stop strings applied, so the one-shot command,
+the chat and ``--json`` share one path and ``cmd/`` only renders.
+
+The engine remembers which token ids its KV cache holds (``cached_ids``). A request with
+``reuse_cache`` keeps the entries of the longest prefix it shares with them and prefills only the
+rest; a chat's next turn then costs its new tokens, not the whole conversation. When a stream ends,
+for whatever reason, the record is trimmed to what is known to be in the cache and was delivered
+to the consumer: steps computed ahead of a cancel are not counted.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -21,13 +32,12 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from llama_chat.inference.decoding import StreamDecoder
-from llama_chat.inference.errors import EmptyPrompt, EngineBusy, PromptTooLong, sole_exception
+from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.model_step import Decode, ModelStep, Sampler, StepOptions
-from llama_chat.inference.results import Completion, Tally
 from llama_chat.inference.step_worker import StepWorker
-from llama_chat.inference.stopping import state_after, stop_ids_of
-from llama_chat.inference.types import GenerationState, Request, TokenEvent
+from llama_chat.inference.types import (Completion, EmptyPrompt, EngineBusy, GenerationState, PromptTooLong,
+                                        Request, Response, Tally, TokenEvent, sole_exception, state_after,
+                                        stop_ids_of)
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, sample
 from llama_chat.model.tokenizer import Tokenizer
 from llama_chat.model.transformer import Transformer
@@ -71,6 +81,8 @@ class Engine:
         self.stop_ids = stop_ids_of(tokenizer)
         self._sampler = sampler
         self._busy = False
+        self._cached: tuple[int, ...] = ()
+        self._record_of = ""  # the request that last wrote the cache
 
     @classmethod
     def from_loaded(cls, loaded, **kwargs) -> Engine:
@@ -109,32 +121,67 @@ class Engine:
         # Stop tokens are never printed, whatever bytes a tokenizer gives them.
         return b"" if token_id in self.stop_ids else self.tokenizer.token_bytes(token_id)
 
+    @property
+    def cached_ids(self) -> tuple[int, ...]:
+        """The token ids whose keys and values the KV cache holds at positions 0, 1, ..."""
+        return self._cached
+
+    def reusable(self, request: Request) -> int:
+        """How many of ``request``'s prompt tokens the cache already holds (the common prefix).
+
+        At least one prompt token is always fed again: its logits give the first new token.
+        """
+        if not request.reuse_cache:
+            return 0
+        prompt, cached = request.prompt_ids, self._cached
+        n = 0
+        for a, b in zip(prompt, cached):
+            if a != b:
+                break
+            n += 1
+        return min(n, len(prompt) - 1)
+
     # -- the producer ----------------------------------------------------------------------------
 
     async def produce(self, request: Request, send: MemoryObjectSendStream[TokenEvent]) -> None:
-        """Generate ``request`` into ``send``, closing it at the end; stop quietly if the reader left."""
+        """Generate ``request`` into ``send``, closing it at the end; stop quietly if the reader left.
+
+        At the end the record of what the cache holds keeps no token beyond the events sent
+        (``_events`` trims it further, to the events the consumer took).
+        """
         async with send:
             self.check(request)
             if self._busy:
                 raise EngineBusy("this engine is already generating")
             self._busy = True
+            reused = self.reusable(request)
+            # From here on the cache is written past the common prefix: forget what was there.
+            self._cached = request.prompt_ids[:reused]
+            self._record_of = request.request_id
+            run = _DecodeRun(self, request, start=time.perf_counter(), fed=reused)
+            sent = 0
             try:
-                await self._produce(request, send)
+                sent = await self._produce(request, send, run, reused)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass  # the consumer closed its end: nobody is listening, so stop
             finally:
                 self._busy = False
+                # The worker has been joined: run.fed and run.tokens are final.
+                kept = min(run.fed, len(request.prompt_ids) + max(sent, run.sent))
+                self._cached = (request.prompt_ids + tuple(run.tokens))[:kept]
 
-    async def _produce(self, request: Request, send: MemoryObjectSendStream[TokenEvent]) -> None:
+    async def _produce(self, request: Request, send: MemoryObjectSendStream[TokenEvent], run: _DecodeRun,
+                       reused: int) -> int:
         prompt = list(request.prompt_ids)
         chunk = self.prefill_chunk
-        run = _DecodeRun(self, request, start=time.perf_counter())
         async with StepWorker(report_every_s=self.options.report_every_s) as worker:
             # Prefill every chunk but the last without sampling; the last one yields the first
             # token. One chunk per call, awaited in turn, so a cancel waits for one chunk at most.
-            last_from = ((len(prompt) - 1) // chunk) * chunk
-            for pos in range(0, last_from, chunk):
+            # Chunks start where the cache's common prefix ends.
+            last_from = reused + ((len(prompt) - 1 - reused) // chunk) * chunk
+            for pos in range(reused, last_from, chunk):
                 await worker.result(worker.submit(self.step.forward, [prompt[pos:pos + chunk]], [pos]))
+                run.fed = pos + len(prompt[pos:pos + chunk])
             run.rows, run.pos = [prompt[last_from:]], last_from
 
             # Steps are queued ahead of the one being handled: each runs on the token the one before
@@ -150,19 +197,26 @@ class Engine:
                     send.send_nowait(event)
                 except anyio.WouldBlock:
                     await send.send(event)  # the buffer is full: wait for the consumer (backpressure)
+                run.sent += 1
                 if event.state.finished:
-                    return
+                    return run.sent
 
     # -- ways to consume it ----------------------------------------------------------------------
 
     @asynccontextmanager
-    async def stream(self, request: Request) -> AsyncIterator[MemoryObjectReceiveStream[TokenEvent]]:
-        """``async with engine.stream(req) as events: async for event in events: ...``
+    async def events(self, request: Request) -> AsyncIterator[MemoryObjectReceiveStream[TokenEvent]]:
+        """``async with engine.events(req) as events: async for event in events: ...``: raw token
+        events (ids and bytes), the layer under ``stream``.
 
         The producer runs in a task group around the body. An exception in the producer or the
         body comes out as itself, not wrapped in an exception group. Leaving the body early
         closes the receiving end, which stops the producer after its current step.
         """
+        async with self._events(request, None) as receive:
+            yield receive
+
+    @asynccontextmanager
+    async def _events(self, request: Request, delivered: Callable[[], int] | None):
         self.check(request)
         send, receive = anyio.create_memory_object_stream[TokenEvent](self.options.buffer_size)
         try:
@@ -172,34 +226,115 @@ class Engine:
                     yield receive
         except BaseExceptionGroup as group:
             raise sole_exception(group) from None
+        finally:
+            # Events sent but never taken (a cancel, a stop string) were not kept by anyone.
+            if delivered is not None and self._record_of == request.request_id:
+                self._cached = self._cached[:len(request.prompt_ids) + delivered()]
+
+    @asynccontextmanager
+    async def stream(self, request: Request) -> AsyncIterator[Generation]:
+        """``async with engine.stream(req) as gen: async for response in gen: ...``
+
+        Each ``Response`` carries the text its token commits and what is held back. After the
+        loop, ``gen.completion()`` is the whole result; when the loop was cut short (a cancel, an
+        error), ``gen.cut_off()`` first gives the whole characters that were still held.
+        """
+        reused = self.reusable(request)
+        generation = Generation(self, request, reused)
+        async with self._events(request, lambda: generation.delivered) as receive:
+            generation._receive = receive
+            yield generation
 
     async def complete(self, request: Request) -> Completion:
         """Run ``request`` to the end and return its text, tokens, finish reason and timings."""
-        tally = Tally(request.request_id, len(request.prompt_ids))
-        decoder = StreamDecoder()
-        parts: list[str] = []
-        async with self.stream(request) as events:
-            async for event in events:
-                tally.add(event)
-                parts.append(decoder.feed(event.data))
-        parts.append(decoder.flush())
-        return tally.completion("".join(parts))
+        async with self.stream(request) as generation:
+            async for _ in generation:
+                pass
+        return generation.completion()
 
     def generate(self, request: Request) -> Completion:
         """The blocking form of ``complete``, for scripts and tests."""
         return anyio.run(self.complete, request)
 
 
+class Generation:
+    """One request's responses: token events made into text as the consumer takes them."""
+
+    def __init__(self, engine: Engine, request: Request, cached_tokens: int) -> None:
+        self.request = request
+        strip = request.chat_reply and bool(getattr(engine.tokenizer, "strips_leading_space", False))
+        self.maker = TextMaker(request.stop, strip_leading_space=strip)
+        self.tally = Tally(request.request_id, len(request.prompt_ids), cached_tokens)
+        self.parts: list[str] = []
+        self.delivered = 0  # events taken from the channel
+        self._receive: MemoryObjectReceiveStream[TokenEvent] | None = None
+        self._done = False
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.tally.cached_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> Response:
+        if self._done or self._receive is None:
+            raise StopAsyncIteration
+        try:
+            event = await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._done = True
+            raise StopAsyncIteration from None
+        self.delivered += 1
+        self.tally.add(event)
+        maker = self.maker
+        text = maker.feed(event.data)
+        state = event.state
+        if state.finished and not maker.stopped:
+            text += maker.finish()
+        if maker.stopped:
+            state = GenerationState.STOP_STRING
+        if state.finished:
+            self._done = True
+            self.tally.mark(state)
+            self._receive.close()  # a stop string: the producer stops after its current step
+        self.parts.append(text)
+        return Response(event.request_id, event.index, event.token_id, text, maker.held_bytes, maker.held_text,
+                        maker.held_tokens, state, event.elapsed_s)
+
+    def cut_off(self) -> str:
+        """After a stream was stopped from outside: the whole characters still held (added to the
+        text); the bytes of an unfinished character are dropped."""
+        if self._done:
+            return ""
+        self._done = True
+        text = self.maker.finish(cut_off=True)
+        self.parts.append(text)
+        return text
+
+    def completion(self) -> Completion:
+        if not self._done:  # a stream left early: what was held still belongs to the text
+            self.cut_off()
+        return self.tally.completion(self.text)
+
+
 class _DecodeRun:
     """The decode loop's state, advanced one token per ``step`` call in the worker thread only."""
 
-    def __init__(self, engine: Engine, request: Request, *, start: float) -> None:
+    def __init__(self, engine: Engine, request: Request, *, start: float, fed: int = 0) -> None:
         self.engine = engine
         self.request = request
         self.start = start
         self.rows: list[list[int]] = []
         self.pos = 0
         self.index = 0
+        self.fed = fed  # positions of prompt + tokens whose keys and values are in the cache
+        self.tokens: list[int] = []  # every token sampled
+        self.sent = 0  # events handed to the channel (event loop side)
         self.finished = False
         self.decode: Decode | None = None
 
@@ -211,6 +346,9 @@ class _DecodeRun:
             self.decode = engine.step.decode(self.rows[0], self.pos, self.request.sampling, self.request.seed,
                                              engine._sampler)
         token = self.decode.next_token()
+        # Each call fed the tokens not yet fed: the prompt's tail first, then the token before.
+        self.fed = len(self.request.prompt_ids) + len(self.tokens)
+        self.tokens.append(token)
         state = state_after(token, index=self.index, request=self.request, stop_ids=engine.stop_ids,
                             max_seq_len=engine.step.max_seq_len)
         event = TokenEvent(self.request.request_id, self.index, token, engine.token_bytes(token), state,
@@ -220,4 +358,5 @@ class _DecodeRun:
         return event
 
 
-__all__ = ["DEFAULT_BUFFER_SIZE", "DEFAULT_LOOKAHEAD", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineOptions", "GenerationState"]
+__all__ = ["DEFAULT_BUFFER_SIZE", "DEFAULT_LOOKAHEAD", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineOptions", "Generation",
+           "GenerationState"]

@@ -1,7 +1,8 @@
-"""What crosses the boundaries of the engine: requests in, token events out.
+"""What crosses the boundaries of the engine, in one place: requests in, token events and text
+responses out, what a finished generation amounts to, why it ended, and the errors in what was asked.
 
-Everything here is a frozen dataclass of Python scalars, tuples and ``bytes``, so an event can sit
-in a channel, be logged or be compared in a test without holding on to a tensor or a device.
+Everything here is a frozen dataclass of Python scalars, tuples, ``bytes`` and ``str``, so an item
+can sit in a channel, be logged or be compared in a test without holding on to a tensor or a device.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from llama_chat.ml.sampling import SamplingParams
+from llama_chat.model.tokenizer import Tokenizer
+
+# -- states --------------------------------------------------------------------------------------
 
 
 class GenerationState(str, enum.Enum):
@@ -20,7 +24,7 @@ class GenerationState(str, enum.Enum):
     EOS = "eos"  # the model emitted an end-of-sequence or end-of-turn token
     MAX_TOKENS = "max_tokens"  # the request's token budget is spent
     CONTEXT_FULL = "context_full"  # the next token would not fit in max_seq_len
-    STOP_STRING = "stop_string"  # a stop string matched (the sampling-controls issue sets it)
+    STOP_STRING = "stop_string"  # one of the request's stop strings appeared in the text
     CANCELLED = "cancelled"  # Ctrl+C, SIGTERM, or the reader went away
     ERROR = "error"  # the forward or the sampler raised
 
@@ -30,6 +34,9 @@ class GenerationState(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+# -- requests ------------------------------------------------------------------------------------
 
 
 def new_request_id() -> str:
@@ -42,6 +49,13 @@ class Request:
 
     Settings live on the request, not the engine, so a batch can mix requests with different
     budgets, temperatures and seeds.
+
+    ``stop``: strings that end the generation when they appear in its text; they are never part
+    of the text. ``chat_reply``: the prompt ends where an assistant's reply begins, so the reply is
+    not a continuation of the prompt's last word and the tokenizer's word-start space before its
+    first word is dropped. ``reuse_cache``: keep the KV cache's entries for the longest prefix this
+    prompt shares with what the cache holds, and prefill only the rest (a chat's next turn). It is
+    off by default so that a benchmark repeating one prompt measures a whole prefill each time.
     """
 
     prompt_ids: tuple[int, ...]
@@ -49,11 +63,18 @@ class Request:
     seed: int = 0
     max_tokens: int | None = None  # None: until a stop token or the context is full
     request_id: str = field(default_factory=new_request_id)
+    stop: tuple[str, ...] = ()
+    chat_reply: bool = False
+    reuse_cache: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+
+# -- what the producer sends, and what the consumer gets ------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -72,3 +93,182 @@ class TokenEvent:
     data: bytes
     state: GenerationState
     elapsed_s: float
+
+
+@dataclass(frozen=True)
+class Response:
+    """One generated token as text, what ``Engine.stream`` yields.
+
+    ``text`` is the text this token newly commits: final, never taken back, safe to print
+    (``""`` while it is held). What is held back follows: ``held_bytes``, the start of a UTF-8
+    character still waiting for its other bytes; ``held_text``, whole characters that may still
+    grow into a longer emoji or may be the start of a stop string; ``held_tokens``, how many of the
+    latest tokens that held state comes from (a display draws one marker per token). The last
+    response of a stream has a finished ``state`` and nothing held.
+    """
+
+    request_id: str
+    index: int
+    token_id: int
+    text: str
+    held_bytes: bytes
+    held_text: str
+    held_tokens: int
+    state: GenerationState
+    elapsed_s: float
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timings:
+    ttft_s: float | None  # request start to first sampled token (tokenize not included)
+    prefill_tok_s: float | None  # prompt tokens prefilled per second of time to first token
+    decode_tok_s: float | None  # tokens after the first, per second between first and last
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"ttft_s": self.ttft_s, "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s}
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: GenerationState
+    prompt_tokens: int
+    timings: Timings
+    cached_tokens: int = 0  # prompt tokens whose KV entries were kept from the request before
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens that went through a forward for this request."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+class Tally:
+    """Accumulates the events of one stream; a consumer feeds it every event it receives.
+
+    A stream that ends without a finishing event was stopped from outside (a cancel, or the
+    consumer went away), so its finish reason is ``CANCELLED``.
+    """
+
+    def __init__(self, request_id: str, prompt_tokens: int, cached_tokens: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self.token_ids: list[int] = []
+        self._first_s: float | None = None
+        self._last_s: float | None = None
+        self._state = GenerationState.CANCELLED
+
+    def add(self, event: TokenEvent | Response) -> None:
+        self.token_ids.append(event.token_id)
+        if self._first_s is None:
+            self._first_s = event.elapsed_s
+        self._last_s = event.elapsed_s
+        if event.state.finished:
+            self._state = event.state
+
+    @property
+    def finish_reason(self) -> GenerationState:
+        return self._state
+
+    def mark(self, state: GenerationState) -> None:
+        """Override the reason (a stop string, an error, or a cancel that raced the last event)."""
+        self._state = state
+
+    def timings(self) -> Timings:
+        first, last = self._first_s, self._last_s
+        if first is None or last is None:
+            return Timings(None, None, None)
+        prefilled = self.prompt_tokens - self.cached_tokens
+        prefill = prefilled / first if first > 0 else None
+        n_decode = len(self.token_ids) - 1
+        decode = n_decode / (last - first) if n_decode > 0 and last > first else None
+        return Timings(first, prefill, decode)
+
+    def completion(self, text: str) -> Completion:
+        return Completion(self.request_id, text, tuple(self.token_ids), self._state, self.prompt_tokens,
+                          self.timings(), self.cached_tokens)
+
+
+# -- when a generation ends ----------------------------------------------------------------------
+
+# End markers by name, for tokenizers that declare them as special tokens without listing every
+# one of them among their stop ids.
+STOP_TOKEN_NAMES = ("</s>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+
+
+def stop_ids_of(tokenizer: Tokenizer) -> frozenset[int]:
+    """Every id that ends a generation: the tokenizer's stop ids, its eos, and the known names."""
+    ids = set(tokenizer.stop_ids)
+    if tokenizer.eos_id is not None:
+        ids.add(tokenizer.eos_id)
+    specials = tokenizer.special_tokens
+    ids.update(specials[name] for name in STOP_TOKEN_NAMES if name in specials)
+    return frozenset(ids)
+
+
+def state_after(token_id: int, *, index: int, request: Request, stop_ids: frozenset[int],
+                max_seq_len: int) -> GenerationState:
+    """The state after generated token ``index`` (0-based) of ``request`` was sampled.
+
+    The token sits at position ``len(prompt) + index``; when that is the last position of the
+    context there is no room to feed it back, so the context is full. A stop token wins over the
+    budget, and the budget over the context, so the reason shown is the most specific one. (Stop
+    strings are matched on the text, after this: ``decoding.TextMaker``.)
+    """
+    if token_id in stop_ids:
+        return GenerationState.EOS
+    if request.max_tokens is not None and index + 1 >= request.max_tokens:
+        return GenerationState.MAX_TOKENS
+    if len(request.prompt_ids) + index + 1 >= max_seq_len:
+        return GenerationState.CONTEXT_FULL
+    return GenerationState.IN_PROGRESS
+
+
+# -- errors --------------------------------------------------------------------------------------
+# Errors in what was asked for, as opposed to failures while doing it. The command line maps
+# ``RequestError`` to exit status 2 (bad input), like a usage error.
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run as given; the message is one line for the user."""
+
+
+class EmptyPrompt(RequestError):
+    def __init__(self) -> None:
+        super().__init__("the prompt is empty")
+
+
+class PromptTooLong(RequestError):
+    def __init__(self, prompt_tokens: int, context: int) -> None:
+        super().__init__(f"the prompt is {prompt_tokens} tokens, the context holds {context} "
+                         f"(at least one must be left for the answer)")
+        self.prompt_tokens = prompt_tokens
+        self.context = context
+
+
+class EngineBusy(RuntimeError):
+    """A second request reached an engine that serves one at a time."""
+
+
+def sole_exception(group: BaseExceptionGroup) -> BaseException:
+    """The one exception inside (possibly nested) groups, or the group itself when there are more.
+
+    Task groups always wrap what their children raise; a caller of a single stream wants the
+    error itself, so it can catch it by type.
+    """
+    leaves: list[BaseException] = []
+    pending = [group]
+    while pending:
+        g = pending.pop()
+        for exc in g.exceptions:
+            (pending if isinstance(exc, BaseExceptionGroup) else leaves).append(exc)
+    return leaves[0] if len(leaves) == 1 else group

@@ -3,7 +3,7 @@
     python scripts/evaluate_default_model.py [--model DIR] [--json out.json]
 
 Prompts go through the command line's own path (``load_model``, the model's chat format via
-``cmd.prompt.prompt_ids``, ``Engine.stream`` with a ``StreamDecoder`` consuming the token bytes), at
+``cmd.prompt.prompt_ids``, ``Engine.stream``, whose responses carry the text), at
 temperature 0.8 and top-p 0.95, one fixed seed per sample. Reported:
 
 (a) words: the share of generated words (runs of letters) that are words of the training corpus;
@@ -28,7 +28,6 @@ import anyio
 from default_model import corpus, vocabulary
 from default_model.tokenizer import is_emoji_char
 from llama_chat.cmd.prompt import prompt_ids
-from llama_chat.inference.decoding import StreamDecoder
 from llama_chat.inference.engine import Engine
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
@@ -97,17 +96,14 @@ async def run(engine: Engine, loaded, sample: Sample, temperature: float) -> Non
     ids = prompt_ids(sample.prompt, system=None, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
     request = Request(ids, sampling=SamplingParams(temperature=temperature, top_p=0.95), seed=sample.seed,
                       max_tokens=MAX_TOKENS)
-    decoder = StreamDecoder()
     async with engine.stream(request) as events:
         async for event in events:
             sample.tokens += 1
             piece = loaded.tokenizer.token_bytes(event.token_id)
             sample.byte_tokens += len(piece) == 1 and piece[0] >= 0x80
-            if text := decoder.feed(event.data):
-                sample.chunks.append(text)
+            if event.text:
+                sample.chunks.append(event.text)
             sample.finish = str(event.state)
-    if tail := decoder.flush():
-        sample.chunks.append(tail)
     sample.text = "".join(sample.chunks)
 
 

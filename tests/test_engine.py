@@ -13,9 +13,7 @@ import torch
 from builders import random_model, tiny_args, train_sentencepiece
 from llama_chat.inference.engine import DEFAULT_LOOKAHEAD, Engine, EngineOptions
 from llama_chat.inference.step_worker import THREAD_NAME as STEP_THREAD_NAME
-from llama_chat.inference.errors import EmptyPrompt, PromptTooLong
-from llama_chat.inference.stopping import stop_ids_of
-from llama_chat.inference.types import GenerationState, Request, TokenEvent
+from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, TokenEvent, stop_ids_of
 from llama_chat.ml.sampling import SamplingParams, sample
 from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer
 
@@ -112,7 +110,7 @@ def reference_greedy(model, ids, n, banned=()):
 
 
 async def collect(engine, request) -> list[TokenEvent]:
-    async with engine.stream(request) as events:
+    async with engine.events(request) as events:
         return [e async for e in events]
 
 
@@ -196,7 +194,7 @@ def test_bounded_channel_holds_a_slow_consumer_back(model, tokenizer):
     seen = []
 
     async def slow_consumer():
-        async with engine.stream(req) as events:
+        async with engine.events(req) as events:
             async for event in events:
                 seen.append(event.index)
                 # Received k: at most `size` more wait in the buffer, one more in `send`, and the
@@ -227,7 +225,7 @@ def test_cancel_stops_the_producer_within_one_step(model, tokenizer):
 
             async def consume():
                 with scope:
-                    async with engine.stream(req) as events:
+                    async with engine.events(req) as events:
                         async for _ in events:
                             pass
 
@@ -302,7 +300,7 @@ def test_forward_error_reaches_the_caller_as_itself_once(model, tokenizer):
     received = []
 
     async def main():
-        async with engine.stream(req) as events:
+        async with engine.events(req) as events:
             async for event in events:
                 received.append(event)
 
@@ -321,7 +319,7 @@ def test_consumer_leaving_early_stops_the_producer(model, tokenizer):
     req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=100)
 
     async def main():
-        async with engine.stream(req) as events:
+        async with engine.events(req) as events:
             async for event in events:
                 if event.index == 3:
                     break

@@ -1,4 +1,4 @@
-"""One dim marker per token whose bytes the decoder still holds, not one per byte."""
+"""One dim marker per token whose bytes are still held back, not one per byte."""
 
 from __future__ import annotations
 
@@ -6,29 +6,16 @@ import io
 
 from rich.console import Console
 
-from llama_chat.cmd.one_shot import _Consumer
 from llama_chat.cmd.render import LiveRenderer
+from llama_chat.inference.decoding import TextMaker
 
 
-class RecordingRenderer:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int | None]] = []
-
-    def start(self) -> None: ...
-
-    def finish(self) -> None: ...
-
-    def update(self, committed, pending_bytes, pending_text, pending_tokens=None) -> None:
-        self.calls.append((committed, pending_tokens))
-
-
-def feed_all(tokens: list[bytes]) -> list[tuple[str, int | None]]:
-    renderer = RecordingRenderer()
-    consumer = _Consumer(renderer)
-    for data in tokens:
-        consumer.feed(data)
-    consumer.flush()
-    return renderer.calls
+def feed_all(tokens: list[bytes]) -> list[tuple[str, int]]:
+    """(committed text, held tokens) after each token, then after the final flush."""
+    maker = TextMaker()
+    calls = [(maker.feed(data), maker.held_tokens) for data in tokens]
+    calls.append((maker.finish(), maker.held_tokens))
+    return calls
 
 
 def test_byte_tokens_count_one_marker_each_until_the_character_completes():

@@ -1,0 +1,185 @@
+"""Text made in the engine: responses, stop strings, the leading space, and a cache kept across requests."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from builders import random_model, tiny_args, train_sentencepiece
+from llama_chat.inference.decoding import TextMaker
+from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.types import GenerationState, Request
+from llama_chat.ml.sampling import SamplingParams, sample
+from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return SentencePieceTokenizer(train_sentencepiece(tmp_path_factory.mktemp("gen_spm"), vocab_size=512))
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return random_model(tiny_args(tokenizer.vocab_size, max_seq_len=256), seed=1)
+
+
+def no_stop(stop_ids):
+    """The sampler, with stop tokens banned, so that greedy runs last as long as asked."""
+    banned = sorted(stop_ids)
+
+    def sampler(logits, params, uniforms):
+        logits = logits.clone()
+        logits[:, banned] = float("-inf")
+        return sample(logits, params, uniforms)
+
+    return sampler
+
+
+@pytest.fixture()
+def engine(model, tokenizer):
+    e = Engine(model, tokenizer, options=EngineOptions(prefill_chunk=8))
+    e._sampler = no_stop(e.stop_ids)
+    return e
+
+
+def ids(tokenizer, text="Once upon a time"):
+    return tuple(tokenizer.encode(text, bos=True))
+
+
+# -- TextMaker --------------------------------------------------------------------------------------
+
+chunks = st.lists(st.binary(max_size=6) | st.sampled_from([b"ab", b"c", b" a", "é".encode(), b"\xf0\x9f"]),
+                  max_size=30)
+stops = st.lists(st.text(alphabet="abc é", min_size=1, max_size=4), max_size=3)
+
+
+@given(chunks, stops, st.booleans())
+def test_text_is_the_decoded_text_cut_before_the_first_stop_string(data, stop_strings, strip):
+    maker = TextMaker(stop_strings, strip_leading_space=strip)
+    out = "".join(maker.feed(d) for d in data) + maker.finish()
+    joined = b"".join(data)
+    if strip:
+        first = next((i for i, d in enumerate(data) if d), None)
+        if first is not None and data[first].startswith(b" "):
+            joined = b"".join(data[:first]) + data[first][1:] + b"".join(data[first + 1:])
+    full = joined.decode("utf-8", errors="replace")
+    hits = [i for i in (full.find(s) for s in stop_strings) if i >= 0]
+    assert out == (full[:min(hits)] if hits else full)
+    assert maker.stopped == bool(hits)
+
+
+def test_text_is_held_only_while_it_could_start_a_stop_string():
+    maker = TextMaker(["END"])
+    assert maker.feed(b"the E") == "the "
+    assert maker.held_text == "E" and maker.held_tokens == 1
+    assert maker.feed(b"xit") == "Exit"  # no longer a possible start: released
+    assert maker.held_text == "" and maker.held_tokens == 0
+    assert maker.feed(b" E") == " "
+    assert maker.feed(b"N") == ""
+    assert maker.held_tokens == 2
+    assert maker.feed(b"D and more") == "" and maker.stopped
+    assert maker.finish() == ""
+
+
+# -- the engine's responses ---------------------------------------------------------------------------
+
+
+async def responses(engine, request):
+    async with engine.stream(request) as generation:
+        return [r async for r in generation], generation.completion()
+
+
+def test_responses_carry_the_text_and_the_last_one_the_reason(engine, tokenizer):
+    request = Request(ids(tokenizer), sampling=GREEDY, max_tokens=30)
+    got, done = anyio.run(responses, engine, request)
+    assert [r.index for r in got] == list(range(30))
+    assert got[-1].state is GenerationState.MAX_TOKENS and got[-1].held_bytes == b"" and got[-1].held_text == ""
+    assert "".join(r.text for r in got) == done.text
+    data = b"".join(tokenizer.token_bytes(r.token_id) for r in got)
+    assert done.text == data.decode("utf-8", errors="replace")
+
+
+def test_a_chat_reply_drops_the_word_start_space(model, tokenizer):
+    words = tokenizer.encode("the cat sat", bos=False)
+    assert tokenizer.token_bytes(words[0]).startswith(b" ")
+
+    def spell(logits, params, uniforms):  # the same words, whatever the logits say
+        spell.calls += 1
+        return torch.tensor([words[(spell.calls - 1) % len(words)]])
+
+    engine = Engine(model, tokenizer, sampler=spell)
+    spell.calls = 0
+    plain = engine.generate(Request(ids(tokenizer), sampling=GREEDY, max_tokens=len(words)))
+    spell.calls = 0
+    reply = engine.generate(Request(ids(tokenizer), sampling=GREEDY, max_tokens=len(words), chat_reply=True))
+    assert plain.text == " the cat sat" and reply.text == "the cat sat"
+
+
+def test_greedy_with_a_stop_string_split_across_tokens_is_the_answer_cut_before_it(engine, tokenizer):
+    full = engine.generate(Request(ids(tokenizer), sampling=GREEDY, max_tokens=60))
+    pieces = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in full.token_ids]
+    # A stop string made of the end of one token and the start of the next.
+    k = next(i for i in range(5, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 1
+             and "\ufffd" not in pieces[i] + pieces[i + 1])
+    stop = pieces[k][-2:] + pieces[k + 1][:1]
+    cut = full.text[:full.text.find(stop)]
+    stopped = engine.generate(Request(ids(tokenizer), sampling=GREEDY, max_tokens=60, stop=(stop,)))
+    assert stopped.finish_reason is GenerationState.STOP_STRING
+    assert stopped.text == cut and stop not in stopped.text
+    assert len(stopped.token_ids) <= k + 2
+
+
+# -- the cache kept between requests ------------------------------------------------------------------
+
+
+def test_a_request_prefills_only_what_follows_the_common_prefix_and_matches_a_fresh_engine(
+        model, tokenizer, engine):
+    first = Request(ids(tokenizer), sampling=GREEDY, max_tokens=20, reuse_cache=True)
+    done = engine.generate(first)
+    assert done.cached_tokens == 0
+    assert engine.cached_ids == first.prompt_ids + done.token_ids[:-1]  # the last one was never fed
+    follow = first.prompt_ids + done.token_ids + tuple(tokenizer.encode(" and then", bos=False))
+    second = engine.generate(Request(follow, sampling=GREEDY, max_tokens=20, reuse_cache=True))
+    assert second.cached_tokens == len(first.prompt_ids) + len(done.token_ids) - 1
+    assert second.prefilled_tokens == len(follow) - second.cached_tokens
+
+    fresh = Engine(model, tokenizer, options=EngineOptions(prefill_chunk=8))
+    fresh._sampler = engine._sampler
+    alone = fresh.generate(Request(follow, sampling=GREEDY, max_tokens=20))
+    assert alone.token_ids == second.token_ids and alone.cached_tokens == 0
+
+
+def test_without_reuse_cache_the_whole_prompt_is_prefilled(engine, tokenizer):
+    request = Request(ids(tokenizer), sampling=GREEDY, max_tokens=5)
+    engine.generate(request)
+    assert engine.generate(request).cached_tokens == 0
+    again = engine.generate(Request(request.prompt_ids, sampling=GREEDY, max_tokens=5, reuse_cache=True))
+    assert again.cached_tokens == len(request.prompt_ids) - 1  # the last prompt token is fed again
+
+
+def test_a_cancel_keeps_only_what_the_consumer_took(model, tokenizer, engine):
+    request = Request(ids(tokenizer), sampling=GREEDY, max_tokens=100, reuse_cache=True)
+
+    async def take(n):
+        async with engine.stream(request) as generation:
+            got = []
+            async for response in generation:
+                got.append(response.token_id)
+                if len(got) == n:
+                    break  # leaving early closes the stream: steps computed ahead are dropped
+        return got
+
+    got = anyio.run(take, 5)
+    assert engine.cached_ids == request.prompt_ids + tuple(got)
+    # What the cache says it holds is what it holds: the next turn matches a fresh engine.
+    follow = request.prompt_ids + tuple(got) + tuple(tokenizer.encode(" and", bos=False))
+    second = engine.generate(Request(follow, sampling=GREEDY, max_tokens=10, reuse_cache=True))
+    assert second.cached_tokens == len(request.prompt_ids) + 5
+    fresh = Engine(model, tokenizer)
+    fresh._sampler = engine._sampler
+    assert fresh.generate(Request(follow, sampling=GREEDY, max_tokens=10)).token_ids == second.token_ids
