@@ -19,15 +19,18 @@ with deferred_signals(exit_now=True):
     import re
     import sys
     import traceback
-    from dataclasses import dataclass
+    import inspect
+    from collections.abc import Callable
+    from dataclasses import dataclass, fields
     from importlib.metadata import PackageNotFoundError, version
     from pathlib import Path
+    from typing import Annotated, get_type_hints
 
     import typer
     from rich.console import Console
 
     from llama_chat.cmd import exit_status
-    from llama_chat.cmd.inputs import UsageProblem, gather_prompt
+    from llama_chat.cmd.inputs import UsageProblem, gather_first_message, gather_prompt
     from llama_chat.cmd.sanitize import one_line
     from llama_chat.cmd.signals import install_sync_handlers
 
@@ -51,28 +54,6 @@ class DType(str, enum.Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
-
-
-@dataclass(frozen=True)
-class Options:
-    model: Path | None
-    prompt: str | None
-    system: str | None
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    device: str
-    dtype: str
-    template: str
-    json: bool
-    stats: bool
-    color: str
-    debug: bool
-    ctx_size: int | None = None
-    file: str | None = None
-    no_stdin: bool = False
-    compile: bool | None = None
 
 
 MAX_SEED = 2**64 - 1
@@ -129,52 +110,99 @@ def _check_device(value: str) -> str:
     return value
 
 
+# -- the options: each one named, typed, defaulted and documented here, once -----------------------
+# The dataclass is what the rest of the command reads; typer reads its fields (``_command`` below
+# turns them into the command's signature), so there is no second list of options to keep in step.
+
+
+@dataclass(frozen=True)
+class Options:
+    model: Annotated[Path | None, typer.Option(
+        "--model", "-m", help="Model directory or weights file (default: the small model shipped with the "
+                              "package).")] = None
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None
+    file: Annotated[str | None, typer.Option(
+        "--file", "-f", help="Read the prompt from this file ('-': stdin); stdin is then not read otherwise.")] = None
+    no_stdin: Annotated[bool, typer.Option(
+        "--no-stdin", help="Do not read stdin, even when it is a pipe.")] = False
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="Chat interactively (the default with no prompt on a terminal). A prompt or piped "
+                       "stdin becomes the first message; the chat then goes on reading the terminal.")] = False
+    system: Annotated[str | None, typer.Option(
+        "--system", "-s", help="A system message (needs a chat template).")] = None
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", "-n", callback=_check_max_tokens,
+        help="Most tokens to generate, at least 1 (default: until a stop token or the context is full).")] = None
+    stop: Annotated[list[str] | None, typer.Option(
+        "--stop", help="Stop when the text contains TEXT (repeatable); the stop string is not printed.",
+        metavar="TEXT")] = None
+    ctx_size: Annotated[int | None, typer.Option(
+        "--ctx-size", "-c", callback=_check_ctx_size,
+        help="Context length in tokens, at most the model's; 0: the model's full context (default: the "
+             "model's, at most 4096).")] = None
+    temperature: Annotated[float, typer.Option(
+        "--temperature", "-t", callback=_check_temperature,
+        help="Sampling temperature, >= 0; 0 means greedy.")] = 0.8
+    top_p: Annotated[float, typer.Option(
+        "--top-p", callback=_check_top_p, help="Nucleus sampling mass, 0 < p <= 1.")] = 0.95
+    seed: Annotated[int | None, typer.Option(
+        "--seed", callback=_check_seed,
+        help="Sampling seed, 0 <= seed < 2**64 (default: random; always reported).")] = None
+    device: Annotated[str, typer.Option(
+        "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps.")] = "auto"
+    dtype: Annotated[DType, typer.Option(
+        "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 on cuda, float16 on mps.")] = DType.auto
+    compile: Annotated[bool | None, typer.Option(
+        "--compile/--no-compile",
+        help="Compile the decode step (default: on CUDA for models over 50M parameters). The first run "
+             "compiles; later runs reuse the on-disk cache.")] = None
+    template: Annotated[Template, typer.Option(
+        "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template.auto
+    json: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object at the end instead of text (not with the chat).")] = False
+    stats: Annotated[bool, typer.Option(
+        "--stats", help="Timings, token counts and the seed on stderr (in the chat: after each reply).")] = False
+    no_history: Annotated[bool, typer.Option(
+        "--no-history", help="Chat: neither read nor write the input history file.")] = False
+    color: Annotated[ColorMode, typer.Option(
+        "--color", help="Colour on a terminal (NO_COLOR is honoured).")] = ColorMode.auto
+    debug: Annotated[bool, typer.Option("--debug", help="Show a traceback on failure.")] = False
+
+    def __post_init__(self) -> None:
+        # Code below the command line sees plain strings and tuples, not typer's enums and lists.
+        for name in ("dtype", "template", "color"):
+            value = getattr(self, name)
+            if isinstance(value, enum.Enum):
+                object.__setattr__(self, name, value.value)
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+
+
+def _command(run: Callable[[Options], int]) -> Callable[..., None]:
+    """The typer command whose parameters are ``Options``' fields (plus --version)."""
+    hints = get_type_hints(Options, include_extras=True)
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+              for f in fields(Options)]
+    version_hint = Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                                help="Print the version and exit.")]
+    params.append(inspect.Parameter("show_version", inspect.Parameter.KEYWORD_ONLY, default=False,
+                                    annotation=version_hint))
+
+    def command(**kwargs) -> None:
+        kwargs.pop("show_version", None)
+        raise typer.Exit(run(Options(**kwargs)))
+
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
+
+
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
-
-
-@app.command(help="Generate text from a Llama-family model. The prompt comes from --prompt, "
-                  "from --file or piped stdin, or both (prompt first, a blank line, then the rest).")
-def llama_chat(
-    model: Path | None = typer.Option(None, "--model", "-m", help="Model directory or weights file "
-                                      "(default: the small model shipped with the package)."),
-    prompt: str | None = typer.Option(None, "--prompt", "-p", help="The prompt."),
-    file: str | None = typer.Option(None, "--file", "-f", help="Read the prompt from this file ('-': stdin); "
-                                    "stdin is then not read otherwise."),
-    no_stdin: bool = typer.Option(False, "--no-stdin", help="Do not read stdin, even when it is a pipe."),
-    system: str | None = typer.Option(None, "--system", "-s", help="A system message (needs a chat template)."),
-    max_tokens: int | None = typer.Option(None, "--max-tokens", "-n", callback=_check_max_tokens,
-                                          help="Most tokens to generate, at least 1 (default: until a stop "
-                                               "token or the context is full)."),
-    ctx_size: int | None = typer.Option(None, "--ctx-size", "-c", callback=_check_ctx_size,
-                                        help="Context length in tokens, at most the model's; 0: the model's "
-                                             "full context (default: the model's, at most 4096)."),
-    temperature: float = typer.Option(0.8, "--temperature", "-t", callback=_check_temperature,
-                                      help="Sampling temperature, >= 0; 0 means greedy."),
-    top_p: float = typer.Option(0.95, "--top-p", callback=_check_top_p,
-                                help="Nucleus sampling mass, 0 < p <= 1."),
-    seed: int | None = typer.Option(None, "--seed", callback=_check_seed,
-                                    help="Sampling seed, 0 <= seed < 2**64 (default: random; always reported)."),
-    device: str = typer.Option("auto", "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: DType = typer.Option(DType.auto, "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 "
-                                "on cuda, float16 on mps."),
-    compile: bool | None = typer.Option(None, "--compile/--no-compile", help="Compile the decode step "
-                                        "(default: on CUDA for models over 50M parameters). The first run "
-                                        "compiles; later runs reuse the on-disk cache."),
-    template: Template = typer.Option(Template.auto, "--template", help="Chat format; auto: the model's "
-                                      "if it has one, else plain completion."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object at the end instead of text."),
-    stats: bool = typer.Option(False, "--stats", help="Timings, token counts and the seed on stderr."),
-    color: ColorMode = typer.Option(ColorMode.auto, "--color", help="Colour on a terminal (NO_COLOR is honoured)."),
-    debug: bool = typer.Option(False, "--debug", help="Show a traceback on failure."),
-    show_version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
-                                      help="Print the version and exit."),
-) -> None:
-    opts = Options(model=model, prompt=prompt, system=system, max_tokens=max_tokens, temperature=temperature,
-                   top_p=top_p, seed=seed, device=device, dtype=dtype.value, template=template.value,
-                   json=json_out, stats=stats, color=color.value, debug=debug, ctx_size=ctx_size, file=file,
-                   no_stdin=no_stdin, compile=compile)
-    raise typer.Exit(execute(opts))
+app.command(name="llama-chat",
+            help="Generate text from a Llama-family model, or chat with it. The prompt comes from --prompt, "
+                 "from --file or piped stdin, or both (prompt first, a blank line, then the rest). With no "
+                 "prompt on a terminal, or with --chat, an interactive chat starts (/help lists its "
+                 "commands).")(_command(lambda opts: execute(opts)))
 
 
 def resolve_color(mode: str) -> str:
@@ -194,6 +222,20 @@ def _error(err: Console, message: str) -> None:
     err.print(f"llama-chat: error: {one_line(message)}", markup=False, soft_wrap=True, highlight=False)
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (OSError, ValueError):
+        return False
+
+
+def wants_chat(opts: Options) -> bool:
+    """``--chat``, or no prompt at all with both stdin and stdout on a terminal."""
+    if opts.chat:
+        return True
+    return opts.prompt is None and opts.file is None and _is_terminal(sys.stdin) and _is_terminal(sys.stdout)
+
+
 def execute(opts: Options) -> int:
     color = resolve_color(opts.color)
     err = stderr_console(color)
@@ -201,6 +243,14 @@ def execute(opts: Options) -> int:
         # Input problems are found before torch is imported: a usage error should be instant.
         if sys.stdout is None:  # started with stdout closed (`>&-`)
             raise UsageProblem("standard output is closed: there is nowhere to write the answer")
+        if wants_chat(opts):
+            if opts.json:
+                raise UsageProblem("--json prints one answer; it cannot be used with the chat")
+            first = gather_first_message(opts.prompt, file=opts.file, read_stdin=not opts.no_stdin)
+            with deferred_signals():  # torch is imported here
+                from llama_chat.cmd.chat import run_chat
+
+            return run_chat(opts, first, color, err)
         text = gather_prompt(opts.prompt, file=opts.file, read_stdin=not opts.no_stdin)
         with deferred_signals():  # torch is imported here
             from llama_chat.cmd.run_command import run_command
@@ -216,7 +266,7 @@ def execute(opts: Options) -> int:
         _error(err, str(e))
         return exit_status.USAGE
     except Exception as e:  # noqa: BLE001 - the last line of defence: one line, or a traceback on request
-        from llama_chat.inference.errors import RequestError
+        from llama_chat.inference.types import RequestError
         from llama_chat.model.errors import ModelLoadError
 
         if opts.debug:

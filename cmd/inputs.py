@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import BinaryIO
 
@@ -48,7 +49,7 @@ def combine_prompt(prompt: str | None, stdin_text: str | None) -> str:
     if not text.strip():
         if prompt is None and stdin_text is None:
             raise UsageProblem("no prompt: pass --prompt TEXT, --file FILE or pipe text on stdin "
-                               "(interactive chat is not available yet)")
+                               "(or run on a terminal, or with --chat, to chat)")
         raise UsageProblem("the prompt is empty")
     return text
 
@@ -61,5 +62,33 @@ def gather_prompt(prompt: str | None, *, file: str | None = None, read_stdin: bo
     return combine_prompt(prompt, read_stdin_text(sys.stdin.buffer) if piped else None)
 
 
-__all__ = ["MAX_PROMPT_BYTES", "UsageProblem", "combine_prompt", "gather_prompt", "one_line", "read_prompt_file",
+def attach_terminal() -> None:
+    """Go on reading the terminal after stdin was a pipe (``... | llama-chat --chat``).
+
+    The terminal becomes file descriptor 0, so that ``input()`` edits lines with readline there.
+    """
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR)
+    except OSError:
+        raise UsageProblem("--chat with piped input needs a terminal to go on reading from (/dev/tty)") from None
+    os.dup2(fd, 0)
+    os.close(fd)
+    sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
+
+
+def gather_first_message(prompt: str | None, *, file: str | None = None, read_stdin: bool = True) -> str | None:
+    """The chat's first message, if any: ``--prompt``, ``--file`` or piped stdin, as for a prompt.
+
+    When stdin was a pipe, the terminal takes its place so that the chat goes on there.
+    """
+    piped = file is None and read_stdin and sys.stdin is not None and not sys.stdin.isatty()
+    if prompt is None and file is None and not piped:
+        return None
+    text = gather_prompt(prompt, file=file, read_stdin=read_stdin)
+    if piped or file == "-":
+        attach_terminal()
+    return text
+
+
+__all__ = ["gather_first_message", "MAX_PROMPT_BYTES", "UsageProblem", "combine_prompt", "gather_prompt", "one_line", "read_prompt_file",
            "read_stdin_text"]

@@ -40,6 +40,10 @@ def load(opts: Options, err: Console) -> LoadedModel:
                           max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress)
 
 
+def make_engine(loaded: LoadedModel, opts: Options) -> Engine:
+    return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile))
+
+
 def warm_up(engine: Engine, request: Request, err: Console, *, quiet: bool) -> None:
     """Compile and capture the decode step before the prompt is timed, saying so on a terminal."""
     if engine.compiles and not quiet and err.is_terminal:
@@ -72,19 +76,17 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     loaded = load(opts, err)
     ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
     seed = opts.seed if opts.seed is not None else secrets.randbelow(2**31)
+    # A chat reply is not a continuation of the prompt text: no leading word-start space.
     request = Request(ids, sampling=SamplingParams(temperature=opts.temperature, top_p=opts.top_p), seed=seed,
-                      max_tokens=opts.max_tokens)
-    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile))
+                      max_tokens=opts.max_tokens, stop=tuple(opts.stop), chat_reply=loaded.chat_format is not None)
+    engine = make_engine(loaded, opts)
     engine.check(request)  # a prompt longer than the context is bad input, found before any work
     warm_up(engine, request, err, quiet=opts.json)
 
     stdout_tty = sys.stdout.isatty()
     renderer = None if opts.json else make_renderer(stdout_tty, color, sys.stdout)
     try:
-        # A chat reply is not a continuation of the prompt text: no leading word-start space.
-        strip = loaded.chat_format is not None and getattr(loaded.tokenizer, "strips_leading_space", False)
-        outcome: Outcome = anyio.run(partial(run_one_shot, strip_leading_space=strip, output_fd=_fileno(sys.stdout)),
-                                     engine, request, renderer)
+        outcome: Outcome = anyio.run(partial(run_one_shot, output_fd=_fileno(sys.stdout)), engine, request, renderer)
     finally:
         install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
 

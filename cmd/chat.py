@@ -1,0 +1,453 @@
+"""The interactive chat: read a message, generate a reply through the one-shot path, remember both.
+
+::
+
+    run_chat
+    ├── ChatInput        readline line editing and history, multi-line input between \"\"\" lines
+    ├── Chat             the conversation (system message, turns), settings, /commands
+    │   └── reply        the dialog in the model's chat format -> Request(reuse_cache=True)
+    │                    -> run_one_shot (anyio.run per reply: watcher, producer, renderer)
+    └── overflow         the oldest turns are dropped until the next one fits in the context
+
+The engine keeps the KV cache of the previous turn, so a reply prefills only the tokens after the
+longest prefix the new dialog shares with what the cache holds: the new user message, not the
+whole conversation.
+
+Signals: at the prompt (outside the event loop) Ctrl+C raises ``KeyboardInterrupt``: on an empty
+line it ends the chat (exit 0), on a line with text it discards the text. During a reply the
+watcher of ``run_one_shot`` cancels the reply at the first Ctrl+C (the partial reply stays in the
+history, marked as interrupted) and exits at once with 130 at a second one. SIGTERM and SIGHUP end
+the chat with their usual statuses after the reply has been cut.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import sys
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+from rich.console import Console
+from rich.text import Text
+
+from llama_chat.cmd import exit_status
+from llama_chat.cmd.inputs import UsageProblem
+from llama_chat.cmd.one_shot import Outcome, run_one_shot
+from llama_chat.cmd.render import make_renderer
+from llama_chat.cmd.sanitize import one_line
+from llama_chat.cmd.signals import install_sync_handlers
+from llama_chat.inference.engine import Engine
+from llama_chat.inference.types import Completion, GenerationState, Request
+from llama_chat.ml.sampling import SamplingParams
+from llama_chat.model.chat_format import ChatFormat, Message
+
+if TYPE_CHECKING:
+    from llama_chat.cmd.app import Options
+
+PROMPT = ">>> "
+CONTINUATION = "... "
+FENCE = '"""'
+SAVE_FORMAT = "llama-chat-conversation/1"
+# Tokens kept free for a reply when the dialog is fitted into the context, at most this share of it.
+REPLY_ROOM = 256
+HISTORY_LENGTH = 1000
+
+HELP = """\
+Commands:
+  /help               this list
+  /exit               leave (also /bye, Ctrl+D, or Ctrl+C at an empty prompt)
+  /clear              forget the conversation (the system message stays)
+  /system [TEXT]      set the system message (no text: remove it)
+  /set [NAME=VALUE]   change a setting: temperature, top_p, seed, max_tokens, stop (no argument: show them)
+  /stats              token counts and timings of the last reply
+  /save FILE          write the conversation to FILE as JSON
+  /load FILE          read a conversation written by /save
+  /retry              generate the last reply again
+Input: \"\"\" on a line of its own starts and ends a message of several lines.
+Ctrl+C stops a reply (it stays in the conversation, marked as interrupted)."""
+
+
+# -- the conversation ------------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    role: str  # "user" | "assistant"
+    content: str
+    interrupted: bool = False  # an assistant reply stopped by Ctrl+C
+
+    def as_dict(self) -> dict:
+        d = {"role": self.role, "content": self.content}
+        if self.interrupted:
+            d["interrupted"] = True
+        return d
+
+
+@dataclass
+class Settings:
+    temperature: float
+    top_p: float
+    seed: int | None  # None: a new random seed for every reply
+    max_tokens: int | None
+    stop: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                "max_tokens": self.max_tokens, "stop": list(self.stop)}
+
+
+@dataclass
+class Chat:
+    """The conversation and its settings; ``dialog_ids`` fits it into the context."""
+
+    engine: Engine
+    chat_format: ChatFormat
+    settings: Settings
+    system: str | None = None
+    turns: list[Turn] = field(default_factory=list)
+    last: Completion | None = None
+    last_seed: int | None = None
+
+    def messages(self) -> list[Message]:
+        head = [Message("system", self.system)] if self.system else []
+        return head + [Message(t.role, t.content) for t in self.turns]
+
+    def reply_room(self) -> int:
+        ctx = self.engine.max_seq_len
+        return max(1, min(self.settings.max_tokens or REPLY_ROOM, ctx // 2))
+
+    def dialog_ids(self, say) -> list[int] | None:
+        """The dialog's ids ending where the reply begins, after dropping the oldest turns it
+        takes to leave room for a reply; None when the last message alone does not fit."""
+        ctx = self.engine.max_seq_len
+        dropped = 0
+        while True:
+            ids = self.chat_format.encode_dialog(self.messages(), add_generation_prompt=True)
+            if len(ids) + self.reply_room() <= ctx or len(self.turns) <= 1:
+                break
+            self.turns[:2] = []  # the oldest user message and its reply
+            dropped += 1
+        if dropped:
+            say(f"the conversation was longer than the context ({ctx} tokens): dropped the oldest "
+                f"{dropped} exchange{'s' if dropped > 1 else ''}")
+        if len(ids) >= ctx:
+            say(f"this message is {len(ids)} tokens with the system message, more than the context holds "
+                f"({ctx}); it was not sent")
+            self.turns.pop()
+            return None
+        return ids
+
+
+# -- input -----------------------------------------------------------------------------------------
+
+
+def history_path() -> Path:
+    """The input history: in the user's state directory (XDG), like a shell's."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "llama-chat" / "history"
+
+
+class ChatInput:
+    """Lines from the terminal with readline editing; history in a file unless ``--no-history``."""
+
+    def __init__(self, *, history: bool) -> None:
+        self.history_file = history_path() if history else None
+        try:
+            import readline
+        except ImportError:  # a Python without readline: plain input() still works
+            readline = None
+        self.readline = readline
+        if readline is not None:
+            readline.set_history_length(HISTORY_LENGTH)
+            if self.history_file is not None and self.history_file.exists():
+                try:
+                    readline.read_history_file(self.history_file)
+                except OSError:
+                    pass
+
+    def line(self, prompt: str) -> str:
+        """One line; ``EOFError`` on Ctrl+D, ``KeyboardInterrupt`` on Ctrl+C."""
+        return input(prompt)
+
+    def current_text(self) -> str:
+        return self.readline.get_line_buffer() if self.readline is not None else ""
+
+    def message(self) -> str:
+        """One message: a line, or the lines between two \"\"\" fences."""
+        first = self.line(PROMPT)
+        if not first.lstrip().startswith(FENCE):
+            self._save()
+            return first
+        rest = first.lstrip()[len(FENCE):]
+        if rest.rstrip().endswith(FENCE) and rest.strip():
+            self._save()
+            return rest.rstrip()[:-len(FENCE)]
+        lines = [rest] if rest else []
+        while True:
+            line = self.line(CONTINUATION)
+            if line.rstrip().endswith(FENCE):
+                lines.append(line.rstrip()[:-len(FENCE)])
+                break
+            lines.append(line)
+        self._save()
+        return "\n".join(lines).strip("\n")
+
+    def _save(self) -> None:
+        if self.readline is None or self.history_file is None:
+            return
+        try:
+            self.history_file.parent.mkdir(parents=True, exist_ok=True)
+            self.readline.write_history_file(self.history_file)
+        except OSError:
+            pass  # a read-only home: the chat goes on without a history file
+
+
+# -- the loop --------------------------------------------------------------------------------------
+
+
+class Leave(Exception):
+    def __init__(self, status: int = exit_status.OK) -> None:
+        self.status = status
+
+
+class ChatRunner:
+    def __init__(self, chat: Chat, opts: Options, color: str, err: Console, name: str) -> None:
+        self.chat = chat
+        self.opts = opts
+        self.color = color
+        self.err = err
+        self.name = name
+
+    # -- output
+
+    def say(self, message: str, style: str = "dim") -> None:
+        self.err.print(Text(one_line(message), style=style), highlight=False, soft_wrap=True)
+
+    def show(self, text: str) -> None:
+        """Text the user asked for (help, settings, stats) on stdout."""
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    # -- one reply
+
+    def reply(self) -> None:
+        chat = self.chat
+        ids = chat.dialog_ids(self.say)
+        if ids is None:
+            return
+        s = chat.settings
+        seed = s.seed if s.seed is not None else secrets.randbelow(2**31)
+        request = Request(ids, sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p), seed=seed,
+                          max_tokens=s.max_tokens, stop=s.stop, chat_reply=True, reuse_cache=True)
+        renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)
+        try:
+            outcome: Outcome = anyio.run(run_one_shot, chat.engine, request, renderer)
+        except Exception as e:  # noqa: BLE001 - a failed reply must not end the conversation
+            if self.opts.debug:
+                import traceback
+
+                traceback.print_exc()
+            chat.turns.pop()  # the user message stays unanswered: take it back
+            self.say(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", style="bold")
+            return
+        finally:
+            install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
+        done = outcome.completion
+        chat.last, chat.last_seed = done, seed
+        interrupted = outcome.signum is not None
+        chat.turns.append(Turn("assistant", done.text, interrupted=interrupted))
+        if outcome.signum is not None and outcome.signum != signal.SIGINT:
+            raise Leave(exit_status.for_signal(outcome.signum))
+        if interrupted:
+            self.say("(interrupted: the reply so far is kept)")
+        elif done.finish_reason not in (GenerationState.EOS, GenerationState.STOP_STRING):
+            self.say(f"finish: {done.finish_reason.value}")
+        if self.opts.stats:
+            self.say(self.stats_text())
+
+    def stats_text(self) -> str:
+        done = self.chat.last
+        if done is None:
+            return "no reply yet"
+        t = done.timings
+
+        def fmt(value: float | None, unit: str, digits: int = 1) -> str:
+            return "n/a" if value is None else f"{value:.{digits}f} {unit}"
+
+        used = done.prompt_tokens + done.completion_tokens
+        return (f"prompt: {done.prompt_tokens} tokens ({done.cached_tokens} from the cache, "
+                f"{done.prefilled_tokens} prefilled)  reply: {done.completion_tokens} tokens, "
+                f"{done.finish_reason.value}  ttft: {fmt(t.ttft_s, 's', 3)}  prefill: {fmt(t.prefill_tok_s, 'tok/s')}  "
+                f"decode: {fmt(t.decode_tok_s, 'tok/s')}  context: {used}/{self.chat.engine.max_seq_len}  "
+                f"seed: {self.chat.last_seed}")
+
+    # -- commands
+
+    def command(self, line: str) -> None:
+        name, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        chat = self.chat
+        if name in ("/exit", "/bye", "/quit"):
+            raise Leave()
+        if name in ("/help", "/?"):
+            self.show(HELP)
+        elif name == "/clear":
+            chat.turns.clear()
+            self.say("the conversation was cleared")
+        elif name == "/system":
+            chat.system = arg or None
+            self.say("system message set" if arg else "system message removed")
+        elif name == "/set":
+            self.set(arg)
+        elif name == "/stats":
+            self.show(self.stats_text())
+        elif name == "/save":
+            self.save(arg)
+        elif name == "/load":
+            self.load(arg)
+        elif name == "/retry":
+            if not chat.turns or chat.turns[-1].role != "assistant":
+                self.say("there is no reply to generate again")
+                return
+            chat.turns.pop()
+            self.reply()
+        else:
+            self.say(f"unknown command {name}; /help lists the commands")
+
+    def set(self, arg: str) -> None:
+        s = self.chat.settings
+        if not arg:
+            self.show("  ".join(f"{k}={v}" for k, v in s.as_dict().items()))
+            return
+        key, eq, value = arg.partition("=")
+        key, value = key.strip().replace("-", "_"), value.strip()
+        try:
+            if not eq:
+                raise ValueError("expected NAME=VALUE")
+            self.chat.settings = replace(s, **{key: parse_setting(key, value, s)})
+        except (ValueError, TypeError) as e:
+            self.say(f"/set {arg}: {e}")
+            return
+        self.say(f"{key} = {getattr(self.chat.settings, key)}")
+
+    def save(self, path: str) -> None:
+        if not path:
+            self.say("/save needs a file name")
+            return
+        chat = self.chat
+        data = {"format": SAVE_FORMAT, "model": self.name, "system": chat.system,
+                "settings": chat.settings.as_dict(), "messages": [t.as_dict() for t in chat.turns]}
+        try:
+            Path(path).expanduser().write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n",
+                                               encoding="utf-8")
+        except OSError as e:
+            self.say(f"/save {path}: {e.strerror or e}")
+            return
+        self.say(f"saved {len(chat.turns)} messages to {path}")
+
+    def load(self, path: str) -> None:
+        if not path:
+            self.say("/load needs a file name")
+            return
+        try:
+            data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+            system, turns = read_conversation(data)
+        except OSError as e:
+            self.say(f"/load {path}: {e.strerror or e}")
+            return
+        except (ValueError, TypeError, KeyError) as e:
+            self.say(f"/load {path}: not a saved conversation ({e})")
+            return
+        self.chat.system, self.chat.turns = system, turns
+        self.say(f"loaded {len(turns)} messages from {path}")
+
+
+def read_conversation(data) -> tuple[str | None, list[Turn]]:
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        raise ValueError("no list of messages")
+    system = data.get("system")
+    if system is not None and not isinstance(system, str):
+        raise ValueError("the system message is not text")
+    turns = []
+    for i, m in enumerate(data["messages"]):
+        role, content = m["role"], m["content"]
+        if role != ("user" if i % 2 == 0 else "assistant") or not isinstance(content, str):
+            raise ValueError(f"message {i} is not a {'user' if i % 2 == 0 else 'assistant'} message")
+        turns.append(Turn(role, content, bool(m.get("interrupted", False))))
+    if turns and turns[-1].role == "user":
+        turns.pop()  # an unanswered message: it is asked again by typing it
+    return system or None, turns
+
+
+def parse_setting(key: str, value: str, settings: Settings):
+    """A /set value, checked as the command line checks the option of the same name."""
+    from llama_chat.cmd import app
+
+    def check(fn, v):
+        try:
+            return fn(v)
+        except Exception as e:  # typer.BadParameter
+            raise ValueError(str(getattr(e, "message", e))) from None
+
+    none = value.lower() in ("", "none", "default")
+    if key == "temperature":
+        return check(app._check_temperature, float(value))
+    if key == "top_p":
+        return check(app._check_top_p, float(value))
+    if key == "seed":
+        return None if none else check(app._check_seed, int(value))
+    if key == "max_tokens":
+        return None if none else check(app._check_max_tokens, int(value))
+    if key == "stop":
+        return () if none else (*settings.stop, value)
+    raise ValueError(f"unknown setting {key!r} (temperature, top_p, seed, max_tokens, stop)")
+
+
+def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
+    """Load the model and chat until /exit, Ctrl+D or Ctrl+C at an empty prompt; the exit status."""
+    from llama_chat.cmd.run_command import load, make_engine
+
+    loaded = load(opts, err)
+    if loaded.chat_format is None:
+        raise UsageProblem(f"cannot chat with {loaded.name}: it has no chat format (a plain completion model); "
+                           f"choose one with --template llama2|llama3|hf, or pass a prompt with -p")
+    engine = make_engine(loaded, opts)
+    settings = Settings(opts.temperature, opts.top_p, opts.seed, opts.max_tokens, tuple(opts.stop))
+    chat = Chat(engine, loaded.chat_format, settings, system=opts.system)
+    runner = ChatRunner(chat, opts, color, err, loaded.name)
+    engine.warm_up(SamplingParams(temperature=settings.temperature, top_p=settings.top_p))
+    reader = ChatInput(history=not opts.no_history)
+    runner.say(f"chatting with {loaded.name} ({loaded.chat_format.name} format, {engine.max_seq_len} tokens of "
+               f"context); /help for commands, Ctrl+D to leave")
+    try:
+        if first is not None:
+            chat.turns.append(Turn("user", first))
+            runner.reply()
+        while True:
+            try:
+                text = reader.message()
+            except EOFError:  # Ctrl+D
+                sys.stdout.write("\n")
+                return exit_status.OK
+            except KeyboardInterrupt:  # Ctrl+C at the prompt
+                typed = reader.current_text()
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                if not typed:
+                    return exit_status.OK
+                continue
+            if not text.strip():
+                continue
+            if text.startswith("/") and not text.startswith("//"):
+                runner.command(text)
+                continue
+            chat.turns.append(Turn("user", text[1:] if text.startswith("//") else text))
+            runner.reply()
+    except Leave as leave:
+        return leave.status
