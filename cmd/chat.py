@@ -248,6 +248,10 @@ class ChatRunner:
         renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)
         try:
             outcome: Outcome = anyio.run(run_one_shot, chat.engine, request, renderer)
+        except KeyboardInterrupt:  # Ctrl+C just before the event loop took the signal over
+            chat.turns.append(Turn("assistant", "", interrupted=True))
+            self.say("(interrupted)")
+            return
         except Exception as e:  # noqa: BLE001 - a failed reply must not end the conversation
             if self.opts.debug:
                 import traceback
