@@ -30,6 +30,16 @@ async def wait_until(condition, timeout_s: float = WAIT_S) -> None:
             await anyio.sleep(0.001)
 
 
+def most_steps(received: int, buffer_size: int) -> int:
+    """The most steps the worker can have run once the consumer has received ``received`` events.
+
+    The producer then holds at most ``buffer_size`` more in the buffer and one more in ``send``;
+    behind the step whose event waits in ``send`` it has queued 1 + lookahead steps, which the
+    worker runs without waiting for anyone.
+    """
+    return received + buffer_size + 1 + (1 + DEFAULT_LOOKAHEAD)
+
+
 async def let_cancellation_land() -> None:
     """A few event-loop turns: tasks cancelled by a ``scope.cancel()`` just made handle it."""
     for _ in range(3):
@@ -197,9 +207,7 @@ def test_bounded_channel_holds_a_slow_consumer_back(model, tokenizer):
         async with engine.events(req) as events:
             async for event in events:
                 seen.append(event.index)
-                # Received k: at most `size` more wait in the buffer, one more in `send`, and the
-                # worker has computed at most the steps queued ahead of it.
-                most = len(seen) + size + 1 + DEFAULT_LOOKAHEAD
+                most = most_steps(len(seen), size)
                 assert events.statistics().current_buffer_used <= size
                 assert rec.calls <= most
                 # Left alone, the producer fills the buffer (however long a busy machine takes)...
@@ -325,5 +333,4 @@ def test_consumer_leaving_early_stops_the_producer(model, tokenizer):
                     break
 
     anyio.run(main)
-    # Four consumed, one in the buffer, one in `send`, and the steps the worker had queued ahead.
-    assert rec.calls <= 4 + 1 + 1 + DEFAULT_LOOKAHEAD and rec.in_flight == 0
+    assert rec.calls <= most_steps(4, 1) and rec.in_flight == 0
