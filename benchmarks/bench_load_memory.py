@@ -74,7 +74,7 @@ def _write_checkpoints(out: Path, gb: float, layouts: list[str], source_dtype: s
     from builders_formats import _SPLIT_DIM, hf_config, hf_state
 
     from llama_chat.model.args import ModelArgs
-    from llama_chat.model.checkpoint_common import expected_shapes
+    from llama_chat.model.formats.common import expected_shapes
 
     base = dict(dim=2048, n_heads=32, n_kv_heads=4, hidden_dim=5632, vocab_size=32000, max_seq_len=2048)
     per_layer = 4 * (2 * 2048 * 2048 + 2 * 2048 * 256 + 3 * 2048 * 5632)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.model.chat_format import ChatFormat, Message
-from llama_chat.model.tokenizer import Tokenizer
+from llama_chat.model.tokenizers.base import Tokenizer
 
 
 def prompt_ids(text: str, *, system: str | None, tokenizer: Tokenizer, chat_format: ChatFormat | None) -> list[int]:

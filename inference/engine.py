@@ -39,7 +39,7 @@ from llama_chat.inference.types import (Completion, EmptyPrompt, EngineBusy, Gen
                                         Request, Response, Tally, TokenEvent, sole_exception, state_after,
                                         stop_ids_of)
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, sample
-from llama_chat.model.tokenizer import Tokenizer
+from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
 
 # A few tokens of slack absorb a renderer's short stalls; more would only hide backpressure.

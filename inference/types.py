@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from llama_chat.ml.sampling import SamplingParams
-from llama_chat.model.tokenizer import Tokenizer
+from llama_chat.model.tokenizers.base import Tokenizer
 
 # -- states --------------------------------------------------------------------------------------
 

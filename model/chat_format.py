@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.json_files import read_json
-from llama_chat.model.tokenizer import Tokenizer
-from llama_chat.model.tokenizer_specials import split_on_specials, token_name
+from llama_chat.model.formats.json_files import read_json
+from llama_chat.model.tokenizers.base import Tokenizer
+from llama_chat.model.tokenizers.specials import split_on_specials, token_name
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from torch.overrides import TorchFunctionMode
 
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.chat_format import ChatFormat
-from llama_chat.model.checkpoint_common import Checkpoint, Weight, check_state, realize
+from llama_chat.model.formats.common import Checkpoint, Weight, check_state, realize
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.tokenizer import Tokenizer
+from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
 
 ProgressCallback = Callable[[int, int], None]
@@ -62,7 +62,7 @@ def detect_layout(path: Path | str) -> str:
     when it has ``config.json`` and safetensors or ``pytorch_model.bin`` weights, llama2.c's when
     it holds exactly one llama2.c ``.bin``. A file is judged by its name and first bytes.
     """
-    from llama_chat.model import checkpoint_hf, checkpoint_llama2c
+    from llama_chat.model.formats import hf as checkpoint_hf, llama2c as checkpoint_llama2c
 
     path = Path(path)
     if not path.exists():
@@ -127,14 +127,14 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
 
 def _read(layout: str, model_dir: Path, weights_file: Path | None, tokenizer_vocab: int) -> Checkpoint:
     if layout == META:
-        from llama_chat.model.checkpoint_meta import read_meta
+        from llama_chat.model.formats.meta import read_meta
 
         return read_meta(model_dir, tokenizer_vocab=tokenizer_vocab)
     if layout == HF:
-        from llama_chat.model.checkpoint_hf import read_hf
+        from llama_chat.model.formats.hf import read_hf
 
         return read_hf(model_dir)
-    from llama_chat.model.checkpoint_llama2c import read_llama2c
+    from llama_chat.model.formats.llama2c import read_llama2c
 
     assert weights_file is not None
     return read_llama2c(weights_file)
@@ -204,7 +204,7 @@ class _SkipRandomInit(TorchFunctionMode):
 
 
 def _load_tokenizer(model_dir: Path, tokenizer_file: Path | None) -> Tokenizer:
-    from llama_chat.model.tokenizer_loading import load_tokenizer
+    from llama_chat.model.tokenizers.loading import load_tokenizer
 
     return load_tokenizer(model_dir, tokenizer_file=tokenizer_file)
 
@@ -266,7 +266,7 @@ def _is_hf_file(path: Path) -> bool:
 
 
 def _llama2c_files(model_dir: Path) -> list[Path]:
-    from llama_chat.model.checkpoint_llama2c import sniff
+    from llama_chat.model.formats.llama2c import sniff
 
     return sorted(
         p for p in model_dir.glob("*.bin")

@@ -16,7 +16,7 @@ from llama_chat.model.chat_format import (
     chat_format_for,
 )
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.tokenizer_loading import load_tokenizer
+from llama_chat.model.tokenizers.loading import load_tokenizer
 
 SYSTEM = Message("system", "Be brief.")
 USER1 = Message("user", "Hi there!")

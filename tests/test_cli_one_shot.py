@@ -10,7 +10,7 @@ import torch
 
 from cli_support import ANSI, build_tiny_model, json_result, llama_chat_command, run_cli, cli_env
 from llama_chat.cmd.sanitize import displayable
-from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer
+from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
 PROMPT = "Once upon a time"
 

@@ -15,7 +15,7 @@ from llama_chat.inference.engine import DEFAULT_LOOKAHEAD, Engine, EngineOptions
 from llama_chat.inference.step_worker import THREAD_NAME as STEP_THREAD_NAME
 from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, TokenEvent, stop_ids_of
 from llama_chat.ml.sampling import SamplingParams, sample
-from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer
+from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
 WORKER_THREAD_NAMES = ("AnyIO worker thread", STEP_THREAD_NAME)

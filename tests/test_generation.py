@@ -13,7 +13,7 @@ from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.types import GenerationState, Request
 from llama_chat.ml.sampling import SamplingParams, sample
-from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer
+from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
 

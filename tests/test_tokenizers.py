@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 import tokenizer_builders as tb
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.tokenizer import Tokenizer
-from llama_chat.model.tokenizer_hf import HFTokenizer
-from llama_chat.model.tokenizer_llama2c import Llama2cTokenizer
-from llama_chat.model.tokenizer_loading import load_tokenizer
-from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer
-from llama_chat.model.tokenizer_tiktoken import (
+from llama_chat.model.tokenizers.base import Tokenizer
+from llama_chat.model.tokenizers.hf import HFTokenizer
+from llama_chat.model.tokenizers.llama2c import Llama2cTokenizer
+from llama_chat.model.tokenizers.loading import load_tokenizer
+from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
+from llama_chat.model.tokenizers.tiktoken import (
     LLAMA3_PATTERN,
     MAX_RUN_CHARS,
     TiktokenTokenizer,
@@ -169,7 +169,7 @@ def test_byte_level_table_is_gpt2s():
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    from llama_chat.model.tokenizer_hf import byte_level_decoder
+    from llama_chat.model.tokenizers.hf import byte_level_decoder
 
     assert byte_level_decoder() == {char: byte for byte, char in bytes_to_unicode().items()}
     assert set(byte_level_decoder()) == set(ByteLevel.alphabet())

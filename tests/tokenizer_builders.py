@@ -23,7 +23,7 @@ import regex
 import sentencepiece as spm
 
 from builders import train_sentencepiece
-from llama_chat.model.tokenizer_tiktoken import LLAMA3_PATTERN
+from llama_chat.model.tokenizers.tiktoken import LLAMA3_PATTERN
 
 CORPUS = [
     "Once upon a time there was a little fox who lived in the forest.",

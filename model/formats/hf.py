@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from llama_chat.model.args import ModelArgs
-from llama_chat.model.checkpoint_common import (
+from llama_chat.model.formats.common import (
     Checkpoint,
     Permuted,
     Weight,
@@ -17,7 +17,7 @@ from llama_chat.model.checkpoint_common import (
     torch_load,
     unreadable,
 )
-from llama_chat.model.json_files import read_json
+from llama_chat.model.formats.json_files import read_json
 from llama_chat.model.errors import ModelLoadError
 
 # Hugging Face name (after the "model." prefix) -> Meta name.

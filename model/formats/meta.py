@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from llama_chat.model.args import ModelArgs
-from llama_chat.model.checkpoint_common import (
+from llama_chat.model.formats.common import (
     Checkpoint,
     Concatenated,
     Weight,
@@ -18,7 +18,7 @@ from llama_chat.model.checkpoint_common import (
     torch_load,
 )
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.json_files import read_json
+from llama_chat.model.formats.json_files import read_json
 
 _SHARD = re.compile(r"consolidated\.(\d+)\.pth")
 

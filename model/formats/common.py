@@ -24,7 +24,7 @@ import torch
 
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.json_files import first_sentence
+from llama_chat.model.formats.json_files import first_sentence
 
 
 class Deferred:

@@ -25,7 +25,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.tokenizer_table import ByteTableTokenizer
+from llama_chat.model.tokenizers.table import ByteTableTokenizer
 
 # End-of-turn markers of chat fine-tunes that kept a SentencePiece vocabulary; whichever exist
 # as pieces stop generation along with ``</s>``.
@@ -176,7 +176,7 @@ class SentencePieceTokenizer(ByteTableTokenizer):
         Each stretch of text between special tokens is encoded on its own, so it gets its own
         dummy prefix, as Meta's Llama 2 code and the Hugging Face "legacy" tokenizer do.
         """
-        from llama_chat.model.tokenizer_specials import split_on_specials
+        from llama_chat.model.tokenizers.specials import split_on_specials
 
         ids: list[int] = []
         for chunk, special_id in split_on_specials(text, self._specials):

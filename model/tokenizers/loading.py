@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.json_files import read_json
-from llama_chat.model.tokenizer import Tokenizer
+from llama_chat.model.formats.json_files import read_json
+from llama_chat.model.tokenizers.base import Tokenizer
 
 LOOKED_FOR = ("tokenizer.json", "tokenizer.model", "tokenizer.bin")
 
@@ -46,16 +46,16 @@ def load_tokenizer(model_dir: Path, *, tokenizer_file: Path | None = None) -> To
 
 def _load_file(path: Path, extra_stops: list[int]) -> Tokenizer:
     if path.suffix == ".json":
-        from llama_chat.model.tokenizer_hf import HFTokenizer
+        from llama_chat.model.tokenizers.hf import HFTokenizer
 
         return HFTokenizer(path, extra_stop_ids=extra_stops)
     head = _head(path)
     if path.suffix == ".bin":
-        from llama_chat.model.tokenizer_llama2c import Llama2cTokenizer
+        from llama_chat.model.tokenizers.llama2c import Llama2cTokenizer
 
         return Llama2cTokenizer(path)
-    from llama_chat.model.tokenizer_sentencepiece import SentencePieceTokenizer, looks_like_sentencepiece
-    from llama_chat.model.tokenizer_tiktoken import TiktokenTokenizer, looks_like_tiktoken
+    from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer, looks_like_sentencepiece
+    from llama_chat.model.tokenizers.tiktoken import TiktokenTokenizer, looks_like_tiktoken
 
     if looks_like_sentencepiece(head):
         return SentencePieceTokenizer(path, extra_stop_ids=extra_stops)

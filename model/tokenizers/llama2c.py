@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.tokenizer_table import ByteTableTokenizer
+from llama_chat.model.tokenizers.table import ByteTableTokenizer
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3  # id of <0x00>
@@ -159,7 +159,7 @@ class Llama2cTokenizer(ByteTableTokenizer):
         return True
 
     def encode_allowing_special(self, text: str) -> list[int]:
-        from llama_chat.model.tokenizer_specials import split_on_specials
+        from llama_chat.model.tokenizers.specials import split_on_specials
 
         ids: list[int] = []
         for chunk, special_id in split_on_specials(text, self._specials):

@@ -23,10 +23,10 @@ from typing import Any
 from tokenizers import Tokenizer as RawTokenizer
 
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.json_files import read_json
-from llama_chat.model.tokenizer_sentencepiece import END_OF_TURN_PIECES
-from llama_chat.model.tokenizer_specials import token_name
-from llama_chat.model.tokenizer_table import ByteTableTokenizer
+from llama_chat.model.formats.json_files import read_json
+from llama_chat.model.tokenizers.sentencepiece import END_OF_TURN_PIECES
+from llama_chat.model.tokenizers.specials import token_name
+from llama_chat.model.tokenizers.table import ByteTableTokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")

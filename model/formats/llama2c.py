@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from llama_chat.model.args import ModelArgs
-from llama_chat.model.checkpoint_common import Checkpoint, parameter_count
+from llama_chat.model.formats.common import Checkpoint, parameter_count
 from llama_chat.model.errors import ModelLoadError
 
 MAGIC = 0x616B3432

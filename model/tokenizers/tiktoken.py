@@ -17,8 +17,8 @@ from pathlib import Path
 import tiktoken
 
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.tokenizer_specials import split_on_specials
-from llama_chat.model.tokenizer_table import ByteTableTokenizer
+from llama_chat.model.tokenizers.specials import split_on_specials
+from llama_chat.model.tokenizers.table import ByteTableTokenizer
 
 # Llama 3's pre-tokenizer split (letters, 1-3 digit groups, punctuation runs, newlines, spaces).
 LLAMA3_PATTERN = (
