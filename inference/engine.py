@@ -36,8 +36,8 @@ from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.model_step import Decode, ModelStep, Sampler, StepOptions
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (Completion, EmptyPrompt, EngineBusy, GenerationState, PromptTooLong,
-                                        Request, Response, Tally, TokenEvent, sole_exception, state_after,
-                                        stop_ids_of)
+                                        Request, RequestError, Response, Tally, TokenEvent, sole_exception,
+                                        state_after, stop_ids_of)
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, sample
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
@@ -106,7 +106,8 @@ class Engine:
 
     def warm_up(self, sampling: SamplingParams) -> None:
         """Compile and capture the decode step for ``sampling`` now (blocking; in any thread)."""
-        if self.step.static is not None:
+        # Controls beyond temperature and top-p take the eager step: nothing to compile for them.
+        if self.step.static is not None and sampling.plain:
             with torch.inference_mode():
                 self.step.static.prepare(SamplingMode.of(sampling))
 
@@ -116,6 +117,10 @@ class Engine:
             raise EmptyPrompt()
         if len(request.prompt_ids) >= self.max_seq_len:
             raise PromptTooLong(len(request.prompt_ids), self.max_seq_len)
+        vocab = self.step.sample_ids or self.step.vocab_size
+        for token, _ in request.sampling.logit_bias:
+            if token >= vocab:
+                raise RequestError(f"--logit-bias: token id {token} is outside the vocabulary (0 to {vocab - 1})")
 
     def token_bytes(self, token_id: int) -> bytes:
         # Stop tokens are never printed, whatever bytes a tokenizer gives them.
@@ -344,15 +349,16 @@ class _DecodeRun:
         engine = self.engine
         if self.decode is None:
             self.decode = engine.step.decode(self.rows[0], self.pos, self.request.sampling, self.request.seed,
-                                             engine._sampler)
+                                             engine._sampler, prompt=self.request.prompt_ids,
+                                             stop_ids=engine.stop_ids)
         token = self.decode.next_token()
         # Each call fed the tokens not yet fed: the prompt's tail first, then the token before.
         self.fed = len(self.request.prompt_ids) + len(self.tokens)
         self.tokens.append(token)
+        elapsed = time.perf_counter() - self.start
         state = state_after(token, index=self.index, request=self.request, stop_ids=engine.stop_ids,
-                            max_seq_len=engine.step.max_seq_len)
-        event = TokenEvent(self.request.request_id, self.index, token, engine.token_bytes(token), state,
-                           time.perf_counter() - self.start)
+                            max_seq_len=engine.step.max_seq_len, elapsed_s=elapsed)
+        event = TokenEvent(self.request.request_id, self.index, token, engine.token_bytes(token), state, elapsed)
         self.finished = state.finished
         self.index += 1
         return event

@@ -7,12 +7,14 @@ plain Python values; the tensors they build never leave the model step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from llama_chat.inference.decode_step import StaticStep, StaticStepOptions
+from llama_chat.ml.processors import Sampler as Controls
+from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import SamplingParams, draw_uniforms, sample
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
@@ -95,15 +97,24 @@ class ModelStep:
             return self.model(tokens, positions, self.cache, last_only=True)[:, -1, :]
 
     def decode(self, tail: Sequence[int], start: int, params: SamplingParams, seed: int,
-               sampler: Sampler = sample) -> Decode:
+               sampler: Sampler = sample, *, prompt: Sequence[int] = (), stop_ids: Iterable[int] = ()) -> Decode:
         """A request's decode loop, from the last prompt chunk ``tail`` that begins at ``start``.
 
-        Call in the worker thread; the returned object's ``next_token`` too.
+        ``prompt``: the whole prompt (``tail`` is its end), the history that penalties and n-gram
+        bans read; ``stop_ids``: what ``min_new_tokens`` holds back. Call in the worker thread;
+        the returned object's ``next_token`` too.
         """
         uniforms = draw_uniforms(self.max_seq_len, seed, self.device)
-        if self.static is not None and sampler is sample:
+        # The compiled step samples in-graph with temperature and top-p only; the other controls
+        # read the token history on the host, so they take the eager step.
+        if self.static is not None and sampler is sample and params.plain:
             return StaticDecode(self, self.static, list(tail), start, params, uniforms)
-        return EagerDecode(self, list(tail), start, params, uniforms, sampler)
+        history = None
+        controls = None if params.plain else make_sampler(params, eos_ids=stop_ids)
+        if controls is not None:
+            history = TokenHistory([list(prompt) or list(tail)], vocab_size=self.sample_ids or self.vocab_size,
+                                   device=self.device, window=params.repeat_last_n)
+        return EagerDecode(self, list(tail), start, params, uniforms, sampler, controls, history)
 
 
 class Decode:
@@ -117,16 +128,24 @@ class EagerDecode(Decode):
     """A forward over the tokens not yet fed, then the sampler, each step."""
 
     def __init__(self, step: ModelStep, tail: list[int], start: int, params: SamplingParams,
-                 uniforms: torch.Tensor, sampler: Sampler) -> None:
+                 uniforms: torch.Tensor, sampler: Sampler, controls: Controls | None = None,
+                 history: TokenHistory | None = None) -> None:
         self.step, self.rows, self.pos = step, [tail], start
         self.params, self.uniforms, self.sampler = params, uniforms, sampler
+        self.controls, self.history = controls, history
 
     def next_token(self) -> int:
         with torch.inference_mode():
             fed = len(self.rows[0])
             logits = self.step.forward(self.rows, [self.pos])[:, :self.step.sample_ids]
             last = self.pos + fed - 1  # the token after position p is drawn with uniform p
-            token = int(self.sampler(logits, self.params, self.uniforms[last:last + 1])[0])
+            params = self.params
+            if self.controls is not None:
+                # The processors and any warper but temperature and top-p; then the draw.
+                logits, params = self.controls.prepare(self.history, logits)
+            token = int(self.sampler(logits, params, self.uniforms[last:last + 1])[0])
+            if self.history is not None:
+                self.history.append([token])
         self.pos += fed
         self.rows = [[token]]
         return token

@@ -11,7 +11,7 @@ import enum
 import uuid
 from dataclasses import dataclass, field
 
-from llama_chat.ml.sampling import SamplingParams
+from llama_chat.ml.controls import BeamParams, SamplingParams, check
 from llama_chat.model.tokenizers.base import Tokenizer
 
 # -- states --------------------------------------------------------------------------------------
@@ -25,6 +25,7 @@ class GenerationState(str, enum.Enum):
     MAX_TOKENS = "max_tokens"  # the request's token budget is spent
     CONTEXT_FULL = "context_full"  # the next token would not fit in max_seq_len
     STOP_STRING = "stop_string"  # one of the request's stop strings appeared in the text
+    MAX_TIME = "max_time"  # the request's time budget (max_time, from its start) is spent
     CANCELLED = "cancelled"  # Ctrl+C, SIGTERM, or the reader went away
     ERROR = "error"  # the forward or the sampler raised
 
@@ -56,6 +57,9 @@ class Request:
     first word is dropped. ``reuse_cache``: keep the KV cache's entries for the longest prefix this
     prompt shares with what the cache holds, and prefill only the rest (a chat's next turn). It is
     off by default so that a benchmark repeating one prompt measures a whole prefill each time.
+    ``max_time``: seconds from the request's start (prefill included, as transformers'
+    ``MaxTimeCriteria``) after which no further token is generated; at least one always is.
+    ``beams``: beam search settings (``num_beams`` 1: none); a beam request is not streamed.
     """
 
     prompt_ids: tuple[int, ...]
@@ -66,12 +70,16 @@ class Request:
     stop: tuple[str, ...] = ()
     chat_reply: bool = False
     reuse_cache: bool = False
+    max_time: float | None = None
+    beams: BeamParams = BeamParams()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_time is not None:
+            check("max_time", self.max_time)
 
 
 # -- what the producer sends, and what the consumer gets ------------------------------------------
@@ -216,13 +224,14 @@ def stop_ids_of(tokenizer: Tokenizer) -> frozenset[int]:
 
 
 def state_after(token_id: int, *, index: int, request: Request, stop_ids: frozenset[int],
-                max_seq_len: int) -> GenerationState:
+                max_seq_len: int, elapsed_s: float | None = None) -> GenerationState:
     """The state after generated token ``index`` (0-based) of ``request`` was sampled.
 
     The token sits at position ``len(prompt) + index``; when that is the last position of the
     context there is no room to feed it back, so the context is full. A stop token wins over the
-    budget, and the budget over the context, so the reason shown is the most specific one. (Stop
-    strings are matched on the text, after this: ``decoding.TextMaker``.)
+    budget, and the budget over the context, and the context over the clock, so the reason
+    shown is the most specific one. ``elapsed_s``: seconds since the request started, for
+    ``max_time``. (Stop strings are matched on the text, after this: ``decoding.TextMaker``.)
     """
     if token_id in stop_ids:
         return GenerationState.EOS
@@ -230,6 +239,8 @@ def state_after(token_id: int, *, index: int, request: Request, stop_ids: frozen
         return GenerationState.MAX_TOKENS
     if len(request.prompt_ids) + index + 1 >= max_seq_len:
         return GenerationState.CONTEXT_FULL
+    if request.max_time is not None and elapsed_s is not None and elapsed_s >= request.max_time:
+        return GenerationState.MAX_TIME
     return GenerationState.IN_PROGRESS
 
 

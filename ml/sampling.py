@@ -1,40 +1,22 @@
 """Next-token sampling for a batch of rows: temperature, nucleus (top-p), seeded draw.
 
-``sample`` is a short pipeline: scale, filter, draw. Later controls (top-k, min-p, repetition
-penalties) slot in as extra fields on ``SamplingParams`` and extra steps before the draw, without
-changing its signature. Every step works on a whole ``(batch, vocab)`` tensor at once; one set of
-parameters applies to every row for now (per-row settings arrive with batched serving).
+``sample`` is a short pipeline: scale, filter, draw. The other controls of ``SamplingParams``
+(top-k, min-p, typical-p, penalties, n-grams, logit bias) are Hugging Face's logits processors in
+``ml/processors.py``; they run before ``sample``, which then only draws. Every step works on a
+whole ``(batch, vocab)`` tensor at once.
 """
 
 from __future__ import annotations
 
 import enum
-import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+# The settings live in a module without torch, so the command line can check them instantly.
+from llama_chat.ml.controls import SamplingParams
+
 __all__ = ["SamplingMode", "SamplingParams", "apply_top_p", "draw_uniforms", "sample", "sample_in_graph"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick the next token. ``temperature == 0`` means greedy (argmax)."""
-
-    temperature: float = 0.8
-    top_p: float = 0.95
-
-    def __post_init__(self) -> None:
-        # Validated once here, not per token: a bad value should fail before generation starts.
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 # Candidate pool sizes tried before sorting the whole vocabulary. A full sort of 128k logits costs

@@ -1,0 +1,194 @@
+"""The generation controls and their allowed ranges, in one place and without torch.
+
+Each control is named as in Hugging Face's ``GenerationConfig`` (``top_k``, ``min_p``,
+``repetition_penalty`` ...), except where transformers has none and llama.cpp or OpenAI do
+(``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``). The command line
+checks its options against the same table before torch is imported, so that a bad value is an
+instant usage error, and ``SamplingParams`` checks it again for callers that build one directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Union
+
+EarlyStopping = Union[bool, str]  # True, False or "never", as in transformers
+
+
+class ControlError(ValueError):
+    """A control outside its range. ``str()`` is one line naming the control; ``reason`` omits the name."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name} {reason}")
+        self.name = name
+        self.reason = reason
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Rule:
+    test: Callable[[object], bool]
+    allowed: str  # what the error says is allowed, e.g. "in 0 < p <= 1"
+
+
+RULES: dict[str, Rule] = {
+    "temperature": Rule(lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "top_p": Rule(lambda v: _finite(v) and 0 < v <= 1, "in 0 < p <= 1"),
+    "top_k": Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: off)"),
+    "min_p": Rule(lambda v: _finite(v) and 0 <= v <= 1, "in 0 <= p <= 1 (0: off)"),
+    "typical_p": Rule(lambda v: _finite(v) and 0 < v <= 1, "in 0 < p <= 1 (1: off)"),
+    "repetition_penalty": Rule(lambda v: _finite(v) and v > 0, "a finite number > 0 (1: off)"),
+    "repeat_last_n": Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: every token so far)"),
+    "presence_penalty": Rule(lambda v: _finite(v) and -2 <= v <= 2, "in -2 <= x <= 2 (0: off)"),
+    "frequency_penalty": Rule(lambda v: _finite(v) and -2 <= v <= 2, "in -2 <= x <= 2 (0: off)"),
+    "no_repeat_ngram_size": Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: off)"),
+    "min_new_tokens": Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+    "num_beams": Rule(lambda v: _integer(v) and 1 <= v <= 64, "an integer in 1 <= n <= 64 (1: no beam search)"),
+    "length_penalty": Rule(lambda v: _finite(v) and -10 <= v <= 10, "in -10 <= x <= 10"),
+    "num_return": Rule(lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    "max_time": Rule(lambda v: _finite(v) and v > 0, "a number of seconds > 0"),
+}
+
+
+def check(name: str, value):
+    """``value`` if control ``name`` allows it, else ``ControlError`` ("must be ..., got ...")."""
+    rule = RULES[name]
+    if not rule.test(value):
+        raise ControlError(name, f"must be {rule.allowed}, got {value}")
+    return value
+
+
+def parse_logit_bias(text: str) -> tuple[int, float]:
+    """``"ID=BIAS"`` (llama.cpp's ``--logit-bias`` form, also ``ID+BIAS`` / ``ID-BIAS``) -> (id, bias).
+
+    A bias of ``-inf`` bans the token. Raises ``ControlError`` with the reason in one line.
+    """
+    s = text.strip()
+    for sep in ("=", "+", "-"):
+        head, found, tail = s.partition(sep) if sep != "-" else s.rpartition(sep)
+        if found and head.strip():
+            break
+    else:
+        raise ControlError("logit_bias", f"must be ID=BIAS (for example 15043=-inf), got {text!r}")
+    try:
+        token = int(head.strip())
+        bias = float(tail.strip())
+    except ValueError:
+        raise ControlError("logit_bias", f"must be ID=BIAS (for example 15043=-inf), got {text!r}") from None
+    if sep == "-":
+        bias = -bias
+    if token < 0:
+        raise ControlError("logit_bias", f"token id must be >= 0, got {token}")
+    if math.isnan(bias) or bias == math.inf:
+        raise ControlError("logit_bias", f"bias must be a finite number or -inf, got {bias}")
+    return token, bias
+
+
+def check_early_stopping(value) -> EarlyStopping:
+    """``True``, ``False`` or ``"never"`` (also as the strings true/false/yes/no/1/0)."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in ("true", "yes", "1", "on"):
+        return True
+    if word in ("false", "no", "0", "off"):
+        return False
+    if word == "never":
+        return "never"
+    raise ControlError("early_stopping", f"must be true, false or never, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token: Hugging Face's logits processors and warpers, and the draw.
+
+    ``temperature == 0`` means greedy (argmax after the processors). Neutral values switch a
+    control off: ``top_k=0``, ``min_p=0``, ``typical_p=1``, ``repetition_penalty=1``, penalties 0,
+    ``no_repeat_ngram_size=0``, no ``logit_bias``, ``min_new_tokens=0``. ``repeat_last_n``
+    limits the repetition, presence and frequency penalties to the last N tokens (0: the whole
+    prompt and reply, as transformers does). ``logit_bias`` is ``((token_id, bias), ...)``.
+    """
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    repeat_last_n: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    min_new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # Validated once here, not per token: a bad value should fail before generation starts.
+        for f in fields(self):
+            if f.name in RULES:
+                check(f.name, getattr(self, f.name))
+        bias = []
+        for item in self.logit_bias:
+            token, value = item if not isinstance(item, str) else parse_logit_bias(item)
+            if not _integer(token) or token < 0 or math.isnan(value) or value == math.inf:
+                raise ControlError("logit_bias", f"must be (token id >= 0, finite bias or -inf), got {item!r}")
+            bias.append((int(token), float(value)))
+        object.__setattr__(self, "logit_bias", tuple(bias))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether a control reads the tokens so far (penalties, n-grams, the new-token count)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.no_repeat_ngram_size > 0 or self.min_new_tokens > 0)
+
+    @property
+    def simple_warpers(self) -> bool:
+        """No warper but temperature and top-p (``sampling.sample`` applies those itself)."""
+        return self.greedy or (self.top_k == 0 and self.min_p == 0.0 and self.typical_p == 1.0)
+
+    @property
+    def plain(self) -> bool:
+        """Only temperature and top-p: what ``sampling.sample`` and the compiled step do alone."""
+        return self.simple_warpers and not self.uses_history and not self.logit_bias
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    """Beam search as in transformers: ``num_beams`` hypotheses, scored by the sum of their
+    log-probabilities over ``length ** length_penalty``; ``early_stopping`` True stops when
+    ``num_beams`` hypotheses have finished, False when no running beam can beat them by a
+    heuristic, "never" when none can in the best case; ``num_return`` best ones are returned."""
+
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = False
+    num_return: int = 1
+
+    def __post_init__(self) -> None:
+        check("num_beams", self.num_beams)
+        check("length_penalty", self.length_penalty)
+        check("num_return", self.num_return)
+        object.__setattr__(self, "early_stopping", check_early_stopping(self.early_stopping))
+        if self.num_return > self.num_beams:
+            raise ControlError("num_return", f"must be at most num_beams ({self.num_beams}), got {self.num_return}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_beams > 1
+
+
+__all__ = ["BeamParams", "ControlError", "EarlyStopping", "RULES", "SamplingParams", "check",
+           "check_early_stopping", "parse_logit_bias"]

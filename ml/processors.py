@@ -1,0 +1,400 @@
+"""Hugging Face's logits processors and warpers, batched: one row per sequence.
+
+A processor is a callable ``(history, logits) -> logits``: ``history`` is a ``TokenHistory``
+(each row's token ids so far, prompt included, plus what the penalties derive from them), and
+``logits`` is ``(rows, vocab)`` float. Processors may write into ``logits``; ``Sampler`` hands them
+its own copy. The order is transformers' (``GenerationMixin._get_logits_processor``): logit bias,
+repetition penalty (then presence and frequency penalties, which transformers lacks), no-repeat
+n-gram, minimum new tokens; then, when sampling, the warpers: temperature, top-k, top-p, min-p,
+typical-p.
+
+``make_sampler(params, eos_ids=...)`` checks nothing more (``SamplingParams`` validated itself)
+and returns a ``Sampler``: call it with the history, the logits and one uniform per row to get one
+token id per row. The batching scheduler keeps one ``TokenHistory`` for its running rows, calls
+``history.append`` with each step's tokens and ``history.reorder`` when rows leave or are copied.
+
+What penalties read is kept up to date one token at a time (a count per vocabulary entry, an
+index of n-grams), so a step costs the same at token 10 as at token 4,000: transformers rebuilds
+both from the whole sequence at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from llama_chat.ml.controls import SamplingParams
+from llama_chat.ml.sampling import apply_top_p, sample
+
+__all__ = ["FrequencyPresencePenalty", "LogitBias", "LogitsProcessor", "MinNewTokens", "MinP", "NoRepeatNGram",
+           "RepetitionPenalty", "Sampler", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP",
+           "make_logits_processors", "make_sampler", "make_warpers"]
+
+NEG_INF = float("-inf")
+
+
+class TokenHistory:
+    """Each row's token ids so far (prompt, then generated), and what penalties derive from them.
+
+    ``window`` (``repeat_last_n``): the counts cover each row's last ``window`` tokens only
+    (0: all of them). Counts and n-gram indexes are built on first use and then updated by
+    ``append``; ids at or above ``vocab_size`` (none a tokenizer makes) are not counted.
+    """
+
+    def __init__(self, rows: Sequence[Sequence[int]], *, vocab_size: int, device: torch.device | str = "cpu",
+                 window: int = 0, prompt_lengths: Sequence[int] | None = None) -> None:
+        self.tokens: list[list[int]] = [[int(t) for t in row] for row in rows]
+        self.prompt_lengths = list(prompt_lengths) if prompt_lengths is not None else [len(r) for r in self.tokens]
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.window = window
+        self._counts: torch.Tensor | None = None
+        self._ngrams: dict[int, list[dict[tuple[int, ...], set[int]]]] = {}
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens)
+
+    def new_tokens(self, row: int) -> int:
+        """How many tokens row ``row`` has generated."""
+        return len(self.tokens[row]) - self.prompt_lengths[row]
+
+    # -- derived state -----------------------------------------------------------------------------
+
+    def counts(self) -> torch.Tensor:
+        """``(rows, vocab)`` float32: how often each id occurs in each row's window."""
+        if self._counts is None:
+            counts = torch.zeros((self.rows, self.vocab_size), dtype=torch.float32, device=self.device)
+            for r, row in enumerate(self.tokens):
+                ids = [t for t in (row[-self.window:] if self.window else row) if t < self.vocab_size]
+                if ids:
+                    index = torch.tensor(ids, dtype=torch.long, device=self.device)
+                    counts[r].index_add_(0, index, torch.ones(len(ids), device=self.device))
+            self._counts = counts
+        return self._counts
+
+    def banned(self, n: int) -> list[Sequence[int]]:
+        """For each row, the ids that would complete an ``n``-gram the row already holds."""
+        index = self._ngrams.get(n)
+        if index is None:
+            index = self._ngrams[n] = [_ngram_index(row, n) for row in self.tokens]
+        out: list[Sequence[int]] = []
+        for row, seen in zip(self.tokens, index):
+            if len(row) + 1 < n:  # not even the first n-gram could be completed
+                out.append(())
+            else:
+                out.append(tuple(seen.get(tuple(row[len(row) - n + 1:]), ())))
+        return out
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    def append(self, new: Sequence[int] | torch.Tensor) -> None:
+        """Add one token to every row (``new[r]`` to row ``r``)."""
+        new = [int(t) for t in (new.tolist() if isinstance(new, torch.Tensor) else new)]
+        if len(new) != self.rows:
+            raise ValueError(f"append needs one token per row ({self.rows}), got {len(new)}")
+        for row, token in zip(self.tokens, new):
+            row.append(token)
+        if self._counts is not None:
+            rows, ids, deltas = [], [], []
+            for r, row in enumerate(self.tokens):
+                if row[-1] < self.vocab_size:
+                    rows.append(r), ids.append(row[-1]), deltas.append(1.0)
+                # The token that slid out of the window no longer counts.
+                if self.window and len(row) > self.window and row[-self.window - 1] < self.vocab_size:
+                    rows.append(r), ids.append(row[-self.window - 1]), deltas.append(-1.0)
+            if rows:
+                self._counts.index_put_((torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)),
+                                        torch.tensor(deltas, device=self.device), accumulate=True)
+        for n, index in self._ngrams.items():
+            for row, seen in zip(self.tokens, index):
+                if len(row) >= n:
+                    seen.setdefault(tuple(row[len(row) - n:-1]), set()).add(row[-1])
+
+    def reorder(self, sources: Sequence[int]) -> None:
+        """Row ``i`` becomes a copy of what row ``sources[i]`` was: beams that survive and fork,
+        or a batch whose finished rows leave (``sources`` may repeat or omit rows)."""
+        sources = [int(s) for s in sources]
+        self.tokens = [list(self.tokens[s]) for s in sources]
+        self.prompt_lengths = [self.prompt_lengths[s] for s in sources]
+        if self._counts is not None:
+            self._counts = self._counts[torch.tensor(sources, dtype=torch.long, device=self.device)]
+        for n, index in self._ngrams.items():
+            self._ngrams[n] = [{k: set(v) for k, v in index[s].items()} for s in sources]
+
+    def add_rows(self, rows: Sequence[Sequence[int]]) -> None:
+        """New sequences (their prompts) join below the existing rows."""
+        first = self.rows
+        self.tokens.extend([int(t) for t in row] for row in rows)
+        self.prompt_lengths.extend(len(row) for row in rows)
+        if self._counts is not None:
+            extra = TokenHistory(self.tokens[first:], vocab_size=self.vocab_size, device=self.device,
+                                 window=self.window)
+            self._counts = torch.cat([self._counts, extra.counts()])
+        for n, index in self._ngrams.items():
+            index.extend(_ngram_index(row, n) for row in self.tokens[first:])
+
+
+def _ngram_index(row: Sequence[int], n: int) -> dict[tuple[int, ...], set[int]]:
+    """Every (n-1)-token prefix in ``row`` with the ids that followed it."""
+    seen: dict[tuple[int, ...], set[int]] = {}
+    for i in range(len(row) - n + 1):
+        seen.setdefault(tuple(row[i:i + n - 1]), set()).add(row[i + n - 1])
+    return seen
+
+
+LogitsProcessor = Callable[[TokenHistory, torch.Tensor], torch.Tensor]
+
+
+# -- processors: they read the history ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """Adds a fixed bias to chosen ids (transformers' ``sequence_bias`` with one-token sequences;
+    OpenAI's and llama.cpp's ``logit_bias``). ``-inf`` bans a token."""
+
+    bias: tuple[tuple[int, float], ...]
+
+    def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor([i for i, _ in self.bias], dtype=torch.long, device=logits.device)
+        values = torch.tensor([b for _, b in self.bias], dtype=logits.dtype, device=logits.device)
+        dense = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device).index_add_(0, ids, values)
+        return logits.add_(dense)
+
+
+@dataclass(frozen=True)
+class RepetitionPenalty:
+    """transformers' ``repetition_penalty`` (CTRL paper): the logit of every id in the window is
+    divided by ``penalty`` when positive and multiplied by it when negative."""
+
+    penalty: float
+
+    def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
+        penalised = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
+        return torch.where(history.counts() > 0, penalised, logits)
+
+
+@dataclass(frozen=True)
+class FrequencyPresencePenalty:
+    """OpenAI's and llama.cpp's penalties: ``frequency`` times the count of each id in the window
+    and ``presence`` once for every id present are subtracted from its logit."""
+
+    presence: float
+    frequency: float
+
+    def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
+        counts = history.counts()
+        if self.frequency:
+            logits = logits.sub_(counts * self.frequency)
+        if self.presence:
+            logits = logits.sub_((counts > 0).to(logits.dtype) * self.presence)
+        return logits
+
+
+@dataclass(frozen=True)
+class NoRepeatNGram:
+    """transformers' ``no_repeat_ngram_size``: an id that would complete an n-gram already in the
+    row (prompt included) gets -inf."""
+
+    size: int
+
+    def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
+        rows: list[int] = []
+        ids: list[int] = []
+        for r, banned in enumerate(history.banned(self.size)):
+            rows.extend([r] * len(banned))
+            ids.extend(banned)
+        if ids:
+            logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)),
+                              torch.tensor(NEG_INF, dtype=logits.dtype, device=logits.device))
+        return logits
+
+
+@dataclass(frozen=True)
+class MinNewTokens:
+    """transformers' ``min_new_tokens``: end-of-sequence ids get -inf until a row has generated
+    ``count`` tokens."""
+
+    count: int
+    eos_ids: tuple[int, ...]
+
+    def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
+        short = [r for r in range(history.rows) if history.new_tokens(r) < self.count]
+        eos = [i for i in self.eos_ids if i < logits.shape[-1]]
+        if short and eos:
+            rows = torch.tensor(short, device=logits.device).repeat_interleave(len(eos))
+            ids = torch.tensor(eos, device=logits.device).repeat(len(short))
+            logits.index_put_((rows, ids), torch.tensor(NEG_INF, dtype=logits.dtype, device=logits.device))
+        return logits
+
+
+# -- warpers: they reshape the distribution drawn from ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Temperature:
+    temperature: float
+
+    def __call__(self, history: TokenHistory | None, logits: torch.Tensor) -> torch.Tensor:
+        return logits / self.temperature
+
+
+def _kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """``(rows, 1)``: each row's k-th largest value (ties count once each)."""
+    k = min(k, values.shape[-1])
+    return torch.topk(values, k, dim=-1).values[:, -1:]
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Keeps the ``k`` highest logits of each row, and any tied with the k-th (as transformers)."""
+
+    k: int
+    min_keep: int = 1
+
+    def __call__(self, history: TokenHistory | None, logits: torch.Tensor) -> torch.Tensor:
+        return logits.masked_fill(logits < _kth_largest(logits, max(self.k, self.min_keep)), NEG_INF)
+
+
+@dataclass(frozen=True)
+class TopP:
+    """Keeps the smallest set of most probable ids whose probabilities sum to at least ``p``."""
+
+    p: float
+    min_keep: int = 1
+
+    def __call__(self, history: TokenHistory | None, logits: torch.Tensor) -> torch.Tensor:
+        kept = apply_top_p(logits, self.p)  # the top id always survives
+        if self.min_keep > 1:
+            kept = torch.where(logits >= _kth_largest(logits, self.min_keep), logits, kept)
+        return kept
+
+
+@dataclass(frozen=True)
+class MinP:
+    """Keeps the ids whose probability is at least ``p`` times the row's top probability."""
+
+    p: float
+    min_keep: int = 1
+
+    def __call__(self, history: TokenHistory | None, logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits, dim=-1)
+        drop = probs < self.p * probs.amax(dim=-1, keepdim=True)
+        if self.min_keep > 1:
+            drop &= probs < _kth_largest(probs, self.min_keep)
+        return logits.masked_fill(drop, NEG_INF)
+
+
+@dataclass(frozen=True)
+class TypicalP:
+    """Locally typical sampling (Meister et al. 2022): ids ranked by how far their information
+    (-log p) is from the row's entropy, closest first, are kept until their mass reaches ``mass``."""
+
+    mass: float
+    min_keep: int = 1
+
+    def __call__(self, history: TokenHistory | None, logits: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits, dim=-1)
+        probs = logp.exp()
+        entropy = -(logp * probs).nansum(dim=-1, keepdim=True)
+        distance = (-logp - entropy).abs()
+        ordered, order = torch.sort(distance, dim=-1)
+        cumulative = probs.gather(-1, order).cumsum(dim=-1)
+        # The first id (in that order) at which the mass reaches ``mass`` is the last one kept.
+        last = (cumulative < self.mass).sum(dim=-1, keepdim=True).clamp_(max=logits.shape[-1] - 1)
+        drop = distance > ordered.gather(-1, last)
+        drop &= distance > _kth_largest(-distance, self.min_keep).neg()
+        return logits.masked_fill(drop, NEG_INF)
+
+
+# -- factories -------------------------------------------------------------------------------------
+
+
+def make_logits_processors(params: SamplingParams, *, eos_ids: Iterable[int] = ()) -> tuple[LogitsProcessor, ...]:
+    """The processors ``params`` switches on, in transformers' order (they apply when greedy too)."""
+    out: list[LogitsProcessor] = []
+    if params.logit_bias:
+        out.append(LogitBias(params.logit_bias))
+    if params.repetition_penalty != 1.0:
+        out.append(RepetitionPenalty(params.repetition_penalty))
+    if params.presence_penalty or params.frequency_penalty:
+        out.append(FrequencyPresencePenalty(params.presence_penalty, params.frequency_penalty))
+    if params.no_repeat_ngram_size > 0:
+        out.append(NoRepeatNGram(params.no_repeat_ngram_size))
+    eos = tuple(sorted(set(eos_ids)))
+    if params.min_new_tokens > 0 and eos:
+        out.append(MinNewTokens(params.min_new_tokens, eos))
+    return tuple(out)
+
+
+def make_warpers(params: SamplingParams, *, min_keep: int = 1) -> tuple[LogitsProcessor, ...]:
+    """The warpers for sampling, in transformers' order; none when greedy.
+
+    ``min_keep``: each filter keeps at least this many ids (beam sampling keeps one more than
+    there are end-of-sequence ids, so a beam can always go on).
+    """
+    if params.greedy:
+        return ()
+    out: list[LogitsProcessor] = []
+    if params.temperature != 1.0:
+        out.append(Temperature(params.temperature))
+    if params.top_k:
+        out.append(TopK(params.top_k, min_keep))
+    if params.top_p < 1.0:
+        out.append(TopP(params.top_p, min_keep))
+    if params.min_p > 0.0:
+        out.append(MinP(params.min_p, min_keep))
+    if params.typical_p < 1.0:
+        out.append(TypicalP(params.typical_p, min_keep))
+    return tuple(out)
+
+
+_DRAW_ONLY = SamplingParams(temperature=1.0, top_p=1.0)
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Processors, warpers and the draw for one set of settings, over any number of rows."""
+
+    params: SamplingParams
+    processors: tuple[LogitsProcessor, ...]
+    warpers: tuple[LogitsProcessor, ...]
+
+    @property
+    def needs_history(self) -> bool:
+        return bool(self.processors)
+
+    def process(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
+        """The logits processors on a float32 copy of ``logits``."""
+        out = logits.float().clone()
+        for processor in self.processors:
+            out = processor(history, out)
+        return out
+
+    def prepare(self, history: TokenHistory, logits: torch.Tensor) -> tuple[torch.Tensor, SamplingParams]:
+        """Logits ready for ``sampling.sample`` and the settings it should draw with.
+
+        Temperature and top-p alone are left to ``sample`` (its candidate pools are faster than a
+        full sort, and it then makes the same choices as the compiled step); with any other
+        warper on, every warper runs here and ``sample`` only draws.
+        """
+        out = self.process(history, logits) if self.processors else logits
+        if self.params.simple_warpers:
+            return out, self.params
+        for warper in self.warpers:
+            out = warper(history, out)
+        return out, _DRAW_ONLY
+
+    def __call__(self, history: TokenHistory, logits: torch.Tensor,
+                 randomness: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
+        """One token id per row. ``randomness``: one float64 uniform per row (or a generator)."""
+        ready, params = self.prepare(history, logits)
+        return sample(ready, params, randomness)
+
+
+def make_sampler(params: SamplingParams, *, eos_ids: Iterable[int] = ()) -> Sampler:
+    """A ``Sampler`` for ``params``; ``eos_ids`` are what ``min_new_tokens`` holds back."""
+    return Sampler(params, make_logits_processors(params, eos_ids=eos_ids), make_warpers(params))
