@@ -303,3 +303,28 @@ def chat_format_for(model_dir: Path, tokenizer: Tokenizer, name: str = "auto") -
     if "<|start_header_id|>" in tokenizer.special_tokens:
         return Llama3ChatFormat(tokenizer)
     return None
+
+
+def chat_format_from_template(template: str | None, tokenizer: Tokenizer, name: str = "auto", *,
+                              where: str = "chat template") -> ChatFormat | None:
+    """The chat format of a model whose template comes with its weights (a GGUF file).
+
+    The same rule as ``chat_format_for`` without the files of a model directory: a named format
+    is that format; ``auto`` and ``hf`` take the template when there is one; ``auto`` without one
+    is ``llama3`` when the tokenizer has ``<|start_header_id|>``, else plain completion.
+    """
+    if name not in FORMAT_NAMES:
+        raise ValueError(f"unknown chat format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
+    if name == "none":
+        return None
+    if name == "llama2":
+        return Llama2ChatFormat(tokenizer)
+    if name == "llama3":
+        return Llama3ChatFormat(tokenizer)
+    if template is not None:
+        return HFTemplateChatFormat(template, tokenizer)
+    if name == "hf":
+        raise ModelLoadError(f"{where}: not in the file, so chat format 'hf' cannot be used")
+    if "<|start_header_id|>" in tokenizer.special_tokens:
+        return Llama3ChatFormat(tokenizer)
+    return None

@@ -29,6 +29,7 @@ ProgressCallback = Callable[[int, int], None]
 META = "meta"
 HF = "hf"
 LLAMA2C = "llama2c"
+GGUF = "gguf"
 
 # Without an explicit max_seq_len the context is the checkpoint's, capped here: Llama 3.1 says
 # 131072, whose KV cache alone would be 16 GiB for an 8B model. Ask for more with max_seq_len.
@@ -47,7 +48,7 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
-    layout: str  # "meta" | "hf" | "llama2c"
+    layout: str  # "meta" | "hf" | "llama2c" | "gguf"
 
 
 def default_model_dir() -> Path:
@@ -56,18 +57,24 @@ def default_model_dir() -> Path:
 
 
 def detect_layout(path: Path | str) -> str:
-    """``"meta"``, ``"hf"`` or ``"llama2c"`` for a model directory or a weights file in one.
+    """``"meta"``, ``"hf"``, ``"llama2c"`` or ``"gguf"`` for a model directory or a weights file in one.
 
     A directory is Meta's when it has ``params.json`` and ``consolidated.*.pth``, Hugging Face's
     when it has ``config.json`` and safetensors or ``pytorch_model.bin`` weights, llama2.c's when
-    it holds exactly one llama2.c ``.bin``. A file is judged by its name and first bytes.
+    it holds exactly one llama2.c ``.bin``, GGUF's when it holds exactly one ``.gguf`` file. A file
+    is judged by its name and first bytes (a GGUF file by its magic, whatever its name: Ollama's
+    blobs have none).
     """
-    from llama_chat.model.formats import hf as checkpoint_hf, llama2c as checkpoint_llama2c
+    from llama_chat.model.formats import gguf as checkpoint_gguf, hf as checkpoint_hf, llama2c as checkpoint_llama2c
 
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
     if path.is_file():
+        if checkpoint_gguf.is_gguf(path):
+            return GGUF
+        if path.suffix == ".gguf":
+            raise ModelLoadError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
         if path.name == "params.json" or (path.name.startswith("consolidated.") and path.suffix == ".pth"):
             return detect_layout(path.parent)
         if _is_hf_file(path):
@@ -81,22 +88,30 @@ def detect_layout(path: Path | str) -> str:
         return HF
     if len(_llama2c_files(path)) == 1:
         return LLAMA2C
+    gguf_files = _gguf_files(path)
+    if len(gguf_files) == 1:
+        return GGUF
+    if len(gguf_files) > 1:
+        names = ", ".join(p.name for p in gguf_files[:4]) + (", ..." if len(gguf_files) > 4 else "")
+        raise ModelLoadError(f"{path}: holds {len(gguf_files)} GGUF files ({names}); name one of them with -m")
     raise ModelLoadError(
         f"{path}: unknown model layout (expected params.json + consolidated.*.pth, "
-        "config.json + *.safetensors, or one llama2.c .bin)"
+        "config.json + *.safetensors, one llama2.c .bin or one .gguf file)"
     )
 
 
 def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                max_seq_len: int | None = None, tokenizer_file: Path | str | None = None,
-               chat_format: str = "auto", on_progress: ProgressCallback | None = None) -> LoadedModel:
+               chat_format: str = "auto", on_progress: ProgressCallback | None = None,
+               name: str | None = None) -> LoadedModel:
     """Load a model directory (or weights file) in any supported layout, ready for inference.
 
     ``device``: "auto" (cuda, then mps, then cpu) or any torch device. ``dtype``: "auto" (float32
     on cpu, bfloat16 on cuda, float16 on mps), "float32", "bfloat16" or "float16".
     ``max_seq_len``: the context length the rotary table and caches are sized for, at most the
     checkpoint's (0: the checkpoint's); by default the checkpoint's, at most ``DEFAULT_MAX_SEQ_LEN``. ``tokenizer_file`` overrides the tokenizer
-    found beside the weights; ``chat_format`` is a format name or "auto".
+    found beside the weights (for GGUF: the one in the file); ``chat_format`` is a format name or
+    "auto". ``name`` is what the model is called in reports (default: the directory's or file's).
     Every problem with the files raises ``ModelLoadError`` with a one-line message.
     """
     path = Path(path)
@@ -105,11 +120,23 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
     model_dir = path.parent if path.is_file() else path
     if layout == LLAMA2C and weights_file is None:
         weights_file = _llama2c_files(model_dir)[0]
+    if layout == GGUF and weights_file is None:
+        weights_file = _gguf_files(model_dir)[0]
     target_device = _resolve_device(device)
     target_dtype = _resolve_dtype(dtype, target_device)
 
-    tokenizer = _load_tokenizer(model_dir, Path(tokenizer_file) if tokenizer_file else None)
-    ckpt = _read(layout, model_dir, weights_file, tokenizer.vocab_size)
+    if layout == GGUF:
+        # One file holds the weights, the tokenizer and the chat template: parse its header once.
+        from llama_chat.model.formats.gguf import open_gguf, read_gguf
+
+        assert weights_file is not None
+        contents = open_gguf(weights_file)
+        tokenizer = _gguf_tokenizer(contents, Path(tokenizer_file) if tokenizer_file else None)
+        ckpt = read_gguf(contents, tokenizer_vocab=tokenizer.vocab_size)
+    else:
+        contents = None
+        tokenizer = _load_tokenizer(model_dir, Path(tokenizer_file) if tokenizer_file else None)
+        ckpt = _read(layout, model_dir, weights_file, tokenizer.vocab_size)
     if tokenizer.vocab_size > ckpt.args.vocab_size:
         raise ModelLoadError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {ckpt.args.vocab_size}: "
@@ -119,8 +146,16 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
     state = check_state(ckpt)
     del ckpt  # `state` holds the only references to the source tensors, released one by one
     model = _build(args, state, target_device, target_dtype, on_progress)
-    fmt = _chat_format(model_dir, tokenizer, chat_format)
-    name = weights_file.stem if layout == LLAMA2C else model_dir.resolve().name
+    if contents is not None:
+        from llama_chat.model.chat_format import chat_format_from_template
+        from llama_chat.model.formats.gguf import meta_str
+
+        fmt = chat_format_from_template(meta_str(contents, "tokenizer.chat_template"), tokenizer, chat_format,
+                                        where=f"{contents.path.name}: tokenizer.chat_template")
+    else:
+        fmt = _chat_format(model_dir, tokenizer, chat_format)
+    if name is None:
+        name = weights_file.stem if layout in (LLAMA2C, GGUF) else model_dir.resolve().name
     return LoadedModel(model=model, args=args, tokenizer=tokenizer, chat_format=fmt, path=path, name=name,
                        device=target_device, dtype=target_dtype, layout=layout)
 
@@ -203,6 +238,14 @@ class _SkipRandomInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _gguf_tokenizer(contents, tokenizer_file: Path | None) -> Tokenizer:
+    if tokenizer_file is not None:
+        return _load_tokenizer(tokenizer_file.parent, tokenizer_file)
+    from llama_chat.model.tokenizers.gguf import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(contents)
+
+
 def _load_tokenizer(model_dir: Path, tokenizer_file: Path | None) -> Tokenizer:
     from llama_chat.model.tokenizers.loading import load_tokenizer
 
@@ -263,6 +306,10 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
 
 def _is_hf_file(path: Path) -> bool:
     return path.suffix == ".safetensors" or path.name.startswith("pytorch_model") or path.name == "config.json"
+
+
+def _gguf_files(model_dir: Path) -> list[Path]:
+    return sorted(p for p in model_dir.glob("*.gguf") if p.is_file())
 
 
 def _llama2c_files(model_dir: Path) -> list[Path]:

@@ -105,10 +105,12 @@ def parse_model_proto(proto: bytes) -> ModelProtoInfo:
 class SentencePieceTokenizer(ByteTableTokenizer):
     """A ``Tokenizer`` over a SentencePiece model; ``encode``/``decode`` are SentencePiece's own."""
 
-    def __init__(self, path: Path, *, extra_stop_ids: Iterable[int] = ()) -> None:
+    def __init__(self, path: Path, *, extra_stop_ids: Iterable[int] = (), proto: bytes | None = None) -> None:
+        """``proto``: the serialized model, when it does not come from ``path`` itself (GGUF)."""
         self.path = Path(path)
         try:
-            proto = self.path.read_bytes()
+            if proto is None:
+                proto = self.path.read_bytes()
             sp = spm.SentencePieceProcessor()
             sp.LoadFromSerializedProto(proto)
             info = parse_model_proto(proto)

@@ -1,0 +1,363 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio): metadata, tensors and their dequantization.
+
+The file is parsed with the ``gguf`` package's ``GGUFReader`` (llama.cpp's own Python reader),
+imported only when a GGUF file is opened. Its metadata becomes plain Python values, checked as
+they are used; tensor data is mapped once with ``torch.from_file`` and every weight is a view of
+that mapping, so nothing is read until a weight is realised. F32 weights loaded as float32 on the
+CPU are the mapping itself; F16/BF16 are converted per tensor; block-quantized weights are
+expanded row chunk by row chunk straight into their final tensor (``Dequantized``), so the peak
+beyond the model is one chunk.
+
+Rotary layout: llama.cpp's converter permutes Hugging Face's q/k rows back into Meta's
+interleaved order (its ``LlamaModel.permute``), which is the order our model uses, so GGUF
+q/k rows need no change. The parity test writes its GGUF files through that same permutation
+from a Hugging Face checkpoint, so a mistake here shows as different logits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llama_chat.ml.ops import RopeScaling, rope_frequencies
+from llama_chat.model.args import MAX_SIZE, ModelArgs
+from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.formats.common import (
+    Checkpoint,
+    Deferred,
+    Weight,
+    config_error,
+    parameter_count,
+    release_pages,
+)
+from llama_chat.model.formats.gguf_quants import BLOCKS, PLAIN
+from llama_chat.model.formats.json_files import first_sentence
+
+MAGIC = b"GGUF"
+ARCHITECTURES = ("llama",)
+# Values dequantized at a time (float32: 64 MiB): bounds the temporaries of a large embedding.
+CHUNK_VALUES = 1 << 24
+
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+_LAYER_NAMES = {
+    "attn_q.weight": "attention.wq.weight",
+    "attn_k.weight": "attention.wk.weight",
+    "attn_v.weight": "attention.wv.weight",
+    "attn_output.weight": "attention.wo.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+    "attn_norm.weight": "attention_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file: where its bytes are and what they hold."""
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # torch order (rows first): GGUF lists dimensions innermost first
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFContents:
+    """A parsed GGUF file: its metadata as Python values and its tensors' places."""
+
+    path: Path
+    metadata: Mapping[str, Any]
+    tensors: Mapping[str, TensorInfo]
+    file_size: int
+
+    @property
+    def architecture(self) -> str | None:
+        value = self.metadata.get("general.architecture")
+        return value if isinstance(value, str) else None
+
+
+def is_gguf(path: Path) -> bool:
+    """True when ``path`` is a file that starts with the GGUF magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def open_gguf(path: Path) -> GGUFContents:
+    """Parse ``path``'s header; ModelLoadError (one line, naming the file) if it is not usable GGUF."""
+    path = Path(path)
+    try:
+        size = os.stat(path).st_size
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if not is_gguf(path):
+        raise ModelLoadError(f"{path.name}: not a GGUF file (it does not start with 'GGUF')")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path, "r")
+        metadata = {name: _value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+        tensors = {}
+        for t in reader.tensors:
+            info = TensorInfo(name=t.name, ggml_type=int(t.tensor_type),
+                              shape=tuple(int(d) for d in reversed(t.shape.tolist())),
+                              offset=int(t.data_offset), nbytes=int(t.n_bytes))
+            tensors[t.name] = info
+    except ModelLoadError:
+        raise
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - the reader raises assorted types on a bad file
+        raise ModelLoadError(f"{path.name}: not a valid GGUF file ({type(e).__name__}: {first_sentence(e)})") from None
+    for info in tensors.values():
+        if info.offset + info.nbytes > size:
+            raise ModelLoadError(f"{path.name}: truncated: tensor {info.name!r} ends at byte "
+                                 f"{info.offset + info.nbytes:,}, the file has {size:,}")
+    return GGUFContents(path=path, metadata=metadata, tensors=tensors, file_size=size)
+
+
+def _value(field: Any) -> Any:
+    """A reader field as a Python value: int, float, bool, str, or a list of one of those."""
+    from gguf import GGUFValueType
+
+    types = field.types
+    if not types:
+        return None
+    if types[0] == GGUFValueType.ARRAY:
+        if len(types) == 1:  # an empty array: its element type is not recorded
+            return []
+        if types[-1] == GGUFValueType.STRING:
+            return [_text(field.parts[i], field.name) for i in field.data]
+        if types[-1] == GGUFValueType.ARRAY:
+            return None  # nested arrays: no Llama field uses them
+        import numpy as np
+
+        return np.concatenate([field.parts[i] for i in field.data]).tolist() if field.data else []
+    if types[0] == GGUFValueType.STRING:
+        return _text(field.parts[-1], field.name)
+    return field.parts[-1].tolist()[0]
+
+
+def _text(data: Any, name: str) -> str:
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"metadata {name!r}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+# --- typed metadata access ------------------------------------------------------------------
+
+
+def meta_int(contents: GGUFContents, key: str, default: int | None = None) -> int:
+    value = contents.metadata.get(key)
+    if value is None:
+        if default is None:
+            raise ModelLoadError(f"{contents.path.name}: missing metadata {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelLoadError(f"{contents.path.name}: metadata {key!r} must be an integer, found {value!r:.60}")
+    return value
+
+
+def meta_float(contents: GGUFContents, key: str, default: float | None = None) -> float:
+    value = contents.metadata.get(key)
+    if value is None:
+        if default is None:
+            raise ModelLoadError(f"{contents.path.name}: missing metadata {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelLoadError(f"{contents.path.name}: metadata {key!r} must be a finite number, found {value!r:.60}")
+    return float(value)
+
+
+def meta_str(contents: GGUFContents, key: str) -> str | None:
+    value = contents.metadata.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ModelLoadError(f"{contents.path.name}: metadata {key!r} must be a string, found {type(value).__name__}")
+    return value
+
+
+# --- the checkpoint -------------------------------------------------------------------------
+
+
+def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> Checkpoint:
+    """ModelArgs and Meta-named weights (views of the file mapping, or ``Dequantized``)."""
+    name = contents.path.name
+    arch = contents.architecture
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{name}: architecture {arch!r:.60} is not supported (expected 'llama')")
+    args = _args(contents, tokenizer_vocab)
+    # The smallest types read here (Q4_0, Q4_K) take 4.5 bits a weight: half a byte is a safe floor.
+    need = parameter_count(args) // 2
+    if need > contents.file_size:
+        raise ModelLoadError(f"{name}: describes a model of {parameter_count(args):,} parameters, but the file "
+                             f"holds only {contents.file_size:,} bytes")
+    data = torch.from_file(str(contents.path), shared=False, size=contents.file_size, dtype=torch.uint8)
+    state: dict[str, Weight] = {}
+    for info in contents.tensors.values():
+        if info.name == ROPE_FREQS:
+            continue  # read into args.rope_scaling by _args
+        meta = meta_name(info.name)
+        if meta is None:
+            raise ModelLoadError(f"{name}: unexpected tensor {info.name!r:.80}")
+        state[meta] = tensor_view(data, info, name)
+    return Checkpoint(args=args, state=state, origin={k: name for k in state}, files=(contents.path,))
+
+
+def meta_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _LAYER.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def tensor_view(data: torch.Tensor, info: TensorInfo, file: str) -> Weight:
+    """A weight over the file mapping ``data``: a typed view, or a ``Dequantized`` recipe."""
+    raw = data[info.offset:info.offset + info.nbytes]
+    if not info.shape or any(d <= 0 or d > MAX_SIZE * 16 for d in info.shape):
+        raise ModelLoadError(f"{file}: tensor {info.name!r} has shape {info.shape}")
+    if info.ggml_type in PLAIN:
+        dtype = PLAIN[info.ggml_type]
+        size = torch.empty((), dtype=dtype).element_size()
+        if info.offset % size:
+            raise ModelLoadError(f"{file}: tensor {info.name!r} is not aligned to its {size}-byte elements")
+        return raw.view(dtype).view(info.shape)
+    fmt = BLOCKS.get(info.ggml_type)
+    if fmt is None:
+        raise ModelLoadError(f"{file}: tensor {info.name!r} has type {_type_name(info.ggml_type)}, which is not "
+                             f"supported (expected F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K)")
+    if info.shape[-1] % fmt.block_values:
+        raise ModelLoadError(f"{file}: tensor {info.name!r} has rows of {info.shape[-1]} values, not a multiple of "
+                             f"{fmt.name}'s blocks of {fmt.block_values}")
+    return Dequantized(raw, info.shape, fmt)
+
+
+def _type_name(ggml_type: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"#{ggml_type}"
+
+
+class Dequantized(Deferred):
+    """A block-quantized weight, expanded to its target dtype and device a chunk of rows at a time.
+
+    The bytes of each chunk go to the device first and are expanded there (so on a GPU the work
+    is the GPU's), then written into the final tensor; the chunk's file pages are released after.
+    """
+
+    def __init__(self, raw: torch.Tensor, shape: tuple[int, ...], fmt: Any) -> None:
+        self.raw = raw
+        self.fmt = fmt
+        self.shape = torch.Size(shape)
+        self.dtype = torch.float32  # what the loader may assume for sizes; the source is smaller
+        cols = shape[-1]
+        self.rows = math.prod(shape[:-1])
+        self.row_bytes = cols // fmt.block_values * fmt.block_bytes
+        if self.rows * self.row_bytes != raw.numel():
+            raise ModelLoadError(f"tensor of shape {tuple(shape)} needs {self.rows * self.row_bytes} bytes of "
+                                 f"{fmt.name}, found {raw.numel()}")
+
+    def realize(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=dtype, device=device)
+        flat = out.view(self.rows, -1)
+        step = max(1, CHUNK_VALUES // self.shape[-1])
+        rows = self.raw.view(self.rows, self.row_bytes)
+        for start in range(0, self.rows, step):
+            chunk = rows[start:start + step]
+            values = self.fmt.dequantize(chunk.to(device).reshape(-1))
+            flat[start:start + chunk.shape[0]].copy_(values.view(chunk.shape[0], -1))
+            release_pages(chunk)
+        return out
+
+    def sources(self) -> list[torch.Tensor]:
+        return [self.raw]
+
+
+def _args(contents: GGUFContents, tokenizer_vocab: int | None) -> ModelArgs:
+    name = contents.path.name
+    arch = contents.architecture
+    embedding = contents.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise ModelLoadError(f"{name}: missing tensor 'token_embd.weight'")
+    vocab = contents.metadata.get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = embedding.shape[0] if len(embedding.shape) == 2 else tokenizer_vocab
+    n_heads = meta_int(contents, f"{arch}.attention.head_count")
+    try:
+        args = ModelArgs(
+            dim=meta_int(contents, f"{arch}.embedding_length"),
+            n_layers=meta_int(contents, f"{arch}.block_count"),
+            n_heads=n_heads,
+            n_kv_heads=meta_int(contents, f"{arch}.attention.head_count_kv", n_heads),
+            vocab_size=vocab if isinstance(vocab, int) else meta_int(contents, f"{arch}.vocab_size"),
+            hidden_dim=meta_int(contents, f"{arch}.feed_forward_length"),
+            norm_eps=meta_float(contents, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=meta_float(contents, f"{arch}.rope.freq_base", 10000.0),
+            max_seq_len=meta_int(contents, f"{arch}.context_length", 2048),
+            tie_embeddings="output.weight" not in contents.tensors,
+        )
+    except ModelLoadError as e:
+        raise config_error(name, e) from None
+    rope_dims = contents.metadata.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and rope_dims != args.head_dim:
+        raise ModelLoadError(f"{name}: metadata '{arch}.rope.dimension_count' is {rope_dims!r:.40}, expected the "
+                             f"head dimension {args.head_dim} (partial rotary embeddings are not supported)")
+    scaling_type = meta_str(contents, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none") and meta_float(contents, f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+        raise ModelLoadError(f"{name}: rope scaling {scaling_type!r:.40} is not supported")
+    scaling = _rope_scaling(contents, args)
+    if scaling is not None:
+        from dataclasses import replace
+
+        args = replace(args, rope_scaling=scaling)
+    return args
+
+
+def _rope_scaling(contents: GGUFContents, args: ModelArgs) -> RopeScaling | None:
+    """Llama 3.1's rope scaling, from the frequency factors the converter stores as ``rope_freqs``.
+
+    The file keeps only the resulting per-frequency factors, not the recipe's parameters; the
+    factor is their largest value, and the other three are Llama 3.1's own (low 1, high 4, from a
+    context of 8192), accepted only when they reproduce every stored factor.
+    """
+    info = contents.tensors.get(ROPE_FREQS)
+    if info is None:
+        return None
+    name = contents.path.name
+    if info.shape != (args.head_dim // 2,) or info.ggml_type != 0:
+        raise ModelLoadError(f"{name}: tensor {ROPE_FREQS!r} must be F32 of shape ({args.head_dim // 2},), "
+                             f"found shape {info.shape}")
+    with open(contents.path, "rb") as f:
+        f.seek(info.offset)
+        stored = torch.frombuffer(bytearray(f.read(info.nbytes)), dtype=torch.float32)
+    if not torch.isfinite(stored).all() or (stored <= 0).any():
+        raise ModelLoadError(f"{name}: tensor {ROPE_FREQS!r} holds values that are not positive finite numbers")
+    if torch.all(stored == 1):
+        return None
+    scaling = RopeScaling(factor=float(stored.max()))
+    plain = rope_frequencies(args.head_dim, args.rope_theta)
+    scaled = rope_frequencies(args.head_dim, args.rope_theta, scaling)
+    if not torch.allclose(plain / scaled, stored, rtol=1e-4, atol=1e-6):
+        raise ModelLoadError(f"{name}: tensor {ROPE_FREQS!r} holds frequency factors other than Llama 3.1's rope "
+                             f"scaling (factor {scaling.factor:g}, low 1, high 4, original context 8192)")
+    return scaling

@@ -1,0 +1,292 @@
+"""The tokenizer a GGUF file carries in its ``tokenizer.ggml.*`` metadata.
+
+Two kinds, as llama.cpp names them in ``tokenizer.ggml.model``:
+
+* ``llama``: a SentencePiece vocabulary (Llama 1/2, TinyLlama, Mistral): pieces, scores and piece
+  types. llama.cpp's converter copies them one for one from ``tokenizer.model``, so the model is
+  rebuilt here as a SentencePiece ``ModelProto`` (BPE, byte fallback when there are byte pieces,
+  no normalization, the dummy prefix from ``tokenizer.ggml.add_space_prefix``) and run by the
+  ``sentencepiece`` library itself: the same ids as the original file.
+* ``gpt2``: a byte-level BPE vocabulary (Llama 3's tiktoken ranks as Hugging Face writes them):
+  tokens in GPT-2's byte-to-unicode spelling, and the merges. Run by the ``tokenizers`` library
+  with the pre-tokenizer split that ``tokenizer.ggml.pre`` names; llama.cpp ranks merges by their
+  order in the file, and so does this.
+
+Token types (``tokenizer.ggml.token_type``) are SentencePiece's numbering: 1 normal, 2 unknown,
+3 control, 4 user-defined, 5 unused, 6 byte. Control tokens print nothing and are the specials a
+chat template may write.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.formats.gguf import GGUFContents, meta_str
+from llama_chat.model.tokenizers.hf import byte_level_decoder
+from llama_chat.model.tokenizers.sentencepiece import END_OF_TURN_PIECES, SentencePieceTokenizer
+from llama_chat.model.tokenizers.table import ByteTableTokenizer
+from llama_chat.model.tokenizers.tiktoken import LLAMA3_PATTERN
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# tokenizer.ggml.pre -> (split pattern, whole words in the vocabulary skip the merges). llama.cpp
+# gives these names to the Llama 3 split; "default" is GPT-2's.
+PRE_TOKENIZERS = {
+    "llama-bpe": (LLAMA3_PATTERN, True),
+    "llama3": (LLAMA3_PATTERN, True),
+    "smaug-bpe": (LLAMA3_PATTERN, True),
+    "default": (GPT2_PATTERN, False),
+    "gpt2": (GPT2_PATTERN, False),
+}
+STOP_NAMES = END_OF_TURN_PIECES + ("<|eom_id|>", "<|end_of_text|>")
+MAX_TOKENS = 1 << 24
+
+
+def load_gguf_tokenizer(contents: GGUFContents) -> ByteTableTokenizer:
+    """The tokenizer stored in ``contents``; ModelLoadError naming the field when it cannot be used."""
+    name = contents.path.name
+    kind = meta_str(contents, "tokenizer.ggml.model")
+    if kind is None:
+        raise ModelLoadError(f"{name}: no tokenizer in the file (metadata 'tokenizer.ggml.model' is missing); "
+                             "pass one with a tokenizer file beside it")
+    vocab = _Vocab.read(contents)
+    if kind == "llama":
+        return GGUFSentencePieceTokenizer(contents, vocab)
+    if kind == "gpt2":
+        return GGUFByteLevelTokenizer(contents, vocab)
+    raise ModelLoadError(f"{name}: tokenizer.ggml.model {kind!r:.40} is not supported (expected 'llama' or 'gpt2')")
+
+
+class _Vocab:
+    """The ``tokenizer.ggml.*`` fields every kind uses, checked."""
+
+    def __init__(self, name: str, tokens: list[str], types: list[int], ids: dict[str, int | None],
+                 add_bos: bool | None, add_eos: bool | None) -> None:
+        self.name, self.tokens, self.types, self.ids = name, tokens, types, ids
+        self.add_bos, self.add_eos = add_bos, add_eos
+
+    @classmethod
+    def read(cls, contents: GGUFContents) -> _Vocab:
+        name = contents.path.name
+        tokens = contents.metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+            raise ModelLoadError(f"{name}: metadata 'tokenizer.ggml.tokens' must be a non-empty list of strings")
+        if len(tokens) > MAX_TOKENS:
+            raise ModelLoadError(f"{name}: {len(tokens):,} tokens is more than any vocabulary's ({MAX_TOKENS:,})")
+        types = contents.metadata.get("tokenizer.ggml.token_type")
+        if types is None:
+            types = [NORMAL] * len(tokens)
+        if not isinstance(types, list) or len(types) != len(tokens):
+            raise ModelLoadError(f"{name}: metadata 'tokenizer.ggml.token_type' must list one type per token "
+                                 f"({len(tokens)})")
+        bad = next((t for t in types if t not in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE)), None)
+        if bad is not None:
+            raise ModelLoadError(f"{name}: metadata 'tokenizer.ggml.token_type' holds {bad!r:.20}, expected 1 to 6")
+        ids: dict[str, int | None] = {}
+        for role in ("bos", "eos", "unknown", "padding", "eot", "eom"):
+            key = f"tokenizer.ggml.{role}_token_id"
+            value = contents.metadata.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value < len(tokens)):
+                raise ModelLoadError(f"{name}: metadata {key!r} is {value!r:.40}, not a token id "
+                                     f"(0 to {len(tokens) - 1})")
+            ids[role] = value
+        return cls(name, tokens, types, ids, _flag(contents, "tokenizer.ggml.add_bos_token"),
+                   _flag(contents, "tokenizer.ggml.add_eos_token"))
+
+    def stop_ids(self, specials: dict[str, int], extra: Iterable[int] = ()) -> frozenset[int]:
+        stops = {self.ids[r] for r in ("eos", "eot", "eom") if self.ids[r] is not None}
+        stops.update(specials[n] for n in STOP_NAMES if n in specials)
+        stops.update(extra)
+        return frozenset(i for i in stops if i is not None)
+
+
+def _flag(contents: GGUFContents, key: str) -> bool | None:
+    value = contents.metadata.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ModelLoadError(f"{contents.path.name}: metadata {key!r} must be true or false, found {value!r:.40}")
+    return value
+
+
+# --- SentencePiece ------------------------------------------------------------------------------
+
+
+class GGUFSentencePieceTokenizer(SentencePieceTokenizer):
+    """A SentencePiece vocabulary from GGUF metadata, run by the sentencepiece library."""
+
+    def __init__(self, contents: GGUFContents, vocab: _Vocab) -> None:
+        scores = contents.metadata.get("tokenizer.ggml.scores")
+        if scores is None:
+            scores = [0.0] * len(vocab.tokens)
+        if not isinstance(scores, list) or len(scores) != len(vocab.tokens) \
+                or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
+            raise ModelLoadError(f"{vocab.name}: metadata 'tokenizer.ggml.scores' must list one number per token")
+        add_prefix = _flag(contents, "tokenizer.ggml.add_space_prefix")
+        proto = sentencepiece_proto(vocab.tokens, scores, vocab.types, ids=vocab.ids,
+                                    add_dummy_prefix=True if add_prefix is None else add_prefix)
+        super().__init__(contents.path, proto=proto)
+        self._add_bos_flag = vocab.add_bos
+        self._stops = vocab.stop_ids(self._specials, self._stops)
+
+    @property
+    def add_bos(self) -> bool:
+        if self._add_bos_flag is not None:
+            return self._add_bos_flag and self._bos is not None
+        return self._bos is not None
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    value &= (1 << 64) - 1  # protobuf writes negative int32 as ten-byte two's complement
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _field_varint(number: int, value: int) -> bytes:
+    return _varint(number << 3) + _varint(value)
+
+
+def _field_bytes(number: int, data: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def _field_float(number: int, value: float) -> bytes:
+    return _varint(number << 3 | 5) + struct.pack("<f", value)
+
+
+def sentencepiece_proto(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], *,
+                        ids: dict[str, int | None], add_dummy_prefix: bool) -> bytes:
+    """A serialized SentencePiece ``ModelProto`` (BPE) holding these pieces.
+
+    Written by hand in protobuf's wire format, the way ``sentencepiece.parse_model_proto`` reads
+    one: the protobuf package is not a dependency. Field numbers are sentencepiece_model.proto's.
+    """
+    out = bytearray()
+    for piece, score, kind in zip(tokens, scores, types):
+        body = _field_bytes(1, piece.encode("utf-8")) + _field_float(2, float(score)) + _field_varint(3, kind)
+        out += _field_bytes(1, body)
+    trainer = _field_varint(3, 2) + _field_varint(4, len(tokens))  # model_type BPE, vocab_size
+    if BYTE in types:
+        trainer += _field_varint(35, 1)  # byte_fallback
+    # Special pieces by id and name; -1 says "none", as in SentencePiece's own files.
+    unk = ids.get("unknown")
+    if unk is None:
+        unk = next((i for i, t in enumerate(types) if t == UNKNOWN), None)
+    for number, piece_number, value in ((40, 45, unk), (41, 46, ids.get("bos")), (42, 47, ids.get("eos")),
+                                        (43, 48, ids.get("padding"))):
+        trainer += _field_varint(number, -1 if value is None else value)
+        if value is not None:
+            trainer += _field_bytes(piece_number, tokens[value].encode("utf-8"))
+    out += _field_bytes(2, trainer)
+    normalizer = (_field_bytes(1, b"identity") + _field_varint(3, int(add_dummy_prefix))
+                  + _field_varint(4, 0) + _field_varint(5, 1))
+    out += _field_bytes(3, normalizer)
+    return bytes(out)
+
+
+# --- byte-level BPE -----------------------------------------------------------------------------
+
+
+class GGUFByteLevelTokenizer(ByteTableTokenizer):
+    """A byte-level BPE vocabulary (Llama 3) from GGUF metadata, run by the tokenizers library."""
+
+    def __init__(self, contents: GGUFContents, vocab: _Vocab) -> None:
+        from tokenizers import Tokenizer as RawTokenizer
+
+        name = vocab.name
+        pre = meta_str(contents, "tokenizer.ggml.pre") or "default"
+        if pre not in PRE_TOKENIZERS:
+            raise ModelLoadError(f"{name}: tokenizer.ggml.pre {pre!r:.40} is not supported "
+                                 f"(expected one of {', '.join(PRE_TOKENIZERS)})")
+        pattern, ignore_merges = PRE_TOKENIZERS[pre]
+        merges = contents.metadata.get("tokenizer.ggml.merges")
+        if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+            raise ModelLoadError(f"{name}: metadata 'tokenizer.ggml.merges' must be a list of 'left right' strings")
+
+        decoder = byte_level_decoder()
+        table: list[bytes] = []
+        specials: dict[str, int] = {}
+        added: list[dict[str, Any]] = []
+        model_vocab: dict[str, int] = {}
+        for i, (token, kind) in enumerate(zip(vocab.tokens, vocab.types)):
+            if kind in (CONTROL, UNUSED, UNKNOWN):
+                table.append(b"")
+                if kind == CONTROL:
+                    specials.setdefault(token, i)
+                    added.append(_added(i, token, special=True))
+            elif kind == USER_DEFINED:
+                table.append(token.encode("utf-8"))
+                added.append(_added(i, token, special=False))
+            elif all(c in decoder for c in token):
+                table.append(bytes(decoder[c] for c in token))
+                model_vocab.setdefault(token, i)
+            else:
+                raise ModelLoadError(f"{name}: token {i} ({token!r:.40}) is not in the byte-level alphabet")
+        missing = [b for b in range(256) if bytes([b]) not in set(table)]
+        if missing:
+            raise ModelLoadError(f"{name}: no token for the single byte 0x{missing[0]:02x}; a byte-level "
+                                 "tokenizer needs all 256")
+        spec = {
+            "version": "1.0",
+            "added_tokens": added,
+            "normalizer": None,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ]},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                      "ignore_merges": ignore_merges, "vocab": model_vocab,
+                      "merges": [m.split(" ", 1) for m in merges]},
+        }
+        try:
+            raw = RawTokenizer.from_str(json.dumps(spec))
+        except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception on a bad vocabulary
+            raise ModelLoadError(f"{name}: the file's BPE vocabulary cannot be used "
+                                 f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+        # Two instances: user text never becomes a control token, rendered chat templates do.
+        self._raw = raw
+        self._plain = RawTokenizer.from_str(raw.to_str())
+        self._plain.encode_special_tokens = True
+        self.path = contents.path
+        self._bytes = table
+        self._specials = specials
+        self._bos = vocab.ids["bos"]
+        self._eos = vocab.ids["eos"]
+        self._stops = vocab.stop_ids(specials)
+        self._add_bos = vocab.add_bos if vocab.add_bos is not None else (ignore_merges and self._bos is not None)
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        return self._with_markers(self._plain.encode(text, add_special_tokens=False).ids, bos, eos)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+    @property
+    def strips_leading_space(self) -> bool:
+        return False
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(self._add_bos) and self._bos is not None
+
+    def encode_allowing_special(self, text: str) -> list[int]:
+        return self._raw.encode(text, add_special_tokens=False).ids
+
+
+def _added(i: int, token: str, *, special: bool) -> dict[str, Any]:
+    return {"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": special}

@@ -1,0 +1,440 @@
+"""GGUF files: parity with the Hugging Face checkpoint they were converted from, every tensor type,
+the tokenizers they carry, their chat templates and their bad forms.
+
+Every GGUF here is written with the ``gguf`` package's writer from the same random weights as a
+``transformers.LlamaForCausalLM`` (``builders_gguf.write_gguf``, which follows llama.cpp's
+converter: names, q/k permutation, rope_freqs, vocabularies).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from builders import train_sentencepiece  # noqa: E402
+from builders_gguf import T, converter_permute, write_gguf  # noqa: E402
+from tokenizer_builders import CORPUS, train_llama_sentencepiece, write_tiktoken_file  # noqa: E402
+from llama_chat.model.errors import ModelLoadError  # noqa: E402
+from llama_chat.model.formats import gguf_quants  # noqa: E402
+from llama_chat.model.kv_cache import KVCache  # noqa: E402
+from llama_chat.model.loader import detect_layout, load_model  # noqa: E402
+from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer  # noqa: E402
+from llama_chat.model.tokenizers.tiktoken import TiktokenTokenizer  # noqa: E402
+
+PROMPT_LEN = 48
+NEW_TOKENS = 24
+
+LLAMA31_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+# Stated tolerances per type, against the float32 checkpoint the file was made from (the
+# quantizers are those of builders_gguf: Q8_0/Q4_0 the gguf package's, the K types simple
+# round-to-nearest ones, coarser than llama.cpp's searched scales; weights are Gaussian, the
+# hardest case for block quantization). Measured values in docs/formats.md; bounds ~1.5x those.
+# Weights: ||w_file - w|| / ||w|| for the dequantized weights.
+WEIGHT_TOLERANCE = {T.F16: 0.001, T.BF16: 0.004, T.Q8_0: 0.008, T.Q6_K: 0.03, T.Q5_K: 0.06, T.Q4_K: 0.12,
+                    T.Q4_0: 0.15}
+# Logits: ||ours - hf|| / ||hf - mean(hf)|| over a 48-token prompt (errors grow through the layers).
+RELATIVE_TOLERANCE = {T.F16: 0.005, T.BF16: 0.02, T.Q8_0: 0.06, T.Q6_K: 0.2, T.Q5_K: 0.4, T.Q4_K: 0.75,
+                      T.Q4_0: 0.75}
+HOLD_OUT = [
+    "A quick brown dog jumps over the lazy fox, twice!",
+    "Numbers: 3.14159, 2718, and 1,000,000 — all of them.",
+    "Ünïcödé wörds: naïveté, Zürich, smörgåsbord; 日本語のテキスト；한국어 문장.",
+    "Emoji run: 🤖🚀✨ plus 👩🏽‍💻 and a flag 🇨🇦.",
+    "    indented code\n\tfn main() { println!(\"hi\"); }\n\n\n",
+    "trailing spaces   \nand\r\nwindows line ends",
+    "<s> and </s> and <|eot_id|> typed as plain text",
+    "",
+    " ",
+    "x" * 300,
+]
+
+
+def _hf_model(vocab: int, *, heads: int, kv_heads: int, tied: bool, rope: dict, seed: int, dim: int = 256,
+              context: int = 2048):
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=512, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, rms_norm_eps=1e-5, max_position_embeddings=context,
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, rope_parameters=rope,
+    )
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # Weights scaled so activations stay near one through the layers and logits are well
+        # separated (greedy choices are not near-ties); norms away from one so swaps would show.
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / p.shape[-1] ** 0.5))
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def _config(hf) -> dict:
+    config = json.loads(hf.config.to_json_string())
+    config.setdefault("rope_parameters", DEFAULT_ROPE)
+    return config
+
+
+def _greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    cache = KVCache.for_model(model.args, 1, max_seq_len=prompt.shape[1] + n)
+    pos = prompt.shape[1]
+    logits = model(prompt, torch.arange(pos).unsqueeze(0), cache, last_only=True)
+    out: list[int] = []
+    for _ in range(n):
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        logits = model(torch.tensor([[token]]), torch.tensor([[pos]]), cache)
+        pos += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> Path:
+    return train_sentencepiece(tmp_path_factory.mktemp("spm"), vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def reference(sp_model):
+    """The grouped-query model every type is written from, and its float32 logits."""
+    hf = _hf_model(416, heads=8, kv_heads=2, tied=False, rope=DEFAULT_ROPE, seed=3)
+    prompt = torch.randint(3, 400, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        logits = hf(prompt).logits.float()
+    return hf, prompt, logits
+
+
+# -- parity ----------------------------------------------------------------------------------
+
+
+CONFIGS = {
+    "mha-untied": dict(heads=4, kv_heads=4, tied=False, rope=DEFAULT_ROPE),
+    "gqa-tied": dict(heads=8, kv_heads=2, tied=True, rope=DEFAULT_ROPE),
+    # Llama 3.1: scaled rotary frequencies, which GGUF keeps as a rope_freqs tensor
+    "llama3.1-rope": dict(heads=4, kv_heads=2, tied=False, rope=LLAMA31_ROPE, context=131072),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("qtype", [T.F32, T.F16], ids=["F32", "F16"])
+def test_f32_and_f16_files_match_the_hf_checkpoint(tmp_path, sp_model, name, qtype):
+    hf = _hf_model(416, seed=len(name), **CONFIGS[name])
+    path = write_gguf(tmp_path / "m.gguf", hf.state_dict(), _config(hf), qtype=qtype, sp_model=sp_model)
+    loaded = load_model(path, device="cpu", dtype="float32")
+    assert loaded.layout == "gguf" and loaded.name == "m"
+    assert loaded.args.tie_embeddings == hf.config.tie_word_embeddings
+    assert loaded.args.n_kv_heads == CONFIGS[name]["kv_heads"]
+    if name == "llama3.1-rope":
+        assert loaded.args.rope_scaling is not None and loaded.args.rope_theta == 500000.0
+
+    prompt = torch.randint(3, 400, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = hf(prompt).logits.float()
+        got = loaded.model(prompt)
+        diff = (got - want).abs().max().item()
+        print(f"{name} {qtype.name}: max |logit diff| {diff:.2e}")
+        if qtype == T.F32:
+            assert diff <= 1e-4
+        else:
+            rel = _relative_error(got, want)
+            print(f"{name} F16: relative logit error {rel:.5f}")
+            assert rel <= RELATIVE_TOLERANCE[T.F16]
+        hf_tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                max_new_tokens=NEW_TOKENS)[0, PROMPT_LEN:].tolist()
+        ours = _greedy(loaded.model, prompt, NEW_TOKENS)
+    assert ours == hf_tokens
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    spread = (want - want.mean(-1, keepdim=True)).norm()
+    return ((got - want).norm() / spread).item()
+
+
+QUANTIZED = [T.BF16, T.Q8_0, T.Q6_K, T.Q5_K, T.Q4_K, T.Q4_0]
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=[q.name for q in QUANTIZED])
+def test_quantized_files_are_exact_against_their_own_values_and_near_the_original(tmp_path, sp_model,
+                                                                                 reference, qtype):
+    hf, prompt, want = reference
+    path = write_gguf(tmp_path / "m.gguf", hf.state_dict(), _config(hf), qtype=qtype, sp_model=sp_model)
+    loaded = load_model(path, device="cpu", dtype="float32")
+    # 1. Exact: the same model with the weights the gguf package's numpy dequantizer reads from
+    # the file (q/k rows taken back to Hugging Face's order): the whole path, to 1e-4.
+    same = _hf_with_dequantized_weights(hf, path)
+    with torch.inference_mode():
+        got = loaded.model(prompt)
+        exact = same(prompt).logits.float()
+    assert (got - exact).abs().max().item() <= 1e-4
+    # 2. Near the float32 original, within the type's stated bounds.
+    original = hf.state_dict()["model.layers.0.mlp.gate_proj.weight"]
+    ours = loaded.model.layers[0].feed_forward.w1.weight
+    weight_error = ((ours - original).norm() / original.norm()).item()
+    rel = _relative_error(got, want)
+    print(f"{qtype.name}: relative weight error {weight_error:.4f} (bound {WEIGHT_TOLERANCE[qtype]}), "
+          f"relative logit error {rel:.4f} (bound {RELATIVE_TOLERANCE[qtype]})")
+    assert weight_error <= WEIGHT_TOLERANCE[qtype]
+    assert rel <= RELATIVE_TOLERANCE[qtype]
+
+
+def _hf_with_dequantized_weights(hf, path: Path):
+    config = hf.config
+    copy = transformers.LlamaForCausalLM(config).eval()
+    reader = gguf.GGUFReader(path)
+    by_name = {t.name: t for t in reader.tensors}
+    state = {}
+    for hf_name in hf.state_dict():
+        from builders_gguf import gguf_name
+
+        t = by_name[gguf_name(hf_name)]
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = w.reshape(tuple(reversed([int(d) for d in t.shape])))
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+        for key, n in heads.items():
+            if f"{key}.weight" in hf_name:
+                w = _inverse_permute(w, n)
+        state[hf_name] = w
+    copy.load_state_dict(state)
+    return copy
+
+
+def _inverse_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows = w.shape[0]
+    out = w.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+    assert torch.equal(converter_permute(out, n_heads), w)
+    return out
+
+
+def test_a_mixed_file_like_q4_k_m_loads(tmp_path, sp_model, reference):
+    """Q4_K_M-like: most weights Q4_K, some Q6_K, norms F32, all in one file."""
+    hf, prompt, want = reference
+    state = hf.state_dict()
+    path = write_gguf(tmp_path / "mixed.gguf", state, _config(hf), qtype=T.Q4_K, sp_model=sp_model,
+                      qtype_for={"model.layers.0.mlp.down_proj.weight": T.Q6_K, "lm_head.weight": T.Q6_K,
+                                 "model.embed_tokens.weight": T.Q8_0})
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert {types["blk.0.ffn_down.weight"], types["blk.1.ffn_down.weight"], types["token_embd.weight"]} == {
+        T.Q6_K, T.Q4_K, T.Q8_0}
+    loaded = load_model(path, device="cpu", dtype="float32")
+    with torch.inference_mode():
+        assert _relative_error(loaded.model(prompt), want) <= RELATIVE_TOLERANCE[T.Q4_K]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_quantized_weights_load_in_half_precision(tmp_path, sp_model, reference, dtype):
+    hf, prompt, want = reference
+    path = write_gguf(tmp_path / "m.gguf", hf.state_dict(), _config(hf), qtype=T.Q8_0, sp_model=sp_model)
+    loaded = load_model(path, device="cpu", dtype=dtype)
+    assert loaded.model.tok_embeddings.weight.dtype == getattr(torch, dtype)
+    with torch.inference_mode():
+        assert _relative_error(loaded.model(prompt).float(), want) <= 0.06
+
+
+# -- dequantizers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ggml_type", sorted(gguf_quants.BLOCKS), ids=lambda t: gguf_quants.BLOCKS[t].name)
+def test_dequantizers_match_the_gguf_package_on_random_blocks(ggml_type):
+    """Random bytes cover every bit pattern of every field; only the float16 scales are kept finite."""
+    fmt = gguf_quants.BLOCKS[ggml_type]
+    rng = np.random.default_rng(ggml_type)
+    blocks = rng.integers(0, 256, size=(96, fmt.block_bytes), dtype=np.uint8)
+    scales = np.float16(rng.uniform(-2, 2, size=(96, 2))).view(np.uint8)
+    if fmt.name in ("Q8_0", "Q4_0"):
+        blocks[:, 0:2] = scales[:, 0:2]
+    elif fmt.name == "Q6_K":
+        blocks[:, 208:210] = scales[:, 0:2]
+    else:
+        blocks[:, 0:4] = scales
+    want = gguf.quants.dequantize(blocks.reshape(8, -1), gguf.GGMLQuantizationType(ggml_type)).reshape(-1)
+    got = fmt.dequantize(torch.from_numpy(blocks.reshape(-1).copy()))
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), want.astype(np.float32))
+
+
+# -- tokenizers ------------------------------------------------------------------------------
+
+
+def _vocab_only_gguf(path: Path, *, sp_model: Path | None = None, tiktoken_file: Path | None = None,
+                     vocab: int, template: str | None = None) -> Path:
+    hf = _hf_model(vocab, heads=4, kv_heads=4, tied=True, rope=DEFAULT_ROPE, seed=0, dim=64)
+    return write_gguf(path, hf.state_dict(), _config(hf), sp_model=sp_model, tiktoken_file=tiktoken_file,
+                      chat_template=template)
+
+
+def test_sentencepiece_vocabulary_gives_the_original_ids(tmp_path):
+    original_path = train_llama_sentencepiece(tmp_path / "sp", vocab_size=600, user_defined=("<|im_end|>",))
+    original = SentencePieceTokenizer(original_path)
+    path = _vocab_only_gguf(tmp_path / "sp.gguf", sp_model=original_path, vocab=original.vocab_size + 8)
+    loaded = load_model(path, device="cpu")
+    tok = loaded.tokenizer
+    assert tok.vocab_size == original.vocab_size + 8  # [PADn] rows of the converter's padding
+    for text in HOLD_OUT + CORPUS:
+        assert tok.encode(text) == original.encode(text), text
+        ids = original.encode(text, bos=True)
+        assert tok.encode(text, bos=True) == ids
+        assert tok.decode(ids) == original.decode(ids)
+        assert [tok.token_bytes(i) for i in ids] == [original.token_bytes(i) for i in ids]
+    assert (tok.bos_id, tok.eos_id) == (original.bos_id, original.eos_id)
+    assert tok.stop_ids >= original.stop_ids
+    assert tok.strips_leading_space and tok.add_bos
+    assert tok.special_tokens["<|im_end|>"] == original.special_tokens["<|im_end|>"]
+
+
+def test_tiktoken_vocabulary_gives_the_original_ids(tmp_path):
+    rank_file = write_tiktoken_file(tmp_path / "tt", n_merges=300)
+    original = TiktokenTokenizer(rank_file)
+    path = _vocab_only_gguf(tmp_path / "tt.gguf", tiktoken_file=rank_file, vocab=original.vocab_size)
+    loaded = load_model(path, device="cpu")
+    tok = loaded.tokenizer
+    assert tok.vocab_size == original.vocab_size
+    for text in HOLD_OUT + CORPUS:
+        assert tok.encode(text) == original.encode(text), text
+        ids = original.encode(text)
+        assert tok.decode(ids) == original.decode(ids)
+        assert [tok.token_bytes(i) for i in ids] == [original.token_bytes(i) for i in ids]
+    assert tok.bos_id == original.bos_id
+    assert tok.special_tokens["<|eot_id|>"] == original.special_tokens["<|eot_id|>"]
+    assert original.special_tokens["<|eot_id|>"] in tok.stop_ids
+    rendered = "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+    assert tok.encode_allowing_special(rendered) == original.encode_allowing_special(rendered)
+    # Without a template in the file, a vocabulary with Llama 3's header tokens chats as Llama 3.
+    assert loaded.chat_format is not None and loaded.chat_format.name == "llama3"
+
+
+def test_the_chat_template_in_the_file_is_used(tmp_path):
+    from llama_chat.model.chat_format import Message
+
+    rank_file = write_tiktoken_file(tmp_path / "tt", n_merges=100)
+    n = TiktokenTokenizer(rank_file).vocab_size
+    template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+                "{{ m.content }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    path = _vocab_only_gguf(tmp_path / "chat.gguf", tiktoken_file=rank_file, vocab=n, template=template)
+    loaded = load_model(path, device="cpu")
+    assert loaded.chat_format is not None and loaded.chat_format.name == "hf"
+    ids = loaded.chat_format.encode_dialog([Message("user", "hi")])
+    specials = loaded.tokenizer.special_tokens
+    assert ids[:2] == [specials["<|begin_of_text|>"], specials["<|start_header_id|>"]]
+    assert ids.count(specials["<|begin_of_text|>"]) == 1
+    assert load_model(path, device="cpu", chat_format="none").chat_format is None
+
+
+# -- finding, layouts and errors -------------------------------------------------------------
+
+
+def test_layout_is_found_by_magic_and_in_a_directory(tmp_path, sp_model, reference):
+    hf, _, _ = reference
+    (tmp_path / "d").mkdir()
+    path = write_gguf(tmp_path / "d" / "model.gguf", hf.state_dict(), _config(hf), sp_model=sp_model)
+    blob = tmp_path / "sha256-0123abcd"
+    blob.write_bytes(path.read_bytes())
+    assert detect_layout(path) == "gguf"
+    assert detect_layout(tmp_path / "d") == "gguf"
+    assert detect_layout(blob) == "gguf"  # Ollama's blobs have no extension
+    assert load_model(blob, device="cpu", name="tiny:latest").name == "tiny:latest"
+    (tmp_path / "d" / "other.gguf").write_bytes(path.read_bytes())
+    with pytest.raises(ModelLoadError, match=r"holds 2 GGUF files \(model.gguf, other.gguf\); name one"):
+        detect_layout(tmp_path / "d")
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(path, device="cpu")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory, sp_model) -> Path:
+    hf = _hf_model(416, heads=4, kv_heads=2, tied=False, rope=DEFAULT_ROPE, seed=0, dim=64)
+    return write_gguf(tmp_path_factory.mktemp("good") / "good.gguf", hf.state_dict(), _config(hf),
+                      qtype=T.Q8_0, sp_model=sp_model)
+
+
+def test_truncated_and_damaged_files_are_one_line_errors(tmp_path, good_file):
+    data = good_file.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    assert _error(cut).startswith("cut.gguf: ")
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:200])
+    assert "header.gguf: not a valid GGUF file" in _error(header_only)
+    not_gguf = tmp_path / "fake.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + data[4:100])
+    assert "fake.gguf: not a GGUF file (it does not start with 'GGUF')" in _error(not_gguf)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    assert "empty.gguf" in _error(empty)
+
+
+def _rewrite(src: Path, dst: Path, *, drop: set[str] = frozenset(), change: dict | None = None,
+             arch: str = "llama", skip_tensors: set[str] = frozenset()) -> Path:
+    """A copy of ``src`` through the gguf writer with some metadata dropped or replaced."""
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), arch)
+    change = dict(change or {})
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
+            continue
+        value_type = field.types[0]
+        if name in change:
+            value = change.pop(name)
+        elif value_type == gguf.GGUFValueType.ARRAY:
+            value = field.contents()
+        else:
+            value = field.contents()
+        sub = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, value_type, sub_type=sub)
+    for name, (value, value_type) in change.items():
+        writer.add_key_value(name, value, value_type)
+    for t in reader.tensors:
+        if t.name in skip_tensors:
+            continue
+        writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_bad_metadata_is_named(tmp_path, good_file):
+    assert _error(_rewrite(good_file, tmp_path / "a.gguf", arch="qwen2")) == (
+        "a.gguf: architecture 'qwen2' is not supported (expected 'llama')")
+    assert _error(_rewrite(good_file, tmp_path / "b.gguf", drop={"llama.block_count"})) == (
+        "b.gguf: missing metadata 'llama.block_count'")
+    message = _error(_rewrite(good_file, tmp_path / "c.gguf", change={"llama.block_count": 10**6}))
+    assert message.startswith("c.gguf: describes a model of ") and "but the file holds only" in message
+    message = _error(_rewrite(good_file, tmp_path / "d.gguf", change={"llama.block_count": 2**31}))
+    assert message.startswith("d.gguf: ") and "larger than any model's" in message
+    assert _error(_rewrite(good_file, tmp_path / "e.gguf", drop={"tokenizer.ggml.model"})).startswith(
+        "e.gguf: no tokenizer in the file")
+    assert _error(_rewrite(good_file, tmp_path / "f.gguf", change={"tokenizer.ggml.bos_token_id": 99999})) == (
+        "f.gguf: metadata 'tokenizer.ggml.bos_token_id' is 99999, not a token id (0 to 415)")
+    message = _error(_rewrite(good_file, tmp_path / "g.gguf", skip_tensors={"blk.1.ffn_up.weight"}))
+    assert message == "g.gguf: missing tensor 'layers.1.feed_forward.w3.weight'"
+    hostile = _rewrite(good_file, tmp_path / "i.gguf", change={"tokenizer.ggml.model": "\x1b[2Jevil"})
+    assert _error(hostile) == "i.gguf: tokenizer.ggml.model '\\x1b[2Jevil' is not supported (expected 'llama' or 'gpt2')"
+
+
+def test_unsupported_tensor_types_are_named(tmp_path, sp_model):
+    hf = _hf_model(416, heads=4, kv_heads=2, tied=True, rope=DEFAULT_ROPE, seed=0, dim=64)
+    path = write_gguf(tmp_path / "q5_1.gguf", hf.state_dict(), _config(hf), qtype=T.Q5_1, sp_model=sp_model)
+    assert _error(path) == ("q5_1.gguf: tensor 'token_embd.weight' has type Q5_1, which is not supported "
+                            "(expected F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K)")
