@@ -32,12 +32,13 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from llama_chat.inference.beam import BeamLimits, BeamProgress, BeamSearch
 from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.model_step import Decode, ModelStep, Sampler, StepOptions
 from llama_chat.inference.step_worker import StepWorker
-from llama_chat.inference.types import (Completion, EmptyPrompt, EngineBusy, GenerationState, PromptTooLong,
-                                        Request, RequestError, Response, Tally, TokenEvent, sole_exception,
-                                        state_after, stop_ids_of)
+from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, EmptyPrompt, EngineBusy,
+                                        GenerationState, PromptTooLong, Request, RequestError, Response, Tally,
+                                        TokenEvent, sole_exception, state_after, stop_ids_of)
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, sample
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
@@ -117,6 +118,10 @@ class Engine:
             raise EmptyPrompt()
         if len(request.prompt_ids) >= self.max_seq_len:
             raise PromptTooLong(len(request.prompt_ids), self.max_seq_len)
+        vocab = self.step.sample_ids or self.step.vocab_size
+        for token, _ in request.sampling.logit_bias:
+            if token >= vocab:
+                raise RequestError(f"--logit-bias: token id {token} is outside the vocabulary (0 to {vocab - 1})")
         vocab = self.step.sample_ids or self.step.vocab_size
         for token, _ in request.sampling.logit_bias:
             if token >= vocab:
@@ -250,6 +255,25 @@ class Engine:
             generation._receive = receive
             yield generation
 
+    @asynccontextmanager
+    async def beams(self, request: Request) -> AsyncIterator[BeamRun]:
+        """``async with engine.beams(req) as run: async for progress in run: ...``, then
+        ``run.completion()``: beam search (``request.beams``), not streamed, one forward per
+        step in the worker thread, so a cancel lands between two steps.
+
+        The search has a KV cache of its own, one row per beam: the engine's cache and what it
+        records as cached are left as they were.
+        """
+        self.check(request)
+        if self._busy:
+            raise EngineBusy("this engine is already generating")
+        self._busy = True
+        try:
+            async with StepWorker(report_every_s=self.options.report_every_s) as worker:
+                yield BeamRun(self, request, worker)
+        finally:
+            self._busy = False
+
     async def complete(self, request: Request) -> Completion:
         """Run ``request`` to the end and return its text, tokens, finish reason and timings."""
         async with self.stream(request) as generation:
@@ -325,6 +349,57 @@ class Generation:
         if not self._done:  # a stream left early: what was held still belongs to the text
             self.cut_off()
         return self.tally.completion(self.text)
+
+
+class BeamRun:
+    """One beam search: iterate for ``BeamProgress`` after each step; ``completion`` at the end
+    (or after a cancel: the best hypotheses so far, the unfinished ones ``cancelled``)."""
+
+    def __init__(self, engine: Engine, request: Request, worker: StepWorker) -> None:
+        self.engine, self.request, self.worker = engine, request, worker
+        step = engine.step
+        prompt = len(request.prompt_ids)
+        room = step.max_seq_len - prompt
+        budget = request.max_tokens
+        limits = BeamLimits(min(budget, room) if budget is not None else room,
+                            GenerationState.MAX_TOKENS if budget is not None and budget <= room
+                            else GenerationState.CONTEXT_FULL,
+                            time.perf_counter(), request.max_time)
+        self.search = BeamSearch(step.model, request.prompt_ids, request.sampling, request.beams, limits=limits,
+                                 stop_ids=engine.stop_ids, seed=request.seed,
+                                 vocab=step.sample_ids or step.vocab_size, device=step.device, dtype=step.dtype)
+        self._prefilled = False
+
+    def __aiter__(self) -> BeamRun:
+        return self
+
+    async def __anext__(self) -> BeamProgress:
+        search, worker = self.search, self.worker
+        while not self._prefilled:
+            more = await worker.result(worker.submit(search.prefill, self.engine.prefill_chunk))
+            self._prefilled = not more
+        if search.done:
+            raise StopAsyncIteration
+        await worker.result(worker.submit(search.step))
+        return search.progress()
+
+    def completion(self) -> BeamCompletion:
+        engine, request = self.engine, self.request
+        beams = []
+        for beam in self.search.result():
+            data = b"".join(engine.token_bytes(t) for t in beam.token_ids)
+            text = data.decode("utf-8", errors="replace")
+            reason = beam.finish_reason
+            # Stop strings cut each hypothesis after the search (they are not part of its score).
+            cuts = [text.find(s) for s in request.stop if s in text]
+            if cuts:
+                text, reason = text[:min(cuts)], GenerationState.STOP_STRING
+            if request.chat_reply and getattr(engine.tokenizer, "strips_leading_space", False):
+                text = text.removeprefix(" ")
+            beams.append(BeamText(text, beam.token_ids, beam.score, reason))
+        progress = self.search.progress()
+        return BeamCompletion(request.request_id, tuple(beams), len(request.prompt_ids), progress.step,
+                              progress.elapsed_s)
 
 
 class _DecodeRun:

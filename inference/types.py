@@ -206,6 +206,35 @@ class Tally:
                           self.timings(), self.cached_tokens)
 
 
+@dataclass(frozen=True)
+class BeamText:
+    """One hypothesis of a beam search: its text, ids, score and why it ended."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    score: float  # sum of log-probabilities / generated length ** length_penalty (transformers' sequences_scores)
+    finish_reason: GenerationState
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": list(self.token_ids), "score": self.score,
+                "finish_reason": self.finish_reason.value}
+
+
+@dataclass(frozen=True)
+class BeamCompletion:
+    """What a beam search returns: the best hypotheses, best first (``num_return`` of them)."""
+
+    request_id: str
+    beams: tuple[BeamText, ...]
+    prompt_tokens: int
+    steps: int  # tokens generated per beam before the search ended
+    elapsed_s: float
+
+    @property
+    def best(self) -> BeamText | None:
+        return self.beams[0] if self.beams else None
+
+
 # -- when a generation ends ----------------------------------------------------------------------
 
 # End markers by name, for tokenizers that declare them as special tokens without listing every

@@ -30,6 +30,22 @@ class KVCache:
     def rows(self) -> int:
         return self.keys[0].shape[0]
 
+    def reorder(self, sources, length: int | None = None) -> None:
+        """Row ``i`` becomes a copy of row ``sources[i]`` (positions below ``length``; None: all).
+
+        Beam search calls it after every step: the beams that survive, fork into several, or
+        replace those dropped take their predecessors' keys and values. ``[0] * rows`` copies
+        one prefilled prompt into every row.
+        """
+        index = torch.as_tensor(sources, dtype=torch.long, device=self.keys[0].device)
+        if index.numel() != self.rows:
+            raise ValueError(f"reorder needs one source per row ({self.rows}), got {index.numel()}")
+        if torch.equal(index, torch.arange(self.rows, device=index.device)):
+            return
+        end = self.max_seq_len if length is None else length
+        for cached in (*self.keys, *self.values):
+            cached[:, :, :end] = cached[index, :, :end]
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                kv_len: int, contiguous_from: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` (``(batch, kv_heads, seq, head_dim)``) at ``positions`` (``(batch, seq)``).
