@@ -117,9 +117,15 @@ def _check_device(value: str) -> str:
 
 @dataclass(frozen=True)
 class Options:
-    model: Annotated[Path | None, typer.Option(
-        "--model", "-m", help="Model directory or weights file (default: the small model shipped with the "
-                              "package).")] = None
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="Model: a directory or weights file (.gguf too), a Hugging Face id org/name from "
+                              "the local cache, or ollama:NAME[:TAG] from Ollama's store (default: the small "
+                              "model shipped with the package). --list shows what is there.")] = None
+    list_models: Annotated[bool, typer.Option(
+        "--list", help="List the models in the Hugging Face cache and Ollama's store, and exit.")] = False
+    download: Annotated[bool, typer.Option(
+        "--download", help="With -m org/name: download the model from the Hugging Face hub if it is not "
+                           "in the cache (with a progress bar).")] = False
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None
     file: Annotated[str | None, typer.Option(
         "--file", "-f", help="Read the prompt from this file ('-': stdin); stdin is then not read otherwise.")] = None
@@ -243,6 +249,12 @@ def execute(opts: Options) -> int:
         # Input problems are found before torch is imported: a usage error should be instant.
         if sys.stdout is None:  # started with stdout closed (`>&-`)
             raise UsageProblem("standard output is closed: there is nowhere to write the answer")
+        if opts.list_models:
+            from llama_chat.cmd.model_list import print_model_list
+
+            return print_model_list(sys.stdout)
+        if opts.download and opts.model is None:
+            raise UsageProblem("--download needs -m org/name (a Hugging Face id)")
         if wants_chat(opts):
             if opts.json:
                 raise UsageProblem("--json prints one answer; it cannot be used with the chat")

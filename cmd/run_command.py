@@ -27,17 +27,24 @@ from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
+from llama_chat.model.stores import resolve_model
 
 if TYPE_CHECKING:
     from llama_chat.cmd.app import Options
 
 
 def load(opts: Options, err: Console) -> LoadedModel:
-    path = opts.model if opts.model is not None else default_model_dir()
+    if opts.model is None:
+        path, name = default_model_dir(), None
+    else:
+        # A path, a Hugging Face id (org/name) or ollama:NAME[:TAG]; a download only with --download.
+        resolved = resolve_model(str(opts.model), download=getattr(opts, "download", False),
+                                 progress=err.is_terminal)
+        path, name = resolved.path, resolved.name
     # The bar (stderr on a terminal, big checkpoints only) is erased on success, error or Ctrl+C.
-    with load_progress(Path(path).name or str(path), console=err) as on_progress:
+    with load_progress(name or Path(path).name or str(path), console=err) as on_progress:
         return load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
-                          max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress)
+                          max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress, name=name)
 
 
 def make_engine(loaded: LoadedModel, opts: Options) -> Engine:

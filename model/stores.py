@@ -1,0 +1,287 @@
+"""Finding models by name: ``-m`` paths, Hugging Face hub ids and Ollama's store.
+
+* a path that exists is itself;
+* ``ollama:NAME[:TAG]`` is the GGUF blob that Ollama's manifest for NAME:TAG names, in
+  ``$OLLAMA_MODELS`` or ``~/.ollama/models`` (read only: nothing there is written or checked
+  beyond the manifest and the blob's existence);
+* ``org/name`` is that repository's snapshot in the Hugging Face cache (``$HF_HUB_CACHE``, else
+  ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``), found offline through ``huggingface_hub``.
+  Nothing is downloaded unless asked (``download=True``), and never with ``HF_HUB_OFFLINE`` set.
+
+Everything here works without torch (``llama-chat --list`` never loads it), and every value read
+from a manifest or a directory name is checked before it becomes part of a path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.formats.json_files import first_sentence, read_json
+
+OLLAMA_PREFIX = "ollama:"
+OLLAMA_HOST = "registry.ollama.ai"
+OLLAMA_NAMESPACE = "library"
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+_OLLAMA_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
+# What --download fetches of a Hugging Face repository: enough to run it, never every file.
+_HF_RUN_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "tokenizer.model", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a ``-m`` value points: a path ``load_model`` reads, and the name to show for it."""
+
+    path: Path
+    name: str
+    source: str  # "path" | "hf" | "ollama"
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """One model ``--list`` shows: the ``-m`` value that runs it, its format, size and place."""
+
+    name: str
+    source: str  # "hf" | "ollama"
+    format: str  # "hf" | "gguf" | "incomplete"
+    size: int  # bytes
+    path: Path
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, by huggingface_hub's own rules, read from the environment now."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hf_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def ollama_models_dir() -> Path:
+    value = os.environ.get("OLLAMA_MODELS")
+    return Path(value).expanduser() if value else Path.home() / ".ollama" / "models"
+
+
+def is_hub_id(spec: str) -> bool:
+    return bool(_HUB_ID.fullmatch(spec)) and ".." not in spec
+
+
+def resolve_model(spec: str, *, download: bool = False, progress: bool = True) -> ResolvedModel:
+    """The model ``spec`` names (see the module's docstring); ModelLoadError saying how to get it if missing."""
+    if spec.startswith(OLLAMA_PREFIX):
+        return _resolve_ollama(spec[len(OLLAMA_PREFIX):])
+    path = Path(spec).expanduser()
+    if path.exists():
+        if download:
+            raise ModelLoadError(f"{spec}: --download fetches Hugging Face ids (org/name), not local paths")
+        return ResolvedModel(path=path, name=path.stem if path.is_file() else path.resolve().name, source="path")
+    if is_hub_id(spec):
+        return _resolve_hub(spec, download=download, progress=progress)
+    raise ModelLoadError(f"{spec}: no such file or directory (nor a Hugging Face id org/name or ollama:NAME)")
+
+
+# --- Hugging Face -------------------------------------------------------------------------------
+
+
+def _resolve_hub(repo_id: str, *, download: bool, progress: bool) -> ResolvedModel:
+    cache = hf_cache_dir()
+    snapshot = _cached_snapshot(repo_id, cache)
+    if snapshot is None:
+        if not download:
+            raise ModelLoadError(f"{repo_id}: not in the Hugging Face cache ({cache}); fetch it with "
+                                 f"`llama-chat -m {repo_id} --download`")
+        snapshot = _download(repo_id, cache, progress)
+    elif download:
+        snapshot = _download(repo_id, cache, progress)  # completes a partial copy; cached files stay
+    return ResolvedModel(path=snapshot, name=repo_id, source="hf")
+
+
+def _cached_snapshot(repo_id: str, cache: Path) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a damaged cache entry: say which, on one line
+        raise ModelLoadError(f"{repo_id}: cannot read its Hugging Face cache entry ({first_sentence(e)})") from None
+
+
+def _download(repo_id: str, cache: Path, progress: bool) -> Path:
+    if hf_offline():
+        raise ModelLoadError(f"{repo_id}: HF_HUB_OFFLINE is set, so it cannot be downloaded")
+    from huggingface_hub import HfApi, snapshot_download
+
+    try:
+        files = HfApi().list_repo_files(repo_id)
+        patterns = _run_files(files)
+        if not patterns:
+            raise ModelLoadError(f"{repo_id}: the repository has no Hugging Face weights (config.json and "
+                                 "*.safetensors); download one of its files yourself and pass its path")
+        kwargs = {} if progress else {"tqdm_class": _SilentBar}
+        return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=patterns, **kwargs))
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - network, authentication, missing repository
+        raise ModelLoadError(f"{repo_id}: cannot download it ({type(e).__name__}: {first_sentence(e)})") from None
+
+
+def _run_files(files: list[str]) -> list[str]:
+    """The files of a repository that running it needs: config, tokenizer, one kind of weights."""
+    names = set(files)
+    if "config.json" not in names:
+        return []
+    if any(f.endswith(".safetensors") for f in names):
+        weights = ["*.safetensors", "model.safetensors.index.json"]
+    elif any(f.startswith("pytorch_model") for f in names):
+        weights = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+    else:
+        return []
+    return [*_HF_RUN_FILES, *weights]
+
+
+class _SilentBar:
+    """A tqdm stand-in that shows nothing (downloads when stderr is not a terminal)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _SilentBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
+
+
+def _hf_entries(cache: Path) -> Iterator[StoredModel]:
+    if not cache.is_dir():
+        return
+    from huggingface_hub import scan_cache_dir
+
+    try:
+        info = scan_cache_dir(cache)
+    except Exception:  # noqa: BLE001 - an unreadable cache lists nothing rather than failing --list
+        return
+    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model" or not is_hub_id(repo.repo_id):
+            continue
+        revision = next((r for r in repo.revisions if "main" in r.refs), None)
+        if revision is None:
+            continue
+        names = {f.file_name for f in revision.files}
+        ggufs = sorted(f for f in names if f.endswith(".gguf"))
+        if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
+            yield StoredModel(repo.repo_id, "hf", "hf", revision.size_on_disk, revision.snapshot_path)
+        elif len(ggufs) == 1:
+            yield StoredModel(repo.repo_id, "hf", "gguf", revision.size_on_disk, revision.snapshot_path)
+        else:
+            for name in ggufs:  # several quantizations of one model: each file by its path
+                file = revision.snapshot_path / name
+                yield StoredModel(str(file), "hf", "gguf", _size(file), file)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+# --- Ollama -------------------------------------------------------------------------------------
+
+
+def _ollama_parts(name: str) -> tuple[str, str, str, str]:
+    """``NAME[:TAG]`` -> (host, namespace, model, tag), as Ollama fills in its defaults."""
+    path, tag = name.rsplit(":", 1) if ":" in name.rsplit("/", 1)[-1] else (name, "latest")
+    parts = path.split("/")
+    if len(parts) == 1:
+        parts = [OLLAMA_HOST, OLLAMA_NAMESPACE, *parts]
+    elif len(parts) == 2:
+        parts = [OLLAMA_HOST, *parts]
+    if len(parts) != 3 or not all(_OLLAMA_PART.fullmatch(p) for p in (*parts, tag)):
+        raise ModelLoadError(f"ollama:{name}: not an Ollama model name (expected NAME, NAME:TAG or "
+                             "NAMESPACE/NAME:TAG)")
+    return parts[0], parts[1], parts[2], tag
+
+
+def _short_name(host: str, namespace: str, model: str, tag: str) -> str:
+    if host == OLLAMA_HOST and namespace == OLLAMA_NAMESPACE:
+        return f"{model}:{tag}"
+    if host == OLLAMA_HOST:
+        return f"{namespace}/{model}:{tag}"
+    return f"{host}/{namespace}/{model}:{tag}"
+
+
+def _resolve_ollama(name: str) -> ResolvedModel:
+    host, namespace, model, tag = _ollama_parts(name)
+    store = ollama_models_dir()
+    manifest = store / "manifests" / host / namespace / model / tag
+    short = _short_name(host, namespace, model, tag)
+    if not manifest.is_file():
+        pull = short.removesuffix(":latest")
+        raise ModelLoadError(f"ollama:{short}: not in Ollama's store ({store}); fetch it with `ollama pull {pull}`")
+    blob, _ = _model_blob(manifest, store)
+    return ResolvedModel(path=blob, name=short, source="ollama")
+
+
+def _model_blob(manifest: Path, store: Path) -> tuple[Path, int]:
+    """The GGUF blob a manifest names, and its size as the manifest gives it."""
+    data = read_json(manifest)
+    layers = data.get("layers")
+    if not isinstance(layers, list):
+        raise ModelLoadError(f"{manifest}: not an Ollama manifest (no 'layers' list)")
+    layer = next((x for x in layers if isinstance(x, dict) and x.get("mediaType") == OLLAMA_MODEL_LAYER), None)
+    if layer is None:
+        raise ModelLoadError(f"{manifest}: no model layer ({OLLAMA_MODEL_LAYER}) in the manifest")
+    digest = layer.get("digest")
+    m = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
+    if m is None:
+        raise ModelLoadError(f"{manifest}: the model layer's digest {digest!r:.80} is not 'sha256:' and 64 hex digits")
+    blob = store / "blobs" / f"sha256-{m.group(1)}"
+    if not blob.is_file():
+        raise ModelLoadError(f"{manifest}: its model blob {blob.name} is missing from {blob.parent}")
+    size = layer.get("size")
+    return blob, size if isinstance(size, int) and not isinstance(size, bool) else _size(blob)
+
+
+def _ollama_entries(store: Path) -> Iterator[StoredModel]:
+    root = store / "manifests"
+    if not root.is_dir():
+        return
+    for manifest in sorted(root.glob("*/*/*/*")):
+        host, namespace, model, tag = manifest.relative_to(root).parts
+        if not manifest.is_file() or not all(_OLLAMA_PART.fullmatch(p) for p in (host, namespace, model, tag)):
+            continue
+        try:
+            blob, size = _model_blob(manifest, store)
+        except ModelLoadError:
+            continue  # not a model (an embedding's or a projector's manifest), or damaged
+        yield StoredModel(OLLAMA_PREFIX + _short_name(host, namespace, model, tag), "ollama", "gguf", size, blob)
+
+
+def list_models() -> list[StoredModel]:
+    """Every model in the Hugging Face cache and in Ollama's store, by the ``-m`` value that runs it."""
+    return [*_hf_entries(hf_cache_dir()), *_ollama_entries(ollama_models_dir())]

@@ -1,0 +1,213 @@
+"""Models by name: a fake Hugging Face cache and a fake Ollama store, built here, resolve offline;
+``--list`` shows them; missing models say how to get them.
+
+The cache is laid out as ``huggingface_hub`` writes it (``models--org--name/{blobs,refs,snapshots}``,
+snapshot files as links to blobs named by their hash) and the store as Ollama does
+(``manifests/registry.ollama.ai/library/NAME/TAG`` JSON naming ``blobs/sha256-HEX``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from builders import random_model, tiny_args, train_sentencepiece
+from builders_formats import hf_config, hf_state, write_hf_checkpoint
+from builders_gguf import write_gguf
+from cli_support import run_cli
+from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.loader import load_model
+from llama_chat.model.stores import hf_cache_dir, list_models, resolve_model
+
+pytest.importorskip("gguf")
+pytest.importorskip("huggingface_hub")
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    sp = train_sentencepiece(out / "spm", vocab_size=400)
+    import sentencepiece as spm
+
+    model = random_model(tiny_args(spm.SentencePieceProcessor(model_file=str(sp)).vocab_size()), seed=5)
+    hf_dir = write_hf_checkpoint(model, out / "hf", sp)
+    gguf_file = write_gguf(out / "tiny.gguf", hf_state(model), hf_config(model), sp_model=sp)
+    return model, hf_dir, gguf_file
+
+
+def make_hf_cache(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
+    """One repository in a Hugging Face cache, as huggingface_hub lays it out; the snapshot path."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / name)
+    return snapshot
+
+
+def make_ollama_store(store: Path, name: str, tag: str, gguf_bytes: bytes, *, namespace: str = "library",
+                      digest: str | None = None) -> Path:
+    """One model in an Ollama store: its manifest and blobs; the model blob's path."""
+    hexdigest = hashlib.sha256(gguf_bytes).hexdigest()
+    blobs = store / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    blob = blobs / f"sha256-{hexdigest}"
+    blob.write_bytes(gguf_bytes)
+    template = b"{{ .Prompt }}"
+    (blobs / f"sha256-{hashlib.sha256(template).hexdigest()}").write_bytes(template)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
+                   "digest": "sha256:" + "0" * 64, "size": 2},
+        "layers": [
+            {"mediaType": "application/vnd.ollama.image.model", "digest": digest or f"sha256:{hexdigest}",
+             "size": len(gguf_bytes)},
+            {"mediaType": "application/vnd.ollama.image.template",
+             "digest": f"sha256:{hashlib.sha256(template).hexdigest()}", "size": len(template)},
+        ],
+    }
+    path = store / "manifests" / "registry.ollama.ai" / namespace / name / tag
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(manifest))
+    return blob
+
+
+@pytest.fixture
+def stores(tmp_path, monkeypatch, tiny):
+    """A Hugging Face cache with an HF-layout repo and a GGUF repo, and an Ollama store."""
+    _, hf_dir, gguf_file = tiny
+    cache = tmp_path / "hf-home" / "hub"
+    make_hf_cache(cache, "acme/tiny-llama", {p.name: p.read_bytes() for p in hf_dir.iterdir()})
+    make_hf_cache(cache, "acme/tiny-llama-GGUF", {"tiny.Q8_0.gguf": gguf_file.read_bytes(), "README.md": b"hi"})
+    store = tmp_path / "ollama"
+    blob = make_ollama_store(store, "tiny", "latest", gguf_file.read_bytes())
+    make_ollama_store(store, "tiny", "q8", gguf_file.read_bytes(), namespace="someone")
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    return cache, store, blob
+
+
+def test_hub_ids_resolve_from_the_cache_offline(stores, tiny):
+    model, _, _ = tiny
+    cache, _, _ = stores
+    assert hf_cache_dir() == cache  # HF_HOME/hub
+    found = resolve_model("acme/tiny-llama")
+    assert found.source == "hf" and found.name == "acme/tiny-llama"
+    assert found.path == cache / "models--acme--tiny-llama" / "snapshots" / COMMIT
+    loaded = load_model(found.path, device="cpu", name=found.name)
+    assert loaded.layout == "hf" and loaded.name == "acme/tiny-llama"
+    ids = torch.tensor([[1, 5, 9, 12]])
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded.model(ids), model(ids), atol=1e-4, rtol=0)
+    # A repository of one GGUF file resolves to it.
+    gguf_repo = resolve_model("acme/tiny-llama-GGUF")
+    assert load_model(gguf_repo.path, device="cpu").layout == "gguf"
+
+
+def test_hf_hub_cache_wins_over_hf_home(stores, monkeypatch, tmp_path):
+    cache, _, _ = stores
+    other = tmp_path / "elsewhere"
+    make_hf_cache(other, "acme/other", {"config.json": b"{}"})
+    monkeypatch.setenv("HF_HUB_CACHE", str(other))
+    assert resolve_model("acme/other").path == other / "models--acme--other" / "snapshots" / COMMIT
+    with pytest.raises(ModelLoadError, match="acme/tiny-llama: not in the Hugging Face cache"):
+        resolve_model("acme/tiny-llama")
+
+
+def test_ollama_names_resolve_through_manifests(stores, tiny):
+    model, _, _ = tiny
+    _, store, blob = stores
+    for spec in ("ollama:tiny", "ollama:tiny:latest", "ollama:library/tiny:latest"):
+        found = resolve_model(spec)
+        assert (found.path, found.name, found.source) == (blob, "tiny:latest", "ollama")
+    other = resolve_model("ollama:someone/tiny:q8")
+    assert other.name == "someone/tiny:q8"
+    loaded = load_model(other.path, device="cpu", name=other.name)
+    assert loaded.layout == "gguf" and loaded.name == "someone/tiny:q8"
+    ids = torch.tensor([[1, 5, 9, 12]])
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded.model(ids), model(ids), atol=1e-4, rtol=0)
+
+
+def test_missing_models_say_how_to_get_them(stores):
+    cache, store, _ = stores
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model("acme/missing")
+    assert str(info.value) == (f"acme/missing: not in the Hugging Face cache ({cache}); fetch it with "
+                               "`llama-chat -m acme/missing --download`")
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model("ollama:llama3.2")
+    assert str(info.value) == (f"ollama:llama3.2:latest: not in Ollama's store ({store}); fetch it with "
+                               "`ollama pull llama3.2`")
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE is set, so it cannot be downloaded"):
+        resolve_model("acme/missing", download=True)
+    with pytest.raises(ModelLoadError, match="no such file or directory"):
+        resolve_model("./not/here/at/all")
+
+
+@pytest.mark.parametrize("spec", ["ollama:../../etc/passwd", "ollama:a/b/c/d", "ollama:tiny:", "ollama:.hidden",
+                                  "ollama:tiny:../x"])
+def test_bad_ollama_names_are_refused(stores, spec):
+    with pytest.raises(ModelLoadError, match="not an Ollama model name"):
+        resolve_model(spec)
+
+
+def test_a_manifest_cannot_point_outside_the_blobs(stores, tiny):
+    _, store, _ = stores
+    _, _, gguf_file = tiny
+    make_ollama_store(store, "evil", "latest", gguf_file.read_bytes(), digest="sha256:../../../../etc/passwd")
+    with pytest.raises(ModelLoadError, match="digest '.*' is not 'sha256:' and 64 hex digits"):
+        resolve_model("ollama:evil")
+    hexdigest = "f" * 64
+    make_ollama_store(store, "gone", "latest", gguf_file.read_bytes(), digest=f"sha256:{hexdigest}")
+    with pytest.raises(ModelLoadError, match=f"its model blob sha256-{hexdigest} is missing"):
+        resolve_model("ollama:gone")
+
+
+def test_list_shows_both_stores(stores):
+    models = {m.name: m for m in list_models()}
+    assert set(models) == {"acme/tiny-llama", "acme/tiny-llama-GGUF", "ollama:tiny:latest",
+                           "ollama:someone/tiny:q8"}
+    assert models["acme/tiny-llama"].format == "hf" and models["acme/tiny-llama-GGUF"].format == "gguf"
+    assert models["ollama:tiny:latest"].size == models["ollama:tiny:latest"].path.stat().st_size
+
+
+def test_the_command_lists_and_runs_models_by_name(stores, tmp_path):
+    env = {"HF_HOME": os.environ["HF_HOME"], "HF_HUB_OFFLINE": "1", "OLLAMA_MODELS": os.environ["OLLAMA_MODELS"]}
+    listed = run_cli("--list", **env)
+    assert listed.returncode == 0, listed.stderr.decode()
+    lines = listed.stdout.decode().splitlines()
+    assert lines[0].split() == ["MODEL", "FORMAT", "SIZE"]
+    assert any(line.split()[:2] == ["ollama:tiny:latest", "gguf"] for line in lines)
+    assert any(line.split()[:2] == ["acme/tiny-llama", "hf"] for line in lines)
+
+    for spec in ("ollama:tiny", "acme/tiny-llama"):
+        proc = run_cli("-m", spec, "-p", "hello", "-n", "4", "-t", "0", "--json", "--no-stdin", **env)
+        assert proc.returncode == 0, proc.stderr.decode()
+        result = json.loads(proc.stdout)
+        assert result["model"] == ("tiny:latest" if spec.startswith("ollama") else spec)
+
+    missing = run_cli("-m", "acme/missing", "-p", "hi", "--no-stdin", **env)
+    assert missing.returncode == 2
+    assert missing.stderr.decode().strip().splitlines() == [
+        f"llama-chat: error: acme/missing: not in the Hugging Face cache ({stores[0]}); fetch it with "
+        "`llama-chat -m acme/missing --download`"]
+
+    empty = run_cli("--list", HF_HOME=str(tmp_path / "none"), OLLAMA_MODELS=str(tmp_path / "none2"))
+    assert empty.returncode == 0 and empty.stdout.decode().startswith("no models found")
