@@ -33,6 +33,7 @@ with deferred_signals(exit_now=True):
     from llama_chat.cmd.inputs import UsageProblem, gather_first_message, gather_prompt
     from llama_chat.cmd.sanitize import one_line
     from llama_chat.cmd.signals import install_sync_handlers
+    from llama_chat.ml.controls import ControlError, check, check_early_stopping, parse_logit_bias
 
 
 class Template(str, enum.Enum):
@@ -104,6 +105,39 @@ def _check_ctx_size(value: int | None) -> int | None:
     return value
 
 
+def _control(name: str) -> Callable:
+    """A callback checking an option against the ranges in ``ml/controls.py`` (None passes)."""
+    def callback(value):
+        if value is None:
+            return value
+        try:
+            return check(name, value)
+        except ControlError as e:
+            raise typer.BadParameter(e.reason) from None
+    return callback
+
+
+def _check_logit_bias(values: list[str] | None) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple(parse_logit_bias(v) for v in values or ())
+    except ControlError as e:
+        raise typer.BadParameter(e.reason) from None
+
+
+def _check_early_stopping(value: str):
+    try:
+        return check_early_stopping(value)
+    except ControlError as e:
+        raise typer.BadParameter(e.reason) from None
+
+
+# --help shows the options in these sections, in this order (``_GroupedHelp``).
+SAMPLING = "Sampling (Hugging Face generate's names)"
+PENALTIES = "Penalties and token rules"
+STOPPING = "Stopping"
+BEAMS = "Beam search"
+
+
 def _check_device(value: str) -> str:
     if not _DEVICE.fullmatch(value):
         raise typer.BadParameter(f"expected auto, cpu, cuda, cuda:N, mps; got {value!r}")
@@ -137,23 +171,76 @@ class Options:
     system: Annotated[str | None, typer.Option(
         "--system", "-s", help="A system message (needs a chat template).")] = None
     max_tokens: Annotated[int | None, typer.Option(
-        "--max-tokens", "-n", callback=_check_max_tokens,
+        "--max-tokens", "--max-new-tokens", "-n", callback=_check_max_tokens, rich_help_panel=STOPPING,
         help="Most tokens to generate, at least 1 (default: until a stop token or the context is full).")] = None
     stop: Annotated[list[str] | None, typer.Option(
         "--stop", help="Stop when the text contains TEXT (repeatable); the stop string is not printed.",
-        metavar="TEXT")] = None
+        metavar="TEXT", rich_help_panel=STOPPING)] = None
+    max_time: Annotated[float | None, typer.Option(
+        "--max-time", callback=_control("max_time"), rich_help_panel=STOPPING, metavar="SECONDS",
+        help="Stop after this many seconds from the start of the request, prefill included (finish "
+             "reason max_time); at least one token is generated.")] = None
     ctx_size: Annotated[int | None, typer.Option(
         "--ctx-size", "-c", callback=_check_ctx_size,
         help="Context length in tokens, at most the model's; 0: the model's full context (default: the "
              "model's, at most 4096).")] = None
     temperature: Annotated[float, typer.Option(
-        "--temperature", "-t", callback=_check_temperature,
+        "--temperature", "-t", callback=_check_temperature, rich_help_panel=SAMPLING,
         help="Sampling temperature, >= 0; 0 means greedy.")] = 0.8
     top_p: Annotated[float, typer.Option(
-        "--top-p", callback=_check_top_p, help="Nucleus sampling mass, 0 < p <= 1.")] = 0.95
+        "--top-p", callback=_check_top_p, rich_help_panel=SAMPLING, help="Nucleus sampling mass, 0 < p <= 1.")] = 0.95
+    top_k: Annotated[int, typer.Option(
+        "--top-k", callback=_control("top_k"), rich_help_panel=SAMPLING,
+        help="Sample among the K most likely tokens only, K >= 0 (0: off).")] = 0
+    min_p: Annotated[float, typer.Option(
+        "--min-p", callback=_control("min_p"), rich_help_panel=SAMPLING,
+        help="Drop tokens less likely than P times the most likely one, 0 <= P <= 1 (0: off).")] = 0.0
+    typical_p: Annotated[float, typer.Option(
+        "--typical-p", callback=_control("typical_p"), rich_help_panel=SAMPLING,
+        help="Locally typical sampling mass, 0 < P <= 1 (1: off).")] = 1.0
     seed: Annotated[int | None, typer.Option(
-        "--seed", callback=_check_seed,
+        "--seed", callback=_check_seed, rich_help_panel=SAMPLING,
         help="Sampling seed, 0 <= seed < 2**64 (default: random; always reported).")] = None
+    repetition_penalty: Annotated[float, typer.Option(
+        "--repetition-penalty", "--repeat-penalty", callback=_control("repetition_penalty"),
+        rich_help_panel=PENALTIES,
+        help="Divide the positive logits (multiply the negative ones) of tokens already seen by this, > 0 "
+             "(1: off).")] = 1.0
+    repeat_last_n: Annotated[int, typer.Option(
+        "--repeat-last-n", callback=_control("repeat_last_n"), rich_help_panel=PENALTIES,
+        help="The repetition, presence and frequency penalties look at the last N tokens, N >= 0 (0: the "
+             "whole prompt and reply).")] = 0
+    presence_penalty: Annotated[float, typer.Option(
+        "--presence-penalty", callback=_control("presence_penalty"), rich_help_panel=PENALTIES,
+        help="Subtract this from the logit of every token already seen, -2 to 2 (0: off).")] = 0.0
+    frequency_penalty: Annotated[float, typer.Option(
+        "--frequency-penalty", callback=_control("frequency_penalty"), rich_help_panel=PENALTIES,
+        help="Subtract this times its count from the logit of every token seen, -2 to 2 (0: off).")] = 0.0
+    no_repeat_ngram_size: Annotated[int, typer.Option(
+        "--no-repeat-ngram-size", callback=_control("no_repeat_ngram_size"), rich_help_panel=PENALTIES,
+        help="Never repeat a run of N tokens already in the prompt or reply, N >= 0 (0: off).")] = 0
+    logit_bias: Annotated[list[str] | None, typer.Option(
+        "--logit-bias", callback=_check_logit_bias, rich_help_panel=PENALTIES, metavar="ID=BIAS",
+        help="Add BIAS to token ID's logit (repeatable); -inf bans the token.")] = None
+    min_new_tokens: Annotated[int, typer.Option(
+        "--min-new-tokens", callback=_control("min_new_tokens"), rich_help_panel=PENALTIES,
+        help="No end-of-sequence token before this many new tokens, N >= 0.")] = 0
+    num_beams: Annotated[int, typer.Option(
+        "--num-beams", callback=_control("num_beams"), rich_help_panel=BEAMS,
+        help="Beam search with N beams, 1 <= N <= 64 (1: off). Not streamed: a progress line, then the "
+             "best beam.")] = 1
+    length_penalty: Annotated[float, typer.Option(
+        "--length-penalty", callback=_control("length_penalty"), rich_help_panel=BEAMS,
+        help="A beam's score is its log-probability over length ** this, -10 to 10; above 0 favours "
+             "longer beams.")] = 1.0
+    early_stopping: Annotated[str, typer.Option(
+        "--early-stopping", callback=_check_early_stopping, rich_help_panel=BEAMS, metavar="true|false|never",
+        help="true: stop when num-beams beams have finished; false: when no running beam is likely to do "
+             "better; never: when none can.")] = "false"
+    num_return: Annotated[int, typer.Option(
+        "--num-return", "--num-return-sequences", callback=_control("num_return"), rich_help_panel=BEAMS,
+        help="How many of the best beams to return, at most num-beams (all of them under --json; "
+             "the best one on a terminal).")] = 1
     device: Annotated[str, typer.Option(
         "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps.")] = "auto"
     dtype: Annotated[DType, typer.Option(
@@ -181,6 +268,23 @@ class Options:
             if isinstance(value, enum.Enum):
                 object.__setattr__(self, name, value.value)
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "logit_bias", tuple(tuple(b) for b in self.logit_bias or ()))
+
+    def sampling(self):
+        """The generation controls as ``SamplingParams`` (checked already, one by one)."""
+        from llama_chat.ml.controls import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              typical_p=self.typical_p, repetition_penalty=self.repetition_penalty,
+                              repeat_last_n=self.repeat_last_n, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              no_repeat_ngram_size=self.no_repeat_ngram_size, logit_bias=self.logit_bias,
+                              min_new_tokens=self.min_new_tokens)
+
+    def beams(self):
+        from llama_chat.ml.controls import BeamParams
+
+        return BeamParams(self.num_beams, self.length_penalty, self.early_stopping, self.num_return)
 
 
 def _command(run: Callable[[Options], int]) -> Callable[..., None]:
@@ -202,9 +306,25 @@ def _command(run: Callable[[Options], int]) -> Callable[..., None]:
     return command
 
 
+class _GroupedHelp(typer.core.TyperCommand):
+    """Plain ``--help`` (no boxes, no colour) with the options in sections: each option's
+    ``rich_help_panel``, the others under "Options"."""
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {"Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                sections.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        for title, rows in sections.items():
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
-app.command(name="llama-chat",
+app.command(name="llama-chat", cls=_GroupedHelp,
             help="Generate text from a Llama-family model, or chat with it. The prompt comes from --prompt, "
                  "from --file or piped stdin, or both (prompt first, a blank line, then the rest). With no "
                  "prompt on a terminal, or with --chat, an interactive chat starts (/help lists its "
@@ -255,6 +375,8 @@ def execute(opts: Options) -> int:
             return print_model_list(sys.stdout)
         if opts.download and opts.model is None:
             raise UsageProblem("--download needs -m org/name (a Hugging Face id)")
+        if opts.num_return > opts.num_beams:
+            raise UsageProblem(f"--num-return must be at most --num-beams ({opts.num_beams}), got {opts.num_return}")
         if wants_chat(opts):
             if opts.json:
                 raise UsageProblem("--json prints one answer; it cannot be used with the chat")

@@ -27,7 +27,7 @@ import os
 import secrets
 import signal
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,8 +43,9 @@ from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.engine import Engine
-from llama_chat.inference.types import Completion, GenerationState, Request
-from llama_chat.ml.sampling import SamplingParams
+from llama_chat.cmd.sanitize import displayable
+from llama_chat.inference.types import Completion, GenerationState, Request, Timings
+from llama_chat.ml.controls import BeamParams, SamplingParams, check, parse_logit_bias
 from llama_chat.model.chat_format import ChatFormat, Message
 
 if TYPE_CHECKING:
@@ -64,7 +65,11 @@ Commands:
   /exit               leave (also /bye, Ctrl+D, or Ctrl+C at an empty prompt)
   /clear              forget the conversation (the system message stays)
   /system [TEXT]      set the system message (no text: remove it)
-  /set [NAME=VALUE]   change a setting: temperature, top_p, seed, max_tokens, stop (no argument: show them)
+  /set [NAME=VALUE]   change a setting (no argument: show them all): temperature, top_p, top_k, min_p,
+                      typical_p, repetition_penalty, repeat_last_n, presence_penalty, frequency_penalty,
+                      no_repeat_ngram_size, logit_bias (ID=BIAS, adds one), min_new_tokens, seed,
+                      max_tokens, max_time, stop (adds one), num_beams, length_penalty, early_stopping,
+                      num_return; VALUE none: the default
   /stats              token counts and timings of the last reply
   /save FILE          write the conversation to FILE as JSON
   /load FILE          read a conversation written by /save
@@ -91,15 +96,29 @@ class Turn:
 
 @dataclass
 class Settings:
-    temperature: float
-    top_p: float
+    """What ``/set`` changes: the generation controls (Hugging Face's names), seed and limits."""
+
+    sampling: SamplingParams
     seed: int | None  # None: a new random seed for every reply
     max_tokens: int | None
     stop: tuple[str, ...] = ()
+    max_time: float | None = None
+    beams: BeamParams = BeamParams()
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.sampling.top_p
 
     def as_dict(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "max_tokens": self.max_tokens, "stop": list(self.stop)}
+        controls = {f.name: getattr(self.sampling, f.name) for f in fields(SamplingParams)}
+        controls["logit_bias"] = [f"{token}={bias}" for token, bias in self.sampling.logit_bias]
+        beams = {f.name: getattr(self.beams, f.name) for f in fields(BeamParams)}
+        return {**controls, "seed": self.seed, "max_tokens": self.max_tokens, "max_time": self.max_time,
+                "stop": list(self.stop), **beams}
 
 
 @dataclass
@@ -243,11 +262,14 @@ class ChatRunner:
             return
         s = chat.settings
         seed = s.seed if s.seed is not None else secrets.randbelow(2**31)
-        request = Request(ids, sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p), seed=seed,
-                          max_tokens=s.max_tokens, stop=s.stop, chat_reply=True, reuse_cache=True)
-        renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)
+        request = Request(ids, sampling=s.sampling, seed=seed, max_tokens=s.max_tokens, stop=s.stop, chat_reply=True,
+                          reuse_cache=True, max_time=s.max_time, beams=s.beams)
         try:
-            outcome: Outcome = anyio.run(run_one_shot, chat.engine, request, renderer)
+            if request.beams.enabled:
+                outcome: Outcome = self.beam_reply(request)
+            else:
+                renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)
+                outcome = anyio.run(run_one_shot, chat.engine, request, renderer)
         except KeyboardInterrupt:  # Ctrl+C just before the event loop took the signal over
             chat.turns.append(Turn("assistant", "", interrupted=True))
             self.say("(interrupted)")
@@ -274,6 +296,20 @@ class ChatRunner:
             self.say(f"finish: {done.finish_reason.value}")
         if self.opts.stats:
             self.say(self.stats_text())
+
+    def beam_reply(self, request: Request) -> Outcome:
+        """A reply by beam search, which is not streamed: a progress line, then the best beam."""
+        from llama_chat.cmd.beam_command import search
+
+        found = search(self.chat.engine, request, self.err)
+        best = found.completion.best
+        text = best.text if best is not None else ""
+        sys.stdout.write(displayable(text) + "\n")
+        sys.stdout.flush()
+        reason = best.finish_reason if best is not None else GenerationState.CANCELLED
+        completion = Completion(request.request_id, text, best.token_ids if best is not None else (), reason,
+                                len(request.prompt_ids), Timings(None, None, None))
+        return Outcome(completion, found.signum, False)
 
     def stats_text(self) -> str:
         done = self.chat.last
@@ -331,14 +367,15 @@ class ChatRunner:
             return
         key, eq, value = arg.partition("=")
         key, value = key.strip().replace("-", "_"), value.strip()
+        key = SETTING_ALIASES.get(key, key)
         try:
             if not eq:
                 raise ValueError("expected NAME=VALUE")
-            self.chat.settings = replace(s, **{key: parse_setting(key, value, s)})
+            self.chat.settings = apply_setting(key, value, s)
         except (ValueError, TypeError) as e:
             self.say(f"/set {arg}: {e}")
             return
-        self.say(f"{key} = {getattr(self.chat.settings, key)}")
+        self.say(f"{key} = {self.chat.settings.as_dict()[key]}")
 
     def save(self, path: str) -> None:
         if not path:
@@ -389,6 +426,41 @@ def read_conversation(data) -> tuple[str | None, list[Turn]]:
     return system or None, turns
 
 
+# Other names users know for the same settings (llama.cpp's, transformers' longer ones).
+SETTING_ALIASES = {"repeat_penalty": "repetition_penalty", "num_return_sequences": "num_return",
+                   "max_new_tokens": "max_tokens"}
+
+
+def apply_setting(key: str, value: str, settings: Settings) -> Settings:
+    """``settings`` with ``key`` set to ``value`` (text), checked as the command line checks the
+    option of the same name; ``ValueError`` (one line) when it is not allowed."""
+    none = value.lower() in ("", "none", "default")
+    sampling_fields = {f.name: f for f in fields(SamplingParams)}
+    beam_fields = {f.name: f for f in fields(BeamParams)}
+    if key == "logit_bias":
+        bias = () if none else (*settings.sampling.logit_bias, parse_logit_bias(value))
+        return replace(settings, sampling=replace(settings.sampling, logit_bias=bias))
+    if key in sampling_fields:
+        default = sampling_fields[key].default
+        parsed = default if none else (int(value) if isinstance(default, int) else float(value))
+        return replace(settings, sampling=replace(settings.sampling, **{key: parsed}))
+    if key in beam_fields:
+        default = beam_fields[key].default
+        if key == "early_stopping":
+            parsed = default if none else value
+        else:
+            parsed = default if none else (int(value) if isinstance(default, int) else float(value))
+        changes = {key: parsed}
+        if key == "num_beams" and isinstance(parsed, int) and 0 < parsed < settings.beams.num_return:
+            changes["num_return"] = parsed  # fewer beams return fewer: /set num_beams=1 turns them off
+        return replace(settings, beams=replace(settings.beams, **changes))
+    if key == "max_time":
+        return replace(settings, max_time=None if none else check("max_time", float(value)))
+    if key in ("seed", "max_tokens", "stop"):
+        return replace(settings, **{key: parse_setting(key, value, settings)})
+    raise ValueError(f"unknown setting {key!r} (/set with no argument lists them)")
+
+
 def parse_setting(key: str, value: str, settings: Settings):
     """A /set value, checked as the command line checks the option of the same name."""
     from llama_chat.cmd import app
@@ -422,10 +494,10 @@ def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
         raise UsageProblem(f"cannot chat with {loaded.name}: it has no chat format (a plain completion model); "
                            f"choose one with --template llama2|llama3|hf, or pass a prompt with -p")
     engine = make_engine(loaded, opts)
-    settings = Settings(opts.temperature, opts.top_p, opts.seed, opts.max_tokens, tuple(opts.stop))
+    settings = Settings(opts.sampling(), opts.seed, opts.max_tokens, tuple(opts.stop), opts.max_time, opts.beams())
     chat = Chat(engine, loaded.chat_format, settings, system=opts.system)
     runner = ChatRunner(chat, opts, color, err, loaded.name)
-    engine.warm_up(SamplingParams(temperature=settings.temperature, top_p=settings.top_p))
+    engine.warm_up(settings.sampling)
     reader = ChatInput(history=not opts.no_history)
     runner.say(f"chatting with {loaded.name} ({loaded.chat_format.name} format, {engine.max_seq_len} tokens of "
                f"context); /help for commands, Ctrl+D to leave")

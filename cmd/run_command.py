@@ -25,7 +25,6 @@ from llama_chat.cmd.report import print_summary, write_json
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.types import Request
-from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 from llama_chat.model.stores import resolve_model
 
@@ -84,11 +83,15 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
     seed = opts.seed if opts.seed is not None else secrets.randbelow(2**31)
     # A chat reply is not a continuation of the prompt text: no leading word-start space.
-    request = Request(ids, sampling=SamplingParams(temperature=opts.temperature, top_p=opts.top_p), seed=seed,
-                      max_tokens=opts.max_tokens, stop=tuple(opts.stop), chat_reply=loaded.chat_format is not None)
+    request = Request(ids, sampling=opts.sampling(), seed=seed, max_tokens=opts.max_tokens, stop=tuple(opts.stop),
+                      chat_reply=loaded.chat_format is not None, max_time=opts.max_time, beams=opts.beams())
     engine = make_engine(loaded, opts)
     engine.check(request)  # a prompt longer than the context is bad input, found before any work
     warm_up(engine, request, err, quiet=opts.json)
+    if request.beams.enabled:
+        from llama_chat.cmd.beam_command import run_beam_command
+
+        return run_beam_command(engine, request, err, json=opts.json, stats=opts.stats, seed=seed, model=loaded.name)
 
     stdout_tty = sys.stdout.isatty()
     renderer = None if opts.json else make_renderer(stdout_tty, color, sys.stdout)
