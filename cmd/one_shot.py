@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import select
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -29,8 +30,9 @@ import anyio
 from llama_chat.cmd.render import OutputClosed, Renderer, suspend_hooks
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.signals import StopRequest, watch_signals
+from llama_chat.inference.beam import BeamProgress
 from llama_chat.inference.engine import Engine, Generation
-from llama_chat.inference.types import Completion, Request, Response, sole_exception
+from llama_chat.inference.types import BeamCompletion, Completion, Request, Response, sole_exception
 
 
 @dataclass(frozen=True)
@@ -140,3 +142,35 @@ class TextView:
             action(self.renderer)
         except OutputClosed:
             self.output_closed = True
+
+
+# -- beam search: not streamed ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BeamOutcome:
+    completion: BeamCompletion
+    signum: int | None  # the signal that stopped the search, if one did
+
+
+async def run_beams(engine: Engine, request: Request,
+                    on_progress: Callable[[BeamProgress], None] | None = None) -> BeamOutcome:
+    """Beam search for ``request`` with the signal watcher beside it; ``on_progress`` after each step.
+
+    A signal stops the search between two steps; the outcome then holds the best hypotheses so
+    far (the unfinished ones with finish reason ``cancelled``).
+    """
+    stop = StopRequest()
+    run = None
+    async with anyio.create_task_group() as tg:
+        scope = anyio.CancelScope()
+        await tg.start(watch_signals, scope, stop)
+        with scope:
+            async with engine.beams(request) as run:
+                async for progress in run:
+                    if on_progress is not None:
+                        on_progress(progress)
+        tg.cancel_scope.cancel()
+    if run is None:  # stopped before the search began
+        return BeamOutcome(BeamCompletion(request.request_id, (), len(request.prompt_ids), 0, 0.0), stop.signum)
+    return BeamOutcome(run.completion(), stop.signum)

@@ -35,7 +35,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.style import Style
 
-__all__ = ["LiveRenderer", "OutputClosed", "PlainRenderer", "Renderer", "make_renderer"]
+__all__ = ["LiveRenderer", "OutputClosed", "PlainRenderer", "Renderer", "beam_progress_text", "make_renderer"]
 
 MARKER = "."
 MAX_MARKERS = 8
@@ -288,3 +288,9 @@ def make_renderer(
         color = color_mode == "always"
     console = Console(file=stream, force_terminal=True, no_color=not color, highlight=False)
     return LiveRenderer(console, color=color)
+
+
+def beam_progress_text(step: int, finished: int, num_beams: int, elapsed_s: float) -> str:
+    """The progress line of a beam search, which is not streamed: how far it is and how many of
+    its hypotheses have finished."""
+    return f"beam search: {step} tokens, {finished} of {num_beams} beams finished, {elapsed_s:.1f} s"

@@ -8,7 +8,7 @@ from typing import TextIO
 from rich.console import Console
 from rich.text import Text
 
-from llama_chat.inference.types import Completion
+from llama_chat.inference.types import BeamCompletion, Completion
 
 
 def _fmt(value: float | None, unit: str, digits: int = 1) -> str:
@@ -54,3 +54,40 @@ def json_object(completion: Completion, *, seed: int, model: str) -> dict:
 def write_json(out: TextIO, completion: Completion, *, seed: int, model: str) -> None:
     out.write(json.dumps(json_object(completion, seed=seed, model=model), ensure_ascii=False) + "\n")
     out.flush()
+
+
+# -- beam search -------------------------------------------------------------------------------------
+
+
+def beam_finish_line(completion: BeamCompletion, seed: int) -> Text:
+    best = completion.best
+    line = Text("finish: ", style="dim")
+    line.append(best.finish_reason.value if best else "cancelled", style="bold")
+    if best is not None:
+        line.append(f"  score: {best.score:.4f}", style="dim")
+    line.append(f"  beams returned: {len(completion.beams)}  seed: {seed}", style="dim")
+    return line
+
+
+def beam_stats_line(completion: BeamCompletion) -> Text:
+    best = completion.best
+    generated = len(best.token_ids) if best else 0
+    return Text(f"tokens: {completion.prompt_tokens} prompt, {generated} in the best beam, {completion.steps} "
+                f"steps  time: {completion.elapsed_s:.2f} s", style="dim")
+
+
+def beam_json_object(completion: BeamCompletion, *, seed: int, model: str) -> dict:
+    """The best beam's fields as for a plain answer, plus every returned beam with its score."""
+    best = completion.best
+    return {
+        "text": best.text if best else "",
+        "token_ids": list(best.token_ids) if best else [],
+        "finish_reason": best.finish_reason.value if best else "cancelled",
+        "score": best.score if best else None,
+        "beams": [beam.as_dict() for beam in completion.beams],
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": len(best.token_ids) if best else 0,
+        "seed": seed,
+        "model": model,
+        "timings": {"elapsed_s": completion.elapsed_s, "steps": completion.steps},
+    }
