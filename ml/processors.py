@@ -13,9 +13,11 @@ and returns a ``Sampler``: call it with the history, the logits and one uniform 
 token id per row. The batching scheduler keeps one ``TokenHistory`` for its running rows, calls
 ``history.append`` with each step's tokens and ``history.reorder`` when rows leave or are copied.
 
-What penalties read is kept up to date one token at a time (a count per vocabulary entry, an
-index of n-grams), so a step costs the same at token 10 as at token 4,000: transformers rebuilds
-both from the whole sequence at every step.
+What penalties read is kept up to date one token at a time (each row's count of every id in its
+window, an index of n-grams), so a step costs the same at token 10 as at token 4,000:
+transformers rebuilds both from the whole sequence at every step. The penalties then touch only
+the ids in the window (a gather and a scatter of a few hundred logits), never the whole
+vocabulary: on a 32,000-token vocabulary a full pass costs more than all of that.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from llama_chat.ml.controls import SamplingParams
 from llama_chat.ml.sampling import apply_top_p, sample
 
 __all__ = ["FrequencyPresencePenalty", "LogitBias", "LogitsProcessor", "MinNewTokens", "MinP", "NoRepeatNGram",
-           "RepetitionPenalty", "Sampler", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP",
+           "Penalties", "RepetitionPenalty", "Sampler", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP",
            "make_logits_processors", "make_sampler", "make_warpers"]
 
 NEG_INF = float("-inf")
@@ -50,7 +52,8 @@ class TokenHistory:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.window = window
-        self._counts: torch.Tensor | None = None
+        self._counts: list[dict[int, int]] | None = None
+        self._seen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._ngrams: dict[int, list[dict[tuple[int, ...], set[int]]]] = {}
 
     @property
@@ -63,17 +66,37 @@ class TokenHistory:
 
     # -- derived state -----------------------------------------------------------------------------
 
+    def _row_counts(self, row: Sequence[int]) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for t in (row[-self.window:] if self.window else row):
+            if t < self.vocab_size:
+                counts[t] = counts.get(t, 0) + 1
+        return counts
+
+    def seen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every (row, id) pair whose id occurs in the row's window, and how often: three
+        same-length tensors ``(rows, ids, counts)``, the counts float32."""
+        if self._seen is None:
+            if self._counts is None:
+                self._counts = [self._row_counts(row) for row in self.tokens]
+            rows: list[int] = []
+            ids: list[int] = []
+            counts: list[int] = []
+            for r, row_counts in enumerate(self._counts):
+                rows.extend([r] * len(row_counts))
+                ids.extend(row_counts)
+                counts.extend(row_counts.values())
+            device = self.device
+            self._seen = (torch.tensor(rows, dtype=torch.long, device=device),
+                          torch.tensor(ids, dtype=torch.long, device=device),
+                          torch.tensor(counts, dtype=torch.float32, device=device))
+        return self._seen
+
     def counts(self) -> torch.Tensor:
         """``(rows, vocab)`` float32: how often each id occurs in each row's window."""
-        if self._counts is None:
-            counts = torch.zeros((self.rows, self.vocab_size), dtype=torch.float32, device=self.device)
-            for r, row in enumerate(self.tokens):
-                ids = [t for t in (row[-self.window:] if self.window else row) if t < self.vocab_size]
-                if ids:
-                    index = torch.tensor(ids, dtype=torch.long, device=self.device)
-                    counts[r].index_add_(0, index, torch.ones(len(ids), device=self.device))
-            self._counts = counts
-        return self._counts
+        rows, ids, counts = self.seen()
+        dense = torch.zeros((self.rows, self.vocab_size), dtype=torch.float32, device=self.device)
+        return dense.index_put_((rows, ids), counts)
 
     def banned(self, n: int) -> list[Sequence[int]]:
         """For each row, the ids that would complete an ``n``-gram the row already holds."""
@@ -97,17 +120,19 @@ class TokenHistory:
             raise ValueError(f"append needs one token per row ({self.rows}), got {len(new)}")
         for row, token in zip(self.tokens, new):
             row.append(token)
+        self._seen = None
         if self._counts is not None:
-            rows, ids, deltas = [], [], []
-            for r, row in enumerate(self.tokens):
+            window = self.window
+            for row, counts in zip(self.tokens, self._counts):
                 if row[-1] < self.vocab_size:
-                    rows.append(r), ids.append(row[-1]), deltas.append(1.0)
+                    counts[row[-1]] = counts.get(row[-1], 0) + 1
                 # The token that slid out of the window no longer counts.
-                if self.window and len(row) > self.window and row[-self.window - 1] < self.vocab_size:
-                    rows.append(r), ids.append(row[-self.window - 1]), deltas.append(-1.0)
-            if rows:
-                self._counts.index_put_((torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)),
-                                        torch.tensor(deltas, device=self.device), accumulate=True)
+                if window and len(row) > window and row[-window - 1] < self.vocab_size:
+                    gone = row[-window - 1]
+                    if counts[gone] == 1:
+                        del counts[gone]
+                    else:
+                        counts[gone] -= 1
         for n, index in self._ngrams.items():
             for row, seen in zip(self.tokens, index):
                 if len(row) >= n:
@@ -119,8 +144,9 @@ class TokenHistory:
         sources = [int(s) for s in sources]
         self.tokens = [list(self.tokens[s]) for s in sources]
         self.prompt_lengths = [self.prompt_lengths[s] for s in sources]
+        self._seen = None
         if self._counts is not None:
-            self._counts = self._counts[torch.tensor(sources, dtype=torch.long, device=self.device)]
+            self._counts = [dict(self._counts[s]) for s in sources]
         for n, index in self._ngrams.items():
             self._ngrams[n] = [{k: set(v) for k, v in index[s].items()} for s in sources]
 
@@ -129,10 +155,9 @@ class TokenHistory:
         first = self.rows
         self.tokens.extend([int(t) for t in row] for row in rows)
         self.prompt_lengths.extend(len(row) for row in rows)
+        self._seen = None
         if self._counts is not None:
-            extra = TokenHistory(self.tokens[first:], vocab_size=self.vocab_size, device=self.device,
-                                 window=self.window)
-            self._counts = torch.cat([self._counts, extra.counts()])
+            self._counts.extend(self._row_counts(row) for row in self.tokens[first:])
         for n, index in self._ngrams.items():
             index.extend(_ngram_index(row, n) for row in self.tokens[first:])
 
@@ -166,32 +191,37 @@ class LogitBias:
 
 
 @dataclass(frozen=True)
-class RepetitionPenalty:
-    """transformers' ``repetition_penalty`` (CTRL paper): the logit of every id in the window is
-    divided by ``penalty`` when positive and multiplied by it when negative."""
+class Penalties:
+    """The penalties on ids in each row's window, in one gather and one scatter:
+    transformers' ``repetition_penalty`` (CTRL paper: a logit is divided by it when positive and
+    multiplied by it when negative), then OpenAI's and llama.cpp's ``frequency`` (times the id's
+    count) and ``presence`` (once), subtracted."""
 
-    penalty: float
-
-    def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
-        penalised = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
-        return torch.where(history.counts() > 0, penalised, logits)
-
-
-@dataclass(frozen=True)
-class FrequencyPresencePenalty:
-    """OpenAI's and llama.cpp's penalties: ``frequency`` times the count of each id in the window
-    and ``presence`` once for every id present are subtracted from its logit."""
-
-    presence: float
-    frequency: float
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
 
     def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
-        counts = history.counts()
-        if self.frequency:
-            logits = logits.sub_(counts * self.frequency)
-        if self.presence:
-            logits = logits.sub_((counts > 0).to(logits.dtype) * self.presence)
+        rows, ids, counts = history.seen()
+        if not ids.numel():
+            return logits
+        values = logits[rows, ids]
+        if self.repetition != 1.0:
+            values = torch.where(values < 0, values * self.repetition, values / self.repetition)
+        if self.frequency or self.presence:
+            values = values - counts.to(values.dtype) * self.frequency - self.presence
+        logits[rows, ids] = values
         return logits
+
+
+def RepetitionPenalty(penalty: float) -> Penalties:  # noqa: N802 - named as the processor it is
+    """transformers' ``RepetitionPenaltyLogitsProcessor``."""
+    return Penalties(repetition=penalty)
+
+
+def FrequencyPresencePenalty(presence: float, frequency: float) -> Penalties:  # noqa: N802
+    """OpenAI's and llama.cpp's presence and frequency penalties."""
+    return Penalties(presence=presence, frequency=frequency)
 
 
 @dataclass(frozen=True)
@@ -318,10 +348,9 @@ def make_logits_processors(params: SamplingParams, *, eos_ids: Iterable[int] = (
     out: list[LogitsProcessor] = []
     if params.logit_bias:
         out.append(LogitBias(params.logit_bias))
-    if params.repetition_penalty != 1.0:
-        out.append(RepetitionPenalty(params.repetition_penalty))
-    if params.presence_penalty or params.frequency_penalty:
-        out.append(FrequencyPresencePenalty(params.presence_penalty, params.frequency_penalty))
+    if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        # Adjacent in the order, so one pass: transformers' repetition penalty, then the others.
+        out.append(Penalties(params.repetition_penalty, params.presence_penalty, params.frequency_penalty))
     if params.no_repeat_ngram_size > 0:
         out.append(NoRepeatNGram(params.no_repeat_ngram_size))
     eos = tuple(sorted(set(eos_ids)))
@@ -384,9 +413,24 @@ class Sampler:
         out = self.process(history, logits) if self.processors else logits
         if self.params.simple_warpers:
             return out, self.params
-        for warper in self.warpers:
+        return self.warp(history, out), _DRAW_ONLY
+
+    def warp(self, history: TokenHistory | None, logits: torch.Tensor) -> torch.Tensor:
+        """The warpers, in order. After top-k only k ids are left, so the warpers after it run on
+        those k candidates instead of the whole vocabulary (typical-p sorts what it is given: a
+        full sort of 32,000 logits costs more than a small model's forward). Unless the k-th
+        value is tied: transformers then keeps every tied id, and so does the full path."""
+        out = logits
+        for i, warper in enumerate(self.warpers):
+            if isinstance(warper, TopK) and i + 1 < len(self.warpers) and 4 * warper.k < out.shape[-1]:
+                k = max(warper.k, warper.min_keep)
+                values, ids = torch.topk(out, k, dim=-1)
+                if int((out >= values[:, -1:]).sum()) == k * out.shape[0]:
+                    for later in self.warpers[i + 1:]:
+                        values = later(history, values)
+                    return torch.full_like(out, NEG_INF).scatter_(-1, ids, values)
             out = warper(history, out)
-        return out, _DRAW_ONLY
+        return out
 
     def __call__(self, history: TokenHistory, logits: torch.Tensor,
                  randomness: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:

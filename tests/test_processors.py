@@ -316,3 +316,17 @@ def test_bad_logit_bias_is_one_line(text):
     with pytest.raises(ControlError) as info:
         parse_logit_bias(text)
     assert str(info.value).startswith("logit_bias ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("k", [5, 40])
+def test_warpers_after_top_k_on_its_candidates_equal_the_full_path(k):
+    params = SamplingParams(temperature=0.7, top_k=k, top_p=0.9, min_p=0.02, typical_p=0.9)
+    sampler = make_sampler(params)
+    logits = random_logits(3, vocab=4000, seed=k)
+    out = logits / 0.7
+    for warper in sampler.warpers[1:]:
+        out = warper(None, out)  # each warper on the whole vocabulary
+    assert_same_logits(sampler.warp(None, logits), out)
+    tied = torch.zeros(2, 4000)  # every id tied with the k-th: the full path, ties kept as transformers does
+    assert torch.isfinite(sampler.warp(None, tied)).sum() == torch.isfinite(
+        TypicalP(0.9)(None, MinP(0.02)(None, TopP(0.9)(None, TopK(k)(None, tied / 0.7))))).sum()

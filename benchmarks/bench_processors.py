@@ -1,0 +1,164 @@
+"""What the generation controls cost: decode tok/s with the penalties on against plain greedy, in one run.
+
+A random float32 model of stories15M's shape (dim 288, 6 layers, 6 heads, vocabulary 32,000,
+context 256) decodes ``--new`` tokens from a ``--prompt``-token random prompt through
+``Engine.generate`` (the step thread and channel the command uses; the eager step, which is the
+one the controls run on), once per setting per round. The settings run in a rotating order each
+round, so a slow moment of a busy machine does not land on one of them only; the ratio to greedy
+is taken per round (both measured seconds apart) and its median reported, with the median tok/s.
+
+Settings (names as on the command line):
+
+* ``greedy``: ``-t 0``, no controls (the baseline);
+* ``penalties``: greedy with ``--repetition-penalty 1.3 --presence-penalty 0.5
+  --frequency-penalty 0.5 --no-repeat-ngram-size 3`` (over the whole prompt and reply);
+* ``penalties-last-64``: the same with ``--repeat-last-n 64``;
+* ``all-processors``: the penalties, plus ``--logit-bias`` on 8 ids and ``--min-new-tokens 100``;
+* ``nucleus``: ``-t 0.8 --top-p 0.95``;
+* ``nucleus+warpers+penalties``: ``nucleus`` plus ``--top-k 40 --min-p 0.05 --typical-p 0.95``
+  and the penalties.
+
+It also times the processors alone on one row of 32,000 logits with a 256-token history (the
+sampler's ``prepare`` and the history's ``append``, per token), against one decode forward.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_processors.py [--rounds 7] [--new 200] [--prompt 16]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: idle OpenMP helpers sleep
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from llama_chat.inference.engine import Engine, EngineOptions  # noqa: E402
+from llama_chat.inference.types import Request  # noqa: E402
+from llama_chat.ml.controls import SamplingParams  # noqa: E402
+from llama_chat.ml.processors import TokenHistory, make_sampler  # noqa: E402
+from llama_chat.model.args import ModelArgs  # noqa: E402
+from llama_chat.model.kv_cache import KVCache  # noqa: E402
+from llama_chat.model.transformer import Transformer  # noqa: E402
+
+VOCAB = 32000
+EOS = 2
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5, no_repeat_ngram_size=3)
+SETTINGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "penalties": SamplingParams(temperature=0.0, **PENALTIES),
+    "penalties-last-64": SamplingParams(temperature=0.0, repeat_last_n=64, **PENALTIES),
+    "all-processors": SamplingParams(temperature=0.0, logit_bias=tuple((100 + 7 * i, -1.0) for i in range(8)),
+                                     min_new_tokens=100, **PENALTIES),
+    "nucleus": SamplingParams(temperature=0.8, top_p=0.95),
+    "nucleus+warpers+penalties": SamplingParams(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05, typical_p=0.95,
+                                                **PENALTIES),
+}
+
+
+class BenchTokenizer:
+    """Just what the engine asks of a tokenizer: ids, one stop id, and some bytes per token."""
+
+    vocab_size = VOCAB
+    stop_ids = (EOS,)
+    eos_id = EOS
+    bos_id = 1
+    special_tokens: dict[str, int] = {}
+    strips_leading_space = False
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"x"
+
+
+def stories15m() -> Transformer:
+    args = ModelArgs(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=VOCAB, hidden_dim=768, max_seq_len=256)
+    model = Transformer(args)
+    model.init_weights(std=0.05, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.output.weight[EOS] = 0.0  # no run ends before --new tokens
+    return model.eval()
+
+
+def decode_rates(engine: Engine, prompt: tuple[int, ...], new: int, rounds: int) -> dict[str, list[float]]:
+    names = list(SETTINGS)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:  # warm-up: first-call costs (allocations, the n-gram index) out of the timing
+        engine.generate(Request(prompt, sampling=SETTINGS[name], max_tokens=8))
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            done = engine.generate(Request(prompt, sampling=SETTINGS[name], max_tokens=new, seed=r))
+            assert done.completion_tokens == new, (name, done.completion_tokens, done.finish_reason)
+            rates[name].append(done.timings.decode_tok_s)
+    return rates
+
+
+def processor_cost(model: Transformer, history_len: int, calls: int) -> dict[str, float]:
+    """Microseconds per token: the processors alone, and one decode forward for scale."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, VOCAB, generator=g) * 3
+    out = {}
+    for name in ("penalties", "all-processors", "nucleus+warpers+penalties"):
+        sampler = make_sampler(SETTINGS[name], eos_ids=(EOS,))
+        history = TokenHistory([torch.randint(3, VOCAB, (history_len,), generator=g).tolist()], vocab_size=VOCAB,
+                               window=SETTINGS[name].repeat_last_n)
+        sampler.prepare(history, logits)  # builds the counts and the n-gram index
+        start = time.perf_counter()
+        for i in range(calls):
+            sampler.prepare(history, logits)
+            history.append([3 + (i * 7919) % (VOCAB - 3)])
+        out[name] = (time.perf_counter() - start) / calls * 1e6
+    cache = KVCache.for_model(model.args, 1)
+    with torch.inference_mode():
+        model(torch.tensor([[1] * 128]), torch.arange(128).unsqueeze(0), cache, last_only=True)
+        start = time.perf_counter()
+        for i in range(calls // 10):
+            model(torch.tensor([[5]]), torch.tensor([[128 + i % 100]]), cache, last_only=True)
+        out["decode forward"] = (time.perf_counter() - start) / (calls // 10) * 1e6
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--new", type=int, default=200)
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = stories15m()
+    engine = Engine(model, BenchTokenizer(), options=EngineOptions(compile=False))
+    prompt = tuple([1] + torch.randint(3, VOCAB, (args.prompt - 1,), generator=torch.Generator().manual_seed(2)).tolist())
+    rates = decode_rates(engine, prompt, args.new, args.rounds)
+    base = rates["greedy"]
+    rows = []
+    for name, values in rates.items():
+        paired = [v / b for v, b in zip(values, base)]
+        row = {"setting": name, "decode_tok_s_median": statistics.median(values), "min": min(values),
+               "max": max(values), "ratio_to_greedy_median": statistics.median(paired), "rounds": len(values)}
+        rows.append(row)
+        print(json.dumps(row))
+    cost = processor_cost(model, 256, args.calls)
+    print(json.dumps({"microseconds_per_token": cost}))
+
+    print(f"\nstories15M-shaped random model, float32, eager step, {args.prompt}-token prompt, {args.new} new tokens, "
+          f"{args.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}\n")
+    print("| setting | decode tok/s (median) | min | max | vs greedy (median of per-round ratios) |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['setting']} | {row['decode_tok_s_median']:.0f} | {row['min']:.0f} | {row['max']:.0f} | "
+              f"{row['ratio_to_greedy_median']:.3f} |")
+    print("\n| per token, one row of 32,000 logits, 256-token history | microseconds |")
+    print("|---|---:|")
+    for name, us in cost.items():
+        print(f"| {name} | {us:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
