@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llama_chat.ml import quantize
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Root-mean-square norm computed in float32, cast back to ``x``'s dtype before the scale.
@@ -40,6 +42,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) ->
     if row_products:
         return (x.unsqueeze(-2) * weight).sum(-1)
     return F.linear(x, weight)
+
+
+def project(x: torch.Tensor, layer: torch.nn.Module, row_products: bool = False) -> torch.Tensor:
+    """``layer``'s bias-free product with ``x``: float weights through ``linear``, int8 ones
+    (``quantize.Int8Linear``, which has ``scales``) through ``quantize.int8_linear``."""
+    scales = getattr(layer, "scales", None)
+    if scales is not None:
+        return quantize.int8_linear(x, layer.weight, scales, row_products, layer.packed)
+    return linear(x, layer.weight, row_products)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:

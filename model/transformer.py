@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_chat.ml import ops
+from llama_chat.ml import ops, quantize
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.kv_cache import KVCache
 
@@ -71,13 +71,13 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         if self.wqkv is not None:
             q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            qkv = ops.linear(x, self.wqkv.weight, layout.row_products)
+            qkv = ops.project(x, self.wqkv, layout.row_products)
             # Queries and keys side by side are rotated by one call: half the kernels.
             qk = qkv[..., :q_width + kv_width].view(batch, seq, self.n_heads + self.n_kv_heads, self.head_dim)
             q, k = ops.apply_rope(qk, rope).split([self.n_heads, self.n_kv_heads], dim=2)
             v = qkv[..., q_width + kv_width:].view(batch, seq, self.n_kv_heads, self.head_dim)
         else:
-            q, k, v = (ops.linear(x, w.weight, layout.row_products) for w in (self.wq, self.wk, self.wv))
+            q, k, v = (ops.project(x, w, layout.row_products) for w in (self.wq, self.wk, self.wv))
             q = ops.apply_rope(q.view(batch, seq, self.n_heads, self.head_dim), rope)
             k = ops.apply_rope(k.view(batch, seq, self.n_kv_heads, self.head_dim), rope)
             v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
@@ -88,7 +88,7 @@ class Attention(nn.Module):
             out = ops.attention_over_cache(q, k, v, layout.mask)
         else:
             out = ops.attention(q, k, v, layout.mask, causal=layout.causal)
-        return ops.linear(out.transpose(1, 2).reshape(batch, seq, -1), self.wo.weight, layout.row_products)
+        return ops.project(out.transpose(1, 2).reshape(batch, seq, -1), self.wo, layout.row_products)
 
 
 class FeedForward(nn.Module):
@@ -108,14 +108,16 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, row_products: bool = False) -> torch.Tensor:
         if self.w13 is not None:
-            gate, up = ops.linear(x, self.w13.weight, row_products).chunk(2, dim=-1)
+            gate, up = ops.project(x, self.w13, row_products).chunk(2, dim=-1)
         else:
-            gate, up = ops.linear(x, self.w1.weight, row_products), ops.linear(x, self.w3.weight, row_products)
-        return ops.linear(F.silu(gate) * up, self.w2.weight, row_products)
+            gate, up = ops.project(x, self.w1, row_products), ops.project(x, self.w3, row_products)
+        return ops.project(F.silu(gate) * up, self.w2, row_products)
 
 
-def _fused_linear(*parts: nn.Linear) -> nn.Linear:
+def _fused_linear(*parts: nn.Module) -> nn.Module:
     """One bias-free linear layer whose output is the outputs of ``parts`` side by side."""
+    if all(isinstance(p, quantize.Int8Linear) for p in parts):
+        return quantize.fused(list(parts))
     weight = torch.cat([p.weight.detach() for p in parts])
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
@@ -216,7 +218,7 @@ class Transformer(nn.Module):
             h = layer(h, rope, layout, cache, i)
         if last_only:
             h = h[:, -1:, :]
-        return ops.linear(self.norm(h), self.output.weight, layout.row_products).float()
+        return ops.project(self.norm(h), self.output, layout.row_products).float()
 
     def _layout(self, positions: torch.Tensor, cache: KVCache | None) -> StepLayout:
         batch, seq = positions.shape

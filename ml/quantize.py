@@ -1,0 +1,159 @@
+"""Weight-only int8: per-output-channel symmetric scales, made once when the model is loaded.
+
+The API other modules use:
+
+* ``quantize_int8(weight) -> Int8Weight``: a float ``(out, in)`` matrix to int8 values and one
+  float32 scale per output row (``scale = max|row| / 127``, ``q = round(w / scale)``).
+* ``Int8Linear``: a bias-free linear layer holding an ``Int8Weight`` as buffers (``weight`` int8,
+  ``scales`` float). ``Int8Linear.from_float(weight)`` and ``Int8Linear(Int8Weight)`` build one.
+  A checkpoint that already holds int8 values with scales (a GGUF ``Q8_0`` tensor, 32 values per
+  scale) is dequantized to float and requantized per row: ``Int8Linear.from_float(dequantized)``.
+  The extra rounding is below the format's own (one row's largest value sets its scale).
+* ``int8_linear(x, weight, scales, row_products=False)``: ``x @ (weight * scales[:, None]).T``.
+* ``quantize_model(model)``: every projection of a ``Transformer`` (and its classifier) replaced by
+  an ``Int8Linear`` in place; the embedding stays in float (one row of it is read per token).
+* ``QUANTIZE_MODES``: the values ``--quantize`` accepts.
+
+Decoding reads every weight once per token, so a weight in one byte instead of four (or two) is
+read in a quarter (a half) of the time, as long as the kernel that does the product reads the int8
+values directly. Which kernel does that was measured on 2-core x86 machines (AVX2 without
+AVX-512, 110M-sized weights, all products of one token): fp32 through MKL 34-44 ms,
+``torch.ops.aten._weight_int8pack_mm`` 60-110 ms (it is tuned for AVX-512 and AMX), a compiled
+``(x * q).sum(-1) * scales`` 90-107 ms (the int8-to-float conversion is not vectorised), and
+fbgemm's int8 product ``quantized::linear_dynamic`` 10-12 ms. So, by the rows of ``x``:
+
+* fewer than ``DEQUANTIZE_FROM_ROWS`` (a decode step): fbgemm's product, on a copy of the weight
+  packed once for it, where the CPU has fbgemm (x86); ``x`` is quantized to 7 bits per call with
+  its own range (``reduce_range``: AVX2's 16-bit accumulation would saturate with 8). Elsewhere,
+  and on other devices, ``_weight_int8pack_mm``;
+* more (a prefill chunk): the weight converted to ``x``'s dtype and the BLAS matrix product, whose
+  cost the conversion adds little to; the activations are not rounded at all there.
+* ``row_products`` (a compiled step) spells the product out for the compiler; correct everywhere,
+  fast only where the compiler vectorises the conversion (the fbgemm product cannot be traced).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+QUANTIZE_MODES = ("none", "int8")
+# Below this many rows a product is matrix-vector-like and reads the weights once either way; the
+# int8 kernel then wins. Above it the float matrix product's blocking pays for the conversion.
+DEQUANTIZE_FROM_ROWS = 8
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """int8 values ``(out, in)`` and float32 scales ``(out,)``: ``w ~= values * scales[:, None]``."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.values.to(dtype) * self.scales.to(dtype).unsqueeze(1)
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-row int8 of a 2-D float weight; an all-zero row gets scale 0 and stays zero."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127.0
+    values = torch.round(w / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))
+    return Int8Weight(values.clamp(-127, 127).to(torch.int8).contiguous(), scales.contiguous())
+
+
+def fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def pack_for_fbgemm(quantized: Int8Weight):
+    """The weight as fbgemm's packed int8 operand (the same int8 values and scales)."""
+    rows = quantized.values.shape[0]
+    # PyTorch warns that quantized tensor types are deprecated; this one only carries the int8
+    # values and scales into the packing call and is dropped.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch._make_per_channel_quantized_tensor(
+            quantized.values, quantized.scales.double(), torch.zeros(rows, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                row_products: bool = False, packed=None) -> torch.Tensor:
+    """``x @ (weight * scales[:, None]).T`` for an int8 ``weight`` ``(out, in)``; result in ``x``'s dtype.
+
+    ``packed`` is ``pack_for_fbgemm``'s copy of the same weight, used for few rows on the CPU.
+    ``row_products`` is for a compiled step only (as ``ops.linear``'s): run eagerly it would
+    materialise a weight-sized float product.
+    """
+    if row_products:
+        return ((x.unsqueeze(-2) * weight).sum(-1) * scales).to(x.dtype)
+    lead, width = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, width)
+    if rows.shape[0] >= DEQUANTIZE_FROM_ROWS:
+        out = torch.nn.functional.linear(rows, weight.to(x.dtype)) * scales.to(x.dtype)
+    elif packed is not None and x.device.type == "cpu":
+        out = torch.ops.quantized.linear_dynamic(rows.float(), packed, True).to(x.dtype)
+    else:
+        out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scales.to(x.dtype))
+    return out.reshape(*lead, weight.shape[0])
+
+
+class Int8Linear(nn.Module):
+    """A bias-free linear layer with int8 weights and per-row scales (kept as buffers)."""
+
+    def __init__(self, quantized: Int8Weight) -> None:
+        super().__init__()
+        self.out_features, self.in_features = quantized.values.shape
+        self.register_buffer("weight", quantized.values)
+        # Scales stay float32 whatever dtype the model is cast to: their rounding would add to
+        # the int8 rounding, and they are a 1/in_features part of the bytes.
+        self.register_buffer("scales", quantized.scales)
+        # fbgemm's packed copy (about the int8 bytes again): the fast one-row product on x86.
+        self.packed = pack_for_fbgemm(quantized) if quantized.values.device.type == "cpu" and fbgemm_available() else None
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Linear:
+        return cls(quantize_int8(weight))
+
+    def _apply(self, fn, recurse=True):
+        scales = self.scales
+        out = super()._apply(fn, recurse)
+        if out.scales.dtype != torch.float32:  # a cast of the model: keep the scales float32
+            out.scales = scales.to(out.scales.device)
+        if out.weight.device.type != "cpu":
+            out.packed = None
+        return out
+
+    def forward(self, x: torch.Tensor, row_products: bool = False) -> torch.Tensor:
+        return int8_linear(x, self.weight, self.scales, row_products, self.packed)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def fused(parts: list[Int8Linear]) -> Int8Linear:
+    """Several int8 layers' outputs side by side: per-row scales make this a concatenation."""
+    return Int8Linear(Int8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scales for p in parts])))
+
+
+def quantize_model(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` under ``model`` by an ``Int8Linear``, in place; returns how many.
+
+    A classifier tied to the embedding gets an int8 copy of it and the embedding stays float: the
+    lookup reads one row per token, the classifier reads all of them.
+    """
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                if child.bias is not None:
+                    raise ValueError(f"{name}: int8 layers have no bias")
+                setattr(parent, name, Int8Linear.from_float(child.weight))
+                replaced += 1
+    return replaced
