@@ -21,7 +21,7 @@ Settings (names as on the command line):
 It also times the processors alone on one row of 32,000 logits with a 256-token history (the
 sampler's ``prepare`` and the history's ``append``, per token), against one decode forward.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_processors.py [--rounds 7] [--new 200] [--prompt 16]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_processors.py [--rounds 7] [--new 200] [--prompt 16] [--threads N]
 """
 
 from __future__ import annotations
@@ -129,7 +129,10 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=200)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=0, help="torch's threads (0: its default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     model = stories15m()

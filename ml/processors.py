@@ -22,6 +22,7 @@ vocabulary: on a 32,000-token vocabulary a full pass costs more than all of that
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ class TokenHistory:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.window = window
-        self._counts: list[dict[int, int]] | None = None
+        self._counts: list[_Counts] | None = None
         self._seen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._ngrams: dict[int, list[dict[tuple[int, ...], set[int]]]] = {}
 
@@ -66,37 +67,37 @@ class TokenHistory:
 
     # -- derived state -----------------------------------------------------------------------------
 
-    def _row_counts(self, row: Sequence[int]) -> dict[int, int]:
-        counts: dict[int, int] = {}
+    def _row_counts(self, row: Sequence[int]) -> _Counts:
+        counts = _Counts()
         for t in (row[-self.window:] if self.window else row):
             if t < self.vocab_size:
-                counts[t] = counts.get(t, 0) + 1
+                counts.add(t)
         return counts
 
-    def seen(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every (row, id) pair whose id occurs in the row's window, and how often: three
-        same-length tensors ``(rows, ids, counts)``, the counts float32."""
+    def seen(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every id that occurs in a row's window, as an index into the flattened ``(rows, vocab)``
+        logits (``row * vocab + id``), and how often it occurs (float32)."""
         if self._seen is None:
             if self._counts is None:
                 self._counts = [self._row_counts(row) for row in self.tokens]
-            rows: list[int] = []
-            ids: list[int] = []
-            counts: list[int] = []
+            # From the rows' buffers, not lists: torch.tensor converts a list element by element,
+            # which costs more than the penalties themselves.
+            flats, counts = [], []
             for r, row_counts in enumerate(self._counts):
-                rows.extend([r] * len(row_counts))
-                ids.extend(row_counts)
-                counts.extend(row_counts.values())
-            device = self.device
-            self._seen = (torch.tensor(rows, dtype=torch.long, device=device),
-                          torch.tensor(ids, dtype=torch.long, device=device),
-                          torch.tensor(counts, dtype=torch.float32, device=device))
+                ids = _from_buffer(row_counts.ids, torch.long, self.device)
+                flats.append(ids + r * self.vocab_size if r else ids)
+                counts.append(_from_buffer(row_counts.counts, torch.float32, self.device))
+            if len(flats) == 1:
+                self._seen = (flats[0], counts[0])
+            else:
+                self._seen = (torch.cat(flats), torch.cat(counts))
         return self._seen
 
     def counts(self) -> torch.Tensor:
         """``(rows, vocab)`` float32: how often each id occurs in each row's window."""
-        rows, ids, counts = self.seen()
-        dense = torch.zeros((self.rows, self.vocab_size), dtype=torch.float32, device=self.device)
-        return dense.index_put_((rows, ids), counts)
+        flat, counts = self.seen()
+        dense = torch.zeros(self.rows * self.vocab_size, dtype=torch.float32, device=self.device)
+        return dense.index_copy_(0, flat, counts).view(self.rows, self.vocab_size)
 
     def banned(self, n: int) -> list[Sequence[int]]:
         """For each row, the ids that would complete an ``n``-gram the row already holds."""
@@ -125,14 +126,10 @@ class TokenHistory:
             window = self.window
             for row, counts in zip(self.tokens, self._counts):
                 if row[-1] < self.vocab_size:
-                    counts[row[-1]] = counts.get(row[-1], 0) + 1
+                    counts.add(row[-1])
                 # The token that slid out of the window no longer counts.
                 if window and len(row) > window and row[-window - 1] < self.vocab_size:
-                    gone = row[-window - 1]
-                    if counts[gone] == 1:
-                        del counts[gone]
-                    else:
-                        counts[gone] -= 1
+                    counts.remove(row[-window - 1])
         for n, index in self._ngrams.items():
             for row, seen in zip(self.tokens, index):
                 if len(row) >= n:
@@ -146,7 +143,7 @@ class TokenHistory:
         self.prompt_lengths = [self.prompt_lengths[s] for s in sources]
         self._seen = None
         if self._counts is not None:
-            self._counts = [dict(self._counts[s]) for s in sources]
+            self._counts = [self._counts[s].copy() for s in sources]
         for n, index in self._ngrams.items():
             self._ngrams[n] = [{k: set(v) for k, v in index[s].items()} for s in sources]
 
@@ -160,6 +157,51 @@ class TokenHistory:
             self._counts.extend(self._row_counts(row) for row in self.tokens[first:])
         for n, index in self._ngrams.items():
             index.extend(_ngram_index(row, n) for row in self.tokens[first:])
+
+
+class _Counts:
+    """One row's ids in its window with their counts, in two arrays that tensors are made from
+    without a Python loop; ``where`` finds an id's slot. A removed id's slot takes the last one."""
+
+    __slots__ = ("counts", "ids", "where")
+
+    def __init__(self) -> None:
+        self.ids = array("q")
+        self.counts = array("f")
+        self.where: dict[int, int] = {}
+
+    def add(self, token: int) -> None:
+        slot = self.where.get(token)
+        if slot is None:
+            self.where[token] = len(self.ids)
+            self.ids.append(token)
+            self.counts.append(1.0)
+        else:
+            self.counts[slot] += 1.0
+
+    def remove(self, token: int) -> None:
+        slot = self.where[token]
+        if self.counts[slot] > 1.0:
+            self.counts[slot] -= 1.0
+            return
+        last = len(self.ids) - 1
+        moved = self.ids[last]
+        self.ids[slot], self.counts[slot] = moved, self.counts[last]
+        self.where[moved] = slot
+        del self.where[token]
+        self.ids.pop()
+        self.counts.pop()
+
+    def copy(self) -> _Counts:
+        twin = _Counts()
+        twin.ids, twin.counts, twin.where = array("q", self.ids), array("f", self.counts), dict(self.where)
+        return twin
+
+
+def _from_buffer(data: array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.frombuffer(data, dtype=dtype).to(device, copy=True)  # a copy: the array goes on changing
 
 
 def _ngram_index(row: Sequence[int], n: int) -> dict[tuple[int, ...], set[int]]:
@@ -202,15 +244,19 @@ class Penalties:
     frequency: float = 0.0
 
     def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
-        rows, ids, counts = history.seen()
-        if not ids.numel():
+        if logits.shape != (history.rows, history.vocab_size):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match the history "
+                             f"({history.rows} rows, vocabulary {history.vocab_size})")
+        flat, counts = history.seen()
+        if not flat.numel():
             return logits
-        values = logits[rows, ids]
+        logits = logits.contiguous()
+        values = logits.view(-1).index_select(0, flat)
         if self.repetition != 1.0:
             values = torch.where(values < 0, values * self.repetition, values / self.repetition)
         if self.frequency or self.presence:
             values = values - counts.to(values.dtype) * self.frequency - self.presence
-        logits[rows, ids] = values
+        logits.view(-1).index_copy_(0, flat, values)
         return logits
 
 
