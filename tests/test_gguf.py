@@ -438,3 +438,41 @@ def test_unsupported_tensor_types_are_named(tmp_path, sp_model):
     path = write_gguf(tmp_path / "q5_1.gguf", hf.state_dict(), _config(hf), qtype=T.Q5_1, sp_model=sp_model)
     assert _error(path) == ("q5_1.gguf: tensor 'token_embd.weight' has type Q5_1, which is not supported "
                             "(expected F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K)")
+
+
+def test_the_header_parser_agrees_with_gguf_readers(tmp_path, good_file):
+    """Metadata and tensor places as the gguf package's own reader sees them."""
+    from llama_chat.model.formats.gguf import open_gguf
+
+    rank_file = write_tiktoken_file(tmp_path / "tt", n_merges=50)
+    merged = _vocab_only_gguf(tmp_path / "tt.gguf", tiktoken_file=rank_file,
+                              vocab=TiktokenTokenizer(rank_file).vocab_size, template="{{ 'x' }}")
+    for path in (good_file, merged):
+        ours = open_gguf(path)
+        reader = gguf.GGUFReader(path)
+        fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        assert set(ours.metadata) == set(fields)
+        for key, field in fields.items():
+            want = field.contents()
+            got = ours.metadata[key]
+            if isinstance(want, float) or (isinstance(want, list) and want and isinstance(want[0], float)):
+                assert got == pytest.approx(want), key
+            else:
+                assert got == want, key
+        assert [t.name for t in reader.tensors] == list(ours.tensors)
+        for t in reader.tensors:
+            info = ours.tensors[t.name]
+            assert (info.offset, info.nbytes, info.ggml_type) == (t.data_offset, t.n_bytes, int(t.tensor_type))
+            assert info.shape == tuple(reversed([int(d) for d in t.shape]))
+
+
+def test_absurd_counts_in_the_header_fail_before_anything_is_sized(tmp_path, good_file):
+    import struct
+
+    data = bytearray(good_file.read_bytes())
+    data[16:24] = struct.pack("<Q", 2**60)  # the metadata count
+    bad = tmp_path / "count.gguf"
+    bad.write_bytes(bytes(data))
+    message = _error(bad)
+    assert message.startswith("count.gguf: not a valid GGUF file (the metadata count claims 1,152,921,504,606,846,976 "
+                              "items, more than the ")

@@ -1,8 +1,8 @@
 """GGUF files (llama.cpp, Ollama, LM Studio): metadata, tensors and their dequantization.
 
-The file is parsed with the ``gguf`` package's ``GGUFReader`` (llama.cpp's own Python reader),
-imported only when a GGUF file is opened. Its metadata becomes plain Python values, checked as
-they are used; tensor data is mapped once with ``torch.from_file`` and every weight is a view of
+The header is parsed by ``gguf_header.py`` (why not with ``GGUFReader``: see there), with the
+``gguf`` package's type tables, imported only when a GGUF file is opened. Metadata values are
+plain Python values, checked as they are used; tensor data is mapped once with ``torch.from_file`` and every weight is a view of
 that mapping, so nothing is read until a weight is realised. F32 weights loaded as float32 on the
 CPU are the mapping itself; F16/BF16 are converted per tensor; block-quantized weights are
 expanded row chunk by row chunk straight into their final tensor (``Dequantized``), so the peak
@@ -37,13 +37,13 @@ from llama_chat.model.formats.common import (
     parameter_count,
     release_pages,
 )
+from llama_chat.model.formats.gguf_header import MAGIC, read_header
 from llama_chat.model.formats.gguf_quants import BLOCKS, PLAIN
-from llama_chat.model.formats.json_files import first_sentence
 
-MAGIC = b"GGUF"
 ARCHITECTURES = ("llama",)
-# Values dequantized at a time (float32: 64 MiB): bounds the temporaries of a large embedding.
-CHUNK_VALUES = 1 << 24
+# Values dequantized at a time (4 Mi: 16 MiB as float32): bounds the temporaries of a large
+# embedding, and how much of the file is resident before its pages are given back.
+CHUNK_VALUES = 1 << 22
 
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 _LAYER_NAMES = {
@@ -102,62 +102,28 @@ def is_gguf(path: Path) -> bool:
 
 def open_gguf(path: Path) -> GGUFContents:
     """Parse ``path``'s header; ModelLoadError (one line, naming the file) if it is not usable GGUF."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
     path = Path(path)
-    try:
-        size = os.stat(path).st_size
-    except OSError as e:
-        raise ModelLoadError(f"{path}: cannot read it ({e.strerror or e})") from None
-    if not is_gguf(path):
-        raise ModelLoadError(f"{path.name}: not a GGUF file (it does not start with 'GGUF')")
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path, "r")
-        metadata = {name: _value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-        tensors = {}
-        for t in reader.tensors:
-            info = TensorInfo(name=t.name, ggml_type=int(t.tensor_type),
-                              shape=tuple(int(d) for d in reversed(t.shape.tolist())),
-                              offset=int(t.data_offset), nbytes=int(t.n_bytes))
-            tensors[t.name] = info
-    except ModelLoadError:
-        raise
-    except (Exception, RecursionError) as e:  # noqa: BLE001 - the reader raises assorted types on a bad file
-        raise ModelLoadError(f"{path.name}: not a valid GGUF file ({type(e).__name__}: {first_sentence(e)})") from None
-    for info in tensors.values():
+    header = read_header(path)
+    size = path.stat().st_size
+    tensors = {}
+    for t in header.tensors:
+        try:
+            block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+        except (ValueError, KeyError):
+            raise ModelLoadError(f"{path.name}: tensor {t.name!r:.80} has unknown type {t.ggml_type}") from None
+        if t.dims[0] % block_values:
+            raise ModelLoadError(f"{path.name}: tensor {t.name!r:.80} has rows of {t.dims[0]} values, not a "
+                                 f"multiple of its type's blocks of {block_values}")
+        numel = math.prod(t.dims)
+        info = TensorInfo(name=t.name, ggml_type=t.ggml_type, shape=tuple(reversed(t.dims)),
+                          offset=header.data_offset + t.offset, nbytes=numel // block_values * block_bytes)
         if info.offset + info.nbytes > size:
-            raise ModelLoadError(f"{path.name}: truncated: tensor {info.name!r} ends at byte "
+            raise ModelLoadError(f"{path.name}: truncated: tensor {info.name!r:.80} ends at byte "
                                  f"{info.offset + info.nbytes:,}, the file has {size:,}")
-    return GGUFContents(path=path, metadata=metadata, tensors=tensors, file_size=size)
-
-
-def _value(field: Any) -> Any:
-    """A reader field as a Python value: int, float, bool, str, or a list of one of those."""
-    from gguf import GGUFValueType
-
-    types = field.types
-    if not types:
-        return None
-    if types[0] == GGUFValueType.ARRAY:
-        if len(types) == 1:  # an empty array: its element type is not recorded
-            return []
-        if types[-1] == GGUFValueType.STRING:
-            return [_text(field.parts[i], field.name) for i in field.data]
-        if types[-1] == GGUFValueType.ARRAY:
-            return None  # nested arrays: no Llama field uses them
-        import numpy as np
-
-        return np.concatenate([field.parts[i] for i in field.data]).tolist() if field.data else []
-    if types[0] == GGUFValueType.STRING:
-        return _text(field.parts[-1], field.name)
-    return field.parts[-1].tolist()[0]
-
-
-def _text(data: Any, name: str) -> str:
-    try:
-        return bytes(data).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ModelLoadError(f"metadata {name!r}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        tensors[t.name] = info
+    return GGUFContents(path=path, metadata=header.metadata, tensors=tensors, file_size=size)
 
 
 # --- typed metadata access ------------------------------------------------------------------
@@ -284,8 +250,11 @@ class Dequantized(Deferred):
         rows = self.raw.view(self.rows, self.row_bytes)
         for start in range(0, self.rows, step):
             chunk = rows[start:start + step]
-            values = self.fmt.dequantize(chunk.to(device).reshape(-1))
-            flat[start:start + chunk.shape[0]].copy_(values.view(chunk.shape[0], -1))
+            target = flat[start:start + chunk.shape[0]]
+            if dtype == torch.float32:  # expanded in place: no float temporaries at all
+                self.fmt.dequantize(chunk.to(device).reshape(-1), out=target)
+            else:
+                target.copy_(self.fmt.dequantize(chunk.to(device).reshape(-1)).view(chunk.shape[0], -1))
             release_pages(chunk)
         return out
 

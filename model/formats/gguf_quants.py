@@ -23,7 +23,7 @@ class BlockFormat:
     name: str
     block_values: int  # values per block
     block_bytes: int  # bytes per block
-    dequantize: Callable[[torch.Tensor], torch.Tensor]
+    dequantize: Callable[..., torch.Tensor]  # (raw bytes, out=None) -> float32 values
 
 
 def _f16(column: torch.Tensor) -> torch.Tensor:
@@ -31,23 +31,64 @@ def _f16(column: torch.Tensor) -> torch.Tensor:
     return column.contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
-    """Bytes in groups of ``group``: the low nibbles of a group, then its high nibbles."""
-    q = qs.reshape(qs.shape[0], -1, 1, group)
-    return torch.cat((q & 0x0F, q >> 4), dim=2).reshape(qs.shape[0], -1)
+def _output(out: torch.Tensor | None, blocks: int, values: int, device: torch.device) -> torch.Tensor:
+    """Where the values go: ``out`` (float32, contiguous, the right size) or a new tensor."""
+    if out is None:
+        return torch.empty(blocks, values, dtype=torch.float32, device=device)
+    return out.view(blocks, values)
 
 
-def q8_0(raw: torch.Tensor) -> torch.Tensor:
+_LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
+_LOW_BITS = 0x0101010101010101
+_LOW_PAIRS = 0x0303030303030303
+
+
+def _words(b: torch.Tensor) -> torch.Tensor:
+    """Bytes (..., 8k) as int64 words, so bit twiddling runs on eight bytes per operation (byte-wise
+    it is four times slower than numpy); copied only when the rows are not 8-byte aligned."""
+    try:
+        return b.view(torch.int64)
+    except RuntimeError:
+        return b.contiguous().view(torch.int64)
+
+
+def _nibbles(qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low and the high nibble of every byte, as two uint8 tensors shaped like ``qs``.
+
+    (Shifting a signed word right drags sign bits into its top nibble only, which the mask drops.)
+    """
+    w = _words(qs)
+    return (w & _LOW_NIBBLES).view(torch.uint8), ((w >> 4) & _LOW_NIBBLES).view(torch.uint8)
+
+
+def _bits(qh: torch.Tensor, shift: int, mask: int) -> torch.Tensor:
+    """``(byte >> shift) & mask`` for every byte of ``qh``, eight at a time."""
+    return ((_words(qh) >> shift) & mask).view(torch.uint8)
+
+
+# Each function writes float32 values into ``out`` when given (a contiguous float32 tensor of
+# the blocks' value count): integers are converted on the copy into ``out`` and scaled there in
+# place, so the only temporaries are a byte per value.
+
+
+def q8_0(raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: float16 scale d, 32 int8 values; x = d * q
     b = raw.view(-1, 34)
-    return (_f16(b[:, :2]) * b[:, 2:].contiguous().view(torch.int8).float()).reshape(-1)
+    y = _output(out, b.shape[0], 32, raw.device)
+    y.copy_(b[:, 2:].view(torch.int8))
+    y.mul_(_f16(b[:, :2]))
+    return y.view(-1)
 
 
-def q4_0(raw: torch.Tensor) -> torch.Tensor:
+def q4_0(raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # block: float16 scale d, 16 bytes; values 0-15 are the low nibbles, 16-31 the high ones; x = d * (q - 8)
     b = raw.view(-1, 18)
-    q = _nibbles(b[:, 2:], 16).float() - 8.0
-    return (_f16(b[:, :2]) * q).reshape(-1)
+    y = _output(out, b.shape[0], 32, raw.device)
+    low, high = _nibbles(b[:, 2:])
+    y[:, :16].copy_(low)
+    y[:, 16:].copy_(high)
+    y.sub_(8.0).mul_(_f16(b[:, :2]))
+    return y.view(-1)
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,46 +103,60 @@ def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def q4_k(raw: torch.Tensor) -> torch.Tensor:
-    # super-block: f16 d, f16 dmin, 12 bytes of scales/mins, 128 bytes of nibbles; 8 sub-blocks of 32:
-    # x = d * scale * q - dmin * min
-    b = raw.view(-1, 144)
+def _k_low_bits(b: torch.Tensor, qs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """(blocks, 8, 32) float32 of the 4-bit parts: each 32 bytes of ``qs`` hold two sub-blocks,
+    the first in the low nibbles, the second in the high ones."""
     n = b.shape[0]
+    y = _output(out, n, QK_K, b.device)
+    low, high = _nibbles(qs.reshape(n, 4, 32))
+    pairs = y.view(n, 4, 2, 32)
+    pairs[:, :, 0].copy_(low)
+    pairs[:, :, 1].copy_(high)
+    return y.view(n, 8, 32)
+
+
+def _k_affine(b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x = d * scale * q - dmin * min over 8 sub-blocks of 32 (Q4_K, Q5_K), in place."""
     sc, mn = _k_scales(b[:, 4:16])
-    q = _nibbles(b[:, 16:], 32).view(n, 8, 32).float()
-    out = (_f16(b[:, 0:2]) * sc).unsqueeze(-1) * q - (_f16(b[:, 2:4]) * mn).unsqueeze(-1)
-    return out.reshape(-1)
+    y.mul_((_f16(b[:, 0:2]) * sc).unsqueeze(-1)).sub_((_f16(b[:, 2:4]) * mn).unsqueeze(-1))
+    return y.reshape(-1)
 
 
-def q5_k(raw: torch.Tensor) -> torch.Tensor:
+def q4_k(raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    # super-block: f16 d, f16 dmin, 12 bytes of scales/mins, 128 bytes of nibbles; 8 sub-blocks of 32
+    b = raw.view(-1, 144)
+    return _k_affine(b, _k_low_bits(b, b[:, 16:], out))
+
+
+def q5_k(raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # as Q4_K, plus 32 bytes of fifth bits: bit j of byte l is the high bit of sub-block j's value l
     b = raw.view(-1, 176)
-    n = b.shape[0]
-    sc, mn = _k_scales(b[:, 4:16])
+    y = _k_low_bits(b, b[:, 48:], out)
     qh = b[:, 16:48]
-    low = _nibbles(b[:, 48:], 32).view(n, 8, 32)
-    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device).view(1, 8, 1)
-    high = (qh.unsqueeze(1) >> shifts) & 1
-    q = (low | (high << 4)).float()
-    out = (_f16(b[:, 0:2]) * sc).unsqueeze(-1) * q - (_f16(b[:, 2:4]) * mn).unsqueeze(-1)
-    return out.reshape(-1)
+    for j in range(8):
+        y[:, j].add_(_bits(qh, j, _LOW_BITS), alpha=16)
+    return _k_affine(b, y)
 
 
-def q6_k(raw: torch.Tensor) -> torch.Tensor:
+def q6_k(raw: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # super-block: 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales, f16 d;
     # 16 sub-blocks of 16; x = d * scale * (q - 32). Each half of 128 values takes 64 low-nibble
     # bytes (values 0-63 low nibbles, 64-127 high nibbles) and 32 high bytes (bits 2k..2k+1 give
     # values 32k..32k+31).
     b = raw.view(-1, 210)
     n = b.shape[0]
-    ql = _nibbles(b[:, :128], 64).view(n, 2, 128)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=raw.device).view(1, 1, 4, 1)
-    high = ((qh >> shifts) & 3).reshape(n, 2, 128)
-    q = (ql | (high << 4)).float().view(n, 16, 16) - 32.0
+    y = _output(out, n, QK_K, raw.device)
+    low, high = _nibbles(b[:, :128])
+    halves = y.view(n, 2, 2, 64)
+    halves[:, :, 0].copy_(low.view(n, 2, 64))
+    halves[:, :, 1].copy_(high.view(n, 2, 64))
+    quarters = y.view(n, 2, 4, 32)
+    qh = b[:, 128:192]
+    for k in range(4):
+        quarters[:, :, k].add_(_bits(qh, 2 * k, _LOW_PAIRS).view(n, 2, 32), alpha=16)
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    out = (_f16(b[:, 208:210]) * scales).unsqueeze(-1) * q
-    return out.reshape(-1)
+    y.view(n, 16, 16).sub_(32.0).mul_((_f16(b[:, 208:210]) * scales).unsqueeze(-1))
+    return y.view(-1)
 
 
 # ggml type ids (ggml.h ``enum ggml_type``) of the formats read here.

@@ -27,7 +27,7 @@ from typing import Any
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.gguf import GGUFContents, meta_str
 from llama_chat.model.tokenizers.hf import byte_level_decoder
-from llama_chat.model.tokenizers.sentencepiece import END_OF_TURN_PIECES, SentencePieceTokenizer
+from llama_chat.model.tokenizers.sentencepiece import END_OF_TURN_PIECES, ModelProtoInfo, SentencePieceTokenizer
 from llama_chat.model.tokenizers.table import ByteTableTokenizer
 from llama_chat.model.tokenizers.tiktoken import LLAMA3_PATTERN
 
@@ -52,8 +52,7 @@ def load_gguf_tokenizer(contents: GGUFContents) -> ByteTableTokenizer:
     name = contents.path.name
     kind = meta_str(contents, "tokenizer.ggml.model")
     if kind is None:
-        raise ModelLoadError(f"{name}: no tokenizer in the file (metadata 'tokenizer.ggml.model' is missing); "
-                             "pass one with a tokenizer file beside it")
+        raise ModelLoadError(f"{name}: no tokenizer in the file (metadata 'tokenizer.ggml.model' is missing)")
     vocab = _Vocab.read(contents)
     if kind == "llama":
         return GGUFSentencePieceTokenizer(contents, vocab)
@@ -128,8 +127,10 @@ class GGUFSentencePieceTokenizer(SentencePieceTokenizer):
             raise ModelLoadError(f"{vocab.name}: metadata 'tokenizer.ggml.scores' must list one number per token")
         add_prefix = _flag(contents, "tokenizer.ggml.add_space_prefix")
         proto = sentencepiece_proto(vocab.tokens, scores, vocab.types, ids=vocab.ids,
-                                    add_dummy_prefix=True if add_prefix is None else add_prefix)
-        super().__init__(contents.path, proto=proto)
+                                    add_dummy_prefix=add_prefix is not False)
+        add_dummy_prefix = add_prefix is not False
+        super().__init__(contents.path, proto=proto,
+                         info=ModelProtoInfo(piece_types=list(vocab.types), add_dummy_prefix=add_dummy_prefix))
         self._add_bos_flag = vocab.add_bos
         self._stops = vocab.stop_ids(self._specials, self._stops)
 
@@ -141,6 +142,8 @@ class GGUFSentencePieceTokenizer(SentencePieceTokenizer):
 
 
 def _varint(value: int) -> bytes:
+    if 0 <= value < 0x80:
+        return _SMALL[value]  # most keys, lengths and types: one byte
     out = bytearray()
     value &= (1 << 64) - 1  # protobuf writes negative int32 as ten-byte two's complement
     while True:
@@ -151,6 +154,9 @@ def _varint(value: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
+
+
+_SMALL = [bytes((i,)) for i in range(0x80)]
 
 
 def _field_varint(number: int, value: int) -> bytes:

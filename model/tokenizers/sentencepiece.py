@@ -105,15 +105,17 @@ def parse_model_proto(proto: bytes) -> ModelProtoInfo:
 class SentencePieceTokenizer(ByteTableTokenizer):
     """A ``Tokenizer`` over a SentencePiece model; ``encode``/``decode`` are SentencePiece's own."""
 
-    def __init__(self, path: Path, *, extra_stop_ids: Iterable[int] = (), proto: bytes | None = None) -> None:
-        """``proto``: the serialized model, when it does not come from ``path`` itself (GGUF)."""
+    def __init__(self, path: Path, *, extra_stop_ids: Iterable[int] = (), proto: bytes | None = None,
+                 info: ModelProtoInfo | None = None) -> None:
+        """``proto``: the serialized model, when it does not come from ``path`` itself (GGUF), and
+        ``info`` what ``parse_model_proto`` would read from it, when the caller knows it already."""
         self.path = Path(path)
         try:
             if proto is None:
                 proto = self.path.read_bytes()
             sp = spm.SentencePieceProcessor()
             sp.LoadFromSerializedProto(proto)
-            info = parse_model_proto(proto)
+            info = info or parse_model_proto(proto)
         except OSError as exc:
             raise ModelLoadError(f"{self.path}: cannot read tokenizer ({exc.strerror or exc})") from None
         except (RuntimeError, ValueError, IndexError) as exc:
