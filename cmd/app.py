@@ -152,9 +152,10 @@ def _check_device(value: str) -> str:
 @dataclass(frozen=True)
 class Options:
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="Model: a directory or weights file (.gguf too), a Hugging Face id org/name from "
-                              "the local cache, or ollama:NAME[:TAG] from Ollama's store (default: the small "
-                              "model shipped with the package). --list shows what is there.")] = None
+        "--model", "-m", metavar="MODEL",
+        help="Model: a directory or weights file (.gguf too), a Hugging Face id org/name from the local "
+             "cache, or ollama:NAME[:TAG] from Ollama's store (default: the small model shipped with the "
+             "package). --list shows what is there.")] = None
     list_models: Annotated[bool, typer.Option(
         "--list", help="List the models in the Hugging Face cache and Ollama's store, and exit.")] = False
     download: Annotated[bool, typer.Option(
