@@ -18,8 +18,13 @@ Settings (names as on the command line):
 * ``nucleus+warpers+penalties``: ``nucleus`` plus ``--top-k 40 --min-p 0.05 --typical-p 0.95``
   and the penalties.
 
-It also times the processors alone on one row of 32,000 logits with a 256-token history (the
-sampler's ``prepare`` and the history's ``append``, per token), against one decode forward.
+On a busy machine whole runs seconds apart see different loads, so it also measures the cost
+step by step: a decode loop that, at every position, runs the forward and the greedy pick twice,
+once plain and once with the penalties (and the history's update), in alternating order, the
+second forward overwriting the first's keys with the same values. The ratio of the median step
+times is the processors' cost over the bare step, without the engine's own per-token work, so an
+upper bound of what the engine loses. And it times the processors alone on one row of 32,000
+logits with a 256-token history, per token.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_processors.py [--rounds 7] [--new 200] [--prompt 16] [--threads N]
 """
@@ -98,6 +103,35 @@ def decode_rates(engine: Engine, prompt: tuple[int, ...], new: int, rounds: int)
     return rates
 
 
+def paired_steps(model: Transformer, setting: str, steps: int, prompt_len: int) -> dict[str, float]:
+    """Median seconds of a decode step without and with ``setting``'s processors, measured in turns."""
+    sampler = make_sampler(SETTINGS[setting], eos_ids=(EOS,))
+    g = torch.Generator().manual_seed(3)
+    prompt = [1] + torch.randint(3, VOCAB, (prompt_len - 1,), generator=g).tolist()
+    history = TokenHistory([prompt], vocab_size=VOCAB, window=SETTINGS[setting].repeat_last_n)
+    cache = KVCache.for_model(model.args, 1)
+    plain, processed = [], []
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]), torch.arange(prompt_len).unsqueeze(0), cache, last_only=True)[:, -1]
+        token, position = int(sampler(history, logits).item()), prompt_len
+        history.append([token])
+        for i in range(steps):
+            tokens, positions = torch.tensor([[token]]), torch.tensor([[position]])
+            for with_processors in ((False, True) if i % 2 else (True, False)):
+                start = time.perf_counter()
+                step_logits = model(tokens, positions, cache, last_only=True)[:, -1]
+                if with_processors:
+                    step_logits, _ = sampler.prepare(history, step_logits)
+                chosen = int(step_logits.argmax(-1))
+                (processed if with_processors else plain).append(time.perf_counter() - start)
+                if with_processors:
+                    history.append([chosen])
+                    token = chosen
+            position += 1
+    return {"plain_ms": statistics.median(plain) * 1e3, "processors_ms": statistics.median(processed) * 1e3,
+            "ratio": statistics.median(plain) / statistics.median(processed)}
+
+
 def processor_cost(model: Transformer, history_len: int, calls: int) -> dict[str, float]:
     """Microseconds per token: the processors alone, and one decode forward for scale."""
     g = torch.Generator().manual_seed(1)
@@ -134,6 +168,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    load_before = os.getloadavg()[0]  # others' work on a shared machine shows here
     torch.manual_seed(0)
     model = stories15m()
     engine = Engine(model, BenchTokenizer(), options=EngineOptions(compile=False))
@@ -147,16 +182,25 @@ def main() -> None:
                "max": max(values), "ratio_to_greedy_median": statistics.median(paired), "rounds": len(values)}
         rows.append(row)
         print(json.dumps(row))
+    paired = {name: paired_steps(model, name, min(args.new, 256 - args.prompt - 1), args.prompt)
+              for name in ("penalties", "penalties-last-64", "all-processors")}
+    for name, row in paired.items():
+        print(json.dumps({"paired_steps": name, **row}))
     cost = processor_cost(model, 256, args.calls)
     print(json.dumps({"microseconds_per_token": cost}))
 
     print(f"\nstories15M-shaped random model, float32, eager step, {args.prompt}-token prompt, {args.new} new tokens, "
-          f"{args.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}\n")
+          f"{args.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, "
+          f"{os.cpu_count()} CPUs, load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after\n")
     print("| setting | decode tok/s (median) | min | max | vs greedy (median of per-round ratios) |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['setting']} | {row['decode_tok_s_median']:.0f} | {row['min']:.0f} | {row['max']:.0f} | "
               f"{row['ratio_to_greedy_median']:.3f} |")
+    print("\n| step by step, in turns | plain step (median ms) | with processors (median ms) | speed ratio |")
+    print("|---|---:|---:|---:|")
+    for name, row in paired.items():
+        print(f"| {name} | {row['plain_ms']:.2f} | {row['processors_ms']:.2f} | {row['ratio']:.3f} |")
     print("\n| per token, one row of 32,000 logits, 256-token history | microseconds |")
     print("|---|---:|")
     for name, us in cost.items():
