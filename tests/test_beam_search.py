@@ -202,3 +202,31 @@ def test_max_time_ends_with_its_own_reason(engine_pair, tokenizer):
     prompt = tuple(tokenizer.encode("once", bos=True))
     done = engine.generate(Request(prompt, sampling=SamplingParams(temperature=0.0), max_time=1e-9))
     assert done.finish_reason is GenerationState.MAX_TIME and len(done.token_ids) == 1
+
+
+def test_max_time_ends_every_beam_with_its_reason(pair):
+    model, _ = pair
+    limits = BeamLimits(20, GenerationState.MAX_TOKENS, time.perf_counter() - 10.0, max_time=1.0)  # already late
+    search = BeamSearch(model, PROMPT, SamplingParams(temperature=0.0), BeamParams(3, 1.0, False, 3), limits=limits,
+                        stop_ids=set(), seed=0, vocab=VOCAB, device=torch.device("cpu"), dtype=torch.float32)
+    while search.prefill(64):
+        pass
+    assert search.step() is False  # one token, then the clock ends every hypothesis
+    beams = search.result()
+    assert len(beams) == 3 and all(b.finish_reason is GenerationState.MAX_TIME and len(b.token_ids) == 1
+                                   for b in beams)
+
+
+def test_a_search_cut_short_returns_its_running_beams_as_cancelled(pair):
+    model, _ = pair
+    limits = BeamLimits(20, GenerationState.MAX_TOKENS, time.perf_counter())
+    search = BeamSearch(model, PROMPT, SamplingParams(temperature=0.0), BeamParams(4, 1.0, False, 2), limits=limits,
+                        stop_ids=set(), seed=0, vocab=VOCAB, device=torch.device("cpu"), dtype=torch.float32)
+    while search.prefill(64):
+        pass
+    for _ in range(5):
+        assert search.step()
+    beams = search.result()
+    assert len(beams) == 2 and all(b.finish_reason is GenerationState.CANCELLED and len(b.token_ids) == 5
+                                   for b in beams)
+    assert beams[0].score >= beams[1].score
