@@ -72,9 +72,11 @@ class Request:
     reuse_cache: bool = False
     max_time: float | None = None
     beams: BeamParams = BeamParams()
+    stop_ids: tuple[int, ...] = ()  # token ids that end this request, besides the tokenizer's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
+        object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -262,7 +264,7 @@ def state_after(token_id: int, *, index: int, request: Request, stop_ids: frozen
     shown is the most specific one. ``elapsed_s``: seconds since the request started, for
     ``max_time``. (Stop strings are matched on the text, after this: ``decoding.TextMaker``.)
     """
-    if token_id in stop_ids:
+    if token_id in stop_ids or token_id in request.stop_ids:
         return GenerationState.EOS
     if request.max_tokens is not None and index + 1 >= request.max_tokens:
         return GenerationState.MAX_TOKENS

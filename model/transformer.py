@@ -34,6 +34,7 @@ class StepLayout:
     causal: bool  # no cache: plain causal attention among the given tokens
     whole_cache: bool = False  # attention over every cache slot, masked (a static step)
     row_products: bool = False  # projections as multiply-and-sum (see ops.linear)
+    paged: bool = False  # the cache is a PagedView: it writes the keys and attends per sequence
 
     @classmethod
     def over_whole_cache(cls, positions: torch.Tensor, capacity: int, *, row_products: bool = False) -> StepLayout:
@@ -82,6 +83,9 @@ class Attention(nn.Module):
             k = ops.apply_rope(k.view(batch, seq, self.n_kv_heads, self.head_dim), rope)
             v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if layout.paged:  # packed sequences over pages (model/paged_kv_cache.py)
+            out = cache.attend(layer, q, k, v)
+            return ops.project(out.transpose(1, 2).reshape(batch, seq, -1), self.wo, layout.row_products)
         if cache is not None:
             k, v = cache.update(layer, k, v, layout.positions, layout.kv_len, layout.contiguous_from)
         if layout.whole_cache:
@@ -192,7 +196,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, *, last_only: bool = False,
-                static: bool = False, row_products: bool = False) -> torch.Tensor:
+                static: bool = False, row_products: bool = False,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` and ``positions`` are ``(batch, seq)``; returns ``(batch, seq or 1, vocab)``.
 
         Without a cache the tokens attend causally among themselves (training, scoring). With a
@@ -201,12 +206,16 @@ class Transformer(nn.Module):
         ``static`` attends over the whole cache with a mask instead of the part the positions
         reach: no host sync and the same shapes at every position, for a compiled step.
         ``row_products`` (static only) spells projections out for the compiler (``ops.linear``).
+        A ``PagedView`` cache (``model/paged_kv_cache.py``) takes one row of packed sequences;
+        ``logits_at`` then picks the tokens whose logits are wanted: ``(1, len(logits_at), vocab)``.
         """
         batch, seq = tokens.shape
         device = tokens.device
         if positions is None:
             positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
-        if static:
+        if getattr(cache, "paged", False):
+            layout = StepLayout(positions, None, 0, None, causal=False, paged=True)
+        elif static:
             if cache is None:
                 raise ValueError("a static forward needs a KV cache")
             layout = StepLayout.over_whole_cache(positions, cache.max_seq_len, row_products=row_products)
@@ -218,6 +227,8 @@ class Transformer(nn.Module):
             h = layer(h, rope, layout, cache, i)
         if last_only:
             h = h[:, -1:, :]
+        elif logits_at is not None:
+            h = h[:, logits_at, :]
         return ops.project(self.norm(h), self.output, layout.row_products).float()
 
     def _layout(self, positions: torch.Tensor, cache: KVCache | None) -> StepLayout:

@@ -1,0 +1,314 @@
+"""The scheduler's step thread half: admission, one packed forward for every active job, sampling.
+
+Everything here runs in the step worker thread, one ``step()`` per call; the event loop only
+submits jobs, flags cancels and counts what consumers took (``jobs.Job``). A step:
+
+1. releases the pages of jobs cancelled since the last step;
+2. admits waiting jobs, first come first served, while a batch slot and enough pages are free:
+   the pages of the longest cached prefix of the prompt are shared, and pages for the rest of the
+   job (prompt and token budget) are reserved, so a running job never runs out of room;
+3. plans the step's tokens: every job decoding gets its one token, then prompts fill the step's
+   token budget in chunks;
+4. runs one forward over all of them packed into one row, with attention over each job's pages;
+5. samples one token for each job whose fed tokens reached the end of what it holds, and makes a
+   ``TokenEvent`` of it; full pages are registered under their prefix key as they fill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from llama_chat.inference.jobs import Job
+from llama_chat.inference.page_table import PageTable, page_keys
+from llama_chat.inference.types import GenerationState, TokenEvent, state_after
+from llama_chat.ml.sampling import draw_uniforms, sample
+from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedBatch, PagedKVCache
+from llama_chat.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    max_batch: int
+    num_pages: int
+    page_size: int
+    prefill_chunk: int  # most prompt tokens of one job in one step
+    step_tokens: int  # most tokens in one step, all jobs together
+    buffer_size: int  # most events of a job not yet taken by its consumer
+    static_shapes: bool  # pad one-token rows and tables to fixed sizes (for a compiled step)
+    max_seq_len: int
+
+
+@dataclass
+class Counters:
+    """What the scheduler has done so far (read by the event loop for ``SchedulerStats``)."""
+
+    submitted: int = 0
+    finished: int = 0
+    prefill_tokens: int = 0  # prompt tokens that went through a forward
+    cached_tokens: int = 0  # prompt tokens whose pages were found in the cache
+    generated_tokens: int = 0
+    steps: int = 0
+    mixed_steps: int = 0  # steps with both decodes and prompt chunks
+    pages_peak: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    events: tuple[tuple[Job, TokenEvent], ...] = ()
+    released: tuple[Job, ...] = ()
+    idle: bool = False  # nothing could run: wait for a submit, a cancel or a consumer
+
+
+def _bucket(n: int) -> int:
+    """The next power of two: few distinct shapes for a compiled step, at most twice the work."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass
+class _Plan:
+    singles: list[Job] = field(default_factory=list)
+    runs: list[tuple[Job, int]] = field(default_factory=list)
+
+
+class BatchCore:
+    def __init__(self, model: Transformer, settings: CoreSettings, *, device: torch.device, dtype: torch.dtype,
+                 token_bytes, sample_ids: int | None) -> None:
+        self.model = model
+        self.settings = settings
+        self.device = device
+        self.cache = PagedKVCache.for_model(model.args, settings.num_pages, settings.page_size,
+                                            device=device, dtype=dtype)
+        self.pages = PageTable(settings.num_pages)
+        self.token_bytes = token_bytes
+        self.sample_ids = sample_ids
+        self.incoming: deque[Job] = deque()  # appended by the event loop, taken here
+        self.waiting: list[Job] = []
+        self.active: list[Job] = []
+        self.claims: dict[bytes, Job] = {}  # prompt pages being prefilled, by prefix key
+        self.counters = Counters()
+
+    # -- sizes -----------------------------------------------------------------------------------
+
+    def pages_for(self, job_len: int) -> int:
+        return -(-job_len // self.settings.page_size)
+
+    def reserved_len(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Positions a job may ever write: its prompt and its budget, within the context."""
+        total = self.settings.max_seq_len if max_tokens is None else prompt_len + max_tokens
+        return min(total, self.settings.max_seq_len)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        with torch.inference_mode():
+            released = [job for job in self.active if job.cancelled]
+            for job in released:
+                self._release(job)
+            released += self._admit()
+            plan = self._plan()
+            if not plan.singles and not plan.runs:
+                return StepResult(released=tuple(released), idle=True)
+            events, finished = self._run(plan)
+            for job in finished:
+                self._release(job)
+            return StepResult(tuple(events), tuple(released + finished))
+
+    def _admit(self) -> list[Job]:
+        while self.incoming:
+            self.waiting.append(self.incoming.popleft())
+        dropped = [job for job in self.waiting if job.cancelled]
+        self.waiting = [job for job in self.waiting if not job.cancelled]
+        for job in dropped:
+            job.finished = True
+            job.final_state = GenerationState.CANCELLED
+        size = self.settings.page_size
+        still = []
+        blocked = False
+        for job in self.waiting:
+            if blocked or len(self.active) >= self.settings.max_batch:
+                still.append(job)
+                continue
+            prompt = job.request.prompt_ids
+            # Full pages of the prompt that may be shared: at least one prompt token is fed again,
+            # for its logits give the first new token.
+            keys = page_keys(prompt[:len(prompt) - 1], size)
+            hits = self.pages.lookup(keys)
+            if len(hits) < len(keys) and keys[len(hits)] in self.claims:
+                # Another job is prefilling the next page of this prefix now: wait for it rather
+                # than compute it twice.
+                still.append(job)
+                continue
+            need = self.pages_for(self.reserved_len(job.prompt_len, job.request.max_tokens)) - len(hits)
+            evictable_hits = sum(1 for p in hits if self.pages.refs[p] == 0)
+            if need > self.pages.available - evictable_hits:
+                blocked = True  # first come, first served: later jobs do not overtake it
+                still.append(job)
+                continue
+            self.pages.acquire(hits)
+            job.pages = hits + self.pages.allocate(need)
+            job.keys = keys[:len(hits)]
+            job.tokens = list(prompt)
+            job.fed = job.cached_tokens = len(hits) * size
+            job.claims = [k for k in keys[len(hits):] if k not in self.claims]
+            for key in job.claims:
+                self.claims[key] = job
+            if not job.request.sampling.greedy:
+                job.uniforms = draw_uniforms(self.settings.max_seq_len, job.request.seed)
+            self.counters.cached_tokens += job.cached_tokens
+            self.active.append(job)
+        self.waiting = still
+        self.counters.pages_peak = max(self.counters.pages_peak, self.pages.in_use)
+        return dropped
+
+    def _plan(self) -> _Plan:
+        s = self.settings
+        plan = _Plan()
+        budget = s.step_tokens
+        for job in self.active:
+            if len(job.tokens) - job.fed == 1 and job.produced - job.received < s.buffer_size:
+                plan.singles.append(job)
+                budget -= 1
+        for job in self.active:
+            todo = len(job.tokens) - job.fed
+            if todo <= 1 or budget <= 0:
+                continue
+            if todo <= s.prefill_chunk and job.produced - job.received >= s.buffer_size:
+                continue  # this chunk would sample, and its consumer has no room
+            n = min(todo, s.prefill_chunk, budget)
+            if n == 1:
+                plan.singles.append(job)
+            else:
+                plan.runs.append((job, n))
+            budget -= n
+        return plan
+
+    def _run(self, plan: _Plan) -> tuple[list[tuple[Job, TokenEvent]], list[Job]]:
+        s = self.settings
+        size = s.page_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampled_rows: list[int] = []  # token index of each row whose logits are taken
+        sampled_jobs: list[Job | None] = []
+
+        def feed(job: Job, n: int) -> None:
+            for pos in range(job.fed, job.fed + n):
+                tokens.append(job.tokens[pos])
+                positions.append(pos)
+                slots.append(job.pages[pos // size] * size + pos % size)
+
+        singles = plan.singles
+        single_tables = None
+        if singles:
+            widths = [job.fed // size + 1 for job in singles]
+            width = max(widths)
+            rows = len(singles)
+            if s.static_shapes:
+                width, rows = _bucket(width), _bucket(rows)
+            table = []
+            for job in singles:
+                sampled_rows.append(len(tokens))
+                sampled_jobs.append(job)
+                feed(job, 1)
+                used = job.pages[:job.fed // size + 1]
+                table.append(used + [SCRATCH_PAGE] * (width - len(used)))
+            for _ in range(rows - len(singles)):  # padding rows: scratch page, position 0, ignored
+                sampled_rows.append(len(tokens))
+                sampled_jobs.append(None)
+                tokens.append(0)
+                positions.append(0)
+                slots.append(SCRATCH_PAGE * size)
+                table.append([SCRATCH_PAGE] * width)
+            single_tables = torch.tensor(table, dtype=torch.long)
+        n_singles = len(tokens)
+        runs = []
+        for job, n in plan.runs:
+            first = len(tokens)
+            feed(job, n)
+            table = torch.tensor(job.pages[:self.pages_for(job.fed + n)], dtype=torch.long)
+            runs.append((first, n, table))
+            if job.fed + n == len(job.tokens):
+                sampled_rows.append(len(tokens) - 1)
+                sampled_jobs.append(job)
+
+        device = self.device
+        put = (lambda t: t.to(device, non_blocking=True)) if device.type != "cpu" else (lambda t: t)
+        batch = PagedBatch(put(torch.tensor(slots, dtype=torch.long)), put(torch.tensor(positions, dtype=torch.long)),
+                           n_singles, None if single_tables is None else put(single_tables),
+                           tuple((f, n, put(t)) for f, n, t in runs))
+        token_tensor = put(torch.tensor(tokens, dtype=torch.long)).view(1, -1)
+        logits_at = put(torch.tensor(sampled_rows, dtype=torch.long))
+        # A step of prompt chunks only takes no logits at all (``(1, 0, vocab)``).
+        logits = self.model(token_tensor, batch.positions.view(1, -1), self.cache.view(batch), logits_at=logits_at)[0]
+        chosen = self._sample(logits[:, :self.sample_ids], sampled_jobs) if sampled_rows else []
+
+        # Bookkeeping: what was fed is now in the pages; full pages get their prefix keys.
+        c = self.counters
+        c.steps += 1
+        c.mixed_steps += bool(plan.singles and plan.runs)
+        for job, n in [(job, 1) for job in singles] + plan.runs:
+            c.prefill_tokens += max(0, min(job.fed + n, job.prompt_len) - job.fed)
+            job.fed += n
+            self._register(job)
+        events: list[tuple[Job, TokenEvent]] = []
+        finished: list[Job] = []
+        now = time.perf_counter()
+        for job, token in zip(sampled_jobs, chosen):
+            if job is None:
+                continue
+            index = len(job.tokens) - job.prompt_len
+            job.tokens.append(token)
+            state = state_after(token, index=index, request=job.request, stop_ids=job.stop_ids,
+                                max_seq_len=s.max_seq_len)
+            data = b"" if token in job.stop_ids else self.token_bytes(token)
+            events.append((job, TokenEvent(job.request_id, index, token, data, state, now - job.submitted)))
+            job.produced += 1
+            c.generated_tokens += 1
+            if state.finished:
+                job.finished = True
+                finished.append(job)
+        return events, finished
+
+    def _sample(self, logits: torch.Tensor, jobs: list[Job | None]) -> list[int]:
+        """One token per row: argmax for greedy rows, the job's own settings and seed otherwise.
+
+        The token after position ``p`` is drawn with the job's uniform ``p``, as the one-request
+        engine does, so a seeded job picks the same tokens batched or alone.
+        """
+        picks = logits.argmax(dim=-1)
+        for i, job in enumerate(jobs):
+            if job is not None and not job.request.sampling.greedy:
+                last = len(job.tokens) - 1
+                assert job.uniforms is not None
+                picks[i] = sample(logits[i:i + 1], job.request.sampling, job.uniforms[last:last + 1])[0]
+        return picks.tolist()  # the one value that crosses back to the host per step
+
+    def _register(self, job: Job) -> None:
+        full = job.fed // self.settings.page_size
+        if full <= len(job.keys):
+            return
+        previous = job.keys[-1] if job.keys else b""
+        new = page_keys(job.tokens[:full * self.settings.page_size], self.settings.page_size,
+                        start=len(job.keys), previous=previous)
+        for i, key in enumerate(new, start=len(job.keys)):
+            self.pages.register(job.pages[i], key)
+            if self.claims.get(key) is job:
+                del self.claims[key]
+        job.keys.extend(new)
+
+    def _release(self, job: Job) -> None:
+        self.pages.release(job.pages)
+        job.pages = []
+        for key in job.claims:
+            if self.claims.get(key) is job:
+                del self.claims[key]
+        job.claims = []
+        self.active.remove(job)
+        self.counters.finished += 1
+        if not job.finished:
+            job.finished = True
+            job.final_state = GenerationState.CANCELLED

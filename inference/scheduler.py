@@ -1,0 +1,265 @@
+"""Many requests at once: continuous batching over a paged KV cache, as an async library.
+
+::
+
+    async with Scheduler(model, tokenizer) as scheduler:
+        stream = scheduler.submit(Request(prompt_ids, sampling=..., max_tokens=64, stop=("\\n\\n",)))
+        async for response in stream:          # Response items, tagged with the request's id
+            print(response.text, end="")
+        completion = stream.completion()       # text, token ids, finish reason, timings
+        scheduler.stats                        # counters: prefill tokens, cached tokens, pages
+
+``submit`` queues a job and returns its stream at once; any number of streams can be consumed
+concurrently from other tasks. ``stream.cancel()`` (or leaving an ``async with stream`` block
+early) stops that job alone; its pages are released at the next step.
+
+The shape is the one-request engine's (``engine.py``): one task drives the blocking forward
+through the step worker thread, a few steps queued ahead; each job has a bounded channel of token
+events. A job whose consumer has not taken ``buffer_size`` events yet sits out the next steps
+(the others go on), so a slow reader slows its own job without memory growing. Everything that
+decides which job runs and which pages it uses happens in the step thread (``batch_core.py``);
+the event loop only submits, flags cancels and delivers events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import anyio
+import torch
+
+from llama_chat.inference.batch_core import BatchCore, CoreSettings, StepResult
+from llama_chat.inference.jobs import Job, JobStream
+from llama_chat.inference.step_worker import StepWorker
+from llama_chat.inference.types import (EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError,
+                                        TokenEvent, sole_exception, stop_ids_of)
+from llama_chat.model.tokenizers.base import Tokenizer
+from llama_chat.model.transformer import Transformer
+
+DEFAULT_MAX_BATCH = 16
+DEFAULT_PAGE_SIZE = 16
+# Without --cache-tokens: room for every batch slot at the full context, up to this many tokens
+# (a TinyLlama-sized model in bfloat16 keeps 22 KB per token: 1.4 GB).
+DEFAULT_CACHE_TOKENS_CAP = 65536
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """How the scheduler batches. ``None`` fields take a default that depends on the device."""
+
+    max_batch: int = DEFAULT_MAX_BATCH  # jobs running at once
+    cache_tokens: int | None = None  # size of the paged cache in tokens
+    page_size: int = DEFAULT_PAGE_SIZE  # token slots per page
+    prefill_chunk: int | None = None  # most prompt tokens of one job per step (64; 1024 on CUDA)
+    step_tokens: int | None = None  # most tokens per step, all jobs together
+    buffer_size: int = 8  # events of one job waiting for its consumer
+    lookahead: int = 2  # steps queued in the worker ahead of the one being delivered
+    static_shapes: bool | None = None  # pad decode rows and tables to buckets (default: on CUDA)
+    max_seq_len: int | None = None  # each job's context; None: the model's
+    report_every_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "page_size", "buffer_size", "lookahead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters since the scheduler was made; ``pages_*`` count pages of ``page_size`` tokens."""
+
+    jobs_submitted: int
+    jobs_finished: int
+    prefill_tokens: int  # prompt tokens that went through a forward
+    cached_tokens: int  # prompt tokens whose keys came from the prefix cache instead
+    generated_tokens: int
+    steps: int
+    mixed_steps: int  # steps where prompt chunks and decodes shared the forward
+    page_size: int
+    pages_total: int  # pages jobs can use (the cache's, less the scratch page)
+    pages_free: int  # holding nothing
+    pages_cached: int  # holding a prefix nobody uses now, kept until the space is needed
+    pages_in_use: int  # in some job's block table
+    pages_peak: int
+    evictions: int
+
+    @property
+    def pages_available(self) -> int:
+        return self.pages_free + self.pages_cached
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class Scheduler:
+    """Owns a model, its paged KV cache and the job queue; see the module's docstring."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, options: SchedulerOptions = SchedulerOptions(),
+                 *, name: str = "") -> None:
+        first = next(model.parameters())
+        device, dtype = first.device, first.dtype
+        cuda = device.type == "cuda"
+        max_seq_len = min(options.max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
+        cache_tokens = options.cache_tokens or max(
+            max_seq_len, min(options.max_batch * max_seq_len, DEFAULT_CACHE_TOKENS_CAP))
+        page_size = options.page_size
+        prefill_chunk = options.prefill_chunk or (1024 if cuda else 64)
+        settings = CoreSettings(
+            max_batch=options.max_batch,
+            num_pages=-(-cache_tokens // page_size) + 1,  # + the scratch page
+            page_size=page_size,
+            prefill_chunk=prefill_chunk,
+            step_tokens=options.step_tokens or max(prefill_chunk, options.max_batch) + options.max_batch,
+            buffer_size=options.buffer_size,
+            static_shapes=cuda if options.static_shapes is None else options.static_shapes,
+            max_seq_len=max_seq_len,
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.options = options
+        self.name = name
+        self.stop_ids = stop_ids_of(tokenizer)
+        self._strip = bool(getattr(tokenizer, "strips_leading_space", False))
+        vocab = getattr(tokenizer, "vocab_size", None)
+        sample_ids = vocab if vocab is not None and vocab < model.args.vocab_size else None
+        self.core = BatchCore(model, settings, device=device, dtype=dtype, token_bytes=tokenizer.token_bytes,
+                              sample_ids=sample_ids)
+        self._jobs: dict[str, Job] = {}
+        self._wake = anyio.Event()
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._closed = False
+
+    @classmethod
+    def from_loaded(cls, loaded, options: SchedulerOptions = SchedulerOptions()) -> Scheduler:
+        """From a ``model.loader.LoadedModel``."""
+        return cls(loaded.model, loaded.tokenizer, options, name=loaded.name)
+
+    # -- the library API -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Scheduler:
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self._task_group.start_soon(self._run)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool | None:
+        assert self._task_group is not None
+        self._closed = True
+        self._task_group.cancel_scope.cancel()
+        try:
+            return await self._task_group.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            raise sole_exception(group) from None
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.core.settings.max_seq_len
+
+    @property
+    def page_size(self) -> int:
+        return self.core.settings.page_size
+
+    def check(self, request: Request) -> None:
+        """Raise a ``RequestError`` for a job that can never run (before it is queued)."""
+        if not request.prompt_ids:
+            raise EmptyPrompt()
+        if len(request.prompt_ids) >= self.max_seq_len:
+            raise PromptTooLong(len(request.prompt_ids), self.max_seq_len)
+        need = self.core.reserved_len(len(request.prompt_ids), request.max_tokens)
+        if self.core.pages_for(need) > self.core.pages.usable:
+            raise RequestError(f"a job of {need} tokens does not fit in a cache of "
+                               f"{self.core.pages.usable * self.page_size} tokens (raise --cache-tokens)")
+
+    def submit(self, request: Request) -> JobStream:
+        """Queue ``request`` and return the stream of its responses (iterate it in any task)."""
+        if self._task_group is None or self._closed:
+            raise RuntimeError("submit jobs inside `async with scheduler:`")
+        self.check(request)
+        if request.request_id in self._jobs:
+            raise RequestError(f"a job with id {request.request_id!r} is already running")
+        send, receive = anyio.create_memory_object_stream[TokenEvent](self.options.buffer_size)
+        stop_ids = self.stop_ids | frozenset(request.stop_ids)
+        job = Job(request, time.perf_counter(), send, stop_ids)
+        self._jobs[request.request_id] = job
+        self.core.counters.submitted += 1
+        self.core.incoming.append(job)
+        self._notify()
+        return JobStream(job, receive, strip_leading_space=request.chat_reply and self._strip,
+                         on_receive=self._notify, on_cancel=self._cancel)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop one job (no error if it has already finished)."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            self._cancel(job)
+
+    async def wait_released(self, stream: JobStream) -> None:
+        """Wait until the job's pages are back in the pool (after it finished or was cancelled)."""
+        await stream.job.released.wait()
+
+    @property
+    def stats(self) -> SchedulerStats:
+        c, pages = self.core.counters, self.core.pages
+        return SchedulerStats(c.submitted, c.finished, c.prefill_tokens, c.cached_tokens, c.generated_tokens,
+                              c.steps, c.mixed_steps, self.page_size, pages.usable, len(pages.free),
+                              len(pages.cached), pages.in_use, c.pages_peak, pages.evictions)
+
+    # -- the producer ----------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._wake.set()
+
+    def _cancel(self, job: Job) -> None:
+        if not job.cancelled and not job.released.is_set():
+            job.cancelled = True
+            self._notify()
+
+    async def _run(self) -> None:
+        failed = True
+        try:
+            async with StepWorker(report_every_s=self.options.report_every_s) as worker:
+                while True:
+                    wake = self._wake
+                    await self._run_until_idle(worker)
+                    await wake.wait()  # set by a submit, a cancel or a consumer taking an event
+                    if self._wake is wake:
+                        self._wake = anyio.Event()
+            failed = False
+        finally:
+            # Cancelled with the scheduler, or failed: every job still open ends here.
+            state = GenerationState.CANCELLED if not failed else GenerationState.ERROR
+            for job in list(self._jobs.values()):
+                if job.final_state is None:
+                    job.final_state = state
+                self._finish(job)
+
+    async def _run_until_idle(self, worker: StepWorker) -> None:
+        """Steps, ``lookahead`` queued, until one finds nothing to run; then the rest are drained."""
+        inflight = deque(worker.submit(self.core.step) for _ in range(self.options.lookahead))
+        idle = False
+        while inflight:
+            result: StepResult = await worker.result(inflight.popleft())
+            self._deliver(result)
+            idle = idle or result.idle
+            if not idle:
+                inflight.append(worker.submit(self.core.step))
+
+    def _deliver(self, result: StepResult) -> None:
+        for job, event in result.events:
+            try:
+                # Never blocks: the step thread runs a job only while its channel has room.
+                job.send.send_nowait(event)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._cancel(job)  # nobody is reading it any more
+        for job in result.released:
+            self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        job.send.close()
+        job.released.set()
+        self._jobs.pop(job.request_id, None)
+
+
+__all__ = ["JobStream", "Scheduler", "SchedulerOptions", "SchedulerStats"]

@@ -1,0 +1,139 @@
+"""Keys and values in fixed-size pages, found through a block table per sequence.
+
+A dense ``KVCache`` gives every sequence a row of ``max_seq_len`` slots whether it uses them or
+not. Here the cache is one pool of pages of ``page_size`` token slots each; a sequence owns a list
+of pages (its block table), so sequences join and leave a batch without anything being reshaped,
+a finished sequence's pages go straight to the next one, and two sequences that start with the same
+tokens can point at the same pages.
+
+One forward step packs the tokens of every sequence into one row (``(1, tokens)``): the
+projections and the feed-forward see a single matrix with no padding, and only attention is done
+per sequence. ``PagedBatch`` says where each token's keys are written (its slot) and which pages
+each sequence reads; ``PagedKVCache.view(batch)`` is what the transformer is given as its cache.
+
+Which pages belong to whom, and which are shared, is decided above this module (in
+``inference/``); here pages are only storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llama_chat.ml import ops
+
+# Page 0 is never handed to a sequence: padding tokens write their keys there and padded block
+# table entries point at it, so a static-shaped step never needs a branch for "no page".
+SCRATCH_PAGE = 0
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """Where the packed tokens of one forward step live in the page pool (device tensors).
+
+    The tokens of the step are ordered: first ``singles`` one-token rows (decodes, and prompts
+    with one token left), then each longer run of one sequence's prompt (``runs``).
+
+    ``slots``: ``(tokens,)`` flat slot index (``page * page_size + offset``) each token's keys go to.
+    ``positions``: ``(tokens,)`` each token's position in its sequence.
+    ``single_tables``: ``(singles, width)`` page ids of each one-token row's sequence.
+    ``runs``: for each longer run, ``(first token index, length, table (width,))``.
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    singles: int
+    single_tables: torch.Tensor | None
+    runs: tuple[tuple[int, int, torch.Tensor], ...]
+
+
+class PagedKVCache:
+    """Per layer, keys and values shaped ``(kv_heads, num_pages, page_size, head_dim)``.
+
+    Pages are the second dimension so that a sequence's pages, selected in table order, are
+    already its keys in position order: ``(kv_heads, width * page_size, head_dim)`` with no
+    transposing copy.
+    """
+
+    def __init__(self, n_layers: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
+                 *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if num_pages < 2:
+            raise ValueError("a paged cache needs at least two pages (one is scratch)")
+        shape = (n_kv_heads, num_pages, page_size, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+
+    @classmethod
+    def for_model(cls, args, num_pages: int, page_size: int, *, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> PagedKVCache:
+        return cls(args.n_layers, num_pages, page_size, args.n_kv_heads, args.head_dim, device=device, dtype=dtype)
+
+    def view(self, batch: PagedBatch) -> PagedView:
+        """The cache as one forward step sees it (pass it to ``Transformer.forward``)."""
+        return PagedView(self, batch)
+
+
+class PagedView:
+    """One step's window on a ``PagedKVCache``: writes the step's keys, attends each sequence.
+
+    ``paged`` tells the transformer to hand attention to ``attend`` instead of its own
+    whole-row path. The index tensors and masks are built once here and reused by every layer.
+    """
+
+    paged = True
+
+    def __init__(self, cache: PagedKVCache, batch: PagedBatch) -> None:
+        self.cache = cache
+        self.batch = batch
+        page_size = cache.page_size
+        self._single_pages: torch.Tensor | None = None
+        self._single_mask: torch.Tensor | None = None
+        if batch.singles:
+            tables = batch.single_tables
+            assert tables is not None
+            width = tables.shape[1] * page_size
+            keys = torch.arange(width, device=cache.device)
+            self._single_pages = tables.reshape(-1)
+            # (singles, 1, 1, keys): each row sees the keys up to its own position.
+            self._single_mask = (keys.view(1, width) <= batch.positions[:batch.singles].view(-1, 1)).view(
+                batch.singles, 1, 1, width)
+        self._run_masks = []
+        for first, length, table in batch.runs:
+            width = table.shape[0] * page_size
+            keys = torch.arange(width, device=cache.device)
+            positions = batch.positions[first:first + length]
+            self._run_masks.append((keys.view(1, width) <= positions.view(length, 1)).view(1, 1, length, width))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store ``k``/``v`` (``(1, kv_heads, tokens, head_dim)``) at the step's slots, then attend.
+
+        ``q`` is ``(1, heads, tokens, head_dim)``; returns the same shape. No host sync: every
+        shape comes from the batch's Python ints and the tables' sizes.
+        """
+        cache, batch = self.cache, self.batch
+        store_k, store_v = cache.keys[layer], cache.values[layer]
+        kv_heads, num_pages, page_size, head_dim = store_k.shape
+        flat_k = store_k.view(kv_heads, num_pages * page_size, head_dim)
+        flat_v = store_v.view(kv_heads, num_pages * page_size, head_dim)
+        flat_k.index_copy_(1, batch.slots, k[0])
+        flat_v.index_copy_(1, batch.slots, v[0])
+
+        parts = []
+        if batch.singles:
+            n = batch.singles
+            pages = self._single_pages
+            # (kv_heads, n * width, page, dim) -> (n, kv_heads, width * page, dim)
+            keys = store_k.index_select(1, pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
+            values = store_v.index_select(1, pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
+            queries = q[0, :, :n].transpose(0, 1).unsqueeze(2)  # (n, heads, 1, dim)
+            out = ops.attention(queries, keys, values, self._single_mask)  # (n, heads, 1, dim)
+            parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # (1, heads, n, dim)
+        for (first, length, table), mask in zip(batch.runs, self._run_masks):
+            keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)
+            values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)
+            parts.append(ops.attention(q[:, :, first:first + length], keys, values, mask))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
