@@ -25,6 +25,7 @@ import torch
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.page_table import PageTable, page_keys
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
+from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import draw_uniforms, sample
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedBatch, PagedKVCache
 from llama_chat.model.transformer import Transformer
@@ -156,8 +157,13 @@ class BatchCore:
             job.claims = [k for k in keys[len(hits):] if k not in self.claims]
             for key in job.claims:
                 self.claims[key] = job
-            if not job.request.sampling.greedy:
+            params = job.request.sampling
+            if not params.greedy:
                 job.uniforms = draw_uniforms(self.settings.max_seq_len, job.request.seed)
+            if not params.plain:  # penalties, top-k, min-p ...: the processors, with the job's history
+                job.controls = make_sampler(params, eos_ids=job.stop_ids)
+                job.history = TokenHistory([list(prompt)], vocab_size=self.sample_ids or self.model.args.vocab_size,
+                                           device=self.device, window=params.repeat_last_n)
             self.counters.cached_tokens += job.cached_tokens
             self.active.append(job)
         self.waiting = still
@@ -211,8 +217,9 @@ class BatchCore:
                 width, rows = _bucket(width), _bucket(rows)
             table = []
             for job in singles:
-                sampled_rows.append(len(tokens))
-                sampled_jobs.append(job)
+                if job.fed + 1 == len(job.tokens):  # else a prompt's chunk cut to one token by the budget
+                    sampled_rows.append(len(tokens))
+                    sampled_jobs.append(job)
                 feed(job, 1)
                 used = job.pages[:job.fed // size + 1]
                 table.append(used + [SCRATCH_PAGE] * (width - len(used)))
@@ -281,11 +288,22 @@ class BatchCore:
         """
         picks = logits.argmax(dim=-1)
         for i, job in enumerate(jobs):
-            if job is not None and not job.request.sampling.greedy:
+            if job is None or (job.controls is None and job.request.sampling.greedy):
+                continue
+            row, params = logits[i:i + 1], job.request.sampling
+            if job.controls is not None:
+                row, params = job.controls.prepare(job.history, row)
+            if params.greedy:
+                picks[i] = row.argmax(dim=-1)[0]
+            else:
                 last = len(job.tokens) - 1
                 assert job.uniforms is not None
-                picks[i] = sample(logits[i:i + 1], job.request.sampling, job.uniforms[last:last + 1])[0]
-        return picks.tolist()  # the one value that crosses back to the host per step
+                picks[i] = sample(row, params, job.uniforms[last:last + 1])[0]
+        chosen = picks.tolist()  # the one value that crosses back to the host per step
+        for job, token in zip(jobs, chosen):
+            if job is not None and job.history is not None:
+                job.history.append([token])
+        return chosen
 
     def _register(self, job: Job) -> None:
         full = job.fed // self.settings.page_size

@@ -18,6 +18,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.page_table import PageKey
 from llama_chat.inference.types import Completion, GenerationState, Request, Response, Tally, TokenEvent
+from llama_chat.ml.processors import Sampler, TokenHistory
 
 
 @dataclass(eq=False)
@@ -39,6 +40,8 @@ class Job:
     produced: int = 0  # events made
     finished: bool = False
     uniforms: torch.Tensor | None = None
+    controls: Sampler | None = None  # the logits processors, for settings beyond temperature and top-p
+    history: TokenHistory | None = None  # what the processors read: the job's tokens so far
     final_state: GenerationState | None = None  # how it ended when no event said so (a cancel)
     # -- the event loop's end of the job: set once its pages are back in the pool --
     released: anyio.Event = field(default_factory=anyio.Event)
