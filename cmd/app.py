@@ -57,6 +57,11 @@ class DType(str, enum.Enum):
     float16 = "float16"
 
 
+class Quantize(str, enum.Enum):
+    none = "none"
+    int8 = "int8"
+
+
 MAX_SEED = 2**64 - 1
 _DEVICE = re.compile(r"auto|cpu|(cuda|mps)(:\d{1,3})?")
 
@@ -250,6 +255,9 @@ class Options:
         "--compile/--no-compile",
         help="Compile the decode step (default: on CUDA for models over 50M parameters). The first run "
              "compiles; later runs reuse the on-disk cache.")] = None
+    quantize: Annotated[Quantize, typer.Option(
+        "--quantize", help="Weights: none, or int8 (weight-only, one scale per output row, made at load "
+                           "time; about a quarter of float32's bytes).")] = Quantize.none
     template: Annotated[Template, typer.Option(
         "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template.auto
     json: Annotated[bool, typer.Option(
@@ -264,7 +272,7 @@ class Options:
 
     def __post_init__(self) -> None:
         # Code below the command line sees plain strings and tuples, not typer's enums and lists.
-        for name in ("dtype", "template", "color"):
+        for name in ("dtype", "template", "color", "quantize"):
             value = getattr(self, name)
             if isinstance(value, enum.Enum):
                 object.__setattr__(self, name, value.value)

@@ -47,7 +47,8 @@ def load(opts: Options, err: Console) -> LoadedModel:
 
 
 def make_engine(loaded: LoadedModel, opts: Options) -> Engine:
-    return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile))
+    return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile,
+                                                            quantize=getattr(opts, "quantize", "none")))
 
 
 def warm_up(engine: Engine, request: Request, err: Console, *, quiet: bool) -> None:

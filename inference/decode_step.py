@@ -46,6 +46,9 @@ class StaticStepOptions:
     cuda_graph: bool = False
     backend: str = "inductor"  # torch.compile's backend; tests use a cheaper one
     row_products: bool = False  # projections as multiply-and-sum for the compiler (ops.linear)
+    # Inductor's freezing: weights become constants of the compiled graph, and on the CPU each
+    # projection is packed for oneDNN's matrix product once, at compile time (a second copy).
+    freezing: bool = False
 
 
 class StaticStep:
@@ -84,7 +87,8 @@ class StaticStep:
                 import torch._inductor.config as inductor_config
 
                 inductor_config.coordinate_descent_tuning = True
-            self._run = torch.compile(self._step, backend=options.backend, fullgraph=True, dynamic=False)
+            extra = {"options": {"freezing": True}} if options.freezing and options.backend == "inductor" else {}
+            self._run = torch.compile(self._step, backend=options.backend, fullgraph=True, dynamic=False, **extra)
         self._graphs: dict[SamplingMode, torch.cuda.CUDAGraph] = {}
         self._prepared: set[SamplingMode] = set()
         self._in_flight: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()

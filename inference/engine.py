@@ -35,10 +35,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from llama_chat.inference.beam import BeamLimits, BeamProgress, BeamSearch
 from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.model_step import Decode, ModelStep, Sampler, StepOptions
+from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, EmptyPrompt, EngineBusy,
                                         GenerationState, PromptTooLong, Request, RequestError, Response, Tally,
                                         TokenEvent, sole_exception, state_after, stop_ids_of)
+from llama_chat.ml.quantize import quantize_model
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, sample
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
@@ -59,11 +61,14 @@ DEFAULT_REPORT_EVERY_S = 0.02
 @dataclass(frozen=True)
 class EngineOptions:
     buffer_size: int = DEFAULT_BUFFER_SIZE
-    prefill_chunk: int | None = None  # None: DEFAULT_PREFILL_CHUNK, or CUDA_PREFILL_CHUNK on CUDA
+    # Prompt tokens per prefill forward; None: sized by time (inference/prefill.py), starting
+    # from DEFAULT_PREFILL_CHUNK (CUDA_PREFILL_CHUNK on CUDA).
+    prefill_chunk: int | None = None
     lookahead: int = DEFAULT_LOOKAHEAD
     report_every_s: float = DEFAULT_REPORT_EVERY_S
     compile: bool | None = None  # None: where it pays (see StepOptions.for_device)
     max_seq_len: int | None = None  # the KV cache's length; None: the model's context
+    quantize: str = "none"  # "int8": weight-only int8 projections (ml/quantize.py), made here
 
 
 class Engine:
@@ -72,8 +77,14 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, options: EngineOptions = EngineOptions(),
                  sampler: Sampler = sample, name: str = "") -> None:
         first = next(model.parameters())
-        step_options = StepOptions.for_device(first.device, sum(p.numel() for p in model.parameters()),
-                                              options.compile)
+        parameters = sum(p.numel() for p in model.parameters())
+        if options.quantize == "int8":
+            model.fuse_projections()  # per-row scales: fusing first costs nothing in accuracy
+            quantize_model(model)
+        elif options.quantize != "none":
+            raise ValueError(f"unknown quantization {options.quantize!r}")
+        step_options = StepOptions.for_device(first.device, parameters, options.compile,
+                                              quantized=options.quantize != "none")
         self.step = ModelStep(model, options=step_options, max_seq_len=options.max_seq_len,
                               sample_ids=getattr(tokenizer, "vocab_size", None))
         self.tokenizer = tokenizer
@@ -84,6 +95,8 @@ class Engine:
         self._busy = False
         self._cached: tuple[int, ...] = ()
         self._record_of = ""  # the request that last wrote the cache
+        cuda = self.step.device.type == "cuda"
+        self._prefill_sizer = PrefillSizer(first=CUDA_PREFILL_CHUNK if cuda else DEFAULT_PREFILL_CHUNK)
 
     @classmethod
     def from_loaded(cls, loaded, **kwargs) -> Engine:
@@ -98,7 +111,13 @@ class Engine:
     def prefill_chunk(self) -> int:
         if self.options.prefill_chunk is not None:
             return self.options.prefill_chunk
-        return CUDA_PREFILL_CHUNK if self.step.device.type == "cuda" else DEFAULT_PREFILL_CHUNK
+        return self._prefill_sizer.next_size()
+
+    def _timed_forward(self, rows: list[list[int]], starts: list[int]) -> None:
+        """A prefill forward (in the worker); its time sizes the next chunk."""
+        t = time.perf_counter()
+        self.step.forward(rows, starts)
+        self._prefill_sizer.record(len(rows[0]), time.perf_counter() - t)
 
     @property
     def compiles(self) -> bool:
@@ -183,16 +202,17 @@ class Engine:
     async def _produce(self, request: Request, send: MemoryObjectSendStream[TokenEvent], run: _DecodeRun,
                        reused: int) -> int:
         prompt = list(request.prompt_ids)
-        chunk = self.prefill_chunk
         async with StepWorker(report_every_s=self.options.report_every_s) as worker:
             # Prefill every chunk but the last without sampling; the last one yields the first
-            # token. One chunk per call, awaited in turn, so a cancel waits for one chunk at most.
-            # Chunks start where the cache's common prefix ends.
-            last_from = reused + ((len(prompt) - 1 - reused) // chunk) * chunk
-            for pos in range(reused, last_from, chunk):
-                await worker.result(worker.submit(self.step.forward, [prompt[pos:pos + chunk]], [pos]))
-                run.fed = pos + len(prompt[pos:pos + chunk])
-            run.rows, run.pos = [prompt[last_from:]], last_from
+            # token. One chunk per call, awaited in turn, so a cancel waits for one chunk at most;
+            # each chunk is as long as fits in the time budget (``prefill_chunk``). Chunks start
+            # where the cache's common prefix ends.
+            pos = reused
+            while len(prompt) - pos > (chunk := self.prefill_chunk):
+                await worker.result(worker.submit(self._timed_forward, [prompt[pos:pos + chunk]], [pos]))
+                pos += chunk
+                run.fed = pos
+            run.rows, run.pos = [prompt[pos:]], pos
 
             # Steps are queued ahead of the one being handled: each runs on the token the one before
             # it sampled, straight after it in the worker, while earlier events travel to the

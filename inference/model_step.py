@@ -36,16 +36,26 @@ class StepOptions:
     cuda_graph: bool = False
     backend: str = "inductor"
     row_products: bool = False
+    freezing: bool = False
 
     @classmethod
-    def for_device(cls, device: torch.device, parameters: int, compile: bool | None = None) -> StepOptions:
+    def for_device(cls, device: torch.device, parameters: int, compile: bool | None = None,
+                   *, quantized: bool = False) -> StepOptions:
         """The defaults: on CUDA the static step in a CUDA graph, compiled when the model is big
-        enough to pay for it; elsewhere the eager step, or the compiled static one if asked."""
+        enough to pay for it; elsewhere the eager step, or the compiled static one if asked.
+
+        On the CPU the compiled step spells its projections as multiply-and-sum (``row_products``):
+        inductor's reductions read the weights faster than MKL's one-row product (see
+        docs/architecture.md). int8 weights on the CPU always run eagerly: their fast kernel
+        (fbgemm's) cannot be traced, and the traced spelling is slower than float32.
+        """
         if compile is None:
             compile = device.type == "cuda" and parameters >= COMPILE_MIN_PARAMETERS
         if device.type == "cuda":
             return cls(static=True, compile=compile, cuda_graph=True)
-        return cls(static=compile, compile=compile)
+        if quantized:
+            return cls()
+        return cls(static=compile, compile=compile, row_products=compile)
 
 
 class ModelStep:
@@ -80,11 +90,14 @@ class ModelStep:
             # more than the attention itself at every prefill chunk; flash and memory-efficient
             # attention do not.
             torch.backends.cuda.enable_cudnn_sdp(False)
-            model.fuse_projections()
+        # One product for q/k/v and one for the SwiGLU inputs: fewer kernels per layer, and on
+        # the CPU fewer calls from Python in the eager step.
+        model.fuse_projections()
         if options.static:
             self.static = StaticStep(model, self.cache, self.device,
                                      StaticStepOptions(options.compile, options.cuda_graph, options.backend,
-                                                       options.row_products and options.compile),
+                                                       options.row_products and options.compile,
+                                                       options.freezing and options.compile),
                                      sample_ids=self.sample_ids)
 
     def forward(self, rows: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:

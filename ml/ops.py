@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -41,7 +42,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) ->
     """
     if row_products:
         return (x.unsqueeze(-2) * weight).sum(-1)
+    if _slow_half_matmul(x, weight):
+        # Half-precision matrix products on a CPU without bf16/fp16 instructions run at a third
+        # of float32's speed; converting the weight costs less than that once a chunk has rows.
+        return F.linear(x.float(), weight.float()).to(x.dtype)
     return F.linear(x, weight)
+
+
+# Rows from which a half-precision product on such a CPU is done in float32 (a prefill chunk;
+# a one-row decode product reads the weights once either way and stays in half precision).
+HALF_AS_FLOAT_FROM_ROWS = 8
+
+
+def _slow_half_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if weight.dtype not in (torch.bfloat16, torch.float16) or weight.device.type != "cpu":
+        return False
+    if x.numel() // x.shape[-1] < HALF_AS_FLOAT_FROM_ROWS:
+        return False
+    return not _cpu_has_half_matmul()
+
+
+@functools.cache
+def _cpu_has_half_matmul() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX), so oneDNN's product is fast."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older PyTorch without the probes: assume the common, slow case
+        return False
 
 
 def project(x: torch.Tensor, layer: torch.nn.Module, row_products: bool = False) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""Prefill chunks sized by time: long enough to be fast, short enough that a cancel waits little."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+
+from builders import random_model, tiny_args
+from llama_chat.inference.engine import DEFAULT_PREFILL_CHUNK, Engine, EngineOptions
+from llama_chat.inference.prefill import CHUNK_STEP, PrefillSizer
+from llama_chat.inference.types import Request
+from llama_chat.ml.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+CANCEL_BOUND_S = 0.2
+# The forwards below sleep instead of computing, so their length holds on a busy machine; what a
+# busy machine may add is the wake-up of a sleeping thread and of the event loop.
+SCHEDULING_SLACK_S = 0.05
+
+
+class _NoTokenizer:
+    vocab_size = 300
+    stop_ids: frozenset[int] = frozenset()
+    eos_id = None
+    special_tokens: dict[str, int] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"x"
+
+
+def test_sizer_fills_the_budget_and_shrinks_at_once_when_chunks_slow_down():
+    sizer = PrefillSizer(budget_s=0.1, first=64)
+    assert sizer.next_size() == 64  # nothing measured yet
+    sizer.record(64, 0.004)  # fast: 62.5 us a token
+    assert sizer.next_size() == 1600
+    sizer.record(1600, 0.4)  # the machine got four times slower: the next chunk fits at once
+    assert sizer.next_size() == 400
+    sizer.record(400, 0.05)  # faster again: grows back gradually
+    assert 400 < sizer.next_size() < 800
+    sizer.record(8, 10.0)  # too few tokens to judge by
+    assert sizer.next_size() % CHUNK_STEP == 0 and sizer.next_size() > 400
+    slow = PrefillSizer(budget_s=0.1)
+    slow.record(64, 6.4)  # 0.1 s a token: one chunk is at least CHUNK_STEP tokens
+    assert slow.next_size() == CHUNK_STEP
+
+
+def _slow_engine(seconds_per_token: float, chunks: list[tuple[int, float]]) -> Engine:
+    """An engine whose forwards take ``seconds_per_token`` per token (sleeping) and are logged."""
+    engine = Engine(random_model(tiny_args(300, max_seq_len=4096), seed=2), _NoTokenizer(),
+                    options=EngineOptions(compile=False))
+    forward = engine.step.forward
+
+    def slow_forward(rows, starts):
+        t = time.perf_counter()
+        time.sleep(seconds_per_token * len(rows[0]))
+        out = forward(rows, starts)
+        chunks.append((len(rows[0]), time.perf_counter() - t))
+        return out
+
+    engine.step.forward = slow_forward
+    return engine
+
+
+def test_chunks_grow_to_the_budget_and_cancel_lands_within_the_bound():
+    chunks: list[tuple[int, float]] = []
+    engine = _slow_engine(0.0005, chunks)  # a 2 ms/token forward would be 8 s for this prompt
+    request = Request((1,) + (100,) * 3999, sampling=GREEDY, max_tokens=1)
+    waited: list[float] = []
+    started = threading.Event()
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            scope = anyio.CancelScope()
+
+            async def run():
+                with scope:
+                    async with engine.stream(request) as stream:
+                        async for _ in stream:
+                            pass
+
+            tg.start_soon(run)
+            while len(chunks) < 4:  # well into the prefill, chunks sized by measurement by now
+                await anyio.sleep(0.005)
+            started.set()
+            t = time.perf_counter()
+            scope.cancel()
+            with anyio.fail_after(60):
+                while engine._busy:
+                    await anyio.sleep(0.001)
+            waited.append(time.perf_counter() - t)
+
+    anyio.run(main)
+    assert started.is_set()
+    assert chunks[0][0] == DEFAULT_PREFILL_CHUNK
+    sizes = [n for n, _ in chunks]
+    assert max(sizes) > 2 * DEFAULT_PREFILL_CHUNK, sizes  # fast forwards: longer chunks than the first
+    assert all(s <= CANCEL_BOUND_S + SCHEDULING_SLACK_S for _, s in chunks), chunks
+    assert sum(sizes) < 4000  # cancelled during the prefill
+    assert waited[0] <= CANCEL_BOUND_S + SCHEDULING_SLACK_S, (waited, chunks)
+
+
+def test_a_fixed_chunk_is_kept_when_asked_for():
+    chunks: list[tuple[int, float]] = []
+    engine = _slow_engine(0.0, chunks)
+    engine.options = EngineOptions(compile=False, prefill_chunk=24)
+    engine.generate(Request((1,) + (100,) * 99, sampling=GREEDY, max_tokens=1))
+    assert [n for n, _ in chunks] == [24, 24, 24, 24, 4]
