@@ -10,6 +10,7 @@ torch dequantizers the reader uses.
 
     python benchmarks/bench_gguf_load.py --dir /tmp/bench_gguf                # q4_k_m, q8_0, f16
     python benchmarks/bench_gguf_load.py --dir /tmp/bench_gguf --types q8_0 --layers 4
+    python benchmarks/bench_gguf_load.py --kernels     # dequantizers alone: torch against numpy
 """
 
 from __future__ import annotations
@@ -65,6 +66,42 @@ def _numpy_child(path: str) -> None:
     print(json.dumps({"numpy_s": time.perf_counter() - t0}))
 
 
+def _kernels() -> None:
+    """Best of 5 over 4 Mi values per type, random blocks, into a warm buffer: torch (1 and 2
+    threads) against the gguf package's numpy dequantizer (single-threaded)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from llama_chat.model.formats.gguf_quants import BLOCKS
+
+    def best(f) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    np.seterr(all="ignore")  # random blocks overflow the float16 scales now and then
+    values = 1 << 22
+    for ggml_type, fmt in BLOCKS.items():
+        n = values // fmt.block_values
+        raw = torch.randint(0, 256, (n, fmt.block_bytes), dtype=torch.uint8)
+        raw[:, :2] = 0x00  # finite float16 scales (a zero high byte) wherever the type keeps them
+        raw[:, -2:] = 0x00
+        out = torch.empty(values)
+        flat = raw.reshape(-1)
+        row = [f"{fmt.name:5s}"]
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            row.append(f"torch {threads} thread(s) {best(lambda: fmt.dequantize(flat, out=out)) * 1e3:6.1f} ms")
+        blocks = raw.numpy()
+        row.append(f"numpy {best(lambda: dequantize(blocks, GGMLQuantizationType(ggml_type))) * 1e3:6.1f} ms")
+        print(" | ".join(row))
+
+
 def _write(path: Path, kind: str, n_layers: int) -> None:
     import numpy as np
     import torch
@@ -118,10 +155,13 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_gguf"), help="where the files are written (reused when present)")
     parser.add_argument("--types", nargs="+", choices=TYPES, default=["q4_k_m", "q8_0", "f16"])
     parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--kernels", action="store_true", help="time the dequantizers alone")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--numpy-child", help=argparse.SUPPRESS)
     parser.add_argument("--write", help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.kernels:
+        return _kernels()
     if opts.child:
         return _child(opts.child)
     if opts.numpy_child:

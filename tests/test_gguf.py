@@ -476,3 +476,15 @@ def test_absurd_counts_in_the_header_fail_before_anything_is_sized(tmp_path, goo
     message = _error(bad)
     assert message.startswith("count.gguf: not a valid GGUF file (the metadata count claims 1,152,921,504,606,846,976 "
                               "items, more than the ")
+
+
+def test_weights_in_the_target_dtype_stay_the_file_mapping(tmp_path, sp_model, reference):
+    """F32 loaded as float32 and F16 as float16 on the CPU are views of the file, never copied."""
+    hf, _, _ = reference
+    for qtype, dtype in ((T.F32, torch.float32), (T.F16, torch.float16)):
+        path = write_gguf(tmp_path / f"{qtype.name}.gguf", hf.state_dict(), _config(hf), qtype=qtype,
+                          sp_model=sp_model)
+        loaded = load_model(path, device="cpu", dtype=dtype)
+        w = loaded.model.layers[1].feed_forward.w2.weight
+        assert w.dtype == dtype
+        assert w.untyped_storage().nbytes() == path.stat().st_size  # the whole file's mapping

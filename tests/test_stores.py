@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from builders import random_model, tiny_args, train_sentencepiece
-from builders_formats import hf_config, hf_state, write_hf_checkpoint
-from builders_gguf import write_gguf
-from cli_support import run_cli
-from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.loader import load_model
-from llama_chat.model.stores import hf_cache_dir, list_models, resolve_model
-
 pytest.importorskip("gguf")
 pytest.importorskip("huggingface_hub")
+
+from builders import random_model, tiny_args, train_sentencepiece  # noqa: E402
+from builders_formats import hf_config, hf_state, write_hf_checkpoint  # noqa: E402
+from builders_gguf import write_gguf  # noqa: E402
+from cli_support import run_cli  # noqa: E402
+from llama_chat.model.errors import ModelLoadError  # noqa: E402
+from llama_chat.model.loader import load_model  # noqa: E402
+from llama_chat.model.stores import hf_cache_dir, list_models, resolve_model  # noqa: E402
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

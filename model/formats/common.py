@@ -157,7 +157,7 @@ def _file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
-def release_pages(tensor: torch.Tensor) -> None:
+def release_pages(tensor: torch.Tensor, *, file_mapped: bool = False) -> None:
     """Drop the pages of a memory-mapped CPU tensor from this process's resident set.
 
     Only for tensors that are views of a file mapping, whose pages the kernel can read again if
@@ -173,7 +173,10 @@ def release_pages(tensor: torch.Tensor) -> None:
     last = end // _PAGE * _PAGE
     if last <= first:
         return
-    if not any(lo <= start and end <= hi for lo, hi in _file_mappings()):
+    # ``file_mapped``: the caller made the tensor from a file mapping itself, so the (per call,
+    # milliseconds long) look through /proc/self/maps is skipped: a GGUF weight releases its
+    # pages once per chunk, hundreds of times per model.
+    if not file_mapped and not any(lo <= start and end <= hi for lo, hi in _file_mappings()):
         return
     try:
         if _libc is None:

@@ -17,7 +17,6 @@ from a Hugging Face checkpoint, so a mistake here shows as different logits.
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -204,7 +203,8 @@ def tensor_view(data: torch.Tensor, info: TensorInfo, file: str) -> Weight:
         size = torch.empty((), dtype=dtype).element_size()
         if info.offset % size:
             raise ModelLoadError(f"{file}: tensor {info.name!r} is not aligned to its {size}-byte elements")
-        return raw.view(dtype).view(info.shape)
+        view = raw.view(dtype).view(info.shape)
+        return view if dtype == torch.float32 else Converted(view)
     fmt = BLOCKS.get(info.ggml_type)
     if fmt is None:
         raise ModelLoadError(f"{file}: tensor {info.name!r} has type {_type_name(info.ggml_type)}, which is not "
@@ -255,11 +255,40 @@ class Dequantized(Deferred):
                 self.fmt.dequantize(chunk.to(device).reshape(-1), out=target)
             else:
                 target.copy_(self.fmt.dequantize(chunk.to(device).reshape(-1)).view(chunk.shape[0], -1))
-            release_pages(chunk)
+            release_pages(chunk, file_mapped=True)
         return out
 
     def sources(self) -> list[torch.Tensor]:
-        return [self.raw]
+        return []  # realize gave each chunk's pages back already
+
+
+class Converted(Deferred):
+    """An F16/BF16 weight, converted a chunk of rows at a time straight into its final tensor.
+
+    Like ``Dequantized``: each chunk's file pages are given back once copied, so a float16 file
+    loaded as float32 costs the float32 model plus one chunk, not the file as well.
+    """
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.source = source
+        self.shape = source.shape
+        self.dtype = source.dtype
+
+    def realize(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if device.type == "cpu" and dtype == self.dtype:
+            return self.source  # the file mapping itself, as for float32
+        out = torch.empty(self.shape, dtype=dtype, device=device)
+        rows = self.source.view(-1, self.shape[-1])
+        flat = out.view(rows.shape)
+        step = max(1, CHUNK_VALUES // self.shape[-1])
+        for start in range(0, rows.shape[0], step):
+            chunk = rows[start:start + step]
+            flat[start:start + chunk.shape[0]].copy_(chunk.to(device))
+            release_pages(chunk, file_mapped=True)
+        return out
+
+    def sources(self) -> list[torch.Tensor]:
+        return []  # realize gave each chunk's pages back already
 
 
 def _args(contents: GGUFContents, tokenizer_vocab: int | None) -> ModelArgs:
