@@ -30,6 +30,7 @@ with deferred_signals(exit_now=True):
     from rich.console import Console
 
     from llama_chat.cmd import exit_status
+    from llama_chat.cmd.batch_input import check_batch_options, read_batch
     from llama_chat.cmd.inputs import UsageProblem, gather_first_message, gather_prompt
     from llama_chat.cmd.sanitize import one_line
     from llama_chat.cmd.signals import install_sync_handlers
@@ -141,6 +142,12 @@ SAMPLING = "Sampling (Hugging Face generate's names)"
 PENALTIES = "Penalties and token rules"
 STOPPING = "Stopping"
 BEAMS = "Beam search"
+
+
+def _check_positive(value: int | None) -> int | None:
+    if value is not None and value < 1:
+        raise typer.BadParameter(f"must be at least 1, got {value}")
+    return value
 
 
 def _check_device(value: str) -> str:
@@ -268,6 +275,19 @@ class Options:
         "--no-history", help="Chat: neither read nor write the input history file.")] = False
     color: Annotated[ColorMode, typer.Option(
         "--color", help="Colour on a terminal (NO_COLOR is honoured).")] = ColorMode.auto
+    batch: Annotated[str | None, typer.Option(
+        "--batch", is_flag=False, flag_value="-", metavar="[FILE]", rich_help_panel="Batch",
+        help="Run every line of FILE (default: stdin) as its own job, many at once: plain prompts, or JSON "
+             "objects with a prompt and options of their own. JSON Lines out, one per job as it finishes.")] = None
+    ordered: Annotated[bool, typer.Option(
+        "--ordered", rich_help_panel="Batch", help="--batch: write the results in input order.")] = False
+    max_batch: Annotated[int, typer.Option(
+        "--max-batch", callback=_check_positive, rich_help_panel="Batch",
+        help="--batch: most jobs generating at once.")] = 16
+    cache_tokens: Annotated[int | None, typer.Option(
+        "--cache-tokens", callback=_check_positive, rich_help_panel="Batch",
+        help="--batch: size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536; "
+             "at least one context).")] = None
     debug: Annotated[bool, typer.Option("--debug", help="Show a traceback on failure.")] = False
 
     def __post_init__(self) -> None:
@@ -386,6 +406,12 @@ def execute(opts: Options) -> int:
             raise UsageProblem("--download needs -m org/name (a Hugging Face id)")
         if opts.num_return > opts.num_beams:
             raise UsageProblem(f"--num-return must be at most --num-beams ({opts.num_beams}), got {opts.num_return}")
+        if check_batch_options(opts):
+            jobs = read_batch(opts.batch)
+            with deferred_signals():  # torch is imported here
+                from llama_chat.cmd.batch import run_batch
+
+            return run_batch(opts, jobs, color, err)
         if wants_chat(opts):
             if opts.json:
                 raise UsageProblem("--json prints one answer; it cannot be used with the chat")
