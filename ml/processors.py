@@ -25,6 +25,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -226,10 +227,7 @@ class LogitBias:
     bias: tuple[tuple[int, float], ...]
 
     def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
-        ids = torch.tensor([i for i, _ in self.bias], dtype=torch.long, device=logits.device)
-        values = torch.tensor([b for _, b in self.bias], dtype=logits.dtype, device=logits.device)
-        dense = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device).index_add_(0, ids, values)
-        return logits.add_(dense)
+        return logits.add_(_dense_bias(self.bias, logits.shape[-1], logits.dtype, logits.device))
 
 
 @dataclass(frozen=True)
@@ -299,11 +297,14 @@ class MinNewTokens:
 
     def __call__(self, history: TokenHistory, logits: torch.Tensor) -> torch.Tensor:
         short = [r for r in range(history.rows) if history.new_tokens(r) < self.count]
-        eos = [i for i in self.eos_ids if i < logits.shape[-1]]
+        eos = tuple(i for i in self.eos_ids if i < logits.shape[-1])
         if short and eos:
-            rows = torch.tensor(short, device=logits.device).repeat_interleave(len(eos))
-            ids = torch.tensor(eos, device=logits.device).repeat(len(short))
-            logits.index_put_((rows, ids), torch.tensor(NEG_INF, dtype=logits.dtype, device=logits.device))
+            ids = _index(eos, logits.device)
+            if len(short) == history.rows:
+                logits.index_fill_(1, ids, NEG_INF)
+            else:
+                rows = _index(tuple(short), logits.device)
+                logits[rows.repeat_interleave(len(eos)), ids.repeat(len(short))] = NEG_INF
         return logits
 
 
@@ -316,6 +317,20 @@ class Temperature:
 
     def __call__(self, history: TokenHistory | None, logits: torch.Tensor) -> torch.Tensor:
         return logits / self.temperature
+
+
+# Small constant tensors made once per setting and device, not at every token.
+@lru_cache(maxsize=64)
+def _dense_bias(bias: tuple[tuple[int, float], ...], width: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    ids = torch.tensor([i for i, _ in bias], dtype=torch.long, device=device)
+    values = torch.tensor([b for _, b in bias], dtype=dtype, device=device)
+    return torch.zeros(width, dtype=dtype, device=device).index_add_(0, ids, values)
+
+
+@lru_cache(maxsize=64)
+def _index(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def _kth_largest(values: torch.Tensor, k: int) -> torch.Tensor:

@@ -330,3 +330,12 @@ def test_warpers_after_top_k_on_its_candidates_equal_the_full_path(k):
     tied = torch.zeros(2, 4000)  # every id tied with the k-th: the full path, ties kept as transformers does
     assert torch.isfinite(sampler.warp(None, tied)).sum() == torch.isfinite(
         TypicalP(0.9)(None, MinP(0.02)(None, TopP(0.9)(None, TopK(k)(None, tied / 0.7))))).sum()
+
+
+def test_min_new_tokens_counts_each_row_from_its_own_prompt():
+    history = TokenHistory([[1, 2, 3, 4], [1, 2]], vocab_size=10, prompt_lengths=[2, 2])  # 2 and 0 new tokens
+    out = MinNewTokens(1, (2, 9))(history, torch.zeros(2, 10))
+    assert torch.isfinite(out[0]).all()
+    assert torch.isinf(out[1, [2, 9]]).all() and torch.isfinite(out[1, [0, 1, 3]]).all()
+    out = MinNewTokens(3, (2, 9))(history, torch.zeros(2, 10))
+    assert torch.isinf(out[:, [2, 9]]).all()
