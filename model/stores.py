@@ -106,7 +106,17 @@ def _resolve_hub(repo_id: str, *, download: bool, progress: bool) -> ResolvedMod
         snapshot = _download(repo_id, cache, progress)
     elif download:
         snapshot = _download(repo_id, cache, progress)  # completes a partial copy; cached files stay
+    if not _runnable(snapshot):
+        raise ModelLoadError(f"{repo_id}: the cached copy ({snapshot}) has no config.json with weights nor a "
+                             f"GGUF file; complete it with `llama-chat -m {repo_id} --download`")
     return ResolvedModel(path=snapshot, name=repo_id, source="hf")
+
+
+def _runnable(snapshot: Path) -> bool:
+    if any(snapshot.glob("*.gguf")):
+        return True
+    return (snapshot / "config.json").is_file() and any(
+        p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json") for p in snapshot.iterdir())
 
 
 def _cached_snapshot(repo_id: str, cache: Path) -> Path | None:
@@ -197,10 +207,12 @@ def _hf_entries(cache: Path) -> Iterator[StoredModel]:
             yield StoredModel(repo.repo_id, "hf", "hf", revision.size_on_disk, revision.snapshot_path)
         elif len(ggufs) == 1:
             yield StoredModel(repo.repo_id, "hf", "gguf", revision.size_on_disk, revision.snapshot_path)
-        else:
+        elif ggufs:
             for name in ggufs:  # several quantizations of one model: each file by its path
                 file = revision.snapshot_path / name
                 yield StoredModel(str(file), "hf", "gguf", _size(file), file)
+        else:  # a partial download, or a repository of something else
+            yield StoredModel(repo.repo_id, "hf", "incomplete", revision.size_on_disk, revision.snapshot_path)
 
 
 def _size(path: Path) -> int:

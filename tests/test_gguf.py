@@ -488,3 +488,14 @@ def test_weights_in_the_target_dtype_stay_the_file_mapping(tmp_path, sp_model, r
         w = loaded.model.layers[1].feed_forward.w2.weight
         assert w.dtype == dtype
         assert w.untyped_storage().nbytes() == path.stat().st_size  # the whole file's mapping
+
+
+def test_a_hostile_file_through_the_command_is_one_clean_line(tmp_path, good_file):
+    from cli_support import run_cli
+
+    evil = _rewrite(good_file, tmp_path / "evil.gguf", arch="\x1b]0;pwned\x07\x1b[2J")
+    proc = run_cli("-m", str(evil), "-p", "hi", "--no-stdin")
+    assert proc.returncode == 2
+    err = proc.stderr.decode()
+    assert err.count("\n") == 1 and "\x1b" not in err and "\x07" not in err
+    assert err.startswith("llama-chat: error: evil.gguf: architecture '\\x1b]0;pwned\\x07\\x1b[2J' is not supported")

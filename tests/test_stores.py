@@ -123,7 +123,7 @@ def test_hub_ids_resolve_from_the_cache_offline(stores, tiny):
 def test_hf_hub_cache_wins_over_hf_home(stores, monkeypatch, tmp_path):
     cache, _, _ = stores
     other = tmp_path / "elsewhere"
-    make_hf_cache(other, "acme/other", {"config.json": b"{}"})
+    make_hf_cache(other, "acme/other", {"config.json": b"{}", "model.safetensors": b"x"})
     monkeypatch.setenv("HF_HUB_CACHE", str(other))
     assert resolve_model("acme/other").path == other / "models--acme--other" / "snapshots" / COMMIT
     with pytest.raises(ModelLoadError, match="acme/tiny-llama: not in the Hugging Face cache"):
@@ -211,3 +211,52 @@ def test_the_command_lists_and_runs_models_by_name(stores, tmp_path):
 
     empty = run_cli("--list", HF_HOME=str(tmp_path / "none"), OLLAMA_MODELS=str(tmp_path / "none2"))
     assert empty.returncode == 0 and empty.stdout.decode().startswith("no models found")
+
+
+def test_an_incomplete_cached_copy_says_how_to_complete_it(stores):
+    cache, _, _ = stores
+    make_hf_cache(cache, "acme/partial", {"config.json": b"{}", "README.md": b"hi"})
+    with pytest.raises(ModelLoadError, match=r"acme/partial: the cached copy \(.*\) has no config.json with "
+                                             r"weights nor a GGUF file; complete it with `llama-chat -m "
+                                             r"acme/partial --download`"):
+        resolve_model("acme/partial")
+    assert {m.name: m.format for m in list_models()}["acme/partial"] == "incomplete"
+
+
+def test_download_fetches_only_what_running_needs(stores, monkeypatch, tmp_path):
+    """--download, with the hub replaced by a stand-in: the files asked for, the cache used."""
+    import huggingface_hub
+
+    calls = {}
+
+    class FakeApi:
+        def list_repo_files(self, repo_id):
+            return ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                    "model.safetensors.index.json", "pytorch_model.bin", "tokenizer.json", "README.md",
+                    "original/consolidated.00.pth"]
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        if kwargs.get("local_files_only"):
+            from huggingface_hub.errors import LocalEntryNotFoundError
+
+            raise LocalEntryNotFoundError("not cached")
+        calls.update(kwargs, repo_id=repo_id)
+        return str(make_hf_cache(kwargs["cache_dir"], repo_id, {"model.gguf": b"GGUF"}))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    found = resolve_model("acme/new-model", download=True, progress=False)
+    assert found.name == "acme/new-model" and found.path.name == COMMIT
+    assert calls["repo_id"] == "acme/new-model" and calls["cache_dir"] == stores[0]
+    assert "*.safetensors" in calls["allow_patterns"] and "pytorch_model*.bin" not in calls["allow_patterns"]
+    assert "config.json" in calls["allow_patterns"] and "tokenizer.json" in calls["allow_patterns"]
+    assert "tqdm_class" in calls  # no bar when stderr is not a terminal
+
+    class GGUFOnlyApi:
+        def list_repo_files(self, repo_id):
+            return ["a.Q4_K_M.gguf", "a.Q8_0.gguf", "README.md"]
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", GGUFOnlyApi)
+    with pytest.raises(ModelLoadError, match="acme/gguf-only: the repository has no Hugging Face weights"):
+        resolve_model("acme/gguf-only", download=True)
