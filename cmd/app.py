@@ -471,7 +471,7 @@ def main() -> None:
     install_sync_handlers()
     try:
         # Not standalone: usage errors come back here as exceptions and are printed on one line.
-        status = app(prog_name="llama-chat", standalone_mode=False)
+        status = app(args=optional_batch_file(sys.argv[1:]), prog_name="llama-chat", standalone_mode=False)
         status = exit_status.OK if status is None else status
     except typer.Abort:  # Ctrl+C while the options were parsed
         status = exit_status.SIGINT
@@ -484,6 +484,19 @@ def main() -> None:
     except KeyboardInterrupt:
         status = exit_status.SIGINT
     _exit_now(status)
+
+
+def optional_batch_file(args: list[str]) -> list[str]:
+    """``--batch`` followed by another option means ``--batch -`` (stdin); click would take that
+    option as the file's name."""
+    out = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == "--":
+            return out + args[i + 1:]
+        if arg == "--batch" and i + 1 < len(args) and args[i + 1].startswith("-") and args[i + 1] != "-":
+            out.append("-")
+    return out
 
 
 def _exit_now(code: int | str | None) -> None:
