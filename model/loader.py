@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -23,6 +24,9 @@ from llama_chat.model.formats.common import Checkpoint, Weight, check_state, rea
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from llama_chat.model.formats.gguf import GGUFContents
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -238,7 +242,7 @@ class _SkipRandomInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _gguf_tokenizer(contents, tokenizer_file: Path | None) -> Tokenizer:
+def _gguf_tokenizer(contents: GGUFContents, tokenizer_file: Path | None) -> Tokenizer:
     if tokenizer_file is not None:
         return _load_tokenizer(tokenizer_file.parent, tokenizer_file)
     from llama_chat.model.tokenizers.gguf import load_gguf_tokenizer
