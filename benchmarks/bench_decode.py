@@ -52,8 +52,10 @@ CONFIGS = {
                 seq=256, tied=True),
     "110m": dict(name="stories110M", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden=2048, vocab=32000,
                  seq=1024, tied=True),
+    # The TinyLlama-sized config is measured where its targets are (bfloat16 and int8 against HF
+    # bfloat16), on fewer tokens: on two cores each of its runs takes a minute or more.
     "1.1b": dict(name="TinyLlama-1.1B", dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, hidden=5632, vocab=32000,
-                 seq=2048, tied=False),
+                 seq=2048, tied=False, dtypes=("bfloat16", "int8"), new=48, llama2c=False),
 }
 DTYPES = ("float32", "bfloat16", "int8")
 PREFILL = 128  # tokens in the prefill prompt
@@ -207,9 +209,11 @@ def run_child(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, str,
     return run.returncode, run.stdout.decode(errors="replace"), run.stderr.decode(errors="replace"), peak
 
 
-def python_system(system: str, key: str, path: str, dtype: str, args, env: dict, compile: bool = False) -> dict:
+def python_system(system: str, key: str, path: str, dtype: str, args, env: dict, compile: bool = False,
+                  quantize: str = "none") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--path", path, "--configs", key,
-           "--dtype", dtype, "--new", str(args.new), "--runs", str(args.runs), "--threads", str(args.threads)]
+           "--dtype", dtype, "--new", str(new_tokens(args, CONFIGS[key])), "--runs", str(args.runs),
+           "--threads", str(args.threads), "--quantize", quantize]
     if compile:
         cmd.append("--compile")
     rc, out, err, rss = run_child(cmd, env, args.timeout)
@@ -217,6 +221,10 @@ def python_system(system: str, key: str, path: str, dtype: str, args, env: dict,
     if rc != 0 or not lines:
         return dict(error=(err or out)[-800:], rc=rc)
     return dict(json.loads(lines[-1]), rss_mb=rss)
+
+
+def new_tokens(args, c: dict) -> int:
+    return min(args.new, c.get("new", args.new))
 
 
 def llama2c_system(binary: str, model: str, tokenizer: str, args, env: dict) -> dict:
@@ -253,7 +261,7 @@ def llama_chat_worker(args, c: dict) -> dict:
     t = time.perf_counter()
     loaded = load_model(args.path, device="cpu", dtype=args.dtype, max_seq_len=c["seq"])
     load_s = time.perf_counter() - t
-    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=args.compile))
+    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=args.compile, quantize=args.quantize))
     t = time.perf_counter()
     engine.warm_up(greedy)
     engine.generate(Request((BOS,), sampling=greedy, max_tokens=16))
@@ -326,20 +334,21 @@ def measure_config(key: str, c: dict, args, bins: dict, envs: dict) -> list[dict
     work = os.path.join(args.work, key)
     if not os.path.exists(os.path.join(work, "done")):
         t = time.perf_counter()
-        write_weights(c, work, bool(bins))
+        write_weights(c, work, bool(bins) and c.get("llama2c", True))
         open(os.path.join(work, "done"), "w").close()
         emit(system="write_weights", config=key, s=time.perf_counter() - t)
     hf_dir, rows = os.path.join(work, "hf"), []
-    for dtype in DTYPES:
+    for dtype in c.get("dtypes", DTYPES):
         found = {}
         if dtype != "int8":
             for name, compile in (("llama-chat", False), ("llama-chat compiled", True)):
                 found[name] = python_system("llama_chat", key, hf_dir, dtype, args, envs["python"], compile)
             found["HF generate"] = python_system("hf", key, hf_dir, dtype, args, envs["python"])
-        else:
-            found["llama-chat"] = dict(missing="--quantize int8 does not exist yet")
+        else:  # float32 weights quantized when the engine is made, as --quantize int8 does
+            found["llama-chat"] = python_system("llama_chat", key, hf_dir, "float32", args, envs["python"],
+                                                quantize="int8")
         peer = {"float32": ("run.c", "run", "v0.bin"), "int8": ("runq.c", "runq", "v2.bin")}.get(dtype)
-        if peer and bins:
+        if peer and bins and c.get("llama2c", True):
             found[peer[0]] = llama2c_system(bins[peer[1]], os.path.join(work, peer[2]),
                                             os.path.join(work, "tokenizer.bin"), args, envs["c"])
         for system, r in found.items():
@@ -405,6 +414,38 @@ def print_table(rows: list[dict], bandwidth: float, args) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def print_targets(rows: list[dict]) -> None:
+    """The issue's targets as ratios of this run's medians: decode, then prefill."""
+
+    def rate(key: str, dtype: str, system: str, what: str = "decode") -> float | None:
+        for r in rows:
+            if (r["config"], r["dtype"], r["system"]) == (key, dtype, system) and r.get(what):
+                return r[what]["median"]
+        return None
+
+    checks = []
+    for key in ("15m", "110m"):
+        for ours in ("llama-chat", "llama-chat compiled"):
+            checks += [(key, "float32", ours, "float32", "run.c", 1.0), (key, "float32", ours, "float32", "HF generate", 2.0)]
+    checks += [("110m", "int8", "llama-chat", "int8", "runq.c", 1.0)]
+    checks += [("1.1b", "int8", "llama-chat", "bfloat16", "HF generate", 2.0)]
+    checks += [("1.1b", "bfloat16", ours, "bfloat16", "HF generate", 1.3) for ours in ("llama-chat", "llama-chat compiled")]
+    print("\n| target | config | llama-chat | peer | ratio | met |\n|---|---|---|---|---|---|")
+    for key, dtype, ours, peer_dtype, peer, want in checks:
+        a, b = rate(key, dtype, ours), rate(key, peer_dtype, peer)
+        if a and b:
+            print(f"| decode >= {want}x | {CONFIGS[key]['name']}-sized | {ours} {dtype} {a:.1f} | {peer} {peer_dtype} "
+                  f"{b:.1f} | {a / b:.2f}x | {'yes' if a / b >= want else 'no'} |")
+    for key in CONFIGS:
+        for dtype in DTYPES:
+            b = rate(key, dtype if dtype != "int8" else "float32", "HF generate", "prefill")
+            for ours in ("llama-chat", "llama-chat compiled"):
+                a = rate(key, dtype, ours, "prefill")
+                if a and b:
+                    print(f"| prefill >= 1x | {CONFIGS[key]['name']}-sized | {ours} {dtype} {a:.0f} | HF generate "
+                          f"{dtype if dtype != 'int8' else 'float32'} {b:.0f} | {a / b:.2f}x | {'yes' if a >= b else 'no'} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="15m,110m", help=f"comma-separated, of {', '.join(CONFIGS)}")
@@ -421,6 +462,7 @@ def main() -> None:
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--quantize", default="none", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -429,7 +471,7 @@ def main() -> None:
     for key in keys:
         if key not in CONFIGS:
             ap.error(f"unknown config {key!r}; choose from {', '.join(CONFIGS)}")
-        if args.new >= CONFIGS[key]["seq"]:
+        if new_tokens(args, CONFIGS[key]) >= CONFIGS[key]["seq"]:
             ap.error(f"--new {args.new} does not fit in {key}'s context of {CONFIGS[key]['seq']}")
     os.makedirs(args.work, exist_ok=True)
     threads = str(args.threads)
@@ -457,6 +499,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=1)
     print_table(rows, bandwidth, args)
+    print_targets(rows)
 
 
 if __name__ == "__main__":
