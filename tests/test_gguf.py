@@ -499,3 +499,21 @@ def test_a_hostile_file_through_the_command_is_one_clean_line(tmp_path, good_fil
     err = proc.stderr.decode()
     assert err.count("\n") == 1 and "\x1b" not in err and "\x07" not in err
     assert err.startswith("llama-chat: error: evil.gguf: architecture '\\x1b]0;pwned\\x07\\x1b[2J' is not supported")
+
+
+def test_the_command_chats_with_a_llama3_style_file(tmp_path):
+    """A byte-level vocabulary and the file's own template, through ``llama-chat -m file.gguf``."""
+    from cli_support import run_cli
+    from llama_chat.model.chat_format import Message
+
+    rank_file = write_tiktoken_file(tmp_path / "tt", n_merges=100)
+    template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+                "{{ m.content }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    path = _vocab_only_gguf(tmp_path / "chat.gguf", tiktoken_file=rank_file,
+                            vocab=TiktokenTokenizer(rank_file).vocab_size, template=template)
+    want = load_model(path, device="cpu").chat_format.encode_dialog([Message("user", "hello there")])
+    proc = run_cli("-m", str(path), "-p", "hello there", "-n", "3", "-t", "0", "--json", "--no-stdin")
+    assert proc.returncode == 0, proc.stderr.decode()
+    result = json.loads(proc.stdout)
+    assert result["model"] == "chat" and result["prompt_tokens"] == len(want)
