@@ -24,8 +24,8 @@ fbgemm's int8 product ``quantized::linear_dynamic`` 10-12 ms. So, by the rows of
 
 * fewer than ``DEQUANTIZE_FROM_ROWS`` (a decode step): fbgemm's product, on a copy of the weight
   packed once for it, where the CPU has fbgemm (x86); ``x`` is quantized to 7 bits per call with
-  its own range (``reduce_range``: AVX2's 16-bit accumulation would saturate with 8). Elsewhere,
-  and on other devices, ``_weight_int8pack_mm``;
+  its own range (``reduce_range``: AVX2's 16-bit accumulation would saturate with 8). On a CPU
+  without fbgemm, and on MPS, ``_weight_int8pack_mm``; on CUDA, as for many rows;
 * more (a prefill chunk): the weight converted to ``x``'s dtype and the BLAS matrix product, whose
   cost the conversion adds little to; the activations are not rounded at all there.
 * ``row_products`` (a compiled step) spells the product out for the compiler; correct everywhere,
@@ -95,12 +95,14 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         return ((x.unsqueeze(-2) * weight).sum(-1) * scales).to(x.dtype)
     lead, width = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, width)
-    if rows.shape[0] >= DEQUANTIZE_FROM_ROWS:
-        out = torch.nn.functional.linear(rows, weight.to(x.dtype)) * scales.to(x.dtype)
-    elif packed is not None and x.device.type == "cpu":
+    if packed is not None and x.device.type == "cpu" and rows.shape[0] < DEQUANTIZE_FROM_ROWS:
         out = torch.ops.quantized.linear_dynamic(rows.float(), packed, True).to(x.dtype)
-    else:
+    elif x.device.type in ("cpu", "mps") and rows.shape[0] < DEQUANTIZE_FROM_ROWS:
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scales.to(x.dtype))
+    else:
+        # Many rows, or a device without the weight-only kernel (CUDA): convert and multiply; a
+        # compiled CUDA step fuses the conversion into its one-row reduction.
+        out = torch.nn.functional.linear(rows, weight.to(x.dtype)) * scales.to(x.dtype)
     return out.reshape(*lead, weight.shape[0])
 
 
