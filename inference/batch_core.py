@@ -237,7 +237,7 @@ class BatchCore:
             first = len(tokens)
             feed(job, n)
             table = torch.tensor(job.pages[:self.pages_for(job.fed + n)], dtype=torch.long)
-            runs.append((first, n, table))
+            runs.append((first, n, table, job.fed))
             if job.fed + n == len(job.tokens):
                 sampled_rows.append(len(tokens) - 1)
                 sampled_jobs.append(job)
@@ -246,7 +246,8 @@ class BatchCore:
         put = (lambda t: t.to(device, non_blocking=True)) if device.type != "cpu" else (lambda t: t)
         batch = PagedBatch(put(torch.tensor(slots, dtype=torch.long)), put(torch.tensor(positions, dtype=torch.long)),
                            n_singles, None if single_tables is None else put(single_tables),
-                           tuple((f, n, put(t)) for f, n, t in runs))
+                           tuple((f, n, put(t), start) for f, n, t, start in runs),
+                           None if s.static_shapes or not singles else max(job.fed for job in singles) + 1)
         token_tensor = put(torch.tensor(tokens, dtype=torch.long)).view(1, -1)
         logits_at = put(torch.tensor(sampled_rows, dtype=torch.long))
         # A step of prompt chunks only takes no logits at all (``(1, 0, vocab)``).

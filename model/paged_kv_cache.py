@@ -38,14 +38,18 @@ class PagedBatch:
     ``slots``: ``(tokens,)`` flat slot index (``page * page_size + offset``) each token's keys go to.
     ``positions``: ``(tokens,)`` each token's position in its sequence.
     ``single_tables``: ``(singles, width)`` page ids of each one-token row's sequence.
-    ``runs``: for each longer run, ``(first token index, length, table (width,))``.
+    ``runs``: for each longer run, ``(first token index, length, table (width,), first position)``.
+    ``single_kv_len``: when given (an eager step), the keys the one-token rows read are cut to
+    this many positions, and a lone row then needs no mask; None keeps the tables' full width
+    (a static-shaped step).
     """
 
     slots: torch.Tensor
     positions: torch.Tensor
     singles: int
     single_tables: torch.Tensor | None
-    runs: tuple[tuple[int, int, torch.Tensor], ...]
+    runs: tuple[tuple[int, int, torch.Tensor, int], ...]
+    single_kv_len: int | None = None
 
 
 class PagedKVCache:
@@ -95,15 +99,19 @@ class PagedView:
         if batch.singles:
             tables = batch.single_tables
             assert tables is not None
-            width = tables.shape[1] * page_size
+            width = batch.single_kv_len or tables.shape[1] * page_size
             keys = torch.arange(width, device=cache.device)
             self._single_pages = tables.reshape(-1)
-            # (singles, 1, 1, keys): each row sees the keys up to its own position.
-            self._single_mask = (keys.view(1, width) <= batch.positions[:batch.singles].view(-1, 1)).view(
-                batch.singles, 1, 1, width)
-        self._run_masks = []
-        for first, length, table in batch.runs:
-            width = table.shape[0] * page_size
+            if batch.singles > 1 or batch.single_kv_len is None:
+                # (singles, 1, 1, keys): each row sees the keys up to its own position.
+                self._single_mask = (keys.view(1, width) <= batch.positions[:batch.singles].view(-1, 1)).view(
+                    batch.singles, 1, 1, width)
+        self._run_masks: list[torch.Tensor | None] = []
+        for first, length, table, start in batch.runs:
+            if start == 0:
+                self._run_masks.append(None)  # a fresh prompt: plain causal attention over its own keys
+                continue
+            width = start + length
             keys = torch.arange(width, device=cache.device)
             positions = batch.positions[first:first + length]
             self._run_masks.append((keys.view(1, width) <= positions.view(length, 1)).view(1, 1, length, width))
@@ -129,11 +137,14 @@ class PagedView:
             # (kv_heads, n * width, page, dim) -> (n, kv_heads, width * page, dim)
             keys = store_k.index_select(1, pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
             values = store_v.index_select(1, pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
+            if batch.single_kv_len is not None:
+                keys, values = keys[:, :, :batch.single_kv_len], values[:, :, :batch.single_kv_len]
             queries = q[0, :, :n].transpose(0, 1).unsqueeze(2)  # (n, heads, 1, dim)
             out = ops.attention(queries, keys, values, self._single_mask)  # (n, heads, 1, dim)
             parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # (1, heads, n, dim)
-        for (first, length, table), mask in zip(batch.runs, self._run_masks):
-            keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)
-            values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)
-            parts.append(ops.attention(q[:, :, first:first + length], keys, values, mask))
+        for (first, length, table, start), mask in zip(batch.runs, self._run_masks):
+            end = start + length  # the keys this run reads: its sequence's, up to its last token
+            keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
+            values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
+            parts.append(ops.attention(q[:, :, first:first + length], keys, values, mask, causal=mask is None))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
