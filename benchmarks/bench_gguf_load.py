@@ -11,6 +11,7 @@ torch dequantizers the reader uses.
     python benchmarks/bench_gguf_load.py --dir /tmp/bench_gguf                # q4_k_m, q8_0, f16
     python benchmarks/bench_gguf_load.py --dir /tmp/bench_gguf --types q8_0 --layers 4
     python benchmarks/bench_gguf_load.py --kernels     # dequantizers alone: torch against numpy
+    python benchmarks/bench_gguf_load.py --dir /tmp/bench_gguf --types q8_0 --quantize int8
 """
 
 from __future__ import annotations
@@ -34,16 +35,23 @@ def _status_kb(field: str) -> int:
     return 0
 
 
-def _child(path: str) -> None:
+def _child(path: str, quantize: str) -> None:
     import torch
 
     from llama_chat.model.loader import load_model
 
     baseline_kb = _status_kb("VmRSS")
     t0 = time.perf_counter()
-    loaded = load_model(path, device="cpu", dtype="float32")
+    loaded = load_model(path, device="cpu", dtype="float32", quantize=quantize)
     load_s = time.perf_counter() - t0
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    # The float32 model's bytes (what the issue's 1.2x bound is about), whatever is kept: every
+    # weight once (a tied one is one tensor), int8 projections counted as their float size.
+    seen: set[int] = set()
+    weight_bytes = 0
+    for name, t in loaded.model.state_dict().items():
+        if not name.endswith("scales") and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            weight_bytes += 4 * t.numel()
     with torch.inference_mode():
         for p in loaded.model.parameters():
             p.sum()
@@ -156,6 +164,8 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", choices=TYPES, default=["q4_k_m", "q8_0", "f16"])
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--kernels", action="store_true", help="time the dequantizers alone")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none",
+                        help="load with load_model(quantize=...): int8 keeps the projections in int8")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--numpy-child", help=argparse.SUPPRESS)
     parser.add_argument("--write", help=argparse.SUPPRESS)
@@ -163,7 +173,7 @@ def main() -> None:
     if opts.kernels:
         return _kernels()
     if opts.child:
-        return _child(opts.child)
+        return _child(opts.child, opts.quantize)
     if opts.numpy_child:
         return _numpy_child(opts.numpy_child)
     if opts.write:
@@ -177,12 +187,13 @@ def main() -> None:
             subprocess.run([sys.executable, __file__, "--write", str(path), "--types", kind,
                             "--layers", str(opts.layers)], check=True)
             print(f"wrote {path.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        r = json.loads(subprocess.run([sys.executable, __file__, "--child", str(path)], check=True,
+        r = json.loads(subprocess.run([sys.executable, __file__, "--child", str(path), "--quantize", opts.quantize],
+                                      check=True,
                                       capture_output=True, text=True).stdout.strip().splitlines()[-1])
         n = json.loads(subprocess.run([sys.executable, __file__, "--numpy-child", str(path)], check=True,
                                       capture_output=True, text=True).stdout.strip().splitlines()[-1])
         weights, base, hwm = r["weight_bytes"], r["baseline_kb"] * 1024, r["vmhwm_kb"] * 1024
-        print(f"{kind:7s} file {path.stat().st_size / 1e9:.2f} GB -> float32 weights {weights / 1e9:.2f} GB | "
+        print(f"{kind:7s}{' int8' if opts.quantize == 'int8' else ''} file {path.stat().st_size / 1e9:.2f} GB -> float32 weights {weights / 1e9:.2f} GB | "
               f"load_model {r['load_s']:.1f} s ({r['threads']} threads); gguf numpy dequantize {n['numpy_s']:.1f} s | "
               f"peak VmHWM {hwm / 1e9:.2f} GB, baseline {base / 1e9:.2f} GB | peak/weights {hwm / weights:.3f} raw, "
               f"{(hwm - base) / weights:.3f} minus baseline")

@@ -42,8 +42,10 @@ def load(opts: Options, err: Console) -> LoadedModel:
         path, name = resolved.path, resolved.name
     # The bar (stderr on a terminal, big checkpoints only) is erased on success, error or Ctrl+C.
     with load_progress(name or Path(path).name or str(path), console=err) as on_progress:
+        # --quantize int8 is applied while loading, so the float model never exists whole.
         return load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
-                          max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress, name=name)
+                          max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress, name=name,
+                          quantize=getattr(opts, "quantize", "none"))
 
 
 def make_engine(loaded: LoadedModel, opts: Options) -> Engine:

@@ -26,6 +26,7 @@ from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
 
 if TYPE_CHECKING:
+    from llama_chat.ml.quantize import Int8Weight
     from llama_chat.model.formats.gguf import GGUFContents
 
 ProgressCallback = Callable[[int, int], None]
@@ -107,7 +108,7 @@ def detect_layout(path: Path | str) -> str:
 def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                max_seq_len: int | None = None, tokenizer_file: Path | str | None = None,
                chat_format: str = "auto", on_progress: ProgressCallback | None = None,
-               name: str | None = None) -> LoadedModel:
+               name: str | None = None, quantize: str = "none") -> LoadedModel:
     """Load a model directory (or weights file) in any supported layout, ready for inference.
 
     ``device``: "auto" (cuda, then mps, then cpu) or any torch device. ``dtype``: "auto" (float32
@@ -116,6 +117,9 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
     checkpoint's (0: the checkpoint's); by default the checkpoint's, at most ``DEFAULT_MAX_SEQ_LEN``. ``tokenizer_file`` overrides the tokenizer
     found beside the weights (for GGUF: the one in the file); ``chat_format`` is a format name or
     "auto". ``name`` is what the model is called in reports (default: the directory's or file's).
+    ``quantize``: "none", or "int8" to make every projection weight-only int8 (``ml/quantize.py``)
+    as it is loaded, so the float model never exists whole (a GGUF Q8_0 file then goes from its
+    blocks to per-row int8 one tensor at a time).
     Every problem with the files raises ``ModelLoadError`` with a one-line message.
     """
     path = Path(path)
@@ -149,7 +153,9 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
     args = ckpt.args.with_max_seq_len(_context(max_seq_len, ckpt.args.max_seq_len))
     state = check_state(ckpt)
     del ckpt  # `state` holds the only references to the source tensors, released one by one
-    model = _build(args, state, target_device, target_dtype, on_progress)
+    if quantize not in ("none", "int8"):
+        raise ModelLoadError(f"quantization {quantize!r} is not supported (expected none or int8)")
+    model = _build(args, state, target_device, target_dtype, on_progress, int8=quantize == "int8")
     if contents is not None:
         from llama_chat.model.chat_format import chat_format_from_template
         from llama_chat.model.formats.gguf import meta_str
@@ -192,7 +198,7 @@ def _context(asked: int | None, trained: int) -> int:
 
 
 def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtype: torch.dtype,
-           on_progress: ProgressCallback | None) -> Transformer:
+           on_progress: ProgressCallback | None, *, int8: bool = False) -> Transformer:
     """Assign the checked tensors to a Transformer built without allocating any weights.
 
     Each tensor goes from the file to its device and dtype on its own (``realize``), before
@@ -200,29 +206,70 @@ def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtyp
     itself at most one tensor is in flight, and progress can be reported per tensor. A float32
     checkpoint loaded as float32 on the CPU is not copied at all: the parameters are the
     memory-mapped file, and pages are read as the forward first touches them.
+
+    With ``int8``, each projection is quantized (per row, ``quantize_int8``) as soon as it is
+    realised and its float copy dropped, exactly as ``quantize_model`` would quantize the loaded
+    float model, but without ever holding that float model: the peak is the int8 model, the float
+    embedding and one float projection.
     """
     total = sum(t.numel() * t.element_size() for t in state.values())
     done = 0
     if on_progress is not None:
         on_progress(0, total)
     moved: dict[str, torch.Tensor] = {}
+    quantized: dict[str, Int8Weight] = {}
     for name in list(state):
         tensor = state.pop(name)
         done += tensor.numel() * tensor.element_size()
-        moved[name] = realize(tensor, device, dtype)
+        weight = realize(tensor, device, dtype)
         del tensor
+        if int8 and _is_projection(name):
+            from llama_chat.ml.quantize import quantize_int8
+            from llama_chat.model.formats.common import release_pages
+
+            quantized[name] = quantize_int8(weight)
+            release_pages(weight)  # a float32 file's own mapping: its pages are not needed again
+        else:
+            moved[name] = weight
+        del weight
         if on_progress is not None:
             on_progress(done, total)
     if args.tie_embeddings:
-        # The module lists the tied projection as its own key; it is the embedding itself.
-        moved["output.weight"] = moved["tok_embeddings.weight"]
+        # The module lists the tied projection as its own key; it is the embedding itself (or,
+        # in int8, an int8 copy of it: the lookup reads a row, the classifier reads them all).
+        if int8:
+            from llama_chat.ml.quantize import quantize_int8
+
+            quantized["output.weight"] = quantize_int8(moved["tok_embeddings.weight"])
+        else:
+            moved["output.weight"] = moved["tok_embeddings.weight"]
     with torch.device("meta"), _SkipRandomInit():
         model = Transformer(args)
-    model.load_state_dict(moved, assign=True, strict=True)
-    model.tie_weights()
+    model.load_state_dict(moved, assign=True, strict=not quantized)
+    if quantized:
+        from llama_chat.ml.quantize import Int8Linear
+
+        for name, q in quantized.items():
+            parent, attr = _parent_of(model, name)
+            setattr(parent, attr, Int8Linear(q))
+    else:
+        model.tie_weights()
     model.to(device=device, dtype=dtype)  # a no-op for the weights; kept so buffers follow too
     model.requires_grad_(False)
     return model.eval()
+
+
+def _is_projection(name: str) -> bool:
+    """The weights ``quantize_model`` would make int8: every linear layer's, not the embedding."""
+    return name == "output.weight" or name.endswith(
+        (".wq.weight", ".wk.weight", ".wv.weight", ".wo.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
+
+
+def _parent_of(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """``layers.0.attention.wq.weight`` -> (the attention module, "wq")."""
+    module_path = name.rsplit(".", 1)[0]
+    parent_path, _, attr = module_path.rpartition(".")
+    return (model.get_submodule(parent_path) if parent_path else model), attr
 
 
 class _SkipRandomInit(TorchFunctionMode):

@@ -517,3 +517,29 @@ def test_the_command_chats_with_a_llama3_style_file(tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
     result = json.loads(proc.stdout)
     assert result["model"] == "chat" and result["prompt_tokens"] == len(want)
+
+
+def test_q8_0_loads_straight_into_the_int8_path(tmp_path, sp_model, reference):
+    """``quantize="int8"``: each projection goes from its blocks to per-row int8 as it is loaded;
+    the model is the one ``quantize_model`` makes of the float model, without the float model."""
+    from llama_chat.ml.quantize import Int8Linear, quantize_model
+
+    hf, prompt, want = reference
+    for tied in (False, True):
+        state = hf.state_dict()
+        config = _config(hf) | {"tie_word_embeddings": tied}
+        path = write_gguf(tmp_path / f"q8-{tied}.gguf", state, config, qtype=T.Q8_0, sp_model=sp_model)
+        direct = load_model(path, device="cpu", quantize="int8").model
+        assert isinstance(direct.layers[0].attention.wq, Int8Linear) and isinstance(direct.output, Int8Linear)
+        assert direct.tok_embeddings.weight.dtype == torch.float32
+        after = load_model(path, device="cpu").model
+        assert quantize_model(after) == 7 * 2 + 1
+        with torch.inference_mode():
+            got, expected = direct(prompt), after(prompt)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+            direct.fuse_projections()  # as the engine does: per-row scales concatenate exactly
+            torch.testing.assert_close(direct(prompt), expected, atol=1e-5, rtol=0)
+            if not tied:
+                assert _relative_error(got, want) <= RELATIVE_TOLERANCE[T.Q8_0] * 1.5
+    with pytest.raises(ModelLoadError, match="quantization 'int4' is not supported"):
+        load_model(path, device="cpu", quantize="int4")
