@@ -180,6 +180,8 @@ def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> 
         meta = meta_name(info.name)
         if meta is None:
             raise ModelLoadError(f"{name}: unexpected tensor {info.name!r:.80}")
+        if meta in state:  # "blk.1" and "blk.01" name the same layer
+            raise ModelLoadError(f"{name}: tensor {info.name!r:.80} names {meta!r} a second time")
         state[meta] = tensor_view(data, info, name)
     return Checkpoint(args=args, state=state, origin={k: name for k in state}, files=(contents.path,))
 
