@@ -55,7 +55,7 @@ class TokenHistory:
         self.device = torch.device(device)
         self.window = window
         self._counts: list[_Counts] | None = None
-        self._seen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._seen: tuple[torch.Tensor, torch.Tensor] | None = None
         self._ngrams: dict[int, list[dict[tuple[int, ...], set[int]]]] = {}
 
     @property
