@@ -1,0 +1,165 @@
+"""Continuous batching against single-stream decode, measured in one run.
+
+On a stories15M-sized model (dim 288, 6 layers, 6 heads, vocab 32,000, context 256; random
+float32 weights, seeded; the end-of-sequence row zeroed so nothing stops early), greedy:
+
+* single-stream decode through the fast path: ``Engine.generate`` (the one-prompt engine, its
+  dense KV cache and step thread), decode tok/s as the engine reports it;
+* single-stream decode through the paged cache: one job in the ``Scheduler``, the same measure;
+* 16 and 64 jobs submitted together to the ``Scheduler``: all generated tokens over the wall time
+  from submitting the first to the last one finishing (prefill included, so it is a lower bound
+  on the decode rate);
+* for reference, the ceiling this machine sets on batching: a bare loop of dense-cache forwards
+  (no sampling, no scheduler) of 16 rows at once against 1 row, in tokens per second. On a
+  memory-bound CPU a 16-row forward costs little more than a 1-row one; on a CPU whose cores are
+  shared and busy, the products are compute-bound and batching gains less.
+
+Each measurement is repeated ``--runs`` times, interleaved (a busy machine slows all of them
+alike), and the median is used. Prints one JSON line per run, then the ratios.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_batch.py [--runs 3] [--new 200] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import anyio
+import torch
+
+from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+from llama_chat.inference.types import Request
+from llama_chat.ml.sampling import SamplingParams
+from llama_chat.model.args import ModelArgs
+from llama_chat.model.kv_cache import KVCache
+from llama_chat.model.transformer import Transformer
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = 8  # tokens per prompt: short, so that decoding dominates
+
+
+class ByteTokenizer:
+    """Just enough of a tokenizer for the engine: every id is one byte of text."""
+
+    vocab_size = 32000
+    eos_id = 2
+    stop_ids = frozenset({2})
+    special_tokens: dict[str, int] = {}
+    strips_leading_space = False
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([97 + token_id % 26])
+
+
+def build_model(seed: int = 0) -> Transformer:
+    args = ModelArgs(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=32000, hidden_dim=768, max_seq_len=256)
+    model = Transformer(args)
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model.output.weight[2] = 0.0
+    return model.eval()
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[1] + torch.randint(3, 32000, (PROMPT - 1,), generator=g).tolist() for _ in range(n)]
+
+
+def single_fast(model, tokenizer, new: int) -> float:
+    engine = Engine(model, tokenizer, options=EngineOptions(compile=False))
+    done = engine.generate(Request(prompts(1, 1)[0], sampling=GREEDY, max_tokens=new))
+    return done.timings.decode_tok_s
+
+
+async def _scheduled(model, tokenizer, n: int, new: int, max_batch: int) -> tuple[float, list]:
+    async with Scheduler(model, tokenizer, SchedulerOptions(max_batch=max_batch)) as scheduler:
+        start = time.perf_counter()
+        streams = [scheduler.submit(Request(p, sampling=GREEDY, max_tokens=new)) for p in prompts(n, 2)]
+        done = []
+
+        async def consume(stream):
+            async for _ in stream:
+                pass
+            done.append(stream.completion())
+
+        async with anyio.create_task_group() as tg:
+            for stream in streams:
+                tg.start_soon(consume, stream)
+        return time.perf_counter() - start, done
+
+
+def single_paged(model, tokenizer, new: int) -> float:
+    _, done = anyio.run(_scheduled, model, tokenizer, 1, new, 1)
+    return done[0].timings.decode_tok_s
+
+
+def together(model, tokenizer, n: int, new: int) -> float:
+    wall, done = anyio.run(_scheduled, model, tokenizer, n, new, n)
+    return sum(c.completion_tokens for c in done) / wall
+
+
+def bare_forward(model, rows: int, steps: int = 30) -> float:
+    """Tokens/s of a loop of dense-cache decode forwards of ``rows`` rows at position 100."""
+    cache = KVCache.for_model(model.args, rows)
+    tokens = torch.randint(3, 32000, (rows, 1))
+    positions = torch.full((rows, 1), 100)
+    with torch.inference_mode():
+        model(tokens, positions, cache, last_only=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            model(tokens, positions, cache, last_only=True).argmax(-1)
+        return rows * steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new", type=int, default=200, help="tokens generated per job")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tokenizer = build_model(), ByteTokenizer()
+
+    measures = {
+        "single_fast": lambda: single_fast(model, tokenizer, args.new),
+        "single_paged": lambda: single_paged(model, tokenizer, args.new),
+        "jobs16": lambda: together(model, tokenizer, 16, args.new),
+        "jobs64": lambda: together(model, tokenizer, 64, args.new),
+        "bare1": lambda: bare_forward(model, 1),
+        "bare16": lambda: bare_forward(model, 16),
+    }
+    for fn in measures.values():  # warm-up: first-touch of the weights, allocator, kernels
+        fn()
+    results: dict[str, list[float]] = {k: [] for k in measures}
+    for run in range(args.runs):
+        for name, fn in measures.items():
+            value = fn()
+            results[name].append(value)
+            print(json.dumps({"run": run, "measure": name, "tok_s": round(value, 1)}), flush=True)
+
+    med = {k: statistics.median(v) for k, v in results.items()}
+    print(json.dumps({"load_avg": os.getloadavg(), "threads": args.threads, "torch": torch.__version__}))
+    print()
+    print("| measure | tok/s (median) | runs | ratio |")
+    print("|---|---|---|---|")
+    rows = [
+        ("single stream, fast path (Engine)", "single_fast", None),
+        ("single stream, paged cache (Scheduler, 1 job)", "single_paged", ("single_fast", "x fast path")),
+        ("16 jobs together", "jobs16", ("single_fast", "x single stream")),
+        ("64 jobs together", "jobs64", ("single_fast", "x single stream")),
+        ("bare dense forward, 1 row", "bare1", None),
+        ("bare dense forward, 16 rows (the machine's ceiling for 16 jobs)", "bare16", ("bare1", "x 1 row")),
+    ]
+    for label, key, ratio in rows:
+        runs = ", ".join(f"{v:.0f}" for v in results[key])
+        r = f"{med[key] / med[ratio[0]]:.2f}{ratio[1]}" if ratio else ""
+        print(f"| {label} | {med[key]:.0f} | {runs} | {r} |")
+
+
+if __name__ == "__main__":
+    main()
