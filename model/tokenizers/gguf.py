@@ -20,6 +20,7 @@ chat template may write.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from llama_chat.model.tokenizers.table import ByteTableTokenizer
 from llama_chat.model.tokenizers.tiktoken import LLAMA3_PATTERN
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+_PAD = re.compile(r"\[PAD\d+\]")
 
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # tokenizer.ggml.pre -> (split pattern, whole words in the vocabulary skip the merges). llama.cpp
@@ -66,8 +68,17 @@ class _Vocab:
 
     def __init__(self, name: str, tokens: list[str], types: list[int], ids: dict[str, int | None],
                  add_bos: bool | None, add_eos: bool | None) -> None:
-        self.name, self.tokens, self.types, self.ids = name, tokens, types, ids
+        self.name, self.ids = name, ids
         self.add_bos, self.add_eos = add_bos, add_eos
+        self.file_count = len(tokens)
+        # llama.cpp's converter pads a vocabulary to the embedding's rows with unused "[PADn]"
+        # tokens. They are left out, as a Hugging Face checkpoint's padding rows are: the command
+        # samples only the tokenizer's ids, so a padding row can never be chosen.
+        kept = len(tokens)
+        last_named = max((i for i in ids.values() if i is not None), default=-1)
+        while kept > last_named + 1 and types[kept - 1] == UNUSED and _PAD.fullmatch(tokens[kept - 1]):
+            kept -= 1
+        self.tokens, self.types = tokens[:kept], types[:kept]
 
     @classmethod
     def read(cls, contents: GGUFContents) -> _Vocab:
@@ -121,10 +132,11 @@ class GGUFSentencePieceTokenizer(SentencePieceTokenizer):
     def __init__(self, contents: GGUFContents, vocab: _Vocab) -> None:
         scores = contents.metadata.get("tokenizer.ggml.scores")
         if scores is None:
-            scores = [0.0] * len(vocab.tokens)
-        if not isinstance(scores, list) or len(scores) != len(vocab.tokens) \
+            scores = [0.0] * vocab.file_count
+        if not isinstance(scores, list) or len(scores) != vocab.file_count \
                 or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
             raise ModelLoadError(f"{vocab.name}: metadata 'tokenizer.ggml.scores' must list one number per token")
+        scores = scores[:len(vocab.tokens)]
         add_prefix = _flag(contents, "tokenizer.ggml.add_space_prefix")
         proto = sentencepiece_proto(vocab.tokens, scores, vocab.types, ids=vocab.ids,
                                     add_dummy_prefix=add_prefix is not False)
