@@ -140,7 +140,12 @@ class PagedView:
             if batch.single_kv_len is not None:
                 keys, values = keys[:, :, :batch.single_kv_len], values[:, :, :batch.single_kv_len]
             queries = q[0, :, :n].transpose(0, 1).unsqueeze(2)  # (n, heads, 1, dim)
-            out = ops.attention(queries, keys, values, self._single_mask)  # (n, heads, 1, dim)
+            if self._single_mask is not None and q.device.type == "cpu":
+                # One query per row: two small batched products and a softmax cost a fraction of
+                # the CPU flash kernel's per-call setup (ops.attention_over_cache).
+                out = ops.attention_over_cache(queries, keys, values, self._single_mask)
+            else:
+                out = ops.attention(queries, keys, values, self._single_mask)  # (n, heads, 1, dim)
             parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # (1, heads, n, dim)
         for (first, length, table, start), mask in zip(batch.runs, self._run_masks):
             end = start + length  # the keys this run reads: its sequence's, up to its last token
