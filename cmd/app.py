@@ -286,7 +286,7 @@ class Options:
         help="--batch: most jobs generating at once.")] = 16
     cache_tokens: Annotated[int | None, typer.Option(
         "--cache-tokens", callback=_check_positive, rich_help_panel="Batch",
-        help="--batch: size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536; "
+        help="--batch: size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536 and 4 GiB; "
              "at least one context).")] = None
     debug: Annotated[bool, typer.Option("--debug", help="Show a traceback on failure.")] = False
 

@@ -41,8 +41,10 @@ from llama_chat.model.transformer import Transformer
 DEFAULT_MAX_BATCH = 16
 DEFAULT_PAGE_SIZE = 16
 # Without --cache-tokens: room for every batch slot at the full context, up to this many tokens
-# (a TinyLlama-sized model in bfloat16 keeps 22 KB per token: 1.4 GB).
+# (a TinyLlama-sized model in bfloat16 keeps 22 KB per token: 1.4 GB) and this many bytes (a 7B
+# model in float16 keeps 0.5 MB per token), but always one whole context.
 DEFAULT_CACHE_TOKENS_CAP = 65536
+DEFAULT_CACHE_BYTES_CAP = 4 * 2**30
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,10 @@ class Scheduler:
         device, dtype = first.device, first.dtype
         cuda = device.type == "cuda"
         max_seq_len = min(options.max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
-        cache_tokens = options.cache_tokens or max(
-            max_seq_len, min(options.max_batch * max_seq_len, DEFAULT_CACHE_TOKENS_CAP))
+        a = model.args
+        token_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * first.element_size()
+        cache_tokens = options.cache_tokens or max(max_seq_len, min(
+            options.max_batch * max_seq_len, DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CACHE_BYTES_CAP // token_bytes))
         page_size = options.page_size
         prefill_chunk = options.prefill_chunk or (1024 if cuda else 64)
         settings = CoreSettings(
