@@ -49,9 +49,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) ->
     return F.linear(x, weight)
 
 
-# Rows from which a half-precision product on such a CPU is done in float32 (a prefill chunk;
-# a one-row decode product reads the weights once either way and stays in half precision).
-HALF_AS_FLOAT_FROM_ROWS = 8
+# Rows from which a half-precision product on such a CPU is done in float32: converting a weight
+# costs about as much as 20-30 rows of the slow product (measured at 2048 x 5632), so shorter
+# runs, and a decode step's one row, stay in half precision.
+HALF_AS_FLOAT_FROM_ROWS = 32
 
 
 def _slow_half_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
