@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -246,12 +247,15 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
             elif kind == USER_DEFINED:
                 table.append(token.encode("utf-8"))
                 added.append(_added(i, token, special=False))
-            elif all(c in decoder for c in token):
-                table.append(bytes(decoder[c] for c in token))
-                model_vocab.setdefault(token, i)
             else:
-                raise ModelLoadError(f"{name}: token {i} ({token!r:.40}) is not in the byte-level alphabet")
-        missing = [b for b in range(256) if bytes([b]) not in set(table)]
+                try:
+                    table.append(bytes(map(decoder.__getitem__, token)))
+                except KeyError:
+                    raise ModelLoadError(f"{name}: token {i} ({token!r:.40}) is not in the byte-level "
+                                         "alphabet") from None
+                model_vocab.setdefault(token, i)
+        present = set(table)
+        missing = [b for b in range(256) if bytes([b]) not in present]
         if missing:
             raise ModelLoadError(f"{name}: no token for the single byte 0x{missing[0]:02x}; a byte-level "
                                  "tokenizer needs all 256")
@@ -268,17 +272,19 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                       "ignore_merges": ignore_merges, "vocab": model_vocab,
-                      "merges": [m.split(" ", 1) for m in merges]},
+                      "merges": merges},  # "left right" strings, a form every tokenizers version reads
         }
         try:
-            raw = RawTokenizer.from_str(json.dumps(spec))
+            text = json.dumps(spec)
+            raw = RawTokenizer.from_str(text)
         except Exception as e:  # noqa: BLE001 - the Rust side raises a bare Exception on a bad vocabulary
             raise ModelLoadError(f"{name}: the file's BPE vocabulary cannot be used "
                                  f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
-        # Two instances: user text never becomes a control token, rendered chat templates do.
+        # One instance (building a second costs a second for a Llama 3 vocabulary): user text is
+        # encoded with control-token names as plain text, rendered chat templates without; the
+        # switch is a flag on the instance, so it is held only for the call.
         self._raw = raw
-        self._plain = RawTokenizer.from_str(raw.to_str())
-        self._plain.encode_special_tokens = True
+        self._switch = threading.Lock()
         self.path = contents.path
         self._bytes = table
         self._specials = specials
@@ -288,7 +294,13 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
         self._add_bos = vocab.add_bos if vocab.add_bos is not None else (ignore_merges and self._bos is not None)
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        return self._with_markers(self._plain.encode(text, add_special_tokens=False).ids, bos, eos)
+        with self._switch:
+            self._raw.encode_special_tokens = True
+            try:
+                ids = self._raw.encode(text, add_special_tokens=False).ids
+            finally:
+                self._raw.encode_special_tokens = False
+        return self._with_markers(ids, bos, eos)
 
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
@@ -302,7 +314,8 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
         return bool(self._add_bos) and self._bos is not None
 
     def encode_allowing_special(self, text: str) -> list[int]:
-        return self._raw.encode(text, add_special_tokens=False).ids
+        with self._switch:
+            return self._raw.encode(text, add_special_tokens=False).ids
 
 
 def _added(i: int, token: str, *, special: bool) -> dict[str, Any]:
