@@ -319,6 +319,18 @@ class BatchCore:
                 del self.claims[key]
         job.keys.extend(new)
 
+    def abandon(self) -> None:
+        """Drop every job, running or waiting, and release its pages: the scheduler has stopped.
+        Only when no step can run (the step thread has been joined)."""
+        while self.incoming:
+            self.waiting.append(self.incoming.popleft())
+        for job in self.waiting:
+            job.finished = True
+            job.final_state = job.final_state or GenerationState.CANCELLED
+        self.waiting = []
+        for job in list(self.active):
+            self._release(job)
+
     def _release(self, job: Job) -> None:
         self.pages.release(job.pages)
         job.pages = []

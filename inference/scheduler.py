@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
@@ -143,6 +145,10 @@ class Scheduler:
     # -- the library API -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Scheduler:
+        # A scheduler may be entered again, in another event loop too (a chat's next turn): the
+        # pages and what they hold stay; the task, the thread and the wake-up event are new.
+        self._wake = anyio.Event()
+        self._closed = False
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._run)
@@ -156,6 +162,22 @@ class Scheduler:
             return await self._task_group.__aexit__(exc_type, exc, tb)
         except BaseExceptionGroup as group:
             raise sole_exception(group) from None
+        finally:
+            self._task_group = None
+
+    @asynccontextmanager
+    async def stream(self, request: Request) -> AsyncIterator[JobStream]:
+        """One job with the scheduler running around it, for a caller with one request at a time::
+
+            async with scheduler.stream(request) as stream:
+                async for response in stream: ...
+
+        The scheduler's pages outlive the block, so the next request finds the prefix this one
+        left (a chat's next turn prefills only its new tokens).
+        """
+        async with self:
+            async with self.submit(request) as stream:
+                yield stream
 
     @property
     def max_seq_len(self) -> int:
@@ -232,7 +254,9 @@ class Scheduler:
                         self._wake = anyio.Event()
             failed = False
         finally:
-            # Cancelled with the scheduler, or failed: every job still open ends here.
+            # Cancelled with the scheduler, or failed: every job still open ends here, and, the
+            # step thread being gone, its pages go back to the pool from here.
+            self.core.abandon()
             state = GenerationState.CANCELLED if not failed else GenerationState.ERROR
             for job in list(self._jobs.values()):
                 if job.final_state is None:

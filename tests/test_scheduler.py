@@ -257,3 +257,31 @@ def test_jobs_that_cannot_run_are_refused_at_submit(model, tokenizer):
             ok = await run_jobs(s, [Request([1] * 200, sampling=GREEDY, max_tokens=20, request_id="ok")])
             return ok["ok"]
     assert anyio.run(main).finish_reason == GenerationState.MAX_TOKENS
+
+
+def test_pages_outlive_the_event_loop_and_a_stop_mid_job_frees_them(model, tokenizer):
+    """A scheduler entered again in a new event loop (as a chat's turns are) still finds the
+    prefix its last job left; leaving the scheduler with a job running releases that job's pages."""
+    g = torch.Generator().manual_seed(18)
+    prompt = random_prompt(g, 70, tokenizer.vocab_size)
+    scheduler = Scheduler(model, tokenizer, SchedulerOptions(page_size=16))
+
+    async def one(request):
+        async with scheduler.stream(request) as stream:
+            async for _ in stream:
+                pass
+        return stream.completion()
+
+    async def abandoned(request):
+        async with scheduler:
+            stream = scheduler.submit(request)
+            await stream.__anext__()  # running, then the scheduler is left
+
+    first = anyio.run(one, Request(prompt, sampling=GREEDY, max_tokens=5, request_id="a"))
+    anyio.run(abandoned, Request(random_prompt(g, 30, tokenizer.vocab_size), sampling=GREEDY, max_tokens=500,
+                                 request_id="b"))
+    assert scheduler.stats.pages_in_use == 0
+    again = anyio.run(one, Request(prompt + [7, 8], sampling=GREEDY, max_tokens=5, request_id="c"))
+    assert first.cached_tokens == 0 and again.cached_tokens == 64
+    assert again.token_ids == Engine(model, tokenizer).generate(Request(prompt + [7, 8], sampling=GREEDY,
+                                                                         max_tokens=5)).token_ids
