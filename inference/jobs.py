@@ -128,14 +128,21 @@ class JobStream:
         return Response(event.request_id, event.index, event.token_id, text, maker.held_bytes, maker.held_text,
                         maker.held_tokens, state, event.elapsed_s)
 
-    def _end(self) -> None:
-        """The stream ended without a finishing event: cancelled, or the scheduler failed."""
+    def cut_off(self) -> str:
+        """After the stream ended without a finishing event (a cancel, the scheduler stopped or
+        failed): the whole characters still held, added to the text; the bytes of an unfinished
+        character are dropped. As ``engine.Generation.cut_off``."""
         if self._done:
-            return
+            return ""
         self._done = True
         if self.job.final_state is not None:
             self.tally.mark(self.job.final_state)
-        self.parts.append(self.maker.finish(cut_off=True))
+        text = self.maker.finish(cut_off=True)
+        self.parts.append(text)
+        return text
+
+    def _end(self) -> None:
+        self.cut_off()
 
     def completion(self) -> Completion:
         self._end()
