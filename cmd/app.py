@@ -276,7 +276,7 @@ class Options:
     color: Annotated[ColorMode, typer.Option(
         "--color", help="Colour on a terminal (NO_COLOR is honoured).")] = ColorMode.auto
     batch: Annotated[str | None, typer.Option(
-        "--batch", is_flag=False, flag_value="-", metavar="[FILE]", rich_help_panel="Batch",
+        "--batch", metavar="[FILE]", rich_help_panel="Batch",
         help="Run every line of FILE (default: stdin) as its own job, many at once: plain prompts, or JSON "
              "objects with a prompt and options of their own. JSON Lines out, one per job as it finishes.")] = None
     ordered: Annotated[bool, typer.Option(
@@ -487,14 +487,16 @@ def main() -> None:
 
 
 def optional_batch_file(args: list[str]) -> list[str]:
-    """``--batch`` followed by another option means ``--batch -`` (stdin); click would take that
-    option as the file's name."""
+    """``--batch`` with no FILE (last, or followed by another option) means ``--batch -``, stdin.
+
+    The file is optional; click options take a value or none, never maybe one, so the missing
+    value is put in here."""
     out = []
     for i, arg in enumerate(args):
         out.append(arg)
         if arg == "--":
             return out + args[i + 1:]
-        if arg == "--batch" and i + 1 < len(args) and args[i + 1].startswith("-") and args[i + 1] != "-":
+        if arg == "--batch" and (i + 1 == len(args) or (args[i + 1].startswith("-") and args[i + 1] != "-")):
             out.append("-")
     return out
 
