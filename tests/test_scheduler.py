@@ -285,3 +285,24 @@ def test_pages_outlive_the_event_loop_and_a_stop_mid_job_frees_them(model, token
     assert first.cached_tokens == 0 and again.cached_tokens == 64
     assert again.token_ids == Engine(model, tokenizer).generate(Request(prompt + [7, 8], sampling=GREEDY,
                                                                          max_tokens=5)).token_ids
+
+
+def test_a_chat_reply_runner_on_the_scheduler_reuses_the_last_turn(model, tokenizer):
+    """``cmd/one_shot.run_one_shot``, which runs each chat reply, given the scheduler instead of
+    the one-prompt engine: the second turn prefills only what the first did not leave in pages."""
+    from llama_chat.cmd.one_shot import run_one_shot
+
+    chat = Llama2ChatFormat(tokenizer)
+    dialog = [Message("user", "The fox liked to play with the rabbit and the bird near the river.")]
+    scheduler = Scheduler(model, tokenizer, SchedulerOptions(page_size=8))
+    first_ids = chat.encode_dialog(dialog)
+    first = anyio.run(run_one_shot, scheduler, Request(first_ids, sampling=GREEDY, max_tokens=30, chat_reply=True),
+                      None).completion
+    dialog += [Message("assistant", first.text), Message("user", "Hello world!")]
+    second_ids = chat.encode_dialog(dialog)
+    second = anyio.run(run_one_shot, scheduler, Request(second_ids, sampling=GREEDY, max_tokens=10, chat_reply=True),
+                       None).completion
+    written = list(first_ids) + list(first.token_ids[:-1])
+    common = next((i for i, (a, b) in enumerate(zip(written, second_ids)) if a != b), len(written))
+    assert second.cached_tokens == min(common, len(second_ids) - 1) // 8 * 8 >= len(first_ids) // 8 * 8 > 0
+    assert scheduler.stats.pages_in_use == 0
