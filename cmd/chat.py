@@ -260,6 +260,7 @@ class ChatRunner:
         ids = chat.dialog_ids(self.say)
         if ids is None:
             return
+        ids = chat.engine.align_to_cache(ids)
         s = chat.settings
         seed = s.seed if s.seed is not None else secrets.randbelow(2**31)
         request = Request(ids, sampling=s.sampling, seed=seed, max_tokens=s.max_tokens, stop=s.stop, chat_reply=True,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -141,10 +141,6 @@ class Engine:
         for token, _ in request.sampling.logit_bias:
             if token >= vocab:
                 raise RequestError(f"--logit-bias: token id {token} is outside the vocabulary (0 to {vocab - 1})")
-        vocab = self.step.sample_ids or self.step.vocab_size
-        for token, _ in request.sampling.logit_bias:
-            if token >= vocab:
-                raise RequestError(f"--logit-bias: token id {token} is outside the vocabulary (0 to {vocab - 1})")
 
     def token_bytes(self, token_id: int) -> bytes:
         # Stop tokens are never printed, whatever bytes a tokenizer gives them.
@@ -154,6 +150,49 @@ class Engine:
     def cached_ids(self) -> tuple[int, ...]:
         """The token ids whose keys and values the KV cache holds at positions 0, 1, ..."""
         return self._cached
+
+    def align_to_cache(self, ids: Sequence[int]) -> list[int]:
+        """``ids``, with its start replaced by the cached tokens that spell the same bytes.
+
+        A reply's tokens are the ones the model sampled, and encoding the reply's text again for
+        the next turn often splits it differently (a small or random model rarely samples the
+        tokenizer's own split). Compared id by id, the cache would then match only up to the
+        reply, and every turn would prefill the previous reply again. Compared byte by byte at
+        token boundaries, the model keeps its own tokens, as a chat that keeps its token history
+        does. Tokens without bytes (control and stop tokens) match only by id.
+        """
+        cached = self._cached
+        n = 0
+        for a, b in zip(ids, cached):
+            if a != b:
+                break
+            n += 1
+        i = j = n
+        seen_cached, seen_ids = bytearray(), bytearray()
+        best = (n, n)  # the last pair of token boundaries where both sides spell the same bytes
+        while True:
+            if len(seen_cached) == len(seen_ids):
+                best = (i, j)
+                if i == len(cached) or j == len(ids):
+                    break
+                if not self.token_bytes(cached[i]) or not self.token_bytes(ids[j]):
+                    if cached[i] != ids[j]:
+                        break
+                    i, j = i + 1, j + 1
+                    continue
+            if len(seen_cached) < len(seen_ids):
+                piece = self.token_bytes(cached[i]) if i < len(cached) else b""
+                seen_cached += piece
+                i += 1
+            else:
+                piece = self.token_bytes(ids[j]) if j < len(ids) else b""
+                seen_ids += piece
+                j += 1
+            common = min(len(seen_cached), len(seen_ids))
+            if not piece or seen_cached[:common] != seen_ids[:common]:
+                break
+        i, j = best
+        return list(cached[:i]) + list(ids[j:])
 
     def reusable(self, request: Request) -> int:
         """How many of ``request``'s prompt tokens the cache already holds (the common prefix).

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pexpect
 import pytest
+import torch
 
+from builders import random_model, tiny_args, write_meta_checkpoint
 from cli_support import build_tiny_model, cli_env, llama_chat_command, run_cli
+from llama_chat.model.tokenizers.tiktoken import NUM_SPECIAL_TOKENS, read_ranks
+from terminal_support import Pty, held_bytes_model, screen
+from tokenizer_builders import write_tiktoken_file
 
 WAIT_S = 120  # generous: a busy 2-core machine
 
@@ -16,6 +22,35 @@ WAIT_S = 120  # generous: a busy 2-core machine
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory) -> Path:
+    """A random model on a Llama-3-style (tiktoken) tokenizer, so the chat speaks the Llama 3 format.
+
+    Only tokens of printable ASCII without spaces can win (the others' output rows are zero, and a
+    constant feature lifts the rest above zero): a reply then never ends on its own, never holds
+    partial characters and survives the history's stripping of whitespace byte for byte, while the
+    model still samples splits the tokenizer would not make.
+    """
+    out = tmp_path_factory.mktemp("llama3")
+    tokenizer = write_tiktoken_file(out / "tok")
+    ranks = read_ranks(tokenizer)
+    model = random_model(tiny_args(len(ranks) + NUM_SPECIAL_TOKENS, max_seq_len=2048), seed=5)
+    allowed = [rank for token, rank in ranks.items() if all(0x21 <= c <= 0x7E for c in token)]
+    with torch.no_grad():
+        w = model.output.weight
+        kept = w[allowed].clone()
+        w.zero_()
+        w[allowed] = kept
+        model.tok_embeddings.weight[:, 0] += 2.0
+        w[allowed, 0] = 0.3
+    return write_meta_checkpoint(model, out / "model", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory, sp_model_path) -> Path:
+    return held_bytes_model(tmp_path_factory.mktemp("held") / "model", sp_model_path)
 
 
 def spawn(*args: str, tmp_path) -> pexpect.spawn:
@@ -78,6 +113,63 @@ def test_ctrl_c_mid_reply_keeps_the_partial_reply_and_ctrl_c_at_the_prompt_leave
     assert messages[1]["role"] == "assistant" and messages[1]["interrupted"] is True
     assert messages[1]["content"]
     assert not (tmp_path / "llama-chat").exists()  # --no-history
+
+
+def test_llama3_chat_reuses_its_cache_and_ctrl_c_keeps_the_partial_reply(llama3, tmp_path):
+    child = spawn("-m", str(llama3), "-t", "0", "-n", "12", "--no-history", tmp_path=tmp_path)
+    counts = []
+    for message in ("Tell me a story", "Another one"):
+        child.sendline(message)
+        child.expect_exact(">>> ")
+        counts.append(prefill_counts(child))
+    (cached0, prefilled0), (cached1, prefilled1) = counts
+    assert cached0 == 0 and prefilled0 > 0
+    # The first prompt and the 12 tokens of its reply come from the cache (the model's own splits,
+    # not the tokenizer's); only the new message and its headers, about as long as the first
+    # prompt with this small vocabulary, are prefilled.
+    assert cached1 >= prefilled0 + 10 and prefilled1 <= prefilled0 + 5
+    child.sendline("/set max_tokens=100000")
+    child.expect_exact(">>> ")
+    child.sendline("Once upon a time")
+    child.expect_exact("time\r\n")
+    child.expect("(?s)(\x1b7.*?){5}")  # five pieces of the reply drawn
+    child.sendintr()
+    child.expect_exact("interrupted")
+    child.expect_exact(">>> ")
+    child.sendline("/save " + str(tmp_path / "llama3.json"))
+    child.expect_exact(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    messages = json.loads((tmp_path / "llama3.json").read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 3
+    assert messages[-1]["interrupted"] is True and messages[-1]["content"]
+    assert not any(m.get("interrupted") for m in messages[:-1])
+
+
+def test_ctrl_c_while_emoji_bytes_are_held_leaves_the_chat_screen_clean(held, tmp_path):
+    term = Pty("-m", str(held), "--template", "llama2", "-t", "0", "-c", "0", "--no-history",
+               XDG_STATE_HOME=str(tmp_path))
+    term.read_until(lambda: b">>> " in term.shown)
+    term.type(b"hi\r")
+    asked = len(term.shown)
+    # "é" is committed, then the first three bytes of a cat are held while the model goes on.
+    term.read_until(lambda: "é".encode() in term.shown[asked:] and term.shown[asked:].count(b".") >= 3)
+    term.type(b"\x03")
+    term.read_until(lambda: b"interrupted" in term.shown and term.shown.rstrip().endswith(b">>>"))
+    term.type(b"/save " + str(tmp_path / "held.json").encode() + b"\r")
+    term.read_until(lambda: term.shown.count(b">>> ") >= 3)
+    term.type(b"\x04")
+    status = term.finish()
+    lines, cursor_visible = screen(term.shown)
+    assert status == 0, term.shown
+    reply = lines[lines.index(">>> hi") + 1]
+    assert reply == "é", lines  # no pending markers, no ^C, no U+FFFD for the cut-off cat
+    assert not any("\ufffd" in line for line in lines) and cursor_visible
+    assert b"Traceback" not in term.shown
+    messages = json.loads((tmp_path / "held.json").read_text())["messages"]
+    assert messages[-1] == {"role": "assistant", "content": "é", "interrupted": True}
 
 
 def test_overflow_drops_the_oldest_turns_and_the_chat_goes_on(tiny, tmp_path):

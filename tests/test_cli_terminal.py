@@ -6,166 +6,32 @@ Ctrl+Z are typed (the line discipline echoes ``^C`` and sends the signal), as a 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import re
 import select
 import signal
-import struct
 import subprocess
-import termios
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import sentencepiece as spm
-import torch
 
-from builders import random_model, tiny_args, write_meta_checkpoint
 from cli_support import build_tiny_model, cli_env, llama_chat_command
 from llama_chat.cmd.sanitize import displayable, one_line
+from terminal_support import SGR, WAIT_S, Pty, held_bytes_model, screen
 
-WAIT_S = 60.0  # how long to wait for something that must happen, on however busy a machine
 LONG = ("-t", "0", "-n", "1000", "-p", "Once upon a time")
-
-
-def _held_bytes_model(out: Path, sp_model: Path) -> Path:
-    """A model whose answer is "é", then the first three bytes of 🐱 and then bos for ever.
-
-    Attention and feed-forward add nothing, so the next token depends only on the last one: a
-    chain written into the embeddings (token -> basis vector) and the output rows (basis vector ->
-    next token). The decoder then holds three bytes while tokens keep coming, so a Ctrl+C always
-    lands while bytes are held.
-    """
-    sp = spm.SentencePieceProcessor(model_file=str(sp_model))
-    byte = lambda b: sp.piece_to_id(f"<0x{b:02X}>")  # noqa: E731
-    chain = [byte(0xC3), byte(0xA9), byte(0xF0), byte(0x9F), byte(0x90), sp.bos_id()]
-    model = random_model(tiny_args(sp.vocab_size(), n_layers=1, max_seq_len=16384), seed=1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("wo.weight", "w2.weight", "output.weight")):
-                p.zero_()
-            elif name.endswith("norm.weight"):
-                p.fill_(1.0)
-        emb, out_w = model.tok_embeddings.weight, model.output.weight
-        emb.zero_()
-        emb[:, 0] = 10.0  # every other token leads to the first of the chain
-        for k, token in enumerate(chain):
-            emb[token] = 0
-            emb[token, min(k + 1, len(chain) - 1)] = 10.0
-            out_w[token, k] = 10.0
-    return write_meta_checkpoint(model, out, sp_model)
 
 
 @pytest.fixture(scope="module")
 def held(tmp_path_factory, sp_model_path) -> Path:
-    return _held_bytes_model(tmp_path_factory.mktemp("held") / "model", sp_model_path)
+    return held_bytes_model(tmp_path_factory.mktemp("held") / "model", sp_model_path)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("terminal"))
-
-
-class Pty:
-    """A child on a pseudo-terminal that is its controlling terminal; everything shown is kept."""
-
-    def __init__(self, *args: str, **env: str) -> None:
-        self.primary, secondary = os.openpty()
-        fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-        attrs = termios.tcgetattr(secondary)
-        attrs[3] |= termios.ECHO | termios.ECHOCTL | termios.ISIG | termios.ICANON
-        termios.tcsetattr(secondary, termios.TCSANOW, attrs)
-
-        def become_controlling_terminal() -> None:
-            os.setsid()
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-        self.proc = subprocess.Popen([*llama_chat_command(), *args], stdin=secondary, stdout=secondary,
-                                     stderr=secondary, preexec_fn=become_controlling_terminal,
-                                     env=cli_env(TERM="xterm-256color", **env))
-        os.close(secondary)
-        self.shown = b""
-
-    def read_until(self, condition, timeout: float = WAIT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition() and time.monotonic() < deadline:
-            ready, _, _ = select.select([self.primary], [], [], 0.2)
-            if ready:
-                try:
-                    chunk = os.read(self.primary, 65536)
-                except OSError:
-                    return
-                if not chunk:
-                    return
-                self.shown += chunk
-        assert condition(), f"timed out; shown so far: {self.shown[-300:]!r}"
-
-    def type(self, data: bytes) -> None:
-        os.write(self.primary, data)
-
-    def finish(self) -> int:
-        status = None
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.primary], [], [], 0.2)
-            if ready:
-                try:
-                    chunk = os.read(self.primary, 65536)
-                except OSError:
-                    chunk = b""
-                self.shown += chunk
-                if chunk:
-                    continue
-            if self.proc.poll() is not None:
-                status = self.proc.returncode
-                break
-        os.close(self.primary)
-        return status if status is not None else self.proc.wait(timeout=10)
-
-
-_SGR = re.compile(rb"\x1b\[[0-9;]*m")
-
-
-def screen(shown: bytes) -> tuple[list[str], bool]:
-    """The lines a terminal shows after ``shown``, and whether the cursor is visible at the end."""
-    rows: list[list[str]] = [[]]
-    col, saved, visible = 0, (0, 0), True
-    text = _SGR.sub(b"", shown).decode("utf-8", errors="replace")
-    i = 0
-    while i < len(text):
-        for seq, action in (("\x1b7", "save"), ("\x1b8", "restore"), ("\x1b[K", "clear"),
-                            ("\x1b[?25l", "hide"), ("\x1b[?25h", "show")):
-            if text.startswith(seq, i):
-                if action == "save":
-                    saved = (len(rows) - 1, col)
-                elif action == "restore":
-                    row, col = saved
-                    del rows[row + 1:]
-                elif action == "clear":
-                    del rows[-1][col:]
-                else:
-                    visible = action == "show"
-                i += len(seq)
-                break
-        else:
-            ch = text[i]
-            i += 1
-            if ch == "\n":
-                rows.append([])
-                col = 0
-            elif ch == "\r":
-                col = 0
-            elif ch == "\b":
-                col = max(col - 1, 0)
-            else:
-                row = rows[-1]
-                row.extend(" " * (col + 1 - len(row)))
-                row[col] = ch
-                col += 1
-    return ["".join(r).rstrip() for r in rows], visible
 
 
 def test_ctrl_c_while_bytes_are_held_leaves_exactly_the_committed_text(held):
@@ -279,7 +145,7 @@ def test_finish_line_starts_on_a_fresh_line_when_stdout_is_piped(tiny):
         err += chunk
     os.close(primary)
     assert proc.returncode == 0 and proc.stdout and not proc.stdout.endswith(b"\n")
-    assert _SGR.sub(b"", err).startswith(b"\r\nfinish: max_tokens")
+    assert SGR.sub(b"", err).startswith(b"\r\nfinish: max_tokens")
 
 
 def test_reader_leaving_before_any_output_stops_quietly(tiny):
