@@ -23,7 +23,6 @@ with deferred_signals(exit_now=True):
     from collections.abc import Callable
     from dataclasses import dataclass, fields
     from importlib.metadata import PackageNotFoundError, version
-    from pathlib import Path
     from typing import Annotated, get_type_hints
 
     import typer

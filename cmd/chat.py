@@ -28,7 +28,6 @@ import secrets
 import signal
 import sys
 from dataclasses import dataclass, field, fields, replace
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 

@@ -30,7 +30,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
-import torch
 
 from llama_chat.inference.batch_core import BatchCore, CoreSettings, StepResult
 from llama_chat.inference.jobs import Job, JobStream
