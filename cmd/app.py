@@ -11,7 +11,11 @@ from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds
 
 # First of all, before any module opens a file that could take over fd 1 or 2 (`llama-chat >&-`).
 ensure_std_fds()
-# A Ctrl+C while the command's own modules load ends the run with status 130 and no traceback.
+# A Ctrl+C while the command's own modules load, or while this module builds its options (a
+# dataclass of some forty fields, a noticeable moment on a busy machine), ends the run with status
+# 130 and no traceback; the guard is left at the end of this module.
+_loading = deferred_signals(exit_now=True)
+_loading.__enter__()
 with deferred_signals(exit_now=True):
     import enum
     import math
@@ -516,3 +520,6 @@ def _exit_now(code: int | str | None) -> None:
         except (OSError, ValueError):
             pass  # a closed pipe: nothing more can reach it
     os._exit(code or exit_status.OK)
+
+
+_loading.__exit__(None, None, None)
