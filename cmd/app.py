@@ -263,8 +263,9 @@ class Options:
         "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 on cuda, float16 on mps.")] = DType.auto
     compile: Annotated[bool | None, typer.Option(
         "--compile/--no-compile",
-        help="Compile the decode step (default: on CUDA for models over 50M parameters). The first run "
-             "compiles; later runs reuse the on-disk cache.")] = None
+        help="Compile the decode step (default: for models of 50M parameters or more, on CUDA, and on the "
+             "CPU in float32). The first run compiles (a C++ compiler is needed on the CPU; without one the "
+             "step runs uncompiled); later runs reuse the on-disk cache.")] = None
     quantize: Annotated[Quantize, typer.Option(
         "--quantize", help="Weights: none, or int8 (weight-only, one scale per output row, made at load "
                            "time; about a quarter of float32's bytes).")] = Quantize.none

@@ -487,7 +487,7 @@ def parse_setting(key: str, value: str, settings: Settings):
 
 def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
     """Load the model and chat until /exit, Ctrl+D or Ctrl+C at an empty prompt; the exit status."""
-    from llama_chat.cmd.run_command import load, make_engine
+    from llama_chat.cmd.run_command import load, make_engine, warm_up
 
     loaded = load(opts, err)
     if loaded.chat_format is None:
@@ -497,7 +497,7 @@ def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
     settings = Settings(opts.sampling(), opts.seed, opts.max_tokens, tuple(opts.stop), opts.max_time, opts.beams())
     chat = Chat(engine, loaded.chat_format, settings, system=opts.system)
     runner = ChatRunner(chat, opts, color, err, loaded.name)
-    engine.warm_up(settings.sampling)
+    warm_up(engine, settings.sampling, err, quiet=False)
     reader = ChatInput(history=not opts.no_history)
     runner.say(f"chatting with {loaded.name} ({loaded.chat_format.name} format, {engine.max_seq_len} tokens of "
                f"context); /help for commands, Ctrl+D to leave")

@@ -30,6 +30,7 @@ from llama_chat.model.stores import resolve_model
 
 if TYPE_CHECKING:
     from llama_chat.cmd.app import Options
+    from llama_chat.ml.sampling import SamplingParams
 
 
 def load(opts: Options, err: Console) -> LoadedModel:
@@ -53,13 +54,19 @@ def make_engine(loaded: LoadedModel, opts: Options) -> Engine:
                                                             quantize=getattr(opts, "quantize", "none")))
 
 
-def warm_up(engine: Engine, request: Request, err: Console, *, quiet: bool) -> None:
-    """Compile and capture the decode step before the prompt is timed, saying so on a terminal."""
+def warm_up(engine: Engine, sampling: SamplingParams, err: Console, *, quiet: bool) -> None:
+    """Compile and capture the decode step before the prompt is timed, saying so on a terminal.
+
+    A compile that fails is reported in one line and decoding goes on without it.
+    """
     if engine.compiles and not quiet and err.is_terminal:
         with err.status(f"compiling for {engine.step.device.type} (first run only)", spinner="dots"):
-            engine.warm_up(request.sampling)
+            engine.warm_up(sampling)
     else:
-        engine.warm_up(request.sampling)
+        engine.warm_up(sampling)
+    if engine.compile_failure and not quiet:
+        err.print(f"llama-chat: could not compile the decode step ({engine.compile_failure}); "
+                  f"decoding without compiling", markup=False, highlight=False)
 
 
 def _fileno(stream) -> int | None:
@@ -90,7 +97,7 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
                       chat_reply=loaded.chat_format is not None, max_time=opts.max_time, beams=opts.beams())
     engine = make_engine(loaded, opts)
     engine.check(request)  # a prompt longer than the context is bad input, found before any work
-    warm_up(engine, request, err, quiet=opts.json)
+    warm_up(engine, request.sampling, err, quiet=opts.json)
     if request.beams.enabled:
         from llama_chat.cmd.beam_command import run_beam_command
 

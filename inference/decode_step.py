@@ -28,6 +28,13 @@ from llama_chat.model.transformer import Transformer
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # Steps kept in flight on the GPU ahead of the one whose token the host is reading.
 RUN_AHEAD = 1
+# Without a CUDA graph the step attends over the cache slots up to its position rounded up to a
+# multiple of this, not over the whole cache: one compiled graph serves every such window (its
+# length is a symbolic size), and a 1024-slot cache no longer costs each early step a full read.
+WINDOW_STEP = 128
+# Whether a compiled step skips the guards that cannot tell its graphs apart (see ``advance``).
+# Tests turn it off to see every guard, and so every recompile, that the step would cause.
+SKIP_GUARDS = True
 
 
 def use_persistent_compile_cache() -> str:
@@ -68,7 +75,9 @@ class StaticStep:
         self.cache = cache
         self.device = device
         self.options = options
-        self.capacity = cache.max_seq_len
+        # Without a CUDA graph the cache's last slot is spare (``ModelStep`` allocates it): a
+        # window then never spans the whole buffer, which would let the compiler fix its length.
+        self.capacity = cache.max_seq_len - 1 if self.windowed_for(options, device) else cache.max_seq_len
         self.sample_ids = sample_ids  # only ids below this are sampled (None: every id)
         # The step's whole state lives in these buffers; a CUDA graph captures their addresses.
         self.token = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -79,6 +88,8 @@ class StaticStep:
         self.mode = SamplingMode.GREEDY
         model.rope_table(device)  # built now, or the first trace would guard on its absence
         self._run = self._step
+        self._host_position = 0  # the position the next queued step feeds its token at
+        self._windows: dict[int, torch.Tensor] = {}
         if options.compile:
             use_persistent_compile_cache()
             if device.type == "cuda":
@@ -87,7 +98,14 @@ class StaticStep:
                 import torch._inductor.config as inductor_config
 
                 inductor_config.coordinate_descent_tuning = True
-            extra = {"options": {"freezing": True}} if options.freezing and options.backend == "inductor" else {}
+            inductor = {}
+            if options.backend == "inductor" and device.type == "cpu":
+                # The step's kernels called from generated C++ rather than Python: on a 2-core
+                # CPU the stories110M-sized step went from 25 to 31-35 tokens/s.
+                inductor["cpp_wrapper"] = True
+            if options.freezing and options.backend == "inductor":
+                inductor["freezing"] = True
+            extra = {"options": inductor} if inductor else {}
             self._run = torch.compile(self._step, backend=options.backend, fullgraph=True, dynamic=False, **extra)
         self._graphs: dict[SamplingMode, torch.cuda.CUDAGraph] = {}
         self._prepared: set[SamplingMode] = set()
@@ -100,9 +118,15 @@ class StaticStep:
     def cuda_graph(self) -> bool:
         return self.options.cuda_graph and self.device.type == "cuda"
 
-    def _step(self, mode: SamplingMode) -> None:
+    @staticmethod
+    def windowed_for(options: StaticStepOptions, device: torch.device) -> bool:
+        """Whether steps attend over a window of the cache (and its last slot is spare)."""
+        return not (options.cuda_graph and device.type == "cuda")
+
+    def _step(self, mode: SamplingMode, window: torch.Tensor | None) -> None:
         logits = self.model(self.token, self.position, self.cache, last_only=True, static=True,
-                            row_products=self.options.row_products)
+                            row_products=self.options.row_products,
+                            window=None if window is None else window.shape[0])
         logits = logits[:, -1, :self.sample_ids]
         uniform = self.uniforms[self.position[:, -1]]
         chosen = sample_in_graph(logits, mode, self.temperature, self.top_p, uniform)
@@ -141,6 +165,7 @@ class StaticStep:
         chosen = sample_in_graph(logits[:, :self.sample_ids], self.mode, self.temperature, self.top_p, uniform)
         self.token.copy_(chosen.view(1, 1))
         self.position.fill_(position)
+        self._host_position = position
         self._queue_read()
 
     def advance(self) -> None:
@@ -148,8 +173,15 @@ class StaticStep:
         graph = self._graphs.get(self.mode) if self.cuda_graph else None
         if graph is not None:
             graph.replay()
+        elif self.options.compile and SKIP_GUARDS:
+            # Every guard but those that tell the prepared graphs apart is skipped: the step is
+            # called with the same objects every time, and checking them all cost a 2-core CPU
+            # half a millisecond a step (a tenth of a stories15M-sized step).
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                self._run(self.mode, self._window(self._host_position))
         else:
-            self._run(self.mode)
+            self._run(self.mode, self._window(self._host_position))
+        self._host_position += 1
         self._queue_read()
 
     @property
@@ -170,6 +202,21 @@ class StaticStep:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _window(self, position: int) -> torch.Tensor | None:
+        """A tensor whose length is the number of cache slots a step at ``position`` attends over.
+
+        A length marked dynamic for the compiler: one graph serves every window.
+        """
+        if self.cuda_graph:
+            return None  # a replayed graph has the whole cache's shapes
+        window = min(self.capacity, (position // WINDOW_STEP + 1) * WINDOW_STEP)
+        marker = self._windows.get(window)
+        if marker is None:
+            marker = torch.empty((window, 0), device=self.device)
+            torch._dynamo.mark_dynamic(marker, 0)
+            self._windows[window] = marker
+        return marker
+
     def _queue_read(self) -> None:
         host = self._host[self._next_host]
         self._next_host = (self._next_host + 1) % len(self._host)
@@ -183,8 +230,8 @@ class StaticStep:
     def _warm_up(self, mode: SamplingMode, runs: int) -> None:
         token, position = self.token.clone(), self.position.clone()
         self.position.fill_(self.capacity - runs)
-        for _ in range(runs):
-            self._run(mode)
+        for i in range(runs):
+            self._run(mode, self._window(self.capacity - runs + i))
         self.token.copy_(token)
         self.position.copy_(position)
 
@@ -199,7 +246,7 @@ class StaticStep:
         token, position = self.token.clone(), self.position.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._run(mode)
+            self._run(mode, None)
         # Capture records without running; the buffers are as they were, but restore to be sure.
         self.token.copy_(token)
         self.position.copy_(position)

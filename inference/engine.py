@@ -29,7 +29,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
-import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from llama_chat.inference.beam import BeamLimits, BeamProgress, BeamSearch
@@ -41,7 +40,7 @@ from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, Em
                                         GenerationState, PromptTooLong, Request, RequestError, Response, Tally,
                                         TokenEvent, sole_exception, state_after, stop_ids_of)
 from llama_chat.ml.quantize import quantize_model
-from llama_chat.ml.sampling import SamplingMode, SamplingParams, sample
+from llama_chat.ml.sampling import SamplingParams, sample
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
 
@@ -84,7 +83,7 @@ class Engine:
         elif options.quantize != "none":
             raise ValueError(f"unknown quantization {options.quantize!r}")
         step_options = StepOptions.for_device(first.device, parameters, options.compile,
-                                              quantized=options.quantize != "none")
+                                              quantized=options.quantize != "none", dtype=first.dtype)
         self.step = ModelStep(model, options=step_options, max_seq_len=options.max_seq_len,
                               sample_ids=getattr(tokenizer, "vocab_size", None))
         self.tokenizer = tokenizer
@@ -122,14 +121,20 @@ class Engine:
     @property
     def compiles(self) -> bool:
         """Whether the decode step is compiled (the first request then waits for the compiler)."""
-        return self.step.options.compile
+        return self.step.options.compile and self.step.static is not None
 
     def warm_up(self, sampling: SamplingParams) -> None:
-        """Compile and capture the decode step for ``sampling`` now (blocking; in any thread)."""
+        """Compile and capture the decode step for ``sampling`` now (blocking; in any thread).
+
+        If compiling fails the engine decodes eagerly; ``compile_failure`` then says why.
+        """
         # Controls beyond temperature and top-p take the eager step: nothing to compile for them.
-        if self.step.static is not None and sampling.plain:
-            with torch.inference_mode():
-                self.step.static.prepare(SamplingMode.of(sampling))
+        if sampling.plain:
+            self.step.prepare_static(sampling)
+
+    @property
+    def compile_failure(self) -> str | None:
+        return self.step.static_failure
 
     def check(self, request: Request) -> None:
         """Raise a ``RequestError`` for a request that cannot run (before any work is done)."""

@@ -15,7 +15,7 @@ import torch
 from llama_chat.inference.decode_step import StaticStep, StaticStepOptions
 from llama_chat.ml.processors import Sampler as Controls
 from llama_chat.ml.processors import TokenHistory, make_sampler
-from llama_chat.ml.sampling import SamplingParams, draw_uniforms, sample
+from llama_chat.ml.sampling import SamplingMode, SamplingParams, draw_uniforms, sample
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
 
@@ -40,21 +40,25 @@ class StepOptions:
 
     @classmethod
     def for_device(cls, device: torch.device, parameters: int, compile: bool | None = None,
-                   *, quantized: bool = False) -> StepOptions:
-        """The defaults: on CUDA the static step in a CUDA graph, compiled when the model is big
-        enough to pay for it; elsewhere the eager step, or the compiled static one if asked.
+                   *, quantized: bool = False, dtype: torch.dtype = torch.float32) -> StepOptions:
+        """The defaults: the static step, compiled when the model is big enough to pay for it,
+        in a CUDA graph on CUDA; elsewhere the eager step unless compiling is asked or pays.
 
         On the CPU the compiled step spells its projections as multiply-and-sum (``row_products``):
         inductor's reductions read the weights faster than MKL's one-row product (see
-        docs/architecture.md). int8 weights on the CPU always run eagerly: their fast kernel
-        (fbgemm's) cannot be traced, and the traced spelling is slower than float32.
+        docs/architecture.md). It is the default there for float32 weights of 50M parameters
+        and more (1.8x the eager step on the stories110M-sized config); in bfloat16 it was slower
+        than the eager step on a CPU without bf16 instructions, so it is not. int8 weights on the
+        CPU always run eagerly: their fast kernel (fbgemm's) cannot be traced, and the traced
+        spelling is slower than float32.
         """
-        if compile is None:
-            compile = device.type == "cuda" and parameters >= COMPILE_MIN_PARAMETERS
+        big = parameters >= COMPILE_MIN_PARAMETERS
         if device.type == "cuda":
-            return cls(static=True, compile=compile, cuda_graph=True)
+            return cls(static=True, compile=big if compile is None else compile, cuda_graph=True)
         if quantized:
             return cls()
+        if compile is None:
+            compile = device.type == "cpu" and big and dtype == torch.float32
         return cls(static=compile, compile=compile, row_products=compile)
 
 
@@ -80,11 +84,17 @@ class ModelStep:
         # multiple of 64 or 128), and those ids have no text, so their logits are cut off.
         self.sample_ids = sample_ids if sample_ids is not None and sample_ids < self.vocab_size else None
         if options is None:
-            options = StepOptions.for_device(self.device, sum(p.numel() for p in model.parameters()))
+            options = StepOptions.for_device(self.device, sum(p.numel() for p in model.parameters()),
+                                             dtype=first.dtype)
         self.options = options
-        self.cache = KVCache.for_model(model.args, rows, max_seq_len=self.max_seq_len,
+        static_options = StaticStepOptions(options.compile, options.cuda_graph, options.backend,
+                                           options.row_products and options.compile,
+                                           options.freezing and options.compile)
+        spare = 1 if options.static and StaticStep.windowed_for(static_options, self.device) else 0
+        self.cache = KVCache.for_model(model.args, rows, max_seq_len=self.max_seq_len + spare,
                                        device=self.device, dtype=self.dtype)
         self.static: StaticStep | None = None
+        self.static_failure: str | None = None  # why the static step was dropped, if it was
         if self.device.type == "cuda":
             # cuDNN's attention builds an execution plan for every new key length, which costs
             # more than the attention itself at every prefill chunk; flash and memory-efficient
@@ -94,11 +104,29 @@ class ModelStep:
         # the CPU fewer calls from Python in the eager step.
         model.fuse_projections()
         if options.static:
-            self.static = StaticStep(model, self.cache, self.device,
-                                     StaticStepOptions(options.compile, options.cuda_graph, options.backend,
-                                                       options.row_products and options.compile,
-                                                       options.freezing and options.compile),
-                                     sample_ids=self.sample_ids)
+            self.static = StaticStep(model, self.cache, self.device, static_options, sample_ids=self.sample_ids)
+
+    def prepare_static(self, params: SamplingParams) -> bool:
+        """Compile (or capture) the static step for ``params``; whether decoding will use it.
+
+        A failed compile (no C++ compiler on the machine, an unsupported operation on this
+        device) is not the user's problem: the step is dropped, the reason kept in
+        ``static_failure``, and decoding goes on eagerly.
+        """
+        if self.static is None:
+            return False
+        try:
+            with torch.inference_mode():
+                self.static.prepare(SamplingMode.of(params))
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means the same: go eager
+            self.static = None
+            root = exc  # the compiler's own error, under dynamo's wrappers
+            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+                root = inner
+            first_line = (str(root).strip().splitlines() or [""])[0]
+            self.static_failure = f"{type(root).__name__}: {first_line}"[:300]
+            return False
+        return True
 
     def forward(self, rows: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
         """Logits ``(len(rows), vocab)`` for the last token of each row (rows of equal length)."""
@@ -120,7 +148,7 @@ class ModelStep:
         uniforms = draw_uniforms(self.max_seq_len, seed, self.device)
         # The compiled step samples in-graph with temperature and top-p only; the other controls
         # read the token history on the host, so they take the eager step.
-        if self.static is not None and sampler is sample and params.plain:
+        if self.static is not None and sampler is sample and params.plain and self.prepare_static(params):
             return StaticDecode(self, self.static, list(tail), start, params, uniforms)
         history = None
         controls = None if params.plain else make_sampler(params, eos_ids=stop_ids)

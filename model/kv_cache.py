@@ -59,8 +59,13 @@ class KVCache:
         if contiguous_from is not None:
             cache_k[:batch, :, contiguous_from:contiguous_from + seq] = k
             cache_v[:batch, :, contiguous_from:contiguous_from + seq] = v
-        elif batch == 1:
+        elif batch == 1 and self.rows == 1:
             # One row at positions held on the device (a static step): no host read of them.
+            # Written into the whole buffer, not a view of its row: inductor then writes in place,
+            # where through a view it copied the layer's whole cache out and back every step.
+            cache_k.index_copy_(2, positions[0], k)
+            cache_v.index_copy_(2, positions[0], v)
+        elif batch == 1:
             cache_k[0].index_copy_(1, positions[0], k[0])
             cache_v[0].index_copy_(1, positions[0], v[0])
         else:

@@ -196,7 +196,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, *, last_only: bool = False,
-                static: bool = False, row_products: bool = False,
+                static: bool = False, row_products: bool = False, window: int | None = None,
                 logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` and ``positions`` are ``(batch, seq)``; returns ``(batch, seq or 1, vocab)``.
 
@@ -206,6 +206,8 @@ class Transformer(nn.Module):
         ``static`` attends over the whole cache with a mask instead of the part the positions
         reach: no host sync and the same shapes at every position, for a compiled step.
         ``row_products`` (static only) spells projections out for the compiler (``ops.linear``).
+        ``window`` (static only): attend over the first ``window`` cache slots instead of all of
+        them; every position must be below it.
         A ``PagedView`` cache (``model/paged_kv_cache.py``) takes one row of packed sequences;
         ``logits_at`` then picks the tokens whose logits are wanted: ``(1, len(logits_at), vocab)``.
         """
@@ -218,7 +220,7 @@ class Transformer(nn.Module):
         elif static:
             if cache is None:
                 raise ValueError("a static forward needs a KV cache")
-            layout = StepLayout.over_whole_cache(positions, cache.max_seq_len, row_products=row_products)
+            layout = StepLayout.over_whole_cache(positions, window or cache.max_seq_len, row_products=row_products)
         else:
             layout = self._layout(positions, cache)
         h = self.tok_embeddings(tokens)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from builders import random_model, tiny_args
-from llama_chat.inference.decode_step import StaticStep, StaticStepOptions
+from llama_chat.inference import decode_step
+from llama_chat.inference.decode_step import WINDOW_STEP, StaticStep, StaticStepOptions
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.model_step import EagerDecode, ModelStep, StaticDecode, StepOptions
 from llama_chat.inference.types import Request
@@ -77,7 +78,7 @@ def test_static_step_stops_queueing_at_the_end_of_the_cache(model):
     assert decode_tokens(step, prompt, 14, GREEDY, 0) == decode_tokens(eager, prompt, 14, GREEDY, 0)
 
 
-def test_compiled_step_compiles_once_across_positions_and_requests():
+def test_compiled_step_compiles_once_across_positions_and_requests(monkeypatch):
     dynamo = pytest.importorskip("torch._dynamo")
     from torch._dynamo.utils import counters
 
@@ -85,6 +86,8 @@ def test_compiled_step_compiles_once_across_positions_and_requests():
     model.init_weights(std=0.05, generator=torch.Generator().manual_seed(3))
     dynamo.reset()
     counters.clear()
+    # Every guard evaluated, so that a step which would not match its graph recompiles and shows.
+    monkeypatch.setattr(decode_step, "SKIP_GUARDS", False)
     # Whether dynamo recompiles does not depend on the backend; aot_eager spares a C++ build.
     compiled = ModelStep(model, options=StepOptions(static=True, compile=True, backend="aot_eager"),
                          max_seq_len=400)
@@ -105,6 +108,36 @@ def test_compiled_sampling_step_gives_the_eager_tokens(model):
     eager = ModelStep(model, options=StepOptions())
     prompt = [5, 17, 42]
     assert decode_tokens(compiled, prompt, 60, NUCLEUS, 4) == decode_tokens(eager, prompt, 60, NUCLEUS, 4)
+
+
+def test_a_compile_that_fails_leaves_the_eager_step(model):
+    def broken_compiler(graph, inputs):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    step = ModelStep(model, options=StepOptions(static=True, compile=True, backend=broken_compiler))
+    eager = ModelStep(model, options=StepOptions())
+    prompt = [5, 17, 42]
+    decode = step.decode(prompt, 0, GREEDY, 0)
+    assert isinstance(decode, EagerDecode) and step.static is None
+    assert "no C++ compiler found" in step.static_failure and "more detail" not in step.static_failure
+    assert [decode.next_token() for _ in range(20)] == decode_tokens(eager, prompt, 20, GREEDY, 0)
+    engine = Engine(model, _NoTokenizer(), options=EngineOptions(compile=False))
+    engine.step = ModelStep(model, options=StepOptions(static=True, compile=True, backend=broken_compiler))
+    engine.warm_up(GREEDY)
+    assert not engine.compiles and "no C++ compiler found" in engine.compile_failure
+
+
+def test_the_step_attends_over_a_window_that_grows_with_the_position(model):
+    step = ModelStep(model, options=StepOptions(static=True), max_seq_len=400)
+    static = step.static
+    assert static.capacity == 400 and step.cache.max_seq_len == 401  # one spare slot
+    assert static._window(0).shape[0] == WINDOW_STEP
+    assert static._window(WINDOW_STEP - 1).shape[0] == WINDOW_STEP
+    assert static._window(WINDOW_STEP).shape[0] == 2 * WINDOW_STEP
+    assert static._window(399).shape[0] == 400
+    # Across every window boundary the tokens stay the eager path's.
+    eager = ModelStep(model, options=StepOptions())
+    assert decode_tokens(step, [5, 17], 395, GREEDY, 0) == decode_tokens(eager, [5, 17], 395, GREEDY, 0)
 
 
 def test_engine_static_path_end_to_end(model):
