@@ -3,7 +3,8 @@
 Both runs use the same model in the same process and generate the same greedy tokens:
 
 * bare: ``model(tokens, positions, cache)`` then ``argmax`` then ``int()``, in a plain loop on the
-  main thread;
+  main thread; under ``--compile``, the engine's compiled static step called in a plain loop
+  (``ModelStep.decode``), the fast path the pipeline then runs on;
 * pipeline: what ``llama-chat`` runs, ``run_one_shot``: the producer task feeding the step thread
   one call per forward, the bounded channel, the signal watcher, the StreamDecoder, and the plain
   renderer writing every token to a pipe read by a ``cat`` child process.
@@ -12,7 +13,7 @@ Rounds alternate bare and pipeline so that drift in machine load hits both alike
 the median of the per-round ratios are printed. The default model has the shape of llama2.c's
 stories15M (dim 288, 6 layers, 6 heads, vocab 32000, context 256) with random weights.
 
-    python benchmarks/bench_pipeline.py [--tokens 200] [--rounds 7] [--dim 288 ...]
+    python benchmarks/bench_pipeline.py [--compile] [--tokens 200] [--rounds 7] [--dim 288 ...]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import platform
 import statistics
 import subprocess
 import time
+from functools import partial
 from collections.abc import Sequence
 
 import anyio
@@ -36,7 +38,7 @@ import torch
 
 from llama_chat.cmd.one_shot import run_one_shot
 from llama_chat.cmd.render import PlainRenderer
-from llama_chat.inference.engine import Engine
+from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.args import ModelArgs
@@ -99,6 +101,15 @@ def bare_loop(model: Transformer, prompt: list[int], n: int) -> tuple[float, lis
     return time.perf_counter() - start, out
 
 
+def bare_step_loop(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """The engine's own decode step (the compiled one under --compile) called in a plain loop."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        decode = engine.step.decode(prompt, 0, SamplingParams(temperature=0.0), 0)
+        out = [decode.next_token() for _ in range(n)]
+    return time.perf_counter() - start, out
+
+
 def pipeline(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
     sink = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     stream = io.TextIOWrapper(sink.stdin, encoding="utf-8", errors="replace", write_through=False)
@@ -124,6 +135,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--compile", action="store_true",
+                        help="both paths on the compiled static step (the bare loop calls it directly)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     opts = parser.parse_args()
     if opts.threads is not None:
@@ -132,7 +145,12 @@ def main() -> None:
     args = ModelArgs(dim=opts.dim, n_layers=opts.layers, n_heads=opts.heads, vocab_size=opts.vocab,
                      hidden_dim=opts.hidden, max_seq_len=opts.context)
     model = build_model(args)
-    engine = Engine(model, SyntheticTokenizer(opts.vocab))
+    engine = Engine(model, SyntheticTokenizer(opts.vocab), options=EngineOptions(compile=opts.compile))
+    if opts.compile:
+        engine.warm_up(SamplingParams(temperature=0.0))
+        bare = partial(bare_step_loop, engine)
+    else:
+        bare = partial(bare_loop, model)
     prompt = [1] + [259 + (i * 7919) % (opts.vocab - 259) for i in range(opts.prompt_tokens - 1)]
     n = opts.tokens
     assert len(prompt) + n <= opts.context, "prompt plus tokens must fit the context"
@@ -141,7 +159,7 @@ def main() -> None:
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; prompt {len(prompt)} tokens, "
           f"{n} generated; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
     # Warm up both paths (allocator, thread pool, first-call dispatch), and check they agree.
-    _, bare_ids = bare_loop(model, prompt, n)
+    _, bare_ids = bare(prompt, n)
     _, pipe_ids = pipeline(engine, prompt, n)
     assert bare_ids == pipe_ids, "the pipeline and the bare loop generated different tokens"
 
@@ -150,9 +168,9 @@ def main() -> None:
         # Alternate which goes first, so a trend in machine load does not favour either.
         if r % 2:
             pipe_s, _ = pipeline(engine, prompt, n)
-            bare_s, _ = bare_loop(model, prompt, n)
+            bare_s, _ = bare(prompt, n)
         else:
-            bare_s, _ = bare_loop(model, prompt, n)
+            bare_s, _ = bare(prompt, n)
             pipe_s, _ = pipeline(engine, prompt, n)
         bare_rates.append(n / bare_s)
         pipe_rates.append(n / pipe_s)

@@ -62,7 +62,12 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, stdin: bytes | None = None, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+# A child's whole run: start-up, load, generation. Generous, because on a machine busy with other
+# work a run that takes two seconds alone took over a minute (the bound only catches a hang).
+RUN_TIMEOUT_S = 240
+
+
+def run_cli(*args: str, stdin: bytes | None = None, timeout: float = RUN_TIMEOUT_S, **env: str) -> subprocess.CompletedProcess:
     """Run the installed command to completion; stdin is /dev/null unless bytes are given."""
     return subprocess.run(
         [*llama_chat_command(), *args],

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from cli_support import ANSI, build_tiny_model, json_result, llama_chat_command, run_cli, cli_env
+from cli_support import ANSI, RUN_TIMEOUT_S, build_tiny_model, cli_env, json_result, llama_chat_command, run_cli
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
@@ -143,7 +143,7 @@ def test_no_prompt_and_stdin_a_terminal_is_a_usage_error(tiny):
     primary, secondary = os.openpty()
     try:
         proc = subprocess.run([*llama_chat_command(), "-m", str(tiny.path)], stdin=secondary,
-                              capture_output=True, timeout=60, env=cli_env())
+                              capture_output=True, timeout=RUN_TIMEOUT_S, env=cli_env())
     finally:
         os.close(primary)
         os.close(secondary)
