@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -45,10 +44,12 @@ def build_tiny_model(out_dir: Path, *, max_seq_len: int = 1024) -> TinyModel:
 
 
 def llama_chat_command() -> list[str]:
-    exe = shutil.which("llama-chat")
-    if exe is None:  # not on PATH (a venv not activated): the same entry point through Python
+    """The command installed beside the Python running the tests, never another one on PATH
+    (an older install elsewhere would be tested instead, with other dependencies)."""
+    exe = Path(sys.executable).parent / "llama-chat"
+    if not exe.is_file():  # not installed as a script: the same entry point through Python
         return [sys.executable, "-c", "from llama_chat.cmd.app import main; main()"]
-    return [exe]
+    return [str(exe)]
 
 
 def cli_env(**extra: str) -> dict[str, str]:

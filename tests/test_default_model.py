@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,11 +119,11 @@ GOLDEN_BYTE_TOKENS = [
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    cli = shutil.which("llama-chat")
-    if cli is None:
-        pytest.skip("llama-chat is not installed (pip install -e .)")
+    from cli_support import RUN_TIMEOUT_S, llama_chat_command
+
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
-    run = subprocess.run([cli, *args], capture_output=True, text=True, encoding="utf-8", env=env, timeout=120)
+    run = subprocess.run([*llama_chat_command(), *args], capture_output=True, text=True, encoding="utf-8",
+                         env=env, timeout=RUN_TIMEOUT_S)
     assert run.returncode == 0, run.stderr
     return run
 
