@@ -36,8 +36,9 @@ from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.model_step import Decode, ModelStep, Sampler, StepOptions
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
+from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, EmptyPrompt, EngineBusy,
-                                        GenerationState, PromptTooLong, Request, RequestError, Response, Tally,
+                                        GenerationState, PromptTooLong, Request, RequestError, Tally,
                                         TokenEvent, sole_exception, state_after, stop_ids_of)
 from llama_chat.ml.quantize import quantize_model
 from llama_chat.ml.sampling import SamplingParams, sample
@@ -350,64 +351,21 @@ class Engine:
         return anyio.run(self.complete, request)
 
 
-class Generation:
+class Generation(TextStream):
     """One request's responses: token events made into text as the consumer takes them."""
 
     def __init__(self, engine: Engine, request: Request, cached_tokens: int) -> None:
-        self.request = request
         strip = request.chat_reply and bool(getattr(engine.tokenizer, "strips_leading_space", False))
-        self.maker = TextMaker(request.stop, strip_leading_space=strip)
-        self.tally = Tally(request.request_id, len(request.prompt_ids), cached_tokens)
-        self.parts: list[str] = []
+        super().__init__(request, TextMaker(request.stop, strip_leading_space=strip),
+                         Tally(request.request_id, len(request.prompt_ids), cached_tokens))
         self.delivered = 0  # events taken from the channel
-        self._receive: MemoryObjectReceiveStream[TokenEvent] | None = None
-        self._done = False
 
     @property
     def cached_tokens(self) -> int:
         return self.tally.cached_tokens
 
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> Response:
-        if self._done or self._receive is None:
-            raise StopAsyncIteration
-        try:
-            event = await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self._done = True
-            raise StopAsyncIteration from None
+    def _taken(self) -> None:
         self.delivered += 1
-        self.tally.add(event)
-        maker = self.maker
-        text = maker.feed(event.data)
-        state = event.state
-        if state.finished and not maker.stopped:
-            text += maker.finish()
-        if maker.stopped:
-            state = GenerationState.STOP_STRING
-        if state.finished:
-            self._done = True
-            self.tally.mark(state)
-            self._receive.close()  # a stop string: the producer stops after its current step
-        self.parts.append(text)
-        return Response(event.request_id, event.index, event.token_id, text, maker.held_bytes, maker.held_text,
-                        maker.held_tokens, state, event.elapsed_s)
-
-    def cut_off(self) -> str:
-        """After a stream was stopped from outside: the whole characters still held (added to the
-        text); the bytes of an unfinished character are dropped."""
-        if self._done:
-            return ""
-        self._done = True
-        text = self.maker.finish(cut_off=True)
-        self.parts.append(text)
-        return text
 
     def completion(self) -> Completion:
         if not self._done:  # a stream left early: what was held still belongs to the text

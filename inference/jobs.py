@@ -17,7 +17,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.page_table import PageKey
-from llama_chat.inference.types import Completion, GenerationState, Request, Response, Tally, TokenEvent
+from llama_chat.inference.text_stream import TextStream
+from llama_chat.inference.types import Completion, GenerationState, Request, Tally, TokenEvent
 from llama_chat.ml.processors import Sampler, TokenHistory
 
 
@@ -55,7 +56,7 @@ class Job:
         return len(self.request.prompt_ids)
 
 
-class JobStream:
+class JobStream(TextStream):
     """``async for response in stream`` yields the job's ``Response`` items; then ``completion()``.
 
     Leaving early (``aclose``, or the ``async with`` block) cancels the job, and its pages are
@@ -64,23 +65,15 @@ class JobStream:
 
     def __init__(self, job: Job, receive: MemoryObjectReceiveStream[TokenEvent], *, strip_leading_space: bool,
                  on_receive: Callable[[], None], on_cancel: Callable[[Job], None]) -> None:
+        super().__init__(job.request, TextMaker(job.request.stop, strip_leading_space=strip_leading_space),
+                         Tally(job.request_id, job.prompt_len), receive)
         self.job = job
-        self.request = job.request
-        self.maker = TextMaker(job.request.stop, strip_leading_space=strip_leading_space)
-        self.tally = Tally(job.request_id, job.prompt_len)
-        self.parts: list[str] = []
-        self._receive = receive
         self._on_receive = on_receive
         self._on_cancel = on_cancel
-        self._done = False
 
     @property
     def request_id(self) -> str:
         return self.job.request_id
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
 
     async def __aenter__(self) -> JobStream:
         return self
@@ -97,54 +90,22 @@ class JobStream:
         """Stop the job; what it has generated so far stays in ``completion()``."""
         self._on_cancel(self.job)
 
-    def __aiter__(self) -> JobStream:
-        return self
-
-    async def __anext__(self) -> Response:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            event = await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self._end()
-            raise StopAsyncIteration from None
-        self.job.received += 1
-        self._on_receive()  # the job may have been waiting for room in this stream
-        self.tally.add(event)
-        maker = self.maker
-        text = maker.feed(event.data)
-        state = event.state
-        if state.finished and not maker.stopped:
-            text += maker.finish()
-        if maker.stopped:
-            state = GenerationState.STOP_STRING
-            if not event.state.finished:
-                self.cancel()  # the scheduler stops it at its next step
-        if state.finished:
-            self._done = True
-            self.tally.mark(state)
-            self._receive.close()
-        self.parts.append(text)
-        return Response(event.request_id, event.index, event.token_id, text, maker.held_bytes, maker.held_text,
-                        maker.held_tokens, state, event.elapsed_s)
-
     def cut_off(self) -> str:
-        """After the stream ended without a finishing event (a cancel, the scheduler stopped or
-        failed): the whole characters still held, added to the text; the bytes of an unfinished
-        character are dropped. As ``engine.Generation.cut_off``."""
-        if self._done:
-            return ""
-        self._done = True
-        if self.job.final_state is not None:
-            self.tally.mark(self.job.final_state)
-        text = self.maker.finish(cut_off=True)
-        self.parts.append(text)
-        return text
-
-    def _end(self) -> None:
-        self.cut_off()
+        if not self._done and self.job.final_state is not None:
+            self.tally.mark(self.job.final_state)  # how it ended, when no event said so
+        return super().cut_off()
 
     def completion(self) -> Completion:
-        self._end()
+        self.cut_off()
         self.tally.cached_tokens = self.job.cached_tokens
         return self.tally.completion(self.text)
+
+    def _taken(self) -> None:
+        self.job.received += 1
+        self._on_receive()  # the job may have been waiting for room in this stream
+
+    def _ended(self) -> None:
+        self.cut_off()
+
+    def _stop_early(self) -> None:
+        self.cancel()  # the scheduler stops it at its next step

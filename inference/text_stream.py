@@ -1,0 +1,89 @@
+"""Token events made into text responses: what the one-request engine and the scheduler share.
+
+``engine.Generation`` (one request on the engine's step thread) and ``jobs.JobStream`` (one job of
+the scheduler) both read ``TokenEvent`` items from a channel and turn each into a ``Response``
+carrying the text its token commits and what is held back. This is that part, once; each keeps
+what differs: how it counts what was taken, what ends it, how it stops its producer.
+"""
+
+from __future__ import annotations
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from llama_chat.inference.decoding import TextMaker
+from llama_chat.inference.types import GenerationState, Request, Response, Tally, TokenEvent
+
+
+class TextStream:
+    """``async for response in stream`` yields ``Response`` items; ``text`` is what they committed."""
+
+    def __init__(self, request: Request, maker: TextMaker, tally: Tally,
+                 receive: MemoryObjectReceiveStream[TokenEvent] | None = None) -> None:
+        self.request = request
+        self.maker = maker
+        self.tally = tally
+        self.parts: list[str] = []
+        self._receive = receive
+        self._done = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def __aiter__(self) -> TextStream:
+        return self
+
+    async def __anext__(self) -> Response:
+        if self._done or self._receive is None:
+            raise StopAsyncIteration
+        try:
+            event = await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._ended()
+            raise StopAsyncIteration from None
+        self._taken()
+        return self._respond(event)
+
+    def cut_off(self) -> str:
+        """After the stream was stopped from outside (a cancel, the producer failed): the whole
+        characters still held, added to the text; the bytes of an unfinished character are dropped."""
+        if self._done:
+            return ""
+        self._done = True
+        text = self.maker.finish(cut_off=True)
+        self.parts.append(text)
+        return text
+
+    # -- what each kind of stream does its own way --------------------------------------------
+
+    def _taken(self) -> None:
+        """An event was taken from the channel."""
+
+    def _ended(self) -> None:
+        """The channel ended without a finishing event."""
+        self._done = True
+
+    def _stop_early(self) -> None:
+        """A stop string matched before the producer finished: tell it to stop."""
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _respond(self, event: TokenEvent) -> Response:
+        self.tally.add(event)
+        maker = self.maker
+        text = maker.feed(event.data)
+        state = event.state
+        if state.finished and not maker.stopped:
+            text += maker.finish()
+        if maker.stopped:
+            state = GenerationState.STOP_STRING
+            if not event.state.finished:
+                self._stop_early()
+        if state.finished:
+            self._done = True
+            self.tally.mark(state)
+            self._receive.close()  # a producer still running stops after its current step
+        self.parts.append(text)
+        return Response(event.request_id, event.index, event.token_id, text, maker.held_bytes, maker.held_text,
+                        maker.held_tokens, state, event.elapsed_s)
