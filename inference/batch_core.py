@@ -209,6 +209,7 @@ class BatchCore:
 
         singles = plan.singles
         single_tables = None
+        first_page = None  # a lone one-token row's first page, when its pages are consecutive
         if singles:
             widths = [job.fed // size + 1 for job in singles]
             width = max(widths)
@@ -231,6 +232,10 @@ class BatchCore:
                 slots.append(SCRATCH_PAGE * size)
                 table.append([SCRATCH_PAGE] * width)
             single_tables = torch.tensor(table, dtype=torch.long)
+            if len(table) == 1 and not s.static_shapes:
+                used = table[0]
+                if used == list(range(used[0], used[0] + len(used))):
+                    first_page = used[0]
         n_singles = len(tokens)
         runs = []
         for job, n in plan.runs:
@@ -247,7 +252,8 @@ class BatchCore:
         batch = PagedBatch(put(torch.tensor(slots, dtype=torch.long)), put(torch.tensor(positions, dtype=torch.long)),
                            n_singles, None if single_tables is None else put(single_tables),
                            tuple((f, n, put(t), start) for f, n, t, start in runs),
-                           None if s.static_shapes or not singles else max(job.fed for job in singles) + 1)
+                           None if s.static_shapes or not singles else max(job.fed for job in singles) + 1,
+                           first_page)
         token_tensor = put(torch.tensor(tokens, dtype=torch.long)).view(1, -1)
         logits_at = put(torch.tensor(sampled_rows, dtype=torch.long))
         # A step of prompt chunks only takes no logits at all (``(1, 0, vocab)``).

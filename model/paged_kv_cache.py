@@ -42,6 +42,9 @@ class PagedBatch:
     ``single_kv_len``: when given (an eager step), the keys the one-token rows read are cut to
     this many positions, and a lone row then needs no mask; None keeps the tables' full width
     (a static-shaped step).
+    ``single_first_page``: when given, the step has one one-token row, its ``single_kv_len`` is
+    set, and its pages are consecutive from this one: its keys are read as a slice of the pool
+    instead of being gathered page by page (a copy of the whole sequence's keys every layer).
     """
 
     slots: torch.Tensor
@@ -50,6 +53,7 @@ class PagedBatch:
     single_tables: torch.Tensor | None
     runs: tuple[tuple[int, int, torch.Tensor, int], ...]
     single_kv_len: int | None = None
+    single_first_page: int | None = None
 
 
 class PagedKVCache:
@@ -134,9 +138,15 @@ class PagedView:
         if batch.singles:
             n = batch.singles
             pages = self._single_pages
-            # (kv_heads, n * width, page, dim) -> (n, kv_heads, width * page, dim)
-            keys = store_k.index_select(1, pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
-            values = store_v.index_select(1, pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
+            first_page = batch.single_first_page
+            if first_page is not None:  # one row over consecutive pages: a view, no copy
+                last_page = first_page + pages.numel()
+                keys = store_k[:, first_page:last_page].reshape(kv_heads, -1, head_dim).unsqueeze(0)
+                values = store_v[:, first_page:last_page].reshape(kv_heads, -1, head_dim).unsqueeze(0)
+            else:
+                # (kv_heads, n * width, page, dim) -> (n, kv_heads, width * page, dim)
+                keys = store_k.index_select(1, pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
+                values = store_v.index_select(1, pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
             if batch.single_kv_len is not None:
                 keys, values = keys[:, :, :batch.single_kv_len], values[:, :, :batch.single_kv_len]
             queries = q[0, :, :n].transpose(0, 1).unsqueeze(2)  # (n, heads, 1, dim)

@@ -93,3 +93,25 @@ def test_attention_over_pages_matches_the_model_for_any_mix_of_rows():
     torch.testing.assert_close(out[0], expect[0][10], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[1], expect[1][5], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out[2:], expect[2][9:17], rtol=1e-4, atol=1e-4)
+
+
+def test_a_lone_row_on_consecutive_pages_reads_them_as_a_slice():
+    """The same decode step with the lone row's pages gathered and read as a slice of the pool:
+    the same logits, and both the sequence's own full forward."""
+    torch.manual_seed(0)
+    model = random_model(tiny_args(300, n_heads=4, n_kv_heads=2), seed=2)
+    cache = PagedKVCache.for_model(model.args, num_pages=12, page_size=4)
+    seq = torch.randint(3, 300, (14,)).tolist()
+    pages = [5, 6, 7, 8]
+    slots = [pages[pos // 4] * 4 + pos % 4 for pos in range(14)]
+    prompt = PagedBatch(torch.tensor(slots[:13]), torch.arange(13), 0, None, ((0, 13, torch.tensor(pages), 0),))
+    with torch.inference_mode():
+        model(torch.tensor([seq[:13]]), torch.arange(13).view(1, -1), cache.view(prompt))
+        out = {}
+        for first_page in (None, 5):
+            batch = PagedBatch(torch.tensor(slots[13:]), torch.tensor([13]), 1, torch.tensor([pages]), (),
+                               single_kv_len=14, single_first_page=first_page)
+            out[first_page] = model(torch.tensor([[seq[13]]]), torch.tensor([[13]]), cache.view(batch))[0, -1]
+        expect = model(torch.tensor([seq]))[0, -1]
+    torch.testing.assert_close(out[5], out[None], rtol=0, atol=0)
+    torch.testing.assert_close(out[5], expect, rtol=1e-4, atol=1e-4)
