@@ -47,8 +47,8 @@ class StepOptions:
         On the CPU the compiled step spells its projections as multiply-and-sum (``row_products``):
         inductor's reductions read the weights faster than MKL's one-row product (see
         docs/architecture.md). It is the default there for float32 weights of 50M parameters
-        and more (2.4x the eager step on the stories110M-sized config); in bfloat16 it was slower
-        than the eager step on a CPU without bf16 instructions, so it is not. int8 weights on the
+        and more (2.4x the eager step on the stories110M-sized config); in bfloat16 it was no
+        reliable gain on a CPU without bf16 instructions, so it is not. int8 weights on the
         CPU always run eagerly: their fast kernel (fbgemm's) cannot be traced, and the traced
         spelling is slower than float32.
         """
