@@ -4,6 +4,7 @@ that always leaves bytes held: what the terminal tests of the one-shot command a
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import select
@@ -13,6 +14,7 @@ import termios
 import time
 from pathlib import Path
 
+import pexpect
 import sentencepiece as spm
 import torch
 
@@ -20,6 +22,18 @@ from builders import random_model, tiny_args, write_meta_checkpoint
 from cli_support import cli_env, llama_chat_command
 
 WAIT_S = 60.0  # how long to wait for something that must happen, on however busy a machine
+
+
+def save_and_leave(child: pexpect.spawn, path: Path) -> dict:
+    """``/save path`` in a chat under pexpect, then Ctrl+D, which must end it with status 0.
+    Returns the saved conversation (its messages and settings)."""
+    child.sendline("/save " + str(path))
+    child.expect_exact(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    return json.loads(path.read_text())
 
 
 def held_bytes_model(out: Path, sp_model: Path) -> Path:

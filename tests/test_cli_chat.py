@@ -13,7 +13,7 @@ import torch
 from builders import random_model, tiny_args, write_meta_checkpoint
 from cli_support import build_tiny_model, cli_env, llama_chat_command, run_cli
 from llama_chat.model.tokenizers.tiktoken import NUM_SPECIAL_TOKENS, read_ranks
-from terminal_support import Pty, held_bytes_model, screen
+from terminal_support import Pty, held_bytes_model, save_and_leave, screen
 from tokenizer_builders import write_tiktoken_file
 
 WAIT_S = 120  # generous: a busy 2-core machine
@@ -83,15 +83,10 @@ def test_three_turns_reuse_the_cache_and_greedy_replies_repeat(tmp_path):
     child.expect_exact(">>> ")
     child.sendline("/retry")
     child.expect_exact(">>> ")
-    child.sendline("/save " + str(tmp_path / "b.json"))
-    child.expect_exact(">>> ")
-    child.sendeof()
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
-    a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
-    assert [m["role"] for m in a["messages"]] == ["user", "assistant"] * 3
-    assert a["messages"] == b["messages"]  # temperature 0: the retried reply is the same
+    b = save_and_leave(child, tmp_path / "b.json")["messages"]
+    a = json.loads((tmp_path / "a.json").read_text())["messages"]
+    assert [m["role"] for m in a] == ["user", "assistant"] * 3
+    assert a == b  # temperature 0: the retried reply is the same
 
 
 def test_ctrl_c_mid_reply_keeps_the_partial_reply_and_ctrl_c_at_the_prompt_leaves(tiny, tmp_path):
@@ -136,13 +131,7 @@ def test_llama3_chat_reuses_its_cache_and_ctrl_c_keeps_the_partial_reply(llama3,
     child.sendintr()
     child.expect_exact("interrupted")
     child.expect_exact(">>> ")
-    child.sendline("/save " + str(tmp_path / "llama3.json"))
-    child.expect_exact(">>> ")
-    child.sendeof()
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
-    messages = json.loads((tmp_path / "llama3.json").read_text())["messages"]
+    messages = save_and_leave(child, tmp_path / "llama3.json")["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"] * 3
     assert messages[-1]["interrupted"] is True and messages[-1]["content"]
     assert not any(m.get("interrupted") for m in messages[:-1])

@@ -4,7 +4,6 @@ the chat's /set for every control."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from llama_chat.inference.beam import BeamLimits, BeamSearch
 from llama_chat.inference.types import GenerationState
 from llama_chat.ml.controls import BeamParams, SamplingParams
 from llama_chat.model.loader import load_model
+from terminal_support import save_and_leave
 
 WAIT_S = 120  # generous: a busy 2-core machine
 
@@ -173,13 +173,7 @@ def test_chat_set_changes_every_control_and_beam_replies(chat_model, tmp_path):
     child.expect_exact(">>> ")
     child.sendline("And another")
     child.expect_exact(">>> ")
-    child.sendline("/save " + str(tmp_path / "talk.json"))
-    child.expect_exact(">>> ")
-    child.sendeof()
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
-    saved = json.loads((tmp_path / "talk.json").read_text())
+    saved = save_and_leave(child, tmp_path / "talk.json")
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant"] * 2
     assert all(m["content"] for m in saved["messages"])
     settings = saved["settings"]
