@@ -96,6 +96,13 @@ async def _scheduled(model, tokenizer, n: int, new: int, max_batch: int) -> tupl
         return time.perf_counter() - start, done
 
 
+async def _one_job(scheduler: Scheduler, new: int):
+    async with scheduler.stream(Request(prompts(1, 1)[0], sampling=GREEDY, max_tokens=new)) as stream:
+        async for _ in stream:
+            pass
+    return stream.completion()
+
+
 def single_paged(model, tokenizer, new: int) -> float:
     _, done = anyio.run(_scheduled, model, tokenizer, 1, new, 1)
     return done[0].timings.decode_tok_s
@@ -124,6 +131,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new", type=int, default=200, help="tokens generated per job")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--compile", action="store_true",
+                        help="also both single-stream paths compiled (the engine's static step, the "
+                             "scheduler's lone-sequence step), each made and warmed up once")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = build_model(), ByteTokenizer()
@@ -136,6 +146,17 @@ def main() -> None:
         "bare1": lambda: bare_forward(model, 1),
         "bare16": lambda: bare_forward(model, 16),
     }
+    if args.compile:
+        engine = Engine(model, tokenizer, options=EngineOptions(compile=True))
+        engine.warm_up(GREEDY)
+        # Room for every run's pages: no run evicts another's, which could leave a job's pages
+        # out of order (and a lone job on pages that are not consecutive takes the packed step).
+        room = (2 * args.runs + 2) * model.args.max_seq_len
+        scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, compile=True, cache_tokens=room))
+        scheduler.warm_up()
+        measures["single_fast_compiled"] = lambda: engine.generate(
+            Request(prompts(1, 1)[0], sampling=GREEDY, max_tokens=args.new)).timings.decode_tok_s
+        measures["single_paged_compiled"] = lambda: anyio.run(_one_job, scheduler, args.new).timings.decode_tok_s
     for fn in measures.values():  # warm-up: first-touch of the weights, allocator, kernels
         fn()
     results: dict[str, list[float]] = {k: [] for k in measures}
@@ -150,6 +171,9 @@ def main() -> None:
     for run in range(2 * args.runs):
         measure(run, "single_fast")
         measure(run, "single_paged")
+        if args.compile:
+            measure(run, "single_fast_compiled")
+            measure(run, "single_paged_compiled")
     for run in range(args.runs):
         for name in ("single_fast", "jobs16", "jobs64", "bare1", "bare16"):
             measure(run, name)
@@ -166,6 +190,9 @@ def main() -> None:
     rows = [
         ("single stream, fast path (Engine)", "single_fast", None),
         ("single stream, paged cache (Scheduler, 1 job)", "single_paged", ("single_fast", "x fast path")),
+        ("single stream, fast path compiled (--compile)", "single_fast_compiled", None),
+        ("single stream, paged cache compiled (--compile)", "single_paged_compiled",
+         ("single_fast_compiled", "x fast path compiled")),
         ("single stream, fast path, beside the batch runs", "single_fast_batch", None),
         ("16 jobs together", "jobs16", ("single_fast_batch", "x single stream")),
         ("64 jobs together", "jobs64", ("single_fast_batch", "x single stream")),
@@ -173,6 +200,8 @@ def main() -> None:
         ("bare dense forward, 16 rows (the machine's ceiling for 16 jobs)", "bare16", ("bare1", "x 1 row")),
     ]
     for label, key, ratio in rows:
+        if key not in results:
+            continue
         runs = ", ".join(f"{v:.0f}" for v in results[key])
         if ratio:
             per_run = statistics.median(a / b for a, b in zip(results[key], results[ratio[0]]))

@@ -9,9 +9,14 @@
     │                    -> run_one_shot (anyio.run per reply: watcher, producer, renderer)
     └── overflow         the oldest turns are dropped until the next one fits in the context
 
-The engine keeps the KV cache of the previous turn, so a reply prefills only the tokens after the
-longest prefix the new dialog shares with what the cache holds: the new user message, not the
-whole conversation.
+The replies run on the scheduler (``inference/scheduler.py``), one job at a time: the pages of a
+turn stay in its page table under their prefix keys, so the next reply finds the conversation so
+far there and prefills only the tokens after it (the new user message, not the whole dialog),
+as any job of ``--batch`` that starts with the same tokens would. A reply running alone on
+consecutive pages takes the compiled step where the one-prompt engine would compile
+(``inference/paged_step.py``). On CUDA the chat keeps the one-prompt engine, whose CUDA graph
+needs its dense cache at fixed addresses; it reuses the longest common prefix the same way. Beam
+search always runs on the engine (``Chat.beam_engine``).
 
 Signals: at the prompt (outside the event loop) Ctrl+C raises ``KeyboardInterrupt``: on an empty
 line it ends the chat (exit 0), on a line with text it discards the text. During a reply the
@@ -41,8 +46,9 @@ from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers
-from llama_chat.inference.engine import Engine
 from llama_chat.cmd.sanitize import displayable
+from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Completion, GenerationState, Request, Timings
 from llama_chat.ml.controls import BeamParams, SamplingParams, check, parse_logit_bias
 from llama_chat.model.chat_format import ChatFormat, Message
@@ -57,6 +63,9 @@ SAVE_FORMAT = "llama-chat-conversation/1"
 # Tokens kept free for a reply when the dialog is fitted into the context, at most this share of it.
 REPLY_ROOM = 256
 HISTORY_LENGTH = 1000
+# Token slots per page of the chat's cache: the last, partly filled page of a turn is prefilled
+# again by the next one, so pages are smaller than --batch's.
+CHAT_PAGE_SIZE = 8
 
 HELP = """\
 Commands:
@@ -124,26 +133,37 @@ class Settings:
 class Chat:
     """The conversation and its settings; ``dialog_ids`` fits it into the context."""
 
-    engine: Engine
+    backend: Engine | Scheduler  # what runs the replies (see the module's docstring)
     chat_format: ChatFormat
     settings: Settings
     system: str | None = None
     turns: list[Turn] = field(default_factory=list)
     last: Completion | None = None
     last_seed: int | None = None
+    _beam_engine: Engine | None = None
+
+    def beam_engine(self) -> Engine:
+        """The one-prompt engine for beam search: the backend itself, or one made on first use
+        for the same model (its dense cache is only allocated then)."""
+        if isinstance(self.backend, Engine):
+            return self.backend
+        if self._beam_engine is None:
+            b = self.backend
+            self._beam_engine = Engine(b.model, b.tokenizer, options=EngineOptions(compile=False), name=b.name)
+        return self._beam_engine
 
     def messages(self) -> list[Message]:
         head = [Message("system", self.system)] if self.system else []
         return head + [Message(t.role, t.content) for t in self.turns]
 
     def reply_room(self) -> int:
-        ctx = self.engine.max_seq_len
+        ctx = self.backend.max_seq_len
         return max(1, min(self.settings.max_tokens or REPLY_ROOM, ctx // 2))
 
     def dialog_ids(self, say) -> list[int] | None:
         """The dialog's ids ending where the reply begins, after dropping the oldest turns it
         takes to leave room for a reply; None when the last message alone does not fit."""
-        ctx = self.engine.max_seq_len
+        ctx = self.backend.max_seq_len
         dropped = 0
         while True:
             ids = self.chat_format.encode_dialog(self.messages(), add_generation_prompt=True)
@@ -259,7 +279,7 @@ class ChatRunner:
         ids = chat.dialog_ids(self.say)
         if ids is None:
             return
-        ids = chat.engine.align_to_cache(ids)
+        ids = chat.backend.align_to_cache(ids)
         s = chat.settings
         seed = s.seed if s.seed is not None else secrets.randbelow(2**31)
         request = Request(ids, sampling=s.sampling, seed=seed, max_tokens=s.max_tokens, stop=s.stop, chat_reply=True,
@@ -269,7 +289,7 @@ class ChatRunner:
                 outcome: Outcome = self.beam_reply(request)
             else:
                 renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)
-                outcome = anyio.run(run_one_shot, chat.engine, request, renderer)
+                outcome = anyio.run(run_one_shot, chat.backend, request, renderer)
         except KeyboardInterrupt:  # Ctrl+C just before the event loop took the signal over
             chat.turns.append(Turn("assistant", "", interrupted=True))
             self.say("(interrupted)")
@@ -301,7 +321,7 @@ class ChatRunner:
         """A reply by beam search, which is not streamed: a progress line, then the best beam."""
         from llama_chat.cmd.beam_command import search
 
-        found = search(self.chat.engine, request, self.err)
+        found = search(self.chat.beam_engine(), request, self.err)
         best = found.completion.best
         text = best.text if best is not None else ""
         sys.stdout.write(displayable(text) + "\n")
@@ -324,8 +344,17 @@ class ChatRunner:
         return (f"prompt: {done.prompt_tokens} tokens ({done.cached_tokens} from the cache, "
                 f"{done.prefilled_tokens} prefilled)  reply: {done.completion_tokens} tokens, "
                 f"{done.finish_reason.value}  ttft: {fmt(t.ttft_s, 's', 3)}  prefill: {fmt(t.prefill_tok_s, 'tok/s')}  "
-                f"decode: {fmt(t.decode_tok_s, 'tok/s')}  context: {used}/{self.chat.engine.max_seq_len}  "
-                f"seed: {self.chat.last_seed}")
+                f"decode: {fmt(t.decode_tok_s, 'tok/s')}  context: {used}/{self.chat.backend.max_seq_len}  "
+                f"seed: {self.chat.last_seed}{self.pages_text()}")
+
+    def pages_text(self) -> str:
+        """Where the conversation's keys are: the scheduler's page table (nothing for the engine)."""
+        backend = self.chat.backend
+        if not isinstance(backend, Scheduler):
+            return ""
+        st = backend.stats
+        return (f"  pages: {st.pages_cached} kept, {st.pages_free} free of {st.pages_total} "
+                f"({st.page_size} tokens each)")
 
     # -- commands
 
@@ -485,21 +514,34 @@ def parse_setting(key: str, value: str, settings: Settings):
     raise ValueError(f"unknown setting {key!r} (temperature, top_p, seed, max_tokens, stop)")
 
 
+def make_chat_backend(loaded, opts: Options) -> Engine | Scheduler:
+    """The scheduler, one job at a time, with a page table for one whole conversation; on CUDA the
+    one-prompt engine, whose decode step is a CUDA graph over its dense cache."""
+    from llama_chat.cmd.run_command import make_engine
+
+    model = loaded.model
+    if next(model.parameters()).device.type == "cuda":
+        return make_engine(loaded, opts)
+    return Scheduler.from_loaded(loaded, SchedulerOptions(
+        max_batch=1, page_size=CHAT_PAGE_SIZE, cache_tokens=model.args.max_seq_len,
+        quantize=getattr(opts, "quantize", "none"), compile=opts.compile))
+
+
 def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
     """Load the model and chat until /exit, Ctrl+D or Ctrl+C at an empty prompt; the exit status."""
-    from llama_chat.cmd.run_command import load, make_engine, warm_up
+    from llama_chat.cmd.run_command import load, warm_up
 
     loaded = load(opts, err)
     if loaded.chat_format is None:
         raise UsageProblem(f"cannot chat with {loaded.name}: it has no chat format (a plain completion model); "
                            f"choose one with --template llama2|llama3|hf, or pass a prompt with -p")
-    engine = make_engine(loaded, opts)
+    backend = make_chat_backend(loaded, opts)
     settings = Settings(opts.sampling(), opts.seed, opts.max_tokens, tuple(opts.stop), opts.max_time, opts.beams())
-    chat = Chat(engine, loaded.chat_format, settings, system=opts.system)
+    chat = Chat(backend, loaded.chat_format, settings, system=opts.system)
     runner = ChatRunner(chat, opts, color, err, loaded.name)
-    warm_up(engine, settings.sampling, err, quiet=False)
+    warm_up(backend, settings.sampling, err, quiet=False)
     reader = ChatInput(history=not opts.no_history)
-    runner.say(f"chatting with {loaded.name} ({loaded.chat_format.name} format, {engine.max_seq_len} tokens of "
+    runner.say(f"chatting with {loaded.name} ({loaded.chat_format.name} format, {backend.max_seq_len} tokens of "
                f"context); /help for commands, Ctrl+D to leave")
     try:
         if first is not None:

@@ -30,6 +30,7 @@ from llama_chat.model.stores import resolve_model
 
 if TYPE_CHECKING:
     from llama_chat.cmd.app import Options
+    from llama_chat.inference.scheduler import Scheduler
     from llama_chat.ml.sampling import SamplingParams
 
 
@@ -54,13 +55,13 @@ def make_engine(loaded: LoadedModel, opts: Options) -> Engine:
                                                             quantize=getattr(opts, "quantize", "none")))
 
 
-def warm_up(engine: Engine, sampling: SamplingParams, err: Console, *, quiet: bool) -> None:
+def warm_up(engine: Engine | Scheduler, sampling: SamplingParams, err: Console, *, quiet: bool) -> None:
     """Compile and capture the decode step before the prompt is timed, saying so on a terminal.
 
     A compile that fails is reported in one line and decoding goes on without it.
     """
     if engine.compiles and not quiet and err.is_terminal:
-        with err.status(f"compiling for {engine.step.device.type} (first run only)", spinner="dots"):
+        with err.status(f"compiling for {engine.device.type} (first run only)", spinner="dots"):
             engine.warm_up(sampling)
     else:
         engine.warm_up(sampling)

@@ -24,6 +24,7 @@ import torch
 
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.page_table import PageTable, page_keys
+from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
 from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import draw_uniforms, sample
@@ -69,6 +70,21 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class _Packed:
+    """One step's tokens as the packed forward takes them (host lists, made tensors there)."""
+
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    singles: int  # the first ``singles`` tokens are one-token rows
+    single_tables: list[list[int]] | None
+    runs: tuple[tuple[int, int, torch.Tensor, int], ...]
+    single_kv_len: int | None
+    first_page: int | None
+    sampled_rows: list[int]
+
+
 @dataclass
 class _Plan:
     singles: list[Job] = field(default_factory=list)
@@ -91,6 +107,8 @@ class BatchCore:
         self.active: list[Job] = []
         self.claims: dict[bytes, Job] = {}  # prompt pages being prefilled, by prefix key
         self.counters = Counters()
+        self.last_written: tuple[int, ...] = ()  # the tokens the last job released had in its pages
+        self.lone_step: LoneRowStep | None = None  # a compiled step for a lone sequence, if one was made
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -150,10 +168,14 @@ class BatchCore:
                 still.append(job)
                 continue
             self.pages.acquire(hits)
-            job.pages = hits + self.pages.allocate(need)
+            # In ascending order: pages taken together are often a run of consecutive ones, and a
+            # lone sequence on consecutive pages reads them as one slice (and may take the
+            # compiled step, paged_step.py).
+            job.pages = hits + sorted(self.pages.allocate(need))
             job.keys = keys[:len(hits)]
             job.tokens = list(prompt)
             job.fed = job.cached_tokens = len(hits) * size
+            job.admitted = time.perf_counter()  # max_time counts from here, not from the queue
             job.claims = [k for k in keys[len(hits):] if k not in self.claims]
             for key in job.claims:
                 self.claims[key] = job
@@ -208,7 +230,7 @@ class BatchCore:
                 slots.append(job.pages[pos // size] * size + pos % size)
 
         singles = plan.singles
-        single_tables = None
+        single_tables: list[list[int]] | None = None
         first_page = None  # a lone one-token row's first page, when its pages are consecutive
         if singles:
             widths = [job.fed // size + 1 for job in singles]
@@ -231,7 +253,7 @@ class BatchCore:
                 positions.append(0)
                 slots.append(SCRATCH_PAGE * size)
                 table.append([SCRATCH_PAGE] * width)
-            single_tables = torch.tensor(table, dtype=torch.long)
+            single_tables = table
             if len(table) == 1 and not s.static_shapes:
                 used = table[0]
                 if used == list(range(used[0], used[0] + len(used))):
@@ -247,17 +269,14 @@ class BatchCore:
                 sampled_rows.append(len(tokens) - 1)
                 sampled_jobs.append(job)
 
-        device = self.device
-        put = (lambda t: t.to(device, non_blocking=True)) if device.type != "cpu" else (lambda t: t)
-        batch = PagedBatch(put(torch.tensor(slots, dtype=torch.long)), put(torch.tensor(positions, dtype=torch.long)),
-                           n_singles, None if single_tables is None else put(single_tables),
-                           tuple((f, n, put(t), start) for f, n, t, start in runs),
-                           None if s.static_shapes or not singles else max(job.fed for job in singles) + 1,
-                           first_page)
-        token_tensor = put(torch.tensor(tokens, dtype=torch.long)).view(1, -1)
-        logits_at = put(torch.tensor(sampled_rows, dtype=torch.long))
-        # A step of prompt chunks only takes no logits at all (``(1, 0, vocab)``).
-        logits = self.model(token_tensor, batch.positions.view(1, -1), self.cache.view(batch), logits_at=logits_at)[0]
+        logits = None
+        lone = singles[0] if len(singles) == 1 and not plan.runs and first_page is not None else None
+        if self.lone_step is not None and lone is not None and sampled_jobs == [lone] and lone.controls is None:
+            logits = self.lone_step.logits(tokens[0], positions[0], first_page)
+        if logits is None:
+            kv_len = None if s.static_shapes or not singles else max(job.fed for job in singles) + 1
+            logits = self._packed_forward(_Packed(tokens, positions, slots, n_singles, single_tables, tuple(runs),
+                                                  kv_len, first_page, sampled_rows))
         chosen = self._sample(logits[:, :self.sample_ids], sampled_jobs) if sampled_rows else []
 
         # Bookkeeping: what was fed is now in the pages; full pages get their prefix keys.
@@ -277,7 +296,7 @@ class BatchCore:
             index = len(job.tokens) - job.prompt_len
             job.tokens.append(token)
             state = state_after(token, index=index, request=job.request, stop_ids=job.stop_ids,
-                                max_seq_len=s.max_seq_len)
+                                max_seq_len=s.max_seq_len, elapsed_s=now - job.admitted)
             data = b"" if token in job.stop_ids else self.token_bytes(token)
             events.append((job, TokenEvent(job.request_id, index, token, data, state, now - job.submitted)))
             job.produced += 1
@@ -286,6 +305,22 @@ class BatchCore:
                 job.finished = True
                 finished.append(job)
         return events, finished
+
+    def _packed_forward(self, step: _Packed) -> torch.Tensor:
+        """The step's tokens packed into one row over the paged cache: logits of its sampled rows."""
+        device = self.device
+        put = (lambda t: t.to(device, non_blocking=True)) if device.type != "cpu" else (lambda t: t)
+
+        def tensor(values) -> torch.Tensor:
+            return put(torch.tensor(values, dtype=torch.long))
+
+        batch = PagedBatch(tensor(step.slots), tensor(step.positions), step.singles,
+                           None if step.single_tables is None else tensor(step.single_tables),
+                           tuple((f, n, put(t), start) for f, n, t, start in step.runs),
+                           step.single_kv_len, step.first_page)
+        # A step of prompt chunks only takes no logits at all (``(1, 0, vocab)``).
+        return self.model(tensor(step.tokens).view(1, -1), batch.positions.view(1, -1), self.cache.view(batch),
+                          logits_at=tensor(step.sampled_rows))[0]
 
     def _sample(self, logits: torch.Tensor, jobs: list[Job | None]) -> list[int]:
         """One token per row: argmax for greedy rows, the job's own settings and seed otherwise.
@@ -338,6 +373,7 @@ class BatchCore:
             self._release(job)
 
     def _release(self, job: Job) -> None:
+        self.last_written = tuple(job.tokens[:job.fed])
         self.pages.release(job.pages)
         job.pages = []
         for key in job.claims:

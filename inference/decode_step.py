@@ -45,6 +45,15 @@ def use_persistent_compile_cache() -> str:
     return os.environ[COMPILE_CACHE_ENV]
 
 
+def compile_failure_text(exc: BaseException) -> str:
+    """One line for a failed compile: the compiler's own error, from under dynamo's wrappers."""
+    root = exc
+    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+        root = inner
+    first_line = (str(root).strip().splitlines() or [""])[0]
+    return f"{type(root).__name__}: {first_line}"[:300]
+
+
 @dataclass(frozen=True)
 class StaticStepOptions:
     """How the static step runs: compiled with inductor or not, replayed as a CUDA graph or not."""

@@ -32,15 +32,16 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from llama_chat.inference.beam import BeamLimits, BeamProgress, BeamSearch
+from llama_chat.inference.cache_prefix import align_to_cached
 from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.model_step import Decode, ModelStep, Sampler, StepOptions
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.text_stream import TextStream
-from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, EmptyPrompt, EngineBusy,
-                                        GenerationState, PromptTooLong, Request, RequestError, Tally,
-                                        TokenEvent, sole_exception, state_after, stop_ids_of)
-from llama_chat.ml.quantize import quantize_model
+from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, EngineBusy, GenerationState, Request,
+                                        Tally, TokenEvent, check_request, sole_exception, state_after,
+                                        stop_ids_of)
+from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams, sample
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
@@ -78,13 +79,9 @@ class Engine:
                  sampler: Sampler = sample, name: str = "") -> None:
         first = next(model.parameters())
         parameters = sum(p.numel() for p in model.parameters())
-        if options.quantize == "int8":
-            model.fuse_projections()  # per-row scales: fusing first costs nothing in accuracy
-            quantize_model(model)
-        elif options.quantize != "none":
-            raise ValueError(f"unknown quantization {options.quantize!r}")
+        quantized = apply_quantization(model, options.quantize)
         step_options = StepOptions.for_device(first.device, parameters, options.compile,
-                                              quantized=options.quantize != "none", dtype=first.dtype)
+                                              quantized=quantized, dtype=first.dtype)
         self.step = ModelStep(model, options=step_options, max_seq_len=options.max_seq_len,
                               sample_ids=getattr(tokenizer, "vocab_size", None))
         self.tokenizer = tokenizer
@@ -106,6 +103,10 @@ class Engine:
     @property
     def max_seq_len(self) -> int:
         return self.step.max_seq_len
+
+    @property
+    def device(self):
+        return self.step.device
 
     @property
     def prefill_chunk(self) -> int:
@@ -139,14 +140,7 @@ class Engine:
 
     def check(self, request: Request) -> None:
         """Raise a ``RequestError`` for a request that cannot run (before any work is done)."""
-        if not request.prompt_ids:
-            raise EmptyPrompt()
-        if len(request.prompt_ids) >= self.max_seq_len:
-            raise PromptTooLong(len(request.prompt_ids), self.max_seq_len)
-        vocab = self.step.sample_ids or self.step.vocab_size
-        for token, _ in request.sampling.logit_bias:
-            if token >= vocab:
-                raise RequestError(f"--logit-bias: token id {token} is outside the vocabulary (0 to {vocab - 1})")
+        check_request(request, self.max_seq_len, self.step.sample_ids or self.step.vocab_size)
 
     def token_bytes(self, token_id: int) -> bytes:
         # Stop tokens are never printed, whatever bytes a tokenizer gives them.
@@ -158,47 +152,9 @@ class Engine:
         return self._cached
 
     def align_to_cache(self, ids: Sequence[int]) -> list[int]:
-        """``ids``, with its start replaced by the cached tokens that spell the same bytes.
-
-        A reply's tokens are the ones the model sampled, and encoding the reply's text again for
-        the next turn often splits it differently (a small or random model rarely samples the
-        tokenizer's own split). Compared id by id, the cache would then match only up to the
-        reply, and every turn would prefill the previous reply again. Compared byte by byte at
-        token boundaries, the model keeps its own tokens, as a chat that keeps its token history
-        does. Tokens without bytes (control and stop tokens) match only by id.
-        """
-        cached = self._cached
-        n = 0
-        for a, b in zip(ids, cached):
-            if a != b:
-                break
-            n += 1
-        i = j = n
-        seen_cached, seen_ids = bytearray(), bytearray()
-        best = (n, n)  # the last pair of token boundaries where both sides spell the same bytes
-        while True:
-            if len(seen_cached) == len(seen_ids):
-                best = (i, j)
-                if i == len(cached) or j == len(ids):
-                    break
-                if not self.token_bytes(cached[i]) or not self.token_bytes(ids[j]):
-                    if cached[i] != ids[j]:
-                        break
-                    i, j = i + 1, j + 1
-                    continue
-            if len(seen_cached) < len(seen_ids):
-                piece = self.token_bytes(cached[i]) if i < len(cached) else b""
-                seen_cached += piece
-                i += 1
-            else:
-                piece = self.token_bytes(ids[j]) if j < len(ids) else b""
-                seen_ids += piece
-                j += 1
-            common = min(len(seen_cached), len(seen_ids))
-            if not piece or seen_cached[:common] != seen_ids[:common]:
-                break
-        i, j = best
-        return list(cached[:i]) + list(ids[j:])
+        """``ids``, its start replaced by cached tokens that spell the same bytes
+        (``cache_prefix.align_to_cached``)."""
+        return align_to_cached(ids, self._cached, self.token_bytes)
 
     def reusable(self, request: Request) -> int:
         """How many of ``request``'s prompt tokens the cache already holds (the common prefix).

@@ -38,6 +38,7 @@ class Job:
     keys: list[PageKey] = field(default_factory=list)  # prefix keys of its full pages so far
     claims: list[PageKey] = field(default_factory=list)  # prompt pages it will write that others wait for
     cached_tokens: int = 0  # prompt tokens found in the cache at admission
+    admitted: float = 0.0  # perf_counter when it got its pages
     produced: int = 0  # events made
     finished: bool = False
     uniforms: torch.Tensor | None = None

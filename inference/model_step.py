@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llama_chat.inference.decode_step import StaticStep, StaticStepOptions
+from llama_chat.inference.decode_step import StaticStep, StaticStepOptions, compile_failure_text
 from llama_chat.ml.processors import Sampler as Controls
 from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, draw_uniforms, sample
@@ -120,11 +120,7 @@ class ModelStep:
                 self.static.prepare(SamplingMode.of(params))
         except Exception as exc:  # noqa: BLE001 - any compiler failure means the same: go eager
             self.static = None
-            root = exc  # the compiler's own error, under dynamo's wrappers
-            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
-                root = inner
-            first_line = (str(root).strip().splitlines() or [""])[0]
-            self.static_failure = f"{type(root).__name__}: {first_line}"[:300]
+            self.static_failure = compile_failure_text(exc)
             return False
         return True
 

@@ -30,12 +30,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
+import torch
 
 from llama_chat.inference.batch_core import BatchCore, CoreSettings, StepResult
+from llama_chat.inference.cache_prefix import align_to_cached
 from llama_chat.inference.jobs import Job, JobStream
+from llama_chat.inference.model_step import StepOptions
+from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.step_worker import StepWorker
-from llama_chat.inference.types import (EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError,
-                                        TokenEvent, sole_exception, stop_ids_of)
+from llama_chat.inference.types import (GenerationState, Request, RequestError, TokenEvent, check_request,
+                                        sole_exception, stop_ids_of)
+from llama_chat.ml.quantize import apply_quantization
+from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
 
@@ -62,6 +68,10 @@ class SchedulerOptions:
     static_shapes: bool | None = None  # pad decode rows and tables to buckets (default: on CUDA)
     max_seq_len: int | None = None  # each job's context; None: the model's
     report_every_s: float = 0.02
+    quantize: str = "none"  # "int8": weight-only int8 projections (ml/quantize.py), made here
+    # Compile the step of a sequence running alone (inference/paged_step.py), on the CPU: None
+    # where the one-prompt engine would compile (StepOptions.for_device), as for a chat.
+    compile: bool | None = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "buffer_size", "lookahead"):
@@ -103,6 +113,8 @@ class Scheduler:
                  *, name: str = "") -> None:
         first = next(model.parameters())
         device, dtype = first.device, first.dtype
+        parameters = sum(p.numel() for p in model.parameters())
+        quantized = apply_quantization(model, options.quantize)
         cuda = device.type == "cuda"
         max_seq_len = min(options.max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
         a = model.args
@@ -131,6 +143,10 @@ class Scheduler:
         sample_ids = vocab if vocab is not None and vocab < model.args.vocab_size else None
         self.core = BatchCore(model, settings, device=device, dtype=dtype, token_bytes=tokenizer.token_bytes,
                               sample_ids=sample_ids)
+        step = StepOptions.for_device(device, parameters, options.compile, quantized=quantized, dtype=dtype)
+        if step.compile and not settings.static_shapes:
+            self.core.lone_step = LoneRowStep(model, self.core.cache, row_products=step.row_products,
+                                              backend=step.backend)
         self._jobs: dict[str, Job] = {}
         self._wake = anyio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -188,10 +204,7 @@ class Scheduler:
 
     def check(self, request: Request) -> None:
         """Raise a ``RequestError`` for a job that can never run (before it is queued)."""
-        if not request.prompt_ids:
-            raise EmptyPrompt()
-        if len(request.prompt_ids) >= self.max_seq_len:
-            raise PromptTooLong(len(request.prompt_ids), self.max_seq_len)
+        check_request(request, self.max_seq_len, self.core.sample_ids or self.model.args.vocab_size)
         need = self.core.reserved_len(len(request.prompt_ids), request.max_tokens)
         if self.core.pages_for(need) > self.core.pages.usable:
             raise RequestError(f"a job of {need} tokens does not fit in a cache of "
@@ -219,6 +232,41 @@ class Scheduler:
         job = self._jobs.get(request_id)
         if job is not None:
             self._cancel(job)
+
+    @property
+    def compiles(self) -> bool:
+        """Whether a sequence running alone takes a compiled step (made by ``warm_up``, or by the
+        first such step)."""
+        return self.core.lone_step is not None and self.core.lone_step.failure is None
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.device
+
+    def warm_up(self, sampling: SamplingParams | None = None) -> None:
+        """Compile the lone sequence's step now (blocking; before any job runs). If compiling
+        fails, every step stays eager; ``compile_failure`` then says why. (The step samples
+        outside its graph: one graph serves every ``sampling``.)"""
+        if self.core.lone_step is not None:
+            self.core.lone_step.warm_up()
+
+    @property
+    def compile_failure(self) -> str | None:
+        return None if self.core.lone_step is None else self.core.lone_step.failure
+
+    @property
+    def cached_ids(self) -> tuple[int, ...]:
+        """The tokens the last job to end wrote into pages, in order: for a caller that runs one
+        job at a time (a chat), what the page table may still hold of its conversation."""
+        return self.core.last_written
+
+    def align_to_cache(self, ids: list[int]) -> list[int]:
+        """``ids``, its start replaced by the last job's tokens that spell the same bytes
+        (``cache_prefix.align_to_cached``), so its full pages are found again."""
+        return align_to_cached(ids, self.core.last_written, self._token_bytes)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        return b"" if token_id in self.stop_ids else self.tokenizer.token_bytes(token_id)
 
     async def wait_released(self, stream: JobStream) -> None:
         """Wait until the job's pages are back in the pool (after it finished or was cancelled)."""

@@ -297,6 +297,17 @@ class PromptTooLong(RequestError):
         self.context = context
 
 
+def check_request(request: Request, max_seq_len: int, vocab: int) -> None:
+    """Raise a ``RequestError`` for a request no engine of this context and vocabulary can run."""
+    if not request.prompt_ids:
+        raise EmptyPrompt()
+    if len(request.prompt_ids) >= max_seq_len:
+        raise PromptTooLong(len(request.prompt_ids), max_seq_len)
+    for token, _ in request.sampling.logit_bias:
+        if token >= vocab:
+            raise RequestError(f"--logit-bias: token id {token} is outside the vocabulary (0 to {vocab - 1})")
+
+
 class EngineBusy(RuntimeError):
     """A second request reached an engine that serves one at a time."""
 

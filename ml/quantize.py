@@ -159,3 +159,19 @@ def quantize_model(model: nn.Module) -> int:
                 setattr(parent, name, Int8Linear.from_float(child.weight))
                 replaced += 1
     return replaced
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def apply_quantization(model: nn.Module, mode: str) -> bool:
+    """Quantize ``model`` in place as ``mode`` asks (``"none"`` or ``"int8"``), once however many
+    engines share it; returns whether its projections are int8 now."""
+    if mode == "int8":
+        if not is_quantized(model):
+            model.fuse_projections()  # per-row scales: fusing first costs nothing in accuracy
+            quantize_model(model)
+    elif mode != "none":
+        raise ValueError(f"unknown quantization {mode!r}")
+    return is_quantized(model)

@@ -26,6 +26,14 @@ class KVCache:
         return cls(args.n_layers, rows, args.n_kv_heads, max_seq_len or args.max_seq_len,
                    args.head_dim, device=device, dtype=dtype)
 
+    @classmethod
+    def over(cls, tensors: tuple[list[torch.Tensor], list[torch.Tensor]]) -> KVCache:
+        """A cache whose keys and values are the given tensors (views of another store)."""
+        cache = cls.__new__(cls)
+        cache.keys, cache.values = tensors
+        cache.max_seq_len = cache.keys[0].shape[2]
+        return cache
+
     @property
     def rows(self) -> int:
         return self.keys[0].shape[0]

@@ -96,6 +96,20 @@ class PagedKVCache:
                               torch.empty(shape, dtype=dtype, device=device))
         return self._gathered
 
+    def slice_views(self, start: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's keys and values of flat slots ``[start, start + length)``, as views shaped
+        like a one-row dense cache, ``(1, kv_heads, length, head_dim)``: consecutive pages read as
+        one sequence's cache. The length is marked dynamic for the compiler."""
+        def views(store: list[torch.Tensor]) -> list[torch.Tensor]:
+            out = []
+            for t in store:
+                kv_heads, num_pages, page_size, head_dim = t.shape
+                v = t.view(kv_heads, num_pages * page_size, head_dim)[:, start:start + length].unsqueeze(0)
+                torch._dynamo.mark_dynamic(v, 2)
+                out.append(v)
+            return out
+        return views(self.keys), views(self.values)
+
     def view(self, batch: PagedBatch) -> PagedView:
         """The cache as one forward step sees it (pass it to ``Transformer.forward``)."""
         return PagedView(self, batch)

@@ -12,6 +12,7 @@ import torch
 
 from builders import random_model, tiny_args, write_meta_checkpoint
 from cli_support import build_tiny_model, cli_env, llama_chat_command, run_cli
+from llama_chat.cmd.chat import CHAT_PAGE_SIZE
 from llama_chat.model.tokenizers.tiktoken import NUM_SPECIAL_TOKENS, read_ranks
 from terminal_support import Pty, held_bytes_model, save_and_leave, screen
 from tokenizer_builders import write_tiktoken_file
@@ -62,23 +63,33 @@ def spawn(*args: str, tmp_path) -> pexpect.spawn:
 
 
 def prefill_counts(child) -> tuple[int, int]:
+    return turn_stats(child)[:2]
+
+
+def turn_stats(child) -> tuple[int, int, int, int]:
+    """From /stats: prompt tokens from the cache, prefilled, and the page table's kept pages
+    and page size."""
     child.sendline("/stats")
-    child.expect(r"prompt: (\d+) tokens \((\d+) from the cache, (\d+) prefilled\)")
-    prompt, cached, prefilled = map(int, child.match.groups())
+    child.expect(r"prompt: (\d+) tokens \((\d+) from the cache, (\d+) prefilled\).*pages: (\d+) kept, \d+ free "
+                 r"of \d+ \((\d+) tokens each\)")
+    prompt, cached, prefilled, kept, page_size = map(int, child.match.groups())
     child.expect_exact(">>> ")
-    return cached, prefilled
+    return cached, prefilled, kept, page_size
 
 
 def test_three_turns_reuse_the_cache_and_greedy_replies_repeat(tmp_path):
+    """The chat runs on the scheduler: each turn's full pages stay in its page table, and the next
+    turn's prompt finds every one of them there (its cached tokens are exactly those pages)."""
     child = spawn("-t", "0", "-n", "24", tmp_path=tmp_path)
-    counts = []
+    stats = []
     for message in ("Tell me a story", "Another one", "And a third"):
         child.sendline(message)
         child.expect_exact(">>> ")
-        counts.append(prefill_counts(child))
-    assert counts[0][0] == 0
-    for cached, prefilled in counts[1:]:
-        assert cached > 0 and prefilled < 30  # only the new message, not the conversation
+        stats.append(turn_stats(child))
+    assert stats[0][0] == 0
+    for (cached, prefilled, _, page_size), (_, _, kept_before, _) in zip(stats[1:], stats):
+        assert cached == kept_before * page_size > 0
+        assert prefilled < 30 + page_size  # the new message and the previous turn's last page
     child.sendline("/save " + str(tmp_path / "a.json"))
     child.expect_exact(">>> ")
     child.sendline("/retry")
@@ -119,10 +130,12 @@ def test_llama3_chat_reuses_its_cache_and_ctrl_c_keeps_the_partial_reply(llama3,
         counts.append(prefill_counts(child))
     (cached0, prefilled0), (cached1, prefilled1) = counts
     assert cached0 == 0 and prefilled0 > 0
-    # The first prompt and the 12 tokens of its reply come from the cache (the model's own splits,
-    # not the tokenizer's); only the new message and its headers, about as long as the first
-    # prompt with this small vocabulary, are prefilled.
-    assert cached1 >= prefilled0 + 10 and prefilled1 <= prefilled0 + 5
+    # The first prompt and the 11 tokens of its reply fed back (the model's own splits, not the
+    # tokenizer's) come from the cache, but for the last page they partly fill; only that page,
+    # the new message and its headers (about as long as the first prompt with this small
+    # vocabulary) are prefilled.
+    written = prefilled0 + 11
+    assert cached1 == written // CHAT_PAGE_SIZE * CHAT_PAGE_SIZE and prefilled1 <= prefilled0 + 5 + CHAT_PAGE_SIZE
     child.sendline("/set max_tokens=100000")
     child.expect_exact(">>> ")
     child.sendline("Once upon a time")
