@@ -30,7 +30,7 @@ from llama_chat.cmd import exit_status
 from llama_chat.cmd.batch_input import BadLine, JobLine
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.prompt import prompt_ids
-from llama_chat.cmd.run_command import load, silence_stdout
+from llama_chat.cmd.run_command import load, silence_stdout, warm_up
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import StopRequest, install_sync_handlers, watch_signals
 from llama_chat.inference.jobs import JobStream
@@ -206,7 +206,10 @@ def stats_text(stats: SchedulerStats, elapsed: float) -> str:
 
 def run_batch(opts: Options, jobs: list[JobLine | BadLine], color: str, err: Console) -> int:
     loaded = load(opts, err)
-    scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=opts.max_batch, cache_tokens=opts.cache_tokens))
+    # A lone job's compiled step only with --compile: in a batch, jobs rarely run alone.
+    scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
+        max_batch=opts.max_batch, cache_tokens=opts.cache_tokens, quantize=opts.quantize, compile=bool(opts.compile)))
+    warm_up(scheduler, opts.sampling(), err, quiet=False)
     good, bad = _requests(opts, jobs, loaded, scheduler)
     for b in sorted(bad, key=lambda b: b.line):
         err.print(f"llama-chat: line {b.line}: {one_line(b.message)}", markup=False, highlight=False, soft_wrap=True)

@@ -25,6 +25,7 @@ import torch
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.page_table import PageTable, page_keys
 from llama_chat.inference.paged_step import LoneRowStep
+from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
 from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import draw_uniforms, sample
@@ -37,7 +38,7 @@ class CoreSettings:
     max_batch: int
     num_pages: int
     page_size: int
-    prefill_chunk: int  # most prompt tokens of one job in one step
+    prefill_chunk: int  # most prompt tokens of one job in one step (the first, with a sizer)
     step_tokens: int  # most tokens in one step, all jobs together
     buffer_size: int  # most events of a job not yet taken by its consumer
     static_shapes: bool  # pad one-token rows and tables to fixed sizes (for a compiled step)
@@ -109,6 +110,7 @@ class BatchCore:
         self.counters = Counters()
         self.last_written: tuple[int, ...] = ()  # the tokens the last job released had in its pages
         self.lone_step: LoneRowStep | None = None  # a compiled step for a lone sequence, if one was made
+        self.sizer: PrefillSizer | None = None  # prompt chunks sized by time, if set (else prefill_chunk)
 
     # -- sizes -----------------------------------------------------------------------------------
 
@@ -131,7 +133,10 @@ class BatchCore:
             plan = self._plan()
             if not plan.singles and not plan.runs:
                 return StepResult(released=tuple(released), idle=True)
+            start = time.perf_counter()
             events, finished = self._run(plan)
+            if self.sizer is not None and plan.runs:
+                self.sizer.record(sum(n for _, n in plan.runs), time.perf_counter() - start)
             for job in finished:
                 self._release(job)
             return StepResult(tuple(events), tuple(released + finished))
@@ -196,6 +201,7 @@ class BatchCore:
         s = self.settings
         plan = _Plan()
         budget = s.step_tokens
+        chunk = s.prefill_chunk if self.sizer is None else self.sizer.next_size()
         for job in self.active:
             if len(job.tokens) - job.fed == 1 and job.produced - job.received < s.buffer_size:
                 plan.singles.append(job)
@@ -204,9 +210,9 @@ class BatchCore:
             todo = len(job.tokens) - job.fed
             if todo <= 1 or budget <= 0:
                 continue
-            if todo <= s.prefill_chunk and job.produced - job.received >= s.buffer_size:
+            if todo <= chunk and job.produced - job.received >= s.buffer_size:
                 continue  # this chunk would sample, and its consumer has no room
-            n = min(todo, s.prefill_chunk, budget)
+            n = min(todo, chunk, budget)
             if n == 1:
                 plan.singles.append(job)
             else:

@@ -3,10 +3,11 @@
 The producer is an async task that drives the blocking forward one step per worker-thread call
 (``StepWorker``, a dedicated thread fed one call per step) and sends a ``TokenEvent`` into a bounded
 memory object stream after each step. Because every forward is its own call, a cancel lands between
-two steps: the step running finishes, the one queued behind it is revoked, the next ``await``
-raises, and no thread is left running on its own. Because the channel is bounded, a slow consumer blocks the producer in ``send`` instead of
-letting tokens pile up. Prompts are prefilled in chunks for the same reason steps are short: a
-cancel during a long prefill waits for one chunk, not for the whole prompt.
+two steps: the step running stops at its next layer or finishes, the one queued behind it is
+revoked, the next ``await`` raises, and no thread is left running on its own. Because the channel
+is bounded, a slow consumer blocks the producer in ``send`` instead of letting tokens pile up.
+Prompts are prefilled in chunks sized by time (``prefill.py``), as long as keeps each layer of a
+chunk within the cancel's budget.
 
 Two layers: ``Engine.events`` is the producer's channel of raw ``TokenEvent`` items (ids and bytes);
 ``Engine.stream`` is what every consumer uses, the same events made into text (``Response``: the
@@ -93,7 +94,8 @@ class Engine:
         self._cached: tuple[int, ...] = ()
         self._record_of = ""  # the request that last wrote the cache
         cuda = self.step.device.type == "cuda"
-        self._prefill_sizer = PrefillSizer(first=CUDA_PREFILL_CHUNK if cuda else DEFAULT_PREFILL_CHUNK)
+        self._prefill_sizer = PrefillSizer.for_model(model.args.n_layers, cuda=cuda,
+                                                     first=CUDA_PREFILL_CHUNK if cuda else DEFAULT_PREFILL_CHUNK)
 
     @classmethod
     def from_loaded(cls, loaded, **kwargs) -> Engine:
@@ -205,9 +207,9 @@ class Engine:
         prompt = list(request.prompt_ids)
         async with StepWorker(report_every_s=self.options.report_every_s) as worker:
             # Prefill every chunk but the last without sampling; the last one yields the first
-            # token. One chunk per call, awaited in turn, so a cancel waits for one chunk at most;
-            # each chunk is as long as fits in the time budget (``prefill_chunk``). Chunks start
-            # where the cache's common prefix ends.
+            # token. One chunk per call, awaited in turn; a cancel waits for one layer of it. Each
+            # chunk is as long as fits in the time budget (``prefill_chunk``). Chunks start where
+            # the cache's common prefix ends.
             pos = reused
             while len(prompt) - pos > (chunk := self.prefill_chunk):
                 await worker.result(worker.submit(self._timed_forward, [prompt[pos:pos + chunk]], [pos]))

@@ -1,25 +1,31 @@
 """Prefill chunks sized by time: as many prompt tokens per forward as fit in a time budget.
 
-A cancel during prefill waits for the chunk that is running, so a chunk must stay short; but each
-forward reads every weight once, so on a CPU a small chunk pays that read for few tokens and the
-prefill runs below the speed of one whole-prompt forward. A fixed token count cannot serve both
+A cancel during prefill waits for one layer of the chunk that is running: the forward looks
+between layers for the cancel (``model/interrupt.py``). So a chunk may take as long as one
+layer's share of the budget times the layers. Each forward reads every weight once, so on a CPU a
+small chunk pays that read for few tokens, and 64-token chunks prefilled a stories110M-sized
+model at two thirds of the speed of one 128-token forward. A fixed token count cannot serve both
 a 15M model (64 tokens take 10 ms) and a 1B one (64 tokens take a second on two cores). The sizer
 measures each chunk and makes the next one as long as fits in ``budget_s`` at the rate just seen,
-so a slower machine or a busier moment gives shorter chunks at once.
+so a slower machine or a busier moment gives shorter chunks at once. ``most`` bounds what a chunk
+holds in memory (its attention scores grow with its length times the context).
 
 Chunks never get shorter than the first one (64 tokens on the CPU). Every forward reads all the
 weights, so below that a big model's chunk costs about the same time for fewer tokens: a 1.1B
 model on two cores takes over a second for 16 tokens as for 64, and prefill would only get
-slower without the cancel getting faster. Where even the shortest chunk is over the budget,
-a cancel waits for one such chunk.
+slower without the cancel getting faster. Where even the shortest chunk's layer is over the
+budget, a cancel waits for one such layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Seconds one prefill forward may take: with a chunk's own spread, a cancel waits about 0.2 s.
+# Seconds one layer of a prefill forward may take: with a chunk's own spread, a cancel waits about
+# 0.2 s. A forward's budget is this times the model's layers.
 PREFILL_BUDGET_S = 0.12
+# The longest chunk on a CPU (on CUDA: ``PrefillSizer.most``).
+CPU_MOST_TOKENS = 512
 # Chunk lengths are multiples of this (fewer distinct shapes for the kernels' caches).
 CHUNK_STEP = 16
 
@@ -32,10 +38,15 @@ class PrefillSizer:
     longest.
     """
 
-    budget_s: float = PREFILL_BUDGET_S
+    budget_s: float = PREFILL_BUDGET_S  # for a whole forward (``for_model``: per layer)
     first: int = 64
     most: int = 4096
     seconds_per_token: float | None = field(default=None)
+
+    @classmethod
+    def for_model(cls, n_layers: int, *, cuda: bool, first: int) -> PrefillSizer:
+        """A sizer for forwards of ``n_layers`` layers, each within ``PREFILL_BUDGET_S``."""
+        return cls(budget_s=PREFILL_BUDGET_S * n_layers, first=first, most=4096 if cuda else CPU_MOST_TOKENS)
 
     def next_size(self) -> int:
         if self.seconds_per_token is None:

@@ -37,6 +37,7 @@ from llama_chat.inference.cache_prefix import align_to_cached
 from llama_chat.inference.jobs import Job, JobStream
 from llama_chat.inference.model_step import StepOptions
 from llama_chat.inference.paged_step import LoneRowStep
+from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (GenerationState, Request, RequestError, TokenEvent, check_request,
                                         sole_exception, stop_ids_of)
@@ -61,7 +62,9 @@ class SchedulerOptions:
     max_batch: int = DEFAULT_MAX_BATCH  # jobs running at once
     cache_tokens: int | None = None  # size of the paged cache in tokens
     page_size: int = DEFAULT_PAGE_SIZE  # token slots per page
-    prefill_chunk: int | None = None  # most prompt tokens of one job per step (64; 1024 on CUDA)
+    # Most prompt tokens of one job per step; None: sized by time (inference/prefill.py), from
+    # 64 (1024 on CUDA) on.
+    prefill_chunk: int | None = None
     step_tokens: int | None = None  # most tokens per step, all jobs together
     buffer_size: int = 8  # events of one job waiting for its consumer
     lookahead: int = 2  # steps queued in the worker ahead of the one being delivered
@@ -123,12 +126,14 @@ class Scheduler:
             options.max_batch * max_seq_len, DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CACHE_BYTES_CAP // token_bytes))
         page_size = options.page_size
         prefill_chunk = options.prefill_chunk or (1024 if cuda else 64)
+        sizer = None if options.prefill_chunk else PrefillSizer.for_model(a.n_layers, cuda=cuda, first=prefill_chunk)
+        longest = prefill_chunk if sizer is None else sizer.most
         settings = CoreSettings(
             max_batch=options.max_batch,
             num_pages=-(-cache_tokens // page_size) + 1,  # + the scratch page
             page_size=page_size,
             prefill_chunk=prefill_chunk,
-            step_tokens=options.step_tokens or max(prefill_chunk, options.max_batch) + options.max_batch,
+            step_tokens=options.step_tokens or max(longest, options.max_batch) + options.max_batch,
             buffer_size=options.buffer_size,
             static_shapes=cuda if options.static_shapes is None else options.static_shapes,
             max_seq_len=max_seq_len,
@@ -143,6 +148,7 @@ class Scheduler:
         sample_ids = vocab if vocab is not None and vocab < model.args.vocab_size else None
         self.core = BatchCore(model, settings, device=device, dtype=dtype, token_bytes=tokenizer.token_bytes,
                               sample_ids=sample_ids)
+        self.core.sizer = sizer
         step = StepOptions.for_device(device, parameters, options.compile, quantized=quantized, dtype=dtype)
         if step.compile and not settings.static_shapes:
             self.core.lone_step = LoneRowStep(model, self.core.cache, row_products=step.row_products,

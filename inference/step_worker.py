@@ -12,9 +12,11 @@ thread has nothing queued): every wake of the event loop takes the GIL from the 
 times, which on that machine cost the forward another 5%. A 20 ms batch is below what a reader
 can see, and a step slower than that is reported as soon as it ends.
 
-What stays the same as ``to_thread.run_sync``: each call is one step; a step is never abandoned
-half-way (a cancel revokes the steps that have not started and waits for the one that has); and
-the thread is gone when the ``async with`` block ends, so none outlives a generation.
+What stays the same as ``to_thread.run_sync``: each call is one step; a cancel revokes the steps
+that have not started and waits for the one that has; and the thread is gone when the ``async
+with`` block ends, so none outlives a generation. What differs: the step that has started is told
+it was abandoned, and an eager forward in it stops at its next layer (``model/interrupt.py``), so
+a cancel during a long prefill chunk waits for one layer, not for the chunk.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
+from llama_chat.model import interrupt
+
 THREAD_NAME = "llama-chat step worker"
 _STOP = object()
 
@@ -44,6 +48,9 @@ class StepCall:
     result: Any = None
     error: BaseException | None = None
     revoked: bool = False
+    # Set when the call is abandoned while it runs: an eager forward in it stops at its next layer
+    # (model/interrupt.py).
+    abandoned: threading.Event = field(default_factory=threading.Event)
 
 
 def _call_soon_threadsafe() -> Callable[[Callable[[], None]], None]:
@@ -97,9 +104,11 @@ class StepWorker:
         return call
 
     def revoke_pending(self) -> None:
-        """Steps that have not started will not start (the one running finishes)."""
+        """Steps that have not started will not start; the one running stops at its forward's
+        next layer, or finishes (a forward without layers left, a compiled step)."""
         for call in self._pending:
             call.revoked = True
+            call.abandoned.set()
 
     async def result(self, call: StepCall) -> Any:
         """The call's return value, or its exception raised here; a cancel revokes what is queued.
@@ -136,7 +145,8 @@ class StepWorker:
             assert isinstance(call, StepCall)
             if not (call.revoked or failed):
                 try:
-                    call.result = call.fn(*call.args)
+                    with interrupt.running(call.abandoned):
+                        call.result = call.fn(*call.args)
                 except BaseException as e:  # handed to the awaiting task, raised there
                     call.error = e
                     failed = True

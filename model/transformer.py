@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_chat.ml import ops, quantize
+from llama_chat.model import interrupt
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.kv_cache import KVCache
 
@@ -226,6 +227,8 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         rope = ops.rope_at(self.rope_table(device), positions)
         for i, layer in enumerate(self.layers):
+            if not static:
+                interrupt.check()  # between two layers: a long prefill stops soon after a cancel
             h = layer(h, rope, layout, cache, i)
         if last_only:
             h = h[:, -1:, :]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import anyio
 
 from builders import random_model, tiny_args
 from llama_chat.inference.engine import DEFAULT_PREFILL_CHUNK, Engine, EngineOptions
-from llama_chat.inference.prefill import CHUNK_STEP, PrefillSizer
+from llama_chat.inference.prefill import CHUNK_STEP, PREFILL_BUDGET_S, PrefillSizer
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 
@@ -46,59 +46,101 @@ def test_sizer_fills_the_budget_and_shrinks_at_once_when_chunks_slow_down():
     assert slow.next_size() == 64
 
 
+LAYERS = 8
+
+
+def _slow_model(seconds_per_token: float):
+    """A model whose every layer sleeps ``seconds_per_token / LAYERS`` per token of its input."""
+    model = random_model(tiny_args(300, max_seq_len=4096, n_layers=LAYERS), seed=2)
+    for layer in model.layers:
+        forward = layer.forward
+
+        def slow(h, *args, forward=forward):
+            time.sleep(seconds_per_token / LAYERS * h.shape[1])
+            return forward(h, *args)
+        layer.forward = slow
+    return model
+
+
 def _slow_engine(seconds_per_token: float, chunks: list[tuple[int, float]]) -> Engine:
-    """An engine whose forwards take ``seconds_per_token`` per token (sleeping) and are logged."""
-    engine = Engine(random_model(tiny_args(300, max_seq_len=4096), seed=2), _NoTokenizer(),
-                    options=EngineOptions(compile=False))
+    """An engine whose forwards take ``seconds_per_token`` per token (sleeping, layer by layer)
+    and are logged."""
+    engine = Engine(_slow_model(seconds_per_token), _NoTokenizer(), options=EngineOptions(compile=False))
     forward = engine.step.forward
 
-    def slow_forward(rows, starts):
+    def logged_forward(rows, starts):
         t = time.perf_counter()
-        time.sleep(seconds_per_token * len(rows[0]))
         out = forward(rows, starts)
         chunks.append((len(rows[0]), time.perf_counter() - t))
         return out
 
-    engine.step.forward = slow_forward
+    engine.step.forward = logged_forward
     return engine
 
 
+async def _cancel_mid_prefill(run, prefilled, busy) -> float:
+    """Start ``run`` in a cancel scope, cancel it once ``prefilled()`` says the prefill is well
+    under way, and return the seconds until ``busy()`` says the forward has stopped."""
+    async with anyio.create_task_group() as tg:
+        scope = anyio.CancelScope()
+
+        async def go():
+            with scope:
+                await run()
+
+        tg.start_soon(go)
+        while not prefilled():
+            await anyio.sleep(0.005)
+        t = time.perf_counter()
+        scope.cancel()
+        with anyio.fail_after(60):
+            while busy():
+                await anyio.sleep(0.001)
+        return time.perf_counter() - t
+
+
 def test_chunks_grow_to_the_budget_and_cancel_lands_within_the_bound():
+    """Chunks take up to a layer's budget times the layers; a cancel stops the forward running
+    at its next layer."""
     chunks: list[tuple[int, float]] = []
     engine = _slow_engine(0.0005, chunks)  # a 2 ms/token forward would be 8 s for this prompt
     request = Request((1,) + (100,) * 3999, sampling=GREEDY, max_tokens=1)
-    waited: list[float] = []
-    started = threading.Event()
 
-    async def main():
-        async with anyio.create_task_group() as tg:
-            scope = anyio.CancelScope()
+    async def run():
+        async with engine.stream(request) as stream:
+            async for _ in stream:
+                pass
 
-            async def run():
-                with scope:
-                    async with engine.stream(request) as stream:
-                        async for _ in stream:
-                            pass
-
-            tg.start_soon(run)
-            while len(chunks) < 4:  # well into the prefill, chunks sized by measurement by now
-                await anyio.sleep(0.005)
-            started.set()
-            t = time.perf_counter()
-            scope.cancel()
-            with anyio.fail_after(60):
-                while engine._busy:
-                    await anyio.sleep(0.001)
-            waited.append(time.perf_counter() - t)
-
-    anyio.run(main)
-    assert started.is_set()
+    # Well into the prefill, chunks sized by measurement by now.
+    waited = anyio.run(_cancel_mid_prefill, run, lambda: len(chunks) >= 3, lambda: engine._busy)
     assert chunks[0][0] == DEFAULT_PREFILL_CHUNK
     sizes = [n for n, _ in chunks]
     assert max(sizes) > DEFAULT_PREFILL_CHUNK, sizes  # fast forwards: longer chunks than the first
-    assert all(s <= CANCEL_BOUND_S + SCHEDULING_SLACK_S for _, s in chunks), chunks
+    assert all(s <= PREFILL_BUDGET_S * LAYERS + SCHEDULING_SLACK_S for _, s in chunks), chunks
     assert sum(sizes) < 4000  # cancelled during the prefill
-    assert waited[0] <= CANCEL_BOUND_S + SCHEDULING_SLACK_S, (waited, chunks)
+    assert waited <= CANCEL_BOUND_S + SCHEDULING_SLACK_S, (waited, chunks)
+
+
+def test_the_scheduler_sizes_its_chunks_and_a_cancel_stops_the_forward_at_a_layer():
+    """The chat's path: a reply on the scheduler, cancelled during a long prompt's prefill by
+    leaving the scheduler, as Ctrl+C does."""
+    scheduler = Scheduler(_slow_model(0.0005), _NoTokenizer(), SchedulerOptions(max_batch=1, page_size=8))
+    request = Request((1,) + (100,) * 3999, sampling=GREEDY, max_tokens=1)
+    left = []
+
+    async def run():
+        try:
+            async with scheduler.stream(request) as stream:
+                async for _ in stream:
+                    pass
+        finally:
+            left.append(True)
+
+    waited = anyio.run(_cancel_mid_prefill, run, lambda: scheduler.stats.prefill_tokens >= 3 * 64, lambda: not left)
+    prefilled = scheduler.stats.prefill_tokens
+    assert 64 < prefilled < 4000  # chunks grew past the first, and the prompt was not finished
+    assert waited <= CANCEL_BOUND_S + SCHEDULING_SLACK_S, waited
+    assert scheduler.stats.pages_in_use == 0
 
 
 def test_a_fixed_chunk_is_kept_when_asked_for():

@@ -1,0 +1,42 @@
+"""A forward that stops between two layers when the step it belongs to is abandoned.
+
+A cancel waits for the step that is running (``inference/step_worker.py``): nothing may write the
+KV cache behind the caller's back. A decode step is short, but a prefill forward of a long prompt
+on a CPU is not, and short prefill chunks, which would bound the wait, read every weight once per
+chunk and prefill slower. So an eager forward looks, between two layers, at the event of the step
+it runs in (set when that step is abandoned) and raises ``ForwardInterrupted``: a cancel then
+waits for one layer. What the stopped forward wrote is past what its caller counts as cached.
+
+The event is the running thread's (``running``): a forward outside a step worker never stops.
+Compiled graphs never look (the check is Python, outside what they trace).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_local = threading.local()
+
+
+class ForwardInterrupted(Exception):
+    """The step this forward belonged to was abandoned; its results are not wanted."""
+
+
+@contextmanager
+def running(abandoned: threading.Event) -> Iterator[None]:
+    """Forwards in this thread, inside the block, stop once ``abandoned`` is set."""
+    previous = getattr(_local, "abandoned", None)
+    _local.abandoned = abandoned
+    try:
+        yield
+    finally:
+        _local.abandoned = previous
+
+
+def check() -> None:
+    """Raise ``ForwardInterrupted`` if the step running in this thread has been abandoned."""
+    abandoned = getattr(_local, "abandoned", None)
+    if abandoned is not None and abandoned.is_set():
+        raise ForwardInterrupted()
