@@ -189,7 +189,8 @@ class EagerDecode(Decode):
 
 
 class StaticDecode(Decode):
-    """The prompt's last chunk through the eager forward, then static steps, one queued ahead.
+    """The prompt's last chunk through the eager forward, then static steps, one queued ahead
+    (from the second token on).
 
     A step is queued ahead only while its position fits in the cache; the one computed after the
     request's last token is thrown away (its keys sit past the request's end, masked).
@@ -211,6 +212,9 @@ class StaticDecode(Decode):
                 self.next_position = self.start + len(self.tail)
                 static.load(logits, self.next_position)
                 self.tail = []
+                # The first token comes from the prefill's logits: hand it over before queueing
+                # steps ahead, or the time to first token would include two decode steps.
+                return static.take()
             while static.in_flight < 2 and self.next_position < self.step.max_seq_len:
                 static.advance()
                 self.next_position += 1

@@ -118,6 +118,10 @@ class Scheduler:
         device, dtype = first.device, first.dtype
         parameters = sum(p.numel() for p in model.parameters())
         quantized = apply_quantization(model, options.quantize)
+        # As the one-prompt engine does (fewer products per layer); also before anything is
+        # compiled, so that an engine made later for the same model cannot change what a
+        # compiled graph reads.
+        model.fuse_projections()
         cuda = device.type == "cuda"
         max_seq_len = min(options.max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
         a = model.args

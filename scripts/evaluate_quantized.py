@@ -5,9 +5,9 @@
 The validation windows are the training script's (32 fixed windows of 512 tokens of the
 validation documents). Three figures, each a mean cross-entropy over the same targets:
 
-* float32: whole windows through the model, as training measured it;
-* int8, prefill kernel: the same forwards with int8 weights (many rows: converted weights, float
-  activations);
+* float32: whole windows through the model (one per forward), as training measured it;
+* int8, prefill kernel: the same forwards with int8 weights (on x86, fbgemm's product, each
+  call's activations rounded to 7 bits with one range for all its rows);
 * int8, decode kernel: the first ``--decode-windows`` windows fed one token at a time through the
   KV cache, so every product is the one-row kernel a decode step uses (activations rounded to 7
   bits per token); the float32 loss of the same windows is printed beside it.
@@ -47,7 +47,7 @@ def windows(count: int) -> torch.Tensor:
 @torch.inference_mode()
 def whole_loss(model, ws: torch.Tensor) -> float:
     total = 0.0
-    for w in ws.split(8):
+    for w in ws.split(1):  # one window per forward: 511 rows, as long as a CPU prefill chunk
         logits = model(w[:, :-1])
         total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), w[:, 1:].reshape(-1)).item() * len(w)
     return total / len(ws)
