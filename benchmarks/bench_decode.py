@@ -19,7 +19,8 @@ ones). Measured, per config and dtype (float32; bfloat16 for the Python systems;
 * peak RSS of the process (``os.wait4``);
 * llama-chat through ``Engine.generate`` (the step thread and channel the command uses), with
   ``EngineOptions(compile=False)`` and ``compile=True`` (the compiled static step; its warm-up,
-  with a cold compile cache, is reported apart and done before timing);
+  with a cold compile cache, is reported apart and done before timing), in float32, bfloat16 and
+  ``--quantize int8`` (on float32 weights);
 * the machine's read bandwidth (a float32 sum over 512 MiB, median of 7); the bound is that over
   the bytes of weights read per token, and "of bound" is a system's decode speed over it.
 
@@ -348,8 +349,11 @@ def measure_config(key: str, c: dict, args, bins: dict, envs: dict) -> list[dict
                 found[name] = python_system("llama_chat", key, hf_dir, dtype, args, envs["python"], compile)
             found["HF generate"] = python_system("hf", key, hf_dir, dtype, args, envs["python"])
         else:  # float32 weights quantized when the engine is made, as --quantize int8 does
-            found["llama-chat"] = python_system("llama_chat", key, hf_dir, "float32", args, envs["python"],
-                                                quantize="int8")
+            for name, compile in (("llama-chat", False), ("llama-chat compiled", True)):
+                if compile and not c.get("compiled", True):
+                    continue
+                found[name] = python_system("llama_chat", key, hf_dir, "float32", args, envs["python"], compile,
+                                            quantize="int8")
         peer = {"float32": ("run.c", "run", "v0.bin"), "int8": ("runq.c", "runq", "v2.bin")}.get(dtype)
         if peer and bins and c.get("llama2c", True):
             found[peer[0]] = llama2c_system(bins[peer[1]], os.path.join(work, peer[2]),
@@ -430,8 +434,8 @@ def print_targets(rows: list[dict]) -> None:
     for key in ("15m", "110m"):
         for ours in ("llama-chat", "llama-chat compiled"):
             checks += [(key, "float32", ours, "float32", "run.c", 1.0), (key, "float32", ours, "float32", "HF generate", 2.0)]
-    checks += [("110m", "int8", "llama-chat", "int8", "runq.c", 1.0)]
-    checks += [("1.1b", "int8", "llama-chat", "bfloat16", "HF generate", 2.0)]
+    for ours in ("llama-chat", "llama-chat compiled"):
+        checks += [("110m", "int8", ours, "int8", "runq.c", 1.0), ("1.1b", "int8", ours, "bfloat16", "HF generate", 2.0)]
     checks += [("1.1b", "bfloat16", ours, "bfloat16", "HF generate", 1.3) for ours in ("llama-chat", "llama-chat compiled")]
     print("\n| target | config | llama-chat | peer | ratio | met |\n|---|---|---|---|---|---|")
     for key, dtype, ours, peer_dtype, peer, want in checks:

@@ -77,7 +77,7 @@ def project(x: torch.Tensor, layer: torch.nn.Module, row_products: bool = False)
     (``quantize.Int8Linear``, which has ``scales``) through ``quantize.int8_linear``."""
     scales = getattr(layer, "scales", None)
     if scales is not None:
-        return quantize.int8_linear(x, layer.weight, scales, row_products, layer.packed)
+        return quantize.int8_linear(x, layer.weight, scales, row_products, layer.packed, layer.packed_key)
     return linear(x, layer.weight, row_products)
 
 

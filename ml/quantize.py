@@ -38,6 +38,7 @@ and using the float product took as long as float32. So:
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -88,8 +89,28 @@ def pack_for_fbgemm(quantized: Int8Weight):
     return torch.ops.quantized.linear_prepack(q, None)
 
 
+# fbgemm's packed weights by key. A compiled step calls the product through the custom op below,
+# which the compiler keeps as one opaque call; the packed object itself cannot be traced, so the
+# graph holds the key, a constant.
+_PACKED: dict[int, object] = {}
+_keys = itertools.count(1)
+
+
+@torch.library.custom_op("llama_chat::fbgemm_int8_linear", mutates_args=())
+def fbgemm_int8_linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    """fbgemm's int8 product with the weight packed under ``key`` (what the eager path calls)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    out = torch.ops.quantized.linear_dynamic(rows, _PACKED[key], True).to(x.dtype)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+@fbgemm_int8_linear.register_fake
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                row_products: bool = False, packed=None) -> torch.Tensor:
+                row_products: bool = False, packed=None, packed_key: int | None = None) -> torch.Tensor:
     """``x @ (weight * scales[:, None]).T`` for an int8 ``weight`` ``(out, in)``; result in ``x``'s dtype.
 
     ``packed`` is ``pack_for_fbgemm``'s copy of the same weight, used for every product on the CPU.
@@ -97,6 +118,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     materialise a weight-sized float product.
     """
     if row_products:
+        if packed_key is not None and x.device.type == "cpu":
+            return torch.ops.llama_chat.fbgemm_int8_linear(x, packed_key, weight.shape[0])
         return ((x.unsqueeze(-2) * weight).sum(-1) * scales).to(x.dtype)
     lead, width = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, width)
@@ -123,6 +146,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", quantized.scales)
         # fbgemm's packed copy (about the int8 bytes again): the fast one-row product on x86.
         self.packed = pack_for_fbgemm(quantized) if quantized.values.device.type == "cpu" and fbgemm_available() else None
+        self.packed_key: int | None = None  # its key in _PACKED, for a compiled step
+        if self.packed is not None:
+            self.packed_key = next(_keys)
+            _PACKED[self.packed_key] = self.packed
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Linear:
@@ -134,11 +161,11 @@ class Int8Linear(nn.Module):
         if out.scales.dtype != torch.float32:  # a cast of the model: keep the scales float32
             out.scales = scales.to(out.scales.device)
         if out.weight.device.type != "cpu":
-            out.packed = None
+            out.packed = out.packed_key = None
         return out
 
     def forward(self, x: torch.Tensor, row_products: bool = False) -> torch.Tensor:
-        return int8_linear(x, self.weight, self.scales, row_products, self.packed)
+        return int8_linear(x, self.weight, self.scales, row_products, self.packed, self.packed_key)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

@@ -119,3 +119,25 @@ def test_bad_quantize_value_is_one_line_and_exit_2():
     assert run.returncode == 2
     lines = run.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "--quantize" in lines[0] and "'foo'" in lines[0], run.stderr
+
+
+def test_a_compiled_int8_step_keeps_fbgemms_product_and_decodes_the_eager_tokens():
+    """The compiled step traces fbgemm's product as one opaque call (the packed weight stays
+    outside the graph, named by a key) and compiles the rest around it; the aot_eager backend
+    runs the same kernels, so its tokens are the eager int8 step's."""
+    if not quantize.fbgemm_available():
+        pytest.skip("no fbgemm on this CPU")
+    model = random_model(tiny_args(300, max_seq_len=96), seed=5)
+    model.fuse_projections()
+    quantize_model(model)
+    eager = ModelStep(model, options=StepOptions())
+    compiled = ModelStep(model, options=StepOptions(static=True, compile=True, row_products=True,
+                                                    backend="aot_eager"), max_seq_len=96)
+    prompt = [5, 17, 42, 7]
+    with torch.inference_mode():
+        want = eager.decode(prompt, 0, GREEDY, 0)
+        want_ids = [want.next_token() for _ in range(30)]
+        got = compiled.decode(prompt, 0, GREEDY, 0)
+        assert compiled.static is not None and compiled.static_failure is None
+        got_ids = [got.next_token() for _ in range(30)]
+    assert got_ids == want_ids
