@@ -6,8 +6,8 @@ The validation windows are the training script's (32 fixed windows of 512 tokens
 validation documents). Three figures, each a mean cross-entropy over the same targets:
 
 * float32: whole windows through the model (one per forward), as training measured it;
-* int8, prefill kernel: the same forwards with int8 weights (on x86, fbgemm's product, each
-  call's activations rounded to 7 bits with one range for all its rows);
+* int8, prefill kernel: the same forwards with int8 weights (on x86, fbgemm's product: the
+  activations rounded to 7 bits, one range per 8 rows);
 * int8, decode kernel: the first ``--decode-windows`` windows fed one token at a time through the
   KV cache, so every product is the one-row kernel a decode step uses (activations rounded to 7
   bits per token); the float32 loss of the same windows is printed beside it.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import sentencepiece as spm
@@ -65,6 +67,30 @@ def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
     model = Transformer(args)
     model.init_weights(std=0.2, generator=torch.Generator().manual_seed(seed))
     return model.eval()
+
+
+@contextmanager
+def weights_only_int8(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: the model's int8 layers take the converted weights' float product instead of
+    fbgemm's, so only the weights are rounded (fbgemm also rounds the activations to 7 bits)."""
+    from llama_chat.ml.quantize import Int8Linear
+
+    packed = {m: m.packed for m in model.modules() if isinstance(m, Int8Linear)}
+    for m in packed:
+        m.packed = None
+    try:
+        yield
+    finally:
+        for m, p in packed.items():
+            m.packed = p
+
+
+def endless_model(vocab_size: int, seed: int, *, eos: int = 2, max_seq_len: int = 1024) -> Transformer:
+    """A random float32 model that never ends on its own (its end-of-sequence logit is 0)."""
+    model = random_model(tiny_args(vocab_size, max_seq_len=max_seq_len), seed=seed)
+    with torch.no_grad():
+        model.output.weight[eos] = 0.0
+    return model
 
 
 def write_meta_checkpoint(model: Transformer, out_dir: Path, tokenizer_model: Path | None = None) -> Path:

@@ -28,6 +28,13 @@ def sp_model_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sp_tokenizer(sp_model_path):
+    from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
+
+    return SentencePieceTokenizer(sp_model_path)
+
+
+@pytest.fixture(scope="session")
 def sp_vocab_size(sp_model_path) -> int:
     return spm.SentencePieceProcessor(model_file=str(sp_model_path)).vocab_size()
 

@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from builders import train_sentencepiece  # noqa: E402
+from builders import train_sentencepiece, weights_only_int8  # noqa: E402
 from builders_gguf import T, converter_permute, write_gguf  # noqa: E402
 from tokenizer_builders import CORPUS, train_llama_sentencepiece, write_tiktoken_file  # noqa: E402
 from llama_chat.model.errors import ModelLoadError  # noqa: E402
@@ -540,6 +540,12 @@ def test_q8_0_loads_straight_into_the_int8_path(tmp_path, sp_model, reference):
             direct.fuse_projections()  # as the engine does: per-row scales concatenate exactly
             torch.testing.assert_close(direct(prompt), expected, atol=1e-5, rtol=0)
             if not tied:
-                assert _relative_error(got, want) <= RELATIVE_TOLERANCE[T.Q8_0] * 1.5
+                with weights_only_int8(direct):
+                    weights_only = direct(prompt)
+                assert _relative_error(weights_only, want) <= RELATIVE_TOLERANCE[T.Q8_0] * 1.5
+                # fbgemm's product (x86) also rounds the activations to 7 bits, 8 rows to a range;
+                # this random model's activations are large (the shipped model's perplexity moves
+                # by 0.04 % with it, scripts/evaluate_quantized.py).
+                assert _relative_error(got, want) <= RELATIVE_TOLERANCE[T.Q8_0] * 3
     with pytest.raises(ModelLoadError, match="quantization 'int4' is not supported"):
         load_model(path, device="cpu", quantize="int4")

@@ -7,7 +7,7 @@ import anyio
 import pytest
 import torch
 
-from builders import random_model, tiny_args
+from builders import endless_model
 from llama_chat.inference import decode_step
 from llama_chat.inference.decode_step import WINDOW_STEP
 from llama_chat.inference.engine import Engine, EngineOptions
@@ -15,7 +15,6 @@ from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
-from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
 NUCLEUS = SamplingParams(temperature=1.0, top_p=0.9)
@@ -23,17 +22,8 @@ EOS = 2
 
 
 @pytest.fixture(scope="module")
-def tokenizer(sp_model_path):
-    return SentencePieceTokenizer(sp_model_path)
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    """Random float32 weights that never end on their own; small, so sampling has choices."""
-    m = random_model(tiny_args(tokenizer.vocab_size, max_seq_len=1024), seed=7)
-    with torch.no_grad():
-        m.output.weight[EOS] = 0.0
-    return m
+def model(sp_tokenizer):
+    return endless_model(sp_tokenizer.vocab_size, seed=7, eos=EOS)
 
 
 def prompt_of(n: int, seed: int, vocab: int) -> list[int]:
@@ -50,31 +40,31 @@ def one_at_a_time(scheduler: Scheduler, requests: list[Request]):
     return [anyio.run(one, r) for r in requests]
 
 
-def alone(model, tokenizer, request: Request) -> list[int]:
-    return list(Engine(model, tokenizer, options=EngineOptions(compile=False)).generate(request).token_ids)
+def alone(model, sp_tokenizer, request: Request) -> list[int]:
+    return list(Engine(model, sp_tokenizer, options=EngineOptions(compile=False)).generate(request).token_ids)
 
 
-def test_a_lone_job_takes_the_compiled_step_and_gives_the_engine_tokens(model, tokenizer):
+def test_a_lone_job_takes_the_compiled_step_and_gives_the_engine_tokens(model, sp_tokenizer):
     """Inductor, as on a user's machine: a reply past a window boundary, then the next turn of the
     same conversation on top of its pages, each token as the eager one-prompt engine picks it."""
-    scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, page_size=8, compile=True))
+    scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=1, page_size=8, compile=True))
     scheduler.warm_up()
     assert scheduler.compiles, scheduler.compile_failure
-    first = Request(prompt_of(40, 1, tokenizer.vocab_size), sampling=GREEDY, max_tokens=WINDOW_STEP + 20)
+    first = Request(prompt_of(40, 1, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=WINDOW_STEP + 20)
     a, = one_at_a_time(scheduler, [first])
     # A one-prompt engine made for the same model meanwhile (the chat makes one for beam search)
     # changes nothing the compiled graph reads.
-    assert list(a.token_ids) == alone(model, tokenizer, first)
-    second_ids = list(first.prompt_ids) + list(a.token_ids) + prompt_of(6, 2, tokenizer.vocab_size)[1:]
+    assert list(a.token_ids) == alone(model, sp_tokenizer, first)
+    second_ids = list(first.prompt_ids) + list(a.token_ids) + prompt_of(6, 2, sp_tokenizer.vocab_size)[1:]
     second = Request(second_ids, sampling=NUCLEUS, seed=3, max_tokens=30)
     b, = one_at_a_time(scheduler, [second])
     assert b.cached_tokens > WINDOW_STEP  # the first turn's pages, found in the page table
-    assert list(b.token_ids) == alone(model, tokenizer, second)
+    assert list(b.token_ids) == alone(model, sp_tokenizer, second)
     # Every decode step but each job's first (which comes with its prompt) was the compiled one.
     assert scheduler.core.lone_step.steps >= (WINDOW_STEP + 19) + 29
 
 
-def test_the_lone_step_compiles_once_across_windows_and_first_pages(model, tokenizer, monkeypatch):
+def test_the_lone_step_compiles_once_across_windows_and_first_pages(model, sp_tokenizer, monkeypatch):
     dynamo = pytest.importorskip("torch._dynamo")
     from torch._dynamo.utils import counters
 
@@ -82,40 +72,40 @@ def test_the_lone_step_compiles_once_across_windows_and_first_pages(model, token
     counters.clear()
     # Every guard evaluated, so that a step which would not match its graph recompiles and shows.
     monkeypatch.setattr(decode_step, "SKIP_GUARDS", False)
-    scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, page_size=8))
+    scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=1, page_size=8))
     # Whether dynamo recompiles does not depend on the backend; aot_eager spares a C++ build.
     lone = LoneRowStep(model, scheduler.core.cache, row_products=True, backend="aot_eager")
     scheduler.core.lone_step = lone
-    requests = [Request(prompt_of(5, 4, tokenizer.vocab_size), sampling=GREEDY, max_tokens=3 * WINDOW_STEP),
-                Request(prompt_of(30, 5, tokenizer.vocab_size), sampling=GREEDY, max_tokens=40)]
+    requests = [Request(prompt_of(5, 4, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=3 * WINDOW_STEP),
+                Request(prompt_of(30, 5, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=40)]
     done = one_at_a_time(scheduler, requests)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["recompiles"], dict(counters["recompiles"])
     assert lone.steps >= 3 * WINDOW_STEP - 1 + 39
-    assert [list(c.token_ids) for c in done] == [alone(model, tokenizer, r) for r in requests]
+    assert [list(c.token_ids) for c in done] == [alone(model, sp_tokenizer, r) for r in requests]
 
 
-def test_a_lone_step_that_fails_to_compile_leaves_the_packed_step(model, tokenizer):
+def test_a_lone_step_that_fails_to_compile_leaves_the_packed_step(model, sp_tokenizer):
     def broken_compiler(graph, inputs):
         raise RuntimeError("no C++ compiler found\nmore detail")
 
-    scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, page_size=8))
+    scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=1, page_size=8))
     scheduler.core.lone_step = LoneRowStep(model, scheduler.core.cache, row_products=True, backend=broken_compiler)
     scheduler.warm_up()
     assert not scheduler.compiles
     assert "no C++ compiler found" in scheduler.compile_failure and "more detail" not in scheduler.compile_failure
-    request = Request(prompt_of(20, 6, tokenizer.vocab_size), sampling=GREEDY, max_tokens=30)
+    request = Request(prompt_of(20, 6, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=30)
     done, = one_at_a_time(scheduler, [request])
-    assert list(done.token_ids) == alone(model, tokenizer, request)
+    assert list(done.token_ids) == alone(model, sp_tokenizer, request)
 
 
-def test_batches_take_the_packed_step_and_a_lone_job_the_compiled_one(model, tokenizer):
+def test_batches_take_the_packed_step_and_a_lone_job_the_compiled_one(model, sp_tokenizer):
     """Two jobs at once share the packed step; the one left alone goes on compiled."""
-    scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=4, page_size=8))
+    scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=4, page_size=8))
     lone = LoneRowStep(model, scheduler.core.cache, row_products=True, backend="aot_eager")
     scheduler.core.lone_step = lone
-    requests = [Request(prompt_of(12, 8, tokenizer.vocab_size), sampling=GREEDY, max_tokens=10, request_id="short"),
-                Request(prompt_of(9, 9, tokenizer.vocab_size), sampling=GREEDY, max_tokens=60, request_id="long")]
+    requests = [Request(prompt_of(12, 8, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=10, request_id="short"),
+                Request(prompt_of(9, 9, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=60, request_id="long")]
 
     async def both():
         async with scheduler:
@@ -134,4 +124,4 @@ def test_batches_take_the_packed_step_and_a_lone_job_the_compiled_one(model, tok
     done = anyio.run(both)
     assert 0 < lone.steps < 60
     for r in requests:
-        assert list(done[r.request_id].token_ids) == alone(model, tokenizer, r)
+        assert list(done[r.request_id].token_ids) == alone(model, sp_tokenizer, r)

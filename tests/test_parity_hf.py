@@ -152,11 +152,13 @@ def test_compiled_cpu_step_gives_transformers_greedy_tokens(tmp_path, tokenizer_
     assert ours == want
 
 
-@pytest.mark.parametrize(("dtype", "quantize", "least"), [("bfloat16", "none", 26), ("float32", "int8", 24)])
+@pytest.mark.parametrize(("dtype", "quantize", "least"), [("bfloat16", "none", 26), ("float32", "int8", 20)])
 def test_bf16_and_int8_follow_transformers_tokens(tmp_path, tokenizer_model, dtype, quantize, least):
     """Within their rounding: fed transformers' greedy tokens one step at a time (the decode
-    kernels), the model picks transformers' next token at most steps (measured: 29 and 27 of 32;
-    these tiny models have large random weights, where a small change of the logits flips close
+    kernels), the model picks transformers' next token at most steps (measured: 29-30 of 32 in
+    bfloat16; 22-28 in int8, where the prompt's prefill also rounds activations to 7 bits and the
+    count moved between 22 and 28 with the rows per fbgemm call, 1 to 128, with no trend: these
+    tiny models have large random weights, where a small change of the logits flips close
     choices). Broken weights or kernels would agree about once."""
     model, prompt, want = _loaded_gqa(tmp_path, tokenizer_model, dtype)
     engine = Engine(model, _Ids(), options=EngineOptions(compile=False, quantize=quantize))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from builders import random_model, tiny_args
+from builders import random_model, tiny_args, weights_only_int8
 from cli_support import run_cli
 from llama_chat.inference.model_step import ModelStep, StepOptions
 from llama_chat.ml import quantize
@@ -83,12 +83,8 @@ def test_quantized_model_decodes_the_float_tokens():
         assert quantize_model(int8) == 4 * args.n_layers + 1  # wqkv, wo, w13, w2; the classifier
         assert not any(isinstance(m, torch.nn.Linear) for m in int8.modules())
         got_logits = int8(prompt)
-        packed = {m: m.packed for m in int8.modules() if isinstance(m, Int8Linear)}
-        for m in packed:
-            m.packed = None  # the converted weights' float product: only the weights are rounded
-        weights_only = int8(prompt)
-        for m, p in packed.items():
-            m.packed = p
+        with weights_only_int8(int8):
+            weights_only = int8(prompt)
     assert _relative(weights_only, want_logits) < 0.05
     # fbgemm's product (x86) also rounds the activations to 7 bits, one range for all 12 rows of
     # this random model's large activations; the shipped model's perplexity moves by 0.3 % with it.

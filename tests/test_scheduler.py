@@ -7,7 +7,7 @@ import anyio
 import pytest
 import torch
 
-from builders import random_model, tiny_args
+from builders import endless_model
 from llama_chat.inference.engine import Engine
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import GenerationState, PromptTooLong, Request, RequestError
@@ -26,11 +26,7 @@ def tokenizer(sp_model_path):
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    """A random float32 model that never ends on its own (its end-of-sequence logit is 0)."""
-    m = random_model(tiny_args(tokenizer.vocab_size, max_seq_len=1024), seed=5)
-    with torch.no_grad():
-        m.output.weight[EOS] = 0.0
-    return m
+    return endless_model(tokenizer.vocab_size, seed=5, eos=EOS)
 
 
 def random_prompt(g: torch.Generator, n: int, vocab: int) -> list[int]:
