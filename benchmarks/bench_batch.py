@@ -20,7 +20,11 @@ of those is printed: on a shared machine whose speed swings by 2x from one minut
 that is steadier than a ratio of medians (both are printed). One JSON line per measurement, then
 a Markdown table.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_batch.py [--runs 3] [--new 200] [--threads 2]
+With ``--compile`` both single-stream paths are also measured compiled, in pairs: the engine's
+static step and the scheduler's step for a job running alone (``inference/paged_step.py``), each
+made and warmed up once.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_batch.py [--runs 3] [--new 200] [--threads 2] [--compile]
 """
 
 from __future__ import annotations
