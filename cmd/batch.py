@@ -200,7 +200,8 @@ def stats_text(stats: SchedulerStats, elapsed: float) -> str:
     return (f"batch: {stats.jobs_finished} jobs; prompt tokens: {stats.prefill_tokens} prefilled, "
             f"{stats.cached_tokens} from cached pages; generated {stats.generated_tokens} tokens in {elapsed:.2f} s "
             f"({stats.generated_tokens / max(elapsed, 1e-9):.1f} tok/s); pages: {stats.pages_peak} peak of "
-            f"{stats.pages_total} ({stats.page_size} tokens each), {stats.evictions} evicted; "
+            f"{stats.pages_total} ({stats.page_size} tokens each), {stats.evictions} evicted, "
+            f"{stats.compactions} lone jobs moved onto consecutive pages; "
             f"{stats.steps} steps ({stats.mixed_steps} mixing prompts and decodes)")
 
 

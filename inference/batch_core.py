@@ -57,6 +57,7 @@ class Counters:
     steps: int = 0
     mixed_steps: int = 0  # steps with both decodes and prompt chunks
     pages_peak: int = 0
+    compactions: int = 0  # lone sequences moved onto consecutive pages
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class StepResult:
     events: tuple[tuple[Job, TokenEvent], ...] = ()
     released: tuple[Job, ...] = ()
     idle: bool = False  # nothing could run: wait for a submit, a cancel or a consumer
+
+
+def _consecutive(pages: list[int]) -> bool:
+    return pages == list(range(pages[0], pages[0] + len(pages))) if pages else False
 
 
 def _bucket(n: int) -> int:
@@ -261,8 +266,12 @@ class BatchCore:
                 table.append([SCRATCH_PAGE] * width)
             single_tables = table
             if len(table) == 1 and not s.static_shapes:
+                # Alone in this step and, with no prompt being prefilled, likely in the next ones.
+                if not plan.runs and not _consecutive(singles[0].pages) and self._compact(singles[0]):
+                    table = single_tables = [singles[0].pages[:len(table[0])]]
+                    slots[-1] = singles[0].pages[positions[-1] // size] * size + positions[-1] % size
                 used = table[0]
-                if used == list(range(used[0], used[0] + len(used))):
+                if _consecutive(used):
                     first_page = used[0]
         n_singles = len(tokens)
         runs = []
@@ -311,6 +320,28 @@ class BatchCore:
                 job.finished = True
                 finished.append(job)
         return events, finished
+
+    def _compact(self, job: Job) -> bool:
+        """Move a sequence running alone onto consecutive pages, if a run of free ones is there.
+
+        Its keys then read as one slice of the pool (no gather of its pages every layer) and it
+        may take the compiled lone step. Pages become scattered when a job starts on a cached
+        prefix whose pages lie elsewhere, or when evictions leave the free list in pieces; the
+        copy is a few pages once, the gather was every step. A page the job alone held takes its
+        prefix key along to the copy; a shared one stays where it is for the others.
+        """
+        run = self.pages.take_free_run(len(job.pages))
+        if run is None:
+            return False
+        written = -(-job.fed // self.settings.page_size)  # pages holding keys so far
+        self.cache.copy_pages(job.pages[:written], run[:written])
+        for old, new in zip(job.pages, run):
+            if self.pages.refs[old] == 1:
+                self.pages.move_key(old, new)
+        self.pages.release(job.pages)
+        job.pages = run
+        self.counters.compactions += 1
+        return True
 
     def _packed_forward(self, step: _Packed) -> torch.Tensor:
         """The step's tokens packed into one row over the paged cache: logits of its sampled rows."""

@@ -104,6 +104,28 @@ class PageTable:
             pages.append(page)
         return pages
 
+    def take_free_run(self, count: int) -> list[int] | None:
+        """``count`` consecutive free pages, each with one reference, or None if there is no such
+        run (cached pages are not evicted for it)."""
+        free = sorted(self.free)
+        for i in range(len(free) - count + 1):
+            if free[i + count - 1] - free[i] == count - 1:
+                run = free[i:i + count]
+                taken = set(run)
+                self.free = [p for p in self.free if p not in taken]
+                for page in run:
+                    self.refs[page] = 1
+                return run
+        return None
+
+    def move_key(self, old: int, new: int) -> None:
+        """Let ``new`` (a copy of ``old``'s contents) hold ``old``'s prefix key, if it has one."""
+        key = self.key_of[old]
+        if key is not None:
+            self.key_of[old] = None
+            self.key_of[new] = key
+            self.by_key[key] = new
+
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference on each page. Pass a block table in order: its pages are released
         last to first, so that the start of a prefix, which more sequences share, is evicted last

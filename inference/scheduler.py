@@ -100,6 +100,7 @@ class SchedulerStats:
     pages_in_use: int  # in some job's block table
     pages_peak: int
     evictions: int
+    compactions: int = 0  # jobs running alone moved onto consecutive pages (batch_core._compact)
 
     @property
     def pages_available(self) -> int:
@@ -287,7 +288,7 @@ class Scheduler:
         c, pages = self.core.counters, self.core.pages
         return SchedulerStats(c.submitted, c.finished, c.prefill_tokens, c.cached_tokens, c.generated_tokens,
                               c.steps, c.mixed_steps, self.page_size, pages.usable, len(pages.free),
-                              len(pages.cached), pages.in_use, c.pages_peak, pages.evictions)
+                              len(pages.cached), pages.in_use, c.pages_peak, pages.evictions, c.compactions)
 
     # -- the producer ----------------------------------------------------------------------------
 

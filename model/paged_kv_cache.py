@@ -110,6 +110,13 @@ class PagedKVCache:
             return out
         return views(self.keys), views(self.values)
 
+    def copy_pages(self, sources: list[int], targets: list[int]) -> None:
+        """Every layer's keys and values of pages ``sources`` into pages ``targets`` (in pairs)."""
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        dst = torch.tensor(targets, dtype=torch.long, device=self.device)
+        for store in (*self.keys, *self.values):
+            store.index_copy_(1, dst, store.index_select(1, src))
+
     def view(self, batch: PagedBatch) -> PagedView:
         """The cache as one forward step sees it (pass it to ``Transformer.forward``)."""
         return PagedView(self, batch)

@@ -58,6 +58,19 @@ def test_a_page_already_keyed_elsewhere_stays_private():
     assert q in table.free and not table.cached
 
 
+def test_a_run_of_free_pages_is_taken_whole_or_not_at_all():
+    table = PageTable(9)
+    first = table.allocate(3)  # 1, 2, 3
+    table.allocate(1)  # 4
+    table.release(first)  # free: 1, 2, 3 and 5..8
+    assert table.take_free_run(5) is None  # no five in a row: 1-3, then 5-8
+    assert table.take_free_run(4) == [5, 6, 7, 8]
+    assert sorted(table.free) == [1, 2, 3] and table.refs[5:9] == [1, 1, 1, 1]
+    table.register(5, b"k")
+    table.move_key(5, 6)
+    assert table.by_key[b"k"] == 6 and table.key_of[5] is None
+
+
 def test_attention_over_pages_matches_the_model_for_any_mix_of_rows():
     """Three sequences written to scattered pages, then one step that mixes two one-token rows
     with a prompt chunk: the logits equal each sequence's own full forward."""

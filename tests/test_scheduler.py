@@ -302,3 +302,31 @@ def test_a_chat_reply_runner_on_the_scheduler_reuses_the_last_turn(model, tokeni
     common = next((i for i, (a, b) in enumerate(zip(written, second_ids)) if a != b), len(written))
     assert second.cached_tokens == min(common, len(second_ids) - 1) // 8 * 8 >= len(first_ids) // 8 * 8 > 0
     assert scheduler.stats.pages_in_use == 0
+
+
+def test_a_job_left_alone_on_scattered_pages_moves_to_consecutive_ones(model, tokenizer):
+    # "b" starts on "a"'s cached prefix pages, then gets new pages after those "a" holds: its
+    # block table has a gap. Once "a" has finished, "b" runs alone and is moved onto a run of free
+    # pages (read as one slice from then on). Its tokens are those of "b" run on its own, and the
+    # prefix pages it held alone keep their key at their new place: "c" finds them there.
+    g = torch.Generator().manual_seed(21)
+    prefix = random_prompt(g, 33, tokenizer.vocab_size)
+    a = Request(prefix + random_prompt(g, 6, tokenizer.vocab_size)[1:], sampling=GREEDY, max_tokens=3, request_id="a")
+    b = Request(prefix + random_prompt(g, 9, tokenizer.vocab_size)[1:], sampling=GREEDY, max_tokens=60,
+                request_id="b")
+    c = Request(prefix + random_prompt(g, 4, tokenizer.vocab_size)[1:], sampling=GREEDY, max_tokens=5, request_id="c")
+
+    async def main():
+        async with Scheduler(model, tokenizer, SchedulerOptions(cache_tokens=40 * 8, page_size=8)) as s:
+            first = await run_jobs(s, [a])
+            second = await run_jobs(s, [b, Request(a.prompt_ids, sampling=GREEDY, max_tokens=30, request_id="a2")])
+            third = await run_jobs(s, [c])
+            return first, second, third, s.stats
+    first, second, third, stats = anyio.run(main)
+    alone = {k: v for k, v in batched(model, tokenizer, [b, c], cache_tokens=40 * 8, page_size=8, max_batch=1)[0].items()}
+    assert stats.compactions >= 1
+    assert second["b"].cached_tokens == 32  # four full pages of the shared prefix
+    assert second["b"].token_ids == alone["b"].token_ids
+    assert second["a2"].token_ids[:3] == first["a"].token_ids
+    assert third["c"].cached_tokens == 32 and third["c"].token_ids == alone["c"].token_ids
+    assert stats.pages_in_use == 0
