@@ -57,10 +57,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) ->
 # least this many elements multiplied by at most this many rows. MKL's product of a transposed
 # weight with few rows reads the weight at well below the memory's speed; oneDNN's does not.
 # Measured on a 2-core AMD EPYC (AVX2), medians of interleaved runs, ``F.linear`` time over
-# oneDNN's: 32000 x 288 (a stories15M classifier) 2.3x at one row, 1.6x at 16, 1.4x at 128;
-# 11264 x 2048 1.5x, 2.1x, 1.5x; 2304 x 768 1.1x, 1.2x, 1.1x. Below about a million and a half
-# elements oneDNN's fixed cost per call loses at one row (768 x 768: 0.8x); past 128 rows both
-# are compute-bound and even (512 rows: 0.9x to 1.1x).
+# oneDNN's (``benchmarks/bench_products.py``, two runs): 32000 x 288 (a stories15M classifier)
+# 1.9-2.3x at one row, 1.5-1.6x at 16, 1.3-1.4x at 128; 11264 x 2048 1.2-1.5x, 2.1-2.4x,
+# 1.5-1.6x; 2304 x 768 1.05-1.1x, 1.1-1.2x, 0.95-1.1x. Below about a million and a half elements
+# oneDNN's fixed cost per call loses at one row (768 x 768: 0.7-0.8x); past 128 rows both are
+# compute-bound and about even (512 rows: 0.9x to 1.4x).
 ONEDNN_MIN_WEIGHT = 1_500_000
 ONEDNN_MAX_ROWS = 128
 
