@@ -16,6 +16,7 @@ submits jobs, flags cancels and counts what consumers took (``jobs.Job``). A ste
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -89,6 +90,8 @@ class _Packed:
     single_kv_len: int | None
     first_page: int | None
     sampled_rows: list[int]
+    single_key: tuple | None = None  # see PagedBatch
+    mirror_slots: list[int] | None = None
 
 
 @dataclass
@@ -106,6 +109,7 @@ class BatchCore:
         self.cache = PagedKVCache.for_model(model.args, settings.num_pages, settings.page_size,
                                             device=device, dtype=dtype)
         self.pages = PageTable(settings.num_pages)
+        self._serials = itertools.count(1)
         self.token_bytes = token_bytes
         self.sample_ids = sample_ids
         self.incoming: deque[Job] = deque()  # appended by the event loop, taken here
@@ -186,6 +190,7 @@ class BatchCore:
             job.tokens = list(prompt)
             job.fed = job.cached_tokens = len(hits) * size
             job.admitted = time.perf_counter()  # max_time counts from here, not from the queue
+            job.serial = next(self._serials)
             job.claims = [k for k in keys[len(hits):] if k not in self.claims]
             for key in job.claims:
                 self.claims[key] = job
@@ -243,10 +248,20 @@ class BatchCore:
         singles = plan.singles
         single_tables: list[list[int]] | None = None
         first_page = None  # a lone one-token row's first page, when its pages are consecutive
+        # Several one-token rows on the CPU read their keys from a mirror of their gathered pages
+        # (PagedKVCache.mirror), named by the rows and their whole block tables, which then stay
+        # the same from one step to the next. Any other step feeds rows past the mirror: drop it.
+        mirrored = self.device.type == "cpu" and not s.static_shapes and len(singles) > 1
+        single_key = mirror_slots = None
+        if not mirrored:
+            self.cache.drop_mirrors()
         if singles:
-            widths = [job.fed // size + 1 for job in singles]
+            widths = [len(job.pages) if mirrored else job.fed // size + 1 for job in singles]
             width = max(widths)
             rows = len(singles)
+            if mirrored:
+                single_key = tuple((job.serial, tuple(job.pages)) for job in singles)
+                mirror_slots = [r * width * size + job.fed for r, job in enumerate(singles)]
             if s.static_shapes:
                 width, rows = _bucket(width), _bucket(rows)
             table = []
@@ -255,7 +270,7 @@ class BatchCore:
                     sampled_rows.append(len(tokens))
                     sampled_jobs.append(job)
                 feed(job, 1)
-                used = job.pages[:job.fed // size + 1]
+                used = job.pages if mirrored else job.pages[:job.fed // size + 1]
                 table.append(used + [SCRATCH_PAGE] * (width - len(used)))
             for _ in range(rows - len(singles)):  # padding rows: scratch page, position 0, ignored
                 sampled_rows.append(len(tokens))
@@ -291,7 +306,7 @@ class BatchCore:
         if logits is None:
             kv_len = None if s.static_shapes or not singles else max(job.fed for job in singles) + 1
             logits = self._packed_forward(_Packed(tokens, positions, slots, n_singles, single_tables, tuple(runs),
-                                                  kv_len, first_page, sampled_rows))
+                                                  kv_len, first_page, sampled_rows, single_key, mirror_slots))
         chosen = self._sample(logits[:, :self.sample_ids], sampled_jobs) if sampled_rows else []
 
         # Bookkeeping: what was fed is now in the pages; full pages get their prefix keys.
@@ -354,7 +369,8 @@ class BatchCore:
         batch = PagedBatch(tensor(step.slots), tensor(step.positions), step.singles,
                            None if step.single_tables is None else tensor(step.single_tables),
                            tuple((f, n, put(t), start) for f, n, t, start in step.runs),
-                           step.single_kv_len, step.first_page)
+                           step.single_kv_len, step.first_page, step.single_key,
+                           None if step.mirror_slots is None else tensor(step.mirror_slots))
         # A step of prompt chunks only takes no logits at all (``(1, 0, vocab)``).
         return self.model(tensor(step.tokens).view(1, -1), batch.positions.view(1, -1), self.cache.view(batch),
                           logits_at=tensor(step.sampled_rows))[0]

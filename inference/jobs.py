@@ -39,6 +39,7 @@ class Job:
     claims: list[PageKey] = field(default_factory=list)  # prompt pages it will write that others wait for
     cached_tokens: int = 0  # prompt tokens found in the cache at admission
     admitted: float = 0.0  # perf_counter when it got its pages
+    serial: int = 0  # the order of its admission, unique within a scheduler
     produced: int = 0  # events made
     finished: bool = False
     uniforms: torch.Tensor | None = None

@@ -330,3 +330,34 @@ def test_a_job_left_alone_on_scattered_pages_moves_to_consecutive_ones(model, to
     assert second["a2"].token_ids[:3] == first["a"].token_ids
     assert third["c"].cached_tokens == 32 and third["c"].token_ids == alone["c"].token_ids
     assert stats.pages_in_use == 0
+
+
+def test_rows_that_pause_and_resume_read_the_keys_they_wrote(model, tokenizer):
+    # Several decoding rows read their keys from a mirror of their gathered pages, kept while the
+    # same rows step together. A consumer that reads in bursts pauses its job (its buffer is
+    # full) and lets it resume, so the rows of a step change back and forth; every job's greedy
+    # tokens must still be those it gets alone.
+    g = torch.Generator().manual_seed(23)
+    requests = [Request(random_prompt(g, 5 + 7 * i, tokenizer.vocab_size), sampling=GREEDY,
+                        max_tokens=40 + 10 * i, request_id=str(i)) for i in range(4)]
+
+    async def main():
+        async with Scheduler(model, tokenizer, SchedulerOptions(buffer_size=3, page_size=8)) as s:
+            out = {}
+
+            async def consume(stream, burst: bool):
+                n = 0
+                async for _ in stream:
+                    n += 1
+                    if burst and n % 3 == 0:
+                        await anyio.sleep(0.01)
+                out[stream.request_id] = stream.completion()
+
+            async with anyio.create_task_group() as tg:
+                for i, r in enumerate(requests):
+                    tg.start_soon(consume, s.submit(r), i % 2 == 1)
+            return out
+    together = anyio.run(main)
+    alone = batched(model, tokenizer, requests, page_size=8, max_batch=1)[0]
+    for r in requests:
+        assert together[r.request_id].token_ids == alone[r.request_id].token_ids, r.request_id
