@@ -88,7 +88,6 @@ class PagedKVCache:
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
         # Per layer: the key of the rows last gathered, and their keys and values (see ``mirror``).
         self._mirrors: list[tuple[tuple, torch.Tensor, torch.Tensor] | None] = [None] * n_layers
-        self.mirror_bytes = 0
 
     @classmethod
     def for_model(cls, args, num_pages: int, page_size: int, *, device: torch.device | str = "cpu",
@@ -142,12 +141,11 @@ class PagedKVCache:
         torch.index_select(store_k, 1, pages, out=mk)
         torch.index_select(store_v, 1, pages, out=mv)
         self._mirrors[layer] = (key, mk, mv)
-        self.mirror_bytes = sum(2 * m[1].numel() * m[1].element_size() for m in self._mirrors if m is not None)
         return mk, mv
 
     def drop_mirrors(self) -> None:
+        """Forget every mirror: a step fed rows without updating them."""
         self._mirrors = [None] * len(self._mirrors)
-        self.mirror_bytes = 0
 
     def slice_views(self, start: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every layer's keys and values of flat slots ``[start, start + length)``, as views shaped
