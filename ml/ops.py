@@ -71,8 +71,10 @@ def _onednn_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if weight.numel() < ONEDNN_MIN_WEIGHT or x.numel() // x.shape[-1] > ONEDNN_MAX_ROWS:
         return False
-    # A compiled graph keeps its own products (and a traced call would add nothing).
-    return weight.is_contiguous() and not torch.compiler.is_compiling() and _onednn_linear_available()
+    # A compiled graph keeps its own products (and a traced call would add nothing); a caller
+    # that switched oneDNN off (``torch.backends.mkldnn.enabled``) keeps MKL's.
+    return (weight.is_contiguous() and not torch.compiler.is_compiling() and torch.backends.mkldnn.enabled
+            and _onednn_linear_available())
 
 
 @functools.cache

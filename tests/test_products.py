@@ -35,6 +35,11 @@ def test_small_weights_long_chunks_and_other_dtypes_keep_the_mkl_product():
     assert not ops._onednn_pays(torch.randn(ops.ONEDNN_MAX_ROWS + 1, 64), big)  # compute-bound: even
     assert not ops._onednn_pays(torch.randn(1, 64, dtype=torch.bfloat16), big.bfloat16())
     assert not ops._onednn_pays(torch.randn(1, 24_000), big.t())  # a transposed view
+    torch._C._set_mkldnn_enabled(False)  # what torch.backends.mkldnn.flags(enabled=False) sets
+    try:
+        assert not ops._onednn_pays(torch.randn(1, 64), big)
+    finally:
+        torch._C._set_mkldnn_enabled(True)
 
 
 def test_greedy_tokens_and_logits_do_not_depend_on_the_kernel(monkeypatch):
