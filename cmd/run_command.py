@@ -25,6 +25,7 @@ from llama_chat.cmd.report import print_summary, write_json
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.types import Request
+from llama_chat.ml import cpu_kernels
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 from llama_chat.model.stores import resolve_model
 
@@ -45,9 +46,30 @@ def load(opts: Options, err: Console) -> LoadedModel:
     # The bar (stderr on a terminal, big checkpoints only) is erased on success, error or Ctrl+C.
     with load_progress(name or Path(path).name or str(path), console=err) as on_progress:
         # --quantize int8 is applied while loading, so the float model never exists whole.
-        return load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
-                          max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress, name=name,
-                          quantize=getattr(opts, "quantize", "none"))
+        loaded = load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
+                            max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress, name=name,
+                            quantize=getattr(opts, "quantize", "none"))
+    prepare_cpu_kernels(loaded, getattr(opts, "quantize", "none"), err, quiet=getattr(opts, "json", False))
+    return loaded
+
+
+def prepare_cpu_kernels(loaded: LoadedModel, quantize: str, err: Console, *, quiet: bool) -> None:
+    """Build (the first time) or load our CPU products for this model, saying so on a terminal.
+
+    A build that fails is said in one line, once per machine (``ml/cpu_kernels.py`` remembers
+    it), and decoding goes on with PyTorch's products.
+    """
+    if not cpu_kernels.wanted(loaded.model, quantize) or cpu_kernels.loaded():
+        return
+    building = not cpu_kernels.cached()
+    if building and err.is_terminal and not quiet:
+        with err.status("building CPU kernels (first run only)", spinner="dots"):
+            cpu_kernels.load()
+    else:
+        cpu_kernels.load()
+    if building and cpu_kernels.failure() and not quiet:
+        err.print(f"llama-chat: could not build the CPU kernels ({cpu_kernels.failure()}); "
+                  f"using PyTorch's products", markup=False, highlight=False)
 
 
 def make_engine(loaded: LoadedModel, opts: Options) -> Engine:

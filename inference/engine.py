@@ -42,6 +42,7 @@ from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, EngineBusy, GenerationState, Request,
                                         Tally, TokenEvent, check_request, sole_exception, state_after,
                                         stop_ids_of)
+from llama_chat.ml import cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams, sample
 from llama_chat.model.tokenizers.base import Tokenizer
@@ -81,6 +82,7 @@ class Engine:
         first = next(model.parameters())
         parameters = sum(p.numel() for p in model.parameters())
         quantized = apply_quantization(model, options.quantize)
+        cpu_kernels.prepare(model)  # before anything is compiled: a compiled graph keeps its products
         step_options = StepOptions.for_device(first.device, parameters, options.compile,
                                               quantized=quantized, dtype=first.dtype)
         self.step = ModelStep(model, options=step_options, max_seq_len=options.max_seq_len,

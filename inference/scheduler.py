@@ -41,6 +41,7 @@ from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (GenerationState, Request, RequestError, TokenEvent, check_request,
                                         sole_exception, stop_ids_of)
+from llama_chat.ml import cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.tokenizers.base import Tokenizer
@@ -119,6 +120,7 @@ class Scheduler:
         device, dtype = first.device, first.dtype
         parameters = sum(p.numel() for p in model.parameters())
         quantized = apply_quantization(model, options.quantize)
+        cpu_kernels.prepare(model)  # before anything is compiled: a compiled graph keeps its products
         # As the one-prompt engine does (fewer products per layer); also before anything is
         # compiled, so that an engine made later for the same model cannot change what a
         # compiled graph reads.

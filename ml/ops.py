@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llama_chat.ml import quantize
+from llama_chat.ml import cpu_kernels, quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,11 +35,14 @@ class RopeScaling:
 def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) -> torch.Tensor:
     """``x @ weight.T``; with ``row_products``, spelled as a multiply and a sum over the inputs.
 
-    The spelled-out form is for a compiled decode step on the CPU, where the compiler fuses it
-    into one reduction that reads the weights at close to the memory's speed, while a one-row
-    matrix product goes to MKL's ``sgemv`` at half that. Run eagerly it would materialise
-    ``weight``-sized products: never use it outside a compiled step.
+    A product of a few rows on the CPU (a decode step) goes to our matrix-vector operator when it
+    is loaded (``cpu_kernels``), eager or compiled: it reads the weights at the memory's speed.
+    Without it, the spelled-out form is for a compiled decode step on the CPU, where the compiler
+    fuses it into one reduction that reads the weights faster than MKL's one-row ``sgemv``. Run
+    eagerly it would materialise ``weight``-sized products: never use it outside a compiled step.
     """
+    if cpu_kernels.takes(x, weight):
+        return cpu_kernels.matvec(x, weight)
     if row_products:
         return (x.unsqueeze(-2) * weight).sum(-1)
     if _slow_half_matmul(x, weight):

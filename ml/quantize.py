@@ -25,7 +25,11 @@ the same shapes fbgemm's product also took half the time of float32's matrix pro
 (3.0 against 5.6 ms for 2304 x 768; 4.2 against 13.3 for 4096 x 768), where converting the weight
 and using the float product took as long as float32. So:
 
-* on a CPU with fbgemm (x86), every product is fbgemm's, on a copy of the weight packed once for
+* a product of at most ``cpu_kernels.MAX_ROWS`` rows on the CPU (a decode step), eager or
+  compiled, is our own operator's (``cpu_kernels``) when it is loaded: it multiplies the int8
+  values by activations rounded to 2^-14 of their largest, with no per-call cost to speak of
+  (fbgemm's is 50-100 us), and the compiler can trace it;
+* otherwise, on a CPU with fbgemm (x86), every product is fbgemm's, on a copy of the weight packed once for
   it; ``x`` is quantized to 7 bits per call, 8 rows at most, with their own range
   (``reduce_range``: AVX2's 16-bit accumulation would saturate with 8). The shipped model's
   validation perplexity moves by a few hundredths of a percent with it
@@ -45,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from llama_chat.ml import cpu_kernels
 
 QUANTIZE_MODES = ("none", "int8")
 # Rows per fbgemm call (they share one activation range). 128 rows of 2304 x 768 took 2.9 ms in
@@ -131,6 +137,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     ``row_products`` is for a compiled step only (as ``ops.linear``'s): run eagerly it would
     materialise a weight-sized float product.
     """
+    if cpu_kernels.takes(x, weight):
+        return cpu_kernels.matvec(x, weight, scales)
     if row_products:
         if packed_key is not None and x.device.type == "cpu":
             return torch.ops.llama_chat.fbgemm_int8_linear(x, packed_key, weight.shape[0])

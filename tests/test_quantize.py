@@ -49,7 +49,7 @@ def test_int8_linear_matches_the_float_product_of_its_weights(rows, dtype):
     assert _relative(got.float(), want) < tolerance
 
 
-def test_every_one_row_kernel_agrees():
+def test_every_one_row_kernel_agrees(pytorch_products):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(200, 128, generator=g) * 0.05
     q = quantize_int8(w)
@@ -117,7 +117,7 @@ def test_bad_quantize_value_is_one_line_and_exit_2():
     assert len(lines) == 1 and "--quantize" in lines[0] and "'foo'" in lines[0], run.stderr
 
 
-def test_a_compiled_int8_step_keeps_fbgemms_product_and_decodes_the_eager_tokens():
+def test_a_compiled_int8_step_keeps_fbgemms_product_and_decodes_the_eager_tokens(pytorch_products):
     """The compiled step traces fbgemm's product as one opaque call (the packed weight stays
     outside the graph, named by a key) and compiles the rest around it; the aot_eager backend
     runs the same kernels, so its tokens are the eager int8 step's."""

@@ -1,0 +1,179 @@
+"""Our CPU matrix-vector products (``ml/cpu_kernels.cpp``): built, exact, taken where they pay."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from builders import random_model, tiny_args
+from cli_support import build_tiny_model, run_cli
+from llama_chat.inference.model_step import ModelStep, StepOptions
+from llama_chat.ml import cpu_kernels, ops, quantize
+from llama_chat.ml.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+HAS_COMPILER = shutil.which("c++") is not None
+
+needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler to build the kernels")
+
+
+def _want(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    w = weight.double() * (scales.double().unsqueeze(1) if scales is not None else 1)
+    return x.double() @ w.T
+
+
+def _weights(kind: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if kind == "int8":
+        q = quantize.quantize_int8(torch.randn(n, k, generator=g))
+        return q.values, q.scales
+    w = torch.randn(n, k, generator=g)
+    return (w.bfloat16() if kind == "bfloat16" else w), None
+
+
+@needs_kernels
+def test_the_kernels_build_here(cpu_kernels_loaded):
+    assert cpu_kernels_loaded, cpu_kernels.failure()
+    assert cpu_kernels.library_path().exists()
+
+
+@needs_kernels
+@given(rows=st.integers(1, cpu_kernels.MAX_ROWS), k=st.integers(1, 300), n=st.integers(1, 70),
+       kind=st.sampled_from(["float32", "bfloat16", "int8"]), seed=st.integers(0, 2**16))
+def test_every_product_equals_the_float64_product(rows, k, n, kind, seed):
+    # Lengths that are and are not multiples of the 8- and 32-wide loops, any number of rows.
+    g = torch.Generator().manual_seed(seed)
+    weight, scales = _weights(kind, n, k, g)
+    x = torch.randn(rows, k, generator=g)
+    got = cpu_kernels.matvec(x, weight, scales)
+    want = _want(x, weight, scales)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    size = x.double().abs() @ (weight.double().abs() * (scales.double().unsqueeze(1) if scales is not None else 1)).T
+    bound = 1e-5 * size
+    if kind == "int8":  # the activations are rounded to 2^-14 of each row's largest (AVX2 build)
+        largest = x.abs().amax(dim=1, keepdim=True).double()
+        w_sum = (weight.double().abs() * scales.double().unsqueeze(1)).sum(1)
+        bound = bound + largest / 16383 / 2 * w_sum
+    assert ((got.double() - want).abs() <= bound + 1e-6).all()
+
+
+@needs_kernels
+def test_the_result_has_the_inputs_dtype_and_leading_shape():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    x = torch.randn(2, 1, 64, generator=g).bfloat16()
+    got = cpu_kernels.matvec(x, w)
+    assert got.shape == (2, 1, 40) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), (x.float() @ w.float().T), rtol=1e-2, atol=1e-2)
+
+
+@needs_kernels
+def test_bad_operands_are_refused_with_what_was_found():
+    with pytest.raises(RuntimeError, match="the weight 64"):
+        cpu_kernels.matvec(torch.ones(1, 63), torch.ones(4, 64))
+    with pytest.raises(RuntimeError, match="4 rows but 3 scales"):
+        cpu_kernels.matvec(torch.ones(1, 64), torch.ones(4, 64, dtype=torch.int8), torch.ones(3))
+
+
+@needs_kernels
+def test_decode_products_take_the_kernels_and_longer_chunks_do_not():
+    w = torch.randn(32, 16)
+    assert cpu_kernels.takes(torch.ones(1, 1, 16), w)
+    assert cpu_kernels.takes(torch.ones(cpu_kernels.MAX_ROWS, 16), w.to(torch.int8))
+    assert not cpu_kernels.takes(torch.ones(cpu_kernels.MAX_ROWS + 1, 16), w)
+    assert not cpu_kernels.takes(torch.ones(1, 16), w.t().contiguous().t())  # a transposed view
+    assert not cpu_kernels.takes(torch.ones(1, 16), w.half())  # no float16 product
+
+
+@needs_kernels
+def test_pytorchs_products_are_kept_when_the_kernels_are_not_loaded(pytorch_products):
+    assert not cpu_kernels.takes(torch.ones(1, 16), torch.randn(32, 16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_step_calls_the_kernels_and_decodes_the_eager_tokens(dtype):
+    """The operator has a shape rule, so a compiled step traces it as one call; inductor
+    compiles what lies between the products."""
+    model = random_model(tiny_args(300, max_seq_len=96), seed=5).to(dtype)
+    model.fuse_projections()
+    eager = ModelStep(model, options=StepOptions())
+    compiled = ModelStep(model, options=StepOptions(static=True, compile=True, row_products=True),
+                         max_seq_len=96)
+    prompt = [5, 17, 42, 7]
+    with torch.inference_mode():
+        want = eager.decode(prompt, 0, GREEDY, 0)
+        want_ids = [want.next_token() for _ in range(30)]
+        got = compiled.decode(prompt, 0, GREEDY, 0)
+        got_ids = [got.next_token() for _ in range(30)]
+    assert compiled.static is not None and compiled.static_failure is None
+    graph_ops = torch._dynamo.utils.counters["graph_break"]
+    assert not graph_ops, graph_ops
+    assert got_ids == want_ids
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_a_model_decodes_the_same_tokens_on_either_product(kind, monkeypatch):
+    model = random_model(tiny_args(300, max_seq_len=96), seed=7)
+    model.fuse_projections()
+    if kind == "int8":
+        quantize.quantize_model(model)
+        for layer in model.modules():  # PyTorch's int8 products that keep the activations exact,
+            if isinstance(layer, quantize.Int8Linear):  # as ours do (fbgemm's round them)
+                layer.packed = layer.packed_key = None
+    step = ModelStep(model, options=StepOptions())
+    prompt = [9, 4, 120, 33, 2]
+    runs = {}
+    for loaded in (True, False):
+        monkeypatch.setitem(cpu_kernels._state, "loaded", loaded)
+        with torch.inference_mode():
+            decode = step.decode(prompt, 0, GREEDY, 0)
+            runs[loaded] = [decode.next_token() for _ in range(24)]
+            logits = step.forward([prompt], [0])[0]
+        runs[f"logits {loaded}"] = logits
+    assert runs[True] == runs[False]
+    scale = runs["logits False"].abs().max()
+    # int8: ours rounds the activations to 2^-14 of their largest (see cpu_kernels.cpp).
+    tolerance = 1e-4 if kind == "float32" else 1e-3
+    assert (runs["logits True"] - runs["logits False"]).abs().max() <= tolerance * scale
+
+
+def test_a_compiler_that_fails_is_one_line_and_tried_once(tmp_path):
+    """In a fresh process with no usable compiler: ``load`` says why in one line, leaves a note,
+    and a second process does not try again."""
+    code = ("from llama_chat.ml import cpu_kernels as k; ok = k.load(); "
+            "print(ok, k.failure(), k.library_path().with_suffix('.failed').exists(), sep='|')")
+    env = {"LLAMA_CHAT_KERNEL_DIR": str(tmp_path), "CXX": "/bin/false", "PATH": "/usr/bin:/bin"}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**_base_env(), **env}) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+        ok, why, marker = run.stdout.strip().split("|")
+        assert ok == "False" and marker == "True"
+        assert why.startswith("/bin/false failed") and "\n" not in why
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_the_command_says_once_that_the_kernels_did_not_build_and_still_answers(tmp_path):
+    tiny = build_tiny_model(tmp_path)
+    env = dict(LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "kernels"), CXX="/bin/false")
+    first = run_cli("-m", str(tiny.path), "-p", "hello", "-n", "8", "--seed", "7", "--quantize", "int8", "--no-stdin", **env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip()
+    lines = [line for line in first.stderr.decode().splitlines() if "CPU kernels" in line]
+    assert len(lines) == 1 and "/bin/false failed" in lines[0], first.stderr
+    again = run_cli("-m", str(tiny.path), "-p", "hello", "-n", "8", "--seed", "7", "--quantize", "int8", "--no-stdin", **env)
+    assert again.returncode == 0 and "CPU kernels" not in again.stderr.decode(), again.stderr
+    assert again.stdout == first.stdout
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("CXX", "LLAMA_CHAT_KERNEL_DIR")}
