@@ -63,6 +63,19 @@ def test_every_product_equals_the_float64_product(rows, k, n, kind, seed):
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_a_product_split_among_threads_equals_the_float64_product(kind):
+    # Large enough for many chunks of rows (256 KiB each) whichever the storage type; the
+    # hypothesis test's weights are one chunk, done on the calling thread.
+    g = torch.Generator().manual_seed(11)
+    weight, scales = _weights(kind, 5000, 700, g)
+    x = torch.randn(3, 700, generator=g)
+    got = cpu_kernels.matvec(x, weight, scales).double()
+    want = _want(x, weight, scales)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
+
+
+@needs_kernels
 def test_the_result_has_the_inputs_dtype_and_leading_shape():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 64, generator=g).bfloat16()
