@@ -4,7 +4,7 @@ A decode step multiplies one row by every weight, and PyTorch's CPU kernels read
 int8 weights well below the memory's speed on CPUs without bf16 or AVX-512 instructions (the
 numbers are in docs/architecture.md). ``cpu_kernels.cpp`` is one operator,
 ``torch.ops.llama_chat_cpu.matvec(x, weight, scales=None)``: ``x @ weight.T`` (times ``scales``
-per output row) for float32, bfloat16 and int8 weights, in ``x``'s dtype. It is compiled with the
+per output row) for float32, bfloat16 and int8 weights and a few rows of ``x``, in ``x``'s dtype. It is compiled with the
 machine's C++ compiler (``$CXX``, else ``c++``), the one inductor uses too, against the installed
 torch, for this CPU (``-march=native``), into ``~/.cache/llama-chat/kernels`` (or
 ``$LLAMA_CHAT_KERNEL_DIR``), under a name that changes with the source, torch, Python and the CPU.
@@ -43,9 +43,13 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
-# A product of up to this many rows takes the operator (a decode step, or a few packed decode
-# rows of the scheduler); longer ones are matrix products, where BLAS's blocking wins.
-MAX_ROWS = 8
+# A product of up to this many rows takes the operator (a decode step, or the packed decode rows
+# of the scheduler's jobs); longer ones are matrix products, where BLAS's blocking wins. All the
+# products of a stories15M-sized model, oneDNN's time over ours: 1.5x at one row, 2.1x at 8,
+# 1.6x at 16, 1.0x at 32, 0.8x at 64 (110M-sized: 1.2x, 1.3x, 1.0x, 0.8x). int8 rows have no
+# four-row blocking and stop at 8, past which fbgemm's product takes them.
+MAX_ROWS = 16
+MAX_INT8_ROWS = 8
 BUILD_TIMEOUT_S = 300
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # Smaller float32 models do not build the operator for themselves: their decode steps are short
@@ -156,9 +160,12 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the product ``x @ weight.T`` goes to the operator: loaded, on the CPU, few rows."""
-    return (loaded() and x.device.type == "cpu" and weight.device.type == "cpu"
+    if not (loaded() and x.device.type == "cpu" and weight.device.type == "cpu"
             and weight.dtype in KERNEL_DTYPES and x.dtype in (torch.float32, torch.bfloat16)
-            and weight.dim() == 2 and weight.is_contiguous() and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+            and weight.dim() == 2 and weight.is_contiguous()):
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return rows <= (MAX_INT8_ROWS if weight.dtype == torch.int8 else MAX_ROWS)
 
 
 def _register_fake() -> None:

@@ -25,12 +25,12 @@ the same shapes fbgemm's product also took half the time of float32's matrix pro
 (3.0 against 5.6 ms for 2304 x 768; 4.2 against 13.3 for 4096 x 768), where converting the weight
 and using the float product took as long as float32. So:
 
-* a product of at most ``cpu_kernels.MAX_ROWS`` rows on the CPU (a decode step), eager or
+* a product of at most ``cpu_kernels.MAX_INT8_ROWS`` rows on the CPU (a decode step), eager or
   compiled, is our own operator's (``cpu_kernels``) when it is loaded: it multiplies the int8
   values by activations rounded to 2^-14 of their largest, with no per-call cost to speak of
   (fbgemm's is 50-100 us), and the compiler can trace it;
-* otherwise, on a CPU with fbgemm (x86), every product is fbgemm's, on a copy of the weight packed once for
-  it; ``x`` is quantized to 7 bits per call, 8 rows at most, with their own range
+* otherwise, on a CPU with fbgemm (x86), every product is fbgemm's, on a copy of the weight
+  packed once for it; ``x`` is quantized to 7 bits per call, 8 rows at most, with their own range
   (``reduce_range``: AVX2's 16-bit accumulation would saturate with 8). The shipped model's
   validation perplexity moves by a few hundredths of a percent with it
   (``scripts/evaluate_quantized.py``);

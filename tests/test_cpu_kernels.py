@@ -69,7 +69,7 @@ def test_a_product_split_among_threads_equals_the_float64_product(kind):
     # hypothesis test's weights are one chunk, done on the calling thread.
     g = torch.Generator().manual_seed(11)
     weight, scales = _weights(kind, 5000, 700, g)
-    x = torch.randn(3, 700, generator=g)
+    x = torch.randn(6, 700, generator=g)  # a block of four rows and two rows alone
     got = cpu_kernels.matvec(x, weight, scales).double()
     want = _want(x, weight, scales)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
@@ -97,8 +97,10 @@ def test_bad_operands_are_refused_with_what_was_found():
 def test_decode_products_take_the_kernels_and_longer_chunks_do_not():
     w = torch.randn(32, 16)
     assert cpu_kernels.takes(torch.ones(1, 1, 16), w)
-    assert cpu_kernels.takes(torch.ones(cpu_kernels.MAX_ROWS, 16), w.to(torch.int8))
+    assert cpu_kernels.takes(torch.ones(cpu_kernels.MAX_ROWS, 16), w)
     assert not cpu_kernels.takes(torch.ones(cpu_kernels.MAX_ROWS + 1, 16), w)
+    assert cpu_kernels.takes(torch.ones(cpu_kernels.MAX_INT8_ROWS, 16), w.to(torch.int8))
+    assert not cpu_kernels.takes(torch.ones(cpu_kernels.MAX_INT8_ROWS + 1, 16), w.to(torch.int8))
     assert not cpu_kernels.takes(torch.ones(1, 16), w.t().contiguous().t())  # a transposed view
     assert not cpu_kernels.takes(torch.ones(1, 16), w.half())  # no float16 product
 
@@ -176,12 +178,13 @@ def test_a_compiler_that_fails_is_one_line_and_tried_once(tmp_path):
 def test_the_command_says_once_that_the_kernels_did_not_build_and_still_answers(tmp_path):
     tiny = build_tiny_model(tmp_path)
     env = dict(LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "kernels"), CXX="/bin/false")
-    first = run_cli("-m", str(tiny.path), "-p", "hello", "-n", "8", "--seed", "7", "--quantize", "int8", "--no-stdin", **env)
+    args = ("-m", str(tiny.path), "-p", "hello", "-n", "8", "--seed", "7", "--quantize", "int8", "--no-stdin")
+    first = run_cli(*args, **env)
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip()
     lines = [line for line in first.stderr.decode().splitlines() if "CPU kernels" in line]
     assert len(lines) == 1 and "/bin/false failed" in lines[0], first.stderr
-    again = run_cli("-m", str(tiny.path), "-p", "hello", "-n", "8", "--seed", "7", "--quantize", "int8", "--no-stdin", **env)
+    again = run_cli(*args, **env)
     assert again.returncode == 0 and "CPU kernels" not in again.stderr.decode(), again.stderr
     assert again.stdout == first.stdout
 
