@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from builders import random_model, tiny_args
 from cli_support import build_tiny_model, run_cli
 from llama_chat.inference.model_step import ModelStep, StepOptions
-from llama_chat.ml import cpu_kernels, ops, quantize
+from llama_chat.ml import cpu_kernels, quantize
 from llama_chat.ml.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
