@@ -1,10 +1,10 @@
 // Matrix-vector products for decode steps on the CPU: out = x @ w.T, times a scale per output row
 // for int8 weights. A decode step multiplies one row (or a few) by every weight once, so the
-// speed is how fast the weight is read. PyTorch's kernels for these shapes read float32 weights
-// at about half the memory's speed, and bfloat16 and int8 weights slower still on CPUs without
-// bf16 or AVX-512 instructions (docs/architecture.md has the measurements); these read them
-// close to it: each output row is a dot product over one contiguous weight row, with several
-// accumulators, and the rows are split among threads.
+// speed is how fast the weight is read. PyTorch's kernels for these shapes read the weights at
+// 55-80 % of the memory's speed on a 2-core AVX2 machine, bfloat16 ones at a quarter of that
+// for several rows, where these reach 70-90 % (benchmarks/bench_cpu_kernels.py): each output row
+// is a dot product over one contiguous weight row, with several accumulators, and the rows are
+// split among threads.
 //
 // Built on first use by llama_chat/ml/cpu_kernels.py with the machine's C++ compiler.
 #include <torch/library.h>
@@ -18,10 +18,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

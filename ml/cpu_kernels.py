@@ -1,8 +1,9 @@
 """Our own CPU matrix-vector products (``cpu_kernels.cpp``), built on first use and cached.
 
-A decode step multiplies one row by every weight, and PyTorch's CPU kernels read bfloat16 and
-int8 weights well below the memory's speed on CPUs without bf16 or AVX-512 instructions (the
-numbers are in docs/architecture.md). ``cpu_kernels.cpp`` is one operator,
+A decode step multiplies one row by every weight, and PyTorch's CPU kernels read the weights
+well below the memory's speed, bfloat16 and int8 ones most of all on CPUs without bf16 or
+AVX-512 instructions (``benchmarks/bench_cpu_kernels.py``; the numbers are in
+docs/architecture.md). ``cpu_kernels.cpp`` is one operator,
 ``torch.ops.llama_chat_cpu.matvec(x, weight, scales=None)``: ``x @ weight.T`` (times ``scales``
 per output row) for float32, bfloat16 and int8 weights and a few rows of ``x``, in ``x``'s dtype. It is compiled with the
 machine's C++ compiler (``$CXX``, else ``c++``), the one inductor uses too, against the installed
