@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, sample_in_graph
+from llama_chat.ml.user_cache import user_cache_dir
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
 
@@ -40,8 +41,7 @@ SKIP_GUARDS = True
 def use_persistent_compile_cache() -> str:
     """Point inductor's on-disk cache at a user cache folder (unless the user chose one)."""
     if not os.environ.get(COMPILE_CACHE_ENV):
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        os.environ[COMPILE_CACHE_ENV] = os.path.join(base, "llama-chat", "torch-compile")
+        os.environ[COMPILE_CACHE_ENV] = str(user_cache_dir("torch-compile"))
     return os.environ[COMPILE_CACHE_ENV]
 
 

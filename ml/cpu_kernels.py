@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from llama_chat.ml.user_cache import user_cache_dir
+
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
@@ -91,8 +93,7 @@ def wanted(model: torch.nn.Module, quantize: str = "none") -> bool:
 def cache_dir() -> Path:
     if os.environ.get(DIR_ENV):
         return Path(os.environ[DIR_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "llama-chat" / "kernels"
+    return user_cache_dir("kernels")
 
 
 def library_path() -> Path:
