@@ -30,6 +30,7 @@ from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
 from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import draw_uniforms, sample
+from llama_chat.model import cpu_decode
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedBatch, PagedKVCache
 from llama_chat.model.transformer import Transformer
 
@@ -119,6 +120,7 @@ class BatchCore:
         self.counters = Counters()
         self.last_written: tuple[int, ...] = ()  # the tokens the last job released had in its pages
         self.lone_step: LoneRowStep | None = None  # a compiled step for a lone sequence, if one was made
+        self._one_call_ok: bool | None = None  # whether one-token steps take the one-call CPU step
         self.sizer: PrefillSizer | None = None  # prompt chunks sized by time, if set (else prefill_chunk)
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -251,7 +253,12 @@ class BatchCore:
         # Several one-token rows on the CPU read their keys from a mirror of their gathered pages
         # (PagedKVCache.mirror), named by the rows and their whole block tables, which then stay
         # the same from one step to the next. Any other step feeds rows past the mirror: drop it.
-        mirrored = self.device.type == "cpu" and not s.static_shapes and len(singles) > 1
+        # One-token rows alone in a step go to our one-call CPU step (model/cpu_decode.py), which
+        # reads each row's pages through its block table itself; unless a compiled step for a lone
+        # row was asked for.
+        one_call = (bool(singles) and not plan.runs and not s.static_shapes and self._one_call()
+                    and (self.lone_step is None or len(singles) > 1))
+        mirrored = self.device.type == "cpu" and not s.static_shapes and len(singles) > 1 and not one_call
         single_key = mirror_slots = None
         if not mirrored:
             self.cache.drop_mirrors()
@@ -280,7 +287,7 @@ class BatchCore:
                 slots.append(SCRATCH_PAGE * size)
                 table.append([SCRATCH_PAGE] * width)
             single_tables = table
-            if len(table) == 1 and not s.static_shapes:
+            if len(table) == 1 and not s.static_shapes and not one_call:
                 # Alone in this step and, with no prompt being prefilled, likely in the next ones.
                 if not plan.runs and not _consecutive(singles[0].pages) and self._compact(singles[0]):
                     table = single_tables = [singles[0].pages[:len(table[0])]]
@@ -303,6 +310,8 @@ class BatchCore:
         lone = singles[0] if len(singles) == 1 and not plan.runs and first_page is not None else None
         if self.lone_step is not None and lone is not None and sampled_jobs == [lone] and lone.controls is None:
             logits = self.lone_step.logits(tokens[0], positions[0], first_page)
+        if logits is None and one_call:
+            logits = cpu_decode.forward_rows(self.model, tokens, positions, single_tables, self.cache)[sampled_rows]
         if logits is None:
             kv_len = None if s.static_shapes or not singles else max(job.fed for job in singles) + 1
             logits = self._packed_forward(_Packed(tokens, positions, slots, n_singles, single_tables, tuple(runs),
@@ -335,6 +344,11 @@ class BatchCore:
                 job.finished = True
                 finished.append(job)
         return events, finished
+
+    def _one_call(self) -> bool:
+        if self._one_call_ok is None:
+            self._one_call_ok = self.device.type == "cpu" and cpu_decode.takes_rows(self.model, self.cache)
+        return self._one_call_ok
 
     def _compact(self, job: Job) -> bool:
         """Move a sequence running alone onto consecutive pages, if a run of free ones is there.

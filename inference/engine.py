@@ -45,6 +45,7 @@ from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, En
 from llama_chat.ml import cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams, sample
+from llama_chat.model import cpu_decode
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
 
@@ -84,7 +85,8 @@ class Engine:
         quantized = apply_quantization(model, options.quantize)
         cpu_kernels.prepare(model)  # before anything is compiled: a compiled graph keeps its products
         step_options = StepOptions.for_device(first.device, parameters, options.compile,
-                                              quantized=quantized, dtype=first.dtype)
+                                              quantized=quantized, dtype=first.dtype,
+                                              one_call=cpu_decode.supports(model))
         self.step = ModelStep(model, options=step_options, max_seq_len=options.max_seq_len,
                               sample_ids=getattr(tokenizer, "vocab_size", None))
         self.tokenizer = tokenizer

@@ -40,7 +40,8 @@ class StepOptions:
 
     @classmethod
     def for_device(cls, device: torch.device, parameters: int, compile: bool | None = None,
-                   *, quantized: bool = False, dtype: torch.dtype = torch.float32) -> StepOptions:
+                   *, quantized: bool = False, dtype: torch.dtype = torch.float32,
+                   one_call: bool = False) -> StepOptions:
         """The defaults: the static step, compiled when the model is big enough to pay for it,
         in a CUDA graph on CUDA; elsewhere the eager step unless compiling is asked or pays.
 
@@ -53,12 +54,17 @@ class StepOptions:
         (``quantize.fbgemm_int8_linear``) and the rest of the step is compiled around it. That
         gave 1.3x the eager int8 step on the stories110M-sized config but 1.05x on a
         TinyLlama-sized one, after a two-minute cold compile, so it is not the default.
+
+        ``one_call``: the model's CPU decode steps go to our one-call operator
+        (``model/cpu_decode.py``). It beats every compiled step there (1.5x the eager step, and
+        faster than the compiled one, on the stories110M-sized config), so nothing compiles
+        unless asked.
         """
         big = parameters >= COMPILE_MIN_PARAMETERS
         if device.type == "cuda":
             return cls(static=True, compile=big if compile is None else compile, cuda_graph=True)
         if compile is None:
-            compile = device.type == "cpu" and big and dtype == torch.float32 and not quantized
+            compile = device.type == "cpu" and big and dtype == torch.float32 and not quantized and not one_call
         return cls(static=compile, compile=compile, row_products=compile)
 
 

@@ -44,6 +44,7 @@ from llama_chat.inference.types import (GenerationState, Request, RequestError, 
 from llama_chat.ml import cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams
+from llama_chat.model import cpu_decode
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
 
@@ -156,7 +157,9 @@ class Scheduler:
         self.core = BatchCore(model, settings, device=device, dtype=dtype, token_bytes=tokenizer.token_bytes,
                               sample_ids=sample_ids)
         self.core.sizer = sizer
-        step = StepOptions.for_device(device, parameters, options.compile, quantized=quantized, dtype=dtype)
+        one_call = device.type == "cpu" and cpu_decode.supports(model)
+        step = StepOptions.for_device(device, parameters, options.compile, quantized=quantized, dtype=dtype,
+                                      one_call=one_call)
         if step.compile and not settings.static_shapes:
             self.core.lone_step = LoneRowStep(model, self.core.cache, row_products=step.row_products,
                                               backend=step.backend)

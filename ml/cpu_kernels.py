@@ -43,7 +43,10 @@ import torch
 
 from llama_chat.ml.user_cache import user_cache_dir
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+HERE = Path(__file__).parent
+# Compiled together into one library; the header is shared by both.
+SOURCES = (HERE / "cpu_kernels.cpp", HERE / "cpu_decode.cpp")
+HEADERS = (HERE / "cpu_dot.h",)
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
 # A product of up to this many rows takes the operator (a decode step, or the packed decode rows
@@ -99,7 +102,8 @@ def cache_dir() -> Path:
 def library_path() -> Path:
     """Where the built operator for this source, torch, Python and CPU lives."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for path in (*SOURCES, *HEADERS):
+        key.update(path.read_bytes())
     key.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_cpu_flags()}".encode())
     return cache_dir() / f"cpu_kernels_{key.hexdigest()[:20]}.so"
 
@@ -199,7 +203,7 @@ def _build(target: Path) -> str | None:
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
         try:
-            run = subprocess.run([compiler, *base, *extra, str(SOURCE), *link, "-o", str(partial)],
+            run = subprocess.run([compiler, *base, *extra, *map(str, SOURCES), *link, "-o", str(partial)],
                                  capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
             partial.unlink(missing_ok=True)

@@ -1,0 +1,484 @@
+// One decode token through every layer of a Llama model in one call, on the CPU:
+// torch.ops.llama_chat_cpu.decode_step. A step of the eager model is some 25 parallel products
+// for a stories15M-sized model, and each wakes torch's sleeping OpenMP helper (30-60 us) when the
+// products themselves take 20-100 us; llama2.c's threads spin between its products instead, which
+// takes the cores from the streaming pipeline. Here the whole token is one parallel region: the
+// helper wakes once, and between the stages of a layer a thread that needs a stage's results
+// spins until its last unit is done (every thread is working on this token then). Each stage's
+// work (heads, or chunks of weight rows) is taken by threads as they come.
+//
+// Per layer: rms norm (each thread into its own buffer: cheaper than another stage), q/k/v by
+// head (rotated and written into the cache as each head's rows are done), attention by query
+// head, the output projection added into the residual, the SwiGLU's gate and up rows together
+// with the activation, and its down projection added into the residual. Then the final norm and
+// the classifier. Arithmetic is float32 throughout, whatever the weights' and cache's storage
+// type, and each output is one thread's sum in a fixed order: the result does not depend on the
+// number of threads.
+//
+// Built with cpu_kernels.cpp into one library by llama_chat/ml/cpu_kernels.py.
+#include "cpu_dot.h"
+
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace llama_chat_cpu;
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// A stage's work (heads, or weight rows), handed out to threads in ranges as they ask, and how
+// much of it is done. A thread that wants the stage's results waits for all of it to be done,
+// not for every thread to arrive: a thread the OS has descheduled holds up the others only while
+// it holds a range, and one that comes late finds the work taken and goes on.
+struct Stage {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// Waiters spin: a stage takes tens of microseconds, a sleeping thread's wake-up as long again.
+// After this many spins a waiter yields its core, for a machine busy with other work.
+constexpr int kSpinsBeforeYield = 1 << 14;
+
+// Ranges shrink as the work runs out (a share of what is left per thread, halved, down to
+// `smallest`): long runs of consecutive weight rows stream best, short ones at the end keep the
+// threads finishing together.
+inline bool take(Stage& stage, int64_t total, int64_t smallest, int team, int64_t& begin, int64_t& end) {
+  int64_t at = stage.next.load(std::memory_order_relaxed);
+  for (;;) {
+    if (at >= total) return false;
+    const int64_t size = std::max(smallest, (total - at) / (2 * static_cast<int64_t>(team)));
+    const int64_t stop = std::min(total, at + size);
+    if (stage.next.compare_exchange_weak(at, stop, std::memory_order_relaxed)) {
+      begin = at;
+      end = stop;
+      return true;
+    }
+  }
+}
+
+// Runs body(begin, end) on the ranges of [0, total) this thread takes; prepare() first, once, if
+// it takes any (the stage's input is read only while the stage is unfinished, so no later stage
+// is writing it). Returns when all of the stage is done.
+template <typename Prepare, typename Body>
+void run_stage(Stage& stage, int64_t total, int64_t smallest, int team, const Prepare& prepare, const Body& body) {
+  int64_t begin = 0, end = 0;
+  if (take(stage, total, smallest, team, begin, end)) {
+    prepare();
+    int64_t mine = 0;
+    do {
+      body(begin, end);
+      mine += end - begin;
+    } while (take(stage, total, smallest, team, begin, end));
+    stage.done.fetch_add(mine, std::memory_order_acq_rel);
+  }
+  for (int spins = 0; stage.done.load(std::memory_order_acquire) < total; ++spins) {
+    if (spins < kSpinsBeforeYield) cpu_relax();
+    else std::this_thread::yield();
+  }
+}
+
+// The fewest weight bytes a thread takes of a product at a time.
+constexpr int64_t kSmallestBytes = 1 << 14;
+
+struct Matrix {
+  const void* data = nullptr;
+  at::ScalarType type = at::kFloat;
+  const float* scales = nullptr;
+  int64_t n = 0, k = 0;
+
+  int64_t smallest() const {
+    return std::max<int64_t>(1, kSmallestBytes / std::max<int64_t>(k * static_cast<int64_t>(at::elementSize(type)), 1));
+  }
+};
+
+Matrix matrix_of(const char* what, int64_t layer, const at::Tensor& w, const std::optional<at::Tensor>& scales,
+                 int64_t n, int64_t k) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "decode_step: ", what, " of layer ", layer,
+              " must be a contiguous CPU matrix");
+  TORCH_CHECK(w.size(0) == n && w.size(1) == k, "decode_step: ", what, " of layer ", layer, " is ", w.size(0), "x",
+              w.size(1), ", expected ", n, "x", k);
+  const auto type = w.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kChar, "decode_step: ", what,
+              " has weights of type ", type);
+  Matrix m;
+  m.data = w.data_ptr();
+  m.type = type;
+  m.n = n;
+  m.k = k;
+  if (scales.has_value()) {
+    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->numel() == n,
+                "decode_step: ", what, " of layer ", layer, " needs ", n, " float32 scales");
+    m.scales = scales->data_ptr<float>();
+  }
+  TORCH_CHECK(type != at::kChar || m.scales, "decode_step: int8 ", what, " of layer ", layer, " has no scales");
+  return m;
+}
+
+// Rows that products read: float32, and for int8 weights rounded to int16 steps as well (one
+// step per row).
+struct Inputs {
+  const float* x = nullptr;
+  const int16_t* rounded = nullptr;
+  const float* steps = nullptr;
+  int64_t rows = 0, k = 0;
+};
+
+// Weight row j against every input row: out[r * stride] for row r, times the row's scale. Four
+// input rows at a time share each load of the weights.
+inline void row_products(const Matrix& m, const Inputs& in, int64_t j, float* out, int64_t stride) {
+  const float scale = m.scales ? m.scales[j] : 1.f;
+#ifdef LLAMA_CHAT_AVX2
+  if (m.type == at::kChar) {
+    const int8_t* w = static_cast<const int8_t*>(m.data) + j * m.k;
+    for (int64_t r = 0; r < in.rows; ++r)
+      out[r * stride] = dot_int8(in.rounded + r * m.k, w, m.k) * (in.steps[r] * scale);
+    return;
+  }
+#endif
+  auto each = [&](const auto* w) {
+    int64_t r = 0;
+    for (; r + 4 <= in.rows; r += 4) {
+      float four[4];
+      dot4(in.x + r * m.k, m.k, w, m.k, four);
+      for (int q = 0; q < 4; ++q) out[(r + q) * stride] = four[q] * scale;
+    }
+    for (; r < in.rows; ++r) out[r * stride] = dot(in.x + r * m.k, w, m.k) * scale;
+  };
+  switch (m.type) {
+    case at::kFloat:
+      each(static_cast<const float*>(m.data) + j * m.k);
+      break;
+    case at::kBFloat16:
+      each(static_cast<const uint16_t*>(m.data) + j * m.k);
+      break;
+    default:
+      each(static_cast<const int8_t*>(m.data) + j * m.k);
+  }
+}
+
+// What one thread keeps to itself during a step.
+struct Scratch {
+  std::vector<float> normed, head, scores, steps;
+  std::vector<int16_t> rounded;
+
+  Inputs inputs(const float* x, int64_t rows, int64_t k, const Matrix& m) {
+    Inputs in;
+    in.x = x;
+    in.rows = rows;
+    in.k = k;
+#ifdef LLAMA_CHAT_AVX2
+    if (m.type == at::kChar) {
+      round_rows(x, rows, k, rounded.data(), steps.data());
+      in.rounded = rounded.data();
+      in.steps = steps.data();
+    }
+#endif
+    return in;
+  }
+
+  Inputs normalized(const float* h, int64_t rows, const float* weight, int64_t dim, double eps, const Matrix& m) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* hr = h + r * dim;
+      float* out = normed.data() + r * dim;
+      double squares = 0.0;
+      for (int64_t i = 0; i < dim; ++i) squares += static_cast<double>(hr[i]) * hr[i];
+      const float inverse = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(dim) + eps));
+      for (int64_t i = 0; i < dim; ++i) out[i] = hr[i] * inverse * weight[i];
+    }
+    return inputs(normed.data(), rows, dim, m);
+  }
+};
+
+// A layer's keys or values in pages, (kv_heads, pages, page_size, head_dim), float32 or bfloat16,
+// each row of a step finding its positions through its block table. A dense cache is one page.
+struct CacheView {
+  void* data = nullptr;
+  bool bf16 = false;
+  int64_t page_size = 0, head_dim = 0, head_stride = 0, page_stride = 0;
+  const int64_t* tables = nullptr;
+  int64_t width = 0;  // table entries per row
+
+  int64_t offset(int64_t row, int64_t head, int64_t position) const {
+    const int64_t page = tables[row * width + position / page_size];
+    return head * head_stride + page * page_stride + (position % page_size) * head_dim;
+  }
+  void store(int64_t row, int64_t head, int64_t position, const float* values) const {
+    if (bf16) {
+      uint16_t* out = static_cast<uint16_t*>(data) + offset(row, head, position);
+      for (int64_t i = 0; i < head_dim; ++i) out[i] = float_to_bf16(values[i]);
+    } else {
+      std::memcpy(static_cast<float*>(data) + offset(row, head, position), values, sizeof(float) * head_dim);
+    }
+  }
+  float dot_row(int64_t row, int64_t head, int64_t position, const float* q) const {
+    return bf16 ? dot(q, static_cast<const uint16_t*>(data) + offset(row, head, position), head_dim)
+                : dot(q, static_cast<const float*>(data) + offset(row, head, position), head_dim);
+  }
+  void add_row(int64_t row, int64_t head, int64_t position, float weight, float* out) const {
+    if (bf16) {
+      const uint16_t* in = static_cast<const uint16_t*>(data) + offset(row, head, position);
+      for (int64_t i = 0; i < head_dim; ++i) out[i] += weight * bf16_to_float(in[i]);
+    } else {
+      const float* in = static_cast<const float*>(data) + offset(row, head, position);
+      for (int64_t i = 0; i < head_dim; ++i) out[i] += weight * in[i];
+    }
+  }
+};
+
+CacheView cache_of(const char* what, int64_t layer, const at::Tensor& t, int64_t kv_heads, int64_t head_dim,
+                   int64_t page_size) {
+  TORCH_CHECK(t.dim() == 4 && t.device().is_cpu() && t.size(0) == kv_heads && t.size(2) == page_size &&
+                  t.size(3) == head_dim && t.stride(3) == 1 && t.stride(2) == head_dim,
+              "decode_step: the ", what, " of layer ", layer, " must be a (", kv_heads, ", pages, ", page_size, ", ",
+              head_dim, ") CPU tensor with contiguous pages");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "decode_step: the ", what,
+              " cache has type ", t.scalar_type());
+  CacheView view;
+  view.data = t.data_ptr();
+  view.bf16 = t.scalar_type() == at::kBFloat16;
+  view.page_size = page_size;
+  view.head_dim = head_dim;
+  view.head_stride = t.stride(0);
+  view.page_stride = t.stride(1);
+  return view;
+}
+
+// Interleaved pairs (x[2i], x[2i+1]) rotated by the position's angles (cos, sin pairs).
+inline void rotate(float* x, const float* cos_sin, int64_t head_dim) {
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    const float c = cos_sin[2 * i], s = cos_sin[2 * i + 1];
+    const float x0 = x[2 * i], x1 = x[2 * i + 1];
+    x[2 * i] = x0 * c - x1 * s;
+    x[2 * i + 1] = x0 * s + x1 * c;
+  }
+}
+
+struct Layer {
+  Matrix qkv, out, gate_up, down;
+  const float* attention_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  CacheView keys, values;
+};
+
+const float* float_vector(const char* what, const at::Tensor& t, int64_t n) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n && t.device().is_cpu(),
+              "decode_step: ", what, " must be ", n, " contiguous float32 values");
+  return t.data_ptr<float>();
+}
+
+// hidden: (rows, dim) float32, each row one token of its own sequence, at positions[row], whose
+// cache slots are found through tables[row] (pages of page_size slots). Returns (rows, vocab)
+// float32 logits; every layer's keys and values of the tokens are written into the cache.
+at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& tables,
+                       int64_t page_size, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+                       at::TensorList norms, at::TensorList keys, at::TensorList values, const at::Tensor& rope,
+                       const at::Tensor& final_norm, const at::Tensor& output,
+                       const std::optional<at::Tensor>& output_scales, int64_t n_heads, int64_t n_kv_heads,
+                       double eps) {
+  const int64_t n_layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(n_layers > 0 && values.size() == keys.size() && weights.size() == 4 * keys.size() &&
+                  scales.size() == weights.size() && norms.size() == 2 * keys.size(),
+              "decode_step: per layer, four weights (and scales), two norms, keys and values");
+  TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+              "decode_step: ", n_heads, " heads do not group over ", n_kv_heads, " key/value heads");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "decode_step: the hidden state must be a contiguous float32 (rows, dim) matrix");
+  const int64_t rows = hidden.size(0), dim = hidden.size(1);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == rows,
+              "decode_step: one int64 position per row");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2 &&
+                  tables.size(0) == rows && page_size > 0,
+              "decode_step: one int64 block table per row");
+  const int64_t head_dim = keys[0].size(-1);
+  TORCH_CHECK(head_dim % 2 == 0, "decode_step: odd head size ", head_dim);
+  const int64_t q_width = n_heads * head_dim, kv_width = n_kv_heads * head_dim;
+  const int64_t ffn = weights[3].size(-1);
+  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
+                  rope.size(1) == head_dim / 2 && rope.size(2) == 2,
+              "decode_step: the rotary table must be float32 (positions, ", head_dim / 2, ", 2)");
+  const int64_t* position = positions.data_ptr<int64_t>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t width = tables.size(1);
+  const int64_t pages = keys[0].size(1);
+  int64_t furthest = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(position[r] >= 0 && position[r] < rope.size(0) && position[r] / page_size < width,
+                "decode_step: position ", position[r], " of row ", r, " is past its cache (", width * page_size,
+                " slots) or the rotary table (", rope.size(0), ")");
+    for (int64_t i = 0; i <= position[r] / page_size; ++i)
+      TORCH_CHECK(table[r * width + i] >= 0 && table[r * width + i] < pages, "decode_step: row ", r,
+                  " names page ", table[r * width + i], " of ", pages);
+    furthest = std::max(furthest, position[r]);
+  }
+
+  std::vector<Layer> layers(static_cast<size_t>(n_layers));
+  for (int64_t l = 0; l < n_layers; ++l) {
+    Layer& layer = layers[static_cast<size_t>(l)];
+    const size_t w = static_cast<size_t>(4 * l);
+    layer.qkv = matrix_of("wqkv", l, weights[w], scales.get(w), q_width + 2 * kv_width, dim);
+    layer.out = matrix_of("wo", l, weights[w + 1], scales.get(w + 1), dim, q_width);
+    layer.gate_up = matrix_of("w13", l, weights[w + 2], scales.get(w + 2), 2 * ffn, dim);
+    layer.down = matrix_of("w2", l, weights[w + 3], scales.get(w + 3), dim, ffn);
+    layer.attention_norm = float_vector("an attention norm", norms[static_cast<size_t>(2 * l)], dim);
+    layer.ffn_norm = float_vector("a feed-forward norm", norms[static_cast<size_t>(2 * l + 1)], dim);
+    for (CacheView* view : {&layer.keys, &layer.values}) {
+      const bool is_keys = view == &layer.keys;
+      *view = cache_of(is_keys ? "keys" : "values", l, (is_keys ? keys : values)[static_cast<size_t>(l)],
+                       n_kv_heads, head_dim, page_size);
+      view->tables = table;
+      view->width = width;
+    }
+  }
+  const Matrix classifier = matrix_of("the classifier", n_layers, output, output_scales, output.size(0), dim);
+  const float* final_weight = float_vector("the final norm", final_norm, dim);
+  const int64_t vocab = classifier.n;
+  at::Tensor logits = at::empty({rows, vocab}, hidden.options());
+  float* out = logits.data_ptr<float>();
+  if (rows == 0) return logits;
+
+  std::vector<float> h(hidden.data_ptr<float>(), hidden.data_ptr<float>() + rows * dim);
+  std::vector<float> q(static_cast<size_t>(rows * q_width)), attended(static_cast<size_t>(rows * q_width)),
+      activated(static_cast<size_t>(rows * ffn));
+  const int64_t stages = 5 * n_layers + 1;
+  std::unique_ptr<Stage[]> stage_of(new Stage[static_cast<size_t>(stages)]);
+  const int64_t group = n_heads / n_kv_heads;
+  const float attention_scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const int64_t widest = std::max({dim, ffn, q_width});
+  const float* rope_table = rope.data_ptr<float>();
+
+  auto run = [&](int team) {
+    Scratch scratch;
+    scratch.normed.resize(static_cast<size_t>(rows * dim));
+    scratch.head.resize(static_cast<size_t>(rows * head_dim));
+    scratch.scores.resize(static_cast<size_t>(furthest + 1));
+    scratch.rounded.resize(static_cast<size_t>(rows * widest));
+    scratch.steps.resize(static_cast<size_t>(rows));
+    Inputs in;
+    Stage* stage = stage_of.get();
+    for (const Layer& layer : layers) {
+      run_stage(
+          *stage++, n_heads + 2 * n_kv_heads, 1, team,
+          [&] { in = scratch.normalized(h.data(), rows, layer.attention_norm, dim, eps, layer.qkv); },
+          [&](int64_t first, int64_t stop) {
+            for (int64_t unit = first; unit < stop; ++unit) {
+              float* head = scratch.head.data();  // (rows, head_dim)
+              for (int64_t i = 0; i < head_dim; ++i) row_products(layer.qkv, in, unit * head_dim + i, head + i, head_dim);
+              for (int64_t r = 0; r < rows; ++r) {
+                float* mine = head + r * head_dim;
+                if (unit < n_heads + n_kv_heads) rotate(mine, rope_table + position[r] * head_dim, head_dim);
+                if (unit < n_heads)
+                  std::memcpy(q.data() + r * q_width + unit * head_dim, mine, sizeof(float) * head_dim);
+                else if (unit < n_heads + n_kv_heads)
+                  layer.keys.store(r, unit - n_heads, position[r], mine);
+                else
+                  layer.values.store(r, unit - n_heads - n_kv_heads, position[r], mine);
+              }
+            }
+          });
+      run_stage(*stage++, rows * n_heads, 1, team, [] {}, [&](int64_t first, int64_t stop) {
+        for (int64_t unit = first; unit < stop; ++unit) {
+          const int64_t r = unit / n_heads, head = unit % n_heads, kv = head / group, last = position[r];
+          const float* query = q.data() + r * q_width + head * head_dim;
+          float* scores = scratch.scores.data();
+          float largest = -INFINITY;
+          for (int64_t t = 0; t <= last; ++t) {
+            scores[t] = layer.keys.dot_row(r, kv, t, query) * attention_scale;
+            largest = std::max(largest, scores[t]);
+          }
+          float total = 0.f;
+          for (int64_t t = 0; t <= last; ++t) total += (scores[t] = std::exp(scores[t] - largest));
+          float* result = attended.data() + r * q_width + head * head_dim;
+          std::fill(result, result + head_dim, 0.f);
+          const float inverse = 1.f / total;
+          for (int64_t t = 0; t <= last; ++t) layer.values.add_row(r, kv, t, scores[t] * inverse, result);
+        }
+      });
+      run_stage(
+          *stage++, dim, layer.out.smallest(), team,
+          [&] { in = scratch.inputs(attended.data(), rows, q_width, layer.out); },
+          [&](int64_t first, int64_t stop) {
+            float* sums = scratch.head.data();
+            for (int64_t j = first; j < stop; ++j) {
+              row_products(layer.out, in, j, sums, 1);
+              for (int64_t r = 0; r < rows; ++r) h[r * dim + j] += sums[r];
+            }
+          });
+      run_stage(
+          *stage++, ffn, std::max<int64_t>(1, layer.gate_up.smallest() / 2), team,
+          [&] { in = scratch.normalized(h.data(), rows, layer.ffn_norm, dim, eps, layer.gate_up); },
+          [&](int64_t first, int64_t stop) {
+            float* gate = scratch.head.data();
+            float* up = gate + rows;
+            for (int64_t j = first; j < stop; ++j) {
+              row_products(layer.gate_up, in, j, gate, 1);
+              row_products(layer.gate_up, in, ffn + j, up, 1);
+              for (int64_t r = 0; r < rows; ++r)
+                activated[r * ffn + j] = gate[r] / (1.f + std::exp(-gate[r])) * up[r];
+            }
+          });
+      run_stage(
+          *stage++, dim, layer.down.smallest(), team,
+          [&] { in = scratch.inputs(activated.data(), rows, ffn, layer.down); },
+          [&](int64_t first, int64_t stop) {
+            float* sums = scratch.head.data();
+            for (int64_t j = first; j < stop; ++j) {
+              row_products(layer.down, in, j, sums, 1);
+              for (int64_t r = 0; r < rows; ++r) h[r * dim + j] += sums[r];
+            }
+          });
+    }
+    run_stage(
+        *stage, vocab, classifier.smallest(), team,
+        [&] { in = scratch.normalized(h.data(), rows, final_weight, dim, eps, classifier); },
+        [&](int64_t first, int64_t stop) {
+          for (int64_t j = first; j < stop; ++j) row_products(classifier, in, j, out + j, vocab);
+        });
+  };
+
+  const int threads = at::get_num_threads();
+#ifdef _OPENMP
+  if (threads > 1 && !at::in_parallel_region()) {
+#pragma omp parallel num_threads(threads)
+    run(threads);
+    return logits;
+  }
+#endif
+  run(1);
+  return logits;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
+  m.def(
+      "decode_step(Tensor hidden, Tensor positions, Tensor tables, int page_size, Tensor[] weights, "
+      "Tensor?[] scales, Tensor[] norms, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor rope, Tensor final_norm, "
+      "Tensor output, Tensor? output_scales, int n_heads, int n_kv_heads, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {
+  m.impl("decode_step", &decode_step);
+}

@@ -1,0 +1,150 @@
+// Dot products of one float32 row against weight rows of each storage type, shared by the
+// products (cpu_kernels.cpp) and the one-call decode step (cpu_decode.cpp).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLAMA_CHAT_AVX2 1
+#endif
+
+namespace llama_chat_cpu {
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#ifdef LLAMA_CHAT_AVX2
+inline float horizontal_sum(__m256 v) {
+  const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+// Eight weights as floats, from each storage type.
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const uint16_t* w) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const int8_t* w) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+#endif
+
+inline float scalar(float w) { return w; }
+inline float scalar(uint16_t w) { return bf16_to_float(w); }
+inline float scalar(int8_t w) { return static_cast<float>(w); }
+
+// One weight row against one input row. Four independent accumulators keep the multiply-adds
+// from waiting on each other.
+template <typename W>
+inline float dot(const float* x, const W* w, int64_t k) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef LLAMA_CHAT_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  for (; i + 32 <= k; i += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8(w + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), load8(w + i + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 16), load8(w + i + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 24), load8(w + i + 24), a3);
+  }
+  for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load8(w + i), a0);
+  sum = horizontal_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (; i + 8 <= k; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * scalar(w[i + j]);
+  for (int j = 0; j < 8; ++j) sum += acc[j];
+#endif
+  for (; i < k; ++i) sum += x[i] * scalar(w[i]);
+  return sum;
+}
+
+// Four input rows against one weight row: the weights are loaded (and converted) once for all
+// four, so a packed step of several jobs costs little more than one row's product per row read.
+template <typename W>
+inline void dot4(const float* x, int64_t stride, const W* w, int64_t k, float* out) {
+  int64_t i = 0;
+  float sums[4] = {0.f, 0.f, 0.f, 0.f};
+#ifdef LLAMA_CHAT_AVX2
+  __m256 a[8];
+  for (auto& v : a) v = _mm256_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m256 w0 = load8(w + i), w1 = load8(w + i + 8);
+    for (int r = 0; r < 4; ++r) {
+      a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * stride + i), w0, a[r]);
+      a[r + 4] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * stride + i + 8), w1, a[r + 4]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) sums[r] = horizontal_sum(_mm256_add_ps(a[r], a[r + 4]));
+#endif
+  for (; i < k; ++i) {
+    const float wi = scalar(w[i]);
+    for (int r = 0; r < 4; ++r) sums[r] += x[r * stride + i] * wi;
+  }
+  for (int r = 0; r < 4; ++r) out[r] = sums[r];
+}
+
+// int8 weights against activations rounded to 15-bit integers (one scale per input row): the
+// products of pairs are summed in 32-bit integers by one instruction (vpmaddwd), two to three
+// times fewer instructions per weight than converting every weight to float, which is what
+// keeps a one-row int8 product at the memory's speed instead of the core's. The rounding of the
+// activations is 2^-14 of the row's largest value, below float16's and far below the weights'.
+constexpr float kActivationSteps = 16383.f;
+// Sums of int16 pairs are below 2 * 127 * 16383 in size; this many 16-wide blocks fit an int32.
+constexpr int64_t kBlocksPerFlush = 256;
+
+#ifdef LLAMA_CHAT_AVX2
+inline float dot_int8(const int16_t* x, const int8_t* w, int64_t k) {
+  int64_t i = 0;
+  float total = 0.f;
+  while (i + 16 <= k) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    const int64_t stop = std::min<int64_t>(k, i + 16 * kBlocksPerFlush);
+    for (; i + 32 <= stop; i += 32) {
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 16)));
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 16));
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, x0));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, x1));
+    }
+    for (; i + 16 <= stop; i += 16) {
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i))));
+    }
+    total += horizontal_sum(_mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)));
+  }
+  int64_t tail = 0;
+  for (; i < k; ++i) tail += static_cast<int64_t>(x[i]) * w[i];
+  return total + static_cast<float>(tail);
+}
+
+// Each row of x as int16 steps of (largest magnitude / kActivationSteps); the step per row.
+inline void round_rows(const float* x, int64_t rows, int64_t k, int16_t* out, float* steps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * k;
+    float largest = 0.f;
+    for (int64_t i = 0; i < k; ++i) largest = std::max(largest, std::abs(xr[i]));
+    const float step = largest > 0.f ? largest / kActivationSteps : 1.f;
+    const float inverse = 1.f / step;
+    for (int64_t i = 0; i < k; ++i) out[r * k + i] = static_cast<int16_t>(std::nearbyint(xr[i] * inverse));
+    steps[r] = step;
+  }
+}
+
+#endif
+
+}  // namespace llama_chat_cpu

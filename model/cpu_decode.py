@@ -1,0 +1,173 @@
+"""One token of one sequence through the whole model in one call of our CPU operator.
+
+A decode step on the CPU is some 25 (stories15M-sized) to 90 (TinyLlama-sized) products, and each
+product's parallel region wakes torch's sleeping OpenMP helper, 30-60 us a time against 20-100 us
+for the product itself. ``torch.ops.llama_chat_cpu.decode_step`` (``ml/cpu_decode.cpp``) runs the
+whole token in one parallel region instead, its threads spinning only between the stages of that
+token. ``Transformer.forward`` hands it the step when ``takes`` says so: one token of one row,
+on the CPU, without gradients, over a ``KVCache``, with fused projections whose weights the
+operator reads (float32, bfloat16, or int8 with per-row scales) and the operator loaded.
+
+The tensors the operator reads are gathered once per model (and per cache) and kept: its norms
+as float32 copies, everything else as the model's own tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from llama_chat.ml import cpu_kernels, quantize
+from llama_chat.model.kv_cache import KVCache
+from llama_chat.model.paged_kv_cache import PagedKVCache
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class DecodeWeights:
+    """The operator's view of one model: what it reads besides the token and the cache."""
+
+    key: tuple
+    weights: list[torch.Tensor]
+    scales: list[torch.Tensor | None]
+    norms: list[torch.Tensor]
+    final_norm: torch.Tensor
+    output: torch.Tensor
+    output_scales: torch.Tensor | None
+    caches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+    def cache_rows(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Row 0 of every layer's keys and values as one page, ``(kv_heads, 1, capacity,
+        head_dim)`` each, and its block table."""
+        rows = self.caches.get(cache)
+        if rows is None or rows[0][0].data_ptr() != cache.keys[0].data_ptr():
+            rows = ([k[0].unsqueeze(1) for k in cache.keys], [v[0].unsqueeze(1) for v in cache.values],
+                    torch.zeros(1, 1, dtype=torch.long))
+            self.caches[cache] = rows
+        return rows
+
+    def run(self, model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+            page_size: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        args = model.args
+        return torch.ops.llama_chat_cpu.decode_step(
+            hidden, positions, tables, page_size, self.weights, self.scales, self.norms, keys, values,
+            model.rope_table(hidden.device), self.final_norm, self.output, self.output_scales, args.n_heads,
+            args.n_kv_heads, args.norm_eps)
+
+
+def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    if isinstance(layer, quantize.Int8Linear):
+        return layer.weight, layer.scales
+    if type(layer) is nn.Linear and layer.bias is None and layer.weight.dtype in WEIGHT_DTYPES:
+        return layer.weight, None
+    return None
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether ``model``'s one-token CPU steps will go to the operator (fused or not yet)."""
+    if not cpu_kernels.loaded():
+        return False
+    for layer in model.layers:
+        attention, ffn = layer.attention, layer.feed_forward
+        parts = ([attention.wqkv] if attention.wqkv is not None else [attention.wq, attention.wk, attention.wv])
+        parts += [attention.wo] + ([ffn.w13] if ffn.w13 is not None else [ffn.w1, ffn.w3]) + [ffn.w2]
+        for part in parts:
+            found = _weight(part)
+            if found is None or found[0].device.type != "cpu":
+                return False
+        if len({p.weight.dtype for p in parts}) > 1 and not all(isinstance(p, quantize.Int8Linear) for p in parts):
+            return False  # fusing needs one dtype
+    found = _weight(model.output)
+    return found is not None and found[0].device.type == "cpu"
+
+
+def _key(model: nn.Module) -> tuple:
+    # Replacing or casting the parameters changes these; loading in place does not need to.
+    first = model.layers[0]
+    projection = first.attention.wqkv
+    return (model.output.weight.data_ptr(), model.output.weight.dtype,
+            projection.weight.data_ptr() if projection is not None else None)
+
+
+def gather(model: nn.Module) -> DecodeWeights | None:
+    """The tensors the operator reads from ``model``, or None when it cannot read them."""
+    weights: list[torch.Tensor] = []
+    scales: list[torch.Tensor | None] = []
+    norms: list[torch.Tensor] = []
+    for layer in model.layers:
+        attention, ffn = layer.attention, layer.feed_forward
+        if attention.wqkv is None or ffn.w13 is None:
+            return None
+        for projection in (attention.wqkv, attention.wo, ffn.w13, ffn.w2):
+            found = _weight(projection)
+            if found is None or found[0].device.type != "cpu" or not found[0].is_contiguous():
+                return None
+            weights.append(found[0])
+            scales.append(found[1])
+        norms += [layer.attention_norm.weight.detach().float().contiguous(),
+                  layer.ffn_norm.weight.detach().float().contiguous()]
+    output = _weight(model.output)
+    if output is None or not output[0].is_contiguous():
+        return None
+    return DecodeWeights(_key(model), weights, scales, norms, model.norm.weight.detach().float().contiguous(),
+                         output[0], output[1])
+
+
+def takes(model: nn.Module, tokens: torch.Tensor, cache) -> bool:
+    """Whether ``model(tokens, positions, cache)`` is one the operator computes."""
+    if not (tokens.shape == (1, 1) and tokens.device.type == "cpu" and type(cache) is KVCache
+            and not torch.is_grad_enabled() and cpu_kernels.loaded()):
+        return False
+    return _weights_of(model) is not None and cache.keys[0].dtype in WEIGHT_DTYPES
+
+
+def _weights_of(model: nn.Module) -> DecodeWeights | None:
+    """``gather(model)``, kept on the model until its weights are replaced or cast."""
+    found = getattr(model, "_cpu_decode", None)
+    key = _key(model)
+    if found is None or found.key != key:
+        found = gather(model)
+        model._cpu_decode = found if found is not None else _Unsupported(key)
+    return found if isinstance(found, DecodeWeights) else None
+
+
+@dataclass
+class _Unsupported:
+    key: tuple
+
+
+def forward(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits ``(1, 1, vocab)``, float32, of the token at its position, its keys and values cached."""
+    found: DecodeWeights = model._cpu_decode
+    position = positions.reshape(1)
+    if not 0 <= int(position) < cache.max_seq_len:
+        raise IndexError(f"position {int(position)} is past the cache length {cache.max_seq_len}")
+    hidden = model.tok_embeddings.weight[tokens.reshape(1)].float()
+    keys, values, table = found.cache_rows(cache)
+    return found.run(model, hidden, position, table, cache.max_seq_len, keys, values).view(1, 1, -1)
+
+
+def takes_rows(model: nn.Module, cache) -> bool:
+    """Whether ``forward_rows`` can run one-token rows of ``model`` over the paged ``cache``."""
+    if not (isinstance(cache, PagedKVCache) and cache.device.type == "cpu" and cpu_kernels.loaded()
+            and not torch.is_grad_enabled() and cache.keys[0].dtype in WEIGHT_DTYPES):
+        return False
+    return takes(model, torch.zeros(1, 1, dtype=torch.long), KVCache.over(([cache.keys[0]], [cache.values[0]])))
+
+
+def forward_rows(model: nn.Module, tokens: list[int], positions: list[int], tables: list[list[int]],
+                 cache: PagedKVCache) -> torch.Tensor:
+    """Logits ``(rows, vocab)``, float32: row ``r`` is token ``tokens[r]`` of its own sequence at
+    ``positions[r]``, whose pages are ``tables[r]`` (all of the same length); each token's keys
+    and values are written at its position's slot of its pages."""
+    found = _weights_of(model)
+    if found is None:
+        raise ValueError("the one-call step cannot read this model's weights")
+    ids = torch.tensor(tokens, dtype=torch.long)
+    hidden = model.tok_embeddings.weight[ids].float()
+    return found.run(model, hidden, torch.tensor(positions, dtype=torch.long), torch.tensor(tables, dtype=torch.long),
+                     cache.page_size, cache.keys, cache.values)

@@ -1,0 +1,224 @@
+"""The one-call CPU decode step (``model/cpu_decode.py``, ``ml/cpu_decode.cpp``) against the model
+run layer by layer: the same logits, the same cache, the same greedy tokens."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from builders import random_model, tiny_args
+from llama_chat.inference.model_step import ModelStep, StepOptions
+from llama_chat.ml import cpu_kernels, quantize
+from llama_chat.ml.sampling import SamplingParams
+from llama_chat.model import cpu_decode
+from llama_chat.model.kv_cache import KVCache
+from llama_chat.model.paged_kv_cache import PagedBatch, PagedKVCache
+
+GREEDY = SamplingParams(temperature=0.0)
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels")
+
+
+@pytest.fixture(autouse=True)
+def _loaded(cpu_kernels_loaded):
+    assert cpu_kernels_loaded, cpu_kernels.failure()
+
+
+def _model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    model = random_model(tiny_args(97, **overrides), seed=seed)
+    model.fuse_projections()
+    if kind == "bfloat16":
+        model.to(torch.bfloat16)
+    elif kind == "int8":
+        quantize.quantize_model(model)
+    return model
+
+
+def _layer_by_layer(monkeypatch):
+    monkeypatch.setattr(cpu_decode, "takes", lambda *args: False)
+
+
+def _steps(model, cache_dtype, prompt, tokens, monkeypatch, one_call: bool):
+    """Logits of each of ``tokens`` fed one at a time after ``prompt``, and the cache after."""
+    cache = KVCache.for_model(model.args, 1, dtype=cache_dtype)
+    out = []
+    with torch.inference_mode():
+        model(torch.tensor([prompt]), torch.arange(len(prompt)).unsqueeze(0), cache)
+        with monkeypatch.context() as patch:
+            if not one_call:
+                _layer_by_layer(patch)
+            for i, token in enumerate(tokens):
+                position = torch.tensor([[len(prompt) + i]])
+                out.append(model(torch.tensor([[token]]), position, cache).float())
+    return torch.cat(out), cache
+
+
+@pytest.mark.parametrize("kind, heads, kv_heads", [("float32", 4, 2), ("float32", 4, 4), ("float32", 4, 1),
+                                                   ("bfloat16", 4, 2), ("int8", 4, 2)])
+def test_one_call_equals_the_layers(kind, heads, kv_heads, monkeypatch):
+    model = _model(kind, n_heads=heads, n_kv_heads=kv_heads)
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    prompt, tokens = [3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]
+    with torch.inference_mode():
+        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1, dtype=dtype))
+    got, got_cache = _steps(model, dtype, prompt, tokens, monkeypatch, one_call=True)
+    want, want_cache = _steps(model, dtype, prompt, tokens, monkeypatch, one_call=False)
+    # float32: the same sums in another order. bfloat16: the layers round every intermediate to
+    # bfloat16, the operator keeps float32. int8: the operator rounds activations to 15 bits once
+    # per product input, the layers' products do the same on their own inputs.
+    tolerance = {"float32": 1e-4, "bfloat16": 0.1, "int8": 2e-2}[kind]
+    assert torch.allclose(got, want, atol=tolerance, rtol=0), (got - want).abs().max()
+    end = len(prompt) + len(tokens)
+    for layer in range(model.args.n_layers):
+        for mine, theirs in ((got_cache.keys[layer], want_cache.keys[layer]),
+                             (got_cache.values[layer], want_cache.values[layer])):
+            assert torch.allclose(mine[:, :, :end].float(), theirs[:, :, :end].float(), atol=tolerance, rtol=0)
+            assert not mine[:, :, end:].any()
+
+
+@settings(max_examples=25, deadline=None)
+@given(dim_heads=st.sampled_from([(32, 2, 1), (64, 4, 2), (48, 3, 3), (80, 5, 1)]), hidden=st.integers(1, 90),
+       layers=st.integers(1, 3), prompt=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_any_shape_matches_the_layers(dim_heads, hidden, layers, prompt, seed):
+    # Widths that are and are not multiples of the 8- and 32-wide loops, any grouping of heads.
+    dim, heads, kv_heads = dim_heads
+    model = random_model(tiny_args(61, dim=dim, n_heads=heads, n_kv_heads=kv_heads, hidden_dim=hidden,
+                                   n_layers=layers, max_seq_len=32), seed=seed)
+    model.fuse_projections()
+    ids = torch.randint(0, 61, (1, prompt + 1), generator=torch.Generator().manual_seed(seed))
+    caches = [KVCache.for_model(model.args, 1) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(ids[:, :prompt], torch.arange(prompt).unsqueeze(0), cache)
+        last, position = ids[:, prompt:], torch.tensor([[prompt]])
+        got = model(last, position, caches[0])
+        original = cpu_decode.takes
+        cpu_decode.takes = lambda *args: False
+        try:
+            want = model(last, position, caches[1])
+        finally:
+            cpu_decode.takes = original
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+
+
+def test_greedy_tokens_are_the_layers_tokens(monkeypatch):
+    model = _model("float32", seed=3)
+    step = ModelStep(model, options=StepOptions())
+
+    def tokens():
+        decode = step.decode([1, 5, 9], 0, GREEDY, 0)
+        return [decode.next_token() for _ in range(40)]
+
+    got = tokens()
+    _layer_by_layer(monkeypatch)
+    assert got == tokens()
+
+
+def test_threads_do_not_change_the_result():
+    # Each output is one thread's sum in a fixed order, whichever thread takes it.
+    model = _model("float32", seed=4, dim=256, hidden_dim=512)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            logits, _ = _steps(model, torch.float32, [1, 2, 3], [4, 5], pytest.MonkeyPatch(), one_call=True)
+            results.append(logits)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*results)
+
+
+def test_only_one_token_of_one_row_without_gradients_takes_it():
+    model = _model("float32")
+    cache = KVCache.for_model(model.args, 2)
+    with torch.inference_mode():
+        assert cpu_decode.takes(model, torch.tensor([[1]]), cache)
+        assert not cpu_decode.takes(model, torch.tensor([[1, 2]]), cache)
+        assert not cpu_decode.takes(model, torch.tensor([[1], [2]]), cache)
+        assert not cpu_decode.takes(model, torch.tensor([[1]]), None)
+        paged = PagedKVCache.for_model(model.args, num_pages=4, page_size=16)
+        assert not cpu_decode.takes(model, torch.tensor([[1]]), paged)
+    with torch.enable_grad():
+        assert not cpu_decode.takes(model, torch.tensor([[1]]), cache)
+
+
+def test_models_it_cannot_read_keep_the_layers():
+    unfused = random_model(tiny_args(97))
+    half = _model("float32").to(torch.float16)
+    with torch.inference_mode():
+        assert not cpu_decode.takes(unfused, torch.tensor([[1]]), KVCache.for_model(unfused.args, 1))
+        assert not cpu_decode.takes(half, torch.tensor([[1]]), KVCache.for_model(half.args, 1, dtype=torch.float16))
+    assert cpu_decode.supports(unfused) and cpu_decode.supports(_model("int8"))
+    assert not cpu_decode.supports(half)
+
+
+def test_the_step_follows_a_cast_of_the_model():
+    model = _model("float32")
+    with torch.inference_mode():
+        cache = KVCache.for_model(model.args, 1)
+        model(torch.tensor([[1]]), torch.tensor([[0]]), cache)
+        model.to(torch.bfloat16)
+        cache = KVCache.for_model(model.args, 1, dtype=torch.bfloat16)
+        assert cpu_decode.takes(model, torch.tensor([[1]]), cache)
+        assert model._cpu_decode.weights[0].dtype == torch.bfloat16
+        assert model(torch.tensor([[1]]), torch.tensor([[0]]), cache).dtype == torch.float32
+
+
+def test_a_position_past_the_cache_is_an_error():
+    model = _model("float32", max_seq_len=8)
+    with torch.inference_mode(), pytest.raises(IndexError, match="past the cache length 8"):
+        model(torch.tensor([[1]]), torch.tensor([[8]]), KVCache.for_model(model.args, 1))
+
+
+def test_the_engine_decodes_without_compiling_where_the_operator_reads_the_model():
+    model = _model("float32")
+    options = StepOptions.for_device(torch.device("cpu"), 10**9, one_call=cpu_decode.supports(model))
+    assert not options.compile
+    assert StepOptions.for_device(torch.device("cpu"), 10**9).compile
+
+
+def test_rows_of_a_paged_step_equal_the_packed_step():
+    # Three sequences at different positions, on scattered pages shared with nothing else, and a
+    # fourth row padded into the scratch page: each row's logits and written keys are the packed
+    # step's (model/paged_kv_cache.py) for the same tokens.
+    model = _model("float32", seed=6, n_heads=4, n_kv_heads=2)
+    page = 4
+    tables = [[3, 7, 1, 0], [5, 2, 0, 0], [6, 4, 8, 9]]
+    lengths = [10, 6, 15]
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lengths]
+    caches = [PagedKVCache.for_model(model.args, num_pages=10, page_size=page) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:  # prefill each sequence's prompt but its last token, one row at a time
+            for table, prompt in zip(tables, prompts):
+                for position, token in enumerate(prompt[:-1]):
+                    cpu_decode.forward_rows(model, [token], [position], [table], cache)
+        assert cpu_decode.takes_rows(model, caches[0])
+        tokens = [p[-1] for p in prompts]
+        positions = [n - 1 for n in lengths]
+        got = cpu_decode.forward_rows(model, tokens, positions, tables, caches[0])
+        want = []
+        for table, token, position in zip(tables, tokens, positions):
+            slot = table[position // page] * page + position % page
+            batch = PagedBatch(torch.tensor([slot]), torch.tensor([position]), 1,
+                               torch.tensor([table[:position // page + 1]]), (), position + 1)
+            want.append(model(torch.tensor([[token]]), torch.tensor([[position]]), caches[1].view(batch),
+                              logits_at=torch.tensor([0]))[0])
+    assert torch.allclose(got, torch.cat(want), atol=1e-4, rtol=0), (got - torch.cat(want)).abs().max()
+    for layer in range(model.args.n_layers):
+        assert torch.allclose(caches[0].keys[layer], caches[1].keys[layer], atol=1e-5)
+        assert torch.allclose(caches[0].values[layer], caches[1].values[layer], atol=1e-5)
+
+
+def test_a_row_past_its_pages_is_an_error():
+    model = _model("float32")
+    cache = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="past its cache"):
+        cpu_decode.forward_rows(model, [1], [8], [[1, 2]], cache)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="names page 7 of 4"):
+        cpu_decode.forward_rows(model, [1], [1], [[7]], cache)
