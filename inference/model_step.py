@@ -16,6 +16,7 @@ from llama_chat.inference.decode_step import StaticStep, StaticStepOptions, comp
 from llama_chat.ml.processors import Sampler as Controls
 from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, draw_uniforms, sample
+from llama_chat.model import cpu_decode
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
 
@@ -109,6 +110,12 @@ class ModelStep:
         # One product for q/k/v and one for the SwiGLU inputs: fewer kernels per layer, and on
         # the CPU fewer calls from Python in the eager step.
         model.fuse_projections()
+        # One token of the one row through our one-call CPU step, with no model call around it.
+        self.one_call: cpu_decode.Decoder | None = None
+        with torch.inference_mode():
+            if rows == 1 and cpu_decode.takes(model, torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                                              self.cache):
+                self.one_call = cpu_decode.Decoder(model, self.cache)
         if options.static:
             self.static = StaticStep(model, self.cache, self.device, static_options, sample_ids=self.sample_ids)
 
@@ -134,6 +141,8 @@ class ModelStep:
         """Logits ``(len(rows), vocab)`` for the last token of each row (rows of equal length)."""
         # inference_mode is thread-local: it must be entered in the thread that runs the forward.
         with torch.inference_mode():
+            if self.one_call is not None and len(rows) == 1 and len(rows[0]) == 1:
+                return self.one_call(rows[0][0], starts[0])
             tokens = torch.tensor(rows, dtype=torch.long, device=self.device)
             offsets = torch.arange(tokens.shape[1], device=self.device)
             positions = torch.tensor(starts, dtype=torch.long, device=self.device).unsqueeze(1) + offsets

@@ -107,15 +107,25 @@ def test_any_shape_matches_the_layers(dim_heads, hidden, layers, prompt, seed):
 
 def test_greedy_tokens_are_the_layers_tokens(monkeypatch):
     model = _model("float32", seed=3)
-    step = ModelStep(model, options=StepOptions())
+    fast = ModelStep(model, options=StepOptions())
+    _layer_by_layer(monkeypatch)
+    layers = ModelStep(model, options=StepOptions())
+    assert fast.one_call is not None and layers.one_call is None
 
-    def tokens():
+    def tokens(step):
         decode = step.decode([1, 5, 9], 0, GREEDY, 0)
         return [decode.next_token() for _ in range(40)]
 
-    got = tokens()
-    _layer_by_layer(monkeypatch)
-    assert got == tokens()
+    assert tokens(fast) == tokens(layers)
+
+
+def test_the_prepared_call_checks_its_token_and_position():
+    model = _model("float32", max_seq_len=8)
+    step = ModelStep(model, options=StepOptions())
+    with pytest.raises(IndexError, match="past the cache length 8"):
+        step.forward([[1]], [8])
+    with pytest.raises(IndexError, match="outside the vocabulary"):
+        step.forward([[97]], [0])
 
 
 def test_threads_do_not_change_the_result():
