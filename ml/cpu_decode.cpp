@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -317,8 +318,8 @@ struct CacheView {
                  float* out) const {
     for (int64_t t = 0, page = 0; t < count; ++page) {
       const T* slot = page_start(base, row, head, page);
-      for (const int64_t end = std::min(count, t + page_size); t < end; ++t, slot += head_dim)
-        out[t] = dot(q, slot, head_dim) * scale;
+      const int64_t end = std::min(count, t + page_size);
+      for (; t < end; ++t, slot += head_dim) out[t] = dot(q, slot, head_dim) * scale;
     }
   }
   template <typename T>
@@ -326,7 +327,15 @@ struct CacheView {
                        float* out) const {
     for (int64_t t = 0, page = 0; t < count; ++page) {
       const T* slot = page_start(base, row, head, page);
-      for (const int64_t end = std::min(count, t + page_size); t < end; ++t, slot += head_dim) {
+      const int64_t end = std::min(count, t + page_size);
+      // Four positions per pass over `out`: a quarter of its loads and stores.
+      for (; t + 4 <= end; t += 4, slot += 4 * head_dim) {
+        const float w0 = weights[t], w1 = weights[t + 1], w2 = weights[t + 2], w3 = weights[t + 3];
+        const T *s1 = slot + head_dim, *s2 = slot + 2 * head_dim, *s3 = slot + 3 * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i)
+          out[i] += w0 * scalar(slot[i]) + w1 * scalar(s1[i]) + w2 * scalar(s2[i]) + w3 * scalar(s3[i]);
+      }
+      for (; t < end; ++t, slot += head_dim) {
         const float w = weights[t];
         for (int64_t i = 0; i < head_dim; ++i) out[i] += w * scalar(slot[i]);
       }
