@@ -28,6 +28,7 @@ from llama_chat.inference.page_table import PageTable, page_keys
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
+from llama_chat.ml import cpu_kernels
 from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import draw_uniforms, sample
 from llama_chat.model import cpu_decode
@@ -121,6 +122,7 @@ class BatchCore:
         self.last_written: tuple[int, ...] = ()  # the tokens the last job released had in its pages
         self.lone_step: LoneRowStep | None = None  # a compiled step for a lone sequence, if one was made
         self._one_call_ok: bool | None = None  # whether one-token steps take the one-call CPU step
+        self._rows_decoder: cpu_decode.RowsDecoder | None = None
         self.sizer: PrefillSizer | None = None  # prompt chunks sized by time, if set (else prefill_chunk)
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -311,7 +313,9 @@ class BatchCore:
         if self.lone_step is not None and lone is not None and sampled_jobs == [lone] and lone.controls is None:
             logits = self.lone_step.logits(tokens[0], positions[0], first_page)
         if logits is None and one_call:
-            logits = cpu_decode.forward_rows(self.model, tokens, positions, single_tables, self.cache)[sampled_rows]
+            logits = self._rows_decoder(tokens, positions, single_tables)
+            if len(sampled_rows) < len(tokens):  # a prompt cut to its last token has no draw yet
+                logits = logits[sampled_rows]
         if logits is None:
             kv_len = None if s.static_shapes or not singles else max(job.fed for job in singles) + 1
             logits = self._packed_forward(_Packed(tokens, positions, slots, n_singles, single_tables, tuple(runs),
@@ -348,6 +352,8 @@ class BatchCore:
     def _one_call(self) -> bool:
         if self._one_call_ok is None:
             self._one_call_ok = self.device.type == "cpu" and cpu_decode.takes_rows(self.model, self.cache)
+            if self._one_call_ok:
+                self._rows_decoder = cpu_decode.RowsDecoder(self.model, self.cache)
         return self._one_call_ok
 
     def _compact(self, job: Job) -> bool:
@@ -395,7 +401,7 @@ class BatchCore:
         The token after position ``p`` is drawn with the job's uniform ``p``, as the one-request
         engine does, so a seeded job picks the same tokens batched or alone.
         """
-        picks = logits.argmax(dim=-1)
+        picks = cpu_kernels.argmax(logits)
         for i, job in enumerate(jobs):
             if job is None or (job.controls is None and job.request.sampling.greedy):
                 continue

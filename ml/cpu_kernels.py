@@ -164,6 +164,18 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
     return torch.ops.llama_chat_cpu.matvec(x, weight, scales)
 
 
+# Rows up to which a greedy pick takes ``argmax``, on the calling thread (more: torch's, threaded).
+MAX_ARGMAX_ROWS = 4
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of ``(rows, vocab)`` logits, through the operator where it pays."""
+    if (loaded() and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and 0 < logits.shape[0] <= MAX_ARGMAX_ROWS and logits.shape[1] > 0):
+        return torch.ops.llama_chat_cpu.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the product ``x @ weight.T`` goes to the operator: loaded, on the CPU, few rows."""
     if not (loaded() and x.device.type == "cpu" and weight.device.type == "cpu"
@@ -179,6 +191,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("llama_chat_cpu::matvec")
     def _(x, weight, scales=None):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("llama_chat_cpu::argmax_rows")
+    def _(logits):
+        return logits.new_empty((logits.shape[0],), dtype=torch.long)
 
 
 def _build(target: Path) -> str | None:

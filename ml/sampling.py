@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 # The settings live in a module without torch, so the command line can check them instantly.
+from llama_chat.ml import cpu_kernels
 from llama_chat.ml.controls import SamplingParams
 
 __all__ = ["SamplingMode", "SamplingParams", "apply_top_p", "draw_uniforms", "sample", "sample_in_graph"]
@@ -108,7 +109,7 @@ def sample(
     if logits.dim() != 2:
         raise ValueError(f"logits must be (batch, vocab), got shape {tuple(logits.shape)}")
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return cpu_kernels.argmax(logits)
     if isinstance(randomness, torch.Tensor):
         uniform = randomness
     else:

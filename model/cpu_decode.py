@@ -193,15 +193,31 @@ def takes_rows(model: nn.Module, cache) -> bool:
             and _weights_of(model) is not None)
 
 
+class RowsDecoder:
+    """``decoder(tokens, positions, tables)``: logits ``(rows, vocab)``, float32, where row ``r``
+    is token ``tokens[r]`` of its own sequence at ``positions[r]``, whose pages of ``cache`` are
+    ``tables[r]`` (all of the same length); each token's keys and values are written at its
+    position's slot of its pages. Everything else is prepared once."""
+
+    def __init__(self, model: nn.Module, cache: PagedKVCache) -> None:
+        found = _weights_of(model)
+        if found is None:
+            raise ValueError("the one-call step cannot read this model's weights")
+        args = model.args
+        self.embedding = model.tok_embeddings.weight
+        self.page_size = cache.page_size
+        self._run = torch.ops.llama_chat_cpu.decode_step.default
+        self._after = (found.weights, found.scales, found.norms, cache.keys, cache.values,
+                       model.rope_table(self.embedding.device), found.final_norm, found.output,
+                       found.output_scales, args.n_heads, args.n_kv_heads, args.norm_eps)
+
+    def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        hidden = self.embedding[torch.tensor(tokens, dtype=torch.long)].float()
+        return self._run(hidden, torch.tensor(positions, dtype=torch.long), torch.tensor(tables, dtype=torch.long),
+                         self.page_size, *self._after)
+
+
 def forward_rows(model: nn.Module, tokens: list[int], positions: list[int], tables: list[list[int]],
                  cache: PagedKVCache) -> torch.Tensor:
-    """Logits ``(rows, vocab)``, float32: row ``r`` is token ``tokens[r]`` of its own sequence at
-    ``positions[r]``, whose pages are ``tables[r]`` (all of the same length); each token's keys
-    and values are written at its position's slot of its pages."""
-    found = _weights_of(model)
-    if found is None:
-        raise ValueError("the one-call step cannot read this model's weights")
-    ids = torch.tensor(tokens, dtype=torch.long)
-    hidden = model.tok_embeddings.weight[ids].float()
-    return found.run(model, hidden, torch.tensor(positions, dtype=torch.long), torch.tensor(tables, dtype=torch.long),
-                     cache.page_size, cache.keys, cache.values)
+    """``RowsDecoder(model, cache)(tokens, positions, tables)``, for one step."""
+    return RowsDecoder(model, cache)(tokens, positions, tables)

@@ -197,3 +197,16 @@ def _base_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k not in ("CXX", "LLAMA_CHAT_KERNEL_DIR")}
+
+
+@needs_kernels
+@given(rows=st.integers(1, cpu_kernels.MAX_ARGMAX_ROWS), n=st.integers(1, 300), seed=st.integers(0, 2**16),
+       ties=st.booleans(), nan=st.booleans())
+def test_argmax_is_torchs_argmax(rows, n, seed, ties, nan):
+    # Ties go to the first index and a NaN counts as the largest, as in torch.argmax.
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 3, (rows, n), generator=g).float() if ties else torch.randn(rows, n, generator=g)
+    if nan:
+        logits[0, int(torch.randint(0, n, (1,), generator=g))] = float("nan")
+    assert torch.equal(cpu_kernels.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax(logits[:, : max(1, n // 2)]), logits[:, : max(1, n // 2)].argmax(dim=-1))
