@@ -7,7 +7,7 @@ validation documents). Three figures, each a mean cross-entropy over the same ta
 
 * float32: whole windows through the model (one per forward), as training measured it;
 * int8, prefill kernel: the same forwards with int8 weights (on x86, fbgemm's product: the
-  activations rounded to 7 bits, one range per 8 rows);
+  activations rounded to 7 bits, one range per 64 rows of similar magnitude);
 * int8, decode kernel: the first ``--decode-windows`` windows fed one token at a time through the
   KV cache, so every product is the one-row kernel a decode step uses: our operator
   (``ml/cpu_kernels.cpp``, activations rounded to 2^-14 of their largest) as the command loads it

@@ -543,9 +543,9 @@ def test_q8_0_loads_straight_into_the_int8_path(tmp_path, sp_model, reference):
                 with weights_only_int8(direct):
                     weights_only = direct(prompt)
                 assert _relative_error(weights_only, want) <= RELATIVE_TOLERANCE[T.Q8_0] * 1.5
-                # fbgemm's product (x86) also rounds the activations to 7 bits, 8 rows to a range;
+                # fbgemm's product (x86) also rounds the activations to 7 bits, 64 rows to a range;
                 # this random model's activations are large (the shipped model's perplexity moves
-                # by 0.04 % with it, scripts/evaluate_quantized.py).
+                # by 0.01 % with it, scripts/evaluate_quantized.py).
                 assert _relative_error(got, want) <= RELATIVE_TOLERANCE[T.Q8_0] * 3
     with pytest.raises(ModelLoadError, match="quantization 'int4' is not supported"):
         load_model(path, device="cpu", quantize="int4")
