@@ -210,36 +210,49 @@ struct Inputs {
   int64_t rows = 0, k = 0;
 };
 
-// Weight row j against every input row: out[r * stride] for row r, times the row's scale. Four
-// input rows at a time share each load of the weights.
-inline void row_products(const Matrix& m, const Inputs& in, int64_t j, float* out, int64_t stride) {
-  const float scale = m.scales ? m.scales[j] : 1.f;
-#ifdef LLAMA_CHAT_AVX2
-  if (m.type == at::kChar) {
-    const int8_t* w = static_cast<const int8_t*>(m.data) + j * m.k;
-    for (int64_t r = 0; r < in.rows; ++r)
-      out[r * stride] = dot_int8(in.rounded + r * m.k, w, m.k) * (in.steps[r] * scale);
-    return;
-  }
-#endif
-  auto each = [&](const auto* w) {
-    int64_t r = 0;
-    for (; r + 4 <= in.rows; r += 4) {
-      float four[4];
-      dot4(in.x + r * m.k, m.k, w, m.k, four);
-      for (int q = 0; q < 4; ++q) out[(r + q) * stride] = four[q] * scale;
-    }
-    for (; r < in.rows; ++r) out[r * stride] = dot(in.x + r * m.k, w, m.k) * scale;
+// Weight rows [first, stop) of m against every input row: out[r * row_stride + (j - first)] is
+// row j's product with input row r, times j's scale; stored, or with Add added to what is
+// there (the residual). The weight type is settled once per range, not once per row: at 288
+// weights a row, a call and a switch per row were a good part of a row's time.
+template <bool Add, typename W>
+void range_of(const W* w, const Matrix& m, const Inputs& in, int64_t first, int64_t stop, float* out,
+              int64_t row_stride) {
+  const int64_t k = m.k;
+  auto put = [&](int64_t r, int64_t j, float v) {
+    float& slot = out[r * row_stride + (j - first)];
+    if constexpr (Add) slot += v;
+    else slot = v;
   };
+  for (int64_t j = first; j < stop; ++j) {
+    const W* row = w + j * k;
+    const float scale = m.scales ? m.scales[j] : 1.f;
+#ifdef LLAMA_CHAT_AVX2
+    if constexpr (std::is_same_v<W, int8_t>) {
+      for (int64_t r = 0; r < in.rows; ++r) put(r, j, dot_int8(in.rounded + r * k, row, k) * (in.steps[r] * scale));
+      continue;
+    }
+#endif
+    int64_t r = 0;
+    for (; r + 4 <= in.rows; r += 4) {  // four input rows share each load of the weights
+      float four[4];
+      dot4(in.x + r * k, k, row, k, four);
+      for (int q = 0; q < 4; ++q) put(r + q, j, four[q] * scale);
+    }
+    for (; r < in.rows; ++r) put(r, j, dot(in.x + r * k, row, k) * scale);
+  }
+}
+
+template <bool Add = false>
+void range_products(const Matrix& m, const Inputs& in, int64_t first, int64_t stop, float* out, int64_t row_stride) {
   switch (m.type) {
     case at::kFloat:
-      each(static_cast<const float*>(m.data) + j * m.k);
+      range_of<Add>(static_cast<const float*>(m.data), m, in, first, stop, out, row_stride);
       break;
     case at::kBFloat16:
-      each(static_cast<const uint16_t*>(m.data) + j * m.k);
+      range_of<Add>(static_cast<const uint16_t*>(m.data), m, in, first, stop, out, row_stride);
       break;
     default:
-      each(static_cast<const int8_t*>(m.data) + j * m.k);
+      range_of<Add>(static_cast<const int8_t*>(m.data), m, in, first, stop, out, row_stride);
   }
 }
 
@@ -473,6 +486,12 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
     scratch.steps.resize(static_cast<size_t>(rows));
     Inputs in;
     Stage* stage = stage_of.get();
+    // The rows of `m` against the rows of `input` (each `width` wide), added into the residual.
+    auto add_to_residual = [&](Stage& work, const Matrix& m, const float* input, int64_t width) {
+      run_stage(
+          work, dim, m.smallest(), team, [&] { in = scratch.inputs(input, rows, width, m); },
+          [&](int64_t first, int64_t stop) { range_products<true>(m, in, first, stop, h.data() + first, dim); });
+    };
     for (const Layer& layer : layers) {
       run_stage(
           *stage++, n_heads + 2 * n_kv_heads, 1, team,
@@ -480,7 +499,7 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
           [&](int64_t first, int64_t stop) {
             for (int64_t unit = first; unit < stop; ++unit) {
               float* head = scratch.head.data();  // (rows, head_dim)
-              for (int64_t i = 0; i < head_dim; ++i) row_products(layer.qkv, in, unit * head_dim + i, head + i, head_dim);
+              range_products(layer.qkv, in, unit * head_dim, (unit + 1) * head_dim, head, head_dim);
               for (int64_t r = 0; r < rows; ++r) {
                 float* mine = head + r * head_dim;
                 if (unit < n_heads + n_kv_heads) rotate(mine, rope_table + position[r] * head_dim, head_dim);
@@ -507,43 +526,23 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
           layer.values.weighted_sum(r, kv, last + 1, scores, result);
         }
       });
-      run_stage(
-          *stage++, dim, layer.out.smallest(), team,
-          [&] { in = scratch.inputs(attended.data(), rows, q_width, layer.out); },
-          [&](int64_t first, int64_t stop) {
-            float* sums = scratch.head.data();
-            for (int64_t j = first; j < stop; ++j) {
-              row_products(layer.out, in, j, sums, 1);
-              for (int64_t r = 0; r < rows; ++r) h[r * dim + j] += sums[r];
-            }
-          });
+      add_to_residual(*stage++, layer.out, attended.data(), q_width);
       run_stage(
           *stage++, ffn, std::max<int64_t>(1, layer.gate_up.smallest() / 2), team,
           [&] { in = scratch.normalized(h.data(), rows, layer.ffn_norm, dim, eps, layer.gate_up); },
           [&](int64_t first, int64_t stop) {
-            for (int64_t j = first; j < stop; ++j) {
-              row_products(layer.gate_up, in, j, activated.data() + j, ffn);
-              row_products(layer.gate_up, in, ffn + j, ups.data() + j, ffn);
-            }
+            range_products(layer.gate_up, in, first, stop, activated.data() + first, ffn);
+            range_products(layer.gate_up, in, ffn + first, ffn + stop, ups.data() + first, ffn);
             for (int64_t r = 0; r < rows; ++r)
               swiglu(activated.data() + r * ffn + first, ups.data() + r * ffn + first, stop - first);
           });
-      run_stage(
-          *stage++, dim, layer.down.smallest(), team,
-          [&] { in = scratch.inputs(activated.data(), rows, ffn, layer.down); },
-          [&](int64_t first, int64_t stop) {
-            float* sums = scratch.head.data();
-            for (int64_t j = first; j < stop; ++j) {
-              row_products(layer.down, in, j, sums, 1);
-              for (int64_t r = 0; r < rows; ++r) h[r * dim + j] += sums[r];
-            }
-          });
+      add_to_residual(*stage++, layer.down, activated.data(), ffn);
     }
     run_stage(
         *stage, vocab, classifier.smallest(), team,
         [&] { in = scratch.normalized(h.data(), rows, final_weight, dim, eps, classifier); },
         [&](int64_t first, int64_t stop) {
-          for (int64_t j = first; j < stop; ++j) row_products(classifier, in, j, out + j, vocab);
+          range_products(classifier, in, first, stop, out + first, vocab);
         });
   };
 
