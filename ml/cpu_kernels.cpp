@@ -137,9 +137,28 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   int64_t* picks = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = data + r * n;
+    // The largest value (and whether there is a NaN) eight at a time, then its first place.
+    float largest = -INFINITY;
+    bool nan = false;
+    int64_t i = 0;
+#ifdef LLAMA_CHAT_AVX2
+    __m256 most = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      most = _mm256_max_ps(most, v);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, most);
+    for (const float v : lanes) largest = std::max(largest, v);
+    nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+    for (; i < n; ++i) {
+      nan = nan || std::isnan(row[i]);
+      largest = std::max(largest, row[i]);
+    }
     int64_t best = 0;
-    for (int64_t i = 1; i < n && !std::isnan(row[best]); ++i)
-      if (row[i] > row[best] || std::isnan(row[i])) best = i;
+    while (best + 1 < n && !(nan ? std::isnan(row[best]) : row[best] == largest)) ++best;
     picks[r] = best;
   }
   return out;
