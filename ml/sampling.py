@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-# The settings live in a module without torch, so the command line can check them instantly.
 from llama_chat.ml import cpu_kernels
+# The settings live in a module without torch, so the command line can check them instantly.
 from llama_chat.ml.controls import SamplingParams
 
 __all__ = ["SamplingMode", "SamplingParams", "apply_top_p", "draw_uniforms", "sample", "sample_in_graph"]
