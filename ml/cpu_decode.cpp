@@ -8,8 +8,8 @@
 // work (heads, or chunks of weight rows) is taken by threads as they come.
 //
 // Per layer: rms norm (each thread into its own buffer: cheaper than another stage), q/k/v by
-// head (rotated and written into the cache as each head's rows are done), attention by query
-// head, the output projection added into the residual, the SwiGLU's gate and up rows together
+// head (rotated and written into the cache as each head's rows are done), attention by row and
+// query head, the output projection added into the residual, the SwiGLU's gate and up rows together
 // with the activation, and its down projection added into the residual. Then the final norm and
 // the classifier. Arithmetic is float32 throughout, whatever the weights' and cache's storage
 // type, and each output is one thread's sum in a fixed order: the result does not depend on the
@@ -101,8 +101,6 @@ inline void swiglu(float* gate, const float* up, int64_t n) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
     _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
   }
-#endif
-#ifdef LLAMA_CHAT_AVX2
   if (i < n) {  // the tail through the same e^x, so that where a range ends changes nothing
     float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, e[8];
     std::memcpy(g, gate + i, sizeof(float) * static_cast<size_t>(n - i));
