@@ -69,7 +69,7 @@ class SchedulerOptions:
     prefill_chunk: int | None = None
     step_tokens: int | None = None  # most tokens per step, all jobs together
     buffer_size: int = 8  # events of one job waiting for its consumer
-    lookahead: int = 2  # steps queued in the worker ahead of the one being delivered
+    lookahead: int = 8  # steps queued in the worker ahead of the one being delivered
     static_shapes: bool | None = None  # pad decode rows and tables to buckets (default: on CUDA)
     max_seq_len: int | None = None  # each job's context; None: the model's
     report_every_s: float = 0.02

@@ -172,7 +172,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of ``(rows, vocab)`` logits, through the operator where it pays."""
     if (loaded() and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and 0 < logits.shape[0] <= MAX_ARGMAX_ROWS and logits.shape[1] > 0):
-        return torch.ops.llama_chat_cpu.argmax_rows(logits)
+        return torch.ops.llama_chat_cpu.argmax_rows.default(logits)
     return logits.argmax(dim=-1)
 
 

@@ -212,7 +212,10 @@ class RowsDecoder:
                        found.output_scales, args.n_heads, args.n_kv_heads, args.norm_eps)
 
     def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        hidden = self.embedding[torch.tensor(tokens, dtype=torch.long)].float()
+        if len(tokens) == 1:  # a lone job: a slice, not a gather
+            hidden = self.embedding[tokens[0]:tokens[0] + 1].float()
+        else:
+            hidden = self.embedding[torch.tensor(tokens, dtype=torch.long)].float()
         return self._run(hidden, torch.tensor(positions, dtype=torch.long), torch.tensor(tables, dtype=torch.long),
                          self.page_size, *self._after)
 
