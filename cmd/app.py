@@ -264,7 +264,7 @@ class Options:
     compile: Annotated[bool | None, typer.Option(
         "--compile/--no-compile",
         help="Compile the decode step (default: for models of 50M parameters or more, on CUDA, and on the "
-             "CPU in float32; int8 only when asked). The first run compiles (a C++ compiler is needed on the CPU; without one the "
+             "CPU in float32 where llama-chat's CPU kernels are not built; int8 only when asked). The first run compiles (a C++ compiler is needed on the CPU; without one the "
              "step runs uncompiled); later runs reuse the on-disk cache.")] = None
     quantize: Annotated[Quantize, typer.Option(
         "--quantize", help="Weights: none, or int8 (weight-only, one scale per output row, made at load "
