@@ -115,7 +115,7 @@ class ModelStep:
         with torch.inference_mode():
             if rows == 1 and cpu_decode.takes(model, torch.zeros(1, 1, dtype=torch.long, device=self.device),
                                               self.cache):
-                self.one_call = cpu_decode.Decoder(model, self.cache)
+                self.one_call = cpu_decode.decoder(model, self.cache)
         if options.static:
             self.static = StaticStep(model, self.cache, self.device, static_options, sample_ids=self.sample_ids)
 

@@ -42,25 +42,13 @@ class DecodeWeights:
     final_norm: torch.Tensor
     output: torch.Tensor
     output_scales: torch.Tensor | None
-    caches: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    decoders: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
-    def cache_rows(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-        """Row 0 of every layer's keys and values as one page, ``(kv_heads, 1, capacity,
-        head_dim)`` each, and its block table."""
-        rows = self.caches.get(cache)
-        if rows is None or rows[0][0].data_ptr() != cache.keys[0].data_ptr():
-            rows = ([k[0].unsqueeze(1) for k in cache.keys], [v[0].unsqueeze(1) for v in cache.values],
-                    torch.zeros(1, 1, dtype=torch.long))
-            self.caches[cache] = rows
-        return rows
-
-    def run(self, model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
-            page_size: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    def arguments(self, model: nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple:
+        """The operator's arguments from its weights on, for a cache of these keys and values."""
         args = model.args
-        return torch.ops.llama_chat_cpu.decode_step(
-            hidden, positions, tables, page_size, self.weights, self.scales, self.norms, keys, values,
-            model.rope_table(hidden.device), self.final_norm, self.output, self.output_scales, args.n_heads,
-            args.n_kv_heads, args.norm_eps)
+        return (self.weights, self.scales, self.norms, keys, values, model.rope_table(self.output.device),
+                self.final_norm, self.output, self.output_scales, args.n_heads, args.n_kv_heads, args.norm_eps)
 
 
 def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -148,34 +136,35 @@ def _weights_of(model: nn.Module) -> DecodeWeights | None:
 
 def forward(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits ``(1, 1, vocab)``, float32, of the token at its position, its keys and values cached."""
-    found: DecodeWeights = model._cpu_decode
-    position = positions.reshape(1)
-    if not 0 <= int(position) < cache.max_seq_len:
-        raise IndexError(f"position {int(position)} is past the cache length {cache.max_seq_len}")
-    hidden = model.tok_embeddings.weight[tokens.reshape(1)].float()
-    keys, values, table = found.cache_rows(cache)
-    return found.run(model, hidden, position, table, cache.max_seq_len, keys, values).view(1, 1, -1)
+    return decoder(model, cache)(int(tokens.reshape(-1)[0]), int(positions.reshape(-1)[0])).view(1, 1, -1)
+
+
+def decoder(model: nn.Module, cache: KVCache) -> Decoder:
+    """The ``Decoder`` of ``model`` over ``cache``, made once (until either's tensors change)."""
+    found = _weights_of(model)
+    if found is None:
+        raise ValueError("the one-call step cannot read this model's weights")
+    made = found.decoders.get(cache)
+    if made is None or made.keys_ptr != cache.keys[0].data_ptr():
+        made = found.decoders[cache] = Decoder(model, found, cache)
+    return made
 
 
 class Decoder:
     """``decoder(token, position)``: the logits ``(1, vocab)`` of one token of the one sequence in
-    row 0 of ``cache``, as ``forward`` gives them, with everything but the token and the position
-    prepared once. A step on the stories15M-sized model spent a tenth of its time in Python
-    around the call before."""
+    row 0 of ``cache``, its keys and values written, with everything but the token and the
+    position prepared once (row 0 of every layer's keys and values as one page of the cache's
+    length). A step on the stories15M-sized model spent a tenth of its time in Python around the
+    call before."""
 
-    def __init__(self, model: nn.Module, cache: KVCache) -> None:
-        found = _weights_of(model)
-        if found is None:
-            raise ValueError("the one-call step cannot read this model's weights")
-        keys, values, table = found.cache_rows(cache)
-        args = model.args
+    def __init__(self, model: nn.Module, found: DecodeWeights, cache: KVCache) -> None:
         self.embedding = model.tok_embeddings.weight
         self.vocab_size = self.embedding.shape[0]
         self.capacity = cache.max_seq_len
+        self.keys_ptr = cache.keys[0].data_ptr()
+        keys, values = [k[0].unsqueeze(1) for k in cache.keys], [v[0].unsqueeze(1) for v in cache.values]
         self._run = torch.ops.llama_chat_cpu.decode_step.default
-        self._before = (table, self.capacity, found.weights, found.scales, found.norms, keys, values,
-                        model.rope_table(self.embedding.device), found.final_norm, found.output,
-                        found.output_scales, args.n_heads, args.n_kv_heads, args.norm_eps)
+        self._before = (torch.zeros(1, 1, dtype=torch.long), self.capacity, *found.arguments(model, keys, values))
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
         if not 0 <= position < self.capacity:
@@ -203,13 +192,10 @@ class RowsDecoder:
         found = _weights_of(model)
         if found is None:
             raise ValueError("the one-call step cannot read this model's weights")
-        args = model.args
         self.embedding = model.tok_embeddings.weight
         self.page_size = cache.page_size
         self._run = torch.ops.llama_chat_cpu.decode_step.default
-        self._after = (found.weights, found.scales, found.norms, cache.keys, cache.values,
-                       model.rope_table(self.embedding.device), found.final_norm, found.output,
-                       found.output_scales, args.n_heads, args.n_kv_heads, args.norm_eps)
+        self._after = found.arguments(model, cache.keys, cache.values)
 
     def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         if len(tokens) == 1:  # a lone job: a slice, not a gather
