@@ -435,7 +435,7 @@ class BatchCore:
 
     def abandon(self) -> None:
         """Drop every job, running or waiting, and release its pages: the scheduler has stopped.
-        Only when no step can run (the step thread has been joined)."""
+        Only when no step can run (the step thread has finished its block)."""
         while self.incoming:
             self.waiting.append(self.incoming.popleft())
         for job in self.waiting:

@@ -202,7 +202,7 @@ class Engine:
                 pass  # the consumer closed its end: nobody is listening, so stop
             finally:
                 self._busy = False
-                # The worker has been joined: run.fed and run.tokens are final.
+                # The worker has finished its block: run.fed and run.tokens are final.
                 kept = min(run.fed, len(request.prompt_ids) + max(sent, run.sent))
                 self._cached = (request.prompt_ids + tuple(run.tokens))[:kept]
 

@@ -1,4 +1,5 @@
-"""The dedicated step thread: order, errors, cancellation, and no thread left behind."""
+"""The dedicated step thread: order, errors, cancellation, no step left behind, and the thread
+kept for the next block."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import threading
 import anyio
 import pytest
 
-from llama_chat.inference.step_worker import StepWorker
+from llama_chat.inference.step_worker import StepWorker, threads_serving
 
 # How long a test waits for something that must happen, on however busy a machine.
 WAIT_S = 60.0
 
 
-def _alive(name: str = "llama-chat step worker") -> bool:
-    return any(t.name == name and t.is_alive() for t in threading.enumerate())
+def _serving() -> bool:
+    """Whether a step thread still runs or holds a call of a block (parked threads do not)."""
+    return threads_serving() > 0
 
 
 def test_calls_run_in_order_on_one_thread_off_the_loop():
@@ -28,7 +30,7 @@ def test_calls_run_in_order_on_one_thread_off_the_loop():
     assert anyio.run(main) == list(range(20))
     assert [i for i, _ in ran] == list(range(20))
     assert len({t for _, t in ran}) == 1 and threading.get_ident() not in {t for _, t in ran}
-    assert not _alive()
+    assert not _serving()
 
 
 def test_an_error_is_raised_once_and_revokes_the_calls_queued_after_it():
@@ -53,7 +55,7 @@ def test_an_error_is_raised_once_and_revokes_the_calls_queued_after_it():
 
     anyio.run(main)
     assert ran == [0, 1, 2]
-    assert not _alive()
+    assert not _serving()
 
 
 def test_cancel_waits_for_the_running_call_and_revokes_the_queued_ones():
@@ -89,7 +91,32 @@ def test_cancel_waits_for_the_running_call_and_revokes_the_queued_ones():
 
     anyio.run(main)
     assert ran == [0] and finished == [0]
-    assert not _alive()
+    assert not _serving()
+
+
+def test_the_next_block_runs_on_the_parked_thread():
+    async def block():
+        async with StepWorker() as worker:
+            return await worker.result(worker.submit(threading.get_ident))
+
+    first = anyio.run(block)
+    assert not _serving()
+    # Parked, not ended: the next generation's first forward finds its OpenMP helpers and its
+    # allocator's memory warm.
+    assert any(t.ident == first and t.is_alive() for t in threading.enumerate())
+    assert anyio.run(block) == first
+
+
+def test_overlapping_blocks_get_threads_of_their_own():
+    async def main():
+        idents = []
+        async with StepWorker() as a, StepWorker() as b:
+            idents.append(await a.result(a.submit(threading.get_ident)))
+            idents.append(await b.result(b.submit(threading.get_ident)))
+        return idents
+
+    a, b = anyio.run(main)
+    assert a != b and not _serving()
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
