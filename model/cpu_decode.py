@@ -165,6 +165,10 @@ class Decoder:
         keys, values = [k[0].unsqueeze(1) for k in cache.keys], [v[0].unsqueeze(1) for v in cache.values]
         self._run = torch.ops.llama_chat_cpu.decode_step.default
         self._before = (torch.zeros(1, 1, dtype=torch.long), self.capacity, *found.arguments(model, keys, values))
+        # The position goes in through a NumPy view of a kept tensor: a new tensor per token cost
+        # twenty times as long.
+        self._position = torch.zeros(1, dtype=torch.long)
+        self._position_slot = self._position.numpy()
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
         if not 0 <= position < self.capacity:
@@ -172,7 +176,8 @@ class Decoder:
         if not 0 <= token < self.vocab_size:
             raise IndexError(f"token id {token} is outside the vocabulary ({self.vocab_size})")
         hidden = self.embedding[token:token + 1].float()
-        return self._run(hidden, torch.tensor([position]), *self._before)
+        self._position_slot[0] = position
+        return self._run(hidden, self._position, *self._before)
 
 
 def takes_rows(model: nn.Module, cache) -> bool:
