@@ -9,10 +9,13 @@ float32 weights, seeded; the end-of-sequence row zeroed so nothing stops early),
 * 16 and 64 jobs submitted together to the ``Scheduler``: all generated tokens over the wall time
   from submitting the first to the last one finishing (prefill included, so it is a lower bound
   on the decode rate);
-* for reference, the ceiling this machine sets on batching: a bare loop of dense-cache forwards
-  (no sampling, no scheduler) of 16 rows at once against 1 row, in tokens per second. On a
-  memory-bound CPU a 16-row forward costs little more than a 1-row one; on a CPU whose cores are
-  shared and busy, the products are compute-bound and batching gains less.
+* for reference, a bare loop of dense-cache forwards through the model's layers (no sampling, no
+  scheduler) of 16 rows at once against 1 row, in tokens per second;
+* the compute ceiling: the machine's float32 multiply-add rate (BLAS's GEMM on square matrices,
+  the best of five) over one token's multiply-adds. A step of one row is bound by reading the
+  weights; a step of many rows reads them once for all and is bound by its multiply-adds, so no
+  number of jobs goes past this (on a 2-core VM whose FMA units run at a fraction of their
+  nominal rate, it is about 4x a single stream).
 
 Each measurement is repeated ``--runs`` times, interleaved (a busy machine slows all of them
 alike). A ratio is taken within each run, between measurements made back to back, and the median
@@ -130,6 +133,28 @@ def bare_forward(model, rows: int, steps: int = 30) -> float:
         return rows * steps / (time.perf_counter() - start)
 
 
+def multiply_adds_per_token(model) -> int:
+    """The multiply-adds of one token's products: every linear layer's weights, once each."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def compute_ceiling(model, size: int = 1024, repeats: int = 5) -> tuple[float, float]:
+    """The machine's float32 multiply-add rate (the best of ``repeats`` square ``torch.mm`` of
+    ``size``: BLAS's GEMM, near the cores' peak) and the tokens/s it allows, however many jobs
+    share a step: a step of many rows is bound by its multiply-adds, not by reading the weights."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    rate = size ** 3 / best
+    return rate, rate / multiply_adds_per_token(model)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -149,6 +174,7 @@ def main() -> None:
         "jobs64": lambda: together(model, tokenizer, 64, args.new),
         "bare1": lambda: bare_forward(model, 1),
         "bare16": lambda: bare_forward(model, 16),
+        "ceiling": lambda: compute_ceiling(model)[1],
     }
     if args.compile:
         engine = Engine(model, tokenizer, options=EngineOptions(compile=True))
@@ -179,7 +205,7 @@ def main() -> None:
             measure(run, "single_fast_compiled")
             measure(run, "single_paged_compiled")
     for run in range(args.runs):
-        for name in ("single_fast", "jobs16", "jobs64", "bare1", "bare16"):
+        for name in ("single_fast", "jobs16", "jobs64", "bare1", "bare16", "ceiling"):
             measure(run, name)
     # Batch ratios are against the single-stream runs made beside them, in the second phase.
     fast_pairs = results["single_fast"][:2 * args.runs]
@@ -187,7 +213,8 @@ def main() -> None:
     results["single_fast"] = fast_pairs
 
     med = {k: statistics.median(v) for k, v in results.items()}
-    print(json.dumps({"load_avg": os.getloadavg(), "threads": args.threads, "torch": torch.__version__}))
+    print(json.dumps({"load_avg": os.getloadavg(), "threads": args.threads, "torch": torch.__version__,
+                      "multiply_adds_per_token": multiply_adds_per_token(model)}))
     print()
     print("| measure | tok/s (median) | runs | ratio (median of per-run ratios) | ratio of medians |")
     print("|---|---|---|---|---|")
@@ -201,7 +228,9 @@ def main() -> None:
         ("16 jobs together", "jobs16", ("single_fast_batch", "x single stream")),
         ("64 jobs together", "jobs64", ("single_fast_batch", "x single stream")),
         ("bare dense forward, 1 row", "bare1", None),
-        ("bare dense forward, 16 rows (the machine's ceiling for 16 jobs)", "bare16", ("bare1", "x 1 row")),
+        ("bare dense forward, 16 rows (layer by layer)", "bare16", ("bare1", "x 1 row")),
+        ("compute ceiling for any number of jobs (GEMM multiply-adds/s over a token's)", "ceiling",
+         ("single_fast_batch", "x single stream")),
     ]
     for label, key, ratio in rows:
         if key not in results:

@@ -208,6 +208,9 @@ struct Inputs {
   int64_t rows = 0, k = 0;
 };
 
+// Input rows from which float weights are taken three rows at a time (dot3x4).
+constexpr int64_t kBlockedRows = 32;
+
 // Weight rows [first, stop) of m against every input row: out[r * row_stride + (j - first)] is
 // row j's product with input row r, times j's scale; stored, or with Add added to what is
 // there (the residual). The weight type is settled once per range, not once per row: at 288
@@ -221,7 +224,31 @@ void range_of(const W* w, const Matrix& m, const Inputs& in, int64_t first, int6
     if constexpr (Add) slot += v;
     else slot = v;
   };
-  for (int64_t j = first; j < stop; ++j) {
+  int64_t j = first;
+  if constexpr (!std::is_same_v<W, int8_t>) {
+    // Many rows: three weight rows against four input rows at a time. The first group of input
+    // rows reads a block from memory, the others from L1; below 32 rows three rows read at once
+    // streamed worse than one (16 rows: 7.9 ms a stories15M-sized step against 6.5 one row at a
+    // time), at 64 rows this is 26 ms against 31. The rows left over take the loop below, which
+    // sums each pair as this does.
+    if (in.rows >= kBlockedRows) {
+      for (; j + 3 <= stop; j += 3) {
+        const W* rows3 = w + j * k;
+        float scales[3];
+        for (int q = 0; q < 3; ++q) scales[q] = m.scales ? m.scales[j + q] : 1.f;
+        int64_t r = 0;
+        for (; r + 4 <= in.rows; r += 4) {
+          float twelve[12];
+          dot3x4(in.x + r * k, k, rows3, k, twelve);
+          for (int q = 0; q < 3; ++q)
+            for (int t = 0; t < 4; ++t) put(r + t, j + q, twelve[q * 4 + t] * scales[q]);
+        }
+        for (; r < in.rows; ++r)
+          for (int q = 0; q < 3; ++q) put(r, j + q, dot(in.x + r * k, rows3 + q * k, k) * scales[q]);
+      }
+    }
+  }
+  for (; j < stop; ++j) {
     const W* row = w + j * k;
     const float scale = m.scales ? m.scales[j] : 1.f;
 #ifdef LLAMA_CHAT_AVX2

@@ -225,6 +225,34 @@ def test_rows_of_a_paged_step_equal_the_packed_step():
         assert torch.allclose(caches[0].values[layer], caches[1].values[layer], atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+def test_a_step_of_many_rows_equals_each_row_alone_whatever_the_threads(kind):
+    # 35 rows: from 32 the weights are taken three rows at a time against four input rows, and
+    # 35 leaves three rows over; every row must be what it is alone, and no thread count may change
+    # a bit of it (a range boundary moves which weight rows are blocked together).
+    model = _model(kind, seed=8, dim=96, hidden_dim=200)
+    rows, page = 35, 4
+    g = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, 97, (rows,), generator=g).tolist()
+    tables = [[r] for r in range(rows)]
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            cache = PagedKVCache.for_model(model.args, num_pages=rows, page_size=page)
+            with torch.inference_mode():
+                results.append(cpu_decode.forward_rows(model, tokens, [0] * rows, tables, cache))
+        alone = PagedKVCache.for_model(model.args, num_pages=rows, page_size=page)
+        with torch.inference_mode():
+            each = torch.cat([cpu_decode.forward_rows(model, [t], [0], [table], alone)
+                              for t, table in zip(tokens, tables)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
+    assert torch.allclose(results[0], each, atol=1e-4, rtol=1e-4), (results[0] - each).abs().max()
+
+
 def test_a_row_past_its_pages_is_an_error():
     model = _model("float32")
     cache = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
