@@ -8,9 +8,9 @@ the one whose result it is handling, so the thread goes from one forward straigh
 and the event loop learns of results without the thread waiting for it.
 
 Results reach the event loop in batches, at most every ``report_every_s`` (and at once when the
-thread has ``REPORT_AT_QUEUED`` calls or fewer queued): every wake of the event loop takes the GIL from the forward a few
-times, which on that machine cost the forward another 5%. A 20 ms batch is below what a reader
-can see, and a step slower than that is reported as soon as it ends.
+thread has ``REPORT_AT_QUEUED`` calls or fewer queued): every wake of the event loop takes the GIL
+from the forward a few times, which on that machine cost the forward another 5%. A 20 ms batch is
+below what a reader can see, and a step slower than that is reported as soon as it ends.
 
 What stays the same as ``to_thread.run_sync``: each call is one step; a cancel revokes the steps
 that have not started and waits for the one that has; and when the ``async with`` block ends no
