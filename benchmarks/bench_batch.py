@@ -14,8 +14,8 @@ float32 weights, seeded; the end-of-sequence row zeroed so nothing stops early),
 * the compute ceiling: the machine's float32 multiply-add rate (BLAS's GEMM on square matrices,
   the best of five) over one token's multiply-adds. A step of one row is bound by reading the
   weights; a step of many rows reads them once for all and is bound by its multiply-adds, so no
-  number of jobs goes past this (on a 2-core VM whose FMA units run at a fraction of their
-  nominal rate, it is about 4x a single stream).
+  number of jobs goes past this (12x a single stream on a 2-core AMD EPYC VM). Products of a few
+  rows do not reach GEMM's rate, MKL's own included, so it is a bound, not a target.
 
 Each measurement is repeated ``--runs`` times, interleaved (a busy machine slows all of them
 alike). A ratio is taken within each run, between measurements made back to back, and the median
