@@ -206,7 +206,7 @@ class RowsDecoder:
         if len(tokens) == 1:  # a lone job: a slice, not a gather
             hidden = self.embedding[tokens[0]:tokens[0] + 1].float()
         else:
-            hidden = self.embedding[torch.tensor(tokens, dtype=torch.long)].float()
+            hidden = self.embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
         return self._run(hidden, torch.tensor(positions, dtype=torch.long), torch.tensor(tables, dtype=torch.long),
                          self.page_size, *self._after)
 
