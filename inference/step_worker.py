@@ -123,8 +123,14 @@ class _StepThread:
             return len(cls._serving)
 
     def _serve(self) -> None:
-        while self._inbox.get()._run(self):
-            pass
+        try:
+            while self._inbox.get()._run(self):
+                pass
+        finally:  # ended, or failed (an event loop gone under it): neither serving nor parked
+            with self._lock:
+                self._serving.discard(self)
+                if self in self._parked:
+                    self._parked.remove(self)
 
 
 def threads_serving() -> int:
