@@ -21,6 +21,9 @@ ones). Measured, per config and dtype (float32; bfloat16 for the Python systems;
   ``EngineOptions(compile=False)`` and ``compile=True`` (the compiled static step; its warm-up,
   with a cold compile cache, is reported apart and done before timing), in float32, bfloat16 and
   ``--quantize int8`` (on float32 weights);
+* for reference, where llama-chat's step is our one-call CPU operator, the same step in a bare
+  loop in that process ("operator alone": the step, a greedy pick, the token fed back), so that
+  what the engine costs around it shows as the difference between the two rows;
 * the machine's read bandwidth (a float32 sum over 512 MiB, median of 7); the bound is that over
   the bytes of weights read per token, and "of bound" is a system's decode speed over it.
 
@@ -281,7 +284,27 @@ def llama_chat_worker(args, c: dict) -> dict:
         prefill.append(done.timings.prefill_tok_s)
         ttft.append(done.timings.ttft_s)
     return dict(decode=spread(decode), prefill=spread(prefill), ttft=spread(ttft), load_s=load_s,
-                warm_up_s=warm_s, compiled=engine.compiles, tokens=tokens)
+                warm_up_s=warm_s, compiled=engine.compiles, tokens=tokens, operator_alone=operator_alone(engine, args))
+
+
+def operator_alone(engine, args) -> dict | None:
+    """Decode tok/s of the engine's one-call step in a bare loop on this thread (the step, a greedy
+    pick, the next token fed back): what the step thread, the channel and the Python around each
+    token cost is the difference from the engine's row."""
+    from llama_chat.ml import cpu_kernels
+
+    one_call = engine.step.one_call
+    if one_call is None or engine.compiles:
+        return None
+    rates = []
+    with torch.inference_mode():
+        for _ in range(args.runs):
+            token, times = BOS, []
+            for position in range(args.new):
+                token = int(cpu_kernels.argmax(one_call(token, position))[0])
+                times.append(time.perf_counter())
+            rates.append((len(times) - 1) / (times[-1] - times[0]))
+    return spread(rates)
 
 
 def hf_worker(args, c: dict) -> dict:
@@ -328,6 +351,13 @@ def cpu_name() -> str:
     return f"{name} ({', '.join(have) or 'no AVX2'}{'' if 'avx512f' in flags else ', no AVX-512'})"
 
 
+def add_operator_alone(found: dict, name: str) -> None:
+    """The engine row's bare loop of its one-call step, as a row of its own (no target reads it)."""
+    alone = found[name].pop("operator_alone", None)
+    if alone:
+        found[f"{name}: operator alone"] = dict(decode=alone, rss_mb=found[name].get("rss_mb", 0.0))
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -347,6 +377,7 @@ def measure_config(key: str, c: dict, args, bins: dict, envs: dict) -> list[dict
                 if compile and not c.get("compiled", True):
                     continue
                 found[name] = python_system("llama_chat", key, hf_dir, dtype, args, envs["python"], compile)
+                add_operator_alone(found, name)
             found["HF generate"] = python_system("hf", key, hf_dir, dtype, args, envs["python"])
         else:  # float32 weights quantized when the engine is made, as --quantize int8 does
             for name, compile in (("llama-chat", False), ("llama-chat compiled", True)):
@@ -354,6 +385,7 @@ def measure_config(key: str, c: dict, args, bins: dict, envs: dict) -> list[dict
                     continue
                 found[name] = python_system("llama_chat", key, hf_dir, "float32", args, envs["python"], compile,
                                             quantize="int8")
+                add_operator_alone(found, name)
         peer = {"float32": ("run.c", "run", "v0.bin"), "int8": ("runq.c", "runq", "v2.bin")}.get(dtype)
         if peer and bins and c.get("llama2c", True):
             found[peer[0]] = llama2c_system(bins[peer[1]], os.path.join(work, peer[2]),
