@@ -45,7 +45,7 @@ from llama_chat.ml.user_cache import user_cache_dir
 
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is shared by both.
-SOURCES = (HERE / "cpu_kernels.cpp", HERE / "cpu_decode.cpp")
+SOURCES = (HERE / "cpu_kernels.cpp", HERE / "cpu_decode.cpp", HERE / "cpu_memory.cpp")
 HEADERS = (HERE / "cpu_dot.h",)
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
@@ -176,6 +176,30 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
             and 0 < logits.shape[0] <= MAX_ARGMAX_ROWS and logits.shape[1] > 0):
         return torch.ops.llama_chat_cpu.argmax_rows.default(logits)
     return logits.argmax(dim=-1)
+
+
+# Where Linux says whether it backs memory with 2 MiB pages when asked (``[madvise]``) or always.
+HUGE_PAGES_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+LARGE_PAGE = 2 << 20
+
+
+@functools.cache
+def large_pages() -> bool:
+    """Whether the kernel gives 2 MiB pages to memory that asks for them (Linux only)."""
+    try:
+        setting = HUGE_PAGES_SETTING.read_text()
+    except OSError:
+        return False
+    return "[never]" not in setting
+
+
+def large_pages_block(size: int) -> torch.Tensor | None:
+    """``size`` bytes (uint8, uninitialised) on 2 MiB pages, to cut weights from; None when the
+    operator is not loaded, the kernel has no such pages, or ``size`` is less than one."""
+    if not (loaded() and large_pages() and size >= LARGE_PAGE):
+        return None
+    with torch.inference_mode(False):  # cut into parameters, which are used outside inference too
+        return torch.ops.llama_chat_cpu.large_pages.default(size)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

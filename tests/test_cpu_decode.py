@@ -179,6 +179,45 @@ def test_the_step_follows_a_cast_of_the_model():
         assert model(torch.tensor([[1]]), torch.tensor([[0]]), cache).dtype == torch.float32
 
 
+def _large(**overrides) -> torch.nn.Module:
+    """A model whose weights fill more than one 2 MiB page, the embedding tied to the classifier."""
+    model = random_model(tiny_args(4096, dim=128, hidden_dim=352, tie_embeddings=True, **overrides))
+    model.fuse_projections()
+    return model
+
+
+def _projection_weights(model) -> list[torch.Tensor]:
+    return [p.weight for layer in model.layers for p in cpu_decode._projections(layer)] + [model.output.weight]
+
+
+def test_the_weights_move_onto_large_pages_with_their_values_and_ties(monkeypatch):
+    model = _large()
+    before = [w.clone() for w in _projection_weights(model)]
+    prompt, tokens = [3, 14, 15, 92, 65], [35, 89, 79, 32]
+    want, _ = _steps(model, torch.float32, prompt, tokens, monkeypatch, one_call=False)
+    with torch.inference_mode():
+        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+    moved = _projection_weights(model)
+    if cpu_kernels.large_pages():
+        block = moved[0].untyped_storage()
+        assert all(w.untyped_storage().data_ptr() == block.data_ptr() for w in moved)
+        assert block.data_ptr() % cpu_kernels.LARGE_PAGE == 0
+    assert all(torch.equal(a, b) for a, b in zip(moved, before))
+    assert model.tok_embeddings.weight is model.output.weight
+    assert model._cpu_decode.output.data_ptr() == model.output.weight.data_ptr()
+    got, _ = _steps(model, torch.float32, prompt, tokens, monkeypatch, one_call=True)
+    assert torch.allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_without_large_pages_the_weights_stay_where_they_are(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "large_pages", lambda: False)
+    model = _large()
+    where = [w.data_ptr() for w in _projection_weights(model)]
+    with torch.inference_mode():
+        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+    assert [w.data_ptr() for w in _projection_weights(model)] == where
+
+
 def test_a_position_past_the_cache_is_an_error():
     model = _model("float32", max_seq_len=8)
     with torch.inference_mode(), pytest.raises(IndexError, match="past the cache length 8"):
