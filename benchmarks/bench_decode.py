@@ -288,11 +288,9 @@ def llama_chat_worker(args, c: dict) -> dict:
 
 
 def operator_alone(engine, args) -> dict | None:
-    """Decode tok/s of the engine's one-call step in a bare loop on this thread (the step, a greedy
-    pick, the next token fed back): what the step thread, the channel and the Python around each
-    token cost is the difference from the engine's row."""
-    from llama_chat.ml import cpu_kernels
-
+    """Decode tok/s of the engine's one-call step in a bare loop on this thread (the step with its
+    greedy pick, the next token fed back): what the step thread, the channel and the Python around
+    each token cost is the difference from the engine's row."""
     one_call = engine.step.one_call
     if one_call is None or engine.compiles:
         return None
@@ -301,7 +299,7 @@ def operator_alone(engine, args) -> dict | None:
         for _ in range(args.runs):
             token, times = BOS, []
             for position in range(args.new):
-                token = int(cpu_kernels.argmax(one_call(token, position))[0])
+                token = one_call.pick(token, position)
                 times.append(time.perf_counter())
             rates.append((len(times) - 1) / (times[-1] - times[0]))
     return spread(rates)

@@ -185,8 +185,17 @@ class EagerDecode(Decode):
         self.step, self.rows, self.pos = step, [tail], start
         self.params, self.uniforms, self.sampler = params, uniforms, sampler
         self.controls, self.history = controls, history
+        # A plain greedy pick is made inside the one-call step, by the threads that write the logits.
+        self.picks_in_step = (step.one_call is not None and sampler is sample and controls is None
+                              and params.greedy)
 
     def next_token(self) -> int:
+        if self.picks_in_step and len(self.rows[0]) == 1:
+            with torch.inference_mode():
+                token = self.step.one_call.pick(self.rows[0][0], self.pos, self.step.sample_ids)
+            self.pos += 1
+            self.rows = [[token]]
+            return token
         with torch.inference_mode():
             fed = len(self.rows[0])
             logits = self.step.forward(self.rows, [self.pos])[:, :self.step.sample_ids]

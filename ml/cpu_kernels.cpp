@@ -8,6 +8,7 @@
 //
 // Built on first use by llama_chat/ml/cpu_kernels.py with the machine's C++ compiler.
 #include "cpu_dot.h"
+#include "cpu_pick.h"
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -135,53 +136,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* data = x.data_ptr<float>();
   int64_t* picks = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = data + r * n;
-    // The largest value (and whether there is a NaN) 32 at a time in four independent maxima,
-    // then its first place eight at a time: a 32000-entry row in a few microseconds.
-    float largest = -INFINITY;
-    bool nan = false;
-    int64_t i = 0;
-#ifdef LLAMA_CHAT_AVX2
-    __m256 most[4], unordered = _mm256_setzero_ps();
-    for (auto& m : most) m = _mm256_set1_ps(-INFINITY);
-    for (; i + 32 <= n; i += 32) {
-      for (int q = 0; q < 4; ++q) {
-        const __m256 v = _mm256_loadu_ps(row + i + 8 * q);
-        most[q] = _mm256_max_ps(most[q], v);
-        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      }
-    }
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(row + i);
-      most[0] = _mm256_max_ps(most[0], v);
-      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(most[0], most[1]), _mm256_max_ps(most[2], most[3])));
-    for (const float v : lanes) largest = std::max(largest, v);
-    nan = _mm256_movemask_ps(unordered) != 0;
-#endif
-    for (; i < n; ++i) {
-      nan = nan || std::isnan(row[i]);
-      largest = std::max(largest, row[i]);
-    }
-    int64_t best = 0;
-#ifdef LLAMA_CHAT_AVX2
-    if (!nan) {
-      const __m256 target = _mm256_set1_ps(largest);
-      for (; best + 8 <= n; best += 8) {
-        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + best), target, _CMP_EQ_OQ));
-        if (hits != 0) {
-          best += __builtin_ctz(static_cast<unsigned>(hits));
-          break;
-        }
-      }
-    }
-#endif
-    while (best + 1 < n && !(nan ? std::isnan(row[best]) : row[best] == largest)) ++best;
-    picks[r] = best;
-  }
+  for (int64_t r = 0; r < rows; ++r) picks[r] = pick_of(data + r * n, n).index;
   return out;
 }
 

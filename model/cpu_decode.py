@@ -207,6 +207,7 @@ class Decoder:
     def __init__(self, model: nn.Module, found: DecodeWeights, cache: KVCache) -> None:
         self.embedding = model.tok_embeddings.weight
         self.vocab_size = self.embedding.shape[0]
+        self.classes = found.output.shape[0]  # logits per step
         self.capacity = cache.max_seq_len
         self.keys_ptr = cache.keys[0].data_ptr()
         keys, values = [k[0].unsqueeze(1) for k in cache.keys], [v[0].unsqueeze(1) for v in cache.values]
@@ -216,15 +217,26 @@ class Decoder:
         # twenty times as long.
         self._position = torch.zeros(1, dtype=torch.long)
         self._position_slot = self._position.numpy()
+        self._picks = torch.zeros(1, dtype=torch.long)
+        self._pick_slot = self._picks.numpy()
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
+        return self._run(self._hidden(token, position), self._position, *self._before)
+
+    def pick(self, token: int, position: int, below: int | None = None) -> int:
+        """The greedy pick after the token: the first id of the largest logit among the ids below
+        ``below`` (all of them: None), found by the step's own threads as they write the logits."""
+        self._run(self._hidden(token, position), self._position, *self._before, self._picks,
+                  self.classes if below is None else below)
+        return int(self._pick_slot[0])
+
+    def _hidden(self, token: int, position: int) -> torch.Tensor:
         if not 0 <= position < self.capacity:
             raise IndexError(f"position {position} is past the cache length {self.capacity}")
         if not 0 <= token < self.vocab_size:
             raise IndexError(f"token id {token} is outside the vocabulary ({self.vocab_size})")
-        hidden = self.embedding[token:token + 1].float()
         self._position_slot[0] = position
-        return self._run(hidden, self._position, *self._before)
+        return self.embedding[token:token + 1].float()
 
 
 def takes_rows(model: nn.Module, cache) -> bool:

@@ -112,11 +112,12 @@ def test_greedy_tokens_are_the_layers_tokens(monkeypatch):
     layers = ModelStep(model, options=StepOptions())
     assert fast.one_call is not None and layers.one_call is None
 
-    def tokens(step):
+    def tokens(step, picks_in_step):
         decode = step.decode([1, 5, 9], 0, GREEDY, 0)
+        assert decode.picks_in_step is picks_in_step  # the fast step picks inside the operator
         return [decode.next_token() for _ in range(40)]
 
-    assert tokens(fast) == tokens(layers)
+    assert tokens(fast, True) == tokens(layers, False)
 
 
 def test_the_prepared_call_checks_its_token_and_position():
@@ -216,6 +217,31 @@ def test_without_large_pages_the_weights_stay_where_they_are(monkeypatch):
     with torch.inference_mode():
         assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
     assert [w.data_ptr() for w in _projection_weights(model)] == where
+
+
+@settings(max_examples=40, deadline=None)
+@given(threads=st.sampled_from([1, 2]), tie=st.integers(0, 4095), nan=st.sampled_from([None, 0, 1, 2]),
+       below=st.integers(1, 4096), token=st.integers(0, 4095), position=st.integers(0, 20))
+def test_the_step_picks_as_argmax_does_whatever_the_threads(threads, tie, nan, below, token, position):
+    # Ranges of the classifier's rows go to whichever thread comes first, so ties across ranges and
+    # NaN logits are where combining the threads' picks could differ from torch.argmax.
+    model = _large()
+    with torch.no_grad():
+        weight = model.output.weight
+        weight[tie] = weight[4000] = weight[7] * 40  # three rows tie for the largest logit
+        if nan is not None:
+            weight[[3000, 100, 2500][:nan + 1]] = float("nan")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            decoder = cpu_decode.decoder(model, KVCache.for_model(model.args, 1))
+            logits = decoder(token, position)  # the pick's step writes the same keys again
+            picked = decoder.pick(token, position, below)
+            assert picked == int(logits[0, :below].argmax())
+            assert decoder.pick(token, position) == int(logits[0].argmax())
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_position_past_the_cache_is_an_error():
