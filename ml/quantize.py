@@ -179,6 +179,14 @@ class Int8Linear(nn.Module):
             self.packed_key = next(_keys)
             _PACKED[self.packed_key] = self.packed
 
+    def repack(self) -> None:
+        """Pack fbgemm's copy again, from the weight as it is now: the packed copy keeps the int8
+        values it was made from alive, so after the weight moves (``cpu_decode`` puts it on
+        large pages) the old values would stay in memory beside the new."""
+        if self.packed is not None:
+            self.packed = pack_for_fbgemm(Int8Weight(self.weight, self.scales))
+            _PACKED[self.packed_key] = self.packed
+
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Linear:
         return cls(quantize_int8(weight))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from llama_chat.ml import cpu_kernels, quantize
-from llama_chat.model.formats.common import release_pages
+from llama_chat.model.formats.common import in_file_mapping, release_heap, release_pages
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache
 
@@ -86,6 +86,10 @@ def _key(model: nn.Module) -> tuple:
             projection.weight.data_ptr() if projection is not None else None)
 
 
+# Values copied at a time when weights move (``_copy_releasing``).
+_MOVE_PIECE = 1 << 22
+
+
 def _to_large_pages(modules: list[nn.Module]) -> None:
     """Move the modules' weights into one block of 2 MiB pages, in place, one at a time."""
     sizes = [m.weight.numel() * m.weight.element_size() for m in modules]
@@ -98,17 +102,30 @@ def _to_large_pages(modules: list[nn.Module]) -> None:
     offset = 0
     for module, size, slot in zip(modules, sizes, slots):
         weight = module.weight
-        old = weight.data
         with torch.inference_mode(False):
-            moved = block[offset:offset + size].view(old.dtype).view(old.shape)
-            moved.copy_(old)
+            moved = block[offset:offset + size].view(weight.dtype).view(weight.shape)
+            _copy_releasing(weight.data, moved)
             # ``.data`` keeps the parameter object, so a weight tied to the embedding moves with it.
             weight.data = moved
-        # A checkpoint's memory-mapped weight stays mapped while any tensor of its file lives:
-        # its pages, just read for the copy, would count twice in the resident set.
-        release_pages(old)
-        del old
+        if isinstance(module, quantize.Int8Linear):
+            module.repack()
         offset += slot
+        # The old weight was freed into the C heap, which keeps what it does not hand back:
+        # untrimmed, the old weights would all stay resident beside the block until the end.
+        release_heap()
+
+
+def _copy_releasing(source: torch.Tensor, target: torch.Tensor) -> None:
+    """``target.copy_(source)``, a piece at a time; a memory-mapped source's pages are let go as
+    they are read. A checkpoint's weight stays mapped while any tensor of its file lives, so its
+    pages, just read for the copy, would otherwise count twice in the resident set."""
+    mapped = in_file_mapping(source)
+    source, target = source.view(-1), target.view(-1)
+    for start in range(0, source.numel(), _MOVE_PIECE):
+        piece = source[start:start + _MOVE_PIECE]
+        target[start:start + _MOVE_PIECE].copy_(piece)
+        if mapped:
+            release_pages(piece, file_mapped=True)
 
 
 def gather(model: nn.Module) -> DecodeWeights | None:

@@ -157,6 +157,21 @@ def _file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
+def in_file_mapping(tensor: torch.Tensor) -> bool:
+    """Whether a CPU tensor's bytes lie in one memory-mapped file (Linux; elsewhere False)."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    return tensor.device.type == "cpu" and any(lo <= start and end <= hi for lo, hi in _file_mappings())
+
+
+def _c_library() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _libc
+
+
 def release_pages(tensor: torch.Tensor, *, file_mapped: bool = False) -> None:
     """Drop the pages of a memory-mapped CPU tensor from this process's resident set.
 
@@ -164,7 +179,6 @@ def release_pages(tensor: torch.Tensor, *, file_mapped: bool = False) -> None:
     they are ever touched; the data cannot change. Anything else (heap memory, other devices,
     systems without ``madvise``) is left alone. A no-op when nothing was resident.
     """
-    global _libc
     if tensor.device.type != "cpu" or not sys.platform.startswith("linux") or not tensor.is_contiguous():
         return
     start = tensor.data_ptr()
@@ -176,14 +190,25 @@ def release_pages(tensor: torch.Tensor, *, file_mapped: bool = False) -> None:
     # ``file_mapped``: the caller made the tensor from a file mapping itself, so the (per call,
     # milliseconds long) look through /proc/self/maps is skipped: a GGUF weight releases its
     # pages once per chunk, hundreds of times per model.
-    if not file_mapped and not any(lo <= start and end <= hi for lo, hi in _file_mappings()):
+    if not file_mapped and not in_file_mapping(tensor):
         return
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise(first, last - first, _MADV_DONTNEED)
+        _c_library().madvise(first, last - first, _MADV_DONTNEED)
     except (OSError, AttributeError):
+        pass
+
+
+def release_heap() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Large tensors freed after a one-time copy (weights moved, repacked) stay in glibc's heap as
+    free memory, and so in the resident set, unless the heap is trimmed.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        _c_library().malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
         pass
 
 
