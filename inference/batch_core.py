@@ -308,19 +308,19 @@ class BatchCore:
                 sampled_rows.append(len(tokens) - 1)
                 sampled_jobs.append(job)
 
-        logits = None
+        logits = picks = None
         lone = singles[0] if len(singles) == 1 and not plan.runs and first_page is not None else None
         if self.lone_step is not None and lone is not None and sampled_jobs == [lone] and lone.controls is None:
             logits = self.lone_step.logits(tokens[0], positions[0], first_page)
         if logits is None and one_call:
-            logits = self._rows_decoder(tokens, positions, single_tables)
+            logits, picks = self._rows_decoder.with_picks(tokens, positions, single_tables, self.sample_ids)
             if len(sampled_rows) < len(tokens):  # a prompt cut to its last token has no draw yet
-                logits = logits[sampled_rows]
+                logits, picks = logits[sampled_rows], picks[sampled_rows]
         if logits is None:
             kv_len = None if s.static_shapes or not singles else max(job.fed for job in singles) + 1
             logits = self._packed_forward(_Packed(tokens, positions, slots, n_singles, single_tables, tuple(runs),
                                                   kv_len, first_page, sampled_rows, single_key, mirror_slots))
-        chosen = self._sample(logits[:, :self.sample_ids], sampled_jobs) if sampled_rows else []
+        chosen = self._sample(logits[:, :self.sample_ids], sampled_jobs, picks) if sampled_rows else []
 
         # Bookkeeping: what was fed is now in the pages; full pages get their prefix keys.
         c = self.counters
@@ -395,13 +395,15 @@ class BatchCore:
         return self.model(tensor(step.tokens).view(1, -1), batch.positions.view(1, -1), self.cache.view(batch),
                           logits_at=tensor(step.sampled_rows))[0]
 
-    def _sample(self, logits: torch.Tensor, jobs: list[Job | None]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, jobs: list[Job | None], picks: torch.Tensor | None = None) -> list[int]:
         """One token per row: argmax for greedy rows, the job's own settings and seed otherwise.
 
+        ``picks``: the rows' argmax where the step made them already (the one-call CPU step).
         The token after position ``p`` is drawn with the job's uniform ``p``, as the one-request
         engine does, so a seeded job picks the same tokens batched or alone.
         """
-        picks = cpu_kernels.argmax(logits)
+        if picks is None:
+            picks = cpu_kernels.argmax(logits)
         for i, job in enumerate(jobs):
             if job is None or (job.controls is None and job.request.sampling.greedy):
                 continue

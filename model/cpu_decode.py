@@ -274,17 +274,30 @@ class RowsDecoder:
         if found is None:
             raise ValueError("the one-call step cannot read this model's weights")
         self.embedding = model.tok_embeddings.weight
+        self.classes = found.output.shape[0]  # logits per row
         self.page_size = cache.page_size
         self._run = torch.ops.llama_chat_cpu.decode_step.default
         self._after = found.arguments(model, cache.keys, cache.values)
 
     def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        return self._run(*self._inputs(tokens, positions, tables), *self._after)
+
+    def with_picks(self, tokens: list[int], positions: list[int], tables: list[list[int]],
+                   below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and each row's greedy pick among the ids below ``below`` (all: None), picked
+        by the step's own threads as they write the logits (``Decoder.pick``)."""
+        picks = torch.empty(len(tokens), dtype=torch.long)
+        logits = self._run(*self._inputs(tokens, positions, tables), *self._after, picks,
+                           self.classes if below is None else below)
+        return logits, picks
+
+    def _inputs(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
         if len(tokens) == 1:  # a lone job: a slice, not a gather
             hidden = self.embedding[tokens[0]:tokens[0] + 1].float()
         else:
             hidden = self.embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
-        return self._run(hidden, torch.tensor(positions, dtype=torch.long), torch.tensor(tables, dtype=torch.long),
-                         self.page_size, *self._after)
+        return (hidden, torch.tensor(positions, dtype=torch.long), torch.tensor(tables, dtype=torch.long),
+                self.page_size)
 
 
 def forward_rows(model: nn.Module, tokens: list[int], positions: list[int], tables: list[list[int]],

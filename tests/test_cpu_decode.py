@@ -244,6 +244,22 @@ def test_the_step_picks_as_argmax_does_whatever_the_threads(threads, tie, nan, b
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_a_step_of_rows_picks_each_rows_argmax(rows):
+    model = _large()
+    with torch.no_grad():
+        model.output.weight[3001] = model.output.weight[12] = model.output.weight[7] * 40  # ties
+    g = torch.Generator().manual_seed(rows)
+    tokens = torch.randint(0, 4096, (rows,), generator=g).tolist()
+    cache = PagedKVCache.for_model(model.args, num_pages=rows + 1, page_size=4)
+    with torch.inference_mode():
+        decoder = cpu_decode.RowsDecoder(model, cache)
+        logits, picks = decoder.with_picks(tokens, [2] * rows, [[r] for r in range(rows)], below=3000)
+        assert torch.equal(picks, logits[:, :3000].argmax(dim=-1))
+        logits, picks = decoder.with_picks(tokens, [2] * rows, [[r] for r in range(rows)])
+        assert torch.equal(picks, logits.argmax(dim=-1))
+
+
 def test_a_position_past_the_cache_is_an_error():
     model = _model("float32", max_seq_len=8)
     with torch.inference_mode(), pytest.raises(IndexError, match="past the cache length 8"):
