@@ -278,6 +278,10 @@ class RowsDecoder:
         self.page_size = cache.page_size
         self._run = torch.ops.llama_chat_cpu.decode_step.default
         self._after = found.arguments(model, cache.keys, cache.values)
+        self._position = torch.zeros(1, dtype=torch.long)
+        self._position_slot = self._position.numpy()
+        self._table = torch.zeros((1, 16), dtype=torch.long)
+        self._table_slot = self._table.numpy()
 
     def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         return self._run(*self._inputs(tokens, positions, tables), *self._after)
@@ -292,11 +296,21 @@ class RowsDecoder:
         return logits, picks
 
     def _inputs(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
-        if len(tokens) == 1:  # a lone job: a slice, not a gather
-            hidden = self.embedding[tokens[0]:tokens[0] + 1].float()
-        else:
-            hidden = self.embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
+        if len(tokens) == 1:
+            return self._lone_inputs(tokens[0], positions[0], tables[0])
+        hidden = self.embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
         return (hidden, torch.tensor(positions, dtype=torch.long), torch.tensor(tables, dtype=torch.long),
+                self.page_size)
+
+    def _lone_inputs(self, token: int, position: int, table: list[int]) -> tuple:
+        # A job decoding alone: its position and block table go in through NumPy views of kept
+        # tensors, as in ``Decoder``, and its embedding is a slice, not a gather.
+        if len(table) > self._table.shape[1]:
+            self._table = torch.zeros((1, 2 * len(table)), dtype=torch.long)
+            self._table_slot = self._table.numpy()
+        self._table_slot[0, :len(table)] = table
+        self._position_slot[0] = position
+        return (self.embedding[token:token + 1].float(), self._position, self._table[:, :len(table)],
                 self.page_size)
 
 
