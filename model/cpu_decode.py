@@ -13,7 +13,9 @@ instead, its threads spinning only while that token is computed. Two ways in:
   position and block table (``takes_rows``, ``forward_rows``).
 
 The tensors the operator reads are gathered once per model (and per cache) and kept: the norms
-as float32 copies, everything else as the model's own tensors.
+as float32 copies, everything else as the model's own tensors, whose weights are first moved into
+one block of 2 MiB pages (``gather``). Greedy picks can be made inside the step (``Decoder.pick``,
+``RowsDecoder.with_picks``), by the threads that write the logits.
 """
 
 from __future__ import annotations

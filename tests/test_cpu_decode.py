@@ -210,6 +210,24 @@ def test_the_weights_move_onto_large_pages_with_their_values_and_ties(monkeypatc
     assert torch.allclose(got, want, atol=1e-4, rtol=0)
 
 
+def test_a_memory_mapped_weight_is_copied_out_of_its_file(tmp_path, monkeypatch):
+    from llama_chat.model.formats.common import in_file_mapping, torch_load
+
+    monkeypatch.setattr(cpu_decode, "_MOVE_PIECE", 1000)  # several pieces per weight
+    saved = random_model(_large().args)  # unfused, as checkpoints are
+    torch.save({k: v.clone() for k, v in saved.state_dict().items()}, tmp_path / "weights.pth")
+    model = random_model(saved.args, seed=5)
+    model.load_state_dict(torch_load(tmp_path / "weights.pth"), assign=True)
+    model.tie_weights()
+    model.fuse_projections()
+    assert in_file_mapping(model.output.weight)
+    with torch.inference_mode():
+        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+    assert torch.equal(model.output.weight, saved.output.weight)
+    assert model.tok_embeddings.weight is model.output.weight
+    assert in_file_mapping(model.output.weight) is not cpu_kernels.large_pages()
+
+
 def test_without_large_pages_the_weights_stay_where_they_are(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "large_pages", lambda: False)
     model = _large()
