@@ -191,8 +191,7 @@ class EagerDecode(Decode):
 
     def next_token(self) -> int:
         if self.picks_in_step and len(self.rows[0]) == 1:
-            with torch.inference_mode():
-                token = self.step.one_call.pick(self.rows[0][0], self.pos, self.step.sample_ids)
+            token = self.step.one_call.pick(self.rows[0][0], self.pos, self.step.sample_ids)
             self.pos += 1
             self.rows = [[token]]
             return token

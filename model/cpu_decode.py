@@ -224,7 +224,10 @@ class Decoder:
     call before."""
 
     def __init__(self, model: nn.Module, found: DecodeWeights, cache: KVCache) -> None:
-        self.embedding = model.tok_embeddings.weight
+        # Detached: a step needs no inference or no-grad mode around it (``pick`` in the engine),
+        # and a plain tensor slices faster than a parameter: with both, the time between two of
+        # the engine's steps went from about 70 to 36 us on a stories15M-sized model.
+        self.embedding = model.tok_embeddings.weight.detach()
         self.vocab_size = self.embedding.shape[0]
         self.classes = found.output.shape[0]  # logits per step
         self.capacity = cache.max_seq_len
@@ -275,7 +278,7 @@ class RowsDecoder:
         found = _weights_of(model)
         if found is None:
             raise ValueError("the one-call step cannot read this model's weights")
-        self.embedding = model.tok_embeddings.weight
+        self.embedding = model.tok_embeddings.weight.detach()  # a plain tensor slices faster
         self.classes = found.output.shape[0]  # logits per row
         self.page_size = cache.page_size
         self._run = torch.ops.llama_chat_cpu.decode_step.default
