@@ -138,21 +138,27 @@ class BatchCore:
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        # The scheduler's step thread is in inference mode already (its StepWorker's scope).
+        if torch.is_inference_mode_enabled():
+            return self._step()
         with torch.inference_mode():
-            released = [job for job in self.active if job.cancelled]
-            for job in released:
-                self._release(job)
-            released += self._admit()
-            plan = self._plan()
-            if not plan.singles and not plan.runs:
-                return StepResult(released=tuple(released), idle=True)
-            start = time.perf_counter()
-            events, finished = self._run(plan)
-            if self.sizer is not None and plan.runs:
-                self.sizer.record(sum(n for _, n in plan.runs), time.perf_counter() - start)
-            for job in finished:
-                self._release(job)
-            return StepResult(tuple(events), tuple(released + finished))
+            return self._step()
+
+    def _step(self) -> StepResult:
+        released = [job for job in self.active if job.cancelled]
+        for job in released:
+            self._release(job)
+        released += self._admit()
+        plan = self._plan()
+        if not plan.singles and not plan.runs:
+            return StepResult(released=tuple(released), idle=True)
+        start = time.perf_counter()
+        events, finished = self._run(plan)
+        if self.sizer is not None and plan.runs:
+            self.sizer.record(sum(n for _, n in plan.runs), time.perf_counter() - start)
+        for job in finished:
+            self._release(job)
+        return StepResult(tuple(events), tuple(released + finished))
 
     def _admit(self) -> list[Job]:
         while self.incoming:
@@ -320,7 +326,7 @@ class BatchCore:
             kv_len = None if s.static_shapes or not singles else max(job.fed for job in singles) + 1
             logits = self._packed_forward(_Packed(tokens, positions, slots, n_singles, single_tables, tuple(runs),
                                                   kv_len, first_page, sampled_rows, single_key, mirror_slots))
-        chosen = self._sample(logits[:, :self.sample_ids], sampled_jobs, picks) if sampled_rows else []
+        chosen = self._sample(logits, sampled_jobs, picks) if sampled_rows else []
 
         # Bookkeeping: what was fed is now in the pages; full pages get their prefix keys.
         c = self.counters
@@ -399,15 +405,16 @@ class BatchCore:
         """One token per row: argmax for greedy rows, the job's own settings and seed otherwise.
 
         ``picks``: the rows' argmax where the step made them already (the one-call CPU step).
-        The token after position ``p`` is drawn with the job's uniform ``p``, as the one-request
-        engine does, so a seeded job picks the same tokens batched or alone.
+        Only the first ``sample_ids`` logits are candidates. The token after position ``p`` is
+        drawn with the job's uniform ``p``, as the one-request engine does, so a seeded job picks
+        the same tokens batched or alone.
         """
         if picks is None:
-            picks = cpu_kernels.argmax(logits)
+            picks = cpu_kernels.argmax(logits[:, :self.sample_ids])
         for i, job in enumerate(jobs):
             if job is None or (job.controls is None and job.request.sampling.greedy):
                 continue
-            row, params = logits[i:i + 1], job.request.sampling
+            row, params = logits[i:i + 1, :self.sample_ids], job.request.sampling
             if job.controls is not None:
                 row, params = job.controls.prepare(job.history, row)
             if params.greedy:

@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from llama_chat.inference.beam import BeamLimits, BeamProgress, BeamSearch
@@ -209,7 +210,7 @@ class Engine:
     async def _produce(self, request: Request, send: MemoryObjectSendStream[TokenEvent], run: _DecodeRun,
                        reused: int) -> int:
         prompt = list(request.prompt_ids)
-        async with StepWorker(report_every_s=self.options.report_every_s) as worker:
+        async with StepWorker(report_every_s=self.options.report_every_s, scope=torch.inference_mode) as worker:
             # Prefill every chunk but the last without sampling; the last one yields the first
             # token. One chunk per call, awaited in turn; a cancel waits for one layer of it. Each
             # chunk is as long as fits in the time budget (``prefill_chunk``). Chunks start where

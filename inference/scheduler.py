@@ -308,7 +308,7 @@ class Scheduler:
     async def _run(self) -> None:
         failed = True
         try:
-            async with StepWorker(report_every_s=self.options.report_every_s) as worker:
+            async with StepWorker(report_every_s=self.options.report_every_s, scope=torch.inference_mode) as worker:
                 while True:
                     wake = self._wake
                     await self._run_until_idle(worker)

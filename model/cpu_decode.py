@@ -287,6 +287,7 @@ class RowsDecoder:
         self._position_slot = self._position.numpy()
         self._table = torch.zeros((1, 16), dtype=torch.long)
         self._table_slot = self._table.numpy()
+        self._lone_pick = torch.zeros(1, dtype=torch.long)  # overwritten by the next lone step
 
     def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         return self._run(*self._inputs(tokens, positions, tables), *self._after)
@@ -294,8 +295,9 @@ class RowsDecoder:
     def with_picks(self, tokens: list[int], positions: list[int], tables: list[list[int]],
                    below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits and each row's greedy pick among the ids below ``below`` (all: None), picked
-        by the step's own threads as they write the logits (``Decoder.pick``)."""
-        picks = torch.empty(len(tokens), dtype=torch.long)
+        by the step's own threads as they write the logits (``Decoder.pick``). A lone row's picks
+        tensor is the same one every time: read it before the next step."""
+        picks = self._lone_pick if len(tokens) == 1 else torch.empty(len(tokens), dtype=torch.long)
         logits = self._run(*self._inputs(tokens, positions, tables), *self._after, picks,
                            self.classes if below is None else below)
         return logits, picks
