@@ -2,9 +2,11 @@
 
 Both runs use the same model in the same process and generate the same greedy tokens:
 
-* bare: ``model(tokens, positions, cache)`` then ``argmax`` then ``int()``, in a plain loop on the
-  main thread; under ``--compile``, the engine's compiled static step called in a plain loop
-  (``ModelStep.decode``), the fast path the pipeline then runs on;
+* bare: the engine's own decode step (``ModelStep.decode``) called in a plain loop on the main
+  thread, the fast path the pipeline then runs on: where our CPU operator reads the model, its
+  one-call step with the greedy pick made inside it; under ``--compile``, the compiled static step.
+  (Until the pick moved into the step the bare loop was ``model(...)``, ``argmax``, ``int()``; that
+  loop is now slower than the pipeline, so it no longer tells what the pipeline costs);
 * pipeline: what ``llama-chat`` runs, ``run_one_shot``: the producer task feeding the step thread
   one call per forward, the bounded channel, the signal watcher, the StreamDecoder, and the plain
   renderer writing every token to a pipe read by a ``cat`` child process.
@@ -42,7 +44,6 @@ from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.args import ModelArgs
-from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
 
 EOS = 2
@@ -82,23 +83,6 @@ def build_model(args: ModelArgs, seed: int = 0) -> Transformer:
     with torch.no_grad():
         model.output.weight[EOS] = 0.0  # never stop early: both runs make every token asked for
     return model.eval()
-
-
-def bare_loop(model: Transformer, prompt: list[int], n: int) -> tuple[float, list[int]]:
-    cache = KVCache.for_model(model.args, 1)
-    out: list[int] = []
-    start = time.perf_counter()
-    with torch.inference_mode():
-        tokens = torch.tensor([prompt])
-        positions = torch.arange(len(prompt)).unsqueeze(0)
-        for _ in range(n):
-            logits = model(tokens, positions, cache, last_only=True)
-            token = int(logits[0, -1].argmax())
-            out.append(token)
-            next_pos = int(positions[0, -1]) + 1
-            tokens = torch.tensor([[token]])
-            positions = torch.tensor([[next_pos]])
-    return time.perf_counter() - start, out
 
 
 def bare_step_loop(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
@@ -148,9 +132,7 @@ def main() -> None:
     engine = Engine(model, SyntheticTokenizer(opts.vocab), options=EngineOptions(compile=opts.compile))
     if opts.compile:
         engine.warm_up(SamplingParams(temperature=0.0))
-        bare = partial(bare_step_loop, engine)
-    else:
-        bare = partial(bare_loop, model)
+    bare = partial(bare_step_loop, engine)
     prompt = [1] + [259 + (i * 7919) % (opts.vocab - 259) for i in range(opts.prompt_tokens - 1)]
     n = opts.tokens
     assert len(prompt) + n <= opts.context, "prompt plus tokens must fit the context"

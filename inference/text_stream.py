@@ -38,7 +38,16 @@ class TextStream:
         if self._done or self._receive is None:
             raise StopAsyncIteration
         try:
-            event = await self._receive.receive()
+            # An event already there is taken without yielding to the event loop (``receive``
+            # always yields once): they arrive in batches, and a yield for each was a good part of
+            # the event loop's work per token. A cancel is seen when the channel runs dry.
+            event = self._receive.receive_nowait()
+        except anyio.WouldBlock:
+            try:
+                event = await self._receive.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                self._ended()
+                raise StopAsyncIteration from None
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             self._ended()
             raise StopAsyncIteration from None
