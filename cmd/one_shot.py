@@ -96,7 +96,7 @@ async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | No
                     view.start()
                     async with engine.stream(request) as generation:
                         async for response in generation:
-                            view.show(response)
+                            view.show(response, more=generation.ready() > 0)
                 tg.cancel_scope.cancel()  # generation is over: stop listening for signals here
         except BaseExceptionGroup as group:
             error = sole_exception(group)
@@ -123,11 +123,11 @@ class TextView:
     def start(self) -> None:
         self._render(lambda r: r.start())
 
-    def show(self, response: Response) -> None:
+    def show(self, response: Response, *, more: bool = False) -> None:
         # The renderer raises OutputClosed from here when stdout's reader has gone away.
         if self.renderer is not None and not self.output_closed:
             self.renderer.update(displayable(response.text), response.held_bytes, displayable(response.held_text),
-                                 response.held_tokens)
+                                 response.held_tokens, more=more)
 
     def show_text(self, text: str) -> None:
         self._render(lambda r: r.update(displayable(text), b"", "", 0))

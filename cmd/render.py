@@ -61,11 +61,12 @@ class Renderer(Protocol):
         """Prepare the output (a terminal hides its cursor)."""
 
     def update(self, committed: str, pending_bytes: bytes, pending_text: str,
-               pending_tokens: int | None = None) -> None:
+               pending_tokens: int | None = None, *, more: bool = False) -> None:
         """Show ``committed`` (new text, possibly "") and the decoder's current pending state.
 
         ``pending_tokens`` is how many tokens the pending state holds, when the caller knows it:
-        one marker per token then, else one per pending byte.
+        one marker per token then, else one per pending byte. ``more``: further updates are
+        ready to follow at once; what this one writes may wait for the last of them to be flushed.
         """
 
     def finish(self) -> None:
@@ -85,17 +86,22 @@ class PlainRenderer:
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self._finished = False
+        self._unflushed = False
 
     def start(self) -> None:
         pass
 
     def update(self, committed: str, pending_bytes: bytes, pending_text: str,
-               pending_tokens: int | None = None) -> None:
-        if not committed:
-            return
+               pending_tokens: int | None = None, *, more: bool = False) -> None:
         try:
-            self._stream.write(committed)
-            self._stream.flush()  # the reader sees each token now, not when a buffer fills
+            if committed:
+                self._stream.write(committed)
+                self._unflushed = True
+            # The reader sees each token now, not when a buffer fills; tokens that arrived
+            # together go out in one write (each flush is a system call, and wakes the reader).
+            if self._unflushed and not more:
+                self._stream.flush()
+                self._unflushed = False
         except BrokenPipeError as err:
             raise OutputClosed(str(err)) from err
 
@@ -140,7 +146,7 @@ class LiveRenderer:
             self._cursor_hidden = True
 
     def update(self, committed: str, pending_bytes: bytes, pending_text: str,
-               pending_tokens: int | None = None) -> None:
+               pending_tokens: int | None = None, *, more: bool = False) -> None:
         if pending_tokens is not None:
             waiting = pending_tokens if pending_bytes or pending_text else 0
         else:

@@ -54,6 +54,12 @@ class TextStream:
         self._taken()
         return self._respond(event)
 
+    def ready(self) -> int:
+        """Events waiting in the channel: responses the next iterations yield without waiting."""
+        if self._done or self._receive is None:
+            return 0
+        return self._receive.statistics().current_buffer_used
+
     def cut_off(self) -> str:
         """After the stream was stopped from outside (a cancel, the producer failed): the whole
         characters still held, added to the text; the bytes of an unfinished character are dropped."""

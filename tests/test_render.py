@@ -136,6 +136,18 @@ def test_plain_writes_exactly_the_committed_text_and_flushes():
     assert out.flushes >= TEXT.count(" ")  # flushed per token that committed text
 
 
+def test_plain_writes_tokens_that_came_together_in_one_flush():
+    out = CountingFlush()
+    renderer = PlainRenderer(out)
+    renderer.update("one ", b"", "", more=True)
+    renderer.update("two ", b"", "", more=True)
+    assert out.flushes == 0
+    renderer.update("", b"\xe2", "", more=False)  # the last of them commits nothing: still flushed
+    assert out.flushes == 1 and out.getvalue() == "one two "
+    renderer.update("", b"", "", more=False)  # nothing written since: no flush
+    assert out.flushes == 1
+
+
 def test_plain_raises_output_closed_on_a_closed_pipe():
     read_fd, write_fd = os.pipe()
     os.close(read_fd)
