@@ -197,8 +197,9 @@ class StepWorker:
         On a cancel the step already running is waited for (shielded), as ``to_thread.run_sync``
         does, so that the caller never races a step still writing the KV cache. A call already
         reported done returns at once, without yielding to the event loop: results come in
-        batches, and a yield for each cost a stories15M-sized decode 2 % of its speed. A cancel is
-        then seen at the first call of the batch that has to be waited for.
+        batches, and a yield for each (with ``TextStream``'s for each event) cost the event loop's
+        thread 100 us a token in the one-shot pipeline against 88 without. A cancel is then seen at
+        the first call of the batch that has to be waited for.
         """
         if call.done.is_set():
             return self._outcome(call)
