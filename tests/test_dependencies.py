@@ -8,6 +8,7 @@ themselves, so an undeclared one fails here on any machine that has it installed
 from __future__ import annotations
 
 import ast
+import fnmatch
 import re
 import sys
 import tomllib
@@ -98,3 +99,14 @@ def test_the_import_scan_sees_what_it_should():
     # Guards the scan itself: an empty or broken one would pass the two tests above.
     assert {"torch", "anyio", "typer", "rich"} <= set(_imports(PACKAGE_FILES))
     assert {"pytest", "hypothesis", "regex", "trio"} <= set(_imports(TEST_FILES))
+
+
+def test_the_operators_sources_are_package_data():
+    # The CPU operator is built from these files on first use: a wheel without one of them (a new
+    # source file not added to the package data) could not build it on a fresh install.
+    from llama_chat.ml import cpu_kernels
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"][
+        "package-data"]["llama_chat.ml"]
+    for path in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
+        assert any(fnmatch.fnmatch(path.name, p) for p in patterns), f"add {path.name} to the package data"
