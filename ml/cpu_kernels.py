@@ -108,10 +108,17 @@ def library_path() -> Path:
     return cache_dir() / f"cpu_kernels_{key.hexdigest()[:20]}.so"
 
 
+def _sources_missing() -> str | None:
+    """The first source file of the operator that is not there (a broken install), or None."""
+    return next((path.name for path in (*SOURCES, *HEADERS) if not path.is_file()), None)
+
+
 def cached() -> bool:
     """Whether ``load`` would not build: loaded, built, or a build failed here before."""
+    if loaded() or _sources_missing():
+        return True
     path = library_path()
-    return loaded() or path.exists() or path.with_suffix(".failed").exists()
+    return path.exists() or path.with_suffix(".failed").exists()
 
 
 def prepare(model: torch.nn.Module, quantize: str = "none") -> bool:
@@ -130,6 +137,10 @@ def load(build: bool = True) -> bool:
     if _state["tried"] and not build:
         return False
     if not enabled():
+        return False
+    missing = _sources_missing()
+    if missing is not None:  # the operator is a speed-up: without its source, PyTorch's kernels
+        _state["failure"] = f"{missing} is missing from the installed package"
         return False
     target = library_path()
     if not target.exists():

@@ -179,6 +179,16 @@ def test_a_compiler_that_fails_is_one_line_and_tried_once(tmp_path):
     assert not list(tmp_path.glob("*.so"))
 
 
+def test_a_missing_source_file_is_a_one_line_failure_not_a_crash(tmp_path, monkeypatch):
+    # A broken install (a source left out of the wheel): PyTorch's kernels, and the reason.
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (*cpu_kernels.SOURCES, tmp_path / "cpu_gone.cpp"))
+    for key, value in (("loaded", False), ("tried", False), ("failure", None)):
+        monkeypatch.setitem(cpu_kernels._state, key, value)
+    assert cpu_kernels.cached()  # nothing would be built: the command does not say it builds
+    assert not cpu_kernels.load()
+    assert cpu_kernels.failure() == "cpu_gone.cpp is missing from the installed package"
+
+
 def test_the_command_says_once_that_the_kernels_did_not_build_and_still_answers(tmp_path):
     tiny = build_tiny_model(tmp_path)
     env = dict(LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "kernels"), CXX="/bin/false")
