@@ -25,12 +25,18 @@ ones). Measured, per config and dtype (float32; bfloat16 for the Python systems;
   loop in that process ("operator alone": the step, a greedy pick, the token fed back), so that
   what the engine costs around it shows as the difference between the two rows;
 * the machine's read bandwidth (a float32 sum over 512 MiB, median of 7); the bound is that over
-  the bytes of weights read per token, and "of bound" is a system's decode speed over it.
+  the bytes of weights read per token, and "of bound" is a system's decode speed over it;
+* for the float32 configs with ``run.c``, ``--pairs`` back-to-back pairs of one llama-chat decode
+  (eager, its own process, one run) and one ``run.c`` decode, alternating which goes first: the
+  median of the per-pair ratios. The main rows measure each system's runs together, minutes
+  apart from the peer's; on a shared machine whose speed drifts from one minute to the next, a
+  ratio of two runs made seconds apart is the steadier one (``bench_batch.py`` does the same).
+  Both are printed under the targets.
 
 It also prints whether the float32 greedy tokens agree: llama-chat (both rows) and llama2.c
 ``run.c`` against ``transformers``. Prints one JSON line per measurement and a Markdown table last.
 
-    python benchmarks/bench_decode.py [--configs 15m,110m,1.1b] [--runs 3] [--new 200] [--threads 2]
+    python benchmarks/bench_decode.py [--configs 15m,110m,1.1b] [--runs 3] [--new 200] [--threads 2] [--pairs 5]
 """
 
 from __future__ import annotations
@@ -397,6 +403,29 @@ def measure_config(key: str, c: dict, args, bins: dict, envs: dict) -> list[dict
     return rows
 
 
+def paired_with_run_c(key: str, args, bins: dict, envs: dict) -> dict | None:
+    """llama-chat's float32 decode over run.c's in ``--pairs`` back-to-back pairs, one run each,
+    alternating which goes first: the per-pair ratios and their median."""
+    work = os.path.join(args.work, key)
+    one = argparse.Namespace(**{**vars(args), "runs": 1})
+    ratios = []
+    for i in range(args.pairs):
+        order = ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")
+        got = {}
+        for who in order:
+            if who == "ours":
+                got[who] = python_system("llama_chat", key, os.path.join(work, "hf"), "float32", one, envs["python"])
+            else:
+                got[who] = llama2c_system(bins["run"], os.path.join(work, "v0.bin"),
+                                          os.path.join(work, "tokenizer.bin"), one, envs["c"])
+        if not all("decode" in r for r in got.values()):
+            return None
+        ratios.append(got["ours"]["decode"]["median"] / got["theirs"]["decode"]["median"])
+    if not ratios:
+        return None
+    return dict(config=key, ratios=ratios, median=statistics.median(ratios), min=min(ratios), max=max(ratios))
+
+
 def check_tokens(key: str, found: dict) -> None:
     """float32 greedy ids against transformers'; llama2.c's as far as its printed text tells."""
     ref = found.get("HF generate", {}).get("tokens")
@@ -451,8 +480,9 @@ def print_table(rows: list[dict], bandwidth: float, args) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
-def print_targets(rows: list[dict]) -> None:
-    """The issue's targets as ratios of this run's medians: decode, then prefill."""
+def print_targets(rows: list[dict], pairs: list[dict] = ()) -> None:
+    """The issue's targets as ratios of this run's medians: decode, then prefill; then the
+    float32 decode against run.c as the median of back-to-back pairs."""
 
     def rate(key: str, dtype: str, system: str, what: str = "decode") -> float | None:
         for r in rows:
@@ -481,6 +511,10 @@ def print_targets(rows: list[dict]) -> None:
                 if a and b:
                     print(f"| prefill >= 1x | {CONFIGS[key]['name']}-sized | {ours} {dtype} {a:.0f} | HF generate "
                           f"{dtype if dtype != 'int8' else 'float32'} {b:.0f} | {a / b:.2f}x | {'yes' if a >= b else 'no'} |")
+    for p in pairs:
+        print(f"| decode >= 1.0x, {len(p['ratios'])} back-to-back pairs | {CONFIGS[p['config']]['name']}-sized | "
+              f"llama-chat float32 | run.c float32 | {p['median']:.2f}x (pairs {p['min']:.2f}-{p['max']:.2f}) | "
+              f"{'yes' if p['median'] >= 1.0 else 'no'} |")
 
 
 def main() -> None:
@@ -494,6 +528,8 @@ def main() -> None:
     ap.add_argument("--keep-compile-cache", action="store_true",
                     help="reuse the user's compile cache instead of measuring a cold compile")
     ap.add_argument("--llama2c", default=PEERS, help="the folder with llama2.c's build.sh")
+    ap.add_argument("--pairs", type=int, default=5,
+                    help="back-to-back pairs of llama-chat and run.c float32 decode per config (0: none)")
     ap.add_argument("--out", default=None, help="write every row as JSON here")
     ap.add_argument("--worker", choices=("llama_chat", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -529,14 +565,19 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs(args.threads)
     emit(system="env", cpu=cpu_name(), torch=torch.__version__, threads=args.threads, new=args.new, runs=args.runs,
          read_bandwidth_gbs=bandwidth)
-    rows = []
+    rows, pairs = [], []
     for key in keys:
         rows += measure_config(key, CONFIGS[key], args, bins, envs)
+        if bins and args.pairs > 0 and CONFIGS[key].get("llama2c", True) and "float32" in CONFIGS[key].get("dtypes", DTYPES):
+            found = paired_with_run_c(key, args, bins, envs)
+            if found is not None:
+                emit(system="paired: llama-chat / run.c", **found)
+                pairs.append(found)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(RESULTS, f, indent=1)
     print_table(rows, bandwidth, args)
-    print_targets(rows)
+    print_targets(rows, pairs)
 
 
 if __name__ == "__main__":
