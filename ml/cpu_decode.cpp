@@ -17,6 +17,7 @@
 //
 // Built with cpu_kernels.cpp into one library by llama_chat/ml/cpu_kernels.py.
 #include "cpu_dot.h"
+#include "cpu_panels.h"
 #include "cpu_pick.h"
 
 #include <torch/library.h>
@@ -132,11 +133,14 @@ constexpr int kSpinsBeforeYield = 1 << 14;
 // Ranges shrink as the work runs out (a share of what is left per thread, halved, down to
 // `smallest`): long runs of consecutive weight rows stream best, short ones at the end keep the
 // threads finishing together.
-inline bool take(Stage& stage, int64_t total, int64_t smallest, int team, int64_t& begin, int64_t& end) {
+// Every range but the last is a multiple of `align` long, so each starts on a multiple of it.
+inline bool take(Stage& stage, int64_t total, int64_t smallest, int64_t align, int team, int64_t& begin,
+                 int64_t& end) {
   int64_t at = stage.next.load(std::memory_order_relaxed);
   for (;;) {
     if (at >= total) return false;
-    const int64_t size = std::max(smallest, (total - at) / (2 * static_cast<int64_t>(team)));
+    int64_t size = std::max(smallest, (total - at) / (2 * static_cast<int64_t>(team)));
+    size = (size + align - 1) / align * align;
     const int64_t stop = std::min(total, at + size);
     if (stage.next.compare_exchange_weak(at, stop, std::memory_order_relaxed)) {
       begin = at;
@@ -146,19 +150,20 @@ inline bool take(Stage& stage, int64_t total, int64_t smallest, int team, int64_
   }
 }
 
-// Runs body(begin, end) on the ranges of [0, total) this thread takes; prepare() first, once, if
-// it takes any (the stage's input is read only while the stage is unfinished, so no later stage
-// is writing it). Returns when all of the stage is done.
+// Runs body(begin, end) on the ranges of [0, total) this thread takes (starting on multiples of
+// `align`); prepare() first, once, if it takes any (the stage's input is read only while the
+// stage is unfinished, so no later stage is writing it). Returns when all of the stage is done.
 template <typename Prepare, typename Body>
-void run_stage(Stage& stage, int64_t total, int64_t smallest, int team, const Prepare& prepare, const Body& body) {
+void run_stage(Stage& stage, int64_t total, int64_t smallest, int64_t align, int team, const Prepare& prepare,
+               const Body& body) {
   int64_t begin = 0, end = 0;
-  if (take(stage, total, smallest, team, begin, end)) {
+  if (take(stage, total, smallest, align, team, begin, end)) {
     prepare();
     int64_t mine = 0;
     do {
       body(begin, end);
       mine += end - begin;
-    } while (take(stage, total, smallest, team, begin, end));
+    } while (take(stage, total, smallest, align, team, begin, end));
     stage.done.fetch_add(mine, std::memory_order_acq_rel);
   }
   for (int spins = 0; stage.done.load(std::memory_order_acquire) < total; ++spins) {
@@ -174,15 +179,31 @@ struct Matrix {
   const void* data = nullptr;
   at::ScalarType type = at::kFloat;
   const float* scales = nullptr;
+  const float* panels = nullptr;  // float32 weights packed as panels (cpu_panels.h) instead of rows
   int64_t n = 0, k = 0;
 
   int64_t smallest() const {
     return std::max<int64_t>(1, kSmallestBytes / std::max<int64_t>(k * static_cast<int64_t>(at::elementSize(type)), 1));
   }
+  // Ranges of a packed matrix start on a panel's edge.
+  int64_t align() const { return panels ? kPanel : 1; }
 };
 
+// A weight is an (n, k) matrix, or, float32 only, its panels: (ceil(n / 16), k, 16).
 Matrix matrix_of(const char* what, int64_t layer, const at::Tensor& w, const std::optional<at::Tensor>& scales,
                  int64_t n, int64_t k) {
+  if (w.dim() == 3) {
+    TORCH_CHECK(w.is_contiguous() && w.device().is_cpu() && w.scalar_type() == at::kFloat && !scales.has_value(),
+                "decode_step: the panels of ", what, " of layer ", layer, " must be contiguous float32 on the CPU");
+    TORCH_CHECK(w.size(0) == (n + kPanel - 1) / kPanel && w.size(1) == k && w.size(2) == kPanel, "decode_step: ",
+                what, " of layer ", layer, " has panels ", w.sizes(), ", expected (", (n + kPanel - 1) / kPanel, ", ",
+                k, ", ", kPanel, ")");
+    Matrix m;
+    m.data = m.panels = w.data_ptr<float>();
+    m.n = n;
+    m.k = k;
+    return m;
+  }
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), "decode_step: ", what, " of layer ", layer,
               " must be a contiguous CPU matrix");
   TORCH_CHECK(w.size(0) == n && w.size(1) == k, "decode_step: ", what, " of layer ", layer, " is ", w.size(0), "x",
@@ -274,6 +295,7 @@ void range_of(const W* w, const Matrix& m, const Inputs& in, int64_t first, int6
 
 template <bool Add = false>
 void range_products(const Matrix& m, const Inputs& in, int64_t first, int64_t stop, float* out, int64_t row_stride) {
+  if (m.panels) return panel_products<Add>(m.panels, m.k, in.x, in.rows, first, stop, out, row_stride);
   switch (m.type) {
     case at::kFloat:
       range_of<Add>(static_cast<const float*>(m.data), m, in, first, stop, out, row_stride);
@@ -455,7 +477,7 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
   const int64_t head_dim = keys[0].size(-1);
   TORCH_CHECK(head_dim % 2 == 0, "decode_step: odd head size ", head_dim);
   const int64_t q_width = n_heads * head_dim, kv_width = n_kv_heads * head_dim;
-  const int64_t ffn = weights[3].size(-1);
+  const int64_t ffn = weights[3].size(weights[3].dim() == 3 ? 1 : -1);  // w2 is (dim, ffn), or its panels
   TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
                   rope.size(1) == head_dim / 2 && rope.size(2) == 2,
               "decode_step: the rotary table must be float32 (positions, ", head_dim / 2, ", 2)");
@@ -492,7 +514,9 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
       view->width = width;
     }
   }
-  const Matrix classifier = matrix_of("the classifier", n_layers, output, output_scales, output.size(0), dim);
+  // A classifier given as panels has a multiple of 16 outputs: nothing else says how many.
+  const int64_t classes = output.dim() == 3 ? output.size(0) * kPanel : output.size(0);
+  const Matrix classifier = matrix_of("the classifier", n_layers, output, output_scales, classes, dim);
   const float* final_weight = float_vector("the final norm", final_norm, dim);
   const int64_t vocab = classifier.n;
   at::Tensor logits = at::empty({rows, vocab}, hidden.options());
@@ -530,12 +554,12 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
     // The rows of `m` against the rows of `input` (each `width` wide), added into the residual.
     auto add_to_residual = [&](Stage& work, const Matrix& m, const float* input, int64_t width) {
       run_stage(
-          work, dim, m.smallest(), team, [&] { in = scratch.inputs(input, rows, width, m); },
+          work, dim, m.smallest(), m.align(), team, [&] { in = scratch.inputs(input, rows, width, m); },
           [&](int64_t first, int64_t stop) { range_products<true>(m, in, first, stop, h.data() + first, dim); });
     };
     for (const Layer& layer : layers) {
       run_stage(
-          *stage++, n_heads + 2 * n_kv_heads, 1, team,
+          *stage++, n_heads + 2 * n_kv_heads, 1, 1, team,
           [&] { in = scratch.normalized(h.data(), rows, layer.attention_norm, dim, eps, layer.qkv); },
           [&](int64_t first, int64_t stop) {
             for (int64_t unit = first; unit < stop; ++unit) {
@@ -553,7 +577,7 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
               }
             }
           });
-      run_stage(*stage++, rows * n_heads, 1, team, [] {}, [&](int64_t first, int64_t stop) {
+      run_stage(*stage++, rows * n_heads, 1, 1, team, [] {}, [&](int64_t first, int64_t stop) {
         for (int64_t unit = first; unit < stop; ++unit) {
           const int64_t r = unit / n_heads, head = unit % n_heads, kv = head / group, last = position[r];
           const float* query = q.data() + r * q_width + head * head_dim;
@@ -569,7 +593,7 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
       });
       add_to_residual(*stage++, layer.out, attended.data(), q_width);
       run_stage(
-          *stage++, ffn, std::max<int64_t>(1, layer.gate_up.smallest() / 2), team,
+          *stage++, ffn, std::max<int64_t>(1, layer.gate_up.smallest() / 2), layer.gate_up.align(), team,
           [&] { in = scratch.normalized(h.data(), rows, layer.ffn_norm, dim, eps, layer.gate_up); },
           [&](int64_t first, int64_t stop) {
             range_products(layer.gate_up, in, first, stop, activated.data() + first, ffn);
@@ -580,7 +604,7 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
       add_to_residual(*stage++, layer.down, activated.data(), ffn);
     }
     run_stage(
-        *stage, vocab, classifier.smallest(), team,
+        *stage, vocab, classifier.smallest(), classifier.align(), team,
         [&] { in = scratch.normalized(h.data(), rows, final_weight, dim, eps, classifier); },
         [&](int64_t first, int64_t stop) {
           range_products(classifier, in, first, stop, out + first, vocab);

@@ -46,7 +46,7 @@ from llama_chat.ml.user_cache import user_cache_dir
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is shared by both.
 SOURCES = (HERE / "cpu_kernels.cpp", HERE / "cpu_decode.cpp", HERE / "cpu_memory.cpp")
-HEADERS = (HERE / "cpu_dot.h", HERE / "cpu_pick.h")
+HEADERS = (HERE / "cpu_dot.h", HERE / "cpu_panels.h", HERE / "cpu_pick.h")
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
 # A product of up to this many rows takes the operator (a decode step, or the packed decode rows

@@ -28,8 +28,8 @@ def _loaded(cpu_kernels_loaded):
     assert cpu_kernels_loaded, cpu_kernels.failure()
 
 
-def _model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    model = random_model(tiny_args(97, **overrides), seed=seed)
+def _model(kind: str, seed: int = 0, vocab_size: int = 97, **overrides) -> torch.nn.Module:
+    model = random_model(tiny_args(vocab_size, **overrides), seed=seed)
     model.fuse_projections()
     if kind == "bfloat16":
         model.to(torch.bfloat16)
@@ -326,13 +326,14 @@ def test_rows_of_a_paged_step_equal_the_packed_step():
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16"])
 def test_a_step_of_many_rows_equals_each_row_alone_whatever_the_threads(kind):
-    # 35 rows: from 32 the weights are taken three rows at a time against four input rows, and
-    # 35 leaves three rows over; every row must be what it is alone, and no thread count may change
-    # a bit of it (a range boundary moves which weight rows are blocked together).
-    model = _model(kind, seed=8, dim=96, hidden_dim=200)
+    # 35 rows: float32 weights are packed as panels, taken by tiles of six rows and one of five;
+    # bfloat16 ones are taken three rows at a time against four input rows from 32 rows, and 35
+    # leaves three over. Every row must be what it is alone (float32: to the bit), and no thread
+    # count may change a bit of it (a range boundary moves which weight rows are blocked together).
+    model = _model(kind, seed=8, dim=96, hidden_dim=200, vocab_size=96)  # a classifier of whole panels
     rows, page = 35, 4
     g = torch.Generator().manual_seed(8)
-    tokens = torch.randint(0, 97, (rows,), generator=g).tolist()
+    tokens = torch.randint(0, 96, (rows,), generator=g).tolist()
     tables = [[r] for r in range(rows)]
     before = torch.get_num_threads()
     results = []
@@ -349,7 +350,54 @@ def test_a_step_of_many_rows_equals_each_row_alone_whatever_the_threads(kind):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(results[0], results[1])
+    if kind == "float32":  # packed weights: a row's sums do not depend on the rows beside it
+        assert torch.equal(results[0], each)
     assert torch.allclose(results[0], each, atol=1e-4, rtol=1e-4), (results[0] - each).abs().max()
+
+
+def _rows_logits(model, tokens: list[int], packed: bool) -> torch.Tensor:
+    cache = PagedKVCache.for_model(model.args, num_pages=len(tokens) + 1, page_size=4)
+    with torch.inference_mode():
+        decoder = cpu_decode.RowsDecoder(model, cache)
+        if not packed:
+            decoder._after = cpu_decode._weights_of(model).arguments(model, cache.keys, cache.values)
+        for position in range(2):  # the second step attends over the first
+            logits = decoder(tokens, [position] * len(tokens), [[r] for r in range(len(tokens))])
+    return logits
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 19), vocab=st.sampled_from([97, 160, 256]), dim_heads=st.sampled_from([(64, 4), (40, 2), (96, 3)]),
+       hidden=st.integers(20, 90), seed=st.integers(0, 10**6))
+def test_packed_weights_give_the_logits_of_weight_rows(rows, vocab, dim_heads, hidden, seed):
+    # Panels of 16 outputs, whole or cut short (a head of 20, 2 x 45 gate and up rows), tiles of
+    # one to six rows, and the classifier packed when its 160 or 256 outputs fill whole panels.
+    dim, heads = dim_heads
+    model = random_model(tiny_args(vocab, dim=dim, n_heads=heads, n_kv_heads=heads, hidden_dim=hidden), seed=seed)
+    model.fuse_projections()
+    tokens = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(seed)).tolist()
+    packed = _rows_logits(model, tokens, packed=True)
+    weights, output = cpu_decode._weights_of(model).packed_weights()
+    assert all(w.dim() == 3 for w in weights) and output.dim() == (3 if vocab % 16 == 0 else 2)
+    torch.testing.assert_close(packed, _rows_logits(model, tokens, packed=False), atol=1e-4, rtol=1e-4)
+
+
+def test_weights_are_packed_once_and_only_float32_within_the_limit(monkeypatch):
+    model = _model("float32", vocab_size=128)
+    found = cpu_decode._weights_of(model)
+    weights, output = found.packed_weights()
+    assert found.packed_weights()[0] is weights
+    for w, packed in zip(found.weights, weights):
+        n, k = w.shape
+        assert packed.shape == (-(-n // 16), k, 16)
+        assert torch.equal(packed.transpose(1, 2).reshape(-1, k)[:n], w)
+    assert torch.equal(output.transpose(1, 2).reshape(-1, model.args.dim), found.output)
+    monkeypatch.setattr(cpu_decode, "PANELS_AT_MOST", 1000)
+    small = cpu_decode._weights_of(_model("float32", seed=1))
+    weights, output = small.packed_weights()
+    assert weights is small.weights and output is small.output
+    quantized = _model("int8")
+    assert all(w.dim() == 2 for w in cpu_decode._weights_of(quantized).packed_weights()[0])
 
 
 def test_a_row_past_its_pages_is_an_error():
