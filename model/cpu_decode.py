@@ -58,11 +58,12 @@ class DecodeWeights:
                 self.final_norm, output, self.output_scales, args.n_heads, args.n_kv_heads, args.norm_eps)
 
     def packed_weights(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The weights and the classifier for steps of many rows: float32 ones packed as panels of
-        16 outputs (``ml/cpu_panels.h``), a second copy, made once; the classifier only when its
-        outputs are a multiple of 16, and nothing when the copy would pass ``PANELS_AT_MOST``."""
+        """The weights and the classifier for the batched step (and a single stream's, below
+        ``PANELS_ALONE_AT_MOST``): float32 ones packed as panels of 16 outputs (``ml/cpu_panels.h``),
+        a second copy, made once; the classifier only when its outputs are a multiple of 16, and
+        nothing when the copy would pass ``PANELS_AT_MOST``."""
         if self.packed is None:
-            chosen = [w for w in (*self.weights, self.output) if _packable(w, w is self.output)]
+            chosen = self._packable()
             slots = [_panel_bytes(w) for w in chosen]
             if not chosen or sum(slots) > PANELS_AT_MOST:
                 self.packed = (self.weights, self.output)
@@ -77,12 +78,23 @@ class DecodeWeights:
             self.packed = ([made.get(id(w), w) for w in self.weights], made.get(id(self.output), self.output))
         return self.packed
 
+    def panel_bytes(self) -> int:
+        """The size of the copy ``packed_weights`` makes, or would make below its limit."""
+        return sum(_panel_bytes(w) for w in self._packable())
+
+    def _packable(self) -> list[torch.Tensor]:
+        return [w for w in (*self.weights, self.output) if _packable(w, w is self.output)]
+
 
 # Outputs per panel of packed weights (``ml/cpu_panels.h``).
 PANEL = 16
 # The packed copy of a model's float32 weights is made only up to this size: a 110M-parameter
 # model's is 0.4 GiB, a TinyLlama-sized one's 4.1 GiB.
 PANELS_AT_MOST = 1 << 30
+# A single stream takes the packed copy only up to this size. One row reads panels faster than
+# weight rows: a stories15M-sized model (a 60 MB copy) decoded 1.21x as fast, a 110M-parameter one
+# (0.4 GiB) 1.09x; a copy that doubles a large model's memory is not worth that much.
+PANELS_ALONE_AT_MOST = 1 << 28
 
 
 def _packable(weight: torch.Tensor, classifier: bool) -> bool:
@@ -290,7 +302,9 @@ class Decoder:
         self.keys_ptr = cache.keys[0].data_ptr()
         keys, values = [k[0].unsqueeze(1) for k in cache.keys], [v[0].unsqueeze(1) for v in cache.values]
         self._run = torch.ops.llama_chat_cpu.decode_step.default
-        self._before = (torch.zeros(1, 1, dtype=torch.long), self.capacity, *found.arguments(model, keys, values))
+        packed = found.panel_bytes() <= PANELS_ALONE_AT_MOST
+        self._before = (torch.zeros(1, 1, dtype=torch.long), self.capacity,
+                        *found.arguments(model, keys, values, packed=packed))
         # The position goes in through a NumPy view of a kept tensor: a new tensor per token cost
         # twenty times as long.
         self._position = torch.zeros(1, dtype=torch.long)
