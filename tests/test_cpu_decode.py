@@ -407,3 +407,23 @@ def test_a_row_past_its_pages_is_an_error():
         cpu_decode.forward_rows(model, [1], [8], [[1, 2]], cache)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="names page 7 of 4"):
         cpu_decode.forward_rows(model, [1], [1], [[7]], cache)
+
+
+def test_a_kept_decoder_fills_its_inputs_right_as_rows_and_tables_change():
+    # One RowsDecoder through steps whose row counts and table widths change (its inputs are
+    # kept tensors filled in place, per shape), against a new decoder every step.
+    model = _model("float32", seed=9)
+    shapes = [(3, 1), (5, 2), (3, 1), (2, 3), (5, 2), (7, 3)]
+    caches = [PagedKVCache.for_model(model.args, num_pages=32, page_size=4) for _ in range(2)]
+    g = torch.Generator().manual_seed(9)
+    with torch.inference_mode():
+        kept = cpu_decode.RowsDecoder(model, caches[0])
+        for rows, width in shapes:
+            tokens = torch.randint(0, 97, (rows,), generator=g).tolist()
+            positions = torch.randint(0, 4 * width, (rows,), generator=g).tolist()
+            tables = [torch.randperm(32, generator=g)[:width].tolist() for _ in range(rows)]
+            logits, picks = kept.with_picks(tokens, positions, tables)
+            fresh, fresh_picks = cpu_decode.RowsDecoder(model, caches[1]).with_picks(tokens, positions, tables)
+            assert torch.equal(logits, fresh) and torch.equal(picks, fresh_picks)
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            kept([1, -2], [0, 0], [[0], [1]])
