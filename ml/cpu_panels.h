@@ -26,7 +26,8 @@ constexpr int kMostTileRows = 6;
 // The first tile of a panel asks for the weights this far ahead, a cache line per input: the
 // hardware's prefetcher alone left a 16-row classifier 10 % slower (2.2 against 2.0 ms in a C++
 // test; 8 KiB ahead gave 2.1), and the whole 16-row step 9 % slower (20 interleaved pairs, all
-// faster with it). A row alone is bound by the memory, and asking ahead there made it slower.
+// faster with it). A row alone (two panels at a time, `panel_pair`) does not ask: it is bound by
+// the memory, and the one measurement of it asking, on a noisy machine, was slower.
 constexpr int64_t kAheadBytes = 32 << 10;
 
 #ifdef LLAMA_CHAT_AVX2
