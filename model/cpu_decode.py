@@ -357,13 +357,8 @@ class RowsDecoder:
         # Panels: a tile of rows against a panel takes a batch's classifier at 1.5x the speed of
         # weight rows taken one at a time, and a row alone reads them faster than rows.
         self._after = found.arguments(model, cache.keys, cache.values, packed=True)
-        self._position = torch.zeros(1, dtype=torch.long)
-        self._position_slot = self._position.numpy()
-        self._table = torch.zeros((1, 16), dtype=torch.long)
-        self._table_slot = self._table.numpy()
-        self._lone_pick = torch.zeros(1, dtype=torch.long)  # overwritten by the next lone step
-        # Several rows' inputs go in through NumPy views of kept tensors too (``_RowsInputs``);
-        # NumPy cannot view a bfloat16 embedding, whose rows are gathered by torch instead.
+        # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's
+        # too; NumPy cannot view a bfloat16 embedding, whose rows torch takes instead.
         self._embedding_rows = self.embedding.numpy() if self.embedding.dtype == torch.float32 else None
         self._rows_inputs = _RowsInputs(self.embedding.shape[1])
 
@@ -375,37 +370,27 @@ class RowsDecoder:
         """The logits and each row's greedy pick among the ids below ``below`` (all: None), picked
         by the step's own threads as they write the logits (``Decoder.pick``). The picks tensor
         of a number of rows is the same one every time: read it before the next step."""
-        rows = len(tokens)
-        picks = self._lone_pick if rows == 1 else self._rows_inputs.of(rows, len(tables[0])).picks
-        logits = self._run(*self._inputs(tokens, positions, tables), *self._after, picks,
+        kept = self._rows_inputs.of(len(tokens), len(tables[0]))
+        logits = self._run(*self._fill(kept, tokens, positions, tables), *self._after, kept.picks,
                            self.classes if below is None else below)
-        return logits, picks
+        return logits, kept.picks
 
     def _inputs(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
-        if len(tokens) == 1:
-            return self._lone_inputs(tokens[0], positions[0], tables[0])
-        kept = self._rows_inputs.of(len(tokens), len(tables[0]))
+        return self._fill(self._rows_inputs.of(len(tokens), len(tables[0])), tokens, positions, tables)
+
+    def _fill(self, kept: _KeptRows, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
         if self._embedding_rows is not None:
             if min(tokens) < 0:
                 raise IndexError(f"token id {min(tokens)} is outside the vocabulary ({self.vocab_size})")
             np.take(self._embedding_rows, tokens, axis=0, out=kept.hidden_slot)
             hidden = kept.hidden
+        elif len(tokens) == 1:  # a slice, not a gather
+            hidden = self.embedding[tokens[0]:tokens[0] + 1].float()
         else:
             hidden = self.embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
         kept.positions_slot[:] = positions
         kept.tables_slot[:] = tables
         return (hidden, kept.positions, kept.tables, self.page_size)
-
-    def _lone_inputs(self, token: int, position: int, table: list[int]) -> tuple:
-        # A job decoding alone: its position and block table go in through NumPy views of kept
-        # tensors, as in ``Decoder``, and its embedding is a slice, not a gather.
-        if len(table) > self._table.shape[1]:
-            self._table = torch.zeros((1, 2 * len(table)), dtype=torch.long)
-            self._table_slot = self._table.numpy()
-        self._table_slot[0, :len(table)] = table
-        self._position_slot[0] = position
-        return (self.embedding[token:token + 1].float(), self._position, self._table[:, :len(table)],
-                self.page_size)
 
 
 @dataclass
