@@ -83,6 +83,11 @@ class DecodeWeights:
         """The size of the copy ``packed_weights`` makes, or would make below its limit."""
         return sum(_panel_bytes(w) for w in self._packable())
 
+    def packs_for(self, alone: bool) -> bool:
+        """Whether a step takes the packed weights: steps of several rows do (up to
+        ``PANELS_AT_MOST``), a single stream's while the copy is at most ``PANELS_ALONE_AT_MOST``."""
+        return not alone or self.panel_bytes() <= PANELS_ALONE_AT_MOST
+
     def _packable(self) -> list[torch.Tensor]:
         return [w for w in (*self.weights, self.output) if _packable(w, w is self.output)]
 
@@ -303,9 +308,8 @@ class Decoder:
         self.keys_ptr = cache.keys[0].data_ptr()
         keys, values = [k[0].unsqueeze(1) for k in cache.keys], [v[0].unsqueeze(1) for v in cache.values]
         self._run = torch.ops.llama_chat_cpu.decode_step.default
-        packed = found.panel_bytes() <= PANELS_ALONE_AT_MOST
         self._before = (torch.zeros(1, 1, dtype=torch.long), self.capacity,
-                        *found.arguments(model, keys, values, packed=packed))
+                        *found.arguments(model, keys, values, packed=found.packs_for(alone=True)))
         # The position goes in through a NumPy view of a kept tensor: a new tensor per token cost
         # twenty times as long.
         self._position = torch.zeros(1, dtype=torch.long)
@@ -345,7 +349,9 @@ class RowsDecoder:
     ``tables[r]`` (all of the same length); each token's keys and values are written at its
     position's slot of its pages. Everything else is prepared once."""
 
-    def __init__(self, model: nn.Module, cache: PagedKVCache) -> None:
+    def __init__(self, model: nn.Module, cache: PagedKVCache, *, alone: bool = False) -> None:
+        """``alone``: the steps are of one row only (a scheduler of one job at a time, as a chat's
+        on the CPU), which take the packed weights as a single stream does."""
         found = _weights_of(model)
         if found is None:
             raise ValueError("the one-call step cannot read this model's weights")
@@ -356,7 +362,7 @@ class RowsDecoder:
         self._run = torch.ops.llama_chat_cpu.decode_step.default
         # Panels: a tile of rows against a panel takes a batch's classifier at 1.5x the speed of
         # weight rows taken one at a time, and a row alone reads them faster than rows.
-        self._after = found.arguments(model, cache.keys, cache.values, packed=True)
+        self._after = found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone))
         # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's
         # too; NumPy cannot view a bfloat16 embedding, whose rows torch takes instead.
         self._embedding_rows = self.embedding.numpy() if self.embedding.dtype == torch.float32 else None

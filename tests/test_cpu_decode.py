@@ -427,3 +427,22 @@ def test_a_kept_decoder_fills_its_inputs_right_as_rows_and_tables_change():
             assert torch.equal(logits, fresh) and torch.equal(picks, fresh_picks)
         with pytest.raises(IndexError, match="outside the vocabulary"):
             kept([1, -2], [0, 0], [[0], [1]])
+
+
+def test_a_single_stream_takes_the_panels_only_while_the_copy_is_small(monkeypatch):
+    model = _model("float32", vocab_size=128)
+    found = cpu_decode._weights_of(model)
+    paged = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
+    dense = KVCache.for_model(model.args, 1)
+
+    def packed(after) -> bool:  # the weights, then the classifier, among the operator's arguments
+        return all(w.dim() == 3 for w in after[0]) and after[7].dim() == 3
+
+    with torch.inference_mode():
+        assert packed(cpu_decode.RowsDecoder(model, paged)._after)
+        assert packed(cpu_decode.RowsDecoder(model, paged, alone=True)._after)
+        assert packed(cpu_decode.Decoder(model, found, dense)._before[2:])
+        monkeypatch.setattr(cpu_decode, "PANELS_ALONE_AT_MOST", found.panel_bytes() - 1)
+        assert packed(cpu_decode.RowsDecoder(model, paged)._after)
+        assert not packed(cpu_decode.RowsDecoder(model, paged, alone=True)._after)
+        assert not packed(cpu_decode.Decoder(model, found, dense)._before[2:])
