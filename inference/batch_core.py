@@ -359,8 +359,7 @@ class BatchCore:
         if self._one_call_ok is None:
             self._one_call_ok = self.device.type == "cpu" and cpu_decode.takes_rows(self.model, self.cache)
             if self._one_call_ok:
-                self._rows_decoder = cpu_decode.RowsDecoder(self.model, self.cache,
-                                                            alone=self.settings.max_batch == 1)
+                self._rows_decoder = cpu_decode.RowsDecoder(self.model, self.cache)
         return self._one_call_ok
 
     def _compact(self, job: Job) -> bool:

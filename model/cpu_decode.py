@@ -85,8 +85,12 @@ class DecodeWeights:
 
     def packs_for(self, alone: bool) -> bool:
         """Whether a step takes the packed weights: steps of several rows do (up to
-        ``PANELS_AT_MOST``), a single stream's while the copy is at most ``PANELS_ALONE_AT_MOST``."""
-        return not alone or self.panel_bytes() <= PANELS_ALONE_AT_MOST
+        ``PANELS_AT_MOST``); a single stream's only for float32 weights, while the copy is at most
+        ``PANELS_ALONE_AT_MOST`` (a row alone is bound by reading the weights, and float32 panels
+        of bfloat16 weights are twice the bytes)."""
+        if not alone:
+            return True
+        return self.weights[0].dtype == torch.float32 and self.panel_bytes() <= PANELS_ALONE_AT_MOST
 
     def _packable(self) -> list[torch.Tensor]:
         return [w for w in (*self.weights, self.output) if _packable(w, w is self.output)]
@@ -105,7 +109,7 @@ PANELS_ALONE_AT_MOST = 1 << 28
 
 def _packable(weight: torch.Tensor, classifier: bool) -> bool:
     # The operator takes a packed classifier's size from its panels: whole ones only.
-    return weight.dtype == torch.float32 and not (classifier and weight.shape[0] % PANEL)
+    return weight.dtype in WEIGHT_DTYPES and not (classifier and weight.shape[0] % PANEL)
 
 
 def _panel_bytes(weight: torch.Tensor) -> int:
@@ -114,8 +118,8 @@ def _panel_bytes(weight: torch.Tensor) -> int:
 
 
 def _pack(weight: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-    """``weight`` (n, k) as panels (ceil(n / 16), k, 16) in the bytes ``into``, the last panel's
-    missing outputs zero."""
+    """``weight`` (n, k) as float32 panels (ceil(n / 16), k, 16) in the bytes ``into``, the last
+    panel's missing outputs zero. bfloat16 weights become float32 exactly."""
     weight = weight.detach()
     n, k = weight.shape
     whole = n // PANEL
@@ -349,9 +353,7 @@ class RowsDecoder:
     ``tables[r]`` (all of the same length); each token's keys and values are written at its
     position's slot of its pages. Everything else is prepared once."""
 
-    def __init__(self, model: nn.Module, cache: PagedKVCache, *, alone: bool = False) -> None:
-        """``alone``: the steps are of one row only (a scheduler of one job at a time, as a chat's
-        on the CPU), which take the packed weights as a single stream does."""
+    def __init__(self, model: nn.Module, cache: PagedKVCache) -> None:
         found = _weights_of(model)
         if found is None:
             raise ValueError("the one-call step cannot read this model's weights")
@@ -361,15 +363,17 @@ class RowsDecoder:
         self.page_size = cache.page_size
         self._run = torch.ops.llama_chat_cpu.decode_step.default
         # Panels: a tile of rows against a panel takes a batch's classifier at 1.5x the speed of
-        # weight rows taken one at a time, and a row alone reads them faster than rows.
-        self._after = found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone))
+        # weight rows taken one at a time. A row alone (a job left alone, a chat's turn) takes
+        # what a single stream takes (``DecodeWeights.packs_for``).
+        self._after = found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone=False))
+        self._after_lone = found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone=True))
         # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's
         # too; NumPy cannot view a bfloat16 embedding, whose rows torch takes instead.
         self._embedding_rows = self.embedding.numpy() if self.embedding.dtype == torch.float32 else None
         self._rows_inputs = _RowsInputs(self.embedding.shape[1])
 
     def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        return self._run(*self._inputs(tokens, positions, tables), *self._after)
+        return self._run(*self._inputs(tokens, positions, tables), *self._weights(len(tokens)))
 
     def with_picks(self, tokens: list[int], positions: list[int], tables: list[list[int]],
                    below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,9 +381,12 @@ class RowsDecoder:
         by the step's own threads as they write the logits (``Decoder.pick``). The picks tensor
         of a number of rows is the same one every time: read it before the next step."""
         kept = self._rows_inputs.of(len(tokens), len(tables[0]))
-        logits = self._run(*self._fill(kept, tokens, positions, tables), *self._after, kept.picks,
+        logits = self._run(*self._fill(kept, tokens, positions, tables), *self._weights(len(tokens)), kept.picks,
                            self.classes if below is None else below)
         return logits, kept.picks
+
+    def _weights(self, rows: int) -> tuple:
+        return self._after_lone if rows == 1 else self._after
 
     def _inputs(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
         return self._fill(self._rows_inputs.of(len(tokens), len(tables[0])), tokens, positions, tables)

@@ -360,7 +360,8 @@ def _rows_logits(model, tokens: list[int], packed: bool) -> torch.Tensor:
     with torch.inference_mode():
         decoder = cpu_decode.RowsDecoder(model, cache)
         if not packed:
-            decoder._after = cpu_decode._weights_of(model).arguments(model, cache.keys, cache.values)
+            decoder._after = decoder._after_lone = cpu_decode._weights_of(model).arguments(
+                model, cache.keys, cache.values)
         for position in range(2):  # the second step attends over the first
             logits = decoder(tokens, [position] * len(tokens), [[r] for r in range(len(tokens))])
     return logits
@@ -382,7 +383,7 @@ def test_packed_weights_give_the_logits_of_weight_rows(rows, vocab, dim_heads, h
     torch.testing.assert_close(packed, _rows_logits(model, tokens, packed=False), atol=1e-4, rtol=1e-4)
 
 
-def test_weights_are_packed_once_and_only_float32_within_the_limit(monkeypatch):
+def test_weights_are_packed_once_within_the_limit_and_never_int8(monkeypatch):
     model = _model("float32", vocab_size=128)
     found = cpu_decode._weights_of(model)
     weights, output = found.packed_weights()
@@ -439,10 +440,15 @@ def test_a_single_stream_takes_the_panels_only_while_the_copy_is_small(monkeypat
         return all(w.dim() == 3 for w in after[0]) and after[7].dim() == 3
 
     with torch.inference_mode():
-        assert packed(cpu_decode.RowsDecoder(model, paged)._after)
-        assert packed(cpu_decode.RowsDecoder(model, paged, alone=True)._after)
+        assert packed(cpu_decode.RowsDecoder(model, paged)._weights(rows=3))
+        assert packed(cpu_decode.RowsDecoder(model, paged)._weights(rows=1))
         assert packed(cpu_decode.Decoder(model, found, dense)._before[2:])
         monkeypatch.setattr(cpu_decode, "PANELS_ALONE_AT_MOST", found.panel_bytes() - 1)
-        assert packed(cpu_decode.RowsDecoder(model, paged)._after)
-        assert not packed(cpu_decode.RowsDecoder(model, paged, alone=True)._after)
+        assert packed(cpu_decode.RowsDecoder(model, paged)._weights(rows=3))
+        assert not packed(cpu_decode.RowsDecoder(model, paged)._weights(rows=1))
         assert not packed(cpu_decode.Decoder(model, found, dense)._before[2:])
+        # bfloat16 weights: float32 panels for several rows, their own rows for one
+        model.to(torch.bfloat16)
+        halves = cpu_decode.RowsDecoder(model, paged)
+        assert packed(halves._weights(rows=3)) and halves._weights(rows=3)[0][0].dtype == torch.float32
+        assert not packed(halves._weights(rows=1)) and halves._weights(rows=1)[0][0].dtype == torch.bfloat16
