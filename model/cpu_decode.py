@@ -365,8 +365,10 @@ class RowsDecoder:
         # Panels: a tile of rows against a panel takes a batch's classifier at 1.5x the speed of
         # weight rows taken one at a time. A row alone (a job left alone, a chat's turn) takes
         # what a single stream takes (``DecodeWeights.packs_for``).
-        self._after = found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone=False))
         self._after_lone = found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone=True))
+        # Made at the first step of several rows: a chat's scheduler never takes one.
+        self._after: tuple | None = None
+        self._several = lambda: found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone=False))
         # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's
         # too; NumPy cannot view a bfloat16 embedding, whose rows torch takes instead.
         self._embedding_rows = self.embedding.numpy() if self.embedding.dtype == torch.float32 else None
@@ -386,7 +388,11 @@ class RowsDecoder:
         return logits, kept.picks
 
     def _weights(self, rows: int) -> tuple:
-        return self._after_lone if rows == 1 else self._after
+        if rows == 1:
+            return self._after_lone
+        if self._after is None:
+            self._after = self._several()
+        return self._after
 
     def _inputs(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
         return self._fill(self._rows_inputs.of(len(tokens), len(tables[0])), tokens, positions, tables)

@@ -452,3 +452,18 @@ def test_a_single_stream_takes_the_panels_only_while_the_copy_is_small(monkeypat
         halves = cpu_decode.RowsDecoder(model, paged)
         assert packed(halves._weights(rows=3)) and halves._weights(rows=3)[0][0].dtype == torch.float32
         assert not packed(halves._weights(rows=1)) and halves._weights(rows=1)[0][0].dtype == torch.bfloat16
+
+
+def test_steps_of_one_row_make_no_packed_copy_the_single_stream_does_not_take(monkeypatch):
+    # A chat's scheduler on the CPU steps one row at a time: past the single stream's limit its
+    # decoder reads the weight rows and makes no copy; its first step of two rows makes it.
+    monkeypatch.setattr(cpu_decode, "PANELS_ALONE_AT_MOST", 0)
+    model = _model("float32", vocab_size=128)
+    found = cpu_decode._weights_of(model)
+    cache = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
+    with torch.inference_mode():
+        decoder = cpu_decode.RowsDecoder(model, cache)
+        decoder([5], [0], [[0]])
+        assert found.packed is None
+        decoder([5, 6], [1, 0], [[0], [1]])
+        assert found.packed is not None and found.packed[1].dim() == 3
