@@ -426,8 +426,9 @@ def test_a_kept_decoder_fills_its_inputs_right_as_rows_and_tables_change():
             logits, picks = kept.with_picks(tokens, positions, tables)
             fresh, fresh_picks = cpu_decode.RowsDecoder(model, caches[1]).with_picks(tokens, positions, tables)
             assert torch.equal(logits, fresh) and torch.equal(picks, fresh_picks)
-        with pytest.raises(IndexError, match="outside the vocabulary"):
-            kept([1, -2], [0, 0], [[0], [1]])
+        for wrong in ([1, -2], [97, 1], [-1]):
+            with pytest.raises(IndexError, match="outside the vocabulary"):
+                kept(wrong, [0] * len(wrong), [[0], [1]][:len(wrong)])
 
 
 def test_a_single_stream_takes_the_panels_only_while_the_copy_is_small(monkeypatch):
