@@ -319,6 +319,12 @@ class Decoder:
         self._position_slot = self._position.numpy()
         self._picks = torch.zeros(1, dtype=torch.long)
         self._pick_slot = self._picks.numpy()
+        # So does a float32 embedding row, copied between memoryviews (``RowsDecoder._fill``).
+        self._hidden_row = torch.zeros(1, self.embedding.shape[1])
+        self._hidden_bytes = memoryview(self._hidden_row.numpy()).cast("B")
+        self._embedding_rows = (memoryview(self.embedding.numpy()).cast("B")
+                                if self.embedding.dtype == torch.float32 else None)
+        self._row_bytes = self.embedding.shape[1] * 4
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
         return self._run(self._hidden(token, position), self._position, *self._before)
@@ -336,7 +342,10 @@ class Decoder:
         if not 0 <= token < self.vocab_size:
             raise IndexError(f"token id {token} is outside the vocabulary ({self.vocab_size})")
         self._position_slot[0] = position
-        return self.embedding[token:token + 1].float()
+        if self._embedding_rows is None:
+            return self.embedding[token:token + 1].float()
+        self._hidden_bytes[:] = self._embedding_rows[token * self._row_bytes:(token + 1) * self._row_bytes]
+        return self._hidden_row
 
 
 def takes_rows(model: nn.Module, cache) -> bool:
