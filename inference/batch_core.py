@@ -161,6 +161,8 @@ class BatchCore:
         return StepResult(tuple(events), tuple(released + finished))
 
     def _admit(self) -> list[Job]:
+        if not self.incoming and not self.waiting:  # most steps: nothing to admit
+            return []
         while self.incoming:
             self.waiting.append(self.incoming.popleft())
         dropped = [job for job in self.waiting if job.cancelled]
