@@ -397,6 +397,14 @@ class RowsDecoder:
                            self.classes if below is None else below)
         return logits, kept.picks
 
+    def pick(self, token: int, position: int, table: list[int], below: int | None = None) -> int:
+        """``with_picks`` of one row, its pick as an int, read through a NumPy view: indexing the
+        picks tensor let go of the GIL, and a lone job waited some 25 us a step to take it back."""
+        kept = self._rows_inputs.of(1, len(table))
+        self._run(*self._fill(kept, [token], [position], [table]), *self._weights(1), kept.picks,
+                  self.classes if below is None else below)
+        return int(kept.picks_slot[0])
+
     def _weights(self, rows: int) -> tuple:
         if rows == 1:
             return self._after_lone
@@ -439,6 +447,7 @@ class _KeptRows:
 
     def __post_init__(self) -> None:
         self.hidden_bytes = memoryview(self.hidden.numpy()).cast("B")
+        self.picks_slot = self.picks.numpy()
         self.positions_slot = self.positions.numpy()
         self.tables_slot = self.tables.numpy()
 

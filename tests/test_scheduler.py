@@ -364,3 +364,25 @@ def test_rows_that_pause_and_resume_read_the_keys_they_wrote(model, tokenizer):
     alone = batched(model, tokenizer, requests, page_size=8, max_batch=1)[0]
     for r in requests:
         assert together[r.request_id].token_ids == alone[r.request_id].token_ids, r.request_id
+
+
+def test_a_lone_greedy_job_takes_the_short_step_with_the_same_tokens_and_counters(model, tokenizer, monkeypatch):
+    # One job at a time (a chat's scheduler): each greedy decode step skips the plan
+    # (BatchCore._run_lone). It must give what the planned step gives: tokens, stops, counters.
+    g = torch.Generator().manual_seed(11)
+    vocab = tokenizer.vocab_size
+    requests = [Request(random_prompt(g, 20, vocab), sampling=GREEDY, max_tokens=40, request_id="long"),
+                Request(random_prompt(g, 9, vocab), sampling=GREEDY, max_tokens=7, request_id="short"),
+                Request(random_prompt(g, 12, vocab), sampling=SamplingParams(temperature=0.8), seed=3,
+                        max_tokens=10, request_id="sampled")]
+    short_steps = []
+    run_lone = BatchCore._run_lone
+    monkeypatch.setattr(BatchCore, "_run_lone", lambda self, job: short_steps.append(job.request_id)
+                        or run_lone(self, job))
+    fast, fast_stats = batched(model, tokenizer, requests, max_batch=1)
+    assert {"long", "short"} <= set(short_steps) and "sampled" not in short_steps
+    monkeypatch.setattr(BatchCore, "_lone_greedy", lambda self: None)
+    planned, planned_stats = batched(model, tokenizer, requests, max_batch=1)
+    assert {k: (v.token_ids, v.finish_reason) for k, v in fast.items()} == \
+        {k: (v.token_ids, v.finish_reason) for k, v in planned.items()}
+    assert fast_stats == planned_stats
