@@ -279,7 +279,13 @@ void range_of(const W* w, const Matrix& m, const Inputs& in, int64_t first, int6
     const float scale = m.scales ? m.scales[j] : 1.f;
 #ifdef LLAMA_CHAT_AVX2
     if constexpr (std::is_same_v<W, int8_t>) {
-      for (int64_t r = 0; r < in.rows; ++r) put(r, j, dot_int8(in.rounded + r * k, row, k) * (in.steps[r] * scale));
+      int64_t r = 0;
+      for (; r + 4 <= in.rows; r += 4) {  // four input rows share each widened block of weights
+        float four[4];
+        dot4_int8(in.rounded + r * k, k, row, k, four);
+        for (int q = 0; q < 4; ++q) put(r + q, j, four[q] * (in.steps[r + q] * scale));
+      }
+      for (; r < in.rows; ++r) put(r, j, dot_int8(in.rounded + r * k, row, k) * (in.steps[r] * scale));
       continue;
     }
 #endif
