@@ -62,8 +62,13 @@ void int8_products(const float* x, const int8_t* w, const float* scales, float* 
     for (int64_t j = begin; j < end; ++j) {
       const int8_t* wj = w + j * k;
       const float scale = scales ? scales[j] : 1.f;
-      for (int64_t r = 0; r < rows; ++r)
-        out[r * n + j] = dot_int8(rounded.data() + r * k, wj, k) * (steps[r] * scale);
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) {  // four input rows share each widened block of weights
+        float four[4];
+        dot4_int8(rounded.data() + r * k, k, wj, k, four);
+        for (int q = 0; q < 4; ++q) out[(r + q) * n + j] = four[q] * (steps[r + q] * scale);
+      }
+      for (; r < rows; ++r) out[r * n + j] = dot_int8(rounded.data() + r * k, wj, k) * (steps[r] * scale);
     }
   });
 }

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builders import random_model, tiny_args
@@ -220,3 +220,18 @@ def test_argmax_is_torchs_argmax(rows, n, seed, ties, nan):
         logits[0, int(torch.randint(0, n, (1,), generator=g))] = float("nan")
     assert torch.equal(cpu_kernels.argmax(logits), logits.argmax(dim=-1))
     assert torch.equal(cpu_kernels.argmax(logits[:, : max(1, n // 2)]), logits[:, : max(1, n // 2)].argmax(dim=-1))
+
+
+@needs_kernels
+@given(rows=st.integers(2, 8), k=st.integers(1, 700), seed=st.integers(0, 2**16))
+@settings(max_examples=30, deadline=None)
+def test_int8_rows_taken_four_at_a_time_equal_each_row_alone(rows, k, seed):
+    # Four input rows share each widened block of weights (dot4_int8); integer sums are exact in
+    # any order, so every row is its single-row product to the bit (lengths through the 32- and
+    # 16-wide loops and the tail).
+    g = torch.Generator().manual_seed(seed)
+    weight, scales = _weights("int8", 37, k, g)
+    x = torch.randn(rows, k, generator=g)
+    together = cpu_kernels.matvec(x, weight, scales)
+    alone = torch.cat([cpu_kernels.matvec(x[r:r + 1], weight, scales) for r in range(rows)])
+    assert torch.equal(together, alone)
