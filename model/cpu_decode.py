@@ -319,12 +319,10 @@ class Decoder:
         self._position_slot = self._position.numpy()
         self._picks = torch.zeros(1, dtype=torch.long)
         self._pick_slot = self._picks.numpy()
-        # So does a float32 embedding row, copied between memoryviews (``RowsDecoder._fill``).
+        # So does a float32 embedding row (``_EmbeddingRows``).
         self._hidden_row = torch.zeros(1, self.embedding.shape[1])
         self._hidden_bytes = memoryview(self._hidden_row.numpy()).cast("B")
-        self._embedding_rows = (memoryview(self.embedding.numpy()).cast("B")
-                                if self.embedding.dtype == torch.float32 else None)
-        self._row_bytes = self.embedding.shape[1] * 4
+        self._embedding_rows = _EmbeddingRows.of(self.embedding)
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
         return self._run(self._hidden(token, position), self._position, *self._before)
@@ -344,7 +342,7 @@ class Decoder:
         self._position_slot[0] = position
         if self._embedding_rows is None:
             return self.embedding[token:token + 1].float()
-        self._hidden_bytes[:] = self._embedding_rows[token * self._row_bytes:(token + 1) * self._row_bytes]
+        self._embedding_rows.copy((token,), self._hidden_bytes)
         return self._hidden_row
 
 
@@ -377,11 +375,8 @@ class RowsDecoder:
         # Made at the first step of several rows: a chat's scheduler never takes one.
         self._after: tuple | None = None
         self._several = lambda: found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone=False))
-        # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's
-        # too; NumPy cannot view a bfloat16 embedding, whose rows torch takes instead.
-        self._embedding_rows = (memoryview(self.embedding.numpy()).cast("B")
-                                if self.embedding.dtype == torch.float32 else None)
-        self._row_bytes = self.embedding.shape[1] * 4
+        # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's too.
+        self._embedding_rows = _EmbeddingRows.of(self.embedding)
         self._rows_inputs = _RowsInputs(self.embedding.shape[1])
 
     def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
@@ -417,14 +412,9 @@ class RowsDecoder:
 
     def _fill(self, kept: _KeptRows, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
         if self._embedding_rows is not None:
-            # Copied as bytes between memoryviews: NumPy's take let go of the GIL, and taking it
-            # back from the event loop's thread cost a lone job 20 us a step.
             if min(tokens) < 0 or max(tokens) >= self.vocab_size:
                 raise IndexError(f"a token id of {tokens} is outside the vocabulary ({self.vocab_size})")
-            row_bytes = self._row_bytes
-            for r, token in enumerate(tokens):
-                kept.hidden_bytes[r * row_bytes:(r + 1) * row_bytes] = self._embedding_rows[token * row_bytes:
-                                                                                            (token + 1) * row_bytes]
+            self._embedding_rows.copy(tokens, kept.hidden_bytes)
             hidden = kept.hidden
         elif len(tokens) == 1:  # a slice, not a gather
             hidden = self.embedding[tokens[0]:tokens[0] + 1].float()
@@ -433,6 +423,26 @@ class RowsDecoder:
         kept.positions_slot[:] = positions
         kept.tables_slot[:] = tables
         return (hidden, kept.positions, kept.tables, self.page_size)
+
+
+class _EmbeddingRows:
+    """A float32 embedding whose rows are copied as bytes between memoryviews, holding the GIL:
+    NumPy's ``take`` let go of it, and taking it back from the event loop's thread cost a lone
+    scheduler job 20 us a step. (NumPy cannot view a bfloat16 embedding: torch takes its rows.)"""
+
+    def __init__(self, embedding: torch.Tensor) -> None:
+        self.rows = memoryview(embedding.numpy()).cast("B")
+        self.size = embedding.shape[1] * embedding.element_size()
+
+    @classmethod
+    def of(cls, embedding: torch.Tensor) -> _EmbeddingRows | None:
+        return cls(embedding) if embedding.dtype == torch.float32 else None
+
+    def copy(self, tokens, into: memoryview) -> None:
+        """Row ``tokens[r]`` into the ``r``-th row of ``into`` (float32 rows, as bytes)."""
+        size = self.size
+        for r, token in enumerate(tokens):
+            into[r * size:(r + 1) * size] = self.rows[token * size:(token + 1) * size]
 
 
 @dataclass
