@@ -338,10 +338,17 @@ struct Scratch {
     for (int64_t r = 0; r < rows; ++r) {
       const float* hr = h + r * dim;
       float* out = normed.data() + r * dim;
-      double squares = 0.0;
-      for (int64_t i = 0; i < dim; ++i) squares += static_cast<double>(hr[i]) * hr[i];
+      // Eight sums in double, one per lane of eight inputs, added in a fixed order: one sum in a
+      // single chain waited on each addition (every thread normalizes every row, 13 times a
+      // step: some 90 us of a 16-row step of a stories15M-sized model).
+      double lanes[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+      int64_t i = 0;
+      for (; i + 8 <= dim; i += 8)
+        for (int j = 0; j < 8; ++j) lanes[j] += static_cast<double>(hr[i + j]) * hr[i + j];
+      for (; i < dim; ++i) lanes[0] += static_cast<double>(hr[i]) * hr[i];
+      const double squares = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
       const float inverse = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(dim) + eps));
-      for (int64_t i = 0; i < dim; ++i) out[i] = hr[i] * inverse * weight[i];
+      for (i = 0; i < dim; ++i) out[i] = hr[i] * inverse * weight[i];
     }
     return inputs(normed.data(), rows, dim, m);
   }
