@@ -326,9 +326,10 @@ def test_rows_of_a_paged_step_equal_the_packed_step():
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 def test_a_step_of_many_rows_equals_each_row_alone_whatever_the_threads(kind):
-    # 35 rows: float32 weights are packed as panels, taken by tiles of six rows and one of five;
-    # bfloat16 ones too for several rows, but a row alone reads its own; int8 ones are taken four
-    # input rows at a time, and 35 leaves three over. Every row must be what it is alone (float32
+    # 35 rows: float32 weights are packed as panels, taken by tiles of six rows and one of five
+    # (AVX2), or two panels at a time by tiles of 11 and 12 rows, and lone panels by tiles of 16,
+    # 10 and 9 (AVX-512); bfloat16 ones too for several rows, but a row alone reads its own; int8
+    # ones are taken four input rows at a time, and 35 leaves three over. Every row must be what it is alone (float32
     # and int8: to the bit), and no thread count may change a bit of it.
     model = _model(kind, seed=8, dim=96, hidden_dim=200, vocab_size=96)  # a classifier of whole panels
     rows, page = 35, 4
@@ -368,11 +369,12 @@ def _rows_logits(model, tokens: list[int], packed: bool) -> torch.Tensor:
 
 
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 19), vocab=st.sampled_from([97, 160, 256]), dim_heads=st.sampled_from([(64, 4), (40, 2), (96, 3)]),
+@given(rows=st.integers(1, 40), vocab=st.sampled_from([97, 160, 256]), dim_heads=st.sampled_from([(64, 4), (40, 2), (96, 3)]),
        hidden=st.integers(20, 90), seed=st.integers(0, 10**6))
 def test_packed_weights_give_the_logits_of_weight_rows(rows, vocab, dim_heads, hidden, seed):
     # Panels of 16 outputs, whole or cut short (a head of 20, 2 x 45 gate and up rows), tiles of
-    # one to six rows, and the classifier packed when its 160 or 256 outputs fill whole panels.
+    # one to six rows (AVX2) or to sixteen, and from 24 rows on two whole panels at a time
+    # (AVX-512), and the classifier packed when its 160 or 256 outputs fill whole panels.
     dim, heads = dim_heads
     model = random_model(tiny_args(vocab, dim=dim, n_heads=heads, n_kv_heads=heads, hidden_dim=hidden), seed=seed)
     model.fuse_projections()
