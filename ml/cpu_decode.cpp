@@ -316,7 +316,7 @@ void range_products(const Matrix& m, const Inputs& in, int64_t first, int64_t st
 
 // What one thread keeps to itself during a step.
 struct Scratch {
-  std::vector<float> normed, head, scores, steps;
+  std::vector<float> normed, head, scores, steps, chosen;
   std::vector<int16_t> rounded;
 
   Inputs inputs(const float* x, int64_t rows, int64_t k, const Matrix& m) {
@@ -462,17 +462,22 @@ const float* float_vector(const char* what, const at::Tensor& t, int64_t n) {
   return t.data_ptr<float>();
 }
 
-// hidden: (rows, dim) float32, each row one token of its own sequence, at positions[row], whose
-// cache slots are found through tables[row] (pages of page_size slots). Returns (rows, vocab)
-// float32 logits; every layer's keys and values of the tokens are written into the cache. With
-// `picks` (one int64 per row), each row's greedy pick among its first `picks_below` logits is
-// written there too: the first place of the largest, a NaN counting as largest (torch.argmax).
+// hidden: (rows, dim) float32, each row one token at positions[row] of the sequence whose cache
+// slots are found through tables[row] (pages of page_size slots). Returns (rows, vocab) float32
+// logits; every layer's keys and values of the tokens are written into the cache. Rows may be
+// consecutive tokens of one sequence (a prompt's chunk, with the same table): each layer writes
+// every row's keys and values before any row attends, and a row attends up to its own position.
+// With `logit_rows` (int64 row indices), only those rows' logits are made, in that order: a
+// prompt's chunk needs its last token's. With `picks` (one int64 per row of logits), each such
+// row's greedy pick among its first `picks_below` logits is written there too: the first place
+// of the largest, a NaN counting as largest (torch.argmax).
 at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& tables,
                        int64_t page_size, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
                        at::TensorList norms, at::TensorList keys, at::TensorList values, const at::Tensor& rope,
                        const at::Tensor& final_norm, const at::Tensor& output,
                        const std::optional<at::Tensor>& output_scales, int64_t n_heads, int64_t n_kv_heads,
-                       double eps, const std::optional<at::Tensor>& picks, int64_t picks_below) {
+                       double eps, const std::optional<at::Tensor>& picks, int64_t picks_below,
+                       const std::optional<at::Tensor>& logit_rows) {
   const int64_t n_layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(n_layers > 0 && values.size() == keys.size() && weights.size() == 4 * keys.size() &&
                   scales.size() == weights.size() && norms.size() == 2 * keys.size(),
@@ -532,17 +537,31 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
   const Matrix classifier = matrix_of("the classifier", n_layers, output, output_scales, classes, dim);
   const float* final_weight = float_vector("the final norm", final_norm, dim);
   const int64_t vocab = classifier.n;
-  at::Tensor logits = at::empty({rows, vocab}, hidden.options());
+  std::vector<int64_t> chosen_rows;  // the rows whose logits are made
+  if (logit_rows.has_value()) {
+    TORCH_CHECK(logit_rows->scalar_type() == at::kLong && logit_rows->is_contiguous() && logit_rows->dim() == 1,
+                "decode_step: logit_rows must be a contiguous int64 vector");
+    const int64_t* wanted = logit_rows->data_ptr<int64_t>();
+    for (int64_t i = 0; i < logit_rows->numel(); ++i) {
+      TORCH_CHECK(wanted[i] >= 0 && wanted[i] < rows, "decode_step: logit row ", wanted[i], " of ", rows, " rows");
+      chosen_rows.push_back(wanted[i]);
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) chosen_rows.push_back(r);
+  }
+  const int64_t out_rows = static_cast<int64_t>(chosen_rows.size());
+  TORCH_CHECK(out_rows <= rows, "decode_step: ", out_rows, " logit rows of ", rows, " rows");
+  at::Tensor logits = at::empty({out_rows, vocab}, hidden.options());
   float* out = logits.data_ptr<float>();
   const bool picking = picks.has_value();
   if (picking)
-    TORCH_CHECK(picks->scalar_type() == at::kLong && picks->is_contiguous() && picks->numel() == rows &&
+    TORCH_CHECK(picks->scalar_type() == at::kLong && picks->is_contiguous() && picks->numel() == out_rows &&
                     picks_below > 0 && picks_below <= vocab,
-                "decode_step: picks need one int64 per row and 0 < picks_below <= ", vocab);
+                "decode_step: picks need one int64 per row of logits and 0 < picks_below <= ", vocab);
   if (rows == 0) return logits;
   const int threads = at::get_num_threads();
   // Each thread's greedy picks, of the classifier's ranges it took; combined after the region.
-  std::vector<Pick> thread_picks(picking ? static_cast<size_t>(std::max(threads, 1) * rows) : 0);
+  std::vector<Pick> thread_picks(picking ? static_cast<size_t>(std::max(threads, 1) * out_rows) : 0);
 
   std::vector<float> h(hidden.data_ptr<float>(), hidden.data_ptr<float>() + rows * dim);
   std::vector<float> q(static_cast<size_t>(rows * q_width)), attended(static_cast<size_t>(rows * q_width)),
@@ -555,7 +574,7 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
   const float* rope_table = rope.data_ptr<float>();
 
   auto run = [&](int team, int thread) {
-    std::vector<Pick> mine(picking ? static_cast<size_t>(rows) : 0);
+    std::vector<Pick> mine(picking ? static_cast<size_t>(out_rows) : 0);
     Scratch scratch;
     scratch.normed.resize(static_cast<size_t>(rows * dim));
     scratch.head.resize(static_cast<size_t>(rows * head_dim));
@@ -616,22 +635,33 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
           });
       add_to_residual(*stage++, layer.down, activated.data(), ffn);
     }
+    if (out_rows == 0) return;  // a prompt's chunk that needs no logits
     run_stage(
         *stage, vocab, classifier.smallest(), classifier.align(), team,
-        [&] { in = scratch.normalized(h.data(), rows, final_weight, dim, eps, classifier); },
+        [&] {
+          const float* final_rows = h.data();
+          if (logit_rows.has_value()) {  // the chosen rows, gathered
+            scratch.chosen.resize(static_cast<size_t>(out_rows * dim));
+            for (int64_t i = 0; i < out_rows; ++i)
+              std::memcpy(scratch.chosen.data() + i * dim, h.data() + chosen_rows[static_cast<size_t>(i)] * dim,
+                          sizeof(float) * static_cast<size_t>(dim));
+            final_rows = scratch.chosen.data();
+          }
+          in = scratch.normalized(final_rows, out_rows, final_weight, dim, eps, classifier);
+        },
         [&](int64_t first, int64_t stop) {
           range_products(classifier, in, first, stop, out + first, vocab);
           // Picked here, from the logits this thread has just written and still holds in its
           // cache: picked on the calling thread afterwards, half of them came from the other
           // core's (48 against 10 us for a stories15M-sized row).
           if (picking && first < picks_below) {
-            for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t r = 0; r < out_rows; ++r) {
               const Pick found = pick_of(out + r * vocab + first, std::min(stop, picks_below) - first, first);
               if (better(found, mine[static_cast<size_t>(r)])) mine[static_cast<size_t>(r)] = found;
             }
           }
         });
-    if (picking) std::copy(mine.begin(), mine.end(), thread_picks.begin() + thread * rows);
+    if (picking) std::copy(mine.begin(), mine.end(), thread_picks.begin() + thread * out_rows);
   };
 
 #ifdef _OPENMP
@@ -646,10 +676,10 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
 #endif
   if (picking) {
     int64_t* chosen = picks->data_ptr<int64_t>();
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < out_rows; ++r) {
       Pick best;
       for (int t = 0; t < std::max(threads, 1); ++t) {
-        const Pick& found = thread_picks[static_cast<size_t>(t * rows + r)];
+        const Pick& found = thread_picks[static_cast<size_t>(t * out_rows + r)];
         if (better(found, best)) best = found;
       }
       chosen[r] = best.index;
@@ -665,7 +695,7 @@ TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
       "decode_step(Tensor hidden, Tensor positions, Tensor tables, int page_size, Tensor[] weights, "
       "Tensor?[] scales, Tensor[] norms, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor rope, Tensor final_norm, "
       "Tensor output, Tensor? output_scales, int n_heads, int n_kv_heads, float eps, Tensor(c!)? picks=None, "
-      "int picks_below=0) -> Tensor");
+      "int picks_below=0, Tensor? logit_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {

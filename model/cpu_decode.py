@@ -355,9 +355,11 @@ def takes_rows(model: nn.Module, cache) -> bool:
 
 class RowsDecoder:
     """``decoder(tokens, positions, tables)``: logits ``(rows, vocab)``, float32, where row ``r``
-    is token ``tokens[r]`` of its own sequence at ``positions[r]``, whose pages of ``cache`` are
+    is token ``tokens[r]`` at ``positions[r]`` of the sequence whose pages of ``cache`` are
     ``tables[r]`` (all of the same length); each token's keys and values are written at its
-    position's slot of its pages. Everything else is prepared once."""
+    position's slot of its pages. Rows may be consecutive tokens of one sequence (a prompt's
+    chunk): every row's keys are written before any row attends. Everything else is prepared
+    once."""
 
     def __init__(self, model: nn.Module, cache: PagedKVCache) -> None:
         found = _weights_of(model)
@@ -378,19 +380,29 @@ class RowsDecoder:
         # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's too.
         self._embedding_rows = _EmbeddingRows.of(self.embedding)
         self._rows_inputs = _RowsInputs(self.embedding.shape[1])
+        # Whether steps of several rows read panels: then prompts' chunks are worth taking as
+        # rows too (``BatchCore``), a step of them being as long as a few decode steps.
+        self.packs_several = found.packs_for(alone=False) and 0 < found.panel_bytes() <= PANELS_AT_MOST
 
     def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
         return self._run(*self._inputs(tokens, positions, tables), *self._weights(len(tokens)))
 
     def with_picks(self, tokens: list[int], positions: list[int], tables: list[list[int]],
-                   below: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   below: int | None = None, sampled: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits and each row's greedy pick among the ids below ``below`` (all: None), picked
-        by the step's own threads as they write the logits (``Decoder.pick``). The picks tensor
-        of a number of rows is the same one every time: read it before the next step."""
+        by the step's own threads as they write the logits (``Decoder.pick``); with ``sampled``,
+        of those rows only, in that order (rows of a prompt's chunk but its last need none). The
+        picks tensor of a number of rows is the same one every time: read it before the next
+        step."""
         kept = self._rows_inputs.of(len(tokens), len(tables[0]))
-        logits = self._run(*self._fill(kept, tokens, positions, tables), *self._weights(len(tokens)), kept.picks,
-                           self.classes if below is None else below)
-        return logits, kept.picks
+        picks = kept.picks
+        chosen = None
+        if sampled is not None and len(sampled) < len(tokens):
+            picks = picks[:len(sampled)]
+            chosen = torch.tensor(sampled, dtype=torch.long)
+        logits = self._run(*self._fill(kept, tokens, positions, tables), *self._weights(len(tokens)), picks,
+                           self.classes if below is None else below, chosen)
+        return logits, picks
 
     def pick(self, token: int, position: int, table: list[int], below: int | None = None) -> int:
         """``with_picks`` of one row, its pick as an int, read through a NumPy view: indexing the

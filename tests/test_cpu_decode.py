@@ -324,6 +324,43 @@ def test_rows_of_a_paged_step_equal_the_packed_step():
         assert torch.allclose(caches[0].values[layer], caches[1].values[layer], atol=1e-5)
 
 
+def test_rows_of_prompt_chunks_write_the_keys_of_one_row_at_a_time_and_give_their_last_logits():
+    # Two prompts fed as rows of one step, every token a row (positions 0..10 and 0..6, on
+    # scattered pages), beside a third sequence's decode row, with logits of the last rows only:
+    # the keys are those written one token a step, and the logits those of the last token's step.
+    model = _model("float32", seed=9, n_heads=4, n_kv_heads=2)
+    page = 4
+    tables = [[3, 7, 1], [5, 2, 0], [6, 4, 8]]
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (11, 7, 5)]
+    caches = [PagedKVCache.for_model(model.args, num_pages=10, page_size=page) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:  # the third sequence's first four tokens, one at a time
+            for position, token in enumerate(prompts[2][:-1]):
+                cpu_decode.forward_rows(model, [token], [position], [tables[2]], cache)
+        tokens = prompts[0] + prompts[1] + prompts[2][-1:]
+        positions = list(range(11)) + list(range(7)) + [4]
+        rows_tables = [tables[0]] * 11 + [tables[1]] * 7 + [tables[2]]
+        decoder = cpu_decode.RowsDecoder(model, caches[0])
+        got, picks = decoder.with_picks(tokens, positions, rows_tables, sampled=[10, 17, 18])
+        want = []
+        for prompt, table in zip(prompts[:2], tables[:2]):
+            for position, token in enumerate(prompt):
+                last = cpu_decode.forward_rows(model, [token], [position], [table], caches[1])
+            want.append(last)
+        want.append(cpu_decode.forward_rows(model, prompts[2][-1:], [4], [tables[2]], caches[1]))
+    want = torch.cat(want)
+    assert got.shape == (3, 97)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert torch.equal(picks, got.argmax(dim=-1))
+    for layer in range(model.args.n_layers):
+        torch.testing.assert_close(caches[0].keys[layer], caches[1].keys[layer], atol=1e-5, rtol=0)
+        torch.testing.assert_close(caches[0].values[layer], caches[1].values[layer], atol=1e-5, rtol=0)
+    with torch.inference_mode():  # a chunk that draws nothing makes no logits
+        none, _ = decoder.with_picks(prompts[1][:3], [0, 1, 2], [tables[1]] * 3, sampled=[])
+        assert none.shape == (0, 97)
+
+
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
 def test_a_step_of_many_rows_equals_each_row_alone_whatever_the_threads(kind):
     # 35 rows: float32 weights are packed as panels, taken by tiles of six rows and one of five

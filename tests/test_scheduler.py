@@ -386,3 +386,40 @@ def test_a_lone_greedy_job_takes_the_short_step_with_the_same_tokens_and_counter
     assert {k: (v.token_ids, v.finish_reason) for k, v in fast.items()} == \
         {k: (v.token_ids, v.finish_reason) for k, v in planned.items()}
     assert fast_stats == planned_stats
+
+
+def test_prompt_chunks_go_to_the_one_call_step_as_rows_with_the_forwards_tokens(model, tokenizer, monkeypatch):
+    # With a batch on the CPU, prompts are fed as rows of the one-call step (a token a row, beside
+    # the decodes), within ONE_CALL_PROMPT_ROWS or twice the batch, and only the rows that draw a
+    # token make logits. The tokens are those of prompts fed through the model's forward, but
+    # where float32 sums in another order flip a near tie.
+    from llama_chat.inference import batch_core
+    from llama_chat.model import cpu_decode
+
+    g = torch.Generator().manual_seed(13)
+    vocab = tokenizer.vocab_size
+    requests = [Request(random_prompt(g, n, vocab), sampling=GREEDY, max_tokens=12, request_id=f"p{n}")
+                for n in (3, 30, 75, 140)]
+    steps = []
+    with_picks = cpu_decode.RowsDecoder.with_picks
+
+    def spy(self, tokens, positions, tables, below=None, sampled=None):
+        steps.append((len(tokens), len(sampled) if sampled is not None else len(tokens)))
+        return with_picks(self, tokens, positions, tables, below, sampled)
+
+    monkeypatch.setattr(cpu_decode.RowsDecoder, "with_picks", spy)
+    as_rows, stats = batched(model, tokenizer, requests, max_batch=4, page_size=16)
+    if not steps:
+        pytest.skip("the one-call CPU step is not loaded here")
+    cap = max(batch_core.ONE_CALL_PROMPT_ROWS, 2 * 4)
+    assert max(rows for rows, _ in steps) == cap  # prompts filled steps up to the cap
+    assert any(logits < rows for rows, logits in steps)  # chunks without logits
+    assert stats.prefill_tokens == sum(len(r.prompt_ids) for r in requests)
+    monkeypatch.setattr(batch_core.BatchCore, "_prompts_in_one_call", lambda self: False)
+    forward, _ = batched(model, tokenizer, requests, max_batch=4, page_size=16)
+    differing = [r for r in requests if as_rows[r.request_id].token_ids != forward[r.request_id].token_ids]
+    assert len(differing) <= 1
+    for r in differing:
+        a, b = as_rows[r.request_id].token_ids, forward[r.request_id].token_ids
+        first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        assert near_tie(model, list(r.prompt_ids) + list(b), len(r.prompt_ids) + first)
