@@ -324,12 +324,13 @@ class BatchCore:
         n_singles = len(tokens)
         runs = []
         row_tables = list(single_tables or [])  # every row's, for the one-call step
+        row_width = width if singles else run_width
         for job, n in plan.runs:
             first = len(tokens)
             feed(job, n)
             if one_call:
                 used = job.pages[:self.pages_for(job.fed + n)]
-                row_tables += [used + [SCRATCH_PAGE] * (max(width if singles else 0, run_width) - len(used))] * n
+                row_tables += [used + [SCRATCH_PAGE] * (row_width - len(used))] * n
             else:
                 runs.append((first, n, torch.tensor(job.pages[:self.pages_for(job.fed + n)], dtype=torch.long),
                              job.fed))
