@@ -225,8 +225,8 @@ Matrix matrix_of(const char* what, int64_t layer, const at::Tensor& w, const std
   return m;
 }
 
-// Rows that products read: float32, and for int8 weights rounded to int16 steps as well (one
-// step per row).
+// Rows that products read: float32 (for panels, several rows interleaved: row r's input i at
+// x[i * rows + r]), and for int8 weights rounded to int16 steps as well (one step per row).
 struct Inputs {
   const float* x = nullptr;
   const int16_t* rounded = nullptr;
@@ -319,6 +319,7 @@ struct Scratch {
   std::vector<float> normed, head, scores, steps, chosen;
   std::vector<int16_t> rounded;
 
+  // x: the rows as `m` reads them (interleaved for panels).
   Inputs inputs(const float* x, int64_t rows, int64_t k, const Matrix& m) {
     Inputs in;
     in.x = x;
@@ -334,7 +335,9 @@ struct Scratch {
     return in;
   }
 
+  // The rows of h normalized, as `m` reads them (written interleaved for panels: no second pass).
   Inputs normalized(const float* h, int64_t rows, const float* weight, int64_t dim, double eps, const Matrix& m) {
+    const bool interleave = m.panels && rows > 1;
     for (int64_t r = 0; r < rows; ++r) {
       const float* hr = h + r * dim;
       float* out = normed.data() + r * dim;
@@ -348,7 +351,11 @@ struct Scratch {
       for (; i < dim; ++i) lanes[0] += static_cast<double>(hr[i]) * hr[i];
       const double squares = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
       const float inverse = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(dim) + eps));
-      for (i = 0; i < dim; ++i) out[i] = hr[i] * inverse * weight[i];
+      if (interleave) {
+        for (i = 0; i < dim; ++i) normed[i * rows + r] = hr[i] * inverse * weight[i];
+      } else {
+        for (i = 0; i < dim; ++i) out[i] = hr[i] * inverse * weight[i];
+      }
     }
     return inputs(normed.data(), rows, dim, m);
   }
@@ -565,7 +572,11 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
 
   std::vector<float> h(hidden.data_ptr<float>(), hidden.data_ptr<float>() + rows * dim);
   std::vector<float> q(static_cast<size_t>(rows * q_width)), attended(static_cast<size_t>(rows * q_width)),
-      activated(static_cast<size_t>(rows * ffn)), ups(static_cast<size_t>(rows * ffn));
+      activated(static_cast<size_t>(rows * ffn)), ups(static_cast<size_t>(rows * ffn)),
+      activated_interleaved(static_cast<size_t>(rows * ffn));
+  // Whether a matrix reads its rows interleaved (cpu_panels.h). The attention's results and the
+  // activations are written so by the threads that make them, each its own part.
+  auto interleaves = [rows](const Matrix& m) { return m.panels != nullptr && rows > 1; };
   const int64_t stages = 5 * n_layers + 1;
   std::unique_ptr<Stage[]> stage_of(new Stage[static_cast<size_t>(stages)]);
   const int64_t group = n_heads / n_kv_heads;
@@ -583,13 +594,15 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
     scratch.steps.resize(static_cast<size_t>(rows));
     Inputs in;
     Stage* stage = stage_of.get();
-    // The rows of `m` against the rows of `input` (each `width` wide), added into the residual.
+    // The rows of `m` against the rows of `input` (each `width` wide, as `m` reads them), added
+    // into the residual.
     auto add_to_residual = [&](Stage& work, const Matrix& m, const float* input, int64_t width) {
       run_stage(
           work, dim, m.smallest(), m.align(), team, [&] { in = scratch.inputs(input, rows, width, m); },
           [&](int64_t first, int64_t stop) { range_products<true>(m, in, first, stop, h.data() + first, dim); });
     };
     for (const Layer& layer : layers) {
+      const bool out_interleaved = interleaves(layer.out), down_interleaved = interleaves(layer.down);
       run_stage(
           *stage++, n_heads + 2 * n_kv_heads, 1, 1, team,
           [&] { in = scratch.normalized(h.data(), rows, layer.attention_norm, dim, eps, layer.qkv); },
@@ -618,9 +631,11 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
           const float largest = *std::max_element(scores, scores + last + 1);
           const float inverse = 1.f / exp_and_sum(scores, last + 1, largest);
           for (int64_t t = 0; t <= last; ++t) scores[t] *= inverse;
-          float* result = attended.data() + r * q_width + head * head_dim;
+          float* result = out_interleaved ? scratch.head.data() : attended.data() + r * q_width + head * head_dim;
           std::fill(result, result + head_dim, 0.f);
           layer.values.weighted_sum(r, kv, last + 1, scores, result);
+          if (out_interleaved)
+            for (int64_t i = 0; i < head_dim; ++i) attended[(head * head_dim + i) * rows + r] = result[i];
         }
       });
       add_to_residual(*stage++, layer.out, attended.data(), q_width);
@@ -632,8 +647,11 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
             range_products(layer.gate_up, in, ffn + first, ffn + stop, ups.data() + first, ffn);
             for (int64_t r = 0; r < rows; ++r)
               swiglu(activated.data() + r * ffn + first, ups.data() + r * ffn + first, stop - first);
+            if (down_interleaved)
+              for (int64_t j = first; j < stop; ++j)
+                for (int64_t r = 0; r < rows; ++r) activated_interleaved[j * rows + r] = activated[r * ffn + j];
           });
-      add_to_residual(*stage++, layer.down, activated.data(), ffn);
+      add_to_residual(*stage++, layer.down, down_interleaved ? activated_interleaved.data() : activated.data(), ffn);
     }
     if (out_rows == 0) return;  // a prompt's chunk that needs no logits
     run_stage(

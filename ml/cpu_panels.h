@@ -13,6 +13,13 @@
 // Each product is one accumulator lane adding its row's products input by input, in order, from
 // zero: the same sum however many rows share the tile, so a row's result does not depend on the
 // rows beside it in a batch.
+//
+// The tiles read their input rows interleaved: row r's input i at xt[i * ld + r], so that one
+// pointer, stepped by `ld` an input, reaches every row of a tile at a constant offset. With a
+// pointer per row, a 16-row tile needed more than the 15 general registers: its loop fetched
+// pointers from vector registers and the stack on the multiply-adds' port, and the classifier
+// of 16 rows ran at 107 instead of 131 billion multiply-adds a second (2-core Xeon, C++ test).
+// One row interleaved is the row itself.
 #pragma once
 
 #include "cpu_dot.h"
@@ -41,23 +48,24 @@ constexpr int kMostTileRows = 6;
 constexpr int64_t kAheadBytes = 32 << 10;
 
 #ifdef __AVX512F__
-// Rows x[0..R) (each `stride` apart) against one panel of k inputs: row r's 16 results go to
-// out + r * out_stride, stored or added. Each result is one lane adding its row's products input
-// by input from zero, as the AVX2 tiles and `panel_pair` add them: the same bits on either path.
-// An array of accumulators stays in registers here (every index is a constant once unrolled).
+// Rows [0, R) of the interleaved inputs xt (row r's input i at xt[i * ld + r]) against one panel
+// of k inputs: row r's 16 results go to out + r * out_stride, stored or added. Each result is one
+// lane adding its row's products input by input from zero, as the AVX2 tiles and `panel_pair` add
+// them: the same bits on either path. An array of accumulators stays in registers here (every
+// index is a constant once unrolled).
 template <int R, bool Add, bool Ahead = false>
-inline void panel_tile(const float* x, int64_t stride, const float* panel, int64_t k, float* out,
+inline void panel_tile(const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
                        int64_t out_stride) {
   static_assert(R >= 1 && R <= kMostTileRows, "one to sixteen rows a tile");
   __m512 c[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
+  for (int64_t i = 0; i < k; ++i, xt += ld) {
     if constexpr (Ahead)  // past the end of the weights it is a hint that fetches nothing
       _mm_prefetch(reinterpret_cast<const char*>(panel + i * kPanel) + kAheadBytes, _MM_HINT_T0);
     const __m512 w = _mm512_loadu_ps(panel + i * kPanel);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * stride + i]), w, c[r]);
+    for (int r = 0; r < R; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(xt[r]), w, c[r]);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
@@ -74,22 +82,22 @@ inline void panel_tile(const float* x, int64_t stride, const float* panel, int64
 constexpr int64_t kPairedFromRows = 24;
 constexpr int kMostPairedRows = 14;
 
-// Rows x[0..R) against two panels (`next` follows `panel`): row r's 32 results go to
-// out + r * out_stride. Each result is summed as in `panel_tile`.
+// Rows [0, R) of xt (as in `panel_tile`) against two panels (`next` follows `panel`): row r's 32
+// results go to out + r * out_stride. Each result is summed as in `panel_tile`.
 template <int R, bool Add>
-inline void panel_pair_tile(const float* x, int64_t stride, const float* panel, const float* next, int64_t k,
+inline void panel_pair_tile(const float* xt, int64_t ld, const float* panel, const float* next, int64_t k,
                             float* out, int64_t out_stride) {
   static_assert(R >= 1 && R <= kMostPairedRows, "one to fourteen rows a paired tile");
   __m512 c[R], d[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) c[r] = d[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
+  for (int64_t i = 0; i < k; ++i, xt += ld) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + i * kPanel) + kAheadBytes, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(next + i * kPanel) + kAheadBytes, _MM_HINT_T0);
     const __m512 w = _mm512_loadu_ps(panel + i * kPanel), v = _mm512_loadu_ps(next + i * kPanel);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * stride + i]);
+      const __m512 b = _mm512_set1_ps(xt[r]);
       c[r] = _mm512_fmadd_ps(b, w, c[r]);
       d[r] = _mm512_fmadd_ps(b, v, d[r]);
     }
@@ -108,22 +116,23 @@ inline void panel_pair_tile(const float* x, int64_t stride, const float* panel, 
 
 // The paired tile of exactly `rows` rows (R to kMostPairedRows).
 template <int R, bool Add>
-inline void paired_rows_from(int rows, const float* x, int64_t stride, const float* panel, const float* next,
+inline void paired_rows_from(int rows, const float* xt, int64_t ld, const float* panel, const float* next,
                              int64_t k, float* out, int64_t out_stride) {
   if constexpr (R < kMostPairedRows) {
-    if (rows > R) return paired_rows_from<R + 1, Add>(rows, x, stride, panel, next, k, out, out_stride);
+    if (rows > R) return paired_rows_from<R + 1, Add>(rows, xt, ld, panel, next, k, out, out_stride);
   }
-  panel_pair_tile<R, Add>(x, stride, panel, next, k, out, out_stride);
+  panel_pair_tile<R, Add>(xt, ld, panel, next, k, out, out_stride);
 }
 
-// All `rows` rows against two whole panels, in near-even paired tiles (64 rows: 13, 13, 13, 13, 12).
+// All `rows` rows of xt (interleaved, `rows` apart) against two whole panels, in near-even paired
+// tiles (64 rows: 13, 13, 13, 13, 12).
 template <bool Add>
-inline void paired_panels(int64_t rows, const float* x, int64_t k, const float* panel, float* out,
+inline void paired_panels(int64_t rows, const float* xt, int64_t k, const float* panel, float* out,
                           int64_t row_stride) {
   const int64_t tiles = (rows + kMostPairedRows - 1) / kMostPairedRows;
   for (int64_t r = 0, t = 0; r < rows; ++t) {
     const int taken = static_cast<int>((rows - r) / (tiles - t));
-    paired_rows_from<1, Add>(taken, x + r * k, k, panel, panel + k * kPanel, k, out + r * row_stride, row_stride);
+    paired_rows_from<1, Add>(taken, xt + r, rows, panel, panel + k * kPanel, k, out + r * row_stride, row_stride);
     r += taken;
   }
 }
@@ -141,47 +150,48 @@ inline void put16(float* out, __m256 low, __m256 high) {
   _mm256_storeu_ps(out + 8, high);
 }
 
-// Rows x[0..R) (each `stride` apart) against one panel of k inputs: row r's 16 results go to
-// out + r * out_stride, stored or added. Straight into the step's outputs: through a tile on the
-// stack and a copy, the stories15M-sized classifier of 16 rows took a quarter longer (C++ test).
+// Rows [0, R) of the interleaved inputs xt (row r's input i at xt[i * ld + r]) against one panel
+// of k inputs: row r's 16 results go to out + r * out_stride, stored or added. Straight into the
+// step's outputs: through a tile on the stack and a copy, the stories15M-sized classifier of 16
+// rows took a quarter longer (C++ test).
 #ifndef __AVX512F__
 template <int R, bool Add, bool Ahead = false>
-inline void panel_tile(const float* x, int64_t stride, const float* panel, int64_t k, float* out,
+inline void panel_tile(const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
                        int64_t out_stride) {
   static_assert(R >= 1 && R <= kMostTileRows, "one to six rows a tile");
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   // Named accumulators, not an array: GCC kept an array of them in memory, storing every one
   // after each multiply-add (16 instead of 60 billion multiply-adds a second).
-  for (int64_t i = 0; i < k; ++i) {
+  for (int64_t i = 0; i < k; ++i, xt += ld) {
     if constexpr (Ahead)  // past the end of the weights it is a hint that fetches nothing
       _mm_prefetch(reinterpret_cast<const char*>(panel + i * kPanel) + kAheadBytes, _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel), w1 = _mm256_loadu_ps(panel + i * kPanel + 8);
-    __m256 b = _mm256_broadcast_ss(x + i);
+    __m256 b = _mm256_broadcast_ss(xt);
     c00 = _mm256_fmadd_ps(b, w0, c00);
     c01 = _mm256_fmadd_ps(b, w1, c01);
     if constexpr (R > 1) {
-      b = _mm256_broadcast_ss(x + stride + i);
+      b = _mm256_broadcast_ss(xt + 1);
       c10 = _mm256_fmadd_ps(b, w0, c10);
       c11 = _mm256_fmadd_ps(b, w1, c11);
     }
     if constexpr (R > 2) {
-      b = _mm256_broadcast_ss(x + 2 * stride + i);
+      b = _mm256_broadcast_ss(xt + 2);
       c20 = _mm256_fmadd_ps(b, w0, c20);
       c21 = _mm256_fmadd_ps(b, w1, c21);
     }
     if constexpr (R > 3) {
-      b = _mm256_broadcast_ss(x + 3 * stride + i);
+      b = _mm256_broadcast_ss(xt + 3);
       c30 = _mm256_fmadd_ps(b, w0, c30);
       c31 = _mm256_fmadd_ps(b, w1, c31);
     }
     if constexpr (R > 4) {
-      b = _mm256_broadcast_ss(x + 4 * stride + i);
+      b = _mm256_broadcast_ss(xt + 4);
       c40 = _mm256_fmadd_ps(b, w0, c40);
       c41 = _mm256_fmadd_ps(b, w1, c41);
     }
     if constexpr (R > 5) {
-      b = _mm256_broadcast_ss(x + 5 * stride + i);
+      b = _mm256_broadcast_ss(xt + 5);
       c50 = _mm256_fmadd_ps(b, w0, c50);
       c51 = _mm256_fmadd_ps(b, w1, c51);
     }
@@ -212,12 +222,12 @@ inline void panel_pair(const float* x, const float* panel, const float* next, in
 }
 #else
 template <int R, bool Add, bool Ahead = false>
-inline void panel_tile(const float* x, int64_t stride, const float* panel, int64_t k, float* out,
+inline void panel_tile(const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
                        int64_t out_stride) {
   float sums[kMostTileRows * kPanel] = {};
   for (int64_t i = 0; i < k; ++i)
     for (int r = 0; r < R; ++r)
-      for (int64_t t = 0; t < kPanel; ++t) sums[r * kPanel + t] += x[r * stride + i] * panel[i * kPanel + t];
+      for (int64_t t = 0; t < kPanel; ++t) sums[r * kPanel + t] += xt[i * ld + r] * panel[i * kPanel + t];
   for (int r = 0; r < R; ++r)
     for (int64_t t = 0; t < kPanel; ++t) {
       if constexpr (Add) out[r * out_stride + t] += sums[r * kPanel + t];
@@ -227,25 +237,25 @@ inline void panel_tile(const float* x, int64_t stride, const float* panel, int64
 
 template <bool Add>
 inline void panel_pair(const float* x, const float* panel, const float* next, int64_t k, float* out) {
-  panel_tile<1, Add>(x, k, panel, k, out, kPanel);
-  panel_tile<1, Add>(x, k, next, k, out + kPanel, kPanel);
+  panel_tile<1, Add>(x, 1, panel, k, out, kPanel);
+  panel_tile<1, Add>(x, 1, next, k, out + kPanel, kPanel);
 }
 #endif
 
 // The tile of exactly `rows` rows (R to kMostTileRows).
 template <int R, bool Add, bool Ahead>
-inline void panel_rows_from(int rows, const float* x, int64_t stride, const float* panel, int64_t k, float* out,
+inline void panel_rows_from(int rows, const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
                             int64_t out_stride) {
   if constexpr (R < kMostTileRows) {
-    if (rows > R) return panel_rows_from<R + 1, Add, Ahead>(rows, x, stride, panel, k, out, out_stride);
+    if (rows > R) return panel_rows_from<R + 1, Add, Ahead>(rows, xt, ld, panel, k, out, out_stride);
   }
-  panel_tile<R, Add, Ahead>(x, stride, panel, k, out, out_stride);
+  panel_tile<R, Add, Ahead>(xt, ld, panel, k, out, out_stride);
 }
 
 template <bool Add, bool Ahead>
-inline void panel_rows(int rows, const float* x, int64_t stride, const float* panel, int64_t k, float* out,
+inline void panel_rows(int rows, const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
                        int64_t out_stride) {
-  panel_rows_from<1, Add, Ahead>(rows, x, stride, panel, k, out, out_stride);
+  panel_rows_from<1, Add, Ahead>(rows, xt, ld, panel, k, out, out_stride);
 }
 
 // Rows for the next tile when `left` remain: the most a tile takes, but between one and two
@@ -271,10 +281,10 @@ inline void put_tile(const float* tile, int rows, int64_t from, int64_t to, floa
   }
 }
 
-// Outputs [first, stop) of a panel-packed matrix (k inputs) against `rows` rows of x (each k
-// long): out[r * row_stride + (j - first)] is output j of row r, stored or added. A range that
-// does not start or end on a panel's edge is right, but computes whole panels: the cut ones into
-// a tile, whose wanted columns are then copied.
+// Outputs [first, stop) of a panel-packed matrix (k inputs) against `rows` rows of k inputs,
+// interleaved (row r's input i at x[i * rows + r]): out[r * row_stride + (j - first)] is output j
+// of row r, stored or added. A range that does not start or end on a panel's edge is right, but
+// computes whole panels: the cut ones into a tile, whose wanted columns are then copied.
 template <bool Add>
 void panel_products(const float* panels, int64_t k, const float* x, int64_t rows, int64_t first, int64_t stop,
                     float* out, int64_t row_stride) {
@@ -302,11 +312,11 @@ void panel_products(const float* panels, int64_t k, const float* x, int64_t rows
       // The first tile reads the panel from memory and asks for what follows; the others read
       // it from the cache.
       if (whole && r == 0) {
-        panel_rows<Add, true>(taken, x, k, panel, k, target, row_stride);
+        panel_rows<Add, true>(taken, x, rows, panel, k, target, row_stride);
       } else if (whole) {
-        panel_rows<Add, false>(taken, x + r * k, k, panel, k, target + r * row_stride, row_stride);
+        panel_rows<Add, false>(taken, x + r, rows, panel, k, target + r * row_stride, row_stride);
       } else {
-        panel_rows<false, false>(taken, x + r * k, k, panel, k, tile, kPanel);
+        panel_rows<false, false>(taken, x + r, rows, panel, k, tile, kPanel);
         put_tile<Add>(tile, taken, from, to, target + r * row_stride, row_stride);
       }
       r += taken;
