@@ -164,7 +164,10 @@ class BatchCore:
             if not plan.singles and not plan.runs:
                 return StepResult(released=tuple(released), idle=True)
             start = time.perf_counter()
-            events, finished = self._run(plan)
+            if self._decodes_in_one_call(plan):
+                events, finished = self._run_decodes(plan.singles)
+            else:
+                events, finished = self._run(plan)
             if self.sizer is not None and plan.runs:
                 self.sizer.record(sum(n for _, n in plan.runs), time.perf_counter() - start)
         for job in finished:
@@ -362,6 +365,35 @@ class BatchCore:
             job.fed += n
             self._register(job)
         return self._record(zip(sampled_jobs, chosen))
+
+    def _decodes_in_one_call(self, plan: _Plan) -> bool:
+        """Whether the step is the batch's common one: several jobs, each feeding its last token
+        to draw the next, no prompt chunk, through the one-call CPU step (``_run_decodes``)."""
+        return (not plan.runs and len(plan.singles) > 1 and not self.settings.static_shapes and self._one_call()
+                and all(len(job.tokens) - job.fed == 1 for job in plan.singles))
+
+    def _run_decodes(self, jobs: list[Job]) -> tuple[list[tuple[Job, TokenEvent]], list[Job]]:
+        """``_run`` of a plan of ``jobs`` decoding, without what other plans need: that spent some
+        100 us of Python a step on 16 rows, 3 % of a stories15M-sized step of 16 jobs."""
+        size = self.settings.page_size
+        self.cache.drop_mirrors()  # fed without them (``_run``)
+        positions = [job.fed for job in jobs]
+        tokens = [job.tokens[-1] for job in jobs]
+        width = max(positions) // size + 1
+        # A job's pages past its position are its own, reserved, and never read: a table is its
+        # pages, cut or padded to the width.
+        tables = [job.pages[:width] if len(job.pages) >= width
+                  else job.pages + [SCRATCH_PAGE] * (width - len(job.pages)) for job in jobs]
+        logits, picks = self._rows_decoder.with_picks(tokens, positions, tables, self.sample_ids)
+        chosen = self._sample(logits, jobs, picks)
+        c = self.counters
+        c.steps += 1
+        for job in jobs:
+            c.prefill_tokens += job.fed < job.prompt_len  # a prompt's last token, fed now
+            job.fed += 1
+            if job.fed // size > len(job.keys):
+                self._register(job)
+        return self._record(zip(jobs, chosen))
 
     def _lone_greedy(self) -> Job | None:
         """The one job running, when all this step does is decode its next token greedily through
