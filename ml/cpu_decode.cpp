@@ -583,7 +583,7 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
   std::vector<float> h(hidden.data_ptr<float>(), hidden.data_ptr<float>() + rows * dim);
   std::vector<float> q(static_cast<size_t>(rows * q_width)), attended(static_cast<size_t>(rows * q_width)),
       activated(static_cast<size_t>(rows * ffn)), ups(static_cast<size_t>(rows * ffn)),
-      activated_interleaved(static_cast<size_t>(rows * ffn));
+      activated_interleaved(static_cast<size_t>(rows > 1 ? rows * ffn : 0));
   // Whether a matrix reads its rows interleaved (cpu_panels.h). The attention's results and the
   // activations are written so by the threads that make them, each its own part.
   auto interleaves = [rows](const Matrix& m) { return m.panels != nullptr && rows > 1; };
