@@ -30,7 +30,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the command runs (cmd/
 
 import torch  # noqa: E402
 
-from llama_chat.ml import cpu_kernels, ops, quantize  # noqa: E402
+from llama_chat.ml import ops, quantize  # noqa: E402
+from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
 
 # (dim, hidden, layers, q/k/v width, vocabulary) of the configs bench_decode.py measures.
 CONFIGS = {

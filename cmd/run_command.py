@@ -25,7 +25,7 @@ from llama_chat.cmd.report import print_summary, write_json
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.types import Request
-from llama_chat.ml import cpu_kernels
+from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 from llama_chat.model.stores import resolve_model
 

@@ -28,7 +28,7 @@ from llama_chat.inference.page_table import PageTable, page_keys
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
-from llama_chat.ml import cpu_kernels
+from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import draw_uniforms, sample
 from llama_chat.model import cpu_decode

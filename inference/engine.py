@@ -43,7 +43,7 @@ from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, EngineBusy, GenerationState, Request,
                                         Tally, TokenEvent, check_request, sole_exception, state_after,
                                         stop_ids_of)
-from llama_chat.ml import cpu_kernels
+from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams, sample
 from llama_chat.model import cpu_decode

@@ -41,7 +41,7 @@ from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (GenerationState, Request, RequestError, TokenEvent, check_request,
                                         sole_exception, stop_ids_of)
-from llama_chat.ml import cpu_kernels
+from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model import cpu_decode

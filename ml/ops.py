@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llama_chat.ml import cpu_kernels, quantize
+from llama_chat.ml import quantize
+from llama_chat.ml.cpu import kernels as cpu_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

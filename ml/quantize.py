@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llama_chat.ml import cpu_kernels
+from llama_chat.ml.cpu import kernels as cpu_kernels
 
 QUANTIZE_MODES = ("none", "int8")
 # Rows per fbgemm call (they share one activation range). 128 rows of 2304 x 768 took 2.9 ms in

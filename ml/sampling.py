@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from llama_chat.ml import cpu_kernels
+from llama_chat.ml.cpu import kernels as cpu_kernels
 # The settings live in a module without torch, so the command line can check them instantly.
 from llama_chat.ml.controls import SamplingParams
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llama_chat.ml import cpu_kernels, quantize
+from llama_chat.ml import quantize
+from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.model.formats.common import in_file_mapping, release_heap, release_pages
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from default_model import corpus  # noqa: E402
 from default_model.data import encode_documents, fixed_windows  # noqa: E402
-from llama_chat.ml import cpu_kernels  # noqa: E402
+from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
 from llama_chat.ml.quantize import quantize_model  # noqa: E402
 from llama_chat.model.kv_cache import KVCache  # noqa: E402
 from llama_chat.model.loader import default_model_dir, load_model  # noqa: E402

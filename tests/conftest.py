@@ -50,7 +50,7 @@ def tiny_meta_dir(tmp_path_factory, sp_model_path, sp_vocab_size) -> Path:
 def cpu_kernels_loaded():
     """Our CPU products (``ml/cpu_kernels.py``), built or loaded once, so that every test runs the
     decode products users get; ``LLAMA_CHAT_CPU_KERNELS=0`` runs the suite on PyTorch's instead."""
-    from llama_chat.ml import cpu_kernels
+    from llama_chat.ml.cpu import kernels as cpu_kernels
 
     # Without a compiler they stay unbuilt and the suite runs on PyTorch's products;
     # tests/test_cpu_kernels.py checks the build wherever there is one.
@@ -60,6 +60,6 @@ def cpu_kernels_loaded():
 @pytest.fixture
 def pytorch_products(monkeypatch):
     """PyTorch's products instead of ours, for the tests of those paths."""
-    from llama_chat.ml import cpu_kernels
+    from llama_chat.ml.cpu import kernels as cpu_kernels
 
     monkeypatch.setitem(cpu_kernels._state, "loaded", False)

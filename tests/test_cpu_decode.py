@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from builders import random_model, tiny_args
 from llama_chat.inference.model_step import ModelStep, StepOptions
-from llama_chat.ml import cpu_kernels, quantize
+from llama_chat.ml import quantize
+from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model import cpu_decode
 from llama_chat.model.kv_cache import KVCache

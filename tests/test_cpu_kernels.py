@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from builders import random_model, tiny_args
 from cli_support import build_tiny_model, run_cli
 from llama_chat.inference.model_step import ModelStep, StepOptions
-from llama_chat.ml import cpu_kernels, quantize
+from llama_chat.ml import quantize
+from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model import cpu_decode
 
@@ -166,7 +167,7 @@ def test_a_model_decodes_the_same_tokens_on_either_product(kind, monkeypatch):
 def test_a_compiler_that_fails_is_one_line_and_tried_once(tmp_path):
     """In a fresh process with no usable compiler: ``load`` says why in one line, leaves a note,
     and a second process does not try again."""
-    code = ("from llama_chat.ml import cpu_kernels as k; ok = k.load(); "
+    code = ("from llama_chat.ml.cpu import kernels as k; ok = k.load(); "
             "print(ok, k.failure(), k.library_path().with_suffix('.failed').exists(), sep='|')")
     env = {"LLAMA_CHAT_KERNEL_DIR": str(tmp_path), "CXX": "/bin/false", "PATH": "/usr/bin:/bin"}
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

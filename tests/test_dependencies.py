@@ -104,9 +104,9 @@ def test_the_import_scan_sees_what_it_should():
 def test_the_operators_sources_are_package_data():
     # The CPU operator is built from these files on first use: a wheel without one of them (a new
     # source file not added to the package data) could not build it on a fresh install.
-    from llama_chat.ml import cpu_kernels
+    from llama_chat.ml.cpu import kernels as cpu_kernels
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"][
-        "package-data"]["llama_chat.ml"]
+        "package-data"]["llama_chat.ml.cpu"]
     for path in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
         assert any(fnmatch.fnmatch(path.name, p) for p in patterns), f"add {path.name} to the package data"

@@ -1,9 +1,9 @@
-"""Our own CPU matrix-vector products (``cpu_kernels.cpp``), built on first use and cached.
+"""Our own CPU matrix-vector products (``kernels.cpp``), built on first use and cached.
 
 A decode step multiplies one row by every weight, and PyTorch's CPU kernels read the weights
 well below the memory's speed, bfloat16 and int8 ones most of all on CPUs without bf16 or
 AVX-512 instructions (``benchmarks/bench_cpu_kernels.py``; the numbers are in
-docs/architecture.md). ``cpu_kernels.cpp`` is one operator,
+docs/architecture.md). ``kernels.cpp`` is one operator,
 ``torch.ops.llama_chat_cpu.matvec(x, weight, scales=None)``: ``x @ weight.T`` (times ``scales``
 per output row) for float32, bfloat16 and int8 weights and a few rows of ``x``, in ``x``'s dtype. It is compiled with the
 machine's C++ compiler (``$CXX``, else ``c++``), the one inductor uses too, against the installed
@@ -45,8 +45,8 @@ from llama_chat.ml.user_cache import user_cache_dir
 
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is shared by both.
-SOURCES = (HERE / "cpu_kernels.cpp", HERE / "cpu_decode.cpp", HERE / "cpu_memory.cpp")
-HEADERS = (HERE / "cpu_dot.h", HERE / "cpu_panels.h", HERE / "cpu_pick.h")
+SOURCES = (HERE / "kernels.cpp", HERE / "decode.cpp", HERE / "memory.cpp")
+HEADERS = (HERE / "dot.h", HERE / "panels.h", HERE / "pick.h")
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
 # A product of up to this many rows takes the operator (a decode step, or the packed decode rows

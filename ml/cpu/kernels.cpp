@@ -6,9 +6,9 @@
 // is a dot product over one contiguous weight row, with several accumulators, and the rows are
 // split among threads.
 //
-// Built on first use by llama_chat/ml/cpu_kernels.py with the machine's C++ compiler.
-#include "cpu_dot.h"
-#include "cpu_pick.h"
+// Built on first use by llama_chat/ml/cpu/kernels.py with the machine's C++ compiler.
+#include "dot.h"
+#include "pick.h"
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 // Dot products of one float32 row against weight rows of each storage type, shared by the
-// products (cpu_kernels.cpp) and the one-call decode step (cpu_decode.cpp).
+// products (kernels.cpp) and the one-call decode step (decode.cpp).
 #pragma once
 
 #include <algorithm>

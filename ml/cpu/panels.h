@@ -1,5 +1,5 @@
 // Products of several input rows with float32 weights repacked as panels, for the batched decode
-// step (cpu_decode.cpp). A panel is 16 consecutive outputs (weight rows) with their k weights laid
+// step (decode.cpp). A panel is 16 consecutive outputs (weight rows) with their k weights laid
 // out input by input: panel[i * 16 + t] is output t's weight for input i, so one input's weights
 // for all 16 outputs are two vectors. A tile of up to six input rows is taken against a panel with
 // each input broadcast: twelve accumulators, two weight loads and six broadcasts per twelve
@@ -22,7 +22,7 @@
 // One row interleaved is the row itself.
 #pragma once
 
-#include "cpu_dot.h"
+#include "dot.h"
 
 #include <algorithm>
 #include <cstdint>

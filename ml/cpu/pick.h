@@ -1,10 +1,10 @@
 // Greedy picks: where a run of logits is largest, the first place on ties, a NaN counting as
-// larger than any number (as torch.argmax has it). Shared by argmax_rows (cpu_kernels.cpp) and the
-// one-call decode step (cpu_decode.cpp), which picks from each range of the classifier's outputs
+// larger than any number (as torch.argmax has it). Shared by argmax_rows (kernels.cpp) and the
+// one-call decode step (decode.cpp), which picks from each range of the classifier's outputs
 // as it writes them.
 #pragma once
 
-#include "cpu_dot.h"
+#include "dot.h"
 
 #include <cmath>
 #include <cstdint>

@@ -5,7 +5,7 @@
 // transparent huge pages, asked for with madvise) the one-call step of a stories15M-sized model
 // read its weights 8 % faster (median of 12 interleaved pairs on a 2-core AMD EPYC).
 //
-// Built on first use by llama_chat/ml/cpu_kernels.py, together with the other operators.
+// Built on first use by llama_chat/ml/cpu/kernels.py, together with the other operators.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>

@@ -15,10 +15,10 @@
 // type, and each output is one thread's sum in a fixed order: the result does not depend on the
 // number of threads.
 //
-// Built with cpu_kernels.cpp into one library by llama_chat/ml/cpu_kernels.py.
-#include "cpu_dot.h"
-#include "cpu_panels.h"
-#include "cpu_pick.h"
+// Built with kernels.cpp into one library by llama_chat/ml/cpu/kernels.py.
+#include "dot.h"
+#include "panels.h"
+#include "pick.h"
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -185,7 +185,7 @@ struct Matrix {
   const void* data = nullptr;
   at::ScalarType type = at::kFloat;
   const float* scales = nullptr;
-  const float* panels = nullptr;  // float32 weights packed as panels (cpu_panels.h) instead of rows
+  const float* panels = nullptr;  // float32 weights packed as panels (panels.h) instead of rows
   int64_t n = 0, k = 0;
 
   int64_t smallest() const {
@@ -699,7 +699,7 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
   std::vector<float> q(static_cast<size_t>(rows * q_width)), attended(static_cast<size_t>(rows * q_width)),
       activated(static_cast<size_t>(rows * ffn)), ups(static_cast<size_t>(rows * ffn)),
       activated_interleaved(static_cast<size_t>(rows > 1 ? rows * ffn : 0));
-  // Whether a matrix reads its rows interleaved (cpu_panels.h). The attention's results and the
+  // Whether a matrix reads its rows interleaved (panels.h). The attention's results and the
   // activations are written so by the threads that make them, each its own part.
   auto interleaves = [rows](const Matrix& m) { return m.panels != nullptr && rows > 1; };
   const int64_t stages = 5 * n_layers + 1;
