@@ -14,13 +14,13 @@ float32 weights, seeded; the end-of-sequence row zeroed so nothing stops early),
 * the compute ceiling: the machine's float32 multiply-add rate (BLAS's GEMM on square matrices,
   the best of five) over one token's multiply-adds. A step of one row is bound by reading the
   weights; a step of many rows reads them once for all and is bound by its multiply-adds, so no
-  number of jobs goes past this (12x a single stream on a 2-core AMD EPYC VM). Products of a few
+  number of jobs goes past this (docs/benchmarks.md, "Batching on the CPU"). Products of a few
   rows do not reach GEMM's rate, MKL's own included, so it is a bound, not a target.
 
 Each measurement is repeated ``--runs`` times, interleaved (a busy machine slows all of them
 alike). A ratio is taken within each run, between measurements made back to back, and the median
-of those is printed: on a shared machine whose speed swings by 2x from one minute to the next,
-that is steadier than a ratio of medians (both are printed). One JSON line per measurement, then
+of those is printed: on a shared machine whose speed swings from one minute to the next, that
+is steadier than a ratio of medians (both are printed). One JSON line per measurement, then
 a Markdown table.
 
 With ``--compile`` both single-stream paths are also measured compiled, in pairs: the engine's

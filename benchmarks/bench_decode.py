@@ -63,8 +63,8 @@ CONFIGS = {
     "110m": dict(name="stories110M", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden=2048, vocab=32000,
                  seq=1024, tied=True),
     # The TinyLlama-sized config is measured where its targets are (bfloat16 and int8 against HF
-    # bfloat16), on fewer tokens and without the compiled row: on two busy cores each of its
-    # runs takes a minute or more, and a cold compile of its step took six.
+    # bfloat16), on fewer tokens and without the compiled row: on two cores its runs are long, and
+    # a cold compile of its step longer still.
     "1.1b": dict(name="TinyLlama-1.1B", dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, hidden=5632, vocab=32000,
                  seq=2048, tied=False, dtypes=("bfloat16", "int8"), new=32, llama2c=False, compiled=False),
 }

@@ -4,7 +4,7 @@ In one run, each measurement repeated in fresh processes (the median is reported
 
 1. ``python -c "import torch; os._exit(0)"``: wall time of an interpreter that only imports torch
    (the baseline). It leaves with ``os._exit`` because ``llama-chat`` does: a normal interpreter
-   exit spends a further ~0.4 s tearing torch down, which the command never pays, so a plain
+   exit spends a further while tearing torch down, which the command never pays, so a plain
    ``python -c "import torch"`` (also reported) would flatter the command;
 2. a child process that imports torch, then times ``load_model(default_model_dir())``, building
    the engine and a one-token greedy generation of ``"Once upon a time"`` through the chat format,

@@ -3,18 +3,16 @@
 A cancel during prefill waits for one layer of the chunk that is running: the forward looks
 between layers for the cancel (``model/interrupt.py``). So a chunk may take as long as one
 layer's share of the budget times the layers. Each forward reads every weight once, so on a CPU a
-small chunk pays that read for few tokens, and 64-token chunks prefilled a stories110M-sized
-model at two thirds of the speed of one 128-token forward. A fixed token count cannot serve both
-a 15M model (64 tokens take 10 ms) and a 1B one (64 tokens take a second on two cores). The sizer
+small chunk pays that read for few tokens. A fixed token count cannot serve both a 15M model (for
+which 64 tokens are a few milliseconds) and a 1B one (for which they are a long wait). The sizer
 measures each chunk and makes the next one as long as fits in ``budget_s`` at the rate just seen,
 so a slower machine or a busier moment gives shorter chunks at once. ``most`` bounds what a chunk
 holds in memory (its attention scores grow with its length times the context).
 
 Chunks never get shorter than the first one (64 tokens on the CPU). Every forward reads all the
-weights, so below that a big model's chunk costs about the same time for fewer tokens: a 1.1B
-model on two cores takes over a second for 16 tokens as for 64, and prefill would only get
-slower without the cancel getting faster. Where even the shortest chunk's layer is over the
-budget, a cancel waits for one such layer.
+weights, so below that a big model's chunk costs about the same time for fewer tokens, and
+prefill would only get slower without the cancel getting faster. Where even the shortest chunk's
+layer is over the budget, a cancel waits for one such layer.
 """
 
 from __future__ import annotations

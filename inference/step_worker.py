@@ -2,14 +2,14 @@
 
 Why not ``anyio.to_thread.run_sync`` for every step: each call then costs two thread wake-ups on
 the critical path between two forwards (the event loop waking for the result, then the pool
-thread waking for the next call). On a small model on a virtual machine those wake-ups were 0.3
-to 0.45 ms against a 6 ms forward, 7% of decode speed. Here the producer queues steps *ahead* of
+thread waking for the next call), a share of every token on a small model (docs/benchmarks.md,
+"Streaming pipeline"). Here the producer queues steps *ahead* of
 the one whose result it is handling, so the thread goes from one forward straight into the next,
 and the event loop learns of results without the thread waiting for it.
 
 Results reach the event loop in batches, at most every ``report_every_s`` (and at once when the
 thread has ``REPORT_AT_QUEUED`` calls or fewer queued): every wake of the event loop takes the GIL
-from the forward a few times, which on that machine cost the forward another 5%. A 20 ms batch is
+from the forward a few times, which slows the forward. A 20 ms batch is
 below what a reader can see, and a step slower than that is reported as soon as it ends.
 
 What stays the same as ``to_thread.run_sync``: each call is one step; a cancel revokes the steps
@@ -20,8 +20,7 @@ cancel during a long prefill chunk waits for one layer, not for the chunk.
 
 The thread itself is parked when a block ends and serves the next block (``_StepThread``). A new
 thread for every generation made each one's first forward pay for the thread's own OpenMP
-helpers, allocator arena and kernel buffers: a 128-token prefill of a stories15M-sized model took
-27-30 ms after the request started against 19.5 ms for the forward itself.
+helpers, allocator arena and kernel buffers, which showed in the time to first token.
 """
 
 from __future__ import annotations
@@ -43,9 +42,8 @@ from llama_chat.model import interrupt
 THREAD_NAME = "llama-chat step worker"
 _STOP = object()
 # Results are reported at once when this few calls are left queued. Reporting only when none
-# was left made the thread wait for the event loop every few steps: at 2 ms a step, the producer's
-# nine queued calls ran out before the 20 ms batch, and a stories15M-sized decode spent 85 us a
-# token between steps.
+# was left made the thread wait for the event loop every few steps wherever the queued calls take
+# less time than a batch.
 REPORT_AT_QUEUED = 2
 # Threads kept parked between blocks; more than one only where several blocks overlap.
 PARKED_MOST = 2
@@ -152,10 +150,10 @@ class StepWorker:
         self._name = name
         self._report_every_s = report_every_s
         # Entered once in the thread around all of the block's calls (``torch.inference_mode``
-        # for model steps): entered per step instead, it cost a lone scheduler step 25 us.
+        # for model steps): entered per step instead, it is a visible share of a short step.
         self._scope = scope or nullcontext
         # One event for all of the block's calls: revoking revokes them all, and the block ends.
-        # An event per call cost the event loop a few microseconds a token.
+        # An event per call would cost the event loop work on every token.
         self._abandoned = threading.Event()
         self._queue: queue.SimpleQueue[StepCall | object] = queue.SimpleQueue()
         self._pending: list[StepCall] = []  # submitted, not yet reported done to the event loop
@@ -197,9 +195,9 @@ class StepWorker:
         On a cancel the step already running is waited for (shielded), as ``to_thread.run_sync``
         does, so that the caller never races a step still writing the KV cache. A call already
         reported done returns at once, without yielding to the event loop: results come in
-        batches, and a yield for each (with ``TextStream``'s for each event) cost the event loop's
-        thread 100 us a token in the one-shot pipeline against 88 without. A cancel is then seen at
-        the first call of the batch that has to be waited for.
+        batches, and a yield for each (with ``TextStream``'s for each event) costs the event loop's
+        thread time on every token, which on two cores comes out of the step's. A cancel is then
+        seen at the first call of the batch that has to be waited for.
         """
         if call.done.is_set():
             return self._outcome(call)

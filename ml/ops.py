@@ -47,8 +47,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) ->
     if row_products:
         return (x.unsqueeze(-2) * weight).sum(-1)
     if _slow_half_matmul(x, weight):
-        # Half-precision matrix products on a CPU without bf16/fp16 instructions run at a third
-        # of float32's speed; converting the weight costs less than that once a chunk has rows.
+        # Half-precision matrix products on a CPU without bf16/fp16 instructions run far slower
+        # than float32's; converting the weight costs less than that once a chunk has rows.
         return F.linear(x.float(), weight.float()).to(x.dtype)
     if _onednn_pays(x, weight):
         rows = x.reshape(-1, x.shape[-1])
@@ -59,13 +59,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) ->
 
 # Where oneDNN's float32 inner product beats MKL's (``F.linear``) on an x86 CPU: a weight of at
 # least this many elements multiplied by at most this many rows. MKL's product of a transposed
-# weight with few rows reads the weight at well below the memory's speed; oneDNN's does not.
-# Measured on a 2-core AMD EPYC (AVX2), medians of interleaved runs, ``F.linear`` time over
-# oneDNN's (``benchmarks/bench_products.py``, two runs): 32000 x 288 (a stories15M classifier)
-# 1.9-2.3x at one row, 1.5-1.6x at 16, 1.3-1.4x at 128; 11264 x 2048 1.2-1.5x, 2.1-2.4x,
-# 1.5-1.6x; 2304 x 768 1.05-1.1x, 1.1-1.2x, 0.95-1.1x. Below about a million and a half elements
-# oneDNN's fixed cost per call loses at one row (768 x 768: 0.7-0.8x); past 128 rows both are
-# compute-bound and about even (512 rows: 0.9x to 1.4x).
+# weight with few rows reads the weight at well below the memory's speed; oneDNN's does not, but
+# its fixed cost per call loses on small weights, and past this many rows both are compute-bound
+# (docs/benchmarks.md, "Float32 products: MKL against oneDNN").
 ONEDNN_MIN_WEIGHT = 1_500_000
 ONEDNN_MAX_ROWS = 128
 
@@ -96,8 +92,8 @@ def _onednn_linear_available() -> bool:
 
 
 # Rows from which a half-precision product on such a CPU is done in float32: converting a weight
-# costs about as much as 20-30 rows of the slow product (measured at 2048 x 5632), so shorter
-# runs, and a decode step's one row, stay in half precision.
+# costs about as much as a few dozen rows of the slow product, so shorter runs, and a decode
+# step's one row (which reads half the bytes), stay in half precision.
 HALF_AS_FLOAT_FROM_ROWS = 32
 
 
@@ -188,10 +184,9 @@ def attention(
     ``causal`` (with no mask) means query ``i`` sees keys ``0..i``, queries and keys aligned at 0.
     """
     if q.shape[2] == 1 and mask is None and q.device.type == "cpu":
-        # One query against the cache (an eager decode step): PyTorch's CPU flash kernel took
-        # 0.9 ms a call on the 15M-sized config on a busy machine, a quarter of the whole step
-        # (its parallel region waits for sleeping helper threads), where two small products and
-        # a softmax take microseconds. On a quiet machine the two are within a few per cent.
+        # One query against the cache (an eager decode step): PyTorch's CPU flash kernel opens a
+        # parallel region that waits for sleeping helper threads, which on a busy machine costs
+        # more than two small products and a softmax do.
         return attention_over_cache(q, k, v, None)
     n_rep = q.shape[1] // k.shape[1]
     if n_rep == 1:

@@ -16,19 +16,15 @@ The API other modules use:
 
 Decoding reads every weight once per token, so a weight in one byte instead of four (or two) is
 read in a quarter (a half) of the time, as long as the kernel that does the product reads the int8
-values directly. Which kernel does that was measured on 2-core x86 machines (AVX2 without
-AVX-512, 110M-sized weights, all products of one token): fp32 through MKL 34-44 ms,
-``torch.ops.aten._weight_int8pack_mm`` 60-110 ms (it is tuned for AVX-512 and AMX), a compiled
-``(x * q).sum(-1) * scales`` 90-107 ms (the int8-to-float conversion is not vectorised), and
-fbgemm's int8 product ``quantized::linear_dynamic`` 10-12 ms. For 128 rows (a prefill chunk) of
-the same shapes fbgemm's product also took half the time of float32's matrix product or less
-(3.0 against 5.6 ms for 2304 x 768; 4.2 against 13.3 for 4096 x 768), where converting the weight
-and using the float product took as long as float32. So:
+values directly. On x86 without AVX-512 fbgemm's int8 product (``quantized::linear_dynamic``)
+does, for one row and for a prefill chunk alike; ``_weight_int8pack_mm`` (tuned for AVX-512 and
+AMX) and a compiled multiply-and-sum (the conversion is not vectorised) are slower than float32
+there (docs/architecture.md, "On the CPU"). So:
 
 * a product of at most ``cpu_kernels.MAX_INT8_ROWS`` rows on the CPU (a decode step), eager or
   compiled, is our own operator's (``cpu_kernels``) when it is loaded: it multiplies the int8
-  values by activations rounded to 2^-14 of their largest, with no per-call cost to speak of
-  (fbgemm's is 50-100 us), and the compiler can trace it;
+  values by activations rounded to 2^-14 of their largest, without fbgemm's per-call cost, and
+  the compiler can trace it;
 * otherwise, on a CPU with fbgemm (x86), every product is fbgemm's, on a copy of the weight
   packed once for it; ``x`` is quantized to 7 bits per call, 64 rows of similar magnitude at most,
   with their own range (``reduce_range``: AVX2's 16-bit accumulation would saturate with 8). The shipped model's
@@ -53,11 +49,9 @@ from torch import nn
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
 QUANTIZE_MODES = ("none", "int8")
-# Rows per fbgemm call (they share one activation range). 128 rows of 2304 x 768 took 2.9 ms in
-# blocks of 8, 2.2 ms in one call and 3.9 ms in float32. Each call's per-call cost (40 us, most of
-# it waking threads) made blocks of 8 a stories15M-sized prefill 0.7x HF's float32; blocks of 64
-# rows sorted by magnitude took it to 1.0-1.1x and moved the shipped model's perplexity by 0.01 %
-# (blocks of 8 in prompt order: 0.04 %, of 32: 0.11 %; scripts/evaluate_quantized.py).
+# Rows per fbgemm call (they share one activation range, so rows are sorted by magnitude first):
+# fewer calls save fbgemm's per-call cost, similar rows keep the range fine (docs/benchmarks.md,
+# "int8 quality").
 FBGEMM_BLOCK_ROWS = 64
 # Without fbgemm: below this many rows a product is matrix-vector-like and reads the weights once
 # either way; the int8 kernel then wins. Above it the float matrix product's blocking pays for the

@@ -20,9 +20,9 @@ from llama_chat.ml.controls import SamplingParams
 __all__ = ["SamplingMode", "SamplingParams", "apply_top_p", "draw_uniforms", "sample", "sample_in_graph"]
 
 
-# Candidate pool sizes tried before sorting the whole vocabulary. A full sort of 128k logits costs
-# ~10 ms on one CPU core, top-256 ~0.2 ms; a typical next-token distribution puts almost all of its
-# mass in a few hundred tokens, so the first pool nearly always holds the whole nucleus.
+# Candidate pool sizes tried before sorting the whole vocabulary: a top-k of a few hundred costs a
+# small part of a full sort, and a typical next-token distribution puts almost all of its mass in
+# a few hundred tokens, so the first pool nearly always holds the whole nucleus.
 _CANDIDATE_POOLS = (256, 4096)
 
 
@@ -71,9 +71,9 @@ def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One index per row with probability proportional to ``weights`` (non-negative, any scale).
 
     Inverse-CDF with one uniform in [0, 1) per row (``uniform`` is ``(batch,)`` float64).
-    ``torch.multinomial`` would draw one exponential per vocabulary entry, ~3.5 ms for a 128k row
-    on one core against ~0.3 ms here. The CDF is float64 so that a long tail of tiny
-    probabilities is not lost to rounding.
+    ``torch.multinomial`` would draw one exponential per vocabulary entry, where this is one
+    cumulative sum and one search. The CDF is float64 so that a long tail of tiny probabilities is
+    not lost to rounding.
     """
     cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]

@@ -171,7 +171,7 @@ class Transformer(nn.Module):
 
         Decoding one token is a row-vector times every weight matrix; three small products read
         no faster than one of their combined size but cost three kernels, so a decode step on a
-        GPU saves a fifth of its kernels. Parameter names change (``wqkv``, ``w13``), so this
+        GPU launches fewer kernels. Parameter names change (``wqkv``, ``w13``), so this
         runs after loading, and the separate weights are freed layer by layer as it goes.
         """
         for layer in self.layers:

@@ -10,7 +10,7 @@ validation documents). Three figures, each a mean cross-entropy over the same ta
   activations rounded to 7 bits, one range per 64 rows of similar magnitude);
 * int8, decode kernel: the first ``--decode-windows`` windows fed one token at a time through the
   KV cache, so every product is the one-row kernel a decode step uses: our operator
-  (``ml/cpu_kernels.cpp``, activations rounded to 2^-14 of their largest) as the command loads it
+  (``ml/cpu/kernels.cpp``, activations rounded to 2^-14 of their largest) as the command loads it
   for an int8 model, or fbgemm's product (7 bits) where it does not build; the float32 loss of
   the same windows is printed beside it, through the same operator.
 
