@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from builders import endless_model
-from llama_chat.inference.batch_core import BatchCore
+from llama_chat.inference import batch_step
+from llama_chat.inference.batch_step import StepBackends
 from llama_chat.inference.engine import Engine
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import GenerationState, PromptTooLong, Request, RequestError
 from llama_chat.ml.sampling import SamplingParams
+from llama_chat.model import cpu_decode
 from llama_chat.model.chat_format import Llama2ChatFormat, Message
 from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
@@ -310,8 +312,8 @@ def test_a_job_left_alone_on_scattered_pages_moves_to_consecutive_ones(model, to
     # block table has a gap. Once "a" has finished, "b" runs alone and is moved onto a run of free
     # pages (read as one slice from then on). Its tokens are those of "b" run on its own, and the
     # prefix pages it held alone keep their key at their new place: "c" finds them there.
-    # (The packed step's move: the one-call CPU step reads any block table as it is.)
-    monkeypatch.setattr(BatchCore, "_one_call", lambda self: False)
+    # (The packed forward's move: the CPU operator reads any block table as it is.)
+    monkeypatch.setattr(cpu_decode, "takes_rows", lambda model, cache: False)
     g = torch.Generator().manual_seed(21)
     prefix = random_prompt(g, 33, tokenizer.vocab_size)
     a = Request(prefix + random_prompt(g, 6, tokenizer.vocab_size)[1:], sampling=GREEDY, max_tokens=3, request_id="a")
@@ -367,8 +369,9 @@ def test_rows_that_pause_and_resume_read_the_keys_they_wrote(model, tokenizer):
 
 
 def test_a_lone_greedy_job_takes_the_short_step_with_the_same_tokens_and_counters(model, tokenizer, monkeypatch):
-    # One job at a time (a chat's scheduler): each greedy decode step skips the plan
-    # (BatchCore._run_lone). It must give what the planned step gives: tokens, stops, counters.
+    # One job at a time (a chat's scheduler): each greedy decode step is the operator's pick alone
+    # (batch_step.LoneGreedy). It must give what the general operator step gives: tokens, stops,
+    # counters.
     g = torch.Generator().manual_seed(11)
     vocab = tokenizer.vocab_size
     requests = [Request(random_prompt(g, 20, vocab), sampling=GREEDY, max_tokens=40, request_id="long"),
@@ -376,12 +379,18 @@ def test_a_lone_greedy_job_takes_the_short_step_with_the_same_tokens_and_counter
                 Request(random_prompt(g, 12, vocab), sampling=SamplingParams(temperature=0.8), seed=3,
                         max_tokens=10, request_id="sampled")]
     short_steps = []
-    run_lone = BatchCore._run_lone
-    monkeypatch.setattr(BatchCore, "_run_lone", lambda self, job: short_steps.append(job.request_id)
-                        or run_lone(self, job))
+    run_lone = batch_step.LoneGreedy.run
+    monkeypatch.setattr(batch_step.LoneGreedy, "run", lambda self, plan: short_steps.append(plan.rows[0].request_id)
+                        or run_lone(self, plan))
     fast, fast_stats = batched(model, tokenizer, requests, max_batch=1)
     assert {"long", "short"} <= set(short_steps) and "sampled" not in short_steps
-    monkeypatch.setattr(BatchCore, "_lone_greedy", lambda self: None)
+    choose = StepBackends.choose
+
+    def without_the_short_step(self, plan):
+        backend = choose(self, plan)
+        return self.rows if backend is self.lone_greedy else backend
+
+    monkeypatch.setattr(StepBackends, "choose", without_the_short_step)
     planned, planned_stats = batched(model, tokenizer, requests, max_batch=1)
     assert {k: (v.token_ids, v.finish_reason) for k, v in fast.items()} == \
         {k: (v.token_ids, v.finish_reason) for k, v in planned.items()}
@@ -393,9 +402,6 @@ def test_prompt_chunks_go_to_the_one_call_step_as_rows_with_the_forwards_tokens(
     # the decodes), within ONE_CALL_PROMPT_ROWS or twice the batch, and only the rows that draw a
     # token make logits. The tokens are those of prompts fed through the model's forward, but
     # where float32 sums in another order flip a near tie.
-    from llama_chat.inference import batch_core
-    from llama_chat.model import cpu_decode
-
     g = torch.Generator().manual_seed(13)
     vocab = tokenizer.vocab_size
     requests = [Request(random_prompt(g, n, vocab), sampling=GREEDY, max_tokens=12, request_id=f"p{n}")
@@ -411,11 +417,11 @@ def test_prompt_chunks_go_to_the_one_call_step_as_rows_with_the_forwards_tokens(
     as_rows, stats = batched(model, tokenizer, requests, max_batch=4, page_size=16)
     if not steps:
         pytest.skip("the one-call CPU step is not loaded here")
-    cap = max(batch_core.ONE_CALL_PROMPT_ROWS, 2 * 4)
+    cap = max(batch_step.ONE_CALL_PROMPT_ROWS, 2 * 4)
     assert max(rows for rows, _ in steps) == cap  # prompts filled steps up to the cap
     assert any(logits < rows for rows, logits in steps)  # chunks without logits
     assert stats.prefill_tokens == sum(len(r.prompt_ids) for r in requests)
-    monkeypatch.setattr(batch_core.BatchCore, "_prompts_in_one_call", lambda self: False)
+    monkeypatch.setattr(batch_step, "prompts_as_rows", lambda settings, decoder: False)
     forward, _ = batched(model, tokenizer, requests, max_batch=4, page_size=16)
     differing = [r for r in requests if as_rows[r.request_id].token_ids != forward[r.request_id].token_ids]
     assert len(differing) <= 1

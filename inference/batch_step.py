@@ -1,0 +1,367 @@
+"""The forward backends of the scheduler's step, behind one call.
+
+``BatchCore`` (batch_core.py) decides what a step feeds: a ``StepPlan`` of one-token rows and
+prompt chunks. A backend's ``run(plan)`` feeds those tokens, writing their keys and values into
+their jobs' pages, and returns the token drawn by each row that reached the end of what its job
+holds. The backends:
+
+- ``PackedForward``: the model's forward, every token packed into one row over the paged cache
+  (the GPU's step, and the CPU's where the operator below does not apply);
+- ``OperatorRows``: one call of our CPU operator (``model/cpu_decode.py``), a token a row, prompt
+  chunks beside the decodes;
+- ``OperatorDecodes``: the same call for the batch's common step, every row decoding, laid out
+  without the lists the other plans need;
+- ``LoneGreedy``: one row decoding greedily, its token picked inside the operator;
+- ``CompiledLone``: one row on consecutive pages through the compiled graph of ``paged_step.py``
+  (the packed forward where its window does not fit).
+
+``StepBackends.choose`` picks one per step, from the plan and what the settings made available.
+Nothing here decides who runs or which pages they hold, nor counts what ran: the core does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from llama_chat.inference.jobs import Job
+from llama_chat.inference.paged_step import LoneRowStep
+from llama_chat.ml.cpu import kernels as cpu_kernels
+from llama_chat.ml.sampling import sample
+from llama_chat.model import cpu_decode
+from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedBatch, PagedKVCache
+from llama_chat.model.transformer import Transformer
+
+# Most tokens in an operator step that feeds prompt chunks, or twice the batch: the operator
+# cannot stop between layers for a cancel as the model's forward does, so such a step is kept as
+# long as a few decode steps (docs/batching.md, "Inside one step").
+ONE_CALL_PROMPT_ROWS = 32
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step feeds: ``rows``, jobs feeding one token (the decodes, then any prompt cut to
+    one token by the step's budget), and ``runs``, prompt chunks of several tokens."""
+
+    rows: list[Job]
+    runs: list[tuple[Job, int]]
+    decodes_only: bool  # no runs, and every row feeds its job's last token: each row draws one
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    """How a scheduler's core batches (made by ``Scheduler``; read by the core and its backends)."""
+
+    max_batch: int
+    num_pages: int
+    page_size: int
+    prefill_chunk: int  # most prompt tokens of one job in one step (the first, with a sizer)
+    step_tokens: int  # most tokens in one step, all jobs together
+    buffer_size: int  # most events of a job not yet taken by its consumer
+    static_shapes: bool  # pad one-token rows and tables to fixed sizes (for a compiled step)
+    max_seq_len: int
+
+
+# The jobs whose rows drew a token (None: a padding row) and the tokens, in the same order.
+Drawn = tuple[Sequence[Job | None], list[int]]
+
+
+class Backend(Protocol):
+    # Whether a lone row reads its pages as one slice when they are consecutive: the core then
+    # moves a job running alone onto consecutive pages (``BatchCore._compact``).
+    wants_consecutive: bool
+
+    def run(self, plan: StepPlan) -> Drawn: ...
+
+
+def consecutive(pages: list[int]) -> bool:
+    return pages == list(range(pages[0], pages[0] + len(pages))) if pages else False
+
+
+def _bucket(n: int) -> int:
+    """The next power of two: few distinct shapes for a compiled step, at most twice the work."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.Tensor | None,
+                sample_ids: int | None) -> list[int]:
+    """One token per row: argmax for greedy rows, the job's own settings and seed otherwise.
+
+    ``picks``: the rows' argmax where the step made them already (the operator). Only the first
+    ``sample_ids`` logits are candidates. The token after position ``p`` is drawn with the job's
+    uniform ``p``, as the one-request engine does, so a seeded job picks the same tokens batched
+    or alone.
+    """
+    if picks is None:
+        picks = cpu_kernels.argmax(logits[:, :sample_ids])
+    for i, job in enumerate(jobs):
+        if job is None or (job.controls is None and job.request.sampling.greedy):
+            continue
+        row, params = logits[i:i + 1, :sample_ids], job.request.sampling
+        if job.controls is not None:
+            row, params = job.controls.prepare(job.history, row)
+        if params.greedy:
+            picks[i] = row.argmax(dim=-1)[0]
+        else:
+            last = len(job.tokens) - 1
+            assert job.uniforms is not None
+            picks[i] = sample(row, params, job.uniforms[last:last + 1])[0]
+    chosen = picks.tolist()  # the one value that crosses back to the host per step
+    for job, token in zip(jobs, chosen):
+        if job is not None and job.history is not None:
+            job.history.append([token])
+    return chosen
+
+
+class PackedForward:
+    """The model's forward over the paged cache: the step's tokens packed into one row, the
+    one-token rows first (attending together over their gathered pages), then each prompt chunk
+    (causal over its own sequence's pages)."""
+
+    wants_consecutive = True
+
+    def __init__(self, model: Transformer, cache: PagedKVCache, settings: CoreSettings, *, device: torch.device,
+                 sample_ids: int | None) -> None:
+        self.model = model
+        self.cache = cache
+        self.settings = settings
+        self.device = device
+        self.sample_ids = sample_ids
+        # Several one-token rows on the CPU read their keys from a mirror of their gathered pages
+        # (PagedKVCache.mirror), named by the rows and their whole block tables, which then stay
+        # the same from one step to the next. Any other step feeds rows past the mirror: drop it.
+        self.mirrors = device.type == "cpu" and not settings.static_shapes
+
+    def run(self, plan: StepPlan) -> Drawn:
+        size, static = self.settings.page_size, self.settings.static_shapes
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampled_rows: list[int] = []  # token index of each row whose logits are taken
+        sampled_jobs: list[Job | None] = []
+
+        def feed(job: Job, n: int) -> None:
+            for pos in range(job.fed, job.fed + n):
+                tokens.append(job.tokens[pos])
+                positions.append(pos)
+                slots.append(job.pages[pos // size] * size + pos % size)
+
+        singles = plan.rows
+        tables: list[list[int]] | None = None
+        first_page = None  # a lone one-token row's first page, when its pages are consecutive
+        mirrored = self.mirrors and len(singles) > 1
+        single_key = mirror_slots = None
+        if not mirrored:
+            self.cache.drop_mirrors()
+        if singles:
+            width = max(len(job.pages) if mirrored else job.fed // size + 1 for job in singles)
+            rows = len(singles)
+            if mirrored:
+                single_key = tuple((job.serial, tuple(job.pages)) for job in singles)
+                mirror_slots = [r * width * size + job.fed for r, job in enumerate(singles)]
+            if static:
+                width, rows = _bucket(width), _bucket(rows)
+            tables = []
+            for job in singles:
+                if job.fed + 1 == len(job.tokens):  # else a prompt's chunk cut to one token by the budget
+                    sampled_rows.append(len(tokens))
+                    sampled_jobs.append(job)
+                feed(job, 1)
+                used = job.pages if mirrored else job.pages[:job.fed // size + 1]
+                tables.append(used + [SCRATCH_PAGE] * (width - len(used)))
+            for _ in range(rows - len(singles)):  # padding rows: scratch page, position 0, ignored
+                sampled_rows.append(len(tokens))
+                sampled_jobs.append(None)
+                tokens.append(0)
+                positions.append(0)
+                slots.append(SCRATCH_PAGE * size)
+                tables.append([SCRATCH_PAGE] * width)
+            if len(tables) == 1 and not static and consecutive(tables[0]):
+                first_page = tables[0][0]
+        n_singles = len(tokens)
+        runs = []
+        for job, n in plan.runs:
+            first = len(tokens)
+            feed(job, n)
+            runs.append((first, n, self._put(torch.tensor(job.pages[:-(-(job.fed + n) // size)], dtype=torch.long)),
+                         job.fed))
+            if job.fed + n == len(job.tokens):
+                sampled_rows.append(len(tokens) - 1)
+                sampled_jobs.append(job)
+
+        kv_len = None if static or not singles else max(job.fed for job in singles) + 1
+        batch = PagedBatch(self._tensor(slots), self._tensor(positions), n_singles,
+                           None if tables is None else self._tensor(tables), tuple(runs), kv_len, first_page,
+                           single_key, None if mirror_slots is None else self._tensor(mirror_slots))
+        # A step of prompt chunks only takes no logits at all (``(1, 0, vocab)``).
+        logits = self.model(self._tensor(tokens).view(1, -1), batch.positions.view(1, -1), self.cache.view(batch),
+                            logits_at=self._tensor(sampled_rows))[0]
+        return sampled_jobs, sample_rows(logits, sampled_jobs, None, self.sample_ids) if sampled_rows else []
+
+    def _put(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def _tensor(self, values) -> torch.Tensor:
+        return self._put(torch.tensor(values, dtype=torch.long))
+
+
+class OperatorRows:
+    """One call of the CPU operator over the plan, a token a row: each row reads its pages
+    through its own block table (no gather, no mirror, no mask), and a prompt chunk's rows share
+    their sequence's table. Only the rows that draw a token make logits."""
+
+    wants_consecutive = False
+
+    def __init__(self, decoder: cpu_decode.RowsDecoder, cache: PagedKVCache, settings: CoreSettings,
+                 sample_ids: int | None) -> None:
+        self.decoder = decoder
+        self.cache = cache
+        self.page_size = settings.page_size
+        self.sample_ids = sample_ids
+
+    def run(self, plan: StepPlan) -> Drawn:
+        self.cache.drop_mirrors()  # rows fed past the packed forward's mirror
+        tokens, positions, tables, sampled, jobs = self._layout(plan)
+        logits, picks = self.decoder.with_picks(tokens, positions, tables, self.sample_ids, sampled)
+        return jobs, sample_rows(logits, jobs, picks, self.sample_ids) if jobs else []
+
+    def _layout(self, plan: StepPlan) -> tuple[list[int], list[int], list[list[int]], list[int] | None,
+                                               list[Job]]:
+        """The rows' tokens, positions and tables (all of one width), the rows that draw and
+        their jobs."""
+        size = self.page_size
+        feeds = [(job, 1) for job in plan.rows] + plan.runs
+        width = max((job.fed + n - 1) // size + 1 for job, n in feeds)
+        tokens: list[int] = []
+        positions: list[int] = []
+        tables: list[list[int]] = []
+        sampled: list[int] = []
+        jobs: list[Job] = []
+        for job, n in feeds:
+            start = job.fed
+            used = job.pages[:(start + n - 1) // size + 1]
+            tokens += job.tokens[start:start + n]
+            positions += range(start, start + n)
+            tables += [used + [SCRATCH_PAGE] * (width - len(used))] * n
+            if start + n == len(job.tokens):
+                sampled.append(len(tokens) - 1)
+                jobs.append(job)
+        return tokens, positions, tables, sampled, jobs
+
+
+class OperatorDecodes(OperatorRows):
+    """``OperatorRows`` for the batch's common step, every row decoding: its tables made in one
+    pass over the jobs, without the plan's per-row lists, for this step's Python is a visible
+    part of its time (docs/batching.md, "Interleaved rows and a nearer prefetch")."""
+
+    def _layout(self, plan: StepPlan) -> tuple[list[int], list[int], list[list[int]], None, list[Job]]:
+        jobs, size = plan.rows, self.page_size
+        positions = [job.fed for job in jobs]
+        tokens = [job.tokens[-1] for job in jobs]
+        width = max(positions) // size + 1
+        # A job's pages past its position are its own, reserved, and never read: a table is its
+        # pages, cut or padded to the width.
+        tables = [job.pages[:width] if len(job.pages) >= width
+                  else job.pages + [SCRATCH_PAGE] * (width - len(job.pages)) for job in jobs]
+        return tokens, positions, tables, None, jobs
+
+
+class LoneGreedy:
+    """One row decoding greedily (a chat's turn, a job left alone at a batch's end): the
+    operator's pick, read as an int, with no logits taken (docs/batching.md, "Interleaved rows
+    and a nearer prefetch", on what the Python around a lone step costs)."""
+
+    wants_consecutive = False
+
+    def __init__(self, decoder: cpu_decode.RowsDecoder, cache: PagedKVCache, settings: CoreSettings,
+                 sample_ids: int | None) -> None:
+        self.pick = decoder.pick
+        self.cache = cache
+        self.page_size = settings.page_size
+        self.sample_ids = sample_ids
+
+    def run(self, plan: StepPlan) -> Drawn:
+        self.cache.drop_mirrors()  # a row fed past the packed forward's mirror
+        job = plan.rows[0]
+        position = job.fed
+        return plan.rows, [self.pick(job.tokens[position], position, job.pages[:position // self.page_size + 1],
+                                     self.sample_ids)]
+
+
+class CompiledLone:
+    """One row on consecutive pages through the compiled graph of a lone sequence
+    (``paged_step.LoneRowStep``); the packed forward where its window runs off the pool or
+    compiling failed."""
+
+    wants_consecutive = True
+
+    def __init__(self, step: LoneRowStep, packed: PackedForward) -> None:
+        self.step = step
+        self.packed = packed
+
+    def run(self, plan: StepPlan) -> Drawn:
+        job = plan.rows[0]
+        position = job.fed
+        used = job.pages[:position // self.packed.settings.page_size + 1]
+        if consecutive(used):
+            logits = self.step.logits(job.tokens[position], position, used[0])
+            if logits is not None:
+                self.packed.cache.drop_mirrors()  # a row fed past the packed forward's mirror
+                return plan.rows, sample_rows(logits, plan.rows, None, self.packed.sample_ids)
+        return self.packed.run(plan)
+
+
+def prompts_as_rows(settings: CoreSettings, decoder: cpu_decode.RowsDecoder) -> bool:
+    """Whether prompt chunks go to the operator as rows, beside the decodes: where a batch's
+    steps read panels (a chat's scheduler of one job keeps the model's forward, and builds no
+    panels for it); docs/batching.md, "Inside one step"."""
+    return settings.max_batch > 1 and decoder.packs_several
+
+
+@dataclass(frozen=True)
+class StepBackends:
+    """The backends a core's steps may take, made once, and the choice among them."""
+
+    packed: PackedForward
+    rows: OperatorRows | None  # None: the operator does not take this model here, or shapes are static
+    decodes: OperatorDecodes | None
+    lone_greedy: LoneGreedy | None
+    compiled_lone: CompiledLone | None
+    prompts_as_rows: bool
+    step_tokens: int  # most tokens a step's plan may feed
+
+    @classmethod
+    def make(cls, model: Transformer, cache: PagedKVCache, settings: CoreSettings, *, device: torch.device,
+             sample_ids: int | None, lone_step: LoneRowStep | None) -> StepBackends:
+        """In the step thread (in inference mode: the operator's check reads it)."""
+        packed = PackedForward(model, cache, settings, device=device, sample_ids=sample_ids)
+        compiled = None if lone_step is None or settings.static_shapes else CompiledLone(lone_step, packed)
+        if device.type != "cpu" or settings.static_shapes or not cpu_decode.takes_rows(model, cache):
+            return cls(packed, None, None, None, compiled, False, settings.step_tokens)
+        decoder = cpu_decode.RowsDecoder(model, cache)
+        as_rows = prompts_as_rows(settings, decoder)
+        step_tokens = settings.step_tokens
+        if as_rows:
+            step_tokens = min(step_tokens, max(ONE_CALL_PROMPT_ROWS, 2 * settings.max_batch))
+        return cls(packed, OperatorRows(decoder, cache, settings, sample_ids),
+                   OperatorDecodes(decoder, cache, settings, sample_ids), LoneGreedy(decoder, cache, settings, sample_ids),
+                   compiled, as_rows, step_tokens)
+
+    def choose(self, plan: StepPlan) -> Backend:
+        """The backend of a step of ``plan`` (a plan with at least one row or run)."""
+        rows = plan.rows
+        if plan.runs:
+            return self.rows if self.prompts_as_rows else self.packed
+        if self.rows is not None:
+            if len(rows) > 1:
+                return self.decodes if plan.decodes_only else self.rows
+            if self.compiled_lone is None:  # with --compile a lone row keeps the compiled graph
+                job = rows[0]
+                lone = plan.decodes_only and job.controls is None and job.request.sampling.greedy
+                return self.lone_greedy if lone else self.rows
+        if self.compiled_lone is not None and len(rows) == 1 and plan.decodes_only and rows[0].controls is None:
+            return self.compiled_lone
+        return self.packed
