@@ -1,0 +1,465 @@
+"""llama-chat against llama.cpp on llama.cpp's own GGUF files, in one run.
+
+What it does, every step cached under ``--cache`` (default ``~/.cache/llama-chat-bench``), nothing
+written into the repository:
+
+1. llama.cpp: ``pip download`` the ``llama-cpp-python`` sdist and build ``llama-bench`` and
+   ``llama-quantize`` from its ``vendor/llama.cpp`` with cmake, CPU only, ``-DGGML_NATIVE=ON``,
+   Release (``llama_cpp_peer.py`` has the flags); reused when built.
+2. Checkpoints: for each shape, a Hugging Face Llama checkpoint with random weights
+   (``transformers``' own init, ``initializer_range`` 0.02, seed 0) saved as float16 safetensors,
+   with a 32000-piece byte-fallback SentencePiece ``tokenizer.model`` (trained on a small corpus,
+   then filled up to 32000 pieces with pieces no text ever merges into).
+3. Files: llama.cpp's ``convert_hf_to_gguf.py`` (from the same tree, its own ``gguf-py`` first on
+   ``PYTHONPATH``) writes F16 and Q8_0; ``llama-quantize`` makes Q4_0 and Q4_K_M from the F16 file.
+4. Runs, for ``--rounds`` rounds, each round every file in turn, llama.cpp then llama-chat on the
+   same file, each in a fresh process reaped with ``os.wait4`` for its peak RSS:
+   * llama.cpp: ``llama-bench -m FILE -t T -p 512 -n 128 -r 1 -o json`` (pp512 and tg128, after
+     llama-bench's own warm-up, in one process);
+   * llama-chat, as a user runs it (``OMP_NUM_THREADS=T``, the command line below, no other
+     setting): one process prefills a 512-token prompt (BOS included) and generates 1 token, for
+     prefill tok/s; another generates 128 tokens greedily after a short prompt, for decode tok/s.
+     They are apart because llama-bench's tg128 decodes from an empty context: decoding after the
+     512-token prompt would charge llama-chat for attention over 512 more positions. Its peak RSS
+     is the larger of the two. ``--min-new-tokens`` keeps random weights from stopping early.
+
+   ``llama-chat -m FILE -f PROMPT_FILE --no-stdin -n N --min-new-tokens N -t 0 --template none
+   -c CTX --json`` (CTX: the shape's context length, which is also what it uses unasked).
+5. Also measured in the same run: the machine's read bandwidth (``bench_decode``'s float32 sum,
+   at the start of every round) and the baseline, llama-chat's peak RSS on the shipped model with
+   the short prompt (median of one run per round, after an untimed run that also builds
+   llama-chat's CPU kernels if their cache is cold).
+
+Printed: one JSON line per measurement, then one Markdown table per shape. Speeds and RSS are the
+median of the rounds, and ratios are llama-chat over llama.cpp of those medians. "Bound" is the
+decode speed the measured bandwidth allows for the file's weights as stored (every tensor read
+once per token, the token embedding only when it is also the classifier), and "of bound" is a
+system's decode speed over it. The memory rule for llama-chat: peak RSS <= 1.1 x file size +
+KV cache (float32, CTX positions) + baseline.
+
+    python benchmarks/bench_gguf.py --quick                           # 110m, 1 round
+    python benchmarks/bench_gguf.py --shapes 110m --rounds 3
+    python benchmarks/bench_gguf.py --shapes 1.1b,110m --types q8_0,q4_0 --cache /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import llama_cpp_peer as peer_mod
+from llama_cpp_peer import LlamaCpp, Measured, PeerError, run_measured
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 32000
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden: int
+    ctx: int
+    tied: bool
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.dim // self.n_heads
+
+
+SHAPES = {
+    "1.1b": Shape("TinyLlama-1.1B", dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, hidden=5632, ctx=2048,
+                  tied=False),
+    "110m": Shape("stories110M", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden=2048, ctx=1024,
+                  tied=True),
+}
+# How each type is made: by the converter from the checkpoint, or by llama-quantize from F16.
+TYPES = {"f16": ("convert", "f16"), "q8_0": ("convert", "q8_0"), "q4_0": ("quantize", "Q4_0"),
+         "q4_k_m": ("quantize", "Q4_K_M")}
+MEMORY_SLACK = 1.1  # the memory rule's allowance over the file's bytes
+SHORT_PROMPT = "Once upon a time"
+RETRIES = 3  # llama-chat runs that fail on an ImportError (the tree changing under it) are retried
+RETRY_WAIT_S = 60
+CORPUS = [
+    "Once upon a time there was a little fox who lived in the forest near a big river.",
+    "Every morning the fox went to the river to drink and to watch the fish jump in the sun.",
+    "One day a small bird came to the river and asked the fox if it wanted to be friends.",
+    "The fox was happy, and the two friends played together until the evening came.",
+    "When it rained they sat under the old tree and told each other stories about the stars.",
+    "The bird could fly high above the hills and tell the fox what it saw far away.",
+    "In the winter the snow was deep, and the fox made a warm bed of leaves for the bird.",
+    "Spring came back with flowers of every colour, and the children from the village sang songs.",
+    "A wise old owl said that kindness is the best gift, because it grows when you share it.",
+    "They counted 1234 stones by the water and laughed when the number was wrong again.",
+]
+
+
+def log(msg: str) -> None:
+    print(f"# {msg}", file=sys.stderr, flush=True)
+
+
+def emit(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+# -- the tokenizer, the checkpoints and the files ---------------------------------------------
+
+
+def write_tokenizer(path: Path) -> Path:
+    """A byte-fallback BPE SentencePiece model with exactly ``VOCAB`` pieces, written once."""
+    if path.is_file():
+        return path
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    rng = random.Random(SEED)
+    lines = [" ".join(rng.sample(CORPUS, 4)) for _ in range(400)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=1000,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                   hard_vocab_limit=False, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                   split_digits=True, num_threads=1, minloglevel=2)
+    model = pb.ModelProto()
+    model.ParseFromString(buf.getvalue())
+    lowest = min(p.score for p in model.pieces)
+    # Digits are split, so no text ever merges into these: they only give the vocabulary its size.
+    for i in range(VOCAB - len(model.pieces)):
+        piece = model.pieces.add()
+        piece.piece, piece.score, piece.type = f"\u2581fill{i:05d}", lowest - 1 - i, pb.ModelProto.SentencePiece.NORMAL
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_bytes(model.SerializeToString())
+    assert spm.SentencePieceProcessor(model_file=str(tmp)).vocab_size() == VOCAB
+    tmp.replace(path)
+    return path
+
+
+def write_checkpoint(shape: Shape, out: Path, tokenizer: Path) -> Path:
+    """``out/`` as a Hugging Face float16 checkpoint with random weights, written once."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    log(f"writing a random {shape.name}-shaped checkpoint to {out}")
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=shape.dim, intermediate_size=shape.hidden,
+                         num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
+                         num_key_value_heads=shape.n_kv_heads, max_position_embeddings=shape.ctx,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=shape.tied,
+                         initializer_range=0.02, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(torch.float16)
+    tmp = out.with_name(out.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    del model
+    shutil.copy(tokenizer, tmp / "tokenizer.model")
+    (tmp / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                           "unk_token": "<unk>", "add_bos_token": True,
+                                                           "add_eos_token": False}))
+    tmp.replace(out)
+    return out
+
+
+def gguf_path(cache: Path, key: str, ftype: str) -> Path:
+    return cache / "models" / key / f"{key}-{ftype}.gguf"
+
+
+def make_file(peer: LlamaCpp, cache: Path, key: str, hf_dir: Path, ftype: str, threads: int) -> Path:
+    out = gguf_path(cache, key, ftype)
+    if out.is_file():
+        return out
+    how, name = TYPES[ftype]
+    t0 = time.perf_counter()
+    if how == "convert":
+        peer_mod.convert(peer, hf_dir, out, name)
+    else:
+        peer_mod.quantize(peer, make_file(peer, cache, key, hf_dir, "f16", threads), out, name, threads)
+    log(f"wrote {out.name} ({out.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def weight_bytes_per_token(path: Path) -> int:
+    """Bytes of the file's tensors one decode step reads: all but the token embedding, which only
+    counts when there is no separate classifier (a tied model reads all of it as the classifier)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    total = sum(tensors.values())
+    if "output.weight" in tensors:
+        total -= tensors.get("token_embd.weight", 0)
+    return total
+
+
+def prefill_prompt(cache: Path, tokenizer: Path, n_tokens: int) -> Path:
+    """A text that the tokenizer makes ``n_tokens`` tokens of, BOS included, written once."""
+    path = cache / f"prompt-{n_tokens}.txt"
+    if path.is_file():
+        return path
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    rng = random.Random(SEED)
+    words: list[str] = []
+    while True:
+        candidate = words + rng.choice(CORPUS).split()
+        if len(sp.encode(" ".join(candidate))) + 1 >= n_tokens:
+            break
+        words = candidate
+    for word in " ".join(rng.choice(CORPUS) for _ in range(20)).split():
+        if len(sp.encode(" ".join(words + [word]))) + 1 > n_tokens:
+            continue
+        words.append(word)
+        if len(sp.encode(" ".join(words))) + 1 == n_tokens:
+            break
+    text = " ".join(words)
+    if len(sp.encode(text)) + 1 != n_tokens:
+        raise SystemExit(f"could not build a prompt of exactly {n_tokens} tokens")
+    path.write_text(text)
+    return path
+
+
+# -- the runs -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    """Every round's figures for one file, by system and measure."""
+
+    values: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+
+    def add(self, system: str, measure: str, value: float | None) -> None:
+        if value is not None:
+            self.values.setdefault((system, measure), []).append(value)
+
+    def median(self, system: str, measure: str) -> float | None:
+        found = self.values.get((system, measure))
+        return statistics.median(found) if found else None
+
+
+def llama_chat_command() -> list[str]:
+    script = Path(sys.executable).parent / "llama-chat"
+    if script.is_file():
+        return [str(script)]
+    found = shutil.which("llama-chat")
+    if not found:
+        raise SystemExit("llama-chat is not installed in this environment (pip install -e .)")
+    return [found]
+
+
+def run_llama_chat(model: Path | None, prompt_file: Path, n_new: int, ctx: int | None, env: dict) -> tuple[dict, Measured]:
+    cmd = [*llama_chat_command()] + (["-m", str(model)] if model else [])
+    cmd += ["-f", str(prompt_file), "--no-stdin", "-n", str(n_new), "--min-new-tokens", str(n_new), "-t", "0",
+            "--template", "none", "--json"] + (["-c", str(ctx)] if ctx else [])
+    for attempt in range(RETRIES + 1):
+        m = run_measured(cmd, env=env, cwd=Path.home())
+        if m.returncode == 0:
+            return json.loads(m.stdout), m
+        if "ImportError" in m.stderr and attempt < RETRIES:
+            log(f"llama-chat failed on an ImportError; retrying in {RETRY_WAIT_S} s")
+            time.sleep(RETRY_WAIT_S)
+            continue
+        break
+    raise SystemExit(f"llama-chat failed (exit {m.returncode}) on {model or 'the shipped model'}: "
+                     f"{m.stderr.strip()[-800:]}")
+
+
+def child_env(threads: int) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads))
+
+
+def read_through(path: Path) -> None:
+    """Read the file once, so neither system's first round pays for the disk."""
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+
+
+def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], results: dict, prompts: dict,
+                  args, round_no: int) -> None:
+    env = child_env(args.threads)
+    for (key, ftype), path in files.items():
+        shape = SHAPES[key]
+        got = results[key, ftype]
+        cpp = peer_mod.llama_bench(peer, path, threads=args.threads, prompt=args.prompt_tokens, gen=args.gen, env=env)
+        emit(round=round_no, shape=key, type=ftype, system="llama.cpp", prefill_tok_s=cpp.prefill_tok_s,
+             decode_tok_s=cpp.decode_tok_s, peak_rss_mb=cpp.peak_rss_bytes / 1e6, wall_s=cpp.wall_s)
+        got.add("llama.cpp", "prefill", cpp.prefill_tok_s)
+        got.add("llama.cpp", "decode", cpp.decode_tok_s)
+        got.add("llama.cpp", "rss", cpp.peak_rss_bytes)
+
+        pre, pre_m = run_llama_chat(path, prompts["long"], 1, shape.ctx, env)
+        dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, shape.ctx, env)
+        if pre["prompt_tokens"] != args.prompt_tokens:
+            log(f"llama-chat read the prefill prompt as {pre['prompt_tokens']} tokens, not {args.prompt_tokens}")
+        if dec["completion_tokens"] != args.gen:
+            log(f"llama-chat generated {dec['completion_tokens']} tokens, not {args.gen}")
+        rss = max(pre_m.peak_rss_bytes, dec_m.peak_rss_bytes)
+        emit(round=round_no, shape=key, type=ftype, system="llama-chat", prefill_tok_s=pre["timings"]["prefill_tok_s"],
+             prompt_tokens=pre["prompt_tokens"], decode_tok_s=dec["timings"]["decode_tok_s"],
+             completion_tokens=dec["completion_tokens"], peak_rss_mb=rss / 1e6,
+             wall_s=pre_m.wall_s + dec_m.wall_s)
+        got.add("llama-chat", "prefill", pre["timings"]["prefill_tok_s"])
+        got.add("llama-chat", "decode", dec["timings"]["decode_tok_s"])
+        got.add("llama-chat", "rss", rss)
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def print_tables(files: dict, results: dict, bandwidth: float, baseline: float, peer: LlamaCpp, args) -> None:
+    from bench_decode import cpu_name
+
+    print(f"\n### {cpu_name()}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s, "
+          f"llama.cpp {peer.commit} (llama-cpp-python {peer.version})\n")
+    print(f"Median of {args.rounds} round(s); pp{args.prompt_tokens} and tg{args.gen}; ratios are llama-chat over "
+          f"llama.cpp. Baseline (llama-chat on the shipped model): {baseline / 1e6:.0f} MB peak RSS.")
+    for key in dict.fromkeys(k for k, _ in files):
+        shape = SHAPES[key]
+        kv = 2 * shape.n_layers * shape.ctx * shape.kv_dim * 4
+        print(f"\n#### {shape.name}-shaped (dim {shape.dim}, {shape.n_layers} layers, {shape.n_heads}/"
+              f"{shape.n_kv_heads} heads, ffn {shape.hidden}, vocab {VOCAB}, {'tied' if shape.tied else 'untied'}); "
+              f"llama-chat KV cache {kv / 1e6:.0f} MB (ctx {shape.ctx}, float32)\n")
+        print("| type | file MB | read/token MB | bound tok/s | decode llama.cpp | decode llama-chat | ratio "
+              "| of bound cpp / chat | prefill llama.cpp | prefill llama-chat | ratio | peak RSS llama.cpp MB "
+              "| peak RSS llama-chat MB | rule MB | rule holds |")
+        print("|---|" + "---:|" * 14)
+        for (k, ftype), path in files.items():
+            if k != key:
+                continue
+            r = results[k, ftype]
+            size = path.stat().st_size
+            per_token = weight_bytes_per_token(path)
+            bound = bandwidth * 1e9 / per_token
+            cd, hd = r.median("llama.cpp", "decode"), r.median("llama-chat", "decode")
+            cp, hp = r.median("llama.cpp", "prefill"), r.median("llama-chat", "prefill")
+            crss, hrss = r.median("llama.cpp", "rss"), r.median("llama-chat", "rss")
+            rule = MEMORY_SLACK * size + kv + baseline
+            holds = "-" if hrss is None else ("yes" if hrss <= rule else "**no**")
+            of_bound = f"{_f(cd and cd / bound, 2)} / {_f(hd and hd / bound, 2)}"
+            print(f"| {ftype} | {size / 1e6:.0f} | {per_token / 1e6:.0f} | {bound:.1f} | {_f(cd)} | {_f(hd)} "
+                  f"| {_ratio(hd, cd)} | {of_bound} | {_f(cp)} | {_f(hp)} | {_ratio(hp, cp)} "
+                  f"| {_f(crss and crss / 1e6, 0)} | {_f(hrss and hrss / 1e6, 0)} | {rule / 1e6:.0f} | {holds} |")
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="1.1b,110m", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--types", default=",".join(TYPES), help=f"comma-separated, of {', '.join(TYPES)}")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "llama-chat-bench",
+                   help="where llama.cpp, the checkpoints and the files are kept")
+    p.add_argument("--quick", action="store_true", help="110m only, 1 round")
+    p.add_argument("--threads", type=int, default=2, help="threads for both systems (default 2)")
+    p.add_argument("--jobs", type=int, default=2, help="parallel jobs for llama.cpp's build (default 2)")
+    p.add_argument("--prompt-tokens", type=int, default=512, help=argparse.SUPPRESS)
+    p.add_argument("--gen", type=int, default=128, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.shapes, args.rounds = "110m", 1
+    args.shape_keys = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
+    args.type_keys = [t.strip().lower() for t in args.types.split(",") if t.strip()]
+    for name, given, known in (("shape", args.shape_keys, SHAPES), ("type", args.type_keys, TYPES)):
+        bad = [g for g in given if g not in known]
+        if bad or not given:
+            p.error(f"unknown {name} {', '.join(bad) or '(none given)'}; expected some of {', '.join(known)}")
+    if args.rounds < 1 or args.threads < 1 or args.jobs < 1:
+        p.error("--rounds, --threads and --jobs must be at least 1")
+    return args
+
+
+def check_disk(cache: Path, shapes: list[str], types: list[str]) -> None:
+    """Refuse to start when the files cannot fit: F16 is two bytes a weight, the others less."""
+    need = 0
+    for key in shapes:
+        s = SHAPES[key]
+        params = s.n_layers * (2 * s.dim * s.dim + 2 * s.dim * s.kv_dim + 3 * s.dim * s.hidden)
+        params += VOCAB * s.dim * (1 if s.tied else 2)
+        if not (cache / "models" / key / "hf" / "config.json").is_file():
+            need += 2 * params
+        for t in dict.fromkeys(["f16", *types]):
+            if not gguf_path(cache, key, t).is_file():
+                need += 2 * params
+    cache.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(cache).free
+    if need > free:
+        raise SystemExit(f"not enough disk under {cache}: about {need / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cache = args.cache.expanduser().resolve()
+    check_disk(cache, args.shape_keys, args.type_keys)
+    try:
+        peer = peer_mod.ensure_llama_cpp(cache, jobs=args.jobs, log=log)
+    except PeerError as e:
+        print(f"bench_gguf: {e}", file=sys.stderr)
+        return 1
+    emit(llama_cpp=peer.commit, sdist=peer.version, build_s=round(peer.build_s, 1), built_now=peer.built_now,
+         cmake_flags=list(peer_mod.CMAKE_FLAGS))
+
+    tokenizer = write_tokenizer(cache / "tokenizer" / "tokenizer.model")
+    files: dict[tuple[str, str], Path] = {}
+    try:
+        for key in args.shape_keys:
+            hf_dir = write_checkpoint(SHAPES[key], cache / "models" / key / "hf", tokenizer)
+            for ftype in args.type_keys:
+                files[key, ftype] = make_file(peer, cache, key, hf_dir, ftype, args.threads)
+    except PeerError as e:
+        print(f"bench_gguf: {e}", file=sys.stderr)
+        return 1
+    prompts = {"long": prefill_prompt(cache, tokenizer, args.prompt_tokens), "short": cache / "prompt-short.txt"}
+    prompts["short"].write_text(SHORT_PROMPT)
+
+    from bench_decode import read_bandwidth_gbs
+
+    env = child_env(args.threads)
+    log("untimed llama-chat run on the shipped model (builds its CPU kernels if their cache is cold)")
+    run_llama_chat(None, prompts["short"], 8, None, env)
+    for path in files.values():
+        read_through(path)
+    results = {k: Results() for k in files}
+    bandwidths, baselines = [], []
+    for round_no in range(1, args.rounds + 1):
+        bandwidths.append(read_bandwidth_gbs(args.threads))
+        _, base = run_llama_chat(None, prompts["short"], args.gen, None, env)
+        baselines.append(base.peak_rss_bytes)
+        emit(round=round_no, read_bandwidth_gbs=bandwidths[-1], baseline_rss_mb=base.peak_rss_bytes / 1e6)
+        measure_round(peer, files, results, prompts, args, round_no)
+    print_tables(files, results, statistics.median(bandwidths), statistics.median(baselines), peer, args)
+    print(f"\nllama.cpp build: {peer.build_s:.0f} s{' (this run)' if peer.built_now else ' (cached)'}; "
+          f"python {platform.python_version()}; command: python benchmarks/bench_gguf.py "
+          f"{' '.join(sys.argv[1:] if argv is None else argv)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
