@@ -1,10 +1,11 @@
-"""Decode steps through the whole model in one call of our CPU operator.
+"""Lays a model's weights out for the one-call CPU decode step (``ml/cpu/decode.py``) and says when
+a forward takes it.
 
 A decode step on the CPU is some 25 (stories15M-sized) to 90 (TinyLlama-sized) products, and each
-product's parallel region wakes torch's sleeping OpenMP helper, 30-60 us a time against 20-100 us
-for the product itself. ``torch.ops.llama_chat_cpu.decode_step`` (``ml/cpu_decode.cpp``) runs one
-token of each of several rows through every layer and the classifier in one parallel region
-instead, its threads spinning only while that token is computed. Two ways in:
+product's parallel region wakes torch's sleeping OpenMP helper, which costs about as much as the
+product itself. ``torch.ops.llama_chat_cpu.decode_step`` (``ml/cpu/decode.cpp``) runs one token of
+each of several rows through every layer and the classifier in one parallel region instead, its
+threads spinning only while that token is computed. Two ways in:
 
 * ``Transformer.forward`` hands it a forward when ``takes`` says so: one token of one row, on the
   CPU, without gradients, over a ``KVCache``, with fused projections whose weights the operator
@@ -12,10 +13,11 @@ instead, its threads spinning only while that token is computed. Two ways in:
 * the scheduler hands it a step of one-token rows over its page pool, each row with its own
   position and block table (``takes_rows``, ``forward_rows``).
 
-The tensors the operator reads are gathered once per model (and per cache) and kept: the norms
-as float32 copies, everything else as the model's own tensors, whose weights are first moved into
-one block of 2 MiB pages (``gather``). Greedy picks can be made inside the step (``Decoder.pick``,
-``RowsDecoder.with_picks``), by the threads that write the logits.
+The tensors the operator reads are gathered once per model and kept: the norms as float32 copies,
+everything else as the model's own tensors, whose weights are first moved into one block of
+2 MiB pages (``gather``); float32 weights are also packed as panels for steps of several rows
+(``DecodeWeights.packed_weights``). The decoders that call the operator with them
+(``Decoder``, ``RowsDecoder``) are ``ml/cpu/decode.py``'s.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import torch
 from torch import nn
 
 from llama_chat.ml import quantize
+from llama_chat.ml.cpu import decode
 from llama_chat.ml.cpu import kernels as cpu_kernels
+from llama_chat.ml.cpu.decode import PANEL, Decoder, StepWeights
 from llama_chat.model.formats.common import in_file_mapping, release_heap, release_pages
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache
@@ -49,18 +53,18 @@ class DecodeWeights:
     decoders: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     packed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # ``packed_weights``, once made
 
-    def arguments(self, model: nn.Module, keys: list[torch.Tensor], values: list[torch.Tensor],
-                  packed: bool = False) -> tuple:
-        """The operator's arguments from its weights on, for a cache of these keys and values;
-        with ``packed``, float32 weights as panels where ``packed_weights`` makes them."""
+    def step_weights(self, model: nn.Module, packed: bool = False) -> StepWeights:
+        """What the operator reads of ``model``; with ``packed``, float32 weights as panels where
+        ``packed_weights`` makes them."""
         args = model.args
         weights, output = self.packed_weights() if packed else (self.weights, self.output)
-        return (weights, self.scales, self.norms, keys, values, model.rope_table(self.output.device),
-                self.final_norm, output, self.output_scales, args.n_heads, args.n_kv_heads, args.norm_eps)
+        return StepWeights(model.tok_embeddings.weight.detach(), weights, self.scales, self.norms, self.final_norm,
+                           output, self.output_scales, model.rope_table(self.output.device), args.n_heads,
+                           args.n_kv_heads, args.norm_eps)
 
     def packed_weights(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The weights and the classifier for the batched step (and a single stream's, below
-        ``PANELS_ALONE_AT_MOST``): float32 ones packed as panels of 16 outputs (``ml/cpu_panels.h``),
+        ``PANELS_ALONE_AT_MOST``): float32 ones packed as panels of 16 outputs (``ml/cpu/panels.h``),
         a second copy, made once; the classifier only when its outputs are a multiple of 16, and
         nothing when the copy would pass ``PANELS_AT_MOST``."""
         if self.packed is None:
@@ -96,8 +100,6 @@ class DecodeWeights:
         return [w for w in (*self.weights, self.output) if _packable(w, w is self.output)]
 
 
-# Outputs per panel of packed weights (``ml/cpu_panels.h``).
-PANEL = 16
 # The packed copy of a model's float32 weights is made only up to this size: a 110M-parameter
 # model's is 0.4 GiB, a TinyLlama-sized one's 4.1 GiB.
 PANELS_AT_MOST = 1 << 30
@@ -284,67 +286,15 @@ def forward(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cac
 
 
 def decoder(model: nn.Module, cache: KVCache) -> Decoder:
-    """The ``Decoder`` of ``model`` over ``cache``, made once (until either's tensors change)."""
+    """The ``Decoder`` of ``model`` over row 0 of ``cache``, made once (until either's tensors change)."""
     found = _weights_of(model)
     if found is None:
         raise ValueError("the one-call step cannot read this model's weights")
     made = found.decoders.get(cache)
     if made is None or made.keys_ptr != cache.keys[0].data_ptr():
-        made = found.decoders[cache] = Decoder(model, found, cache)
+        weights = found.step_weights(model, packed=found.packs_for(alone=True))
+        made = found.decoders[cache] = Decoder(weights, [k[0] for k in cache.keys], [v[0] for v in cache.values])
     return made
-
-
-class Decoder:
-    """``decoder(token, position)``: the logits ``(1, vocab)`` of one token of the one sequence in
-    row 0 of ``cache``, its keys and values written, with everything but the token and the
-    position prepared once (row 0 of every layer's keys and values as one page of the cache's
-    length). A step on the stories15M-sized model spent a tenth of its time in Python around the
-    call before."""
-
-    def __init__(self, model: nn.Module, found: DecodeWeights, cache: KVCache) -> None:
-        # Detached: a step needs no inference or no-grad mode around it (``pick`` in the engine),
-        # and a plain tensor slices faster than a parameter: with both, the time between two of
-        # the engine's steps went from about 70 to 36 us on a stories15M-sized model.
-        self.embedding = model.tok_embeddings.weight.detach()
-        self.vocab_size = self.embedding.shape[0]
-        self.classes = found.output.shape[0]  # logits per step
-        self.capacity = cache.max_seq_len
-        self.keys_ptr = cache.keys[0].data_ptr()
-        keys, values = [k[0].unsqueeze(1) for k in cache.keys], [v[0].unsqueeze(1) for v in cache.values]
-        self._run = torch.ops.llama_chat_cpu.decode_step.default
-        self._before = (torch.zeros(1, 1, dtype=torch.long), self.capacity,
-                        *found.arguments(model, keys, values, packed=found.packs_for(alone=True)))
-        # The position goes in through a NumPy view of a kept tensor: a new tensor per token cost
-        # twenty times as long.
-        self._position = torch.zeros(1, dtype=torch.long)
-        self._position_slot = self._position.numpy()
-        self._picks = torch.zeros(1, dtype=torch.long)
-        self._pick_slot = self._picks.numpy()
-        # So does a float32 embedding row (``_EmbeddingRows``).
-        self._hidden_row = torch.zeros(1, self.embedding.shape[1])
-        self._hidden_bytes = memoryview(self._hidden_row.numpy()).cast("B")
-        self._embedding_rows = _EmbeddingRows.of(self.embedding)
-
-    def __call__(self, token: int, position: int) -> torch.Tensor:
-        return self._run(self._hidden(token, position), self._position, *self._before)
-
-    def pick(self, token: int, position: int, below: int | None = None) -> int:
-        """The greedy pick after the token: the first id of the largest logit among the ids below
-        ``below`` (all of them: None), found by the step's own threads as they write the logits."""
-        self._run(self._hidden(token, position), self._position, *self._before, self._picks,
-                  self.classes if below is None else below)
-        return int(self._pick_slot[0])
-
-    def _hidden(self, token: int, position: int) -> torch.Tensor:
-        if not 0 <= position < self.capacity:
-            raise IndexError(f"position {position} is past the cache length {self.capacity}")
-        if not 0 <= token < self.vocab_size:
-            raise IndexError(f"token id {token} is outside the vocabulary ({self.vocab_size})")
-        self._position_slot[0] = position
-        if self._embedding_rows is None:
-            return self.embedding[token:token + 1].float()
-        self._embedding_rows.copy((token,), self._hidden_bytes)
-        return self._hidden_row
 
 
 def takes_rows(model: nn.Module, cache) -> bool:
@@ -354,157 +304,22 @@ def takes_rows(model: nn.Module, cache) -> bool:
             and _weights_of(model) is not None)
 
 
-class RowsDecoder:
-    """``decoder(tokens, positions, tables)``: logits ``(rows, vocab)``, float32, where row ``r``
-    is token ``tokens[r]`` at ``positions[r]`` of the sequence whose pages of ``cache`` are
-    ``tables[r]`` (all of the same length); each token's keys and values are written at its
-    position's slot of its pages. Rows may be consecutive tokens of one sequence (a prompt's
-    chunk): every row's keys are written before any row attends. Everything else is prepared
-    once."""
+class RowsDecoder(decode.RowsDecoder):
+    """``decode.RowsDecoder`` of ``model`` over the paged ``cache``: a row alone reads what a single
+    stream reads (``DecodeWeights.packs_for``); steps of several rows read panels, with which a
+    tile of rows takes a batch's classifier faster than weight rows one at a time
+    (docs/batching.md, "Panels")."""
 
     def __init__(self, model: nn.Module, cache: PagedKVCache) -> None:
         found = _weights_of(model)
         if found is None:
             raise ValueError("the one-call step cannot read this model's weights")
-        self.embedding = model.tok_embeddings.weight.detach()  # a plain tensor slices faster
-        self.vocab_size = self.embedding.shape[0]
-        self.classes = found.output.shape[0]  # logits per row
-        self.page_size = cache.page_size
-        self._run = torch.ops.llama_chat_cpu.decode_step.default
-        # Panels: a tile of rows against a panel takes a batch's classifier at 1.5x the speed of
-        # weight rows taken one at a time. A row alone (a job left alone, a chat's turn) takes
-        # what a single stream takes (``DecodeWeights.packs_for``).
-        self._after_lone = found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone=True))
-        # Made at the first step of several rows: a chat's scheduler never takes one.
-        self._after: tuple | None = None
-        self._several = lambda: found.arguments(model, cache.keys, cache.values, packed=found.packs_for(alone=False))
-        # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's too.
-        self._embedding_rows = _EmbeddingRows.of(self.embedding)
-        self._rows_inputs = _RowsInputs(self.embedding.shape[1])
+        super().__init__(found.step_weights(model, packed=found.packs_for(alone=True)),
+                         lambda: found.step_weights(model, packed=found.packs_for(alone=False)),
+                         cache.keys, cache.values, cache.page_size)
         # Whether steps of several rows read panels: then prompts' chunks are worth taking as
         # rows too (``BatchCore``), a step of them being as long as a few decode steps.
         self.packs_several = found.packs_for(alone=False) and 0 < found.panel_bytes() <= PANELS_AT_MOST
-
-    def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        return self._run(*self._inputs(tokens, positions, tables), *self._weights(len(tokens)))
-
-    def with_picks(self, tokens: list[int], positions: list[int], tables: list[list[int]],
-                   below: int | None = None, sampled: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits and each row's greedy pick among the ids below ``below`` (all: None), picked
-        by the step's own threads as they write the logits (``Decoder.pick``); with ``sampled``,
-        of those rows only, in that order (rows of a prompt's chunk but its last need none). The
-        picks tensor of a number of rows is the same one every time: read it before the next
-        step."""
-        kept = self._rows_inputs.of(len(tokens), len(tables[0]))
-        picks = kept.picks
-        chosen = None
-        if sampled is not None and len(sampled) < len(tokens):
-            picks = picks[:len(sampled)]
-            chosen = torch.tensor(sampled, dtype=torch.long)
-        logits = self._run(*self._fill(kept, tokens, positions, tables), *self._weights(len(tokens)), picks,
-                           self.classes if below is None else below, chosen)
-        return logits, picks
-
-    def pick(self, token: int, position: int, table: list[int], below: int | None = None) -> int:
-        """``with_picks`` of one row, its pick as an int, read through a NumPy view: indexing the
-        picks tensor let go of the GIL, and a lone job waited some 25 us a step to take it back."""
-        kept = self._rows_inputs.of(1, len(table))
-        self._run(*self._fill(kept, [token], [position], [table]), *self._weights(1), kept.picks,
-                  self.classes if below is None else below)
-        return int(kept.picks_slot[0])
-
-    def _weights(self, rows: int) -> tuple:
-        if rows == 1:
-            return self._after_lone
-        if self._after is None:
-            self._after = self._several()
-        return self._after
-
-    def _inputs(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
-        return self._fill(self._rows_inputs.of(len(tokens), len(tables[0])), tokens, positions, tables)
-
-    def _fill(self, kept: _KeptRows, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
-        if self._embedding_rows is not None:
-            if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-                raise IndexError(f"a token id of {tokens} is outside the vocabulary ({self.vocab_size})")
-            self._embedding_rows.copy(tokens, kept.hidden_bytes)
-            hidden = kept.hidden
-        elif len(tokens) == 1:  # a slice, not a gather
-            hidden = self.embedding[tokens[0]:tokens[0] + 1].float()
-        else:
-            hidden = self.embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
-        kept.positions_slot[:] = positions
-        kept.tables_slot[:] = tables
-        return (hidden, kept.positions, kept.tables, self.page_size)
-
-
-class _EmbeddingRows:
-    """A float32 embedding whose rows are copied as bytes between memoryviews, holding the GIL:
-    NumPy's ``take`` let go of it, and taking it back from the event loop's thread cost a lone
-    scheduler job 20 us a step. (NumPy cannot view a bfloat16 embedding: torch takes its rows.)"""
-
-    def __init__(self, embedding: torch.Tensor) -> None:
-        self.rows = memoryview(embedding.numpy()).cast("B")
-        self.size = embedding.shape[1] * embedding.element_size()
-
-    @classmethod
-    def of(cls, embedding: torch.Tensor) -> _EmbeddingRows | None:
-        return cls(embedding) if embedding.dtype == torch.float32 else None
-
-    def copy(self, tokens, into: memoryview) -> None:
-        """Row ``tokens[r]`` into the ``r``-th row of ``into`` (float32 rows, as bytes)."""
-        size = self.size
-        for r, token in enumerate(tokens):
-            into[r * size:(r + 1) * size] = self.rows[token * size:(token + 1) * size]
-
-
-@dataclass
-class _KeptRows:
-    """The inputs of a step of ``rows`` rows with block tables ``width`` long: kept tensors and
-    NumPy views of them, to be filled in place."""
-
-    hidden: torch.Tensor
-    positions: torch.Tensor
-    tables: torch.Tensor
-    picks: torch.Tensor
-
-    def __post_init__(self) -> None:
-        self.hidden_bytes = memoryview(self.hidden.numpy()).cast("B")
-        self.picks_slot = self.picks.numpy()
-        self.positions_slot = self.positions.numpy()
-        self.tables_slot = self.tables.numpy()
-
-
-class _RowsInputs:
-    """``_KeptRows`` per shape, cut from buffers that grow as needed.
-
-    A step of 16 rows built its inputs with four torch calls (the embedding's ``index_select``,
-    three tensors from lists), each of which let go of the GIL and waited to take it back from the
-    event loop's thread. Filling NumPy views keeps it: 16 jobs of a stories15M-sized model ran
-    1.03x as fast (8 interleaved pairs). The shapes change only when a job joins or leaves or a
-    row reaches a new page, so each shape's views are made once."""
-
-    def __init__(self, dim: int) -> None:
-        self.dim = dim
-        self.rows = self.width = 0
-        self.made: dict[tuple[int, int], _KeptRows] = {}
-
-    def of(self, rows: int, width: int) -> _KeptRows:
-        kept = self.made.get((rows, width))
-        if kept is None:
-            if len(self.made) >= 512:  # shapes of steps long past
-                self.made.clear()
-            if rows > self.rows or width > self.width:
-                self.rows, self.width = max(rows, 2 * self.rows), max(width, 2 * self.width)
-                self._hidden = torch.empty(self.rows * self.dim)
-                self._positions = torch.empty(self.rows, dtype=torch.long)
-                self._tables = torch.empty(self.rows * self.width, dtype=torch.long)
-                self._picks = torch.empty(self.rows, dtype=torch.long)
-                self.made.clear()
-            kept = self.made[rows, width] = _KeptRows(
-                self._hidden[:rows * self.dim].view(rows, self.dim), self._positions[:rows],
-                self._tables[:rows * width].view(rows, width), self._picks[:rows])
-        return kept
 
 
 def forward_rows(model: nn.Module, tokens: list[int], positions: list[int], tables: list[list[int]],

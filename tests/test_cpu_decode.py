@@ -1,5 +1,5 @@
-"""The one-call CPU decode step (``model/cpu_decode.py``, ``ml/cpu_decode.cpp``) against the model
-run layer by layer: the same logits, the same cache, the same greedy tokens."""
+"""The one-call CPU decode step (``model/cpu_decode.py``, ``ml/cpu/decode.py``, ``ml/cpu/decode.cpp``)
+against the model run layer by layer: the same logits, the same cache, the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from builders import random_model, tiny_args
 from llama_chat.inference.model_step import ModelStep, StepOptions
 from llama_chat.ml import quantize
 from llama_chat.ml.cpu import kernels as cpu_kernels
+from llama_chat.ml.cpu.decode import RowsDecoder
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model import cpu_decode
 from llama_chat.model.kv_cache import KVCache
@@ -397,10 +398,11 @@ def test_a_step_of_many_rows_equals_each_row_alone_whatever_the_threads(kind):
 def _rows_logits(model, tokens: list[int], packed: bool) -> torch.Tensor:
     cache = PagedKVCache.for_model(model.args, num_pages=len(tokens) + 1, page_size=4)
     with torch.inference_mode():
-        decoder = cpu_decode.RowsDecoder(model, cache)
-        if not packed:
-            decoder._after = decoder._after_lone = cpu_decode._weights_of(model).arguments(
-                model, cache.keys, cache.values)
+        if packed:
+            decoder = cpu_decode.RowsDecoder(model, cache)
+        else:
+            rows = cpu_decode._weights_of(model).step_weights(model)
+            decoder = RowsDecoder(rows, lambda: rows, cache.keys, cache.values, cache.page_size)
         for position in range(2):  # the second step attends over the first
             logits = decoder(tokens, [position] * len(tokens), [[r] for r in range(len(tokens))])
     return logits
@@ -477,22 +479,24 @@ def test_a_single_stream_takes_the_panels_only_while_the_copy_is_small(monkeypat
     paged = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
     dense = KVCache.for_model(model.args, 1)
 
-    def packed(after) -> bool:  # the weights, then the classifier, among the operator's arguments
-        return all(w.dim() == 3 for w in after[0]) and after[7].dim() == 3
+    def single_stream():
+        found.decoders.clear()
+        return cpu_decode.decoder(model, dense).weights
 
     with torch.inference_mode():
-        assert packed(cpu_decode.RowsDecoder(model, paged)._weights(rows=3))
-        assert packed(cpu_decode.RowsDecoder(model, paged)._weights(rows=1))
-        assert packed(cpu_decode.Decoder(model, found, dense)._before[2:])
+        assert cpu_decode.RowsDecoder(model, paged).weights_for(rows=3).packed
+        assert cpu_decode.RowsDecoder(model, paged).weights_for(rows=1).packed
+        assert single_stream().packed
         monkeypatch.setattr(cpu_decode, "PANELS_ALONE_AT_MOST", found.panel_bytes() - 1)
-        assert packed(cpu_decode.RowsDecoder(model, paged)._weights(rows=3))
-        assert not packed(cpu_decode.RowsDecoder(model, paged)._weights(rows=1))
-        assert not packed(cpu_decode.Decoder(model, found, dense)._before[2:])
+        assert cpu_decode.RowsDecoder(model, paged).weights_for(rows=3).packed
+        assert not cpu_decode.RowsDecoder(model, paged).weights_for(rows=1).packed
+        assert not single_stream().packed
         # bfloat16 weights: float32 panels for several rows, their own rows for one
         model.to(torch.bfloat16)
         halves = cpu_decode.RowsDecoder(model, paged)
-        assert packed(halves._weights(rows=3)) and halves._weights(rows=3)[0][0].dtype == torch.float32
-        assert not packed(halves._weights(rows=1)) and halves._weights(rows=1)[0][0].dtype == torch.bfloat16
+        several, lone = halves.weights_for(rows=3), halves.weights_for(rows=1)
+        assert several.packed and several.weights[0].dtype == torch.float32
+        assert not lone.packed and lone.weights[0].dtype == torch.bfloat16
 
 
 def test_steps_of_one_row_make_no_packed_copy_the_single_stream_does_not_take(monkeypatch):

@@ -1,0 +1,269 @@
+"""Calls of the one-call decode step (``decode.cpp``): a token of each of several rows through every
+layer and the classifier in one call of ``torch.ops.llama_chat_cpu.decode_step``.
+
+What the step reads of a model comes in as ``StepWeights``, laid out by the model's side
+(``model/cpu_decode.py`` gathers them from a model's modules and packs the panels). Here are the
+objects that call the operator with them, everything but the tokens and positions prepared once:
+``Decoder`` for the one sequence of a dense cache, ``RowsDecoder`` for rows over a paged cache.
+Greedy picks can be made inside the step (``Decoder.pick``, ``RowsDecoder.with_picks``), by the
+threads that write the logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Outputs per panel of packed float32 weights (``panels.h``).
+PANEL = 16
+
+
+@dataclass(frozen=True)
+class StepWeights:
+    """What the step reads of one model besides the tokens and the cache. Per layer, in this order,
+    the fused q/k/v, output, gate/up and down projections: each an (n, k) float32, bfloat16 or
+    int8 matrix (int8 with float32 scales per output), or float32 panels (ceil(n / 16), k, 16);
+    then its attention and feed-forward norms, float32."""
+
+    embedding: torch.Tensor
+    weights: list[torch.Tensor]
+    scales: list[torch.Tensor | None]
+    norms: list[torch.Tensor]
+    final_norm: torch.Tensor
+    output: torch.Tensor
+    output_scales: torch.Tensor | None
+    rope: torch.Tensor  # float32 (positions, head_dim / 2, 2): cos and sin of each pair's angle
+    n_heads: int
+    n_kv_heads: int
+    norm_eps: float
+
+    @property
+    def classes(self) -> int:
+        """Logits per row: a classifier given as panels has whole ones."""
+        return self.output.shape[0] * PANEL if self.output.dim() == 3 else self.output.shape[0]
+
+    @property
+    def packed(self) -> bool:
+        """Whether every weight and the classifier are panels."""
+        return all(w.dim() == 3 for w in self.weights) and self.output.dim() == 3
+
+    def arguments(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple:
+        """The operator's arguments from its weights on, for a cache of these keys and values."""
+        return (self.weights, self.scales, self.norms, keys, values, self.rope, self.final_norm, self.output,
+                self.output_scales, self.n_heads, self.n_kv_heads, self.norm_eps)
+
+
+def _decode_step():
+    return torch.ops.llama_chat_cpu.decode_step.default
+
+
+class Decoder:
+    """``decoder(token, position)``: the logits ``(1, vocab)`` of one token of one sequence, its keys
+    and values written into ``keys`` and ``values`` (per layer, the sequence's
+    ``(kv_heads, length, head_dim)``), with everything but the token and the position prepared
+    once (the sequence's slots as one page of the cache's length). A step on the
+    stories15M-sized model spent a tenth of its time in Python around the call before."""
+
+    def __init__(self, weights: StepWeights, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        # Detached: a step needs no inference or no-grad mode around it (``pick`` in the engine),
+        # and a plain tensor slices faster than a parameter (docs/benchmarks.md, "Decode").
+        self.weights = weights
+        self.embedding = weights.embedding.detach()
+        self.vocab_size = self.embedding.shape[0]
+        self.classes = weights.classes  # logits per step
+        self.capacity = keys[0].shape[1]
+        self.keys_ptr = keys[0].data_ptr()
+        one_page = [k.unsqueeze(1) for k in keys], [v.unsqueeze(1) for v in values]
+        self._run = _decode_step()
+        self._before = (torch.zeros(1, 1, dtype=torch.long), self.capacity, *weights.arguments(*one_page))
+        # The position goes in through a NumPy view of a kept tensor: a new tensor per token cost
+        # far more than the copy.
+        self._position = torch.zeros(1, dtype=torch.long)
+        self._position_slot = self._position.numpy()
+        self._picks = torch.zeros(1, dtype=torch.long)
+        self._pick_slot = self._picks.numpy()
+        # So does a float32 embedding row (``_EmbeddingRows``).
+        self._hidden_row = torch.zeros(1, self.embedding.shape[1])
+        self._hidden_bytes = memoryview(self._hidden_row.numpy()).cast("B")
+        self._embedding_rows = _EmbeddingRows.of(self.embedding)
+
+    def __call__(self, token: int, position: int) -> torch.Tensor:
+        return self._run(self._hidden(token, position), self._position, *self._before)
+
+    def pick(self, token: int, position: int, below: int | None = None) -> int:
+        """The greedy pick after the token: the first id of the largest logit among the ids below
+        ``below`` (all of them: None), found by the step's own threads as they write the logits."""
+        self._run(self._hidden(token, position), self._position, *self._before, self._picks,
+                  self.classes if below is None else below)
+        return int(self._pick_slot[0])
+
+    def _hidden(self, token: int, position: int) -> torch.Tensor:
+        if not 0 <= position < self.capacity:
+            raise IndexError(f"position {position} is past the cache length {self.capacity}")
+        if not 0 <= token < self.vocab_size:
+            raise IndexError(f"token id {token} is outside the vocabulary ({self.vocab_size})")
+        self._position_slot[0] = position
+        if self._embedding_rows is None:
+            return self.embedding[token:token + 1].float()
+        self._embedding_rows.copy((token,), self._hidden_bytes)
+        return self._hidden_row
+
+
+class RowsDecoder:
+    """``decoder(tokens, positions, tables)``: logits ``(rows, vocab)``, float32, where row ``r``
+    is token ``tokens[r]`` at ``positions[r]`` of the sequence whose pages of the paged cache
+    (``keys`` and ``values``: per layer ``(kv_heads, pages, page_size, head_dim)``) are
+    ``tables[r]`` (all of the same length); each token's keys and values are written at its
+    position's slot of its pages. Rows may be consecutive tokens of one sequence (a prompt's
+    chunk): every row's keys are written before any row attends. Everything else is prepared
+    once.
+
+    A row alone (a job left alone, a chat's turn) reads ``lone``; steps of several rows read what
+    ``several`` makes, made at the first such step (a chat's scheduler never takes one)."""
+
+    def __init__(self, lone: StepWeights, several: Callable[[], StepWeights], keys: list[torch.Tensor],
+                 values: list[torch.Tensor], page_size: int) -> None:
+        self.embedding = lone.embedding.detach()  # a plain tensor slices faster
+        self.vocab_size = self.embedding.shape[0]
+        self.classes = lone.classes  # logits per row
+        self.page_size = page_size
+        self._run = _decode_step()
+        self._keys, self._values = keys, values
+        self._lone = lone
+        self._several_weights: StepWeights | None = None
+        self._make_several = several
+        self._after_lone = lone.arguments(keys, values)
+        self._after: tuple | None = None
+        # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's too.
+        self._embedding_rows = _EmbeddingRows.of(self.embedding)
+        self._rows_inputs = _RowsInputs(self.embedding.shape[1])
+
+    def weights_for(self, rows: int) -> StepWeights:
+        """What a step of ``rows`` rows reads."""
+        if rows == 1:
+            return self._lone
+        if self._several_weights is None:
+            self._several_weights = self._make_several()
+        return self._several_weights
+
+    def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        return self._run(*self._inputs(tokens, positions, tables), *self._weights(len(tokens)))
+
+    def with_picks(self, tokens: list[int], positions: list[int], tables: list[list[int]],
+                   below: int | None = None, sampled: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and each row's greedy pick among the ids below ``below`` (all: None), picked
+        by the step's own threads as they write the logits (``Decoder.pick``); with ``sampled``,
+        of those rows only, in that order (rows of a prompt's chunk but its last need none). The
+        picks tensor of a number of rows is the same one every time: read it before the next
+        step."""
+        kept = self._rows_inputs.of(len(tokens), len(tables[0]))
+        picks = kept.picks
+        chosen = None
+        if sampled is not None and len(sampled) < len(tokens):
+            picks = picks[:len(sampled)]
+            chosen = torch.tensor(sampled, dtype=torch.long)
+        logits = self._run(*self._fill(kept, tokens, positions, tables), *self._weights(len(tokens)), picks,
+                           self.classes if below is None else below, chosen)
+        return logits, picks
+
+    def pick(self, token: int, position: int, table: list[int], below: int | None = None) -> int:
+        """``with_picks`` of one row, its pick as an int, read through a NumPy view: indexing the
+        picks tensor let go of the GIL, and a lone job waited to take it back."""
+        kept = self._rows_inputs.of(1, len(table))
+        self._run(*self._fill(kept, [token], [position], [table]), *self._weights(1), kept.picks,
+                  self.classes if below is None else below)
+        return int(kept.picks_slot[0])
+
+    def _weights(self, rows: int) -> tuple:
+        if rows == 1:
+            return self._after_lone
+        if self._after is None:
+            self._after = self.weights_for(rows).arguments(self._keys, self._values)
+        return self._after
+
+    def _inputs(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
+        return self._fill(self._rows_inputs.of(len(tokens), len(tables[0])), tokens, positions, tables)
+
+    def _fill(self, kept: _KeptRows, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
+        if self._embedding_rows is not None:
+            if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+                raise IndexError(f"a token id of {tokens} is outside the vocabulary ({self.vocab_size})")
+            self._embedding_rows.copy(tokens, kept.hidden_bytes)
+            hidden = kept.hidden
+        elif len(tokens) == 1:  # a slice, not a gather
+            hidden = self.embedding[tokens[0]:tokens[0] + 1].float()
+        else:
+            hidden = self.embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
+        kept.positions_slot[:] = positions
+        kept.tables_slot[:] = tables
+        return (hidden, kept.positions, kept.tables, self.page_size)
+
+
+class _EmbeddingRows:
+    """A float32 embedding whose rows are copied as bytes between memoryviews, holding the GIL:
+    NumPy's ``take`` let go of it, and taking it back from the event loop's thread made a lone
+    scheduler job wait every step. (NumPy cannot view a bfloat16 embedding: torch takes its rows.)"""
+
+    def __init__(self, embedding: torch.Tensor) -> None:
+        self.rows = memoryview(embedding.numpy()).cast("B")
+        self.size = embedding.shape[1] * embedding.element_size()
+
+    @classmethod
+    def of(cls, embedding: torch.Tensor) -> _EmbeddingRows | None:
+        return cls(embedding) if embedding.dtype == torch.float32 else None
+
+    def copy(self, tokens, into: memoryview) -> None:
+        """Row ``tokens[r]`` into the ``r``-th row of ``into`` (float32 rows, as bytes)."""
+        size = self.size
+        for r, token in enumerate(tokens):
+            into[r * size:(r + 1) * size] = self.rows[token * size:(token + 1) * size]
+
+
+@dataclass
+class _KeptRows:
+    """The inputs of a step of ``rows`` rows with block tables ``width`` long: kept tensors and
+    NumPy views of them, to be filled in place."""
+
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    tables: torch.Tensor
+    picks: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.hidden_bytes = memoryview(self.hidden.numpy()).cast("B")
+        self.picks_slot = self.picks.numpy()
+        self.positions_slot = self.positions.numpy()
+        self.tables_slot = self.tables.numpy()
+
+
+class _RowsInputs:
+    """``_KeptRows`` per shape, cut from buffers that grow as needed.
+
+    A step of 16 rows built its inputs with four torch calls (the embedding's ``index_select``,
+    three tensors from lists), each of which let go of the GIL and waited to take it back from the
+    event loop's thread. Filling NumPy views keeps it (docs/batching.md). The shapes change only
+    when a job joins or leaves or a row reaches a new page, so each shape's views are made once."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.rows = self.width = 0
+        self.made: dict[tuple[int, int], _KeptRows] = {}
+
+    def of(self, rows: int, width: int) -> _KeptRows:
+        kept = self.made.get((rows, width))
+        if kept is None:
+            if len(self.made) >= 512:  # shapes of steps long past
+                self.made.clear()
+            if rows > self.rows or width > self.width:
+                self.rows, self.width = max(rows, 2 * self.rows), max(width, 2 * self.width)
+                self._hidden = torch.empty(self.rows * self.dim)
+                self._positions = torch.empty(self.rows, dtype=torch.long)
+                self._tables = torch.empty(self.rows * self.width, dtype=torch.long)
+                self._picks = torch.empty(self.rows, dtype=torch.long)
+                self.made.clear()
+            kept = self.made[rows, width] = _KeptRows(
+                self._hidden[:rows * self.dim].view(rows, self.dim), self._positions[:rows],
+                self._tables[:rows * width].view(rows, width), self._picks[:rows])
+        return kept
