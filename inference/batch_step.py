@@ -255,7 +255,7 @@ class OperatorRows:
 class OperatorDecodes(OperatorRows):
     """``OperatorRows`` for the batch's common step, every row decoding: its tables made in one
     pass over the jobs, without the plan's per-row lists, for this step's Python is a visible
-    part of its time (docs/batching.md, "Interleaved rows and a nearer prefetch")."""
+    part of its time (docs/benchmarks.md, "Batching on the CPU")."""
 
     def _layout(self, plan: StepPlan) -> tuple[list[int], list[int], list[list[int]], None, list[Job]]:
         jobs, size = plan.rows, self.page_size
@@ -271,8 +271,8 @@ class OperatorDecodes(OperatorRows):
 
 class LoneGreedy:
     """One row decoding greedily (a chat's turn, a job left alone at a batch's end): the
-    operator's pick, read as an int, with no logits taken (docs/batching.md, "Interleaved rows
-    and a nearer prefetch", on what the Python around a lone step costs)."""
+    operator's pick, read as an int, with no logits taken, for the Python around a lone step is a
+    visible part of it (docs/benchmarks.md, "Batching on the CPU", the paged single stream)."""
 
     wants_consecutive = False
 

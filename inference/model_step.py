@@ -3,6 +3,14 @@
 These run in a worker thread, one call per forward, so that everything between two calls
 (cancellation, sending into the channel, rendering) happens in async code. They take and return
 plain Python values; the tensors they build never leave the model step.
+
+A request's decode loop is one ``Decode`` behind one call, ``next_token()``, chosen once per
+request by ``ModelStep.decode``:
+
+- ``StaticDecode``: the compiled-shape step of ``decode_step.py`` (its sampler in the graph);
+- ``PickedDecode``: plain greedy tokens picked inside our CPU operator's call (``model/cpu_decode.py``);
+- ``ControlledDecode``: logits, then the processors over the token history, then the draw;
+- ``EagerDecode``: logits, then the sampler.
 """
 
 from __future__ import annotations
@@ -23,8 +31,8 @@ from llama_chat.model.transformer import Transformer
 # (logits (batch, vocab), settings, randomness: one float64 uniform per row) -> (batch,) token ids
 Sampler = Callable[[torch.Tensor, SamplingParams, torch.Tensor], torch.Tensor]
 
-# Below this many parameters a compile costs more time than it ever saves: the shipped model
-# decodes in a fraction of the half-minute a first compile takes.
+# Below this many parameters a compile costs more time than it ever saves (docs/benchmarks.md,
+# "CPU decode against llama2.c and transformers").
 COMPILE_MIN_PARAMETERS = 50_000_000
 
 
@@ -47,19 +55,17 @@ class StepOptions:
         in a CUDA graph on CUDA; elsewhere the eager step unless compiling is asked or pays.
 
         On the CPU the compiled step spells its projections as multiply-and-sum (``row_products``):
-        inductor's reductions read the weights faster than MKL's one-row product (see
-        docs/architecture.md). It is the default there for float32 weights of 50M parameters
-        and more (2.4x the eager step on the stories110M-sized config); in bfloat16 it was no
+        inductor's reductions read the weights faster than MKL's one-row product. It is the
+        default there for float32 weights of 50M parameters and more; in bfloat16 it was no
         reliable gain on a CPU without bf16 instructions, so it is not. int8 weights compile when
         asked: fbgemm's product stays one opaque call in the graph
-        (``quantize.fbgemm_int8_linear``) and the rest of the step is compiled around it. That
-        gave 1.3x the eager int8 step on the stories110M-sized config but 1.05x on a
-        TinyLlama-sized one, after a two-minute cold compile, so it is not the default.
+        (``quantize.fbgemm_int8_linear``) and the rest of the step is compiled around it, which
+        gained too little on larger models for its cold compile, so it is not the default
+        (docs/architecture.md, "Without the operator").
 
         ``one_call``: the model's CPU decode steps go to our one-call operator
-        (``model/cpu_decode.py``). It beats every compiled step there (1.5x the eager step, and
-        faster than the compiled one, on the stories110M-sized config), so nothing compiles
-        unless asked.
+        (``model/cpu_decode.py``), which beats every compiled step there, so nothing compiles
+        unless asked (docs/benchmarks.md, "CPU decode against llama2.c and transformers").
         """
         big = parameters >= COMPILE_MIN_PARAMETERS
         if device.type == "cuda":
@@ -138,7 +144,8 @@ class ModelStep:
         return True
 
     def forward(self, rows: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
-        """Logits ``(len(rows), vocab)`` for the last token of each row (rows of equal length)."""
+        """Logits ``(len(rows), vocab)`` for the last token of each row (rows of equal length).
+        One token of the one row takes the operator's call where it reads the model."""
         # inference_mode is thread-local: it must be entered in the thread that runs the forward.
         with torch.inference_mode():
             if self.one_call is not None and len(rows) == 1 and len(rows[0]) == 1:
@@ -161,16 +168,20 @@ class ModelStep:
         # read the token history on the host, so they take the eager step.
         if self.static is not None and sampler is sample and params.plain and self.prepare_static(params):
             return StaticDecode(self, self.static, list(tail), start, params, uniforms)
-        history = None
-        controls = None if params.plain else make_sampler(params, eos_ids=stop_ids)
-        if controls is not None:
+        if not params.plain:
             history = TokenHistory([list(prompt) or list(tail)], vocab_size=self.sample_ids or self.vocab_size,
                                    device=self.device, window=params.repeat_last_n)
-        return EagerDecode(self, list(tail), start, params, uniforms, sampler, controls, history)
+            return ControlledDecode(self, list(tail), start, params, uniforms, sampler,
+                                    make_sampler(params, eos_ids=stop_ids), history)
+        if self.one_call is not None and sampler is sample and params.greedy:
+            return PickedDecode(self, list(tail), start, params, uniforms, sampler)
+        return EagerDecode(self, list(tail), start, params, uniforms, sampler)
 
 
 class Decode:
     """One request's decode loop: each ``next_token`` call returns the next sampled token id."""
+
+    picks_in_step = False  # whether the token is picked inside the operator's call (``PickedDecode``)
 
     def next_token(self) -> int:
         raise NotImplementedError
@@ -180,33 +191,62 @@ class EagerDecode(Decode):
     """A forward over the tokens not yet fed, then the sampler, each step."""
 
     def __init__(self, step: ModelStep, tail: list[int], start: int, params: SamplingParams,
-                 uniforms: torch.Tensor, sampler: Sampler, controls: Controls | None = None,
-                 history: TokenHistory | None = None) -> None:
+                 uniforms: torch.Tensor, sampler: Sampler) -> None:
         self.step, self.rows, self.pos = step, [tail], start
         self.params, self.uniforms, self.sampler = params, uniforms, sampler
-        self.controls, self.history = controls, history
-        # A plain greedy pick is made inside the one-call step, by the threads that write the logits.
-        self.picks_in_step = (step.one_call is not None and sampler is sample and controls is None
-                              and params.greedy)
 
     def next_token(self) -> int:
-        if self.picks_in_step and len(self.rows[0]) == 1:
-            token = self.step.one_call.pick(self.rows[0][0], self.pos, self.step.sample_ids)
-            self.pos += 1
-            self.rows = [[token]]
-            return token
         with torch.inference_mode():
             fed = len(self.rows[0])
             logits = self.step.forward(self.rows, [self.pos])[:, :self.step.sample_ids]
-            last = self.pos + fed - 1  # the token after position p is drawn with uniform p
-            params = self.params
-            if self.controls is not None:
-                # The processors and any warper but temperature and top-p; then the draw.
-                logits, params = self.controls.prepare(self.history, logits)
-            token = int(self.sampler(logits, params, self.uniforms[last:last + 1])[0])
-            if self.history is not None:
-                self.history.append([token])
+            token = self._draw(logits, self.pos + fed - 1)
         self.pos += fed
+        self.rows = [[token]]
+        return token
+
+    def _draw(self, logits: torch.Tensor, last: int) -> int:
+        return self._sample(logits, self.params, last)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, last: int) -> int:
+        """The token after position ``last``, drawn with uniform ``last`` (as the scheduler draws
+        it: a seeded request picks the same tokens on either)."""
+        return int(self.sampler(logits, params, self.uniforms[last:last + 1])[0])
+
+
+class ControlledDecode(EagerDecode):
+    """``EagerDecode`` with the processors and any warper but temperature and top-p (penalties,
+    top-k, min-p, ...), which read the request's token history; then the draw."""
+
+    def __init__(self, step: ModelStep, tail: list[int], start: int, params: SamplingParams,
+                 uniforms: torch.Tensor, sampler: Sampler, controls: Controls, history: TokenHistory) -> None:
+        super().__init__(step, tail, start, params, uniforms, sampler)
+        self.controls, self.history = controls, history
+
+    def _draw(self, logits: torch.Tensor, last: int) -> int:
+        logits, params = self.controls.prepare(self.history, logits)
+        token = self._sample(logits, params, last)
+        self.history.append([token])
+        return token
+
+
+class PickedDecode(EagerDecode):
+    """Plain greedy decoding where our CPU operator reads the model: after the prompt's tail, each
+    token is picked inside the operator's call, by the threads that write its logits, and no
+    logits leave it."""
+
+    picks_in_step = True
+
+    def __init__(self, step: ModelStep, tail: list[int], start: int, params: SamplingParams,
+                 uniforms: torch.Tensor, sampler: Sampler) -> None:
+        super().__init__(step, tail, start, params, uniforms, sampler)
+        assert step.one_call is not None
+        self._pick = step.one_call.pick
+
+    def next_token(self) -> int:
+        if len(self.rows[0]) > 1:  # the prompt's tail: through the forward
+            return super().next_token()
+        token = self._pick(self.rows[0][0], self.pos, self.step.sample_ids)
+        self.pos += 1
         self.rows = [[token]]
         return token
 
