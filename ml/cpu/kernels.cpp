@@ -7,6 +7,7 @@
 // split among threads.
 //
 // Built on first use by llama_chat/ml/cpu/kernels.py with the machine's C++ compiler.
+#include "blocks.h"
 #include "dot.h"
 #include "pick.h"
 
@@ -16,6 +17,7 @@
 #include <ATen/ops/empty.h>
 
 #include <atomic>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -130,6 +132,41 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
+// x @ dequantize(data).T for weights kept as GGUF's packed blocks (blocks.h, which states the
+// numerics: the rows are rounded per 32 values to int8 steps first). x: float32 (rows, k); data:
+// uint8 (n, row bytes), never written (it may be a memory-mapped file). Any number of rows: the
+// weights a thread takes are read from memory once and from its cache for each further 16 rows.
+constexpr int64_t kPackedRowsAtOnce = 16;
+
+at::Tensor packed_product(const at::Tensor& x, const at::Tensor& data, c10::string_view kind_name) {
+  Packed kind;
+  TORCH_CHECK(packed_kind(std::string_view(kind_name.data(), kind_name.size()), kind),
+              "packed_product: no packed kind ", kind_name);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "packed_product: x must be a float32 (rows, k) CPU matrix");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const PackedLayout& layout = layout_of(kind);
+  TORCH_CHECK(k % layout.values == 0, "packed_product: ", k, " inputs are not whole ", layout.name, " blocks of ",
+              layout.values);
+  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kByte && data.is_contiguous() && data.device().is_cpu(),
+              "packed_product: the blocks must be a contiguous uint8 (n, row bytes) CPU matrix");
+  const int64_t row_bytes = packed_row_bytes(kind, k), n = data.size(0);
+  TORCH_CHECK(data.size(1) == row_bytes, "packed_product: ", k, " inputs of ", layout.name, " take ", row_bytes,
+              " bytes a row, the blocks have ", data.size(1));
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({rows, n}, xc.options());
+  if (rows == 0 || n == 0) return out;
+  RoundedBlocks rounded;
+  round_blocks(xc.data_ptr<float>(), rows, k, k, rounded);
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  for_rows(n, row_bytes, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < rows; r += kPackedRowsAtOnce)
+      packed_range(kind, w, rounded, r, std::min(rows, r + kPackedRowsAtOnce), begin, end, o + r * n + begin, n);
+  });
+  return out;
+}
+
 // The index of each row's largest value (the first, on ties; a NaN counts as largest, as in
 // torch.argmax), on the calling thread: a greedy decode step's pick. torch's argmax over one
 // 32,000-logit row spends most of its 40 us waking a sleeping helper thread.
@@ -150,9 +187,11 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 TORCH_LIBRARY(llama_chat_cpu, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? scales=None) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("packed_product(Tensor x, Tensor data, str kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {
   m.impl("matvec", &matvec);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("packed_product", &packed_product);
 }

@@ -46,7 +46,7 @@ from llama_chat.ml.user_cache import user_cache_dir
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is shared by both.
 SOURCES = (HERE / "kernels.cpp", HERE / "decode.cpp", HERE / "memory.cpp")
-HEADERS = (HERE / "dot.h", HERE / "panels.h", HERE / "pick.h")
+HEADERS = (HERE / "dot.h", HERE / "panels.h", HERE / "pick.h", HERE / "blocks.h")
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
 # A product of up to this many rows takes the operator (a decode step, or the packed decode rows
@@ -87,6 +87,8 @@ def wanted(model: torch.nn.Module, quantize: str = "none") -> bool:
     if not params:
         return False
     if quantize == "int8" or any(b.dtype == torch.int8 for b in model.buffers()):
+        return True
+    if any(b.dtype == torch.uint8 for b in model.buffers()):  # packed quant blocks (ml/packed.py)
         return True
     if any(p.dtype == torch.bfloat16 for p in params):
         return True
@@ -232,6 +234,10 @@ def _register_fake() -> None:
     @torch.library.register_fake("llama_chat_cpu::argmax_rows")
     def _(logits):
         return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
+    @torch.library.register_fake("llama_chat_cpu::packed_product")
+    def _(x, data, kind):
+        return x.new_empty((x.shape[0], data.shape[0]))
 
 
 def _build(target: Path) -> str | None:

@@ -1,0 +1,595 @@
+// Products of float32 rows with weights kept as GGUF's packed quant blocks (ggml-common.h), read
+// as they are: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32 values) and Q4_K, Q5_K, Q6_K (super-blocks
+// of 256). Shared by the products (kernels.cpp, packed_product) and the one-call decode step.
+//
+// Numerics. The input rows are first rounded per block of 32 values to int8 steps, as llama.cpp
+// rounds its activations: step = max|x| / 127 (float32), q = x / step rounded to nearest, ties to
+// even (x * (1 / step), then the rounding), a block of zeros has step 0. Then each weight block's
+// codes meet the rounded inputs in exact integer sums, and a block's sum is scaled in float32:
+//     product = sum over blocks b of  a_b * step_b * sum_i (u_i - z) * q_i  +  c_b * step_b * sum_i q_i
+// where a weight value is a_b * (u_i - z) + c_b (u the stored code, z its zero point, a the block's
+// or sub-block's scale, c its offset: the min of Q4_1/Q5_1, -dmin * min of Q4_K/Q5_K; Q6_K's
+// scale is d * its 16-value sub-block's int8 scale). So the result equals
+// dequantize(w) @ (the rounded rows) up to the order of the float32 additions (which differs
+// between the scalar and the vector paths, never with the thread count or the rows beside a row).
+//
+// Vector paths (256-bit vectors; each 32-value block one vector of unsigned codes): with
+// AVX-512 VNNI (or AVX-VNNI), vpdpbusd multiplies the codes by the signed rounded inputs and sums
+// each four products into int32 lanes in one instruction; with AVX2 alone, vpmaddubsw and vpmaddwd
+// do it in two (Q8_0's signed codes take the sign trick there: |w| times x with w's sign, since
+// unsigned codes up to 255 would saturate vpmaddubsw's int16 pairs). Eight blocks (256 values) at
+// a time, the eight blocks' int32 lanes are summed into one vector of eight block sums, the zero
+// points are taken off with the inputs' block sums (exact integers), and one multiply-add by the
+// eight blocks' scales times the inputs' steps adds them to a float32 accumulator. AVX-512BW
+// expands Q5's fifth bits from a mask register. Without AVX2, a scalar loop does the same sums.
+#pragma once
+
+#include "dot.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+#include <vector>
+
+#if defined(__F16C__) || defined(LLAMA_CHAT_AVX2)
+#include <immintrin.h>
+#endif
+
+#if defined(LLAMA_CHAT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LLAMA_CHAT_VNNI 1
+#elif defined(LLAMA_CHAT_AVX2) && defined(__AVXVNNI__)
+#define LLAMA_CHAT_VNNI 1
+#define LLAMA_CHAT_AVX_VNNI 1
+#endif
+
+namespace llama_chat_cpu {
+
+enum class Packed : int { q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k };
+
+struct PackedLayout {
+  const char* name;
+  int64_t values;  // values per block
+  int64_t bytes;   // bytes per block
+};
+
+// In the order of `Packed`; the names are ml/packed.py's PACKED_TYPES.
+constexpr PackedLayout kPackedLayouts[] = {{"q8_0", 32, 34},   {"q4_0", 32, 18},   {"q4_1", 32, 20},
+                                           {"q5_0", 32, 22},   {"q5_1", 32, 24},   {"q4_k", 256, 144},
+                                           {"q5_k", 256, 176}, {"q6_k", 256, 210}};
+
+inline const PackedLayout& layout_of(Packed kind) { return kPackedLayouts[static_cast<int>(kind)]; }
+
+inline bool packed_kind(std::string_view name, Packed& kind) {
+  for (int i = 0; i < static_cast<int>(sizeof kPackedLayouts / sizeof kPackedLayouts[0]); ++i)
+    if (name == kPackedLayouts[i].name) {
+      kind = static_cast<Packed>(i);
+      return true;
+    }
+  return false;
+}
+
+// Bytes of a row of k values (k a multiple of the block's values).
+inline int64_t packed_row_bytes(Packed kind, int64_t k) { return k / layout_of(kind).values * layout_of(kind).bytes; }
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+  } else {
+    const uint32_t bits = exponent == 31 ? (0xffu << 23) | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13);
+    std::memcpy(&magnitude, &bits, sizeof magnitude);
+  }
+  return sign ? -magnitude : magnitude;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rounded input rows.
+
+constexpr int64_t kQuantBlock = 32;   // input values per step
+constexpr int64_t kQuantGroup = 256;  // values a vector step takes: eight blocks
+
+// Input rows rounded per block of 32 (see the numerics above), each row padded with zeros to a
+// multiple of 256 values so that a group's loads never pass its end.
+struct RoundedBlocks {
+  int64_t rows = 0, k = 0, padded = 0;
+  std::vector<int8_t> q;            // the rounded values, `padded` a row
+  std::vector<float> steps;         // per block of 32: its step
+  std::vector<float> step_sums;     // per block of 32: its step times the sum of its values
+  std::vector<int32_t> sums;        // per block of 32: the sum of its values
+  std::vector<int16_t> half_sums;   // per 16 values: their sum (Q6_K's sub-blocks are 16 long)
+
+  const int8_t* q_of(int64_t r) const { return q.data() + r * padded; }
+  const float* steps_of(int64_t r) const { return steps.data() + r * (padded / kQuantBlock); }
+  const float* step_sums_of(int64_t r) const { return step_sums.data() + r * (padded / kQuantBlock); }
+  const int32_t* sums_of(int64_t r) const { return sums.data() + r * (padded / kQuantBlock); }
+  const int16_t* half_sums_of(int64_t r) const { return half_sums.data() + r * (padded / 16); }
+};
+
+// One block of n (at most 32) values.
+inline void round_block(const float* x, int64_t n, int8_t* q, float& step, float& step_sum, int32_t& sum,
+                        int16_t* half_sums) {
+  float largest = 0.f;
+  for (int64_t i = 0; i < n; ++i) largest = std::max(largest, std::abs(x[i]));
+  const float d = largest / 127.f;
+  const float inverse = d != 0.f ? 1.f / d : 0.f;
+  int32_t halves[2] = {0, 0};
+  for (int64_t i = 0; i < kQuantBlock; ++i) {
+    const int32_t v = i < n ? static_cast<int32_t>(std::nearbyint(x[i] * inverse)) : 0;
+    q[i] = static_cast<int8_t>(v);
+    halves[i / 16] += v;
+  }
+  step = d;
+  sum = halves[0] + halves[1];
+  step_sum = d * static_cast<float>(sum);
+  half_sums[0] = static_cast<int16_t>(halves[0]);
+  half_sums[1] = static_cast<int16_t>(halves[1]);
+}
+
+#ifdef LLAMA_CHAT_AVX2
+inline int32_t horizontal_sum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// round_block of a whole block in vectors: the same operations, so the same bits.
+inline void round_block32(const float* x, int8_t* q, float& step, float& step_sum, int32_t& sum, int16_t* half_sums) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  const __m256 most = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                    _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  const float d = _mm_cvtss_f32(m) / 127.f;
+  const __m256 inverse = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // to nearest, ties to even
+  const int32_t low = horizontal_sum_i32(_mm256_add_epi32(i32[0], i32[1]));
+  const int32_t high = horizontal_sum_i32(_mm256_add_epi32(i32[2], i32[3]));
+  // The packs interleave 128-bit lanes; the permutation puts the values back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  step = d;
+  sum = low + high;
+  step_sum = d * static_cast<float>(sum);
+  half_sums[0] = static_cast<int16_t>(low);
+  half_sums[1] = static_cast<int16_t>(high);
+}
+#endif
+
+// Rows [0, rows) of x (each k long, `stride` apart) into `out`, whose vectors are reused.
+inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride, RoundedBlocks& out) {
+  out.rows = rows;
+  out.k = k;
+  out.padded = (k + kQuantGroup - 1) / kQuantGroup * kQuantGroup;
+  const int64_t blocks = out.padded / kQuantBlock;
+  out.q.assign(static_cast<size_t>(rows * out.padded), 0);
+  out.steps.assign(static_cast<size_t>(rows * blocks), 0.f);
+  out.step_sums.assign(static_cast<size_t>(rows * blocks), 0.f);
+  out.sums.assign(static_cast<size_t>(rows * blocks), 0);
+  out.half_sums.assign(static_cast<size_t>(rows * blocks * 2), 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * stride;
+    int8_t* q = out.q.data() + r * out.padded;
+    float* steps = out.steps.data() + r * blocks;
+    float* step_sums = out.step_sums.data() + r * blocks;
+    int32_t* sums = out.sums.data() + r * blocks;
+    int16_t* halves = out.half_sums.data() + r * blocks * 2;
+    for (int64_t b = 0; b * kQuantBlock < k; ++b) {
+      const int64_t n = std::min(kQuantBlock, k - b * kQuantBlock);
+#ifdef LLAMA_CHAT_AVX2
+      if (n == kQuantBlock) {
+        round_block32(xr + b * kQuantBlock, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
+        continue;
+      }
+#endif
+      round_block(xr + b * kQuantBlock, n, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar path: one block of 32 codes at a time.
+
+// Block b (the b-th 32 values) of a row: codes u, zero point z, the integer scale of each half
+// (Q6_K's sub-blocks; 1 elsewhere), the float scale a and offset c.
+struct ScalarBlock {
+  int32_t u[32];
+  int32_t z = 0;
+  int32_t halves[2] = {1, 1};
+  float a = 0.f, c = 0.f;
+};
+
+// Q4_K/Q5_K's 6-bit scale and min of sub-block j from their 12 bytes (llama.cpp's get_scale_min_k4).
+inline void k_scale_min(const uint8_t* s, int j, int32_t& scale, int32_t& min) {
+  if (j < 4) {
+    scale = s[j] & 63;
+    min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
+    min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+inline void decode_block(Packed kind, const uint8_t* row, int64_t b, ScalarBlock& out) {
+  const PackedLayout& layout = layout_of(kind);
+  out.z = 0;
+  out.halves[0] = out.halves[1] = 1;
+  out.c = 0.f;
+  if (layout.values == 32) {
+    const uint8_t* p = row + b * layout.bytes;
+    out.a = half_to_float(p);
+    const uint8_t* qs = p + 2;
+    uint32_t fifth = 0;
+    switch (kind) {
+      case Packed::q8_0:
+        for (int i = 0; i < 32; ++i) out.u[i] = static_cast<int8_t>(qs[i]);
+        return;
+      case Packed::q4_0: out.z = 8; break;
+      case Packed::q4_1: out.c = half_to_float(p + 2); qs = p + 4; break;
+      case Packed::q5_0: out.z = 16; std::memcpy(&fifth, p + 2, 4); qs = p + 6; break;
+      default: out.c = half_to_float(p + 2); std::memcpy(&fifth, p + 4, 4); qs = p + 8; break;  // q5_1
+    }
+    for (int i = 0; i < 16; ++i) {
+      out.u[i] = (qs[i] & 0xf) | (((fifth >> i) & 1) << 4);
+      out.u[i + 16] = (qs[i] >> 4) | (((fifth >> (i + 16)) & 1) << 4);
+    }
+    return;
+  }
+  const uint8_t* p = row + (b / 8) * layout.bytes;
+  const int j = static_cast<int>(b % 8);  // the 32-value block within its super-block
+  if (kind == Packed::q6_k) {
+    const int half = j / 4, part = j % 4;
+    const uint8_t* ql = p + 64 * half + 32 * (part % 2);
+    const uint8_t* qh = p + 128 + 32 * half;
+    for (int l = 0; l < 32; ++l)
+      out.u[l] = ((part < 2 ? ql[l] : ql[l] >> 4) & 0xf) | (((qh[l] >> (2 * part)) & 3) << 4);
+    out.z = 32;
+    out.halves[0] = static_cast<int8_t>(p[192 + 2 * j]);
+    out.halves[1] = static_cast<int8_t>(p[192 + 2 * j + 1]);
+    out.a = half_to_float(p + 208);
+    return;
+  }
+  int32_t scale, min;
+  k_scale_min(p + 4, j, scale, min);
+  out.a = half_to_float(p) * static_cast<float>(scale);
+  out.c = -half_to_float(p + 2) * static_cast<float>(min);
+  const bool five = kind == Packed::q5_k;
+  const uint8_t* qs = p + (five ? 48 : 16) + 32 * (j / 2);
+  for (int l = 0; l < 32; ++l) {
+    out.u[l] = j % 2 ? qs[l] >> 4 : qs[l] & 0xf;
+    if (five) out.u[l] |= ((p[16 + l] >> j) & 1) << 4;
+  }
+}
+
+// One weight row of `blocks` 32-value blocks against one rounded row.
+inline float packed_dot_scalar(Packed kind, const uint8_t* row, int64_t blocks, const int8_t* q, const float* steps,
+                               const float* step_sums) {
+  ScalarBlock block;
+  float total = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    decode_block(kind, row, b, block);
+    int32_t sum = 0;
+    for (int h = 0; h < 2; ++h) {
+      int32_t part = 0;
+      for (int i = 16 * h; i < 16 * h + 16; ++i) part += (block.u[i] - block.z) * q[b * 32 + i];
+      sum += part * block.halves[h];
+    }
+    total += block.a * steps[b] * static_cast<float>(sum);
+    if (block.c != 0.f) total += block.c * step_sums[b];
+  }
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vector path: eight blocks of 32 (a group of 256 values) at a time.
+
+#ifdef LLAMA_CHAT_AVX2
+
+// Sums of four unsigned-by-signed byte products in each int32 lane.
+inline __m256i dot_u8i8(__m256i u, __m256i y) {
+#if defined(LLAMA_CHAT_AVX_VNNI)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, y);
+#elif defined(LLAMA_CHAT_VNNI)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
+#endif
+}
+
+// As dot_u8i8, each lane times its lane of `times`: with VNNI int32 lanes, without it the
+// int16 lanes of the byte pairs (Q6_K's sub-block scales).
+inline __m256i dot_u8i8_times(__m256i u, __m256i y, __m256i times) {
+#ifdef LLAMA_CHAT_VNNI
+  return _mm256_mullo_epi32(dot_u8i8(u, y), times);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), times);
+#endif
+}
+
+// Lane j: the sum of v[j]'s eight lanes.
+inline __m256i sums_of_8(const __m256i* v) {
+  const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+inline __m256i high_nibbles(__m256i v) { return low_nibbles(_mm256_srli_epi16(v, 4)); }
+
+// 16 bytes of nibbles as 32 codes: the low nibbles first, then the high ones (Q4_0, Q4_1, Q5_*).
+inline __m256i nibbles_of_16(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return low_nibbles(_mm256_set_m128i(_mm_srli_epi16(b, 4), b));
+}
+
+// 32 bits (little-endian) as 32 bytes: 0x10 where the bit is set (Q5_0/Q5_1's fifth bits).
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_set1_epi8(bits, 0x10);
+#else
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                        _mm256_set1_epi64x(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+#endif
+}
+
+// Q8_0 without VNNI takes the sign trick: its codes are |w| and `signs` holds w.
+template <Packed K>
+constexpr bool kSignTrick =
+#ifdef LLAMA_CHAT_VNNI
+    false;
+#else
+    K == Packed::q8_0;
+#endif
+
+// The zero point z as a shift (z = 1 << shift), taken off with the inputs' block sums; 0 for none.
+template <Packed K>
+constexpr int kZeroShift = K == Packed::q4_0 ? 3 : K == Packed::q5_0 ? 4 : (K == Packed::q8_0 && !kSignTrick<K>) ? 7 : 0;
+
+template <Packed K>
+constexpr bool kOffset = K == Packed::q4_1 || K == Packed::q5_1 || K == Packed::q4_k || K == Packed::q5_k;
+
+// Eight blocks of a row, decoded.
+struct Group {
+  __m256i u[8];      // unsigned codes (Q8_0 with the sign trick: magnitudes)
+  __m256i signs[8];  // Q8_0 with the sign trick: the signed codes
+  __m256i times[8];  // Q6_K: the lanes' sub-block scales (dot_u8i8_times)
+  __m256i scales16;  // Q6_K: the sixteen sub-block scales as int16, for the zero point
+  __m256 scale;      // a, per block
+  __m256 offset;     // c, per block
+};
+
+// Blocks [8g, 8g + count) of a row of 32-value blocks (count from 1 to 8; the rest are zeros).
+template <Packed K>
+inline void decode_small_group(const uint8_t* row, int64_t g, int count, Group& out) {
+  constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
+  alignas(32) float a[8], c[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    if (j >= count) {
+      out.u[j] = out.signs[j] = _mm256_setzero_si256();
+      a[j] = c[j] = 0.f;
+      continue;
+    }
+    const uint8_t* p = row + (8 * g + j) * bytes;
+    a[j] = half_to_float(p);
+    if constexpr (K == Packed::q8_0) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+      if constexpr (kSignTrick<K>) {
+        out.u[j] = _mm256_abs_epi8(q);
+        out.signs[j] = q;
+      } else {
+        out.u[j] = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));  // q + 128
+      }
+    } else if constexpr (K == Packed::q4_0) {
+      out.u[j] = nibbles_of_16(p + 2);
+    } else if constexpr (K == Packed::q4_1) {
+      c[j] = half_to_float(p + 2);
+      out.u[j] = nibbles_of_16(p + 4);
+    } else if constexpr (K == Packed::q5_0) {
+      out.u[j] = _mm256_or_si256(nibbles_of_16(p + 6), fifth_bits(p + 2));
+    } else {  // q5_1
+      c[j] = half_to_float(p + 2);
+      out.u[j] = _mm256_or_si256(nibbles_of_16(p + 8), fifth_bits(p + 4));
+    }
+  }
+  out.scale = _mm256_load_ps(a);
+  if constexpr (kOffset<K>) out.offset = _mm256_load_ps(c);
+}
+
+// Super-block g of a Q4_K/Q5_K row: scales d * sc_j and offsets -dmin * m_j.
+inline void k_scales(const uint8_t* p, Group& out) {
+  uint8_t scale[8], min[8];
+  for (int j = 0; j < 8; ++j) {
+    int32_t s, m;
+    k_scale_min(p + 4, j, s, m);
+    scale[j] = static_cast<uint8_t>(s);
+    min[j] = static_cast<uint8_t>(m);
+  }
+  const auto as_floats = [](const uint8_t* v) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+  };
+  out.scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)), as_floats(scale));
+  out.offset = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(p + 2)), as_floats(min));
+}
+
+template <Packed K>
+inline void decode_super_block(const uint8_t* row, int64_t g, Group& out) {
+  constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
+  const uint8_t* p = row + g * bytes;
+  if constexpr (K == Packed::q4_k || K == Packed::q5_k) {
+    k_scales(p, out);
+    const uint8_t* qs = p + (K == Packed::q5_k ? 48 : 16);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+      out.u[2 * c] = low_nibbles(v);
+      out.u[2 * c + 1] = high_nibbles(v);
+    }
+    if constexpr (K == Packed::q5_k) {
+      // Bit j of byte l is the fifth bit of sub-block j's value l: moved to bit 4 in place (a
+      // 16-bit shift by at most 4 brings no bit of the neighbouring byte to bit 4).
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      const __m256i bit4 = _mm256_set1_epi8(0x10);
+      out.u[0] = _mm256_or_si256(out.u[0], _mm256_and_si256(_mm256_slli_epi16(high, 4), bit4));
+      out.u[1] = _mm256_or_si256(out.u[1], _mm256_and_si256(_mm256_slli_epi16(high, 3), bit4));
+      out.u[2] = _mm256_or_si256(out.u[2], _mm256_and_si256(_mm256_slli_epi16(high, 2), bit4));
+      out.u[3] = _mm256_or_si256(out.u[3], _mm256_and_si256(_mm256_slli_epi16(high, 1), bit4));
+      out.u[4] = _mm256_or_si256(out.u[4], _mm256_and_si256(high, bit4));
+      out.u[5] = _mm256_or_si256(out.u[5], _mm256_and_si256(_mm256_srli_epi16(high, 1), bit4));
+      out.u[6] = _mm256_or_si256(out.u[6], _mm256_and_si256(_mm256_srli_epi16(high, 2), bit4));
+      out.u[7] = _mm256_or_si256(out.u[7], _mm256_and_si256(_mm256_srli_epi16(high, 3), bit4));
+    }
+  } else {  // q6_k: ql 128 bytes, qh 64, 16 int8 scales, fp16 d
+    const __m256i pair = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+      out.u[4 * h] = _mm256_or_si256(low_nibbles(ql0), _mm256_and_si256(_mm256_slli_epi16(qh, 4), pair));
+      out.u[4 * h + 1] = _mm256_or_si256(low_nibbles(ql1), _mm256_and_si256(_mm256_slli_epi16(qh, 2), pair));
+      out.u[4 * h + 2] = _mm256_or_si256(high_nibbles(ql0), _mm256_and_si256(qh, pair));
+      out.u[4 * h + 3] = _mm256_or_si256(high_nibbles(ql1), _mm256_and_si256(_mm256_srli_epi16(qh, 2), pair));
+    }
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+    out.scales16 = _mm256_cvtepi8_epi16(s8);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+#ifdef LLAMA_CHAT_VNNI  // int32 lanes: four of sub-block 2j, four of 2j + 1
+      const __m128i pick = _mm_setr_epi8(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 0, 0,
+                                         0, 0, 0, 0, 0, 0);
+      out.times[j] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(s8, pick));
+#else  // int16 lanes of byte pairs: eight of each
+      const __m128i pick = _mm_setr_epi8(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1,
+                                         2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+      out.times[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, pick));
+#endif
+    }
+    out.scale = _mm256_set1_ps(half_to_float(p + 208));
+  }
+}
+
+// One rounded row's share of a decoded group, added to acc.
+template <Packed K>
+inline __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t r, int64_t g, __m256 acc) {
+  const int8_t* y = in.q_of(r) + g * kQuantGroup;
+  __m256i p[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    __m256i yj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32 * j));
+    if constexpr (kSignTrick<K>) yj = _mm256_sign_epi8(yj, w.signs[j]);
+    if constexpr (K == Packed::q6_k) p[j] = dot_u8i8_times(w.u[j], yj, w.times[j]);
+    else p[j] = dot_u8i8(w.u[j], yj);
+  }
+  __m256i s = sums_of_8(p);
+  const int64_t b = g * (kQuantGroup / kQuantBlock);
+  if constexpr (K == Packed::q6_k) {
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));
+    s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(halves, w.scales16), 5));
+  } else if constexpr (kZeroShift<K> > 0) {
+    const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.sums_of(r) + b));
+    s = _mm256_sub_epi32(s, _mm256_slli_epi32(sums, kZeroShift<K>));
+  }
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.scale, _mm256_loadu_ps(in.steps_of(r) + b)), acc);
+  if constexpr (kOffset<K>) acc = _mm256_fmadd_ps(w.offset, _mm256_loadu_ps(in.step_sums_of(r) + b), acc);
+  return acc;
+}
+
+// Rounded rows [r0, r0 + R) against one weight row: out[i] for row r0 + i.
+template <Packed K, int R>
+inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t r0, float* out) {
+  constexpr bool super = kPackedLayouts[static_cast<int>(K)].values == kQuantGroup;
+  const int64_t blocks = in.k / kQuantBlock, full = blocks / 8;
+  __m256 acc[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  Group w;
+  for (int64_t g = 0; g < full; ++g) {
+    if constexpr (super) decode_super_block<K>(row, g, w);
+    else decode_small_group<K>(row, g, 8, w);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) acc[i] = add_group<K>(w, in, r0 + i, g, acc[i]);
+  }
+  if constexpr (!super) {
+    if (blocks % 8) {
+      decode_small_group<K>(row, full, static_cast<int>(blocks % 8), w);
+      for (int i = 0; i < R; ++i) acc[i] = add_group<K>(w, in, r0 + i, full, acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) out[i] = horizontal_sum(acc[i]);
+}
+#endif
+
+// Rounded rows [row_first, row_stop) against weight rows [first, stop) of `data` (rows of
+// in.k values, packed): out[(r - row_first) * row_stride + (j - first)] is weight row j with
+// rounded row r; stored, or with Add added to what is there.
+template <bool Add, Packed K>
+void packed_range_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_first, int64_t row_stop, int64_t first,
+                     int64_t stop, float* out, int64_t row_stride) {
+  const int64_t row_bytes = packed_row_bytes(K, in.k);
+  auto put = [&](int64_t r, int64_t j, float v) {
+    float& slot = out[(r - row_first) * row_stride + (j - first)];
+    if constexpr (Add) slot += v;
+    else slot = v;
+  };
+  for (int64_t j = first; j < stop; ++j) {
+    const uint8_t* row = data + j * row_bytes;
+#ifdef LLAMA_CHAT_AVX2
+    // Four rounded rows share each decoded group.
+    float four[4];
+    int64_t r = row_first;
+    for (; r + 4 <= row_stop; r += 4) {
+      packed_dot_rows<K, 4>(row, in, r, four);
+      for (int i = 0; i < 4; ++i) put(r + i, j, four[i]);
+    }
+    switch (row_stop - r) {
+      case 3: packed_dot_rows<K, 3>(row, in, r, four); break;
+      case 2: packed_dot_rows<K, 2>(row, in, r, four); break;
+      case 1: packed_dot_rows<K, 1>(row, in, r, four); break;
+      default: break;
+    }
+    for (int64_t i = 0; r + i < row_stop; ++i) put(r + i, j, four[i]);
+#else
+    for (int64_t r = row_first; r < row_stop; ++r)
+      put(r, j, packed_dot_scalar(K, row, in.k / kQuantBlock, in.q_of(r), in.steps_of(r), in.step_sums_of(r)));
+#endif
+  }
+}
+
+template <bool Add = false>
+void packed_range(Packed kind, const uint8_t* data, const RoundedBlocks& in, int64_t row_first, int64_t row_stop,
+                  int64_t first, int64_t stop, float* out, int64_t row_stride) {
+  switch (kind) {
+    case Packed::q8_0: return packed_range_of<Add, Packed::q8_0>(data, in, row_first, row_stop, first, stop, out, row_stride);
+    case Packed::q4_0: return packed_range_of<Add, Packed::q4_0>(data, in, row_first, row_stop, first, stop, out, row_stride);
+    case Packed::q4_1: return packed_range_of<Add, Packed::q4_1>(data, in, row_first, row_stop, first, stop, out, row_stride);
+    case Packed::q5_0: return packed_range_of<Add, Packed::q5_0>(data, in, row_first, row_stop, first, stop, out, row_stride);
+    case Packed::q5_1: return packed_range_of<Add, Packed::q5_1>(data, in, row_first, row_stop, first, stop, out, row_stride);
+    case Packed::q4_k: return packed_range_of<Add, Packed::q4_k>(data, in, row_first, row_stop, first, stop, out, row_stride);
+    case Packed::q5_k: return packed_range_of<Add, Packed::q5_k>(data, in, row_first, row_stop, first, stop, out, row_stride);
+    case Packed::q6_k: return packed_range_of<Add, Packed::q6_k>(data, in, row_first, row_stop, first, stop, out, row_stride);
+  }
+}
+
+}  // namespace llama_chat_cpu
