@@ -78,10 +78,9 @@ class Request:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.max_time is not None:
-            check("max_time", self.max_time)
+        for name in ("max_tokens", "max_time"):
+            if getattr(self, name) is not None:
+                check(name, getattr(self, name))
 
 
 # -- what the producer sends, and what the consumer gets ------------------------------------------

@@ -1,4 +1,5 @@
-"""The generation controls and their allowed ranges, in one place and without torch.
+"""The generation controls and their allowed ranges, with every other range and choice list of the
+command line, in one place and without torch.
 
 Each control is named as in Hugging Face's ``GenerationConfig`` (``top_k``, ``min_p``,
 ``repetition_penalty`` ...), except where transformers has none and llama.cpp or OpenAI do
@@ -36,35 +37,81 @@ def _integer(v) -> bool:
 
 @dataclass(frozen=True)
 class Rule:
+    kind: type  # int or float: what a value is read as (an int is taken where a float is asked)
     test: Callable[[object], bool]
     allowed: str  # what the error says is allowed, e.g. "in 0 < p <= 1"
 
 
+MAX_SEED = 2**64 - 1
+DEFAULT_TEMPERATURE = 0.8
+
+# Every ranged setting: the command line's options, the keys of a --batch line and the chat's /set
+# are all checked here, by ``check`` (values) or ``parse`` (text), so they refuse the same values
+# with the same reason.
 RULES: dict[str, Rule] = {
-    "temperature": Rule(lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
-    "top_p": Rule(lambda v: _finite(v) and 0 < v <= 1, "in 0 < p <= 1"),
-    "top_k": Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: off)"),
-    "min_p": Rule(lambda v: _finite(v) and 0 <= v <= 1, "in 0 <= p <= 1 (0: off)"),
-    "typical_p": Rule(lambda v: _finite(v) and 0 < v <= 1, "in 0 < p <= 1 (1: off)"),
-    "repetition_penalty": Rule(lambda v: _finite(v) and v > 0, "a finite number > 0 (1: off)"),
-    "repeat_last_n": Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: every token so far)"),
-    "presence_penalty": Rule(lambda v: _finite(v) and -2 <= v <= 2, "in -2 <= x <= 2 (0: off)"),
-    "frequency_penalty": Rule(lambda v: _finite(v) and -2 <= v <= 2, "in -2 <= x <= 2 (0: off)"),
-    "no_repeat_ngram_size": Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: off)"),
-    "min_new_tokens": Rule(lambda v: _integer(v) and v >= 0, "an integer >= 0"),
-    "num_beams": Rule(lambda v: _integer(v) and 1 <= v <= 64, "an integer in 1 <= n <= 64 (1: no beam search)"),
-    "length_penalty": Rule(lambda v: _finite(v) and -10 <= v <= 10, "in -10 <= x <= 10"),
-    "num_return": Rule(lambda v: _integer(v) and v >= 1, "an integer >= 1"),
-    "max_time": Rule(lambda v: _finite(v) and v > 0, "a number of seconds > 0"),
+    "temperature": Rule(float, lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "top_p": Rule(float, lambda v: _finite(v) and 0 < v <= 1, "in 0 < p <= 1"),
+    "top_k": Rule(int, lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "min_p": Rule(float, lambda v: _finite(v) and 0 <= v <= 1, "in 0 <= p <= 1 (0: off)"),
+    "typical_p": Rule(float, lambda v: _finite(v) and 0 < v <= 1, "in 0 < p <= 1 (1: off)"),
+    "repetition_penalty": Rule(float, lambda v: _finite(v) and v > 0, "a finite number > 0 (1: off)"),
+    "repeat_last_n": Rule(int, lambda v: v >= 0, "an integer >= 0 (0: every token so far)"),
+    "presence_penalty": Rule(float, lambda v: _finite(v) and -2 <= v <= 2, "in -2 <= x <= 2 (0: off)"),
+    "frequency_penalty": Rule(float, lambda v: _finite(v) and -2 <= v <= 2, "in -2 <= x <= 2 (0: off)"),
+    "no_repeat_ngram_size": Rule(int, lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "min_new_tokens": Rule(int, lambda v: v >= 0, "an integer >= 0"),
+    "num_beams": Rule(int, lambda v: 1 <= v <= 64, "an integer in 1 <= n <= 64 (1: no beam search)"),
+    "length_penalty": Rule(float, lambda v: _finite(v) and -10 <= v <= 10, "in -10 <= x <= 10"),
+    "num_return": Rule(int, lambda v: v >= 1, "an integer >= 1"),
+    "max_time": Rule(float, lambda v: _finite(v) and v > 0, "a number of seconds > 0"),
+    "max_tokens": Rule(int, lambda v: v >= 1, "at least 1"),
+    "seed": Rule(int, lambda v: 0 <= v <= MAX_SEED, "in 0 <= seed <= 2**64-1"),
+    "ctx_size": Rule(int, lambda v: v >= 0, "0 (the model's full context) or a positive number"),
+    "max_batch": Rule(int, lambda v: v >= 1, "at least 1"),
+    "cache_tokens": Rule(int, lambda v: v >= 1, "at least 1"),
 }
+
+# The choices of the command line's options that are not ranges. The chat formats' names are
+# ``model.chat_format.FORMAT_NAMES``.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZE_MODES = ("none", "int8")
+COLOR_MODES = ("auto", "always", "never")
+
+
+def _kind_name(kind: type) -> str:
+    return "an integer" if kind is int else "a number"
 
 
 def check(name: str, value):
-    """``value`` if control ``name`` allows it, else ``ControlError`` ("must be ..., got ...")."""
+    """``value`` if setting ``name`` allows it, else ``ControlError`` ("must be ..., got ...").
+
+    An integer given for a float setting comes back as a float."""
     rule = RULES[name]
+    if rule.kind is float and _integer(value):
+        value = float(value)
+    if not (_integer(value) if rule.kind is int else isinstance(value, float)):
+        raise ControlError(name, f"must be {_kind_name(rule.kind)}, got {value!r}")
     if not rule.test(value):
         raise ControlError(name, f"must be {rule.allowed}, got {value}")
     return value
+
+
+def parse(name: str, text: str):
+    """Setting ``name`` given as text (the chat's /set), read as its kind and checked by ``check``."""
+    kind = RULES[name].kind
+    try:
+        value = kind(text.strip())
+    except ValueError:
+        raise ControlError(name, f"must be {_kind_name(kind)}, got {text.strip()!r}") from None
+    return check(name, value)
+
+
+def temperature_for(temperature: float | None, num_beams: int) -> float:
+    """The temperature given, else the default: 0 under beam search (deterministic beams, as
+    transformers' ``num_beams`` without ``do_sample``), ``DEFAULT_TEMPERATURE`` otherwise."""
+    if temperature is not None:
+        return temperature
+    return 0.0 if num_beams > 1 else DEFAULT_TEMPERATURE
 
 
 def parse_logit_bias(text: str) -> tuple[int, float]:
@@ -118,7 +165,7 @@ class SamplingParams:
     prompt and reply, as transformers does). ``logit_bias`` is ``((token_id, bias), ...)``.
     """
 
-    temperature: float = 0.8
+    temperature: float = DEFAULT_TEMPERATURE
     top_p: float = 0.95
     top_k: int = 0
     min_p: float = 0.0
@@ -190,5 +237,6 @@ class BeamParams:
         return self.num_beams > 1
 
 
-__all__ = ["BeamParams", "ControlError", "EarlyStopping", "RULES", "SamplingParams", "check",
-           "check_early_stopping", "parse_logit_bias"]
+__all__ = ["BeamParams", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DTYPES", "EarlyStopping", "MAX_SEED",
+           "QUANTIZE_MODES", "RULES", "SamplingParams", "check", "check_early_stopping", "parse", "parse_logit_bias",
+           "temperature_for"]
