@@ -11,21 +11,18 @@ from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds
 
 # First of all, before any module opens a file that could take over fd 1 or 2 (`llama-chat >&-`).
 ensure_std_fds()
-# A Ctrl+C while the command's own modules load, or while this module builds its options (a
-# dataclass of some forty fields, a noticeable moment on a busy machine), ends the run with status
+# A Ctrl+C while the command's own modules load, or while its options are built (a dataclass of
+# some forty fields in options.py, a noticeable moment on a busy machine), ends the run with status
 # 130 and no traceback; the guard is left at the end of this module.
 _loading = deferred_signals(exit_now=True)
 _loading.__enter__()
 with deferred_signals(exit_now=True):
-    import enum
-    import math
     import os
-    import re
     import sys
     import traceback
     import inspect
     from collections.abc import Callable
-    from dataclasses import dataclass, fields
+    from dataclasses import fields
     from importlib.metadata import PackageNotFoundError, version
     from typing import Annotated, get_type_hints
 
@@ -35,39 +32,9 @@ with deferred_signals(exit_now=True):
     from llama_chat.cmd import exit_status
     from llama_chat.cmd.batch_input import check_batch_options, read_batch
     from llama_chat.cmd.inputs import UsageProblem, gather_first_message, gather_prompt
+    from llama_chat.cmd.options import Options
     from llama_chat.cmd.sanitize import one_line
     from llama_chat.cmd.signals import install_sync_handlers
-    from llama_chat.ml.controls import ControlError, check, check_early_stopping, parse_logit_bias
-
-
-class Template(str, enum.Enum):
-    auto = "auto"
-    none = "none"
-    llama2 = "llama2"
-    llama3 = "llama3"
-    hf = "hf"
-
-
-class ColorMode(str, enum.Enum):
-    auto = "auto"
-    always = "always"
-    never = "never"
-
-
-class DType(str, enum.Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class Quantize(str, enum.Enum):
-    none = "none"
-    int8 = "int8"
-
-
-MAX_SEED = 2**64 - 1
-_DEVICE = re.compile(r"auto|cpu|(cuda|mps)(:\d{1,3})?")
 
 
 def _package_version() -> str:
@@ -83,245 +50,9 @@ def _show_version(value: bool) -> None:
         raise typer.Exit()
 
 
-# Range checks are callbacks, not typer's min/max, so that --help and the error say the same thing.
-def _check_temperature(value: float) -> float:
-    if not (math.isfinite(value) and value >= 0):
-        raise typer.BadParameter(f"must be a finite number >= 0, got {value}")
-    return value
-
-
-def _check_top_p(value: float) -> float:
-    if not (0 < value <= 1):
-        raise typer.BadParameter(f"must be in 0 < p <= 1, got {value}")
-    return value
-
-
-def _check_max_tokens(value: int | None) -> int | None:
-    if value is not None and value < 1:
-        raise typer.BadParameter(f"must be at least 1, got {value}")
-    return value
-
-
-def _check_seed(value: int | None) -> int | None:
-    if value is not None and not 0 <= value <= MAX_SEED:
-        raise typer.BadParameter(f"must be in 0 <= seed <= 2**64-1, got {value}")
-    return value
-
-
-def _check_ctx_size(value: int | None) -> int | None:
-    if value is not None and value < 0:
-        raise typer.BadParameter(f"must be 0 (the model's full context) or a positive number, got {value}")
-    return value
-
-
-def _control(name: str) -> Callable:
-    """A callback checking an option against the ranges in ``ml/controls.py`` (None passes)."""
-    def callback(value):
-        if value is None:
-            return value
-        try:
-            return check(name, value)
-        except ControlError as e:
-            raise typer.BadParameter(e.reason) from None
-    return callback
-
-
-def _check_logit_bias(values: list[str] | None) -> tuple[tuple[int, float], ...]:
-    try:
-        return tuple(parse_logit_bias(v) for v in values or ())
-    except ControlError as e:
-        raise typer.BadParameter(e.reason) from None
-
-
-def _check_early_stopping(value: str):
-    try:
-        return check_early_stopping(value)
-    except ControlError as e:
-        raise typer.BadParameter(e.reason) from None
-
-
-# --help shows the options in these sections, in this order (``_GroupedHelp``).
-SAMPLING = "Sampling (Hugging Face generate's names)"
-PENALTIES = "Penalties and token rules"
-STOPPING = "Stopping"
-BEAMS = "Beam search"
-
-
-def _check_positive(value: int | None) -> int | None:
-    if value is not None and value < 1:
-        raise typer.BadParameter(f"must be at least 1, got {value}")
-    return value
-
-
-def _check_device(value: str) -> str:
-    if not _DEVICE.fullmatch(value):
-        raise typer.BadParameter(f"expected auto, cpu, cuda, cuda:N, mps; got {value!r}")
-    return value
-
-
-# -- the options: each one named, typed, defaulted and documented here, once -----------------------
-# The dataclass is what the rest of the command reads; typer reads its fields (``_command`` below
-# turns them into the command's signature), so there is no second list of options to keep in step.
-
-
-@dataclass(frozen=True)
-class Options:
-    model: Annotated[str | None, typer.Option(
-        "--model", "-m", metavar="MODEL",
-        help="Model: a directory or weights file (.gguf too), a Hugging Face id org/name from the local "
-             "cache, or ollama:NAME[:TAG] from Ollama's store (default: the small model shipped with the "
-             "package). --list shows what is there.")] = None
-    list_models: Annotated[bool, typer.Option(
-        "--list", help="List the models in the Hugging Face cache and Ollama's store, and exit.")] = False
-    download: Annotated[bool, typer.Option(
-        "--download", help="With -m org/name: download the model from the Hugging Face hub if it is not "
-                           "in the cache (with a progress bar).")] = False
-    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None
-    file: Annotated[str | None, typer.Option(
-        "--file", "-f", help="Read the prompt from this file ('-': stdin); stdin is then not read otherwise.")] = None
-    no_stdin: Annotated[bool, typer.Option(
-        "--no-stdin", help="Do not read stdin, even when it is a pipe.")] = False
-    chat: Annotated[bool, typer.Option(
-        "--chat", help="Chat interactively (the default with no prompt on a terminal). A prompt or piped "
-                       "stdin becomes the first message; the chat then goes on reading the terminal.")] = False
-    system: Annotated[str | None, typer.Option(
-        "--system", "-s", help="A system message (needs a chat template).")] = None
-    max_tokens: Annotated[int | None, typer.Option(
-        "--max-tokens", "--max-new-tokens", "-n", callback=_check_max_tokens, rich_help_panel=STOPPING,
-        help="Most tokens to generate, at least 1 (default: until a stop token or the context is full).")] = None
-    stop: Annotated[list[str] | None, typer.Option(
-        "--stop", help="Stop when the text contains TEXT (repeatable); the stop string is not printed.",
-        metavar="TEXT", rich_help_panel=STOPPING)] = None
-    max_time: Annotated[float | None, typer.Option(
-        "--max-time", callback=_control("max_time"), rich_help_panel=STOPPING, metavar="SECONDS",
-        help="Stop after this many seconds from the start of the request, prefill included (finish "
-             "reason max_time); at least one token is generated.")] = None
-    ctx_size: Annotated[int | None, typer.Option(
-        "--ctx-size", "-c", callback=_check_ctx_size,
-        help="Context length in tokens, at most the model's; 0: the model's full context (default: the "
-             "model's, at most 4096).")] = None
-    temperature: Annotated[float, typer.Option(
-        "--temperature", "-t", callback=_check_temperature, rich_help_panel=SAMPLING,
-        help="Sampling temperature, >= 0; 0 means greedy.")] = 0.8
-    top_p: Annotated[float, typer.Option(
-        "--top-p", callback=_check_top_p, rich_help_panel=SAMPLING, help="Nucleus sampling mass, 0 < p <= 1.")] = 0.95
-    top_k: Annotated[int, typer.Option(
-        "--top-k", callback=_control("top_k"), rich_help_panel=SAMPLING,
-        help="Sample among the K most likely tokens only, K >= 0 (0: off).")] = 0
-    min_p: Annotated[float, typer.Option(
-        "--min-p", callback=_control("min_p"), rich_help_panel=SAMPLING,
-        help="Drop tokens less likely than P times the most likely one, 0 <= P <= 1 (0: off).")] = 0.0
-    typical_p: Annotated[float, typer.Option(
-        "--typical-p", callback=_control("typical_p"), rich_help_panel=SAMPLING,
-        help="Locally typical sampling mass, 0 < P <= 1 (1: off).")] = 1.0
-    seed: Annotated[int | None, typer.Option(
-        "--seed", callback=_check_seed, rich_help_panel=SAMPLING,
-        help="Sampling seed, 0 <= seed < 2**64 (default: random; always reported).")] = None
-    repetition_penalty: Annotated[float, typer.Option(
-        "--repetition-penalty", "--repeat-penalty", callback=_control("repetition_penalty"),
-        rich_help_panel=PENALTIES,
-        help="Divide the positive logits (multiply the negative ones) of tokens already seen by this, > 0 "
-             "(1: off).")] = 1.0
-    repeat_last_n: Annotated[int, typer.Option(
-        "--repeat-last-n", callback=_control("repeat_last_n"), rich_help_panel=PENALTIES,
-        help="The repetition, presence and frequency penalties look at the last N tokens, N >= 0 (0: the "
-             "whole prompt and reply).")] = 0
-    presence_penalty: Annotated[float, typer.Option(
-        "--presence-penalty", callback=_control("presence_penalty"), rich_help_panel=PENALTIES,
-        help="Subtract this from the logit of every token already seen, -2 to 2 (0: off).")] = 0.0
-    frequency_penalty: Annotated[float, typer.Option(
-        "--frequency-penalty", callback=_control("frequency_penalty"), rich_help_panel=PENALTIES,
-        help="Subtract this times its count from the logit of every token seen, -2 to 2 (0: off).")] = 0.0
-    no_repeat_ngram_size: Annotated[int, typer.Option(
-        "--no-repeat-ngram-size", callback=_control("no_repeat_ngram_size"), rich_help_panel=PENALTIES,
-        help="Never repeat a run of N tokens already in the prompt or reply, N >= 0 (0: off).")] = 0
-    logit_bias: Annotated[list[str] | None, typer.Option(
-        "--logit-bias", callback=_check_logit_bias, rich_help_panel=PENALTIES, metavar="ID=BIAS",
-        help="Add BIAS to token ID's logit (repeatable); -inf bans the token.")] = None
-    min_new_tokens: Annotated[int, typer.Option(
-        "--min-new-tokens", callback=_control("min_new_tokens"), rich_help_panel=PENALTIES,
-        help="No end-of-sequence token before this many new tokens, N >= 0.")] = 0
-    num_beams: Annotated[int, typer.Option(
-        "--num-beams", callback=_control("num_beams"), rich_help_panel=BEAMS,
-        help="Beam search with N beams, 1 <= N <= 64 (1: off). Not streamed: a progress line, then the "
-             "best beam.")] = 1
-    length_penalty: Annotated[float, typer.Option(
-        "--length-penalty", callback=_control("length_penalty"), rich_help_panel=BEAMS,
-        help="A beam's score is its log-probability over length ** this, -10 to 10; above 0 favours "
-             "longer beams.")] = 1.0
-    early_stopping: Annotated[str, typer.Option(
-        "--early-stopping", callback=_check_early_stopping, rich_help_panel=BEAMS, metavar="true|false|never",
-        help="true: stop when num-beams beams have finished; false: when no running beam is likely to do "
-             "better; never: when none can.")] = "false"
-    num_return: Annotated[int, typer.Option(
-        "--num-return", "--num-return-sequences", callback=_control("num_return"), rich_help_panel=BEAMS,
-        help="How many of the best beams to return, at most num-beams (all of them under --json; "
-             "the best one on a terminal).")] = 1
-    device: Annotated[str, typer.Option(
-        "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps.")] = "auto"
-    dtype: Annotated[DType, typer.Option(
-        "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 on cuda, float16 on mps.")] = DType.auto
-    compile: Annotated[bool | None, typer.Option(
-        "--compile/--no-compile",
-        help="Compile the decode step (default: for models of 50M parameters or more, on CUDA, and on the "
-             "CPU in float32 where llama-chat's CPU kernels are not built; int8 only when asked). The first run compiles (a C++ compiler is needed on the CPU; without one the "
-             "step runs uncompiled); later runs reuse the on-disk cache.")] = None
-    quantize: Annotated[Quantize, typer.Option(
-        "--quantize", help="Weights: none, or int8 (weight-only, one scale per output row, made at load "
-                           "time; about a quarter of float32's bytes).")] = Quantize.none
-    template: Annotated[Template, typer.Option(
-        "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template.auto
-    json: Annotated[bool, typer.Option(
-        "--json", help="Print one JSON object at the end instead of text (not with the chat).")] = False
-    stats: Annotated[bool, typer.Option(
-        "--stats", help="Timings, token counts and the seed on stderr (in the chat: after each reply).")] = False
-    no_history: Annotated[bool, typer.Option(
-        "--no-history", help="Chat: neither read nor write the input history file.")] = False
-    color: Annotated[ColorMode, typer.Option(
-        "--color", help="Colour on a terminal (NO_COLOR is honoured).")] = ColorMode.auto
-    batch: Annotated[str | None, typer.Option(
-        "--batch", metavar="[FILE]", rich_help_panel="Batch",
-        help="Run every line of FILE (default: stdin) as its own job, many at once: plain prompts, or JSON "
-             "objects with a prompt and options of their own. JSON Lines out, one per job as it finishes.")] = None
-    ordered: Annotated[bool, typer.Option(
-        "--ordered", rich_help_panel="Batch", help="--batch: write the results in input order.")] = False
-    max_batch: Annotated[int, typer.Option(
-        "--max-batch", callback=_check_positive, rich_help_panel="Batch",
-        help="--batch: most jobs generating at once.")] = 16
-    cache_tokens: Annotated[int | None, typer.Option(
-        "--cache-tokens", callback=_check_positive, rich_help_panel="Batch",
-        help="--batch: size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536 and 4 GiB; "
-             "at least one context).")] = None
-    debug: Annotated[bool, typer.Option("--debug", help="Show a traceback on failure.")] = False
-
-    def __post_init__(self) -> None:
-        # Code below the command line sees plain strings and tuples, not typer's enums and lists.
-        for name in ("dtype", "template", "color", "quantize"):
-            value = getattr(self, name)
-            if isinstance(value, enum.Enum):
-                object.__setattr__(self, name, value.value)
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "logit_bias", tuple(tuple(b) for b in self.logit_bias or ()))
-
-    def sampling(self):
-        """The generation controls as ``SamplingParams`` (checked already, one by one)."""
-        from llama_chat.ml.controls import SamplingParams
-
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              typical_p=self.typical_p, repetition_penalty=self.repetition_penalty,
-                              repeat_last_n=self.repeat_last_n, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty,
-                              no_repeat_ngram_size=self.no_repeat_ngram_size, logit_bias=self.logit_bias,
-                              min_new_tokens=self.min_new_tokens)
-
-    def beams(self):
-        from llama_chat.ml.controls import BeamParams
-
-        return BeamParams(self.num_beams, self.length_penalty, self.early_stopping, self.num_return)
-
-
 def _command(run: Callable[[Options], int]) -> Callable[..., None]:
-    """The typer command whose parameters are ``Options``' fields (plus --version)."""
+    """The typer command whose parameters are ``Options``' fields (plus --version): the options
+    are defined once, in ``options.py``, and typer reads them from there."""
     hints = get_type_hints(Options, include_extras=True)
     params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
               for f in fields(Options)]

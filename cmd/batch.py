@@ -17,10 +17,8 @@ Results are JSON Lines on stdout, one per input line, as jobs finish (or in inpu
 from __future__ import annotations
 
 import json
-import secrets
 import sys
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
@@ -38,7 +36,7 @@ from llama_chat.inference.scheduler import Scheduler, SchedulerOptions, Schedule
 from llama_chat.inference.types import Completion, GenerationState, Request, RequestError
 
 if TYPE_CHECKING:
-    from llama_chat.cmd.app import Options
+    from llama_chat.cmd.options import Options
 
 PROGRESS_EVERY_S = 0.2
 
@@ -123,8 +121,7 @@ class ProgressBar:
 
 def _requests(opts: Options, jobs: list[JobLine | BadLine], loaded, scheduler: Scheduler
               ) -> tuple[list[tuple[JobLine, Request]], list[BadLine]]:
-    """Each good line as a ``Request`` with its own settings over the command line's defaults."""
-    defaults = opts.sampling()
+    """Each good line as a ``Request`` with its own settings over the command line's."""
     good, bad = [], []
     for job in jobs:
         if isinstance(job, BadLine):
@@ -132,12 +129,9 @@ def _requests(opts: Options, jobs: list[JobLine | BadLine], loaded, scheduler: S
             continue
         try:
             ids = prompt_ids(job.prompt, system=job.system if job.system is not None else opts.system,
-                             tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
-            seed = job.seed if job.seed is not None else opts.seed if opts.seed is not None else secrets.randbelow(2**31)
-            request = Request(ids, sampling=replace(defaults, **dict(job.sampling)), seed=seed,
-                              max_tokens=job.max_tokens if job.max_tokens is not None else opts.max_tokens,
-                              stop=job.stop if job.stop is not None else tuple(opts.stop),
-                              chat_reply=loaded.chat_format is not None, request_id=f"line-{job.line}")
+                             tokenizer=loaded.tokenizer, chat_format=loaded.chat_format, template=opts.template)
+            request = opts.request(ids, chat_reply=loaded.chat_format is not None, request_id=f"line-{job.line}",
+                                   **dict(job.settings))
             scheduler.check(request)
         except (UsageProblem, RequestError, ValueError) as e:
             bad.append(BadLine(job.line, job.job_id, str(e)))
@@ -197,12 +191,16 @@ async def _run_all(scheduler: Scheduler, good: list[tuple[JobLine, Request]], wr
 
 
 def stats_text(stats: SchedulerStats, elapsed: float) -> str:
+    """What --stats tells a user sizing a batch: tokens, speed and how full the cache was (the
+    scheduler's inner counters are for its tests and docs/batching.md, not for this line)."""
     return (f"batch: {stats.jobs_finished} jobs; prompt tokens: {stats.prefill_tokens} prefilled, "
             f"{stats.cached_tokens} from cached pages; generated {stats.generated_tokens} tokens in {elapsed:.2f} s "
             f"({stats.generated_tokens / max(elapsed, 1e-9):.1f} tok/s); pages: {stats.pages_peak} peak of "
-            f"{stats.pages_total} ({stats.page_size} tokens each), {stats.evictions} evicted, "
-            f"{stats.compactions} lone jobs moved onto consecutive pages; "
-            f"{stats.steps} steps ({stats.mixed_steps} mixing prompts and decodes)")
+            f"{stats.pages_total} ({stats.page_size} tokens each), {stats.evictions} evicted")
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def run_batch(opts: Options, jobs: list[JobLine | BadLine], color: str, err: Console) -> int:
@@ -236,7 +234,7 @@ def run_batch(opts: Options, jobs: list[JobLine | BadLine], color: str, err: Con
     elapsed = time.perf_counter() - start
     stats = scheduler.stats
     done = writer.added - len(bad)
-    summary = f"finish: {done} of {len(good)} jobs" + (f", {len(bad)} bad lines" if bad else "")
+    summary = f"finish: {done} of {plural(len(good), 'job')}" + (f", {plural(len(bad), 'bad line')}" if bad else "")
     if stop.signum is not None:
         summary += " (cancelled)"
     err.print(summary, style="dim", markup=False, highlight=False, soft_wrap=True)

@@ -17,12 +17,12 @@ from llama_chat.cmd.inputs import MAX_PROMPT_BYTES, UsageProblem, read_stdin_tex
 from llama_chat.ml.controls import RULES, ControlError, SamplingParams, check
 
 if TYPE_CHECKING:
-    from llama_chat.cmd.app import Options
+    from llama_chat.cmd.options import Options
 
-# Options a JSON line may carry besides the sampling controls.
-JOB_KEYS = ("prompt", "id", "max_tokens", "seed", "stop", "system")
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
-MAX_SEED = 2**64 - 1
+# The settings a JSON line may give its job, under the names of the options they override.
+SETTING_KEYS = (*SAMPLING_KEYS, "max_tokens", "seed", "max_time", "stop")
+JOB_KEYS = ("prompt", "id", "system", *SETTING_KEYS)
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,8 @@ class JobLine:
     line: int
     prompt: str
     job_id: Any
-    max_tokens: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] | None = None
     system: str | None = None
-    sampling: tuple[tuple[str, Any], ...] = ()  # controls to override, as (name, value)
+    settings: tuple[tuple[str, Any], ...] = ()  # options to override, as (name, value), checked
 
 
 @dataclass(frozen=True)
@@ -103,7 +100,7 @@ def parse_line(number: int, line: str) -> JobLine | BadLine:
 
 
 def _job(number: int, obj: dict, job_id: Any) -> JobLine:
-    unknown = sorted(set(obj) - set(JOB_KEYS) - set(SAMPLING_KEYS))
+    unknown = sorted(set(obj) - set(JOB_KEYS))
     if unknown:
         raise ValueError(f"unknown option {unknown[0]!r}")
     prompt = obj.get("prompt")
@@ -113,34 +110,26 @@ def _job(number: int, obj: dict, job_id: Any) -> JobLine:
         raise ValueError("'prompt' is too long")
     if isinstance(job_id, (dict, list)) or (isinstance(job_id, float) and not math.isfinite(job_id)):
         raise ValueError("'id' must be a string, a number or null")
-    max_tokens = obj.get("max_tokens")
-    if max_tokens is not None and (not _integer(max_tokens) or max_tokens < 1):
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    seed = obj.get("seed")
-    if seed is not None and (not _integer(seed) or not 0 <= seed <= MAX_SEED):
-        raise ValueError(f"seed must be an integer in 0 <= seed <= 2**64-1, got {seed!r}")
-    stop = obj.get("stop")
-    if stop is not None:
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise ValueError("'stop' must be a string or a list of strings")
-        stop = tuple(stop)
     system = obj.get("system")
     if system is not None and not isinstance(system, str):
         raise ValueError("'system' must be a string")
-    sampling = []
-    for name in SAMPLING_KEYS:
-        if name not in obj:
-            continue
-        value = obj[name]
-        if name == "logit_bias":
-            value = _logit_bias(value)
-        elif name in RULES:
-            check(name, value)
-        sampling.append((name, value))
+    # null is no setting: the command line's value holds, as for a key left out.
+    settings = {name: _setting(name, obj[name]) for name in SETTING_KEYS if obj.get(name) is not None}
     # Every control together, as the job will use them (one may constrain another).
-    SamplingParams(**dict(sampling))
-    return JobLine(number, prompt, job_id, max_tokens, seed, stop, system, tuple(sampling))
+    SamplingParams(**{name: value for name, value in settings.items() if name in SAMPLING_KEYS})
+    return JobLine(number, prompt, job_id, system, tuple(settings.items()))
+
+
+def _setting(name: str, value: Any) -> Any:
+    """A line's value for option ``name``, checked as the command line checks the option."""
+    if name == "stop":
+        stop = [value] if isinstance(value, str) else value
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ValueError("'stop' must be a string or a list of strings")
+        return tuple(stop)
+    if name == "logit_bias":
+        return _logit_bias(value)
+    return check(name, value) if name in RULES else value
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -158,7 +147,3 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         except (TypeError, ValueError):
             raise ValueError(f"'logit_bias' entry {list(item)!r} is not an id and a number") from None
     return tuple(out)
-
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)

@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +40,7 @@ from rich.console import Console
 from rich.text import Text
 
 from llama_chat.cmd import exit_status
+from llama_chat.cmd.chat_settings import Settings, apply_setting, set_help, split_setting
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.render import make_renderer
@@ -50,11 +50,10 @@ from llama_chat.cmd.sanitize import displayable
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Completion, GenerationState, Request, Timings
-from llama_chat.ml.controls import BeamParams, SamplingParams, check, parse_logit_bias
 from llama_chat.model.chat_format import ChatFormat, Message
 
 if TYPE_CHECKING:
-    from llama_chat.cmd.app import Options
+    from llama_chat.cmd.options import Options
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -67,17 +66,13 @@ HISTORY_LENGTH = 1000
 # again by the next one, so pages are smaller than --batch's.
 CHAT_PAGE_SIZE = 8
 
-HELP = """\
+HELP = f"""\
 Commands:
   /help               this list
   /exit               leave (also /bye, Ctrl+D, or Ctrl+C at an empty prompt)
   /clear              forget the conversation (the system message stays)
   /system [TEXT]      set the system message (no text: remove it)
-  /set [NAME=VALUE]   change a setting (no argument: show them all): temperature, top_p, top_k, min_p,
-                      typical_p, repetition_penalty, repeat_last_n, presence_penalty, frequency_penalty,
-                      no_repeat_ngram_size, logit_bias (ID=BIAS, adds one), min_new_tokens, seed,
-                      max_tokens, max_time, stop (adds one), num_beams, length_penalty, early_stopping,
-                      num_return; VALUE none: the default
+{set_help(22)}
   /stats              token counts and timings of the last reply
   /save FILE          write the conversation to FILE as JSON
   /load FILE          read a conversation written by /save
@@ -100,33 +95,6 @@ class Turn:
         if self.interrupted:
             d["interrupted"] = True
         return d
-
-
-@dataclass
-class Settings:
-    """What ``/set`` changes: the generation controls (Hugging Face's names), seed and limits."""
-
-    sampling: SamplingParams
-    seed: int | None  # None: a new random seed for every reply
-    max_tokens: int | None
-    stop: tuple[str, ...] = ()
-    max_time: float | None = None
-    beams: BeamParams = BeamParams()
-
-    @property
-    def temperature(self) -> float:
-        return self.sampling.temperature
-
-    @property
-    def top_p(self) -> float:
-        return self.sampling.top_p
-
-    def as_dict(self) -> dict:
-        controls = {f.name: getattr(self.sampling, f.name) for f in fields(SamplingParams)}
-        controls["logit_bias"] = [f"{token}={bias}" for token, bias in self.sampling.logit_bias]
-        beams = {f.name: getattr(self.beams, f.name) for f in fields(BeamParams)}
-        return {**controls, "seed": self.seed, "max_tokens": self.max_tokens, "max_time": self.max_time,
-                "stop": list(self.stop), **beams}
 
 
 @dataclass
@@ -280,10 +248,8 @@ class ChatRunner:
         if ids is None:
             return
         ids = chat.backend.align_to_cache(ids)
-        s = chat.settings
-        seed = s.seed if s.seed is not None else secrets.randbelow(2**31)
-        request = Request(ids, sampling=s.sampling, seed=seed, max_tokens=s.max_tokens, stop=s.stop, chat_reply=True,
-                          reuse_cache=True, max_time=s.max_time, beams=s.beams)
+        request = chat.settings.request(ids, chat_reply=True, reuse_cache=True)
+        seed = request.seed
         try:
             if request.beams.enabled:
                 outcome: Outcome = self.beam_reply(request)
@@ -390,18 +356,15 @@ class ChatRunner:
             self.say(f"unknown command {name}; /help lists the commands")
 
     def set(self, arg: str) -> None:
-        s = self.chat.settings
+        """``/set NAME VALUE`` or ``/set NAME=VALUE``; ``/set NAME`` shows one setting, ``/set`` all."""
         if not arg:
-            self.show("  ".join(f"{k}={v}" for k, v in s.as_dict().items()))
+            self.show("  ".join(f"{k}={v}" for k, v in self.chat.settings.as_dict().items()))
             return
-        key, eq, value = arg.partition("=")
-        key, value = key.strip().replace("-", "_"), value.strip()
-        key = SETTING_ALIASES.get(key, key)
         try:
-            if not eq:
-                raise ValueError("expected NAME=VALUE")
-            self.chat.settings = apply_setting(key, value, s)
-        except (ValueError, TypeError) as e:
+            key, value = split_setting(arg)
+            if value is not None:
+                self.chat.settings = apply_setting(key, value, self.chat.settings)
+        except ValueError as e:
             self.say(f"/set {arg}: {e}")
             return
         self.say(f"{key} = {self.chat.settings.as_dict()[key]}")
@@ -455,65 +418,6 @@ def read_conversation(data) -> tuple[str | None, list[Turn]]:
     return system or None, turns
 
 
-# Other names users know for the same settings (llama.cpp's, transformers' longer ones).
-SETTING_ALIASES = {"repeat_penalty": "repetition_penalty", "num_return_sequences": "num_return",
-                   "max_new_tokens": "max_tokens"}
-
-
-def apply_setting(key: str, value: str, settings: Settings) -> Settings:
-    """``settings`` with ``key`` set to ``value`` (text), checked as the command line checks the
-    option of the same name; ``ValueError`` (one line) when it is not allowed."""
-    none = value.lower() in ("", "none", "default")
-    sampling_fields = {f.name: f for f in fields(SamplingParams)}
-    beam_fields = {f.name: f for f in fields(BeamParams)}
-    if key == "logit_bias":
-        bias = () if none else (*settings.sampling.logit_bias, parse_logit_bias(value))
-        return replace(settings, sampling=replace(settings.sampling, logit_bias=bias))
-    if key in sampling_fields:
-        default = sampling_fields[key].default
-        parsed = default if none else (int(value) if isinstance(default, int) else float(value))
-        return replace(settings, sampling=replace(settings.sampling, **{key: parsed}))
-    if key in beam_fields:
-        default = beam_fields[key].default
-        if key == "early_stopping":
-            parsed = default if none else value
-        else:
-            parsed = default if none else (int(value) if isinstance(default, int) else float(value))
-        changes = {key: parsed}
-        if key == "num_beams" and isinstance(parsed, int) and 0 < parsed < settings.beams.num_return:
-            changes["num_return"] = parsed  # fewer beams return fewer: /set num_beams=1 turns them off
-        return replace(settings, beams=replace(settings.beams, **changes))
-    if key == "max_time":
-        return replace(settings, max_time=None if none else check("max_time", float(value)))
-    if key in ("seed", "max_tokens", "stop"):
-        return replace(settings, **{key: parse_setting(key, value, settings)})
-    raise ValueError(f"unknown setting {key!r} (/set with no argument lists them)")
-
-
-def parse_setting(key: str, value: str, settings: Settings):
-    """A /set value, checked as the command line checks the option of the same name."""
-    from llama_chat.cmd import app
-
-    def check(fn, v):
-        try:
-            return fn(v)
-        except Exception as e:  # typer.BadParameter
-            raise ValueError(str(getattr(e, "message", e))) from None
-
-    none = value.lower() in ("", "none", "default")
-    if key == "temperature":
-        return check(app._check_temperature, float(value))
-    if key == "top_p":
-        return check(app._check_top_p, float(value))
-    if key == "seed":
-        return None if none else check(app._check_seed, int(value))
-    if key == "max_tokens":
-        return None if none else check(app._check_max_tokens, int(value))
-    if key == "stop":
-        return () if none else (*settings.stop, value)
-    raise ValueError(f"unknown setting {key!r} (temperature, top_p, seed, max_tokens, stop)")
-
-
 def make_chat_backend(loaded, opts: Options) -> Engine | Scheduler:
     """The scheduler, one job at a time, with a page table for one whole conversation; on CUDA the
     one-prompt engine, whose decode step is a CUDA graph over its dense cache."""
@@ -536,7 +440,7 @@ def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
         raise UsageProblem(f"cannot chat with {loaded.name}: it has no chat format (a plain completion model); "
                            f"choose one with --template llama2|llama3|hf, or pass a prompt with -p")
     backend = make_chat_backend(loaded, opts)
-    settings = Settings(opts.sampling(), opts.seed, opts.max_tokens, tuple(opts.stop), opts.max_time, opts.beams())
+    settings = Settings(opts)
     chat = Chat(backend, loaded.chat_format, settings, system=opts.system)
     runner = ChatRunner(chat, opts, color, err, loaded.name)
     warm_up(backend, settings.sampling, err, quiet=False)

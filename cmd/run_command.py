@@ -7,7 +7,6 @@ Everything before and after ``anyio.run`` runs with signals raising exceptions i
 from __future__ import annotations
 
 import os
-import secrets
 import sys
 from functools import partial
 from pathlib import Path
@@ -24,13 +23,12 @@ from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.report import print_summary, write_json
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.engine import Engine, EngineOptions
-from llama_chat.inference.types import Request
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 from llama_chat.model.stores import resolve_model
 
 if TYPE_CHECKING:
-    from llama_chat.cmd.app import Options
+    from llama_chat.cmd.options import Options
     from llama_chat.inference.scheduler import Scheduler
     from llama_chat.ml.sampling import SamplingParams
 
@@ -113,11 +111,11 @@ def silence_stdout() -> None:
 def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     """Load, generate ``text`` (the prompt, already read and checked) and report; the exit status."""
     loaded = load(opts, err)
-    ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
-    seed = opts.seed if opts.seed is not None else secrets.randbelow(2**31)
+    ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format,
+                     template=opts.template)
     # A chat reply is not a continuation of the prompt text: no leading word-start space.
-    request = Request(ids, sampling=opts.sampling(), seed=seed, max_tokens=opts.max_tokens, stop=tuple(opts.stop),
-                      chat_reply=loaded.chat_format is not None, max_time=opts.max_time, beams=opts.beams())
+    request = opts.request(ids, chat_reply=loaded.chat_format is not None)
+    seed = request.seed
     engine = make_engine(loaded, opts)
     engine.check(request)  # a prompt longer than the context is bad input, found before any work
     warm_up(engine, request.sampling, err, quiet=opts.json)

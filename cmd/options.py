@@ -1,0 +1,252 @@
+"""The command line's options: each one named, typed, defaulted and documented here, once.
+
+``Options`` is what the rest of the command reads; ``app.py`` turns its fields into the typer
+command's parameters, so there is no second list of options to keep in step. Ranges, choices and
+defaults are not written here: they come from ``ml/controls.py`` (and the chat formats' names from
+``model/chat_format.py``), which also checks the lines of ``--batch`` and the chat's ``/set``.
+``Options.request`` makes the ``Request`` of every mode: one prompt, a chat reply, a batch job.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Annotated, Any
+
+import typer
+
+from llama_chat.inference.types import Request, new_request_id
+from llama_chat.ml.controls import (COLOR_MODES, DEFAULT_TEMPERATURE, DTYPES, QUANTIZE_MODES, RULES, BeamParams,
+                                    ControlError, SamplingParams, check, check_early_stopping, parse_logit_bias,
+                                    temperature_for)
+from llama_chat.model.chat_format import FORMAT_NAMES
+
+# A seed drawn for a run that names none (reported, so the run can be repeated).
+RANDOM_SEEDS = 2**31
+
+
+def _choices(name: str, values: Sequence[str]) -> type[enum.Enum]:
+    """An enum of ``values`` for typer, which shows and checks an option's choices from one."""
+    return enum.Enum(name, [(v, v) for v in values], type=str)
+
+
+Template = _choices("Template", FORMAT_NAMES)
+DType = _choices("DType", DTYPES)
+Quantize = _choices("Quantize", QUANTIZE_MODES)
+ColorMode = _choices("ColorMode", COLOR_MODES)
+
+_SAMPLING = SamplingParams()
+_BEAMS = BeamParams()
+_DEVICE = re.compile(r"auto|cpu|(cuda|mps)(:\d{1,3})?")
+
+# --help shows the options in these sections, in this order (``app._GroupedHelp``).
+SAMPLING = "Sampling (Hugging Face generate's names)"
+PENALTIES = "Penalties and token rules"
+STOPPING = "Stopping"
+BEAMS = "Beam search"
+BATCH = "Batch"
+
+
+def _control(name: str) -> Callable:
+    """A callback checking an option by rule ``name`` of ``ml/controls.py`` (None passes)."""
+    def callback(value):
+        if value is None:
+            return value
+        try:
+            return check(name, value)
+        except ControlError as e:
+            raise typer.BadParameter(e.reason) from None
+    return callback
+
+
+def _ranged(name: str, *flags: str, help: str, **kwargs) -> Any:
+    """An option checked by rule ``name``; ``{range}`` in ``help`` is the rule's own text, so that
+    --help and the error say the same thing."""
+    return typer.Option(*flags, callback=_control(name), help=help.format(range=RULES[name].allowed), **kwargs)
+
+
+def _check_logit_bias(values: list[str] | None) -> tuple[tuple[int, float], ...]:
+    try:
+        return tuple(parse_logit_bias(v) for v in values or ())
+    except ControlError as e:
+        raise typer.BadParameter(e.reason) from None
+
+
+def _check_early_stopping(value: str):
+    try:
+        return check_early_stopping(value)
+    except ControlError as e:
+        raise typer.BadParameter(e.reason) from None
+
+
+def _check_device(value: str) -> str:
+    if not _DEVICE.fullmatch(value):
+        raise typer.BadParameter(f"expected auto, cpu, cuda, cuda:N, mps; got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Options:
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", metavar="MODEL",
+        help="Model: a directory or weights file (.gguf too), a Hugging Face id org/name from the local "
+             "cache, or ollama:NAME[:TAG] from Ollama's store (default: the small model shipped with the "
+             "package). --list shows what is there.")] = None
+    list_models: Annotated[bool, typer.Option(
+        "--list", help="List the models in the Hugging Face cache and Ollama's store, and exit.")] = False
+    download: Annotated[bool, typer.Option(
+        "--download", help="With -m org/name: download the model from the Hugging Face hub if it is not "
+                           "in the cache (with a progress bar).")] = False
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None
+    file: Annotated[str | None, typer.Option(
+        "--file", "-f", help="Read the prompt from this file ('-': stdin); stdin is then not read otherwise.")] = None
+    no_stdin: Annotated[bool, typer.Option(
+        "--no-stdin", help="Do not read stdin, even when it is a pipe.")] = False
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="Chat interactively (the default with no prompt on a terminal). A prompt or piped "
+                       "stdin becomes the first message; the chat then goes on reading the terminal.")] = False
+    system: Annotated[str | None, typer.Option(
+        "--system", "-s", help="A system message (needs a chat template).")] = None
+    max_tokens: Annotated[int | None, _ranged(
+        "max_tokens", "--max-tokens", "--max-new-tokens", "-n", rich_help_panel=STOPPING,
+        help="Most tokens to generate, {range} (default: until a stop token or the context is full).")] = None
+    stop: Annotated[list[str] | None, typer.Option(
+        "--stop", help="Stop when the text contains TEXT (repeatable); the stop string is not printed.",
+        metavar="TEXT", rich_help_panel=STOPPING)] = None
+    max_time: Annotated[float | None, _ranged(
+        "max_time", "--max-time", rich_help_panel=STOPPING, metavar="SECONDS",
+        help="Stop after this many seconds from the start of the request, prefill included (finish "
+             "reason max_time); at least one token is generated.")] = None
+    ctx_size: Annotated[int | None, _ranged(
+        "ctx_size", "--ctx-size", "-c",
+        help="Context length in tokens, at most the model's; 0: the model's full context (default: the "
+             "model's, at most 4096).")] = None
+    temperature: Annotated[float | None, _ranged(
+        "temperature", "--temperature", "-t", rich_help_panel=SAMPLING,
+        help=f"Sampling temperature, {{range}}; 0 means greedy (default: {DEFAULT_TEMPERATURE}, and 0 with "
+             f"--num-beams: deterministic beams).")] = None
+    top_p: Annotated[float, _ranged(
+        "top_p", "--top-p", rich_help_panel=SAMPLING, help="Nucleus sampling mass, {range}.")] = _SAMPLING.top_p
+    top_k: Annotated[int, _ranged(
+        "top_k", "--top-k", rich_help_panel=SAMPLING,
+        help="Sample among the K most likely tokens only, {range}.")] = _SAMPLING.top_k
+    min_p: Annotated[float, _ranged(
+        "min_p", "--min-p", rich_help_panel=SAMPLING,
+        help="Drop tokens less likely than P times the most likely one, {range}.")] = _SAMPLING.min_p
+    typical_p: Annotated[float, _ranged(
+        "typical_p", "--typical-p", rich_help_panel=SAMPLING,
+        help="Locally typical sampling mass, {range}.")] = _SAMPLING.typical_p
+    seed: Annotated[int | None, _ranged(
+        "seed", "--seed", rich_help_panel=SAMPLING,
+        help="Sampling seed, {range} (default: random; always reported).")] = None
+    repetition_penalty: Annotated[float, _ranged(
+        "repetition_penalty", "--repetition-penalty", "--repeat-penalty", rich_help_panel=PENALTIES,
+        help="Divide the positive logits (multiply the negative ones) of tokens already seen by this, "
+             "{range}.")] = _SAMPLING.repetition_penalty
+    repeat_last_n: Annotated[int, _ranged(
+        "repeat_last_n", "--repeat-last-n", rich_help_panel=PENALTIES,
+        help="The repetition, presence and frequency penalties look at the last N tokens, "
+             "{range}.")] = _SAMPLING.repeat_last_n
+    presence_penalty: Annotated[float, _ranged(
+        "presence_penalty", "--presence-penalty", rich_help_panel=PENALTIES,
+        help="Subtract this from the logit of every token already seen, {range}.")] = _SAMPLING.presence_penalty
+    frequency_penalty: Annotated[float, _ranged(
+        "frequency_penalty", "--frequency-penalty", rich_help_panel=PENALTIES,
+        help="Subtract this times its count from the logit of every token seen, {range}.")] = _SAMPLING.frequency_penalty
+    no_repeat_ngram_size: Annotated[int, _ranged(
+        "no_repeat_ngram_size", "--no-repeat-ngram-size", rich_help_panel=PENALTIES,
+        help="Never repeat a run of N tokens already in the prompt or reply, {range}.")] = _SAMPLING.no_repeat_ngram_size
+    logit_bias: Annotated[list[str] | None, typer.Option(
+        "--logit-bias", callback=_check_logit_bias, rich_help_panel=PENALTIES, metavar="ID=BIAS",
+        help="Add BIAS to token ID's logit (repeatable); -inf bans the token.")] = None
+    min_new_tokens: Annotated[int, _ranged(
+        "min_new_tokens", "--min-new-tokens", rich_help_panel=PENALTIES,
+        help="No end-of-sequence token before this many new tokens, {range}.")] = _SAMPLING.min_new_tokens
+    num_beams: Annotated[int, _ranged(
+        "num_beams", "--num-beams", rich_help_panel=BEAMS,
+        help="Beam search with N beams, {range}; deterministic unless -t is given. Not streamed: a progress "
+             "line, then the best beam.")] = _BEAMS.num_beams
+    length_penalty: Annotated[float, _ranged(
+        "length_penalty", "--length-penalty", rich_help_panel=BEAMS,
+        help="A beam's score is its log-probability over length ** this, {range}; above 0 favours "
+             "longer beams.")] = _BEAMS.length_penalty
+    early_stopping: Annotated[str, typer.Option(
+        "--early-stopping", callback=_check_early_stopping, rich_help_panel=BEAMS, metavar="true|false|never",
+        help="true: stop when num-beams beams have finished; false: when no running beam is likely to do "
+             "better; never: when none can.")] = str(_BEAMS.early_stopping).lower()
+    num_return: Annotated[int, _ranged(
+        "num_return", "--num-return", "--num-return-sequences", rich_help_panel=BEAMS,
+        help="How many of the best beams to return, at most num-beams (all of them under --json; "
+             "the best one on a terminal).")] = _BEAMS.num_return
+    device: Annotated[str, typer.Option(
+        "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps.")] = "auto"
+    dtype: Annotated[DType, typer.Option(
+        "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 on cuda, float16 on mps.")] = DType("auto")
+    compile: Annotated[bool | None, typer.Option(
+        "--compile/--no-compile",
+        help="Compile the decode step (default: for models of 50M parameters or more, on CUDA, and on the "
+             "CPU in float32 where llama-chat's CPU kernels are not built; int8 only when asked). The first run compiles (a C++ compiler is needed on the CPU; without one the "
+             "step runs uncompiled); later runs reuse the on-disk cache.")] = None
+    quantize: Annotated[Quantize, typer.Option(
+        "--quantize", help="Weights: none, or int8 (weight-only, one scale per output row, made at load "
+                           "time; about a quarter of float32's bytes).")] = Quantize("none")
+    template: Annotated[Template, typer.Option(
+        "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template("auto")
+    json: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object at the end instead of text (not with the chat).")] = False
+    stats: Annotated[bool, typer.Option(
+        "--stats", help="Timings, token counts and the seed on stderr (in the chat: after each reply).")] = False
+    no_history: Annotated[bool, typer.Option(
+        "--no-history", help="Chat: neither read nor write the input history file.")] = False
+    color: Annotated[ColorMode, typer.Option(
+        "--color", help="Colour on a terminal (NO_COLOR is honoured).")] = ColorMode("auto")
+    batch: Annotated[str | None, typer.Option(
+        "--batch", metavar="[FILE]", rich_help_panel=BATCH,
+        help="Run every line of FILE (default: stdin) as its own job, many at once: plain prompts, or JSON "
+             "objects with a prompt and options of their own. JSON Lines out, one per job as it finishes.")] = None
+    ordered: Annotated[bool, typer.Option(
+        "--ordered", rich_help_panel=BATCH, help="--batch: write the results in input order.")] = False
+    max_batch: Annotated[int, _ranged(
+        "max_batch", "--max-batch", rich_help_panel=BATCH, help="--batch: most jobs generating at once.")] = 16
+    cache_tokens: Annotated[int | None, _ranged(
+        "cache_tokens", "--cache-tokens", rich_help_panel=BATCH,
+        help="--batch: size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536 and 4 GiB; "
+             "at least one context).")] = None
+    debug: Annotated[bool, typer.Option("--debug", help="Show a traceback on failure.")] = False
+
+    def __post_init__(self) -> None:
+        # Code below the command line sees plain strings and tuples, not typer's enums and lists.
+        for name in ("dtype", "template", "color", "quantize"):
+            value = getattr(self, name)
+            if isinstance(value, enum.Enum):
+                object.__setattr__(self, name, value.value)
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "logit_bias", tuple(tuple(b) for b in self.logit_bias or ()))
+
+    def sampling(self) -> SamplingParams:
+        """The generation controls as ``SamplingParams`` (the temperature's default depends on
+        ``num_beams``: ``controls.temperature_for``)."""
+        values = {f.name: getattr(self, f.name) for f in fields(SamplingParams)}
+        values["temperature"] = temperature_for(self.temperature, self.num_beams)
+        return SamplingParams(**values)
+
+    def beams(self) -> BeamParams:
+        return BeamParams(**{f.name: getattr(self, f.name) for f in fields(BeamParams)})
+
+    def request(self, prompt_ids: Sequence[int], *, chat_reply: bool, reuse_cache: bool = False,
+                request_id: str | None = None, **overrides: Any) -> Request:
+        """The ``Request`` for ``prompt_ids`` under these options, with a job's own settings
+        (``overrides``, by option name: ``max_tokens``, ``seed``, ``temperature`` ...) over them.
+        Without a seed, one is drawn (``Request.seed`` says which)."""
+        opts = replace(self, **overrides) if overrides else self
+        seed = opts.seed if opts.seed is not None else secrets.randbelow(RANDOM_SEEDS)
+        return Request(prompt_ids, sampling=opts.sampling(), seed=seed, max_tokens=opts.max_tokens, stop=opts.stop,
+                       chat_reply=chat_reply, reuse_cache=reuse_cache, max_time=opts.max_time, beams=opts.beams(),
+                       request_id=request_id or new_request_id())
+
+
+__all__ = ["BATCH", "BEAMS", "PENALTIES", "SAMPLING", "STOPPING", "ColorMode", "DType", "Options", "Quantize",
+           "Template"]
