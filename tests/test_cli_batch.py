@@ -41,7 +41,8 @@ def test_plain_and_json_lines_match_one_shot_and_a_bad_line_stops_nothing(tiny, 
     assert proc.returncode == 2, proc.stderr.decode()  # bad input was given, and reported
     err = proc.stderr.decode()
     assert "llama-chat: line 3: not valid JSON" in err
-    assert "llama-chat: line 6: max_tokens must be an integer >= 1" in err
+    assert "llama-chat: line 6: max_tokens must be at least 1, got 0" in err
+    assert "finish: 3 of 3 jobs, 3 bad lines" in err
     assert "llama-chat: line 7: unknown option 'colour'" in err
     assert "Traceback" not in err
     out = {o["line"]: o for o in lines_of(proc.stdout)}
@@ -89,6 +90,7 @@ def test_jobs_sharing_a_long_prefix_prefill_it_once_and_stats_say_so(tiny, tmp_p
     assert m, stats
     assert (int(m.group(1)), int(m.group(2))) == (prefilled, sum(cached))
     assert re.search(r"pages: \d+ peak of \d+ \(16 tokens each\)", stats)
+    assert "lone jobs" not in stats and "steps" not in stats  # the scheduler's inner counters stay inside
 
 
 def test_ctrl_c_writes_what_finished_and_exits_130(tiny, tmp_path):
@@ -119,6 +121,26 @@ def test_ctrl_c_writes_what_finished_and_exits_130(tiny, tmp_path):
     out = lines_of(got + rest)
     assert sorted(o["id"] for o in out) == ["s0", "s1", "s2"]
     assert b"(cancelled)" in err and b"Traceback" not in err
+
+
+def test_max_time_ends_every_job_and_one_bad_line_is_one(tiny, tmp_path):
+    src = tmp_path / "timed.txt"
+    src.write_text("\n".join([
+        "Once upon a time",
+        json.dumps({"prompt": "The fox", "id": "fox"}),
+        json.dumps({"prompt": "Its own budget", "max_time": 1e-6, "max_tokens": 300, "id": "own"}),
+        json.dumps({"prompt": "bad", "max_time": 0}),
+    ]) + "\n")
+    # The tiny model never ends on its own, so without the clock each job would run to -n.
+    proc = run_cli("-m", str(tiny.path), "--batch", str(src), "-t", "0", "-n", "300", "--max-time", "0.000001",
+                   timeout=WAIT_S)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert "llama-chat: line 4: max_time must be a number of seconds > 0, got 0.0" in err
+    assert "finish: 3 of 3 jobs, 1 bad line" in err and "bad lines" not in err
+    out = {o["id"]: o for o in lines_of(proc.stdout)}
+    for job in (1, "fox", "own"):
+        assert out[job]["finish_reason"] == "max_time" and out[job]["completion_tokens"] == 1, out[job]
 
 
 @pytest.mark.parametrize("args, message", [

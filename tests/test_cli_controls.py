@@ -29,8 +29,8 @@ def tiny(tmp_path_factory):
 
 def test_num_beams_4_json_gives_every_returned_beam_with_its_score(tiny):
     args = ("-m", str(tiny.path), "-p", "Once upon a time", "--num-beams", "4", "--num-return", "3", "-n", "10",
-            "--length-penalty", "0.5", "--early-stopping", "true", "--json", "--seed", "3")
-    out = json_result(run_cli(*args))
+            "--length-penalty", "0.5", "--early-stopping", "true", "--json")
+    out = json_result(run_cli(*args, "--seed", "3"))
     beams = out["beams"]
     assert len(beams) == 3
     scores = [b["score"] for b in beams]
@@ -39,11 +39,14 @@ def test_num_beams_4_json_gives_every_returned_beam_with_its_score(tiny):
     assert out["score"] == scores[0] and out["finish_reason"] == beams[0]["finish_reason"] == "max_tokens"
     assert all(len(b["token_ids"]) == 10 for b in beams) and len({tuple(b["token_ids"]) for b in beams}) == 3
 
-    # The same search in the library, on the weights the command loaded, gives the same beams.
+    # Without -t the search is deterministic, as transformers' without do_sample: another seed
+    # gives the same beams, and so does the greedy search in the library, on the same weights.
+    again = json_result(run_cli(*args, "--seed", "4"))["beams"]
+    assert [b["token_ids"] for b in again] == [b["token_ids"] for b in beams]
     loaded = load_model(tiny.path, device="cpu", dtype="float32")
     prompt = loaded.tokenizer.encode("Once upon a time", bos=True)
     assert out["prompt_tokens"] == len(prompt)
-    search = BeamSearch(loaded.model, prompt, SamplingParams(), BeamParams(4, 0.5, True, 3),
+    search = BeamSearch(loaded.model, prompt, SamplingParams(temperature=0.0), BeamParams(4, 0.5, True, 3),
                         limits=BeamLimits(10, GenerationState.MAX_TOKENS, time.perf_counter()),
                         stop_ids={loaded.tokenizer.eos_id}, seed=3, vocab=loaded.tokenizer.vocab_size,
                         device=torch.device("cpu"), dtype=torch.float32)
@@ -179,3 +182,23 @@ def test_chat_set_changes_every_control_and_beam_replies(chat_model, tmp_path):
     settings = saved["settings"]
     assert settings["top_k"] == 5 and settings["logit_bias"] == ["7=-inf"] and settings["early_stopping"] == "never"
     assert settings["num_beams"] == 1 and settings["num_return"] == 1  # lowered with num_beams
+
+
+def test_chat_set_takes_name_value_or_name_equals_value_and_suggests_a_name(chat_model, tmp_path):
+    cmd = llama_chat_command()
+    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", str(chat_model), "--template", "llama2", "-n", "4", "--no-history"],
+                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
+                          dimensions=(40, 200))
+    child.expect_exact(">>> ")
+    for typed, shown in [("/set temperature 0.5", "temperature = 0.5"), ("/set temperature=0", "temperature = 0.0"),
+                         ("/set top-k 7", "top_k = 7"), ("/set stop </s>", "stop = ['</s>']"),
+                         ("/set temprature=0", "unknown setting 'temprature'; did you mean temperature?"),
+                         ("/set top_p 1.01", "top_p must be in 0 < p <= 1, got 1.01"),
+                         ("/set seed", "seed = None")]:
+        child.sendline(typed)
+        child.expect_exact(shown)
+        child.expect_exact(">>> ")
+    child.sendline("Hello")
+    child.expect_exact(">>> ")
+    settings = save_and_leave(child, tmp_path / "talk.json")["settings"]
+    assert (settings["temperature"], settings["top_k"], settings["stop"], settings["top_p"]) == (0.0, 7, ["</s>"], 0.95)
