@@ -46,9 +46,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llama_chat.ml.controls import QUANTIZE_MODES  # noqa: F401 - defined with the other choices, torch-free
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
-QUANTIZE_MODES = ("none", "int8")
 # Rows per fbgemm call (they share one activation range, so rows are sorted by magnitude first):
 # fewer calls save fbgemm's per-call cost, similar rows keep the range fine (docs/benchmarks.md,
 # "int8 quality").
