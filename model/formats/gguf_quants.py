@@ -5,7 +5,7 @@ the block's byte size) and returns float32 values, in the order the tensor store
 layouts are ggml's (``ggml-common.h``); ``tests/test_gguf.py`` checks each one against the
 ``gguf`` package's numpy dequantizers on random bytes. Torch rather than numpy because it works
 on any device (the bytes can go to a GPU and be expanded there) and runs the bit twiddling on
-several threads: see "GGUF" in docs/formats.md for the measured load times.
+several threads (docs/benchmarks.md, "Loading GGUF files").
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _LOW_PAIRS = 0x0303030303030303
 
 def _words(b: torch.Tensor) -> torch.Tensor:
     """Bytes (..., 8k) as int64 words, so bit twiddling runs on eight bytes per operation (byte-wise
-    it is four times slower than numpy); copied only when the rows are not 8-byte aligned."""
+    it is slower than numpy); copied only when the rows are not 8-byte aligned."""
     try:
         return b.view(torch.int64)
     except RuntimeError:
