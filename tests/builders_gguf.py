@@ -6,15 +6,18 @@
 * Llama 3.1 rope scaling stored as a ``rope_freqs`` tensor of per-frequency factors;
 * a SentencePiece vocabulary as pieces, scores and piece types (``tokenizer.ggml.model = llama``),
   a tiktoken vocabulary as byte-level tokens plus merges derived from the ranks
-  (``tokenizer.ggml.model = gpt2``, ``pre = llama-bpe``) with Llama 3's control tokens after it;
-* weights as F32, F16, BF16, Q8_0 or Q4_0 (the ``gguf`` package's own quantizers) or Q4_K, Q5_K,
-  Q6_K (simple quantizers below: the package only dequantizes those; the bytes they write are
-  read back by the package's dequantizer in the tests, so the layout is checked independently).
+  (``tokenizer.ggml.model = gpt2``, ``pre = llama-bpe``) with Llama 3's control tokens after it,
+  or a ``tokenizers`` byte-level BPE with its merges under any ``pre`` name;
+* weights as F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 (the ``gguf`` package's own
+  quantizers) or Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (simple round-to-nearest quantizers
+  below: the package only dequantizes those; the bytes they write are read back by the package's
+  dequantizer in the tests, so the layout is checked independently).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import math
 from pathlib import Path
 
@@ -93,17 +96,17 @@ def _k_scale_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     return out
 
 
-def _k_affine(x: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
-    """Per 32-value sub-block min/scale, then 6-bit super-block scales (not llama.cpp's search)."""
+def _k_affine(x: np.ndarray, levels: int, subs: int = 8, scale_levels: int = 63) -> tuple[np.ndarray, ...]:
+    """Per sub-block min/scale, then super-block scales of ``scale_levels`` (not llama.cpp's search)."""
     n = x.shape[0]
-    sub = x.reshape(n, 8, 32)
+    sub = x.reshape(n, subs, -1)
     lo = np.minimum(sub.min(-1), 0)
     scale = (sub.max(-1) - lo) / levels
-    d = scale.max(-1, keepdims=True) / 63
-    dmin = (-lo).max(-1, keepdims=True) / 63
+    d = scale.max(-1, keepdims=True) / scale_levels
+    dmin = (-lo).max(-1, keepdims=True) / scale_levels
     d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
-    sc = np.clip(np.round(np.divide(scale, d16, out=np.zeros_like(scale), where=d16 > 0)), 0, 63)
-    mn = np.clip(np.round(np.divide(-lo, dmin16, out=np.zeros_like(lo), where=dmin16 > 0)), 0, 63)
+    sc = np.clip(np.round(np.divide(scale, d16, out=np.zeros_like(scale), where=d16 > 0)), 0, scale_levels)
+    mn = np.clip(np.round(np.divide(-lo, dmin16, out=np.zeros_like(lo), where=dmin16 > 0)), 0, scale_levels)
     step = (d16 * sc)[..., None]
     q = np.clip(np.round(np.divide(sub + (dmin16 * mn)[..., None], step, out=np.zeros_like(sub), where=step > 0)),
                 0, levels).astype(np.uint8)
@@ -146,7 +149,80 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8), _f16_bytes(d)], axis=1)
 
 
-_K_QUANTIZERS = {T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k, T.Q6_K: quantize_q6_k}
+def _crumb_pack(q: np.ndarray) -> np.ndarray:
+    """(blocks, 256) values 0-3 into 64 bytes: bits 2j..2j+1 of byte 32h + l hold value 128h + 32j + l."""
+    q = q.reshape(q.shape[0], 2, 4, 32).astype(np.uint8)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(q.shape[0], 64)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, mn, q = _k_affine(x.reshape(-1, 256), 3, subs=16, scale_levels=15)
+    scales = sc.astype(np.uint8) | (mn.astype(np.uint8) << 4)
+    return np.concatenate([scales, _crumb_pack(q.reshape(-1, 256)), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    """Symmetric: q in -4..3 per 16 values, stored as q + 4 (low 2 bits, then a high bit)."""
+    n = x.reshape(-1, 256).shape[0]
+    sub = x.reshape(n, 16, 16)
+    scale = np.abs(sub).max(-1) / 4
+    d = (scale.max(-1, keepdims=True) / 31).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(np.divide(scale, d, out=np.zeros_like(scale), where=d > 0)), 0, 31)
+    step = (d * sc)[..., None]
+    q = np.clip(np.round(np.divide(sub, step, out=np.zeros_like(sub), where=step > 0)), -4, 3)
+    v = (q + 4).astype(np.uint8).reshape(n, 256)
+    hmask = np.zeros((n, 32), dtype=np.uint8)
+    for i in range(8):
+        hmask |= (v[:, 32 * i:32 * i + 32] >> 2) << i
+    s6 = (sc + 32).astype(np.uint8)  # 6-bit, offset by 32
+    scales = np.zeros((n, 12), dtype=np.uint8)
+    scales[:, 0:8] = (s6[:, 0:8] & 0x0F) | ((s6[:, 8:16] & 0x0F) << 4)
+    for j in range(4):
+        scales[:, 8:12] |= (s6[:, 4 * j:4 * j + 4] >> 4) << (2 * j)
+    return np.concatenate([hmask, _crumb_pack(v & 3), scales, _f16_bytes(d)], axis=1)
+
+
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _iq4_index(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The nearest IQ4 level of each ``x / step``."""
+    scaled = np.divide(x, step, out=np.zeros_like(x), where=step != 0)
+    return np.abs(scaled[..., None] - IQ4_LEVELS).argmin(-1).astype(np.uint8)
+
+
+def _signed_peak(sub: np.ndarray) -> np.ndarray:
+    """Each row's value of largest magnitude, over -127: the scale that makes it the level -127."""
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+    return peak / -127
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    blocks = x.reshape(-1, 32)
+    d = _signed_peak(blocks).astype(np.float16).astype(np.float32)[:, None]
+    q = _iq4_index(blocks, d)
+    return np.concatenate([_f16_bytes(d), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+
+
+def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    n = x.reshape(-1, 256).shape[0]
+    sub = x.reshape(n, 8, 32)
+    local = _signed_peak(sub)
+    d = (np.abs(local).max(-1, keepdims=True) / 31).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(np.divide(local, d, out=np.zeros_like(local), where=d > 0)), -32, 31)
+    q = _iq4_index(sub, (d * sc)[..., None])
+    s6 = (sc + 32).astype(np.uint16)
+    scales_h = np.zeros((n, 1), dtype=np.uint16)
+    for i in range(8):
+        scales_h[:, 0] |= (s6[:, i] >> 4) << (2 * i)
+    s6 = s6.astype(np.uint8)
+    scales_l = (s6[:, 0::2] & 0x0F) | ((s6[:, 1::2] & 0x0F) << 4)
+    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, 128)
+    return np.concatenate([_f16_bytes(d), scales_h.view(np.uint8), scales_l, qs], axis=1)
+
+
+_OWN_QUANTIZERS = {T.Q2_K: quantize_q2_k, T.Q3_K: quantize_q3_k, T.Q4_K: quantize_q4_k, T.Q5_K: quantize_q5_k,
+                   T.Q6_K: quantize_q6_k, T.IQ4_NL: quantize_iq4_nl, T.IQ4_XS: quantize_iq4_xs}
 
 
 def encode_tensor(x: np.ndarray, qtype: T) -> np.ndarray:
@@ -155,9 +231,9 @@ def encode_tensor(x: np.ndarray, qtype: T) -> np.ndarray:
         return x.astype(np.float32)
     if qtype == T.F16:
         return x.astype(np.float16)
-    if qtype in _K_QUANTIZERS:
+    if qtype in _OWN_QUANTIZERS:
         rows = x.shape[0]
-        return _K_QUANTIZERS[qtype](x).reshape(rows, -1)
+        return _OWN_QUANTIZERS[qtype](x).reshape(rows, -1)
     return quantize(x.astype(np.float32), qtype)
 
 
@@ -242,14 +318,131 @@ def add_tiktoken_vocab(writer: gguf.GGUFWriter, rank_file: Path, n_vocab: int) -
     writer.add_add_bos_token(True)
 
 
+def add_bpe_vocab(writer: gguf.GGUFWriter, tokenizer, pre: str, *, n_vocab: int | None = None,
+                  bos: str | None = None, eos: str | None = None, unk: str | None = None,
+                  pad: str | None = None, add_bos: bool | None = None, add_eos: bool | None = None) -> None:
+    """A ``tokenizers`` byte-level BPE as the converter writes it (``_set_vocab_gpt2``): every id's
+    token, added special tokens as control and other added tokens as user-defined (their text, not
+    GPT-2's spelling of it), ``[PADn]`` up to ``n_vocab``, the merges in rank order, the special
+    ids by name and the add_bos/add_eos flags only when given."""
+    spec = json.loads(tokenizer.to_str())
+    added = {t["id"]: t for t in spec["added_tokens"]}
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    by_id = {i: token for token, i in vocab.items()}
+    n = n_vocab or len(by_id)
+    tokens = [f"[PAD{i}]" for i in range(n)]
+    types = [gguf.TokenType.UNUSED] * n
+    for i, token in by_id.items():
+        tokens[i] = token
+        if i in added:
+            types[i] = gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED
+        else:
+            types[i] = gguf.TokenType.NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for name, add in ((bos, writer.add_bos_token_id), (eos, writer.add_eos_token_id),
+                      (unk, writer.add_unk_token_id), (pad, writer.add_pad_token_id)):
+        if name is not None:
+            add(vocab[name])
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if add_eos is not None:
+        writer.add_add_eos_token(add_eos)
+
+
+def write_vocab_gguf(path: Path, tokenizer, pre: str, **specials) -> Path:
+    """A GGUF holding only a byte-level vocabulary (``add_bpe_vocab``), as llama.cpp's test vocabularies are."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    add_bpe_vocab(writer, tokenizer, pre, **specials)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# -- Hugging Face reference models ---------------------------------------------------------------
+
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def hf_llama(vocab: int, *, heads: int, kv_heads: int, tied: bool, rope: dict, seed: int, dim: int = 256,
+             context: int = 2048):
+    """A random 2-layer ``transformers.LlamaForCausalLM`` (ffn 512) that greedy decoding separates well."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=512, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, rms_norm_eps=1e-5, max_position_embeddings=context,
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, rope_parameters=rope,
+    )
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # Weights scaled so activations stay near one through the layers and logits are well
+        # separated (greedy choices are not near-ties); norms away from one so swaps would show.
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / p.shape[-1] ** 0.5))
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def hf_config(hf) -> dict:
+    """``hf``'s ``config.json`` as a dict, with the rope parameters ``write_gguf`` reads."""
+    config = json.loads(hf.config.to_json_string())
+    config.setdefault("rope_parameters", DEFAULT_ROPE)
+    return config
+
+
+def hf_with_file_weights(hf, path: Path):
+    """A copy of ``hf`` holding the weights the ``gguf`` package's own reader and numpy dequantizer
+    take from ``path`` (q/k rows back in Hugging Face's order): the reference for a quantized file."""
+    import transformers
+
+    config = hf.config
+    copy = transformers.LlamaForCausalLM(config).eval()
+    by_name = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    state = {}
+    for hf_name in hf.state_dict():
+        t = by_name[gguf_name(hf_name)]
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = w.reshape(tuple(reversed([int(d) for d in t.shape])))
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+        for key, n in heads.items():
+            if f"{key}.weight" in hf_name:
+                w = inverse_permute(w, n)
+        state[hf_name] = w
+    copy.load_state_dict(state)
+    return copy
+
+
+def inverse_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows = w.shape[0]
+    out = w.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+    assert torch.equal(converter_permute(out, n_heads), w)
+    return out
+
+
 # -- the file ------------------------------------------------------------------------------------
 
 
 def write_gguf(path: Path, hf_state: dict[str, torch.Tensor], config: dict, *, qtype: T = T.F32,
                sp_model: Path | None = None, tiktoken_file: Path | None = None,
-               chat_template: str | None = None, name: str = "tiny",
+               bpe: dict | None = None, chat_template: str | None = None, name: str = "tiny",
                qtype_for: dict[str, T] | None = None) -> Path:
     """A llama GGUF from a Hugging Face state dict and its ``config.json`` dict.
+
+    The vocabulary: a SentencePiece model, a tiktoken rank file, or ``bpe``, the arguments of
+    ``add_bpe_vocab`` (a ``tokenizers`` BPE, its ``pre`` name and its special tokens).
 
     Every 2-D weight is written as ``qtype`` (or as ``qtype_for[hf_name]``, for mixed files like
     llama.cpp's Q4_K_M); norms (and ``rope_freqs``) as F32, as the converter does.
@@ -275,6 +468,8 @@ def write_gguf(path: Path, hf_state: dict[str, torch.Tensor], config: dict, *, q
         add_sentencepiece_vocab(writer, sp_model, config["vocab_size"])
     if tiktoken_file is not None:
         add_tiktoken_vocab(writer, tiktoken_file, config["vocab_size"])
+    if bpe is not None:
+        add_bpe_vocab(writer, **bpe, n_vocab=config["vocab_size"])
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     if rope.get("rope_type") == "llama3":

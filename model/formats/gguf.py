@@ -37,7 +37,13 @@ from llama_chat.model.formats.common import (
     release_pages,
 )
 from llama_chat.model.formats.gguf_header import MAGIC, read_header
-from llama_chat.model.formats.gguf_quants import BLOCKS, PLAIN
+from llama_chat.model.formats.gguf_quants import (
+    BLOCKS,
+    PLAIN,
+    SMALLEST_BYTES_PER_VALUE,
+    BlockFormat,
+    supported_type_names,
+)
 
 ARCHITECTURES = ("llama",)
 # Values dequantized at a time (4 Mi: 16 MiB as float32): bounds the temporaries of a large
@@ -167,8 +173,10 @@ def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> 
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{name}: architecture {arch!r:.60} is not supported (expected 'llama')")
     args = _args(contents, tokenizer_vocab)
-    # The smallest types read here (Q4_0, Q4_K) take 4.5 bits a weight: half a byte is a safe floor.
-    need = parameter_count(args) // 2
+    for info in contents.tensors.values():
+        tensor_format(info, name)  # a type not read here is named before sizes are compared
+    # No file can be smaller than its model in the most compact type read here (Q2_K).
+    need = int(parameter_count(args) * SMALLEST_BYTES_PER_VALUE)
     if need > contents.file_size:
         raise ModelLoadError(f"{name}: describes a model of {parameter_count(args):,} parameters, but the file "
                              f"holds only {contents.file_size:,} bytes")
@@ -200,21 +208,29 @@ def tensor_view(data: torch.Tensor, info: TensorInfo, file: str) -> Weight:
     raw = data[info.offset:info.offset + info.nbytes]
     if not info.shape or any(d <= 0 or d > MAX_SIZE * 16 for d in info.shape):
         raise ModelLoadError(f"{file}: tensor {info.name!r} has shape {info.shape}")
-    if info.ggml_type in PLAIN:
-        dtype = PLAIN[info.ggml_type]
-        size = torch.empty((), dtype=dtype).element_size()
+    fmt = tensor_format(info, file)
+    if isinstance(fmt, torch.dtype):
+        size = torch.empty((), dtype=fmt).element_size()
         if info.offset % size:
             raise ModelLoadError(f"{file}: tensor {info.name!r} is not aligned to its {size}-byte elements")
-        view = raw.view(dtype).view(info.shape)
-        return view if dtype == torch.float32 else Converted(view)
-    fmt = BLOCKS.get(info.ggml_type)
-    if fmt is None:
-        raise ModelLoadError(f"{file}: tensor {info.name!r} has type {_type_name(info.ggml_type)}, which is not "
-                             f"supported (expected F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K)")
+        view = raw.view(fmt).view(info.shape)
+        return view if fmt == torch.float32 else Converted(view)
     if info.shape[-1] % fmt.block_values:
         raise ModelLoadError(f"{file}: tensor {info.name!r} has rows of {info.shape[-1]} values, not a multiple of "
                              f"{fmt.name}'s blocks of {fmt.block_values}")
     return Dequantized(raw, info.shape, fmt)
+
+
+def tensor_format(info: TensorInfo, file: str) -> torch.dtype | BlockFormat:
+    """The dtype of a plain tensor or the block format of a quantized one; ModelLoadError naming the
+    tensor and its type when it is neither."""
+    if info.ggml_type in PLAIN:
+        return PLAIN[info.ggml_type]
+    fmt = BLOCKS.get(info.ggml_type)
+    if fmt is None:
+        raise ModelLoadError(f"{file}: tensor {info.name!r} has type {_type_name(info.ggml_type)}, which is not "
+                             f"supported (expected {supported_type_names()})")
+    return fmt
 
 
 def _type_name(ggml_type: int) -> str:
