@@ -7,10 +7,11 @@ Two kinds, as llama.cpp names them in ``tokenizer.ggml.model``:
   rebuilt here as a SentencePiece ``ModelProto`` (BPE, byte fallback when there are byte pieces,
   no normalization, the dummy prefix from ``tokenizer.ggml.add_space_prefix``) and run by the
   ``sentencepiece`` library itself: the same ids as the original file.
-* ``gpt2``: a byte-level BPE vocabulary (Llama 3's tiktoken ranks as Hugging Face writes them):
+* ``gpt2``: a byte-level BPE vocabulary (Llama 3, SmolLM, Qwen, DeepSeek, Mistral's Tekken, ...):
   tokens in GPT-2's byte-to-unicode spelling, and the merges. Run by the ``tokenizers`` library
-  with the pre-tokenizer split that ``tokenizer.ggml.pre`` names; llama.cpp ranks merges by their
-  order in the file, and so does this.
+  with the pre-tokenizer that ``tokenizer.ggml.pre`` names (``gguf_pre.py``: llama.cpp's
+  expressions for each name, and its defaults for adding a bos and for whole-word lookup);
+  llama.cpp ranks merges by their order in the file, and so does this.
 
 Token types (``tokenizer.ggml.token_type``) are SentencePiece's numbering: 1 normal, 2 unknown,
 3 control, 4 user-defined, 5 unused, 6 byte. Control tokens print nothing and are the specials a
@@ -28,25 +29,16 @@ from typing import Any
 
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.gguf import GGUFContents, meta_str
+from llama_chat.model.tokenizers.gguf_pre import PRE_TOKENIZERS
 from llama_chat.model.tokenizers.hf import byte_level_decoder
 from llama_chat.model.tokenizers.sentencepiece import END_OF_TURN_PIECES, ModelProtoInfo, SentencePieceTokenizer
 from llama_chat.model.tokenizers.table import ByteTableTokenizer
-from llama_chat.model.tokenizers.tiktoken import LLAMA3_PATTERN
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _PAD = re.compile(r"\[PAD\d+\]")
-
-GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# tokenizer.ggml.pre -> (split pattern, whole words in the vocabulary skip the merges). llama.cpp
-# gives these names to the Llama 3 split; "default" is GPT-2's.
-PRE_TOKENIZERS = {
-    "llama-bpe": (LLAMA3_PATTERN, True),
-    "llama3": (LLAMA3_PATTERN, True),
-    "smaug-bpe": (LLAMA3_PATTERN, True),
-    "default": (GPT2_PATTERN, False),
-    "gpt2": (GPT2_PATTERN, False),
-}
-STOP_NAMES = END_OF_TURN_PIECES + ("<|eom_id|>", "<|end_of_text|>")
+# Control tokens that end a generation by their name, as llama.cpp's vocabulary code finds them.
+STOP_NAMES = END_OF_TURN_PIECES + ("<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "<EOT>",
+                                   "<｜end▁of▁sentence｜>", "<end_of_utterance>")
 MAX_TOKENS = 1 << 24
 
 
@@ -77,7 +69,8 @@ class _Vocab:
         # samples only the tokenizer's ids, so a padding row can never be chosen.
         kept = len(tokens)
         last_named = max((i for i in ids.values() if i is not None), default=-1)
-        while kept > last_named + 1 and types[kept - 1] == UNUSED and _PAD.fullmatch(tokens[kept - 1]):
+        # (Older converters typed them unknown.)
+        while kept > last_named + 1 and types[kept - 1] in (UNUSED, UNKNOWN) and _PAD.fullmatch(tokens[kept - 1]):
             kept -= 1
         self.tokens, self.types = tokens[:kept], types[:kept]
 
@@ -224,11 +217,11 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
         from tokenizers import Tokenizer as RawTokenizer
 
         name = vocab.name
-        pre = meta_str(contents, "tokenizer.ggml.pre") or "default"
-        if pre not in PRE_TOKENIZERS:
-            raise ModelLoadError(f"{name}: tokenizer.ggml.pre {pre!r:.40} is not supported "
-                                 f"(expected one of {', '.join(PRE_TOKENIZERS)})")
-        pattern, ignore_merges = PRE_TOKENIZERS[pre]
+        pre_name = meta_str(contents, "tokenizer.ggml.pre") or "default"  # llama.cpp's fallback too
+        pre = PRE_TOKENIZERS.get(pre_name)
+        if pre is None:
+            raise ModelLoadError(f"{name}: tokenizer.ggml.pre {pre_name!r:.40} is not supported (not one of the "
+                                 f"{len(PRE_TOKENIZERS)} byte-level splits llama.cpp names; see docs/tokenizers.md)")
         merges = contents.metadata.get("tokenizer.ggml.merges")
         if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
             raise ModelLoadError(f"{name}: metadata 'tokenizer.ggml.merges' must be a list of 'left right' strings")
@@ -239,6 +232,10 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
         added: list[dict[str, Any]] = []
         model_vocab: dict[str, int] = {}
         for i, (token, kind) in enumerate(zip(vocab.tokens, vocab.types)):
+            # Every token is in the model's vocabulary, as in Hugging Face's files: the tokenizers
+            # library takes an added token's id from there, and numbers one it does not find after
+            # the vocabulary instead (wrong wherever the specials come first, as in SmolLM's).
+            model_vocab.setdefault(token, i)
             if kind in (CONTROL, UNUSED, UNKNOWN):
                 table.append(b"")
                 if kind == CONTROL:
@@ -248,30 +245,30 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
                 table.append(token.encode("utf-8"))
                 added.append(_added(i, token, special=False))
             else:
-                try:
+                # A token outside GPT-2's byte alphabet (Command R has a few, such as a bare zero-width
+                # joiner) stands for its own UTF-8, as Hugging Face's byte-level decoder reads it.
+                if all(c in decoder for c in token):
                     table.append(bytes(map(decoder.__getitem__, token)))
-                except KeyError:
-                    raise ModelLoadError(f"{name}: token {i} ({token!r:.40}) is not in the byte-level "
-                                         "alphabet") from None
-                model_vocab.setdefault(token, i)
+                else:
+                    table.append(token.encode("utf-8"))
+        # Real vocabularies lack the bytes no UTF-8 text holds (0xC0, 0xF5, ...) and now and then a
+        # control character; text with such a byte loses it, in Hugging Face's tokenizer and in
+        # llama.cpp alike. Printable ASCII and line ends must be there, or this is no byte-level BPE.
         present = set(table)
-        missing = [b for b in range(256) if bytes([b]) not in present]
+        missing = [b for b in (0x09, 0x0A, 0x0D, *range(0x20, 0x7F)) if bytes([b]) not in present]
         if missing:
             raise ModelLoadError(f"{name}: no token for the single byte 0x{missing[0]:02x}; a byte-level "
-                                 "tokenizer needs all 256")
+                                 "tokenizer needs one for every printable ASCII character and line end")
         spec = {
             "version": "1.0",
             "added_tokens": added,
             "normalizer": None,
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-            ]},
+            "pre_tokenizer": pre.spec(),
             "post_processor": None,
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                      "ignore_merges": ignore_merges, "vocab": model_vocab,
+                      "ignore_merges": pre.ignore_merges, "vocab": model_vocab,
                       "merges": merges},  # "left right" strings, a form every tokenizers version reads
         }
         try:
@@ -291,7 +288,7 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
         self._bos = vocab.ids["bos"]
         self._eos = vocab.ids["eos"]
         self._stops = vocab.stop_ids(specials)
-        self._add_bos = vocab.add_bos if vocab.add_bos is not None else (ignore_merges and self._bos is not None)
+        self._add_bos = vocab.add_bos if vocab.add_bos is not None else pre.add_bos
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         with self._switch:
