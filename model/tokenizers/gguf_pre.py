@@ -85,9 +85,9 @@ YOUTU = (
     + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 # Translated: llama.cpp spells "upper-case letters, then lower-case ones" as ((?=[\p{L}])([^a-z]))*
-# ((?=[\p{L}])([^A-Z]))+, because std::regex has no \p{Lu}; that also counts non-ASCII lower-case
-# letters as upper-case ("ÉCOLE" becomes "É" + "COLE"). Oniguruma has the categories, so
-# Mistral's own expression (Tekken) and OpenAI's (o200k, GPT-4o) are used as they are.
+# ((?=[\p{L}])([^A-Z]))+, because std::regex has no \p{Lu}; that takes every letter outside A-Z as
+# lower-case and every letter outside a-z as a capital ("ÉCOLE" becomes "É" + "COLE"). Oniguruma
+# has the categories, so Mistral's own expression (Tekken) and OpenAI's (GPT-4o) are used.
 TEKKEN = _cased_words("") + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 GPT4O = (_cased_words("(?i:'s|'t|'re|'ve|'m|'ll|'d)?")
          + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
