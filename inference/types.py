@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from llama_chat.ml.controls import BeamParams, SamplingParams, check
+from llama_chat.ml.grammars import Constraint
 from llama_chat.model.tokenizers.base import Tokenizer
 
 # -- states --------------------------------------------------------------------------------------
@@ -25,6 +26,7 @@ class GenerationState(str, enum.Enum):
     MAX_TOKENS = "max_tokens"  # the request's token budget is spent
     CONTEXT_FULL = "context_full"  # the next token would not fit in max_seq_len
     STOP_STRING = "stop_string"  # one of the request's stop strings appeared in the text
+    STOP_GRAMMAR = "stop_grammar"  # the request's constraint is complete: nothing but an end token could follow
     MAX_TIME = "max_time"  # the request's time budget (max_time, from its start) is spent
     CANCELLED = "cancelled"  # Ctrl+C, SIGTERM, or the reader went away
     ERROR = "error"  # the forward or the sampler raised
@@ -60,6 +62,8 @@ class Request:
     ``max_time``: seconds from the request's start (prefill included, as transformers'
     ``MaxTimeCriteria``) after which no further token is generated; at least one always is.
     ``beams``: beam search settings (``num_beams`` 1: none); a beam request is not streamed.
+    ``constraint``: what the reply must match (a JSON schema, a pattern, a grammar:
+    ``ml/grammars.py``); it ends, ``stop_grammar``, where the constraint is complete.
     """
 
     prompt_ids: tuple[int, ...]
@@ -73,6 +77,7 @@ class Request:
     max_time: float | None = None
     beams: BeamParams = BeamParams()
     stop_ids: tuple[int, ...] = ()  # token ids that end this request, besides the tokenizer's
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
@@ -254,17 +259,21 @@ def stop_ids_of(tokenizer: Tokenizer) -> frozenset[int]:
 
 
 def state_after(token_id: int, *, index: int, request: Request, stop_ids: frozenset[int],
-                max_seq_len: int, elapsed_s: float | None = None) -> GenerationState:
+                max_seq_len: int, elapsed_s: float | None = None, grammar_done: bool = False) -> GenerationState:
     """The state after generated token ``index`` (0-based) of ``request`` was sampled.
 
     The token sits at position ``len(prompt) + index``; when that is the last position of the
     context there is no room to feed it back, so the context is full. A stop token wins over the
     budget, and the budget over the context, and the context over the clock, so the reason
     shown is the most specific one. ``elapsed_s``: seconds since the request started, for
-    ``max_time``. (Stop strings are matched on the text, after this: ``decoding.TextMaker``.)
+    ``max_time``. ``grammar_done``: with this token the request's constraint is complete (a stop
+    token still wins: the model ended there itself). (Stop strings are matched on the text, after
+    this: ``decoding.TextMaker``.)
     """
     if token_id in stop_ids or token_id in request.stop_ids:
         return GenerationState.EOS
+    if grammar_done:
+        return GenerationState.STOP_GRAMMAR
     if request.max_tokens is not None and index + 1 >= request.max_tokens:
         return GenerationState.MAX_TOKENS
     if len(request.prompt_ids) + index + 1 >= max_seq_len:

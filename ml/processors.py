@@ -26,13 +26,14 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 import torch
 
 from llama_chat.ml.controls import SamplingParams
 from llama_chat.ml.sampling import apply_top_p, sample
 
-__all__ = ["FrequencyPresencePenalty", "LogitBias", "LogitsProcessor", "MinNewTokens", "MinP", "NoRepeatNGram",
+__all__ = ["FrequencyPresencePenalty", "HistoryFollower", "LogitBias", "LogitsProcessor", "MinNewTokens", "MinP", "NoRepeatNGram",
            "Penalties", "RepetitionPenalty", "Sampler", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP",
            "make_logits_processors", "make_sampler", "make_warpers"]
 
@@ -57,6 +58,7 @@ class TokenHistory:
         self._counts: list[_Counts] | None = None
         self._seen: tuple[torch.Tensor, torch.Tensor] | None = None
         self._ngrams: dict[int, list[dict[tuple[int, ...], set[int]]]] = {}
+        self._followers: list[HistoryFollower] = []
 
     @property
     def rows(self) -> int:
@@ -115,6 +117,11 @@ class TokenHistory:
 
     # -- changes ---------------------------------------------------------------------------------
 
+    def follow(self, follower: HistoryFollower) -> None:
+        """``follower`` hears of every change below, after the history made it: state kept per row
+        elsewhere (a constraint's matchers, ``ml/constraints.py``) moves with the rows."""
+        self._followers.append(follower)
+
     def append(self, new: Sequence[int] | torch.Tensor) -> None:
         """Add one token to every row (``new[r]`` to row ``r``)."""
         new = [int(t) for t in (new.tolist() if isinstance(new, torch.Tensor) else new)]
@@ -135,6 +142,8 @@ class TokenHistory:
             for row, seen in zip(self.tokens, index):
                 if len(row) >= n:
                     seen.setdefault(tuple(row[len(row) - n:-1]), set()).add(row[-1])
+        for follower in self._followers:
+            follower.append(new)
 
     def reorder(self, sources: Sequence[int]) -> None:
         """Row ``i`` becomes a copy of what row ``sources[i]`` was: beams that survive and fork,
@@ -147,6 +156,8 @@ class TokenHistory:
             self._counts = [self._counts[s].copy() for s in sources]
         for n, index in self._ngrams.items():
             self._ngrams[n] = [{k: set(v) for k, v in index[s].items()} for s in sources]
+        for follower in self._followers:
+            follower.reorder(sources)
 
     def add_rows(self, rows: Sequence[Sequence[int]]) -> None:
         """New sequences (their prompts) join below the existing rows."""
@@ -158,6 +169,8 @@ class TokenHistory:
             self._counts.extend(self._row_counts(row) for row in self.tokens[first:])
         for n, index in self._ngrams.items():
             index.extend(_ngram_index(row, n) for row in self.tokens[first:])
+        for follower in self._followers:
+            follower.add_rows(self.tokens[first:])
 
 
 class _Counts:
@@ -214,6 +227,16 @@ def _ngram_index(row: Sequence[int], n: int) -> dict[tuple[int, ...], set[int]]:
 
 
 LogitsProcessor = Callable[[TokenHistory, torch.Tensor], torch.Tensor]
+
+
+class HistoryFollower(Protocol):
+    """State kept per row of a ``TokenHistory`` outside it (``TokenHistory.follow``)."""
+
+    def append(self, tokens: list[int]) -> None: ...
+
+    def reorder(self, sources: list[int]) -> None: ...
+
+    def add_rows(self, rows: list[list[int]]) -> None: ...
 
 
 # -- processors: they read the history ---------------------------------------------------------------
@@ -404,8 +427,11 @@ class TypicalP:
 # -- factories -------------------------------------------------------------------------------------
 
 
-def make_logits_processors(params: SamplingParams, *, eos_ids: Iterable[int] = ()) -> tuple[LogitsProcessor, ...]:
-    """The processors ``params`` switches on, in transformers' order (they apply when greedy too)."""
+def make_logits_processors(params: SamplingParams, *, eos_ids: Iterable[int] = (),
+                           constraint: LogitsProcessor | None = None) -> tuple[LogitsProcessor, ...]:
+    """The processors ``params`` switches on, in transformers' order (they apply when greedy too),
+    then ``constraint`` (``ml/constraints.GrammarMask``, one request's), which has the last word on
+    what may follow."""
     out: list[LogitsProcessor] = []
     if params.logit_bias:
         out.append(LogitBias(params.logit_bias))
@@ -417,6 +443,8 @@ def make_logits_processors(params: SamplingParams, *, eos_ids: Iterable[int] = (
     eos = tuple(sorted(set(eos_ids)))
     if params.min_new_tokens > 0 and eos:
         out.append(MinNewTokens(params.min_new_tokens, eos))
+    if constraint is not None:
+        out.append(constraint)
     return tuple(out)
 
 
@@ -500,6 +528,9 @@ class Sampler:
         return sample(ready, params, randomness)
 
 
-def make_sampler(params: SamplingParams, *, eos_ids: Iterable[int] = ()) -> Sampler:
-    """A ``Sampler`` for ``params``; ``eos_ids`` are what ``min_new_tokens`` holds back."""
-    return Sampler(params, make_logits_processors(params, eos_ids=eos_ids), make_warpers(params))
+def make_sampler(params: SamplingParams, *, eos_ids: Iterable[int] = (),
+                 constraint: LogitsProcessor | None = None) -> Sampler:
+    """A ``Sampler`` for ``params``; ``eos_ids`` are what ``min_new_tokens`` holds back;
+    ``constraint``: a request's structured output (``make_logits_processors``)."""
+    return Sampler(params, make_logits_processors(params, eos_ids=eos_ids, constraint=constraint),
+                   make_warpers(params))

@@ -1,0 +1,166 @@
+"""What a reply must match: a JSON schema, any JSON object, a regular expression or a grammar.
+
+A ``Constraint`` is the request's side of structured output: what the user asked for, checked and
+compiled to the constraint engine's grammar when it is made, without torch and without a
+tokenizer, so that a bad schema, pattern or grammar is a usage error before the model loads. The
+processor that enforces it, one matcher per row against the model's vocabulary, is
+``ml/constraints.py``.
+
+The kinds, and what their text means:
+
+* ``json_schema``: a JSON Schema (an object, as JSON text); the reply is one JSON value that
+  validates against it. Properties come in the schema's order; between tokens of the JSON there
+  may be one space, or a line break and up to 20 spaces or tabs of indentation (llama.cpp's rule
+  for its JSON grammars): room to pretty-print, but no endless whitespace;
+* ``json``: any JSON object (``--format json``, Ollama's ``format: "json"``), the same rules;
+* ``regex``: the whole reply matches the pattern (Rust's ``regex`` syntax, close to Python's;
+  ``\\d``, ``\\w`` and ``\\s`` are ASCII classes, ``[0-9]`` and so on);
+* ``grammar``: a context-free grammar, in Lark's syntax as llguidance reads it, or in llama.cpp's
+  GBNF (``root ::= ...``), which llguidance converts to Lark itself. Both are taken so that the
+  grammars users already have for llama.cpp work unchanged.
+
+Errors are ``ControlError`` with a one-line reason, named after the kind (``json_schema``,
+``regex``, ``grammar``), as every other control of the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from llama_chat.ml.controls import ControlError
+
+# What a constraint may be; ``json`` is --format json.
+CONSTRAINT_KINDS = ("json_schema", "json", "regex", "grammar")
+# The choices of --format and of the chat's /set format (none: no constraint).
+FORMATS = ("json", "none")
+
+ANY_JSON_OBJECT = '{"type":"object"}'
+# Between JSON tokens: nothing, one space, or a line break and some indentation (llama.cpp's
+# ``space`` rule). llguidance's default allows any run of whitespace, which a small model can fill
+# until its token budget is spent.
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})"
+_JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+_POSITION = re.compile(r"^at (\d+)\((\d+)\): ")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A reply's constraint: ``kind`` (one of ``CONSTRAINT_KINDS``) and its ``source`` text.
+
+    Checked and compiled on creation (``ControlError`` when the engine refuses it); ``grammar`` is
+    then llguidance's form of it. Two constraints with the same kind and source are equal, so a
+    compiled matcher can be kept per constraint. A JSON schema's source is kept as compact JSON.
+    """
+
+    kind: str
+    source: str = ""
+    grammar: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ControlError("constraint", f"must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
+        if self.kind == "json_schema":
+            object.__setattr__(self, "source", _schema_text(self.source))
+        elif self.kind == "json":
+            object.__setattr__(self, "source", ANY_JSON_OBJECT)
+        elif not isinstance(self.source, str) or not self.source.strip():
+            raise ControlError(self.kind, "must not be empty")
+        object.__setattr__(self, "grammar", _compile(self.kind, self.source))
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> Constraint:
+        """From a schema as a dict or as JSON text."""
+        return cls("json_schema", schema if isinstance(schema, str) else _dump(schema))
+
+    @classmethod
+    def any_json(cls) -> Constraint:
+        return cls("json")
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def of_grammar(cls, text: str) -> Constraint:
+        return cls("grammar", text)
+
+    def describe(self) -> str:
+        """One line for a settings listing: ``format json``, ``json_schema {...}``, ``regex ...``."""
+        if self.kind == "json":
+            return "format json"
+        return f"{self.kind} {' '.join(self.source.split())}"
+
+
+def format_constraint(value: str) -> Constraint | None:
+    """``--format``'s value: ``json`` is any JSON object, ``none`` no constraint."""
+    word = value.strip().lower()
+    if word not in FORMATS:
+        raise ControlError("format", f"must be one of {', '.join(FORMATS)}, got {value!r}")
+    return Constraint.any_json() if word == "json" else None
+
+
+def _dump(schema: Any) -> str:
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ControlError("json_schema", f"is not JSON ({e})") from None
+
+
+def _schema_text(source: Any) -> str:
+    if not isinstance(source, str):
+        raise ControlError("json_schema", f"must be JSON text, got {type(source).__name__}")
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise ControlError("json_schema", f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise ControlError("json_schema", "is nested too deeply") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ControlError("json_schema", f"must be a JSON object, got {type(schema).__name__}")
+    return _dump(schema)
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:  # a broken install: the dependency is declared
+        raise ControlError("constraint", "needs the llguidance package (pip install llguidance)") from None
+    return llguidance
+
+
+def _compile(kind: str, source: str) -> str:
+    """llguidance's grammar for ``source``, checked; ``ControlError`` with the engine's reason."""
+    llg = _llguidance()
+    try:
+        if kind in ("json_schema", "json"):
+            grammar = llg.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)
+        elif kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_lark(f"start: /{llg.regex_to_lark(source, 'dws')}/")
+        else:
+            grammar = llg.grammar_from("grammar", source)
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ControlError(kind, f"is not valid: {one_line(str(e), kind)}") from None
+    if failed:
+        raise ControlError(kind, f"is not valid: {one_line(messages[0], kind)}")
+    return grammar
+
+
+def one_line(message: str, kind: str) -> str:
+    """llguidance's message on one line: without the source lines it echoes (indented, under a
+    caret) and, for a pattern, without the position in the grammar it wraps the pattern in."""
+    kept = [line.strip() for line in message.splitlines() if line.strip() and not line[0].isspace()]
+    text = " ".join(kept) if kept else " ".join(message.split())
+    found = _POSITION.match(text)
+    if found:
+        where = "" if kind == "regex" else f"line {found.group(1)}, column {found.group(2)}: "
+        text = where + text[found.end():]
+    return text.replace(" (in regex): regex parse error: error: ", ": ").replace("regex parse error: error: ",
+                                                                                "a pattern: ")
+
+
+__all__ = ["ANY_JSON_OBJECT", "CONSTRAINT_KINDS", "Constraint", "FORMATS", "JSON_WHITESPACE", "format_constraint",
+           "one_line"]
