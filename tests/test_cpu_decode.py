@@ -512,3 +512,21 @@ def test_steps_of_one_row_make_no_packed_copy_the_single_stream_does_not_take(mo
         assert found.packed is None
         decoder([5, 6], [1, 0], [[0], [1]])
         assert found.packed is not None and found.packed[1].dim() == 3
+
+
+def test_the_step_model_is_checked_when_made():
+    # The operator's StepModel (ml/cpu/decode.py, decode.cpp) checks a model's tensors once, when a
+    # decoder is made, rather than at its first step.
+    import dataclasses
+
+    model = _model("float32")
+    weights = cpu_decode._weights_of(model).step_weights(model)
+    cache = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
+    assert RowsDecoder(weights, lambda: weights, cache.keys, cache.values, cache.page_size)([1], [0], [[0]]).shape == (
+        1, 97)
+    short = dataclasses.replace(weights, norms=weights.norms[:-1])
+    with pytest.raises(RuntimeError, match="four weights .and scales., two norms"):
+        RowsDecoder(short, lambda: short, cache.keys, cache.values, cache.page_size)
+    skewed = dataclasses.replace(weights, weights=[weights.weights[1], *weights.weights[1:]])
+    with pytest.raises(RuntimeError, match="wqkv of layer 0 is"):
+        RowsDecoder(skewed, lambda: skewed, cache.keys, cache.values, cache.page_size)

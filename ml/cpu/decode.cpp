@@ -20,6 +20,7 @@
 #include "panels.h"
 #include "pick.h"
 
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -594,115 +595,186 @@ const float* float_vector(const char* what, const at::Tensor& t, int64_t n) {
   return t.data_ptr<float>();
 }
 
-// hidden: (rows, dim) float32, each row one token at positions[row] of the sequence whose cache
-// slots are found through tables[row] (pages of page_size slots). Returns (rows, vocab) float32
-// logits; every layer's keys and values of the tokens are written into the cache. Rows may be
-// consecutive tokens of one sequence (a prompt's chunk, with the same table): each layer writes
-// every row's keys and values before any row attends, and a row attends up to its own position.
-// With `logit_rows` (int64 row indices), only those rows' logits are made, in that order: a
-// prompt's chunk needs its last token's. With `picks` (one int64 per row of logits), each such
-// row's greedy pick among its first `picks_below` logits is written there too: the first place
-// of the largest, a NaN counting as largest (torch.argmax).
-at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& tables,
-                       int64_t page_size, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
-                       at::TensorList norms, at::TensorList keys, at::TensorList values, const at::Tensor& rope,
-                       const at::Tensor& final_norm, const at::Tensor& output,
-                       const std::optional<at::Tensor>& output_scales, int64_t n_heads, int64_t n_kv_heads,
-                       double eps, const std::optional<at::Tensor>& picks, int64_t picks_below,
-                       const std::optional<at::Tensor>& logit_rows) {
-  const int64_t n_layers = static_cast<int64_t>(keys.size());
-  TORCH_CHECK(n_layers > 0 && values.size() == keys.size() && weights.size() == 4 * keys.size() &&
-                  scales.size() == weights.size() && norms.size() == 2 * keys.size(),
-              "decode_step: per layer, four weights (and scales), two norms, keys and values");
-  TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-              "decode_step: ", n_heads, " heads do not group over ", n_kv_heads, " key/value heads");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
-              "decode_step: the hidden state must be a contiguous float32 (rows, dim) matrix");
-  const int64_t rows = hidden.size(0), dim = hidden.size(1);
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == rows,
-              "decode_step: one int64 position per row");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2 &&
-                  tables.size(0) == rows && page_size > 0,
-              "decode_step: one int64 block table per row");
-  const int64_t head_dim = keys[0].size(-1);
-  TORCH_CHECK(head_dim % 2 == 0, "decode_step: odd head size ", head_dim);
-  const int64_t q_width = n_heads * head_dim, kv_width = n_kv_heads * head_dim;
-  const int64_t ffn = weights[3].size(weights[3].dim() == 3 ? 1 : -1);  // w2 is (dim, ffn), or its panels
-  TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
-                  rope.size(1) == head_dim / 2 && rope.size(2) == 2,
-              "decode_step: the rotary table must be float32 (positions, ", head_dim / 2, ", 2)");
-  const int64_t* position = positions.data_ptr<int64_t>();
-  const int64_t* table = tables.data_ptr<int64_t>();
-  const int64_t width = tables.size(1);
-  const int64_t pages = keys[0].size(1);
-  int64_t furthest = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(position[r] >= 0 && position[r] < rope.size(0) && position[r] / page_size < width,
-                "decode_step: position ", position[r], " of row ", r, " is past its cache (", width * page_size,
-                " slots) or the rotary table (", rope.size(0), ")");
-    for (int64_t i = 0; i <= position[r] / page_size; ++i)
-      TORCH_CHECK(table[r * width + i] >= 0 && table[r * width + i] < pages, "decode_step: row ", r,
-                  " names page ", table[r * width + i], " of ", pages);
-    furthest = std::max(furthest, position[r]);
+// What a step reads besides its inputs: one model's weights and shape, and the cache its steps
+// write (torch.classes.llama_chat_cpu.StepModel). The Python side (ml/cpu/decode.py) makes one per
+// model and cache, once; it is checked when made. It holds the tensors and a step lays them out
+// from where they are then (`layers`), so a weight whose storage was replaced in place is read
+// where it now is.
+//
+// Per layer, in this order: the fused q/k/v, output, gate/up and down projections (`matrix_of`),
+// the attention and feed-forward norms, and the layer's keys and values (`cache_of`; a dense
+// cache's sequence is one page). Then the final norm, the classifier, and the rotary table:
+// float32 (positions, head_dim / 2, 2), the cosine and sine of each pair's angle.
+struct StepModel : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;
+  c10::List<std::optional<at::Tensor>> scales;
+  std::vector<at::Tensor> norms;
+  at::Tensor final_norm, output;
+  std::optional<at::Tensor> output_scales;
+  at::Tensor rope;
+  std::vector<at::Tensor> keys, values;
+  int64_t n_layers = 0, dim = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, q_width = 0, kv_width = 0, ffn = 0;
+  int64_t vocab = 0, page_size = 0, pages = 0;
+  double eps = 0.0;
+
+  StepModel(std::vector<at::Tensor> weights_, c10::List<std::optional<at::Tensor>> scales_,
+            std::vector<at::Tensor> norms_, at::Tensor final_norm_, at::Tensor output_,
+            std::optional<at::Tensor> output_scales_, at::Tensor rope_, int64_t n_heads_, int64_t n_kv_heads_,
+            double eps_, std::vector<at::Tensor> keys_, std::vector<at::Tensor> values_, int64_t page_size_)
+      : weights(std::move(weights_)), scales(std::move(scales_)), norms(std::move(norms_)),
+        final_norm(std::move(final_norm_)), output(std::move(output_)), output_scales(std::move(output_scales_)),
+        rope(std::move(rope_)), keys(std::move(keys_)), values(std::move(values_)), n_heads(n_heads_),
+        n_kv_heads(n_kv_heads_), page_size(page_size_), eps(eps_) {
+    n_layers = static_cast<int64_t>(keys.size());
+    TORCH_CHECK(n_layers > 0 && values.size() == keys.size() && weights.size() == 4 * keys.size() &&
+                    scales.size() == weights.size() && norms.size() == 2 * keys.size(),
+                "decode_step: per layer, four weights (and scales), two norms, keys and values");
+    TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+                "decode_step: ", n_heads, " heads do not group over ", n_kv_heads, " key/value heads");
+    TORCH_CHECK(page_size > 0 && keys[0].dim() == 4, "decode_step: keys must be (kv_heads, pages, page_size, head_dim)");
+    dim = final_norm.numel();
+    head_dim = keys[0].size(-1);
+    pages = keys[0].size(1);
+    TORCH_CHECK(head_dim % 2 == 0, "decode_step: odd head size ", head_dim);
+    q_width = n_heads * head_dim;
+    kv_width = n_kv_heads * head_dim;
+    ffn = weights[3].size(weights[3].dim() == 3 ? 1 : -1);  // w2 is (dim, ffn), or its panels
+    TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
+                    rope.size(1) == head_dim / 2 && rope.size(2) == 2,
+                "decode_step: the rotary table must be float32 (positions, ", head_dim / 2, ", 2)");
+    vocab = classifier().n;
+    layers(nullptr, 0);  // checks every layer's tensors
   }
 
-  std::vector<Layer> layers(static_cast<size_t>(n_layers));
-  for (int64_t l = 0; l < n_layers; ++l) {
-    Layer& layer = layers[static_cast<size_t>(l)];
-    const size_t w = static_cast<size_t>(4 * l);
-    layer.qkv = matrix_of("wqkv", l, weights[w], scales.get(w), q_width + 2 * kv_width, dim);
-    layer.out = matrix_of("wo", l, weights[w + 1], scales.get(w + 1), dim, q_width);
-    layer.gate_up = matrix_of("w13", l, weights[w + 2], scales.get(w + 2), 2 * ffn, dim);
-    layer.down = matrix_of("w2", l, weights[w + 3], scales.get(w + 3), dim, ffn);
-    layer.attention_norm = float_vector("an attention norm", norms[static_cast<size_t>(2 * l)], dim);
-    layer.ffn_norm = float_vector("a feed-forward norm", norms[static_cast<size_t>(2 * l + 1)], dim);
-    for (CacheView* view : {&layer.keys, &layer.values}) {
-      const bool is_keys = view == &layer.keys;
-      *view = cache_of(is_keys ? "keys" : "values", l, (is_keys ? keys : values)[static_cast<size_t>(l)],
-                       n_kv_heads, head_dim, page_size);
-      view->tables = table;
-      view->width = width;
+  // The layers as a step reads them, each row's cache slots found through its block table
+  // (`width` pages a row).
+  std::vector<Layer> layers(const int64_t* tables, int64_t width) const {
+    std::vector<Layer> laid(static_cast<size_t>(n_layers));
+    for (int64_t l = 0; l < n_layers; ++l) {
+      Layer& layer = laid[static_cast<size_t>(l)];
+      const size_t w = static_cast<size_t>(4 * l);
+      layer.qkv = matrix_of("wqkv", l, weights[w], scales.get(w), q_width + 2 * kv_width, dim);
+      layer.out = matrix_of("wo", l, weights[w + 1], scales.get(w + 1), dim, q_width);
+      layer.gate_up = matrix_of("w13", l, weights[w + 2], scales.get(w + 2), 2 * ffn, dim);
+      layer.down = matrix_of("w2", l, weights[w + 3], scales.get(w + 3), dim, ffn);
+      layer.attention_norm = float_vector("an attention norm", norms[static_cast<size_t>(2 * l)], dim);
+      layer.ffn_norm = float_vector("a feed-forward norm", norms[static_cast<size_t>(2 * l + 1)], dim);
+      for (CacheView* view : {&layer.keys, &layer.values}) {
+        const bool is_keys = view == &layer.keys;
+        *view = cache_of(is_keys ? "keys" : "values", l, (is_keys ? keys : values)[static_cast<size_t>(l)],
+                         n_kv_heads, head_dim, page_size);
+        view->tables = tables;
+        view->width = width;
+      }
     }
+    return laid;
   }
-  // A classifier given as panels has a multiple of 16 outputs: nothing else says how many.
-  const int64_t classes = output.dim() == 3 ? output.size(0) * kPanel : output.size(0);
-  const Matrix classifier = matrix_of("the classifier", n_layers, output, output_scales, classes, dim);
-  const float* final_weight = float_vector("the final norm", final_norm, dim);
-  const int64_t vocab = classifier.n;
-  std::vector<int64_t> chosen_rows;  // the rows whose logits are made
-  if (logit_rows.has_value()) {
+
+  Matrix classifier() const {
+    // A classifier given as panels has a multiple of 16 outputs: nothing else says how many.
+    const int64_t classes = output.dim() == 3 ? output.size(0) * kPanel : output.size(0);
+    return matrix_of("the classifier", n_layers, output, output_scales, classes, dim);
+  }
+};
+
+// One step's inputs, checked against its model: rows of hidden state, each one token at
+// positions[row] of the sequence whose cache slots are found through tables[row]; the rows whose
+// logits are made, in that order; and where each such row's greedy pick goes, if anywhere.
+struct StepInputs {
+  const float* hidden = nullptr;
+  int64_t rows = 0;
+  const int64_t* positions = nullptr;
+  const int64_t* tables = nullptr;
+  int64_t width = 0;     // table entries per row
+  int64_t furthest = 0;  // the furthest position of any row
+  std::vector<int64_t> logit_rows;
+  bool some_rows = false;  // whether logit_rows were chosen (gathered) rather than all rows
+  int64_t* picks = nullptr;
+  int64_t picks_below = 0;
+};
+
+StepInputs inputs_of(const StepModel& model, const at::Tensor& hidden, const at::Tensor& positions,
+                     const at::Tensor& tables, const std::optional<at::Tensor>& picks, int64_t picks_below,
+                     const std::optional<at::Tensor>& logit_rows) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
+                  hidden.size(1) == model.dim,
+              "decode_step: the hidden state must be a contiguous float32 (rows, ", model.dim, ") matrix");
+  StepInputs in;
+  in.hidden = hidden.data_ptr<float>();
+  in.rows = hidden.size(0);
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == in.rows,
+              "decode_step: one int64 position per row");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.dim() == 2 &&
+                  tables.size(0) == in.rows,
+              "decode_step: one int64 block table per row");
+  in.positions = positions.data_ptr<int64_t>();
+  in.tables = tables.data_ptr<int64_t>();
+  in.width = tables.size(1);
+  const int64_t page_size = model.page_size;
+  for (int64_t r = 0; r < in.rows; ++r) {
+    const int64_t position = in.positions[r];
+    TORCH_CHECK(position >= 0 && position < model.rope.size(0) && position / page_size < in.width,
+                "decode_step: position ", position, " of row ", r, " is past its cache (", in.width * page_size,
+                " slots) or the rotary table (", model.rope.size(0), ")");
+    for (int64_t i = 0; i <= position / page_size; ++i) {
+      const int64_t page = in.tables[r * in.width + i];
+      TORCH_CHECK(page >= 0 && page < model.pages, "decode_step: row ", r, " names page ", page, " of ", model.pages);
+    }
+    in.furthest = std::max(in.furthest, position);
+  }
+  in.some_rows = logit_rows.has_value();
+  if (in.some_rows) {
     TORCH_CHECK(logit_rows->scalar_type() == at::kLong && logit_rows->is_contiguous() && logit_rows->dim() == 1,
                 "decode_step: logit_rows must be a contiguous int64 vector");
     const int64_t* wanted = logit_rows->data_ptr<int64_t>();
     for (int64_t i = 0; i < logit_rows->numel(); ++i) {
-      TORCH_CHECK(wanted[i] >= 0 && wanted[i] < rows, "decode_step: logit row ", wanted[i], " of ", rows, " rows");
-      chosen_rows.push_back(wanted[i]);
+      TORCH_CHECK(wanted[i] >= 0 && wanted[i] < in.rows, "decode_step: logit row ", wanted[i], " of ", in.rows,
+                  " rows");
+      in.logit_rows.push_back(wanted[i]);
     }
   } else {
-    for (int64_t r = 0; r < rows; ++r) chosen_rows.push_back(r);
+    for (int64_t r = 0; r < in.rows; ++r) in.logit_rows.push_back(r);
   }
-  const int64_t out_rows = static_cast<int64_t>(chosen_rows.size());
-  TORCH_CHECK(out_rows <= rows, "decode_step: ", out_rows, " logit rows of ", rows, " rows");
-  at::Tensor logits = at::empty({out_rows, vocab}, hidden.options());
-  float* out = logits.data_ptr<float>();
-  const bool picking = picks.has_value();
-  if (picking)
+  const int64_t out_rows = static_cast<int64_t>(in.logit_rows.size());
+  TORCH_CHECK(out_rows <= in.rows, "decode_step: ", out_rows, " logit rows of ", in.rows, " rows");
+  if (picks.has_value()) {
     TORCH_CHECK(picks->scalar_type() == at::kLong && picks->is_contiguous() && picks->numel() == out_rows &&
-                    picks_below > 0 && picks_below <= vocab,
-                "decode_step: picks need one int64 per row of logits and 0 < picks_below <= ", vocab);
-  if (rows == 0) return logits;
+                    picks_below > 0 && picks_below <= model.vocab,
+                "decode_step: picks need one int64 per row of logits and 0 < picks_below <= ", model.vocab);
+    in.picks = picks->data_ptr<int64_t>();
+    in.picks_below = picks_below;
+  }
+  return in;
+}
+
+// Every row of `step` through every layer of `model`, and its logit rows' logits into out (logit rows,
+// vocab); every layer's keys and values of the tokens are written into the cache. Rows may be
+// consecutive tokens of one sequence (a prompt's chunk, with the same table): each layer writes
+// every row's keys and values before any row attends, and a row attends up to its own position.
+// A greedy pick is the first place of the largest logit below picks_below, a NaN counting as
+// largest (torch.argmax).
+void run_step(const StepModel& model, const StepInputs& step, float* out) {
+  const int64_t rows = step.rows, dim = model.dim, n_heads = model.n_heads, n_kv_heads = model.n_kv_heads;
+  const int64_t head_dim = model.head_dim, q_width = model.q_width, ffn = model.ffn, vocab = model.vocab;
+  const int64_t out_rows = static_cast<int64_t>(step.logit_rows.size()), picks_below = step.picks_below;
+  const int64_t* position = step.positions;
+  const double eps = model.eps;
+  const std::vector<Layer> layers = model.layers(step.tables, step.width);
+  const Matrix classifier = model.classifier();
+  const float* final_weight = model.final_norm.data_ptr<float>();
+  const bool picking = step.picks != nullptr;
   const int threads = at::get_num_threads();
   // Each thread's greedy picks, of the classifier's ranges it took; combined after the region.
   std::vector<Pick> thread_picks(picking ? static_cast<size_t>(std::max(threads, 1) * out_rows) : 0);
 
-  std::vector<float> h(hidden.data_ptr<float>(), hidden.data_ptr<float>() + rows * dim);
+  std::vector<float> h(step.hidden, step.hidden + rows * dim);
   std::vector<float> q(static_cast<size_t>(rows * q_width)), attended(static_cast<size_t>(rows * q_width)),
       activated(static_cast<size_t>(rows * ffn)), ups(static_cast<size_t>(rows * ffn)),
       activated_interleaved(static_cast<size_t>(rows > 1 ? rows * ffn : 0));
   // Whether a matrix reads its rows interleaved (panels.h). The attention's results and the
   // activations are written so by the threads that make them, each its own part.
   auto interleaves = [rows](const Matrix& m) { return m.panels != nullptr && rows > 1; };
-  const int64_t stages = 5 * n_layers + 1;
+  const int64_t stages = 5 * model.n_layers + 1;
   std::unique_ptr<Stage[]> stage_of(new Stage[static_cast<size_t>(stages)]);
   const int64_t group = n_heads / n_kv_heads;
   const float attention_scale = 1.f / std::sqrt(static_cast<float>(head_dim));
@@ -723,14 +795,14 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
   }
 #endif
   const int64_t widest = std::max({dim, ffn, q_width});
-  const float* rope_table = rope.data_ptr<float>();
+  const float* rope_table = model.rope.data_ptr<float>();
 
   auto run = [&](int team, int thread) {
     std::vector<Pick> mine(picking ? static_cast<size_t>(out_rows) : 0);
     Scratch scratch;
     scratch.normed.resize(static_cast<size_t>(rows * dim));
     scratch.head.resize(static_cast<size_t>(rows * head_dim));
-    scratch.scores.resize(static_cast<size_t>(furthest + 1));
+    scratch.scores.resize(static_cast<size_t>(step.furthest + 1));
     scratch.rounded.resize(static_cast<size_t>(rows * widest));
     scratch.steps.resize(static_cast<size_t>(rows));
     Inputs in;
@@ -803,10 +875,10 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
         *stage, vocab, classifier.smallest(), classifier.align(), team,
         [&] {
           const float* final_rows = h.data();
-          if (logit_rows.has_value()) {  // the chosen rows, gathered
+          if (step.some_rows) {  // the chosen rows, gathered
             scratch.chosen.resize(static_cast<size_t>(out_rows * dim));
             for (int64_t i = 0; i < out_rows; ++i)
-              std::memcpy(scratch.chosen.data() + i * dim, h.data() + chosen_rows[static_cast<size_t>(i)] * dim,
+              std::memcpy(scratch.chosen.data() + i * dim, h.data() + step.logit_rows[static_cast<size_t>(i)] * dim,
                           sizeof(float) * static_cast<size_t>(dim));
             final_rows = scratch.chosen.data();
           }
@@ -838,27 +910,38 @@ at::Tensor decode_step(const at::Tensor& hidden, const at::Tensor& positions, co
   run(1, 0);
 #endif
   if (picking) {
-    int64_t* chosen = picks->data_ptr<int64_t>();
     for (int64_t r = 0; r < out_rows; ++r) {
       Pick best;
       for (int t = 0; t < std::max(threads, 1); ++t) {
         const Pick& found = thread_picks[static_cast<size_t>(t * out_rows + r)];
         if (better(found, best)) best = found;
       }
-      chosen[r] = best.index;
+      step.picks[r] = best.index;
     }
   }
+}
+
+// The logits (logit rows, vocab) of one step of `model` (`run_step`), float32. Without
+// `logit_rows`, every row's; with `picks`, each logit row's greedy pick is written there too.
+at::Tensor decode_step(const c10::intrusive_ptr<StepModel>& model, const at::Tensor& hidden,
+                       const at::Tensor& positions, const at::Tensor& tables, const std::optional<at::Tensor>& picks,
+                       int64_t picks_below, const std::optional<at::Tensor>& logit_rows) {
+  const StepInputs step = inputs_of(*model, hidden, positions, tables, picks, picks_below, logit_rows);
+  at::Tensor logits = at::empty({static_cast<int64_t>(step.logit_rows.size()), model->vocab}, hidden.options());
+  if (step.rows > 0) run_step(*model, step, logits.data_ptr<float>());
   return logits;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
+  m.class_<StepModel>("StepModel")
+      .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>, std::vector<at::Tensor>,
+                       at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor, int64_t, int64_t, double,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t>());
   m.def(
-      "decode_step(Tensor hidden, Tensor positions, Tensor tables, int page_size, Tensor[] weights, "
-      "Tensor?[] scales, Tensor[] norms, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor rope, Tensor final_norm, "
-      "Tensor output, Tensor? output_scales, int n_heads, int n_kv_heads, float eps, Tensor(c!)? picks=None, "
-      "int picks_below=0, Tensor? logit_rows=None) -> Tensor");
+      "decode_step(__torch__.torch.classes.llama_chat_cpu.StepModel model, Tensor hidden, Tensor positions, "
+      "Tensor tables, Tensor(a!)? picks=None, int picks_below=0, Tensor? logit_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {

@@ -49,10 +49,12 @@ class StepWeights:
         """Whether every weight and the classifier are panels."""
         return all(w.dim() == 3 for w in self.weights) and self.output.dim() == 3
 
-    def arguments(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple:
-        """The operator's arguments from its weights on, for a cache of these keys and values."""
-        return (self.weights, self.scales, self.norms, keys, values, self.rope, self.final_norm, self.output,
-                self.output_scales, self.n_heads, self.n_kv_heads, self.norm_eps)
+    def over(self, keys: list[torch.Tensor], values: list[torch.Tensor], page_size: int) -> torch.ScriptObject:
+        """The operator's ``StepModel`` of these weights over a cache of these keys and values (per
+        layer ``(kv_heads, pages, page_size, head_dim)``), checked once, for any number of steps."""
+        return torch.classes.llama_chat_cpu.StepModel(
+            self.weights, self.scales, self.norms, self.final_norm, self.output, self.output_scales, self.rope,
+            self.n_heads, self.n_kv_heads, self.norm_eps, keys, values, page_size)
 
 
 def _decode_step():
@@ -75,9 +77,9 @@ class Decoder:
         self.classes = weights.classes  # logits per step
         self.capacity = keys[0].shape[1]
         self.keys_ptr = keys[0].data_ptr()
-        one_page = [k.unsqueeze(1) for k in keys], [v.unsqueeze(1) for v in values]
         self._run = _decode_step()
-        self._before = (torch.zeros(1, 1, dtype=torch.long), self.capacity, *weights.arguments(*one_page))
+        self._model = weights.over([k.unsqueeze(1) for k in keys], [v.unsqueeze(1) for v in values], self.capacity)
+        self._table = torch.zeros(1, 1, dtype=torch.long)  # the one page
         # The position goes in through a NumPy view of a kept tensor: a new tensor per token cost
         # far more than the copy.
         self._position = torch.zeros(1, dtype=torch.long)
@@ -90,12 +92,12 @@ class Decoder:
         self._embedding_rows = _EmbeddingRows.of(self.embedding)
 
     def __call__(self, token: int, position: int) -> torch.Tensor:
-        return self._run(self._hidden(token, position), self._position, *self._before)
+        return self._run(self._model, self._hidden(token, position), self._position, self._table)
 
     def pick(self, token: int, position: int, below: int | None = None) -> int:
         """The greedy pick after the token: the first id of the largest logit among the ids below
         ``below`` (all of them: None), found by the step's own threads as they write the logits."""
-        self._run(self._hidden(token, position), self._position, *self._before, self._picks,
+        self._run(self._model, self._hidden(token, position), self._position, self._table, self._picks,
                   self.classes if below is None else below)
         return int(self._pick_slot[0])
 
@@ -134,8 +136,8 @@ class RowsDecoder:
         self._lone = lone
         self._several_weights: StepWeights | None = None
         self._make_several = several
-        self._after_lone = lone.arguments(keys, values)
-        self._after: tuple | None = None
+        self._lone_model = lone.over(keys, values, page_size)
+        self._several_model: torch.ScriptObject | None = None
         # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's too.
         self._embedding_rows = _EmbeddingRows.of(self.embedding)
         self._rows_inputs = _RowsInputs(self.embedding.shape[1])
@@ -149,7 +151,7 @@ class RowsDecoder:
         return self._several_weights
 
     def __call__(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
-        return self._run(*self._inputs(tokens, positions, tables), *self._weights(len(tokens)))
+        return self._run(self._model(len(tokens)), *self._inputs(tokens, positions, tables))
 
     def with_picks(self, tokens: list[int], positions: list[int], tables: list[list[int]],
                    below: int | None = None, sampled: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +166,7 @@ class RowsDecoder:
         if sampled is not None and len(sampled) < len(tokens):
             picks = picks[:len(sampled)]
             chosen = torch.tensor(sampled, dtype=torch.long)
-        logits = self._run(*self._fill(kept, tokens, positions, tables), *self._weights(len(tokens)), picks,
+        logits = self._run(self._model(len(tokens)), *self._fill(kept, tokens, positions, tables), picks,
                            self.classes if below is None else below, chosen)
         return logits, picks
 
@@ -172,16 +174,16 @@ class RowsDecoder:
         """``with_picks`` of one row, its pick as an int, read through a NumPy view: indexing the
         picks tensor let go of the GIL, and a lone job waited to take it back."""
         kept = self._rows_inputs.of(1, len(table))
-        self._run(*self._fill(kept, [token], [position], [table]), *self._weights(1), kept.picks,
+        self._run(self._lone_model, *self._fill(kept, [token], [position], [table]), kept.picks,
                   self.classes if below is None else below)
         return int(kept.picks_slot[0])
 
-    def _weights(self, rows: int) -> tuple:
+    def _model(self, rows: int) -> torch.ScriptObject:
         if rows == 1:
-            return self._after_lone
-        if self._after is None:
-            self._after = self.weights_for(rows).arguments(self._keys, self._values)
-        return self._after
+            return self._lone_model
+        if self._several_model is None:
+            self._several_model = self.weights_for(rows).over(self._keys, self._values, self.page_size)
+        return self._several_model
 
     def _inputs(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
         return self._fill(self._rows_inputs.of(len(tokens), len(tables[0])), tokens, positions, tables)
@@ -198,7 +200,7 @@ class RowsDecoder:
             hidden = self.embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
         kept.positions_slot[:] = positions
         kept.tables_slot[:] = tables
-        return (hidden, kept.positions, kept.tables, self.page_size)
+        return (hidden, kept.positions, kept.tables)
 
 
 class _EmbeddingRows:
