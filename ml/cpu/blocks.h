@@ -44,6 +44,10 @@
 #define LLAMA_CHAT_AVX_VNNI 1
 #endif
 
+// The helpers of a group's decoding and sums are inlined into the loop over groups, whatever
+// the compiler's estimate of their size: called, the decoded group went through memory.
+#define LLAMA_CHAT_HOT inline __attribute__((always_inline))
+
 namespace llama_chat_cpu {
 
 enum class Packed : int { q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k };
@@ -73,7 +77,7 @@ inline bool packed_kind(std::string_view name, Packed& kind) {
 // Bytes of a row of k values (k a multiple of the block's values).
 inline int64_t packed_row_bytes(Packed kind, int64_t k) { return k / layout_of(kind).values * layout_of(kind).bytes; }
 
-inline float half_to_float(const uint8_t* p) {
+LLAMA_CHAT_HOT float half_to_float(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
 #ifdef __F16C__
@@ -300,7 +304,7 @@ inline float packed_dot_scalar(Packed kind, const uint8_t* row, int64_t blocks, 
 #ifdef LLAMA_CHAT_AVX2
 
 // Sums of four unsigned-by-signed byte products in each int32 lane.
-inline __m256i dot_u8i8(__m256i u, __m256i y) {
+LLAMA_CHAT_HOT __m256i dot_u8i8(__m256i u, __m256i y) {
 #if defined(LLAMA_CHAT_AVX_VNNI)
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, y);
 #elif defined(LLAMA_CHAT_VNNI)
@@ -310,35 +314,62 @@ inline __m256i dot_u8i8(__m256i u, __m256i y) {
 #endif
 }
 
-// As dot_u8i8, each lane times its lane of `times`: with VNNI int32 lanes, without it the
-// int16 lanes of the byte pairs (Q6_K's sub-block scales).
-inline __m256i dot_u8i8_times(__m256i u, __m256i y, __m256i times) {
-#ifdef LLAMA_CHAT_VNNI
-  return _mm256_mullo_epi32(dot_u8i8(u, y), times);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), times);
-#endif
+// The sums of eight vectors' lanes in two steps. The first: pairs of vectors interleaved and
+// added (lanes of v[j] and v[j + 1] side by side), twice, which leaves, per four vectors, each
+// one's lanes 0-3 summed in the low 128 bits and its lanes 4-7 in the high ones: the sums of the
+// first and second 16 values of each block (Q6_K scales those). Single-operation shuffles only:
+// vphaddd is several on some cores.
+LLAMA_CHAT_HOT void half_sums_of_8(const __m256i* v, __m256i* quads) {
+  __m256i pairs[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j)
+    pairs[j] = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2 * j], v[2 * j + 1]),
+                                _mm256_unpackhi_epi32(v[2 * j], v[2 * j + 1]));
+#pragma GCC unroll 2
+  for (int j = 0; j < 2; ++j)
+    quads[j] = _mm256_add_epi32(_mm256_unpacklo_epi64(pairs[2 * j], pairs[2 * j + 1]),
+                                _mm256_unpackhi_epi64(pairs[2 * j], pairs[2 * j + 1]));
 }
 
-// Lane j: the sum of v[j]'s eight lanes.
-inline __m256i sums_of_8(const __m256i* v) {
-  const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
-  const __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+// Lane j: the sum of v[j]'s eight lanes, from half_sums_of_8's two vectors.
+LLAMA_CHAT_HOT __m256i join_halves(const __m256i* quads) {
+  return _mm256_add_epi32(_mm256_permute2x128_si256(quads[0], quads[1], 0x20),
+                          _mm256_permute2x128_si256(quads[0], quads[1], 0x31));
 }
 
-inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
-inline __m256i high_nibbles(__m256i v) { return low_nibbles(_mm256_srli_epi16(v, 4)); }
+LLAMA_CHAT_HOT __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+LLAMA_CHAT_HOT __m256i high_nibbles(__m256i v) { return low_nibbles(_mm256_srli_epi16(v, 4)); }
 
 // 16 bytes of nibbles as 32 codes: the low nibbles first, then the high ones (Q4_0, Q4_1, Q5_*).
-inline __m256i nibbles_of_16(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return low_nibbles(_mm256_set_m128i(_mm_srli_epi16(b, 4), b));
+// The bytes are loaded into both halves and the upper half shifted: no shuffle, of which a core
+// has fewer units than of the other vector operations, and a group needs many elsewhere.
+LLAMA_CHAT_HOT __m256i nibbles_of_16(const uint8_t* p) {
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return low_nibbles(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)));
+}
+
+// The fp16 numbers at p, p + Stride, ..., of `count` blocks (the rest 0), as eight floats. Each
+// is loaded as the low half of a 32-bit lane and blended in (no shuffles), then its bits are moved
+// into a float's place and scaled by 2^112: exact for every finite half, subnormal ones included
+// (an infinite or NaN half, in no sane file, becomes a large finite number).
+template <int64_t Stride>
+LLAMA_CHAT_HOT __m256 halves_of_8(const uint8_t* p, int count) {
+  __m256i v = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    if (j >= count) break;
+    int32_t word;
+    std::memcpy(&word, p + j * Stride, sizeof word);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(word), 1 << j);
+  }
+  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7fff)), 13);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x8000)), 16);
+  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p112f));
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
 // 32 bits (little-endian) as 32 bytes: 0x10 where the bit is set (Q5_0/Q5_1's fifth bits).
-inline __m256i fifth_bits(const uint8_t* p) {
+LLAMA_CHAT_HOT __m256i fifth_bits(const uint8_t* p) {
   uint32_t bits;
   std::memcpy(&bits, p, sizeof bits);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -373,7 +404,7 @@ constexpr bool kOffset = K == Packed::q4_1 || K == Packed::q5_1 || K == Packed::
 struct Group {
   __m256i u[8];      // unsigned codes (Q8_0 with the sign trick: magnitudes)
   __m256i signs[8];  // Q8_0 with the sign trick: the signed codes
-  __m256i times[8];  // Q6_K: the lanes' sub-block scales (dot_u8i8_times)
+  __m256i halves[2];  // Q6_K: the 16-value sub-blocks' scales in half_sums_of_8's order
   __m256i scales16;  // Q6_K: the sixteen sub-block scales as int16, for the zero point
   __m256 scale;      // a, per block
   __m256 offset;     // c, per block
@@ -381,18 +412,18 @@ struct Group {
 
 // Blocks [8g, 8g + count) of a row of 32-value blocks (count from 1 to 8; the rest are zeros).
 template <Packed K>
-inline void decode_small_group(const uint8_t* row, int64_t g, int count, Group& out) {
+LLAMA_CHAT_HOT void decode_small_group(const uint8_t* row, int64_t g, int count, Group& out) {
   constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
-  alignas(32) float a[8], c[8];
+  const uint8_t* first = row + 8 * g * bytes;
+  out.scale = halves_of_8<bytes>(first, count);
+  if constexpr (kOffset<K>) out.offset = halves_of_8<bytes>(first + 2, count);
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
     if (j >= count) {
       out.u[j] = out.signs[j] = _mm256_setzero_si256();
-      a[j] = c[j] = 0.f;
       continue;
     }
-    const uint8_t* p = row + (8 * g + j) * bytes;
-    a[j] = half_to_float(p);
+    const uint8_t* p = first + j * bytes;
     if constexpr (K == Packed::q8_0) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
       if constexpr (kSignTrick<K>) {
@@ -404,37 +435,36 @@ inline void decode_small_group(const uint8_t* row, int64_t g, int count, Group& 
     } else if constexpr (K == Packed::q4_0) {
       out.u[j] = nibbles_of_16(p + 2);
     } else if constexpr (K == Packed::q4_1) {
-      c[j] = half_to_float(p + 2);
       out.u[j] = nibbles_of_16(p + 4);
     } else if constexpr (K == Packed::q5_0) {
       out.u[j] = _mm256_or_si256(nibbles_of_16(p + 6), fifth_bits(p + 2));
     } else {  // q5_1
-      c[j] = half_to_float(p + 2);
       out.u[j] = _mm256_or_si256(nibbles_of_16(p + 8), fifth_bits(p + 4));
     }
   }
-  out.scale = _mm256_load_ps(a);
-  if constexpr (kOffset<K>) out.offset = _mm256_load_ps(c);
 }
 
 // Super-block g of a Q4_K/Q5_K row: scales d * sc_j and offsets -dmin * m_j.
-inline void k_scales(const uint8_t* p, Group& out) {
-  uint8_t scale[8], min[8];
-  for (int j = 0; j < 8; ++j) {
-    int32_t s, m;
-    k_scale_min(p + 4, j, s, m);
-    scale[j] = static_cast<uint8_t>(s);
-    min[j] = static_cast<uint8_t>(m);
-  }
-  const auto as_floats = [](const uint8_t* v) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
-  };
-  out.scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)), as_floats(scale));
-  out.offset = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(p + 2)), as_floats(min));
+// The 12 bytes are taken apart four at a time (llama.cpp's way): k_scale_min for all eight.
+LLAMA_CHAT_HOT void k_scales(const uint8_t* p, Group& out) {
+  uint32_t w[4];
+  std::memcpy(w, p + 4, 12);
+  constexpr uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+  w[3] = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);  // mins 4-7
+  const uint32_t mins = w[1] & six;                            // mins 0-3
+  w[1] = (w[2] & four) | (((w[0] >> 6) & two) << 4);          // scales 4-7
+  w[2] = mins;
+  w[0] &= six;                                                 // scales 0-3
+  const __m128i both = _mm_setr_epi32(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                                      static_cast<int>(w[3]));
+  const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
+  const __m256 minimums = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(both, both)));
+  out.scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)), scales);
+  out.offset = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(p + 2)), minimums);
 }
 
 template <Packed K>
-inline void decode_super_block(const uint8_t* row, int64_t g, Group& out) {
+LLAMA_CHAT_HOT void decode_super_block(const uint8_t* row, int64_t g, Group& out) {
   constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
   const uint8_t* p = row + g * bytes;
   if constexpr (K == Packed::q4_k || K == Packed::q5_k) {
@@ -474,35 +504,33 @@ inline void decode_super_block(const uint8_t* row, int64_t g, Group& out) {
     }
     const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
     out.scales16 = _mm256_cvtepi8_epi16(s8);
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-#ifdef LLAMA_CHAT_VNNI  // int32 lanes: four of sub-block 2j, four of 2j + 1
-      const __m128i pick = _mm_setr_epi8(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 0, 0,
-                                         0, 0, 0, 0, 0, 0);
-      out.times[j] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(s8, pick));
-#else  // int16 lanes of byte pairs: eight of each
-      const __m128i pick = _mm_setr_epi8(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1,
-                                         2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
-      out.times[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, pick));
-#endif
-    }
+    // Sub-block 2j is block j's first half, 2j + 1 its second.
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m128i ordered = _mm_shuffle_epi8(s8, order);
+    out.halves[0] = _mm256_cvtepi8_epi32(ordered);
+    out.halves[1] = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(ordered, ordered));
     out.scale = _mm256_set1_ps(half_to_float(p + 208));
   }
 }
 
 // One rounded row's share of a decoded group, added to acc.
 template <Packed K>
-inline __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t r, int64_t g, __m256 acc) {
+LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t r, int64_t g, __m256 acc) {
   const int8_t* y = in.q_of(r) + g * kQuantGroup;
   __m256i p[8];
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
     __m256i yj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32 * j));
     if constexpr (kSignTrick<K>) yj = _mm256_sign_epi8(yj, w.signs[j]);
-    if constexpr (K == Packed::q6_k) p[j] = dot_u8i8_times(w.u[j], yj, w.times[j]);
-    else p[j] = dot_u8i8(w.u[j], yj);
+    p[j] = dot_u8i8(w.u[j], yj);
   }
-  __m256i s = sums_of_8(p);
+  __m256i quads[2];
+  half_sums_of_8(p, quads);
+  if constexpr (K == Packed::q6_k) {
+    quads[0] = _mm256_mullo_epi32(quads[0], w.halves[0]);
+    quads[1] = _mm256_mullo_epi32(quads[1], w.halves[1]);
+  }
+  __m256i s = join_halves(quads);
   const int64_t b = g * (kQuantGroup / kQuantBlock);
   if constexpr (K == Packed::q6_k) {
     const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));

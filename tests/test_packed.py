@@ -1,0 +1,232 @@
+"""Weights kept as GGUF's packed blocks (``ml/packed.py``) and the operator's products on them
+(``ml/cpu/blocks.h``): layouts and dequantizers against the ``gguf`` package, ``pack`` bit-equal to
+its quantizer, and every product against ``dequantize(w) @ rounded(x)`` in float64, in this
+machine's build, in builds without VNNI, without AVX-512 and without AVX, and without the operator.
+
+The operator's tolerance: |got - dequantize(w) @ rounded(x)| <= 1e-5 * (|dequantize(w)| @ |rounded(x)|),
+where rounded(x) is x rounded per 32 values to int8 steps of max|x| / 127. Each block's integer sum
+is exact, so what is left is float32 rounding of a few hundred scaled block sums (about 1e-7 of the
+same size, measured); a wrong code, scale, offset or zero point is far outside it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from llama_chat.ml import packed
+from llama_chat.ml.cpu import kernels as cpu_kernels
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX") or "c++") is not None
+needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler to build the kernels")
+RELATIVE_TOLERANCE = 1e-5
+# Where each kind keeps its fp16 scales (and mins): drawn from a sane range, the other bytes random.
+HALF_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2),
+                "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_weight(kind: str, out_features: int, in_features: int, seed: int) -> packed.PackedWeight:
+    g = torch.Generator().manual_seed(seed)
+    values, size = packed.block_layout(kind)
+    blocks = out_features * in_features // values
+    raw = torch.randint(0, 256, (blocks, size), dtype=torch.uint8, generator=g)
+    for offset in HALF_OFFSETS[kind]:
+        magnitude = torch.exp(torch.empty(blocks).uniform_(-9, -2, generator=g))
+        sign = torch.where(torch.rand(blocks, generator=g) < 0.5, -1.0, 1.0)
+        raw[:, offset:offset + 2] = (magnitude * sign).to(torch.float16).view(torch.uint8).view(blocks, 2)
+    return packed.PackedWeight(kind, raw.view(out_features, -1), in_features)
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per 32 values as the operator rounds it: step max|x| / 127, nearest, ties to even."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    step = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
+    return (torch.round(blocks * inverse) * step).reshape(x.shape)
+
+
+def assert_operator_result(got: torch.Tensor, x: torch.Tensor, weight: packed.PackedWeight) -> None:
+    w = weight.dequantize().double()
+    xr = rounded(x).double()
+    want = xr @ w.T
+    bound = RELATIVE_TOLERANCE * (xr.abs() @ w.abs().T)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    error = (got.double() - want).abs()
+    assert (error <= bound).all(), f"{weight.kind}: worst error {(error / bound.clamp_min(1e-300)).max():.3g} x the bound"
+
+
+def in_features_for(kind: str, blocks: int) -> int:
+    return blocks * packed.block_layout(kind)[0]
+
+
+def test_block_layouts_are_gguf_s():
+    for kind, layout in packed.BLOCK_LAYOUTS.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind.upper()]] == layout
+    assert tuple(packed.BLOCK_LAYOUTS) == packed.PACKED_TYPES
+
+
+@pytest.mark.parametrize("kind", packed.PACKED_TYPES)
+def test_dequantize_is_gguf_s_bit_for_bit(kind):
+    weight = random_weight(kind, 7, in_features_for(kind, 3), seed=1)
+    want = gguf.quants.dequantize(weight.data.numpy(), gguf.GGMLQuantizationType[kind.upper()])
+    got = weight.dequantize()
+    assert got.shape == (7, weight.in_features)
+    assert np.array_equal(got.numpy(), want.astype(np.float32))
+    assert torch.equal(weight.dequantize_rows(2, 5), got[2:5])
+    assert weight.dequantize(torch.bfloat16).dtype == torch.bfloat16
+
+
+@settings(max_examples=150)
+@given(kind=st.sampled_from(packed.PACKABLE), rows=st.integers(1, 5), blocks=st.integers(1, 4), data=st.data())
+def test_pack_is_bit_equal_to_gguf_s_quantizer(kind, rows, blocks, data):
+    # Floats of every size hypothesis likes (zeros, ties, equal magnitudes of both signs), whole
+    # blocks of zeros among them; none so small that 1 / step overflows (a cast of infinity to
+    # an integer, undefined in llama.cpp's C and different in numpy and torch).
+    magnitudes = st.floats(2.0**-100, 1e4, width=32)
+    elements = st.one_of(st.just(0.0), magnitudes, magnitudes.map(lambda v: -v))
+    values = data.draw(hnp.arrays(np.float32, (rows, 32 * blocks), elements=elements))
+    if data.draw(st.booleans()):
+        values[0, :32] = 0
+    weight = packed.pack(kind, torch.from_numpy(values))
+    want = gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind.upper()])
+    assert weight.kind == kind and weight.in_features == 32 * blocks and weight.out_features == rows
+    assert np.array_equal(weight.data.numpy(), want)
+
+
+def test_pack_and_packed_weight_refuse_what_they_cannot_hold():
+    with pytest.raises(ValueError, match="cannot pack 'q4_k'"):
+        packed.pack("q4_k", torch.zeros(2, 256))
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        packed.pack("q8_0", torch.zeros(2, 40))
+    with pytest.raises(ValueError, match="no packed weight kind 'q3_k'"):
+        packed.PackedWeight("q3_k", torch.zeros(2, 110, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match=r"expected uint8 \(rows, 18\)"):
+        packed.PackedWeight("q4_0", torch.zeros(2, 17, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match="features"):
+        packed.PackedLinear(random_weight("q4_0", 3, 64, seed=0))(torch.zeros(2, 32))
+
+
+@needs_kernels
+@given(kind=st.sampled_from(packed.PACKED_TYPES), rows=st.integers(1, packed.MAX_KERNEL_ROWS),
+       out_features=st.integers(1, 41), blocks=st.integers(1, 11), seed=st.integers(0, 2**16))
+def test_the_operator_equals_the_dequantized_product_of_the_rounded_rows(cpu_kernels_loaded, kind, rows,
+                                                                         out_features, blocks, seed):
+    # Block counts that are and are not multiples of the eight a vector step takes; rows that are
+    # and are not multiples of the four that share a decoded group.
+    assert cpu_kernels_loaded, cpu_kernels.failure()
+    if kind.endswith("_k"):
+        blocks = 1 + blocks % 3
+    # The torch dequantizers (model/formats/gguf_quants.py) cannot yet take a tensor of one block.
+    assume(out_features * blocks > 1)
+    weight = random_weight(kind, out_features, in_features_for(kind, blocks), seed)
+    x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0  # a block of zeros: step 0
+    got = torch.ops.llama_chat_cpu.packed_product(x, weight.data, kind)
+    assert_operator_result(got, x, weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", packed.PACKED_TYPES)
+def test_a_row_s_result_depends_on_nothing_but_the_row(cpu_kernels_loaded, kind):
+    # Enough weight rows for many chunks among threads, more rows than a tile of 16: each result is
+    # still one sum in a fixed order, the same bits alone or in a batch.
+    weight = random_weight(kind, 700, 2048, seed=3)
+    x = torch.randn(19, 2048, generator=torch.Generator().manual_seed(4))
+    together = torch.ops.llama_chat_cpu.packed_product(x, weight.data, kind)
+    assert_operator_result(together, x, weight)
+    for r in (0, 5, 18):
+        assert torch.equal(torch.ops.llama_chat_cpu.packed_product(x[r:r + 1], weight.data, kind), together[r:r + 1])
+    assert torch.ops.llama_chat_cpu.packed_product(x[:0], weight.data, kind).shape == (0, 700)
+
+
+@needs_kernels
+def test_the_operator_refuses_blocks_that_do_not_fit(cpu_kernels_loaded):
+    weight = random_weight("q4_0", 4, 64, seed=0)
+    with pytest.raises(RuntimeError, match="no packed kind q9_0"):
+        torch.ops.llama_chat_cpu.packed_product(torch.zeros(1, 64), weight.data, "q9_0")
+    with pytest.raises(RuntimeError, match="take 36 bytes a row"):
+        torch.ops.llama_chat_cpu.packed_product(torch.zeros(1, 64), weight.data[:, :30].contiguous(), "q4_0")
+    with pytest.raises(RuntimeError, match="not whole q4_0 blocks"):
+        torch.ops.llama_chat_cpu.packed_product(torch.zeros(1, 40), weight.data, "q4_0")
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q4_0", "q4_k", "q6_k"])
+def test_packed_linear_takes_the_operator_for_few_rows_and_expands_tiles_for_more(cpu_kernels_loaded, kind,
+                                                                                   monkeypatch):
+    weight = random_weight(kind, 300, 512, seed=5)
+    layer = packed.PackedLinear(weight)
+    before = weight.data.clone()
+    x = torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(6))
+    got = layer(x)
+    assert got.shape == (2, 3, 300)
+    assert_operator_result(got.reshape(6, 300), x.reshape(6, 512), weight)
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    # A prompt's rows: the weights expanded a tile at a time (small tiles here, to cross several).
+    monkeypatch.setattr(packed, "TILE_VALUES", 512 * 7)
+    long = torch.randn(packed.MAX_KERNEL_ROWS + 1, 512, generator=torch.Generator().manual_seed(7))
+    want = long.double() @ weight.dequantize().double().T
+    torch.testing.assert_close(layer(long).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(weight.data, before)  # the blocks (maybe a file's) are never written
+
+
+@pytest.mark.parametrize("kind", packed.PACKED_TYPES)
+def test_without_the_operator_a_product_is_the_dequantized_one(pytorch_products, kind):
+    weight = random_weight(kind, 37, in_features_for(kind, 2), seed=8)
+    layer = packed.PackedLinear(weight)
+    assert "kind=" + kind in repr(layer)
+    x = torch.randn(3, weight.in_features, generator=torch.Generator().manual_seed(9))
+    assert not packed.kernel_takes(x, weight)
+    want = x.double() @ weight.dequantize().double().T
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert layer.packed.nbytes == weight.data.numel() and layer.packed.out_features == 37
+
+
+# A build of the operator's products alone (kernels.cpp) with some instruction sets taken away,
+# in a process of its own: it writes each case's product for the test to check.
+_VARIANT_SCRIPT = """
+import sys, torch
+from llama_chat.ml.cpu import kernels
+kernels.SOURCES = (kernels.HERE / "kernels.cpp",)
+assert kernels.load(), kernels.failure()
+cases = torch.load(sys.argv[1])
+torch.save([torch.ops.llama_chat_cpu.packed_product(x, data, kind) for kind, x, data in cases], sys.argv[2])
+"""
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", ["-mno-avx512vnni", "-mno-avx512f", "-mno-avx"],
+                         ids=["avx512-without-vnni", "avx2", "scalar"])
+def test_builds_without_vnni_avx512_or_avx_give_the_same_products(tmp_path, flags):
+    compiler = shutil.which(os.environ.get("CXX") or "c++")
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    cases, weights = [], []
+    for i, kind in enumerate(packed.PACKED_TYPES):
+        for rows, blocks in ((1, 9), (6, 2), (16, 17)):
+            blocks = blocks if not kind.endswith("_k") else 1 + blocks % 3
+            weight = random_weight(kind, 29, in_features_for(kind, blocks), seed=100 + i)
+            x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(i))
+            cases.append((kind, x, weight.data))
+            weights.append(weight)
+    torch.save(cases, tmp_path / "cases.pt")
+    env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "kernels"))
+    run = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for (kind, x, _), weight, got in zip(cases, weights, torch.load(tmp_path / "out.pt")):
+        assert_operator_result(got, x, weight)
