@@ -11,10 +11,12 @@ from builders import endless_model
 from llama_chat.inference import batch_step
 from llama_chat.inference.batch_step import StepBackends
 from llama_chat.inference.engine import Engine
+from llama_chat.inference.jobs import Job
+from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import GenerationState, PromptTooLong, Request, RequestError
 from llama_chat.ml.sampling import SamplingParams
-from llama_chat.model import cpu_decode
+from llama_chat.model import cpu_decode, paged_kv_cache
 from llama_chat.model.chat_format import Llama2ChatFormat, Message
 from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
@@ -337,11 +339,15 @@ def test_a_job_left_alone_on_scattered_pages_moves_to_consecutive_ones(model, to
     assert stats.pages_in_use == 0
 
 
-def test_rows_that_pause_and_resume_read_the_keys_they_wrote(model, tokenizer):
-    # Several decoding rows read their keys from a mirror of their gathered pages, kept while the
-    # same rows step together. A consumer that reads in bursts pauses its job (its buffer is
+@pytest.mark.parametrize("operator", [True, False], ids=["operator", "packed forward"])
+def test_rows_that_pause_and_resume_read_the_keys_they_wrote(model, tokenizer, monkeypatch, operator):
+    # In the packed forward, several decoding rows read their keys from a mirror of their
+    # gathered pages, kept while the same rows step together; the operator reads each row's pages
+    # through its block table. A consumer that reads in bursts pauses its job (its buffer is
     # full) and lets it resume, so the rows of a step change back and forth; every job's greedy
     # tokens must still be those it gets alone.
+    if not operator:
+        monkeypatch.setattr(cpu_decode, "takes_rows", lambda model, cache: False)
     g = torch.Generator().manual_seed(23)
     requests = [Request(random_prompt(g, 5 + 7 * i, tokenizer.vocab_size), sampling=GREEDY,
                         max_tokens=40 + 10 * i, request_id=str(i)) for i in range(4)]
@@ -368,30 +374,103 @@ def test_rows_that_pause_and_resume_read_the_keys_they_wrote(model, tokenizer):
         assert together[r.request_id].token_ids == alone[r.request_id].token_ids, r.request_id
 
 
-def test_a_lone_greedy_job_takes_the_short_step_with_the_same_tokens_and_counters(model, tokenizer, monkeypatch):
-    # One job at a time (a chat's scheduler): each greedy decode step is the operator's pick alone
-    # (batch_step.LoneGreedy). It must give what the general operator step gives: tokens, stops,
-    # counters.
+@pytest.mark.parametrize("between", ["a alone", "a alone, compiled", "the operator"])
+def test_a_step_past_the_mirror_drops_it(model, tokenizer, monkeypatch, between):
+    # The packed forward's one-token rows {a, b} read a mirror of their gathered pages, named by
+    # the rows and their tables. A step that feeds them past the mirror (a alone, in the packed
+    # forward or the compiled step, or any step of the CPU operator) must drop it: the next
+    # packed step of {a, b} has the same name and would read stale slots. Every step's logits
+    # must be those of steps that gather the pages each time (no mirror at all).
+    if between.startswith("a alone"):
+        monkeypatch.setattr(cpu_decode, "takes_rows", lambda model, cache: False)
+        schedule = ["", "", "", "", "pause b", "", "", ""]
+    else:
+        # A prompt beside the decodes keeps the packed forward; decodes alone take the operator
+        # (both rows, or "a" alone). "c", "d" and "e" are admitted with a prompt each, and sit out
+        # once they have drawn a token.
+        monkeypatch.setattr(batch_step, "prompts_as_rows", lambda settings, decoder: False)
+        schedule = ["", "", "c", "", "d", "pause b", "e", ""]
+    g = torch.Generator().manual_seed(29)
+    prompts = {name: random_prompt(g, 6 + 3 * i, tokenizer.vocab_size) for i, name in enumerate("abcde")}
+    choose, sample_rows = StepBackends.choose, batch_step.sample_rows
+
+    def step_logits() -> tuple[list[torch.Tensor], list[str]]:
+        logits, backends = [], []
+
+        def kept(rows, *args):
+            logits.append(rows.clone())
+            return sample_rows(rows, *args)
+
+        def spied(self, plan):
+            backend = choose(self, plan)
+            backends.append(type(backend).__name__)
+            return backend
+
+        monkeypatch.setattr(batch_step, "sample_rows", kept)
+        monkeypatch.setattr(StepBackends, "choose", spied)
+        core = Scheduler(model, tokenizer, SchedulerOptions(page_size=4, buffer_size=1)).core
+        if between == "a alone, compiled":  # aot_eager: the same graph without a C++ build
+            core.lone_step = LoneRowStep(model, core.cache, row_products=True, backend="aot_eager")
+        jobs = {name: Job(Request(prompts[name], sampling=GREEDY, max_tokens=30, request_id=name), 0.0, None,
+                          frozenset()) for name in "abcde"}
+        core.incoming.extend((jobs["a"], jobs["b"]))
+        for action in schedule:
+            for job in (jobs["a"], jobs["b"]):  # their consumers keep up; those of c, d and e never read
+                job.received = job.produced
+            if action == "pause b":
+                jobs["b"].received -= core.settings.buffer_size
+            elif action:
+                core.incoming.append(jobs[action])
+            core.step()
+        return logits, backends
+
+    mirrored, backends = step_logits()
+    assert between != "a alone, compiled" or backends.count("CompiledLone") == 1
+    if between == "the operator":
+        if "OperatorDecodes" not in backends:
+            pytest.skip("the one-call CPU step is not loaded here")
+        assert backends == ["PackedForward", "OperatorDecodes", "PackedForward", "OperatorDecodes", "PackedForward",
+                            "LoneGreedy", "PackedForward", "OperatorDecodes"]
+    monkeypatch.setattr(paged_kv_cache, "MIRROR_MAX_BYTES", 0)
+    gathered, _ = step_logits()
+    assert len(mirrored) == len(gathered) == len(schedule) - backends.count("LoneGreedy")  # it takes no logits
+    for got, want in zip(mirrored, gathered):
+        assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("short, max_batch", [("lone_greedy", 1), ("decodes", 4)],
+                         ids=["a lone greedy job", "a batch decoding"])
+def test_the_short_steps_give_the_general_steps_tokens_and_counters(model, tokenizer, monkeypatch, short, max_batch):
+    # Two steps skip the general plan's lists (batch_step.py): a lone greedy job's, the operator's
+    # pick alone (a chat's scheduler: one job at a time), and the batch's common step, every job
+    # decoding. Each must give what the general operator step (OperatorRows) gives: tokens,
+    # stops, counters.
     g = torch.Generator().manual_seed(11)
     vocab = tokenizer.vocab_size
     requests = [Request(random_prompt(g, 20, vocab), sampling=GREEDY, max_tokens=40, request_id="long"),
                 Request(random_prompt(g, 9, vocab), sampling=GREEDY, max_tokens=7, request_id="short"),
                 Request(random_prompt(g, 12, vocab), sampling=SamplingParams(temperature=0.8), seed=3,
                         max_tokens=10, request_id="sampled")]
-    short_steps = []
-    run_lone = batch_step.LoneGreedy.run
-    monkeypatch.setattr(batch_step.LoneGreedy, "run", lambda self, plan: short_steps.append(plan.rows[0].request_id)
-                        or run_lone(self, plan))
-    fast, fast_stats = batched(model, tokenizer, requests, max_batch=1)
-    assert {"long", "short"} <= set(short_steps) and "sampled" not in short_steps
     choose = StepBackends.choose
+    took = set()
 
-    def without_the_short_step(self, plan):
+    def spied(self, plan):
         backend = choose(self, plan)
-        return self.rows if backend is self.lone_greedy else backend
+        if backend is getattr(self, short):
+            took.update(job.request_id for job in plan.rows)
+        return backend
 
-    monkeypatch.setattr(StepBackends, "choose", without_the_short_step)
-    planned, planned_stats = batched(model, tokenizer, requests, max_batch=1)
+    monkeypatch.setattr(StepBackends, "choose", spied)
+    fast, fast_stats = batched(model, tokenizer, requests, max_batch=max_batch)
+    # A lone sampled job is not greedy: it takes the general step.
+    assert took == ({"long", "short"} if short == "lone_greedy" else {"long", "short", "sampled"})
+
+    def general(self, plan):
+        backend = choose(self, plan)
+        return self.rows if backend is getattr(self, short) else backend
+
+    monkeypatch.setattr(StepBackends, "choose", general)
+    planned, planned_stats = batched(model, tokenizer, requests, max_batch=max_batch)
     assert {k: (v.token_ids, v.finish_reason) for k, v in fast.items()} == \
         {k: (v.token_ids, v.finish_reason) for k, v in planned.items()}
     assert fast_stats == planned_stats
