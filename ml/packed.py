@@ -6,12 +6,15 @@ Q4_K, Q5_K and Q6_K. A ``PackedWeight`` is those bytes as a uint8 (out, row byte
 view of the memory-mapped file (never written), so a model takes about its file's memory instead
 of four bytes a value. ``PackedLinear`` is the module a model's projections become.
 
-Products: with the CPU operator loaded (``ml/cpu/kernels.py``), up to ``MAX_KERNEL_ROWS`` rows
-take ``torch.ops.llama_chat_cpu.packed_product`` (``ml/cpu/blocks.h``): the rows are rounded per
-32 values to int8 steps (step max|x| / 127, as llama.cpp rounds its activations) and meet the
-blocks in integer sums, so the result is ``dequantize(w) @ rounded(x)`` up to the order of float32
-additions (blocks.h states it exactly). More rows (a prompt), other devices, or no operator take
-``dequantized_product``: tiles of weight rows expanded to float32 and multiplied, exact to float32.
+Products: with the CPU operator loaded (``ml/cpu/kernels.py``), products on the CPU take
+``torch.ops.llama_chat_cpu.packed_product`` (``ml/cpu/blocks.h``): the rows are rounded per 32
+values to int8 steps (step max|x| / 127, as llama.cpp rounds its activations) and meet the blocks
+in integer sums, so the result is ``dequantize(w) @ rounded(x)`` up to the order of float32
+additions (blocks.h states it exactly). A prompt's many rows take it too, sixteen rows at a time
+against weights a thread has in its cache: it was faster than expanding the weights and one float32
+matrix product at every row count measured (``benchmarks/bench_packed.py --prefill``). Other
+devices, or no operator, take ``dequantized_product``: tiles of weight rows expanded to float32
+and multiplied, exact to float32.
 
 ``pack`` makes Q8_0 and Q4_0 blocks from float weights with llama.cpp's reference rounding (the
 bytes ``gguf.quants.quantize`` gives), for models quantized on load.
@@ -34,10 +37,6 @@ BLOCK_LAYOUTS = {
     "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
 }
 PACKABLE = ("q8_0", "q4_0")
-# Rows up to which a product takes the operator: one decode step, or the scheduler's batch.
-# Past it the weights expanded a tile at a time meet the rows in one matrix product, which
-# reuses each expanded weight across every row (see "Packed blocks" in docs/benchmarks.md).
-MAX_KERNEL_ROWS = 16
 # Weight values expanded at a time by ``dequantized_product``: a tile of float32 rows that stays
 # in the cache while the rows meet it.
 TILE_VALUES = 1 << 20
@@ -112,9 +111,12 @@ def _dequantizer(kind: str):
 
 def kernel_takes(x: torch.Tensor, weight: PackedWeight) -> bool:
     """Whether the product of ``x``'s rows with ``weight`` goes to the CPU operator."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (cpu_kernels.loaded() and x.device.type == "cpu" and weight.data.device.type == "cpu"
-            and weight.data.is_contiguous() and 0 < rows <= MAX_KERNEL_ROWS)
+    return _kernel_takes(x, weight.data)
+
+
+def _kernel_takes(x: torch.Tensor, data: torch.Tensor) -> bool:
+    return (cpu_kernels.loaded() and x.device.type == "cpu" and data.device.type == "cpu" and data.is_contiguous()
+            and x.numel() > 0)
 
 
 def product(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
@@ -123,7 +125,7 @@ def product(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the {weight.kind} weight {weight.in_features}")
     rows = x.reshape(-1, weight.in_features).float()
-    if kernel_takes(x, weight):
+    if _kernel_takes(x, weight.data):
         out = torch.ops.llama_chat_cpu.packed_product(rows, weight.data, weight.kind)
     else:
         out = dequantized_product(rows, weight)
@@ -156,6 +158,10 @@ class PackedLinear(nn.Module):
         return PackedWeight(self.kind, self.data, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] == self.in_features and _kernel_takes(x, self.data):  # no PackedWeight to check per call
+            rows = torch.ops.llama_chat_cpu.packed_product(x.reshape(-1, self.in_features).float(), self.data,
+                                                           self.kind)
+            return rows.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return product(x, self.packed)
 
     def extra_repr(self) -> str:

@@ -119,7 +119,7 @@ def test_pack_and_packed_weight_refuse_what_they_cannot_hold():
 
 
 @needs_kernels
-@given(kind=st.sampled_from(packed.PACKED_TYPES), rows=st.integers(1, packed.MAX_KERNEL_ROWS),
+@given(kind=st.sampled_from(packed.PACKED_TYPES), rows=st.integers(1, 16),
        out_features=st.integers(1, 41), blocks=st.integers(1, 11), seed=st.integers(0, 2**16))
 def test_the_operator_equals_the_dequantized_product_of_the_rounded_rows(cpu_kernels_loaded, kind, rows,
                                                                          out_features, blocks, seed):
@@ -164,32 +164,31 @@ def test_the_operator_refuses_blocks_that_do_not_fit(cpu_kernels_loaded):
 
 @needs_kernels
 @pytest.mark.parametrize("kind", ["q4_0", "q4_k", "q6_k"])
-def test_packed_linear_takes_the_operator_for_few_rows_and_expands_tiles_for_more(cpu_kernels_loaded, kind,
-                                                                                   monkeypatch):
+def test_packed_linear_takes_the_operator_for_any_rows(cpu_kernels_loaded, kind):
     weight = random_weight(kind, 300, 512, seed=5)
     layer = packed.PackedLinear(weight)
     before = weight.data.clone()
-    x = torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(6))
-    got = layer(x)
-    assert got.shape == (2, 3, 300)
-    assert_operator_result(got.reshape(6, 300), x.reshape(6, 512), weight)
+    for shape in ((2, 3, 512), (40, 512)):  # a step's rows, a prompt's
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(6))
+        assert packed.kernel_takes(x, weight)
+        got = layer(x)
+        assert got.shape == (*shape[:-1], 300)
+        assert_operator_result(got.reshape(-1, 300), x.reshape(-1, 512), weight)
     assert layer(x.bfloat16()).dtype == torch.bfloat16
-    # A prompt's rows: the weights expanded a tile at a time (small tiles here, to cross several).
-    monkeypatch.setattr(packed, "TILE_VALUES", 512 * 7)
-    long = torch.randn(packed.MAX_KERNEL_ROWS + 1, 512, generator=torch.Generator().manual_seed(7))
-    want = long.double() @ weight.dequantize().double().T
-    torch.testing.assert_close(layer(long).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert layer(x[:0]).shape == (0, 300)
     assert torch.equal(weight.data, before)  # the blocks (maybe a file's) are never written
 
 
 @pytest.mark.parametrize("kind", packed.PACKED_TYPES)
-def test_without_the_operator_a_product_is_the_dequantized_one(pytorch_products, kind):
+def test_without_the_operator_a_product_is_the_dequantized_one(pytorch_products, kind, monkeypatch):
     weight = random_weight(kind, 37, in_features_for(kind, 2), seed=8)
     layer = packed.PackedLinear(weight)
     assert "kind=" + kind in repr(layer)
     x = torch.randn(3, weight.in_features, generator=torch.Generator().manual_seed(9))
     assert not packed.kernel_takes(x, weight)
     want = x.double() @ weight.dequantize().double().T
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    monkeypatch.setattr(packed, "TILE_VALUES", weight.in_features * 5)  # several tiles of weight rows
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert layer.packed.nbytes == weight.data.numel() and layer.packed.out_features == 37
 
