@@ -1,10 +1,13 @@
-"""``llama-chat --list``: the models in the Hugging Face cache and Ollama's store, one a line.
+"""``llama-chat --list``: the shipped model, then the models in the Hugging Face cache and Ollama's
+store, one a line.
 
 Reads directories and manifests only: neither torch nor a model is loaded.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import TextIO
 
 from llama_chat.cmd import exit_status
@@ -20,17 +23,28 @@ def human_size(n: int) -> str:
     return f"{n:.1f} GB"
 
 
-def print_model_list(out: TextIO) -> int:
-    """Print the table (the first column is what ``-m`` takes); say where was looked when empty."""
+def short_path(path: Path) -> str:
+    """``path`` with the home directory written ``~``, as a shell user would type it."""
+    try:
+        return "~/" + str(path.relative_to(Path.home()))
+    except ValueError:
+        return str(path)
+
+
+def print_model_list(out: TextIO, err: TextIO | None = None) -> int:
+    """Print the table (the first column is what ``-m`` takes); say on ``err`` where was looked
+    when neither store holds a model."""
     models = list_models()
-    if not models:
-        out.write(f"no models found in the Hugging Face cache ({one_line(str(hf_cache_dir()))}) or Ollama's "
-                  f"store ({one_line(str(ollama_models_dir()))})\n")
-        return exit_status.OK
-    # Names come from directory and manifest names: shown through one_line like any file-derived text.
-    rows = [(one_line(m.name), m.format, human_size(m.size)) for m in models]
+    # Names and paths come from directory and manifest names: shown through one_line like any
+    # file-derived text.
+    rows = [(one_line(m.name), m.format, human_size(m.size), one_line(short_path(m.path))) for m in models]
     width = max(len("MODEL"), *(len(r[0]) for r in rows))
-    out.write(f"{'MODEL':<{width}}  FORMAT  SIZE\n")
-    for name, fmt, size in rows:
-        out.write(f"{name:<{width}}  {fmt:<6}  {size:>8}\n")
+    out.write(f"{'MODEL':<{width}}  FORMAT  {'SIZE':>8}  PATH\n")
+    for name, fmt, size, path in rows:
+        out.write(f"{name:<{width}}  {fmt:<6}  {size:>8}  {path}\n")
+    out.flush()
+    if not any(m.source != "shipped" for m in models):
+        (err or sys.stderr).write(
+            f"nothing in the Hugging Face cache ({one_line(str(hf_cache_dir()))}) or Ollama's store "
+            f"({one_line(str(ollama_models_dir()))})\n")
     return exit_status.OK

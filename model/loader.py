@@ -22,6 +22,7 @@ from llama_chat.model.args import ModelArgs
 from llama_chat.model.chat_format import ChatFormat
 from llama_chat.model.formats.common import Checkpoint, Weight, check_state, realize
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.stores import DEFAULT_MODEL_NAME, default_model_dir, is_default_model  # noqa: F401 - re-exported
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
 
@@ -54,11 +55,6 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     layout: str  # "meta" | "hf" | "llama2c" | "gguf"
-
-
-def default_model_dir() -> Path:
-    """The small model shipped inside the package (Meta layout)."""
-    return Path(__file__).parent / "default_model"
 
 
 def detect_layout(path: Path | str) -> str:
@@ -116,7 +112,8 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
     ``max_seq_len``: the context length the rotary table and caches are sized for, at most the
     checkpoint's (0: the checkpoint's); by default the checkpoint's, at most ``DEFAULT_MAX_SEQ_LEN``. ``tokenizer_file`` overrides the tokenizer
     found beside the weights (for GGUF: the one in the file); ``chat_format`` is a format name or
-    "auto". ``name`` is what the model is called in reports (default: the directory's or file's).
+    "auto". ``name`` is what the model is called in reports (default: the directory's or file's;
+    ``default`` for the shipped model).
     ``quantize``: "none", or "int8" to make every projection weight-only int8 (``ml/quantize.py``)
     as it is loaded, so the float model never exists whole (a GGUF Q8_0 file then goes from its
     blocks to per-row int8 one tensor at a time).
@@ -164,6 +161,8 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
                                         where=f"{contents.path.name}: tokenizer.chat_template")
     else:
         fmt = _chat_format(model_dir, tokenizer, chat_format)
+    if name is None and is_default_model(model_dir):
+        name = DEFAULT_MODEL_NAME  # the name -m takes for it
     if name is None:
         name = weights_file.stem if layout in (LLAMA2C, GGUF) else model_dir.resolve().name
     return LoadedModel(model=model, args=args, tokenizer=tokenizer, chat_format=fmt, path=path, name=name,

@@ -1,5 +1,7 @@
-"""Finding models by name: ``-m`` paths, Hugging Face hub ids and Ollama's store.
+"""Finding models by name: the shipped model, ``-m`` paths, Hugging Face hub ids and Ollama's store.
 
+* ``default`` is the small model shipped inside the package (also what runs without ``-m``); the
+  name wins over a file or directory called ``default`` in the current directory (``./default``);
 * a path that exists is itself;
 * ``ollama:NAME[:TAG]`` is the GGUF blob that Ollama's manifest for NAME:TAG names, in
   ``$OLLAMA_MODELS`` or ``~/.ollama/models`` (read only: nothing there is written or checked
@@ -23,6 +25,8 @@ from pathlib import Path
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.json_files import first_sentence, read_json
 
+# The -m name of the model shipped inside the package, as --list and --json show it.
+DEFAULT_MODEL_NAME = "default"
 OLLAMA_PREFIX = "ollama:"
 OLLAMA_HOST = "registry.ollama.ai"
 OLLAMA_NAMESPACE = "library"
@@ -42,7 +46,7 @@ class ResolvedModel:
 
     path: Path
     name: str
-    source: str  # "path" | "hf" | "ollama"
+    source: str  # "shipped" | "path" | "hf" | "ollama"
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,29 @@ class StoredModel:
     """One model ``--list`` shows: the ``-m`` value that runs it, its format, size and place."""
 
     name: str
-    source: str  # "hf" | "ollama"
-    format: str  # "hf" | "gguf" | "incomplete"
+    source: str  # "shipped" | "hf" | "ollama"
+    format: str  # "meta" | "hf" | "gguf" | "incomplete"
     size: int  # bytes
     path: Path
+
+
+def default_model_dir() -> Path:
+    """The small model shipped inside the package (Meta layout)."""
+    return Path(__file__).parent / "default_model"
+
+
+def is_default_model(path: Path) -> bool:
+    """Whether ``path`` is the shipped model's directory (however it was reached)."""
+    try:
+        return path.resolve() == default_model_dir().resolve()
+    except OSError:
+        return False
+
+
+def shipped_model() -> StoredModel:
+    directory = default_model_dir()
+    size = sum(_size(f) for f in directory.iterdir() if f.is_file()) if directory.is_dir() else 0
+    return StoredModel(DEFAULT_MODEL_NAME, "shipped", "meta", size, directory)
 
 
 def hf_cache_dir() -> Path:
@@ -81,6 +104,11 @@ def is_hub_id(spec: str) -> bool:
 
 def resolve_model(spec: str, *, download: bool = False, progress: bool = True) -> ResolvedModel:
     """The model ``spec`` names (see the module's docstring); ModelLoadError saying how to get it if missing."""
+    if spec == DEFAULT_MODEL_NAME:
+        if download:
+            raise ModelLoadError(f"{spec}: the shipped model is part of the package; --download fetches "
+                                 "Hugging Face ids (org/name)")
+        return ResolvedModel(path=default_model_dir(), name=DEFAULT_MODEL_NAME, source="shipped")
     if spec.startswith(OLLAMA_PREFIX):
         return _resolve_ollama(spec[len(OLLAMA_PREFIX):])
     path = Path(spec).expanduser()
@@ -90,7 +118,8 @@ def resolve_model(spec: str, *, download: bool = False, progress: bool = True) -
         return ResolvedModel(path=path, name=path.stem if path.is_file() else path.resolve().name, source="path")
     if is_hub_id(spec):
         return _resolve_hub(spec, download=download, progress=progress)
-    raise ModelLoadError(f"{spec}: no such file or directory (nor a Hugging Face id org/name or ollama:NAME)")
+    raise ModelLoadError(f"{spec}: no such file or directory (nor {DEFAULT_MODEL_NAME}, a Hugging Face id "
+                         "org/name or ollama:NAME; --list shows the models there are)")
 
 
 # --- Hugging Face -------------------------------------------------------------------------------
@@ -137,8 +166,10 @@ def _download(repo_id: str, cache: Path, progress: bool) -> Path:
     from huggingface_hub import HfApi, snapshot_download
 
     try:
-        files = HfApi().list_repo_files(repo_id)
-        patterns = _run_files(files)
+        # One request, never retried, asks for the file list first: without a network it fails at
+        # once, where huggingface_hub's listing calls retry with back-off for half a minute.
+        info = HfApi().model_info(repo_id, timeout=_HUB_TIMEOUT_S)
+        patterns = _run_files([s.rfilename for s in info.siblings or ()])
         if not patterns:
             raise ModelLoadError(f"{repo_id}: the repository has no Hugging Face weights (config.json and "
                                  "*.safetensors); download one of its files yourself and pass its path")
@@ -147,7 +178,24 @@ def _download(repo_id: str, cache: Path, progress: bool) -> Path:
     except ModelLoadError:
         raise
     except Exception as e:  # noqa: BLE001 - network, authentication, missing repository
+        if _unreachable(e):
+            from huggingface_hub import constants
+
+            raise ModelLoadError(f"{repo_id}: cannot download it: the Hugging Face hub ({constants.ENDPOINT}) "
+                                 f"cannot be reached ({first_sentence(e)})") from None
         raise ModelLoadError(f"{repo_id}: cannot download it ({type(e).__name__}: {first_sentence(e)})") from None
+
+
+# Seconds to wait for the hub's answer about a repository before giving up.
+_HUB_TIMEOUT_S = 10
+_NETWORK_ERRORS = {"ConnectError", "ConnectTimeout", "ConnectionError", "NetworkError", "Timeout",
+                   "TimeoutException"}
+
+
+def _unreachable(error: Exception) -> bool:
+    """Whether ``error`` says the hub could not be reached at all (no network, a closed port, a
+    timeout), whichever HTTP library huggingface_hub uses."""
+    return any(cls.__name__ in _NETWORK_ERRORS for cls in type(error).__mro__)
 
 
 def _run_files(files: list[str]) -> list[str]:
@@ -295,5 +343,6 @@ def _ollama_entries(store: Path) -> Iterator[StoredModel]:
 
 
 def list_models() -> list[StoredModel]:
-    """Every model in the Hugging Face cache and in Ollama's store, by the ``-m`` value that runs it."""
-    return [*_hf_entries(hf_cache_dir()), *_ollama_entries(ollama_models_dir())]
+    """The shipped model, then every model in the Hugging Face cache and in Ollama's store, by the
+    ``-m`` value that runs it."""
+    return [shipped_model(), *_hf_entries(hf_cache_dir()), *_ollama_entries(ollama_models_dir())]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from builders_gguf import write_gguf  # noqa: E402
 from cli_support import run_cli  # noqa: E402
 from llama_chat.model.errors import ModelLoadError  # noqa: E402
 from llama_chat.model.loader import load_model  # noqa: E402
-from llama_chat.model.stores import hf_cache_dir, list_models, resolve_model  # noqa: E402
+from llama_chat.model.stores import default_model_dir, hf_cache_dir, list_models, resolve_model  # noqa: E402
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -182,7 +183,7 @@ def test_a_manifest_cannot_point_outside_the_blobs(stores, tiny):
 
 def test_list_shows_both_stores(stores):
     models = {m.name: m for m in list_models()}
-    assert set(models) == {"acme/tiny-llama", "acme/tiny-llama-GGUF", "ollama:tiny:latest",
+    assert set(models) == {"default", "acme/tiny-llama", "acme/tiny-llama-GGUF", "ollama:tiny:latest",
                            "ollama:someone/tiny:q8"}
     assert models["acme/tiny-llama"].format == "hf" and models["acme/tiny-llama-GGUF"].format == "gguf"
     assert models["ollama:tiny:latest"].size == models["ollama:tiny:latest"].path.stat().st_size
@@ -193,9 +194,11 @@ def test_the_command_lists_and_runs_models_by_name(stores, tmp_path):
     listed = run_cli("--list", **env)
     assert listed.returncode == 0, listed.stderr.decode()
     lines = listed.stdout.decode().splitlines()
-    assert lines[0].split() == ["MODEL", "FORMAT", "SIZE"]
+    assert lines[0].split() == ["MODEL", "FORMAT", "SIZE", "PATH"]
+    assert lines[1].split()[:2] == ["default", "meta"]  # the shipped model comes first
     assert any(line.split()[:2] == ["ollama:tiny:latest", "gguf"] for line in lines)
     assert any(line.split()[:2] == ["acme/tiny-llama", "hf"] for line in lines)
+    assert any(line.endswith("snapshots/" + COMMIT) and line.startswith("acme/tiny-llama ") for line in lines)
 
     for spec in ("ollama:tiny", "acme/tiny-llama"):
         proc = run_cli("-m", spec, "-p", "hello", "-n", "4", "-t", "0", "--json", "--no-stdin", **env)
@@ -210,7 +213,46 @@ def test_the_command_lists_and_runs_models_by_name(stores, tmp_path):
         "`llama-chat -m acme/missing --download`"]
 
     empty = run_cli("--list", HF_HOME=str(tmp_path / "none"), OLLAMA_MODELS=str(tmp_path / "none2"))
-    assert empty.returncode == 0 and empty.stdout.decode().startswith("no models found")
+    assert empty.returncode == 0 and empty.stdout.decode().splitlines()[1].split()[:2] == ["default", "meta"]
+    assert empty.stderr.decode().startswith("nothing in the Hugging Face cache")
+
+
+def test_the_shipped_model_is_listed_first_and_runs_by_the_name_it_is_reported_under(tmp_path):
+    """--list names it `default` (with its path, format and size); -m default runs it, and --json
+    reports it, with or without -m, by that same name."""
+    env = {"HF_HOME": str(tmp_path / "none"), "OLLAMA_MODELS": str(tmp_path / "none2")}
+    listed = run_cli("--list", **env)
+    assert listed.returncode == 0, listed.stderr.decode()
+    header, shipped = listed.stdout.decode().splitlines()
+    name, fmt, size, unit, path = shipped.split()
+    assert (name, fmt, unit) == ("default", "meta", "MB") and float(size) > 1
+    assert Path(path).expanduser() == default_model_dir()
+    assert (Path(path).expanduser() / "params.json").is_file()
+    reported = set()
+    for args in (("-m", name), ()):
+        proc = run_cli(*args, "-p", "Hi", "-n", "2", "-t", "0", "--json", **env)
+        assert proc.returncode == 0, proc.stderr.decode()
+        reported.add(json.loads(proc.stdout)["model"])
+    assert reported == {"default"}
+    found = resolve_model("default")
+    assert (found.path, found.name, found.source) == (default_model_dir(), "default", "shipped")
+
+
+def test_download_without_a_network_fails_at_once_in_one_line(tmp_path):
+    """An unreachable hub (a port nobody listens on) is one line and status 2, with none of the
+    retries huggingface_hub's listing calls would make."""
+    import socket
+
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        proc = run_cli("-m", "acme/not-cached", "--download", "-p", "Hi", "--no-stdin",
+                       HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0")
+    lines = proc.stderr.decode().splitlines()
+    assert proc.returncode == 2 and proc.stdout == b""
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"llama-chat: error: acme/not-cached: cannot download it: the Hugging Face hub "
+                               f"({endpoint}) cannot be reached (") and "refused" in lines[0], lines
 
 
 def test_an_incomplete_cached_copy_says_how_to_complete_it(stores):
@@ -229,11 +271,14 @@ def test_download_fetches_only_what_running_needs(stores, monkeypatch, tmp_path)
 
     calls = {}
 
+    def info(*names):
+        return types.SimpleNamespace(siblings=[types.SimpleNamespace(rfilename=n) for n in names])
+
     class FakeApi:
-        def list_repo_files(self, repo_id):
-            return ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                    "model.safetensors.index.json", "pytorch_model.bin", "tokenizer.json", "README.md",
-                    "original/consolidated.00.pth"]
+        def model_info(self, repo_id, **kwargs):
+            return info("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                        "model.safetensors.index.json", "pytorch_model.bin", "tokenizer.json", "README.md",
+                        "original/consolidated.00.pth")
 
     def fake_snapshot_download(repo_id, **kwargs):
         if kwargs.get("local_files_only"):
@@ -254,8 +299,8 @@ def test_download_fetches_only_what_running_needs(stores, monkeypatch, tmp_path)
     assert "tqdm_class" in calls  # no bar when stderr is not a terminal
 
     class GGUFOnlyApi:
-        def list_repo_files(self, repo_id):
-            return ["a.Q4_K_M.gguf", "a.Q8_0.gguf", "README.md"]
+        def model_info(self, repo_id, **kwargs):
+            return info("a.Q4_K_M.gguf", "a.Q8_0.gguf", "README.md")
 
     monkeypatch.setattr(huggingface_hub, "HfApi", GGUFOnlyApi)
     with pytest.raises(ModelLoadError, match="acme/gguf-only: the repository has no Hugging Face weights"):
