@@ -89,7 +89,9 @@ async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | No
         try:
             async with anyio.create_task_group() as tg:
                 scope = anyio.CancelScope()
-                await tg.start(partial(watch_signals, on_suspend=on_suspend, on_resume=on_resume), scope, stop)
+                # A hard exit (a second signal) leaves the screen as a stop does: markers erased.
+                await tg.start(partial(watch_signals, on_suspend=on_suspend, on_resume=on_resume,
+                                       on_exit=on_suspend), scope, stop)
                 if pipe is not None:
                     tg.start_soon(watch_reader, pipe, scope, view)
                 with scope:

@@ -94,9 +94,10 @@ class Options:
         "--model", "-m", metavar="MODEL",
         help="Model: a directory or weights file (.gguf too), a Hugging Face id org/name from the local "
              "cache, or ollama:NAME[:TAG] from Ollama's store (default: the small model shipped with the "
-             "package). --list shows what is there.")] = None
+             "package, also named by -m default). --list shows what is there.")] = None
     list_models: Annotated[bool, typer.Option(
-        "--list", help="List the models in the Hugging Face cache and Ollama's store, and exit.")] = False
+        "--list", help="List the shipped model, then the models in the Hugging Face cache and Ollama's store, "
+                   "and exit.")] = False
     download: Annotated[bool, typer.Option(
         "--download", help="With -m org/name: download the model from the Hugging Face hub if it is not "
                            "in the cache (with a progress bar).")] = False
@@ -141,7 +142,7 @@ class Options:
         help="Locally typical sampling mass, {range}.")] = _SAMPLING.typical_p
     seed: Annotated[int | None, _ranged(
         "seed", "--seed", rich_help_panel=SAMPLING,
-        help="Sampling seed, {range} (default: random; always reported).")] = None
+        help="Sampling seed, {range} (default: random; reported unless the run is greedy).")] = None
     repetition_penalty: Annotated[float, _ranged(
         "repetition_penalty", "--repetition-penalty", "--repeat-penalty", rich_help_panel=PENALTIES,
         help="Divide the positive logits (multiply the negative ones) of tokens already seen by this, "
@@ -198,7 +199,7 @@ class Options:
     json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object at the end instead of text (not with the chat).")] = False
     stats: Annotated[bool, typer.Option(
-        "--stats", help="Timings, token counts and the seed on stderr (in the chat: after each reply).")] = False
+        "--stats", help="Load time, timings and token counts on stderr (in the chat: after each reply).")] = False
     no_history: Annotated[bool, typer.Option(
         "--no-history", help="Chat: neither read nor write the input history file.")] = False
     color: Annotated[ColorMode, typer.Option(

@@ -12,6 +12,15 @@ written. Plain ASCII markers have a width every terminal agrees on, so erasing t
 on how a terminal measures emoji; and only as many are drawn as fit before the right edge.
 Committed text is written once and never redrawn, so a long answer costs O(length) in total.
 
+Words are wrapped, not cut at the right edge. The renderer keeps the column the text has reached
+and the unfinished word at its end; a character that would pass the edge moves that word to the
+next line (blanked where it was, written again below: a word's few cells are the only text ever
+redrawn), and a space that would pass it becomes the line break. A word longer than a whole line
+is broken where the line ends. Widths are rich's cell widths of grapheme clusters (wide CJK, emoji
+sequences). The last column is never written: a terminal whose idea of a character's width
+differs from ours by a cell then still wraps where we do, and no terminal's handling of a full
+line (wrap at once or at the next character) matters.
+
 How markers are erased. With colour (the default) the cursor position right after the committed
 text is saved (``ESC 7``) each time text is written, and erasing goes back to it (``ESC 8``) and
 clears the rest of the line (``ESC [K``). That also removes whatever the terminal itself drew after
@@ -43,6 +52,9 @@ MAX_MARKERS = 8
 # cell or two (a wide character pushed early to the next line, emoji widths terminals disagree on).
 _EDGE_MARGIN = 2
 _TAB = 8
+# Characters before a new one that are measured with it: enough for the longest emoji sequences
+# (a family, a subdivision flag), so that a sequence's width is counted once.
+_TAIL = 16
 
 _HIDE_CURSOR = "\x1b[?25l"
 _SHOW_CURSOR = "\x1b[?25h"
@@ -81,12 +93,18 @@ def suspend_hooks(renderer: Renderer | None):
 
 
 class PlainRenderer:
-    """For a pipe or a file: committed text only, flushed as it arrives, never an escape code."""
+    """For a pipe or a file: committed text only, flushed as it arrives, never an escape code.
+
+    ``finish`` ends the text with a newline when it does not end with one, as a line-oriented
+    tool's output does: ``2>&1`` then puts the finish line on a line of its own, and ``$(...)``
+    drops the newline again.
+    """
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self._finished = False
         self._unflushed = False
+        self._line_open = False  # text was written since the last newline
 
     def start(self) -> None:
         pass
@@ -97,6 +115,7 @@ class PlainRenderer:
             if committed:
                 self._stream.write(committed)
                 self._unflushed = True
+                self._line_open = not committed.endswith("\n")
             # The reader sees each token now, not when a buffer fills; tokens that arrived
             # together go out in one write (each flush is a system call, and wakes the reader).
             if self._unflushed and not more:
@@ -110,6 +129,9 @@ class PlainRenderer:
             return
         self._finished = True
         try:
+            if self._line_open:
+                self._stream.write("\n")
+                self._line_open = False
             self._stream.flush()
         except (BrokenPipeError, ValueError):
             pass  # closed pipe or closed file: nothing left to restore
@@ -134,7 +156,11 @@ class LiveRenderer:
         self._console = console
         self._color = color
         self._markers = 0  # markers currently on screen, right after the committed text
-        self._line_cells = 0  # cells written since the last newline, as rich measures them
+        self._line_cells = 0  # cells written on the current line, as rich measures them
+        self._word = ""  # the unfinished word at the end of the current line (no space yet after it)
+        self._word_cells = 0
+        self._tail = ""  # the last characters of the current line, to measure the next one in its cluster
+        self._soft_break = False  # the current line began where a space was turned into a line break
         self._cursor_hidden = False
         self._finished = False
         self._saved = False  # a cursor position after the committed text is saved (colour only)
@@ -155,8 +181,7 @@ class LiveRenderer:
             # Only the markers change (a byte inside a character): add or remove dots at the end.
             self._write(self._resize_markers(min(waiting, MAX_MARKERS, self._room())))
             return
-        parts = [self._erase_markers(), committed]
-        self._advance(committed)
+        parts = [self._erase_markers(), self._flow(committed)]
         parts.append(self._save_point())
         parts.append(self._resize_markers(min(waiting, MAX_MARKERS, self._room())))
         self._write("".join(parts))
@@ -173,7 +198,7 @@ class LiveRenderer:
 
     def resume(self) -> None:
         """After ``fg``: the shell has written its lines, so a new line starts where the cursor is."""
-        self._line_cells = 0
+        self._new_line()
         self._saved = False
         try:
             if self._cursor_hidden:
@@ -188,7 +213,7 @@ class LiveRenderer:
         parts = [self._erase_markers(clear=True)]
         if self._line_cells:
             parts.append("\n")
-            self._line_cells = 0
+            self._new_line()
         if self._cursor_hidden:
             parts.append(_SHOW_CURSOR)
             self._cursor_hidden = False
@@ -236,19 +261,52 @@ class LiveRenderer:
         d = shown - n  # erase the last d markers: back, blank, back
         return "\b" * d + " " * d + "\b" * d
 
-    def _advance(self, text: str) -> None:
-        """Track how many cells the current line holds after writing ``text``."""
-        line = text.rsplit("\n", 1)
-        if len(line) == 2:
-            self._line_cells = 0
-        tail = line[-1]
-        if "\t" not in tail:
-            self._line_cells += cell_len(tail)
-            return
-        for i, piece in enumerate(tail.split("\t")):
-            if i:
-                self._line_cells += _TAB - self._column() % _TAB
-            self._line_cells += cell_len(piece)
+    def _flow(self, text: str) -> str:
+        """``text`` as written to the terminal: wrapped at word boundaries (see the module's
+        docstring), with the column, the current word and the line's tail kept up to date."""
+        limit = max(self._console.width - 1, 1)  # the last column stays empty
+        out: list[str] = []
+        for ch in text:
+            if ch == "\n":
+                out.append(ch)
+                self._new_line()
+                continue
+            if ch in " \t":
+                self._word, self._word_cells = "", 0
+                if self._soft_break and self._line_cells == 0:
+                    continue  # the line break already stands for this space
+                cells = 1 if ch == " " else _TAB - self._line_cells % _TAB
+                if self._line_cells + cells > limit:
+                    out.append("\n")
+                    self._new_line(soft=True)
+                    continue
+                out.append(ch)
+                self._line_cells += cells
+                self._tail = (self._tail + ch)[-_TAIL:]
+                continue
+            cells = cell_len(self._tail + ch) - cell_len(self._tail)
+            if self._line_cells > 0 and self._line_cells + cells > limit:
+                word, n = self._word, self._word_cells
+                if 0 < n < self._line_cells and n + cells <= limit:
+                    # The word began after a space on this line: blank it there, start the next with it.
+                    out.append("\b" * n + " " * n + "\n" + word)
+                    self._new_line(soft=True)
+                    self._word, self._word_cells, self._line_cells, self._tail = word, n, n, word[-_TAIL:]
+                else:  # no room for the word on any line: it is broken here
+                    out.append("\n")
+                    self._new_line(soft=True)
+                    cells = cell_len(ch)
+            out.append(ch)
+            self._line_cells = max(self._line_cells + cells, 0)
+            self._word += ch
+            self._word_cells += cells
+            self._tail = (self._tail + ch)[-_TAIL:]
+        return "".join(out)
+
+    def _new_line(self, *, soft: bool = False) -> None:
+        self._line_cells = 0
+        self._word, self._word_cells, self._tail = "", 0, ""
+        self._soft_break = soft
 
     def _column(self) -> int:
         """The cursor's column, or the width itself when the line is full and about to wrap."""

@@ -15,30 +15,45 @@ def _fmt(value: float | None, unit: str, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f} {unit}"
 
 
-def finish_line(completion: Completion, seed: int) -> Text:
+def seed_to_report(seed: int, *, given: int | None, temperature: float) -> int | None:
+    """The seed worth telling: the one the user gave, or the one drawn for a sampled run; None for
+    a greedy run nobody seeded, whose tokens no seed changes."""
+    if given is not None:
+        return given
+    return None if temperature == 0 else seed
+
+
+def finish_line(completion: Completion, seed: int | None) -> Text:
+    """``finish: REASON`` and the seed (when there is one to report: ``seed_to_report``)."""
     line = Text("finish: ", style="dim")
     line.append(completion.finish_reason.value, style="bold")
-    line.append(f"  seed: {seed}", style="dim")
+    if seed is not None:
+        line.append(f"  seed: {seed}", style="dim")
     return line
 
 
-def stats_line(completion: Completion, seed: int) -> Text:
+def stats_line(completion: Completion, load_s: float | None = None) -> Text:
+    """Token counts and timings; ``load_s``: how long the model took to be ready (read, prepared,
+    warmed up) before the prompt was timed, which the time to the first token does not include."""
     t = completion.timings
+    load = f"load: {_fmt(load_s, 's', 2)}  " if load_s is not None else ""
     return Text(
         f"tokens: {completion.prompt_tokens} prompt, {completion.completion_tokens} generated  "
-        f"ttft: {_fmt(t.ttft_s, 's', 3)}  prefill: {_fmt(t.prefill_tok_s, 'tok/s')}  "
-        f"decode: {_fmt(t.decode_tok_s, 'tok/s')}  seed: {seed}",
+        f"{load}ttft: {_fmt(t.ttft_s, 's', 3)}  prefill: {_fmt(t.prefill_tok_s, 'tok/s')}  "
+        f"decode: {_fmt(t.decode_tok_s, 'tok/s')}",
         style="dim",
     )
 
 
-def print_summary(err: Console, completion: Completion, seed: int, *, stats: bool) -> None:
+def print_summary(err: Console, completion: Completion, seed: int | None, *, stats: bool,
+                  load_s: float | None = None) -> None:
+    """The finish line (with the seed once, if any) and, with ``stats``, the stats line."""
     err.print(finish_line(completion, seed), highlight=False, soft_wrap=True)
     if stats:
-        err.print(stats_line(completion, seed), highlight=False, soft_wrap=True)
+        err.print(stats_line(completion, load_s), highlight=False, soft_wrap=True)
 
 
-def json_object(completion: Completion, *, seed: int, model: str) -> dict:
+def json_object(completion: Completion, *, seed: int | None, model: str) -> dict:
     return {
         "text": completion.text,
         "token_ids": list(completion.token_ids),
@@ -51,7 +66,7 @@ def json_object(completion: Completion, *, seed: int, model: str) -> dict:
     }
 
 
-def write_json(out: TextIO, completion: Completion, *, seed: int, model: str) -> None:
+def write_json(out: TextIO, completion: Completion, *, seed: int | None, model: str) -> None:
     out.write(json.dumps(json_object(completion, seed=seed, model=model), ensure_ascii=False) + "\n")
     out.flush()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ from llama_chat.cmd.load_progress import load_progress
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.prompt import prompt_ids
 from llama_chat.cmd.render import make_renderer
-from llama_chat.cmd.report import print_summary, write_json
+from llama_chat.cmd.report import print_summary, seed_to_report, write_json
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.ml.cpu import kernels as cpu_kernels
@@ -110,6 +111,7 @@ def silence_stdout() -> None:
 
 def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     """Load, generate ``text`` (the prompt, already read and checked) and report; the exit status."""
+    started = time.perf_counter()
     loaded = load(opts, err)
     ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format,
                      template=opts.template)
@@ -119,6 +121,7 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     engine = make_engine(loaded, opts)
     engine.check(request)  # a prompt longer than the context is bad input, found before any work
     warm_up(engine, request.sampling, err, quiet=opts.json)
+    load_s = time.perf_counter() - started  # --stats: the wait before the prompt's timings begin
     if request.beams.enabled:
         from llama_chat.cmd.beam_command import run_beam_command
 
@@ -134,18 +137,15 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     if outcome.output_closed:
         silence_stdout()
         return exit_status.OUTPUT_CLOSED
+    shown_seed = seed_to_report(seed, given=opts.seed, temperature=request.sampling.temperature)
     if opts.json:
         try:
-            write_json(sys.stdout, outcome.completion, seed=seed, model=loaded.name)
+            write_json(sys.stdout, outcome.completion, seed=shown_seed, model=loaded.name)
         except BrokenPipeError:
             silence_stdout()
             return exit_status.OUTPUT_CLOSED
-    if not opts.json and not stdout_tty and err.is_terminal and outcome.completion.text \
-            and not outcome.completion.text.endswith("\n"):
-        # `llama-chat -p hi | cat`: the answer and the summary meet on one terminal, and the
-        # answer did not end its line, so the summary starts a fresh one.
-        err.file.write("\n")
-    print_summary(err, outcome.completion, seed, stats=opts.stats)
+    # A pipe's answer ends its line (PlainRenderer.finish), so the summary starts a fresh one.
+    print_summary(err, outcome.completion, shown_seed, stats=opts.stats, load_s=load_s)
     if outcome.signum is not None:
         return exit_status.for_signal(outcome.signum)
     return exit_status.OK

@@ -10,7 +10,13 @@ producer stops after its current step and the consumer keeps what it has committ
 
 SIGQUIT (Ctrl+\\) means "quit now": the terminal is restored and the process leaves at once with
 status 131. SIGTSTP (Ctrl+Z) during generation shows the cursor before the process stops and
-hides it again when it continues.
+hides it again when it continues. Before a second signal ends the process at once, the live
+display erases its pending markers (``on_exit``), so the screen keeps exactly the text.
+
+The chat turns the terminal's echo of control characters off while it runs
+(``no_control_echo``): a Ctrl+C then leaves no ``^C`` among the reply's text, however many are
+typed and wherever they land (readline, which reads the same setting, does not echo them
+either). Every way out restores it, a hard exit included.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import anyio
@@ -27,10 +34,13 @@ from anyio.abc import TaskStatus
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
 
-__all__ = ["StopRequest", "Terminated", "hard_exit", "install_sync_handlers", "watch_signals"]
+__all__ = ["StopRequest", "Terminated", "hard_exit", "install_sync_handlers", "no_control_echo", "watch_signals"]
 
 # Restore what a live display may have changed (colours, hidden cursor) before a hard exit.
 _TERMINAL_RESET = "\x1b[0m\x1b[?25h"
+
+# The terminal's settings before ``no_control_echo`` changed them: (fd, termios attributes).
+_saved_echo: tuple[int, list] | None = None
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -56,7 +66,47 @@ class StopRequest:
     signum: int | None = None
 
 
+@contextmanager
+def no_control_echo(fd: int = 0) -> Iterator[None]:
+    """While inside, the terminal on ``fd`` echoes no control character as ``^C``, ``^\\``...
+    (``ECHOCTL`` off; typed text is still echoed). Nothing happens when ``fd`` is not a terminal."""
+    global _saved_echo
+    try:
+        import termios
+    except ImportError:  # not a POSIX system: nothing to change
+        yield
+        return
+    try:
+        saved = termios.tcgetattr(fd)
+        quiet = list(saved)
+        quiet[3] &= ~termios.ECHOCTL
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    except (termios.error, OSError, ValueError):  # not a terminal: nothing to change
+        yield
+        return
+    _saved_echo = (fd, saved)
+    try:
+        yield
+    finally:
+        _restore_echo()
+
+
+def _restore_echo() -> None:
+    global _saved_echo
+    if _saved_echo is None:
+        return
+    fd, saved = _saved_echo
+    _saved_echo = None
+    try:
+        import termios
+
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+    except (termios.error, OSError, ValueError):
+        pass  # the terminal is gone
+
+
 def _reset_terminal() -> None:
+    _restore_echo()
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None and stream.isatty():
@@ -83,12 +133,14 @@ def hard_exit(signum: int, message: bytes = b"\nfinish: cancelled (second signal
 async def watch_signals(scope: anyio.CancelScope, stop: StopRequest, *,
                         on_suspend: Callable[[], None] | None = None,
                         on_resume: Callable[[], None] | None = None,
+                        on_exit: Callable[[], None] | None = None,
                         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Run beside the generation (started with ``tg.start``, so it listens before it begins).
 
     It outlives the cancel it causes, so that a second signal during a slow last step still
     reaches it; the caller cancels this task once generation has ended. ``on_suspend`` and
-    ``on_resume`` run around a Ctrl+Z (the renderer shows the cursor, then hides it again).
+    ``on_resume`` run around a Ctrl+Z (the renderer shows the cursor, then hides it again);
+    ``on_exit`` before a second signal or SIGQUIT ends the process (the renderer erases its markers).
     """
     watched = [*STOP_SIGNALS, signal.SIGQUIT]
     if on_suspend is not None:
@@ -99,12 +151,23 @@ async def watch_signals(scope: anyio.CancelScope, stop: StopRequest, *,
             if signum == signal.SIGTSTP:
                 _suspend(on_suspend, on_resume)
             elif signum == signal.SIGQUIT:
+                _before_exit(on_exit)
                 hard_exit(signum, message=b"\nfinish: cancelled (quit)\n")
             elif stop.signum is None:
                 stop.signum = signum
                 scope.cancel()
             else:
+                _before_exit(on_exit)
                 hard_exit(signum)
+
+
+def _before_exit(on_exit: Callable[[], None] | None) -> None:
+    if on_exit is None:
+        return
+    try:
+        on_exit()
+    except Exception:  # noqa: BLE001 - leaving at once matters more than a tidy screen
+        pass
 
 
 def _suspend(on_suspend: Callable[[], None] | None, on_resume: Callable[[], None] | None) -> None:

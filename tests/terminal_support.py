@@ -67,9 +67,9 @@ def held_bytes_model(out: Path, sp_model: Path) -> Path:
 class Pty:
     """A child on a pseudo-terminal that is its controlling terminal; everything shown is kept."""
 
-    def __init__(self, *args: str, **env: str) -> None:
+    def __init__(self, *args: str, columns: int = 120, **env: str) -> None:
         self.primary, secondary = os.openpty()
-        fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
         attrs = termios.tcgetattr(secondary)
         attrs[3] |= termios.ECHO | termios.ECHOCTL | termios.ISIG | termios.ICANON
         termios.tcsetattr(secondary, termios.TCSANOW, attrs)
@@ -124,8 +124,12 @@ class Pty:
 SGR = re.compile(rb"\x1b\[[0-9;]*m")
 
 
-def screen(shown: bytes) -> tuple[list[str], bool]:
-    """The lines a terminal shows after ``shown``, and whether the cursor is visible at the end."""
+def screen(shown: bytes, columns: int | None = None) -> tuple[list[str], bool]:
+    """The lines a terminal shows after ``shown``, and whether the cursor is visible at the end.
+
+    With ``columns``, a line that reaches the right edge wraps when the next character comes
+    (xterm's way; one cell per character). Other control characters (a raw ^C echoed by a terminal
+    whose ECHOCTL is off) show nothing."""
     rows: list[list[str]] = [[]]
     col, saved, visible = 0, (0, 0), True
     text = SGR.sub(b"", shown).decode("utf-8", errors="replace")
@@ -155,7 +159,12 @@ def screen(shown: bytes) -> tuple[list[str], bool]:
                 col = 0
             elif ch == "\b":
                 col = max(col - 1, 0)
+            elif ch < " " or ch == "\x7f":
+                pass
             else:
+                if columns is not None and col >= columns:
+                    rows.append([])
+                    col = 0
                 row = rows[-1]
                 row.extend(" " * (col + 1 - len(row)))
                 row[col] = ch

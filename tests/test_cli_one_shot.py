@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -37,9 +38,28 @@ def test_piped_stdin_is_the_prompt_and_stdout_is_only_plain_text(tiny):
     # The same text as the same prompt given with --prompt (the trailing newline is dropped),
     # except that control characters the model emits are shown as pictures, never written raw.
     same = greedy(tiny, "-n", "24", "-p", PROMPT)
-    assert proc.stdout.decode() == displayable(same["text"])
+    assert proc.stdout.decode() == displayable(same["text"]) + "\n"  # the answer ends its line
     err = ANSI.sub(b"", proc.stderr)  # --color always colours stderr, a terminal or not
-    assert b"finish: max_tokens" in err and b"seed: " in err
+    assert b"finish: max_tokens" in err
+    assert b"seed: " not in err and same["seed"] is None  # greedy and unseeded: no seed matters
+
+
+def test_piped_output_ends_its_line_so_the_finish_line_stands_alone(tiny):
+    """`2>&1`: the answer, a newline, then the finish line, as llm and Ollama write them; --json
+    is one line of JSON as before."""
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.run([*llama_chat_command(), "-m", str(tiny.path), "-t", "0", "-n", "9", "-p", PROMPT],
+                          stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, env=cli_env(),
+                          timeout=RUN_TIMEOUT_S)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as both:
+        shown = both.read().decode()
+    assert proc.returncode == 0
+    text = greedy(tiny, "-n", "9", "-p", PROMPT)["text"]
+    assert text and not text.endswith("\n")
+    assert shown == displayable(text) + "\nfinish: max_tokens\n"
+    as_json = run_cli("-m", str(tiny.path), "-t", "0", "-n", "9", "-p", PROMPT, "--json")
+    assert as_json.stdout.count(b"\n") == 1 and as_json.stdout.endswith(b"}\n")
 
 
 def test_prompt_then_blank_line_then_stdin(tiny, tokenizer):
@@ -91,9 +111,28 @@ def test_stats_go_to_stderr(tiny):
     proc = run_cli("-m", str(tiny.path), "-t", "0", "-n", "5", "-p", PROMPT, "--stats", "--seed", "9")
     assert proc.returncode == 0
     err = proc.stderr.decode()
-    for word in ("ttft", "prefill", "decode", "tok/s", "5 generated", "seed: 9", "finish: max_tokens"):
+    for word in ("load", "ttft", "prefill", "decode", "tok/s", "5 generated", "seed: 9", "finish: max_tokens"):
         assert word in err
     assert "ttft" not in proc.stdout.decode()
+
+
+@pytest.mark.parametrize("args, seed", [(("-t", "0"), None), (("-t", "0", "--seed", "9"), "9"),
+                                        (("-t", "0.8"), "drawn")])
+def test_stats_name_the_seed_once_and_the_load_time(tiny, args, seed):
+    """The seed is said once (on the finish line), and only when it matters: the user's, or the one
+    a sampled run drew. The load time is there, so the wait before the first token is accounted for."""
+    proc = run_cli("-m", str(tiny.path), "-n", "5", "-p", PROMPT, "--stats", *args)
+    assert proc.returncode == 0, proc.stderr.decode()
+    finish, stats = proc.stderr.decode().splitlines()
+    assert stats.startswith("tokens: ") and "seed" not in stats
+    load = re.search(r"load: ([\d.]+) s  ttft: ([\d.]+) s", stats)
+    assert load and float(load.group(1)) > 0, stats
+    if seed is None:
+        assert finish == "finish: max_tokens"
+    elif seed == "drawn":
+        assert re.fullmatch(r"finish: max_tokens  seed: \d+", finish), finish
+    else:
+        assert finish == f"finish: max_tokens  seed: {seed}"
 
 
 def test_system_message_through_a_chat_template(tiny, tokenizer):

@@ -130,7 +130,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_golden_greedy_output_through_the_cli(sp):
     args = ["-p", GOLDEN_PROMPT, "--temperature", "0", "-n", str(GOLDEN_TOKENS), "--seed", "0"]
-    assert _cli(*args).stdout == GOLDEN_TEXT
+    assert _cli(*args).stdout == GOLDEN_TEXT + "\n"  # a pipe's answer ends its line
 
     # The same run as JSON: the emoji really arrived as byte tokens, one byte each.
     ids = json.loads(_cli(*args, "--json").stdout)["token_ids"]

@@ -5,9 +5,13 @@ from __future__ import annotations
 import io
 import os
 import re
+import signal
 from dataclasses import dataclass, field
+from functools import partial
 
+import anyio
 import pytest
+from rich.cells import cell_len
 from rich.console import Console
 
 from llama_chat.cmd.render import (
@@ -32,8 +36,9 @@ _SAVE, _RESTORE, _CLEAR_EOL = "\x1b7", "\x1b8", "\x1b[K"
 
 @dataclass
 class Screen:
-    """A tiny terminal: one cell per code point, backspace stops at the left edge, lines wrap at
-    ``width`` (xterm style: a full line wraps when the next character arrives)."""
+    """A tiny terminal: one or two cells per code point as rich measures it (joiners and marks
+    join the character before), backspace stops at the left edge, lines wrap at ``width`` (xterm
+    style: a full line wraps when the next character arrives)."""
 
     width: int = 10_000
     rows: list[list[str]] = field(default_factory=lambda: [[]])
@@ -74,14 +79,28 @@ class Screen:
                 self.col = 0
             elif ch == "\b":
                 self.col = max(self.col - 1, 0)
+            elif ch == "\r":
+                self.col = 0
             else:
-                if self.col >= self.width:
+                cells = cell_len(ch)
+                row = self.rows[-1]
+                if cells == 0:  # a combining mark or joiner: part of the character before it
+                    if self.col and len(row) >= self.col:
+                        row[self.col - 1] += ch
+                    continue
+                if self.col + cells > self.width:
                     self.rows.append([])
                     self.col = 0
-                row = self.rows[-1]
-                row.extend(" " * (self.col + 1 - len(row)))
+                    row = self.rows[-1]
+                row.extend(" " * (self.col + cells - len(row)))
+                if row[self.col] == "" and self.col:  # over the right half of a wide character
+                    row[self.col - 1] = " "
+                if self.col + cells < len(row) and row[self.col + cells] == "":
+                    row[self.col + cells] = " "  # the right half of a wide character written over
                 row[self.col] = ch
-                self.col += 1
+                if cells == 2:
+                    row[self.col + 1] = ""  # the wide character's right half
+                self.col += cells
                 self.max_col_seen = max(self.max_col_seen, self.col)
 
     def lines(self) -> list[str]:
@@ -131,7 +150,7 @@ class CountingFlush(io.StringIO):
 def test_plain_writes_exactly_the_committed_text_and_flushes():
     out = CountingFlush()
     stream_through(PlainRenderer(out), TEXT)
-    assert out.getvalue() == TEXT
+    assert out.getvalue() == TEXT + "\n"  # the last line ended, as a line-oriented tool's
     assert "\x1b" not in out.getvalue() and "\b" not in out.getvalue()
     assert out.flushes >= TEXT.count(" ")  # flushed per token that committed text
 
@@ -146,6 +165,15 @@ def test_plain_writes_tokens_that_came_together_in_one_flush():
     assert out.flushes == 1 and out.getvalue() == "one two "
     renderer.update("", b"", "", more=False)  # nothing written since: no flush
     assert out.flushes == 1
+
+
+def test_plain_ends_the_last_line_once_and_only_after_text():
+    for committed, expected in (("one\ntwo", "one\ntwo\n"), ("done\n", "done\n"), ("", "")):
+        out = io.StringIO()
+        with PlainRenderer(out) as renderer:
+            renderer.update(committed, b"", "")
+        renderer.finish()
+        assert out.getvalue() == expected
 
 
 def test_plain_raises_output_closed_on_a_closed_pipe():
@@ -241,11 +269,72 @@ def test_live_markers_never_cross_the_right_edge():
     renderer, out = live(width=width)
     screen = Screen(width=width)
     snapshots = stream_through(renderer, text, screen, out)
-    assert screen.max_col_seen <= width
-    expected = Screen(width=width)
-    expected.feed(text)
-    assert screen.lines() == expected.lines()
+    assert screen.max_col_seen <= width - 1
+    assert screen.lines() == ["word word word word"] * 7 + ["word word \U0001F600 end"]
     assert any(s.endswith(MARKER) for s in snapshots)
+
+
+PROSE = ("The quick brown fox jumps over the lazy dog while a remarkably unhurried tortoise considers "
+         "its options, supercalifragilisticexpialidocious-and-then-some, 日本語の文章も 折り返す 🐱 done.")
+
+
+@pytest.mark.parametrize("color", [True, False])
+@pytest.mark.parametrize("width", [12, 20, 31])
+def test_live_wraps_at_spaces_and_never_splits_a_word_that_fits(color, width):
+    renderer, out = live(width=width, color=color)
+    screen = Screen(width=width)
+    stream_through(renderer, PROSE, screen, out)
+    screen.feed(out.getvalue())
+    lines = screen.lines()[:-1]  # finish ended the last line
+    assert screen.max_col_seen <= width - 1  # the last column is never written
+    assert all(cell_len(line) <= width - 1 for line in lines)
+    # Nothing lost, nothing reordered; every word that fits on a line is whole on one.
+    assert "".join("".join(lines).split()) == "".join(PROSE.split())
+    for word in PROSE.split():
+        if cell_len(word) <= width - 1:
+            assert any(word in line.split() for line in lines), (word, lines)
+    assert any(cell_len(word) > width - 1 for word in PROSE.split())  # and one that is broken
+
+
+def test_live_a_word_arriving_in_pieces_moves_to_the_next_line_whole():
+    renderer, out = live(width=16)
+    screen = Screen(width=16)
+    renderer.start()
+    for piece in ("one two", " three", " sup", "er", "cal", "if", "rag", " end"):
+        renderer.update(piece, b"", "")
+    renderer.finish()
+    screen.feed(out.getvalue())
+    assert screen.lines() == ["one two three", "supercalifrag", "end", ""]
+
+
+def test_live_a_word_longer_than_a_line_is_broken_at_the_edge():
+    renderer, out = live(width=8)
+    screen = Screen(width=8)
+    renderer.start()
+    renderer.update("ab " + "x" * 16 + " cd", b"", "")
+    renderer.finish()
+    screen.feed(out.getvalue())
+    assert screen.lines() == ["ab", "xxxxxxx", "xxxxxxx", "xx cd", ""]
+
+
+def test_live_wide_characters_and_emoji_sequences_count_their_cells():
+    renderer, out = live(width=8)
+    renderer.start()
+    renderer.update(f"日本 {FAMILY} 語 ok", b"", "")
+    renderer.finish()
+    written = _SGR.sub("", _CURSOR.sub("", out.getvalue()))
+    for sequence in (_SAVE, _RESTORE, _CLEAR_EOL):
+        written = written.replace(sequence, "")
+    # 日本 (4 cells), a space, the family (2 cells: one cluster, not four faces) fill the 7 cells
+    # before the last column: the next space is the line break.
+    assert written.split("\n")[:2] == [f"日本 {FAMILY}", "語 ok"]
+
+
+def test_live_text_with_newlines_and_indentation_keeps_them():
+    renderer, out = live(width=40)
+    screen = Screen(width=40)
+    stream_through(renderer, "def f():\n    return 1\n\n  - item", screen, out)
+    assert screen.lines()[:4] == ["def f():", "    return 1", "", "  - item"]
 
 
 def test_live_markers_skipped_when_the_line_is_full():
@@ -277,6 +366,40 @@ def test_live_broken_pipe_becomes_output_closed():
     with pytest.raises(OutputClosed):
         renderer.start()
     renderer.finish()  # quiet
+
+
+@pytest.mark.parametrize("color", [True, False])
+def test_live_a_second_signal_erases_the_markers_before_the_process_leaves(monkeypatch, color):
+    """The watcher's hard exit (a second Ctrl+C while a reply winds down) runs the renderer's
+    ``suspend`` first, as ``run_one_shot`` wires it: the screen keeps the text, not the markers."""
+    from llama_chat.cmd import signals as cli_signals
+
+    renderer, out = live(color=color)
+    renderer.start()
+    renderer.update("caf\u00e9 ", b"\xf0\x9f\x90", "", 3)
+    assert MARKER * 3 in _SGR.sub("", out.getvalue())
+    shown_at_exit = []
+    monkeypatch.setattr(cli_signals, "hard_exit", lambda signum, **kwargs: shown_at_exit.append(out.getvalue()))
+    stop = cli_signals.StopRequest()
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            generation = anyio.CancelScope()
+            await tg.start(partial(cli_signals.watch_signals, on_exit=renderer.suspend), generation, stop)
+            with generation:
+                os.kill(os.getpid(), signal.SIGINT)
+                await anyio.sleep(60)
+            os.kill(os.getpid(), signal.SIGINT)  # the second: the process would leave now
+            with anyio.move_on_after(60):
+                while not shown_at_exit:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert shown_at_exit, "the second signal did not reach the watcher"
+    screen = Screen()
+    screen.feed(shown_at_exit[0])
+    assert screen.visible() == "caf\u00e9" and screen.cursor_visible
 
 
 # --- make_renderer --------------------------------------------------------------------------------
