@@ -44,8 +44,9 @@ from llama_chat.cmd.chat_settings import Settings, apply_setting, set_help, spli
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.render import make_renderer
+from llama_chat.cmd.report import seed_to_report
 from llama_chat.cmd.sanitize import one_line
-from llama_chat.cmd.signals import install_sync_handlers
+from llama_chat.cmd.signals import install_sync_handlers, no_control_echo
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
@@ -217,6 +218,16 @@ class ChatInput:
 # -- the loop --------------------------------------------------------------------------------------
 
 
+def print_wrapped(console: Console, text: Text) -> None:
+    """``text`` on ``console``: wrapped at spaces to a terminal's width (rich's wrapping, which
+    measures wide characters), whole lines to a pipe or a file."""
+    try:
+        terminal = console.file.isatty()
+    except (AttributeError, OSError, ValueError):
+        terminal = False
+    console.print(text, highlight=False, soft_wrap=not terminal)
+
+
 class Leave(Exception):
     def __init__(self, status: int = exit_status.OK) -> None:
         self.status = status
@@ -233,11 +244,17 @@ class ChatRunner:
     # -- output
 
     def say(self, message: str, style: str = "dim") -> None:
-        self.err.print(Text(one_line(message), style=style), highlight=False, soft_wrap=True)
+        """A notice on stderr, wrapped at spaces on a terminal."""
+        print_wrapped(self.err, Text(one_line(message), style=style))
 
     def show(self, text: str) -> None:
-        """Text the user asked for (help, settings, stats) on stdout."""
-        sys.stdout.write(text + "\n")
+        """Text the user asked for (help, settings, stats) on stdout, wrapped at spaces on a terminal."""
+        print_wrapped(Console(file=sys.stdout, highlight=False, color_system=None), Text(text))
+
+    def show_typed(self, message: str) -> None:
+        """A message that came from a pipe, shown as the user's turn as if it had been typed."""
+        lines = displayable(message).split("\n")
+        sys.stdout.write(PROMPT + "".join([lines[0], *(f"\n{CONTINUATION}{line}" for line in lines[1:])]) + "\n")
         sys.stdout.flush()
 
     # -- one reply
@@ -271,7 +288,9 @@ class ChatRunner:
         finally:
             install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
         done = outcome.completion
-        chat.last, chat.last_seed = done, seed
+        chat.last = done
+        chat.last_seed = seed_to_report(seed, given=chat.settings.options.seed,
+                                        temperature=request.sampling.temperature)
         interrupted = outcome.signum is not None
         chat.turns.append(Turn("assistant", done.text, interrupted=interrupted))
         if outcome.signum is not None and outcome.signum != signal.SIGINT:
@@ -290,8 +309,12 @@ class ChatRunner:
         found = search(self.chat.beam_engine(), request, self.err)
         best = found.completion.best
         text = best.text if best is not None else ""
-        sys.stdout.write(displayable(text) + "\n")
-        sys.stdout.flush()
+        renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)  # wrapped as a streamed reply
+        try:
+            renderer.start()
+            renderer.update(displayable(text), b"", "")
+        finally:
+            renderer.finish()
         reason = best.finish_reason if best is not None else GenerationState.CANCELLED
         completion = Completion(request.request_id, text, best.token_ids if best is not None else (), reason,
                                 len(request.prompt_ids), Timings(None, None, None))
@@ -307,11 +330,12 @@ class ChatRunner:
             return "n/a" if value is None else f"{value:.{digits}f} {unit}"
 
         used = done.prompt_tokens + done.completion_tokens
+        seed = f"  seed: {self.chat.last_seed}" if self.chat.last_seed is not None else ""  # none for greedy
         return (f"prompt: {done.prompt_tokens} tokens ({done.cached_tokens} from the cache, "
                 f"{done.prefilled_tokens} prefilled)  reply: {done.completion_tokens} tokens, "
                 f"{done.finish_reason.value}  ttft: {fmt(t.ttft_s, 's', 3)}  prefill: {fmt(t.prefill_tok_s, 'tok/s')}  "
-                f"decode: {fmt(t.decode_tok_s, 'tok/s')}  context: {used}/{self.chat.backend.max_seq_len}  "
-                f"seed: {self.chat.last_seed}{self.pages_text()}")
+                f"decode: {fmt(t.decode_tok_s, 'tok/s')}  context: {used}/{self.chat.backend.max_seq_len}"
+                f"{seed}{self.pages_text()}")
 
     def pages_text(self) -> str:
         """Where the conversation's keys are: the scheduler's page table (nothing for the engine)."""
@@ -433,6 +457,11 @@ def make_chat_backend(loaded, opts: Options) -> Engine | Scheduler:
 
 def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
     """Load the model and chat until /exit, Ctrl+D or Ctrl+C at an empty prompt; the exit status."""
+    with no_control_echo():  # a Ctrl+C leaves no ^C on the screen (cmd/signals.py)
+        return _chat(opts, first, color, err)
+
+
+def _chat(opts: Options, first: str | None, color: str, err: Console) -> int:
     from llama_chat.cmd.run_command import load, warm_up
 
     loaded = load(opts, err)
@@ -449,6 +478,7 @@ def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
                f"context); /help for commands, Ctrl+D to leave")
     try:
         if first is not None:
+            runner.show_typed(first)
             chat.turns.append(Turn("user", first))
             runner.reply()
         while True:

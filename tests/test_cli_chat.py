@@ -70,8 +70,8 @@ def turn_stats(child) -> tuple[int, int, int, int]:
     """From /stats: prompt tokens from the cache, prefilled, and the page table's kept pages
     and page size."""
     child.sendline("/stats")
-    child.expect(r"prompt: (\d+) tokens \((\d+) from the cache, (\d+) prefilled\).*pages: (\d+) kept, \d+ free "
-                 r"of \d+ \((\d+) tokens each\)")
+    child.expect(r"(?s)prompt: (\d+) tokens \((\d+) from the cache, (\d+) prefilled\).*pages: (\d+) kept, \d+\s+"
+                 r"free\s+of\s+\d+\s+\((\d+)\s+tokens\s+each\)")
     prompt, cached, prefilled, kept, page_size = map(int, child.match.groups())
     child.expect_exact(">>> ")
     return cached, prefilled, kept, page_size
@@ -174,6 +174,73 @@ def test_ctrl_c_while_emoji_bytes_are_held_leaves_the_chat_screen_clean(held, tm
     assert messages[-1] == {"role": "assistant", "content": "é", "interrupted": True}
 
 
+@pytest.mark.parametrize("presses", [2, 3])
+def test_ctrl_c_pressed_again_and_again_leaves_no_markers_and_no_echo(held, tmp_path, presses):
+    """However many Ctrl+C land, and wherever (the reply, its end, the prompt), the screen keeps
+    the committed text only: no pending markers, no ^C."""
+    term = Pty("-m", str(held), "--template", "llama2", "-t", "0", "-c", "0", "--no-history",
+               XDG_STATE_HOME=str(tmp_path))
+    term.read_until(lambda: b">>> " in term.shown)
+    term.type(b"draft")
+    term.read_until(lambda: b"draft" in term.shown)
+    term.type(b"\x03")  # at the prompt, on a line with text: the text is dropped, the chat goes on
+    term.read_until(lambda: term.shown.count(b">>> ") >= 2)
+    term.type(b"hi\r")
+    asked = len(term.shown)
+    term.read_until(lambda: "é".encode() in term.shown[asked:] and term.shown[asked:].count(b".") >= 3)
+    for pressed in range(1, presses + 1):
+        term.type(b"\x03")
+        # The next press once the terminal has taken this one (echoed it), so that the two are
+        # two signals; a chat that has left takes no more.
+        term.read_until(lambda: echoes(term.shown[asked:]) >= pressed or term.proc.poll() is not None)
+    # The second Ctrl+C ends the chat: in the reply at once (130), at the prompt (0), or in between
+    # (130). Should the signals have merged into one, the chat is at its prompt: Ctrl+D leaves.
+    term.read_until(lambda: term.proc.poll() is not None or term.shown.rstrip().endswith(b">>>"))
+    if term.proc.poll() is None:
+        term.type(b"\x04")
+    status = term.finish()
+    lines, cursor_visible = screen(term.shown)
+    assert status in (0, 130), term.shown
+    assert lines[lines.index(">>> draft") + 1] == ">>> hi"
+    assert lines[lines.index(">>> hi") + 1] == "é", lines  # no markers, no ^C
+    assert not any("^C" in line for line in lines), lines
+    assert cursor_visible and b"Traceback" not in term.shown
+
+
+def echoes(shown: bytes) -> int:
+    """Ctrl+C the terminal has echoed: as ^C, or as the raw character when ECHOCTL is off."""
+    return shown.count(b"^C") + shown.count(b"\x03")
+
+
+def test_replies_and_stats_wrap_at_spaces_on_a_narrow_terminal(tmp_path):
+    """On a 30-column terminal no word of the reply, of /stats or of a notice is cut in two."""
+    columns = 30
+    term = Pty("-t", "0", "-n", "60", "--no-history", columns=columns, XDG_STATE_HOME=str(tmp_path))
+    term.read_until(lambda: b">>> " in term.shown)
+    for typed in (b"Tell me a story", b"/stats", b"/save " + str(tmp_path / "w.json").encode()):
+        prompts = term.shown.count(b">>> ")
+        term.type(typed + b"\r")
+        term.read_until(lambda: term.shown.count(b">>> ") > prompts)
+    term.type(b"\x04")
+    assert term.finish() == 0, term.shown
+    lines, _ = screen(term.shown, columns=columns)
+    start = lines.index(">>> Tell me a story") + 1
+    end = lines.index("finish: max_tokens", start)
+    assert all(len(line) < columns for line in lines[start:end]), lines  # the reply leaves the last column free
+    reply = json.loads((tmp_path / "w.json").read_text())["messages"][1]["content"]
+    assert end - start > 3  # a reply of several lines
+    # Joined with spaces, the lines hold the reply's words: a word cut in two would be two words.
+    assert " ".join(lines[start:end]).split() == reply.split()
+    save = next(i for i, line in enumerate(lines) if line.startswith(">>> /save"))
+    stats = " ".join(lines[lines.index(">>> /stats") + 1:save])
+    assert re.fullmatch(r"prompt: \d+ tokens \(\d+ from the cache, \d+ prefilled\) +reply: 60 tokens, max_tokens +"
+                        r"ttft: [\d.]+ s +prefill: [\d.]+ tok/s +decode: [\d.]+ tok/s +context: \d+/\d+ +pages: "
+                        r"\d+ kept, \d+ free of \d+ \(8 tokens each\)", stats), stats
+    notice = " ".join(lines[:lines.index(">>> Tell me a story")])
+    assert notice.split() == ("chatting with default (llama2 format, 512 tokens of context); /help for commands, "
+                              "Ctrl+D to leave").split()
+
+
 def test_overflow_drops_the_oldest_turns_and_the_chat_goes_on(tiny, tmp_path):
     child = spawn("-m", str(tiny.path), "--template", "llama2", "-t", "0", "-n", "20", "-c", "96",
                   tmp_path=tmp_path)
@@ -195,6 +262,8 @@ def test_chat_with_piped_stdin_goes_on_at_the_terminal(tmp_path):
     cmd = " ".join(llama_chat_command())
     child = pexpect.spawn("/bin/sh", ["-c", f"echo 'Tell me a story' | {cmd} --chat -t 0 -n 8"],
                           env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8")
+    # The piped message is shown as the user's turn, as if it had been typed, then the reply.
+    child.expect_exact(">>> Tell me a story\r\n")
     child.expect_exact(">>> ")  # after the reply to the piped message
     child.sendline("/stats")
     child.expect(r"prompt: \d+ tokens")
@@ -218,5 +287,5 @@ def test_a_stop_string_split_across_tokens_stops_and_is_not_printed(tiny):
     stop = text[len(text) // 2: len(text) // 2 + 3]
     proc = run_cli(*args, "--stop", stop)
     assert proc.returncode == 0
-    assert proc.stdout.decode() == text[:text.find(stop)]
+    assert proc.stdout.decode() == text[:text.find(stop)] + "\n"  # a pipe's output ends its line
     assert b"finish: stop_string" in proc.stderr
