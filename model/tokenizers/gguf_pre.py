@@ -71,7 +71,6 @@ SPARK2_5 = (
 )
 
 
-
 def _cased_words(tail: str) -> str:
     """Words as upper-case letters then lower-case ones, or the other way round, then ``tail``."""
     upper, lower = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
