@@ -92,7 +92,8 @@ app.command(name="llama-chat", cls=_GroupedHelp,
             help="Generate text from a Llama-family model, or chat with it. The prompt comes from --prompt, "
                  "from --file or piped stdin, or both (prompt first, a blank line, then the rest). With no "
                  "prompt on a terminal, or with --chat, an interactive chat starts (/help lists its "
-                 "commands).")(_command(lambda opts: execute(opts)))
+                 "commands). `llama-chat serve` serves a model over OpenAI's HTTP API (see llama-chat serve "
+                 "--help).")(_command(lambda opts: execute(opts)))
 
 
 def resolve_color(mode: str) -> str:
@@ -187,10 +188,10 @@ def execute(opts: Options) -> int:
 _ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
-def _usage_error(e: Exception) -> int:
+def _usage_error(e: Exception, command: str = "llama-chat") -> int:
     message = "; ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
     try:
-        sys.stderr.write(f"llama-chat: error: {one_line(message)} (see llama-chat --help)\n")
+        sys.stderr.write(f"llama-chat: error: {one_line(message)} (see {command} --help)\n")
     except (OSError, ValueError):
         pass
     return exit_status.USAGE
@@ -206,12 +207,18 @@ def main() -> None:
     install_sync_handlers()
     try:
         # Not standalone: usage errors come back here as exceptions and are printed on one line.
-        status = app(args=optional_batch_file(sys.argv[1:]), prog_name="llama-chat", standalone_mode=False)
+        if sys.argv[1:2] == ["serve"]:  # the one subcommand; anything else is the command as it always was
+            with deferred_signals():
+                from llama_chat.cmd.serve import serve_app
+
+            status = serve_app(args=sys.argv[2:], prog_name="llama-chat serve", standalone_mode=False)
+        else:
+            status = app(args=optional_batch_file(sys.argv[1:]), prog_name="llama-chat", standalone_mode=False)
         status = exit_status.OK if status is None else status
     except typer.Abort:  # Ctrl+C while the options were parsed
         status = exit_status.SIGINT
     except _ClickException as e:
-        status = _usage_error(e)
+        status = _usage_error(e, "llama-chat serve" if sys.argv[1:2] == ["serve"] else "llama-chat")
     except SystemExit as e:
         status = e.code
     except Terminated as e:  # SIGTERM/SIGHUP while the options were being parsed

@@ -1,0 +1,314 @@
+"""OpenAI's HTTP API as ``llama-chat serve`` speaks it: request bodies checked into a ``Generation``,
+and the objects sent back (completions, stream chunks, usage, errors).
+
+A request's settings take the command line's names and are checked by the one checker a
+``--batch`` line uses (``batch_input``, over ``ml/controls.py``), so the server refuses the values
+the command line refuses, with the same reason. OpenAI's own fields map onto them
+(``max_completion_tokens`` and ``max_tokens`` are ``max_tokens``); the other controls of the
+command line (``top_k``, ``min_p``, ``repetition_penalty`` ...) are taken as extra fields under
+their command-line names. Nothing here knows the model or HTTP: ``serve_app.py`` does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from llama_chat.cmd.batch_input import SAMPLING_KEYS, SETTING_KEYS, _setting
+from llama_chat.inference.types import Completion, GenerationState
+from llama_chat.ml.controls import ControlError, SamplingParams
+from llama_chat.ml.grammars import Constraint
+from llama_chat.model.chat_format import Message
+
+MAX_CHOICES = 128  # OpenAI's own bound on n
+
+# OpenAI's error types by HTTP status.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "server_error"}
+
+# Our finish reasons in OpenAI's words; a job cut off by the server's shutdown says so.
+FINISH_REASONS = {
+    GenerationState.EOS: "stop",
+    GenerationState.STOP_STRING: "stop",
+    GenerationState.STOP_GRAMMAR: "stop",
+    GenerationState.MAX_TOKENS: "length",
+    GenerationState.CONTEXT_FULL: "length",
+    GenerationState.MAX_TIME: "length",
+    GenerationState.CANCELLED: "cancelled",
+    GenerationState.ERROR: "error",
+}
+
+# Fields whose OpenAI name is the option's own name; the body's max_tokens is also the option's.
+OPENAI_SETTINGS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias")
+# The command line's other controls, taken as extra fields under their own names.
+EXTRA_SETTINGS = tuple(name for name in SETTING_KEYS if name not in (*OPENAI_SETTINGS, "max_tokens"))
+# OpenAI fields that change nothing here (they are about billing, storage, or other services).
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities",
+           "prediction", "audio", "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier",
+           "tool_choice", "function_call")
+COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "logprobs", *OPENAI_SETTINGS, *EXTRA_SETTINGS,
+          *IGNORED)
+CHAT_FIELDS = frozenset((*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                         "functions"))
+COMPLETION_FIELDS = frozenset((*COMMON, "prompt", "echo", "best_of", "suffix"))
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ApiError(Exception):
+    """A request the server refuses: an HTTP status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+Prompt = tuple[Message, ...] | str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one request asks for. ``prompts``: one dialog (chat), or one or more texts or lists
+    of token ids (completions); each gets ``n`` choices. ``settings``: options by their
+    command-line names, checked."""
+
+    chat: bool
+    prompts: tuple[Prompt, ...]
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    settings: dict[str, Any] = field(default_factory=dict)
+    constraint: Constraint | None = None
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+
+# -- request bodies --------------------------------------------------------------------------------
+
+
+def parse_chat(body: dict[str, Any]) -> Generation:
+    _known(body, CHAT_FIELDS)
+    if _given(body, "top_logprobs") or body.get("logprobs"):
+        param = "logprobs" if body.get("logprobs") else "top_logprobs"
+        raise bad("logprobs are not supported by this server yet", param)
+    for name in ("tools", "functions"):
+        if _given(body, name) and body[name] != []:
+            raise bad(f"{name} are not supported by this server", name)
+    messages = _messages(body.get("messages"))
+    limit = "max_completion_tokens" if _given(body, "max_completion_tokens") else "max_tokens"
+    return Generation(True, (messages,), **_common(body, limit), constraint=_response_format(body))
+
+
+def parse_completion(body: dict[str, Any]) -> Generation:
+    _known(body, COMPLETION_FIELDS)
+    if _given(body, "logprobs"):
+        raise bad("logprobs are not supported by this server yet", "logprobs")
+    if body.get("echo"):
+        raise bad("echo is not supported by this server", "echo")
+    if _given(body, "suffix"):
+        raise bad("suffix is not supported by this server", "suffix")
+    common = _common(body, "max_tokens")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != common["n"]:
+        raise bad("best_of is not supported by this server (leave it out, or give n's value)", "best_of")
+    return Generation(False, _prompts(body.get("prompt")), **common)
+
+
+def _given(body: dict[str, Any], name: str) -> bool:
+    """Present and not null: OpenAI's clients send null for a field left at its default."""
+    return body.get(name) is not None
+
+
+def _known(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad(f"unrecognized request argument: {unknown[0]}", unknown[0])
+
+
+def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model")
+    n = body.get("n", 1) if _given(body, "n") else 1
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES):
+        raise bad(f"n must be an integer in 1 <= n <= {MAX_CHOICES}, got {n!r}", "n")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    settings = {}
+    fields = [(limit_field, "max_tokens"), *((name, name) for name in (*OPENAI_SETTINGS, *EXTRA_SETTINGS))]
+    for source, name in fields:
+        if not _given(body, source):
+            continue
+        try:
+            settings[name] = _setting(name, body[source])
+        except ControlError as e:
+            raise bad(f"{source} {e.reason}", source) from None
+        except (ValueError, TypeError) as e:
+            raise bad(str(e).replace(f"'{name}'", source), source) from None
+    try:  # every control together, as the job will use them (one may constrain another)
+        SamplingParams(**{k: v for k, v in settings.items() if k in SAMPLING_KEYS})
+    except ControlError as e:
+        raise bad(str(e), e.name) from None
+    return {"model": model, "n": n, "stream": stream, "include_usage": include_usage, "settings": settings}
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _messages(value: Any) -> tuple[Message, ...]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages must be a non-empty list of messages", "messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad(f"{where} must be an object with a role and a content", where)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+        out.append(Message(CHAT_ROLES[role], _content(message.get("content"), role, f"{where}.content")))
+    return tuple(out)
+
+
+def _content(value: Any, role: str, where: str) -> str:
+    """A message's text: a string, or a list of text parts (other parts are not supported)."""
+    if value is None and role == "assistant":
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(f"{where}: only text parts are supported, got {kind!r}", where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"{where} must be a string or a list of text parts", where)
+
+
+def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+    """A completion's prompt: a string, a list of strings, a list of token ids, or a list of those."""
+    def ids(items: list) -> tuple[int, ...]:
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+            raise bad("prompt: token ids must be integers >= 0", "prompt")
+        return tuple(items)
+
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return tuple(value)
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+            return (ids(value),)
+        if all(isinstance(p, list) and p for p in value):
+            return tuple(ids(p) for p in value)
+    raise bad("prompt must be a string, a list of strings, or token ids", "prompt")
+
+
+def _response_format(body: dict[str, Any]) -> Constraint | None:
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Constraint("json")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
+            return Constraint("json_schema", json.dumps(schema))
+    except ControlError as e:
+        raise bad(f"response_format: {e.reason}", "response_format") from None
+    raise bad("response_format.type must be text, json_object or json_schema", "response_format")
+
+
+# -- what is sent back -----------------------------------------------------------------------------
+
+
+def finish_reason(state: GenerationState) -> str:
+    return FINISH_REASONS.get(state, state.value)
+
+
+def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The objects of one response: a whole completion, or the chunks of a stream."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, completions: list[Completion], usage_object: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                        "finish_reason": finish_reason(c.finish_reason)} for i, c in enumerate(completions)]
+            return {**self._head("chat.completion"), "choices": choices, "usage": usage_object}
+        choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
+                   for i, c in enumerate(completions)]
+        return {**self._head("text_completion"), "choices": choices, "usage": usage_object}
+
+    def chunk(self, index: int, text: str, *, state: GenerationState | None = None,
+              first: bool = False) -> dict[str, Any]:
+        """A stream's piece of choice ``index``: ``text``, and its finish reason on its last chunk.
+        A chat's first chunk names the role."""
+        reason = None if state is None else finish_reason(state)
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if text and not first:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage_object: dict[str, Any]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [], "usage": usage_object}
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+__all__ = ["ApiError", "Generation", "MAX_CHOICES", "Reply", "bad", "dumps", "finish_reason", "parse_chat",
+           "parse_completion", "usage"]

@@ -1,0 +1,322 @@
+"""``llama-chat serve``: OpenAI's HTTP API on the batching scheduler.
+
+::
+
+    bind the socket (a port in use is an error at once)
+    task group
+    ├── watch_signals    first SIGINT/SIGTERM/SIGHUP: stop; a second one: leave at once
+    ├── uvicorn          the routes of serve_app.py; /health says 503 until the model is in
+    └── the model        loaded in a worker thread, then `async with scheduler:` until stopped
+                         stopping: no new requests, running jobs get --shutdown-grace seconds,
+                         what is left is cancelled, the connections close, exit status 0
+
+Requests and the server's state are logged one line each on stderr (``--quiet``: errors only).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import signal
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, fields
+from typing import Annotated, get_type_hints
+
+import anyio
+import typer
+import uvicorn
+from anyio.abc import TaskStatus
+from rich.console import Console
+
+from llama_chat.cmd import exit_status
+from llama_chat.cmd.app import _GroupedHelp
+from llama_chat.cmd.options import BATCH, Options, _ranged
+from llama_chat.cmd.sanitize import one_line
+from llama_chat.cmd.serve_app import Served, ServerState, build_app
+from llama_chat.cmd.signals import hard_exit, install_sync_handlers
+from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
+from llama_chat.inference.serving import Serving
+from llama_chat.inference.types import sole_exception
+
+# The options of the model and its batching, defined once in options.py.
+_OPTION = get_type_hints(Options, include_extras=True)
+DEFAULT_PORT = 8080
+DEFAULT_QUEUE_LIMIT = 64
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
+# uvicorn's own wait for the connections, beyond the grace the jobs get: room for the cancelled
+# ones to send their last chunk.
+CONNECTIONS_MARGIN_S = 5.0
+LISTEN_BACKLOG = 2048
+SERVER = "Server"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: _OPTION["model"] = None
+    host: Annotated[str, typer.Option(
+        "--host", rich_help_panel=SERVER,
+        help="Address to listen on; 0.0.0.0 (or ::) listens on every interface.")] = "127.0.0.1"
+    port: Annotated[int, typer.Option(
+        "--port", min=0, max=65535, rich_help_panel=SERVER,
+        help="Port to listen on; 0: any free port (the log says which).")] = DEFAULT_PORT
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LLAMA_CHAT_API_KEY", show_envvar=True, rich_help_panel=SERVER, metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' on every route but /health.")] = None
+    cors_origin: Annotated[list[str] | None, typer.Option(
+        "--cors-origin", rich_help_panel=SERVER, metavar="ORIGIN",
+        help="Let web pages from ORIGIN call the server (repeatable; '*': any). Off by default.")] = None
+    queue_limit: Annotated[int, typer.Option(
+        "--queue-limit", min=0, rich_help_panel=SERVER,
+        help="Jobs that may wait beyond the --max-batch running ones (a request asks one per choice); "
+             "past it, 429 with Retry-After.")] = DEFAULT_QUEUE_LIMIT
+    max_body_bytes: Annotated[int, typer.Option(
+        "--max-body-bytes", min=1, rich_help_panel=SERVER, metavar="BYTES",
+        help="Largest request body; past it, 413.")] = DEFAULT_MAX_BODY_BYTES
+    shutdown_grace: Annotated[float, typer.Option(
+        "--shutdown-grace", min=0.0, rich_help_panel=SERVER, metavar="SECONDS",
+        help="On SIGTERM or Ctrl+C: how long running jobs may go on before they are cancelled.")
+    ] = DEFAULT_SHUTDOWN_GRACE_S
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", rich_help_panel=SERVER, help="Log errors only, not every request.")] = False
+    max_batch: Annotated[int, _ranged(
+        "max_batch", "--max-batch", rich_help_panel=BATCH, help="Most jobs generating at once.")] = 16
+    cache_tokens: Annotated[int | None, _ranged(
+        "cache_tokens", "--cache-tokens", rich_help_panel=BATCH,
+        help="Size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536 and 4 GiB; "
+             "at least one context).")] = None
+    ctx_size: _OPTION["ctx_size"] = None
+    device: _OPTION["device"] = "auto"
+    dtype: _OPTION["dtype"] = "auto"
+    compile: _OPTION["compile"] = None
+    quantize: _OPTION["quantize"] = "none"
+    template: _OPTION["template"] = "auto"
+    debug: _OPTION["debug"] = False
+
+    def options(self) -> Options:
+        """The command's ``Options``: what loads the model, and the base of every request."""
+        return Options(**{f.name: getattr(self, f.name) for f in fields(self) if f.name in Options.__dataclass_fields__})
+
+
+def _command(**kwargs) -> None:
+    raise typer.Exit(run_serve(ServeOptions(**kwargs)))
+
+
+def _signature() -> inspect.Signature:
+    hints = get_type_hints(ServeOptions, include_extras=True)
+    return inspect.Signature([inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                                annotation=hints[f.name]) for f in fields(ServeOptions)])
+
+
+_command.__signature__ = _signature()
+serve_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                        context_settings={"help_option_names": ["-h", "--help"]})
+serve_app.command(
+    name="serve", cls=_GroupedHelp,
+    help="Serve a model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models), many "
+         "requests at once on the batching scheduler; /health and /metrics (Prometheus) beside them.")(_command)
+
+
+# -- the log ---------------------------------------------------------------------------------------
+
+
+class ServerLog:
+    """One line per event on stderr, with the time; ``quiet`` keeps the errors only."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def note(self, message: str) -> None:
+        if not self.quiet:
+            self._write(message)
+
+    def error(self, message: str) -> None:
+        self._write(f"error: {message}")
+
+    @staticmethod
+    def _write(message: str) -> None:
+        try:
+            sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} llama-chat serve: {one_line(message)}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass  # stderr went away; serving goes on
+
+
+class _UvicornLog(logging.Handler):
+    """uvicorn's warnings and errors as our lines (one line each, never a traceback)."""
+
+    def __init__(self, log: ServerLog) -> None:
+        super().__init__(logging.WARNING)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        (self.log.error if record.levelno >= logging.ERROR else self.log.note)(f"http: {record.getMessage()}")
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def run_serve(opts: ServeOptions) -> int:
+    log = ServerLog(quiet=opts.quiet)
+    if opts.api_key is not None and not opts.api_key.strip():
+        log.error("--api-key is empty")
+        return exit_status.USAGE
+    try:
+        sock = listen(opts.host, opts.port)
+    except OSError as e:
+        log.error(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}")
+        return exit_status.FAILURE
+    log.note(f"listening on {_url(sock)}; loading {opts.model or 'the shipped model'}")
+    try:
+        return anyio.run(_serve, opts, sock, log)
+    except KeyboardInterrupt:
+        return exit_status.OK
+    except Terminated:
+        return exit_status.OK
+    finally:
+        install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (bound now, so a taken port is an error at once)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return socket.create_server(address, family=family, backlog=LISTEN_BACKLOG)
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handlers (``_watch_signals`` has them)."""
+
+    def capture_signals(self):
+        return nullcontext()
+
+
+async def _serve(opts: ServeOptions, sock: socket.socket, log: ServerLog) -> int:
+    state = ServerState(api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, log=log.note)
+    app = build_app(state, cors_origins=tuple(opts.cors_origin or ()))
+    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, server_header=False,
+                            ws="none", timeout_graceful_shutdown=int(opts.shutdown_grace + CONNECTIONS_MARGIN_S))
+    uvicorn_log = logging.getLogger("uvicorn")
+    uvicorn_log.handlers[:] = [_UvicornLog(log)]
+    uvicorn_log.propagate = False
+    server = _Server(config)
+    stop, server_done = anyio.Event(), anyio.Event()
+
+    async def run_server() -> None:
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            server_done.set()
+            stop.set()
+
+    status = exit_status.OK
+    async with anyio.create_task_group() as tg:
+        await tg.start(_watch_signals, stop, log)
+        tg.start_soon(run_server)
+        try:
+            model = await _load(opts, log, stop)
+            if model is not None:
+                status = await _serve_model(opts, state, model, log, stop, server, server_done)
+        except Exception as e:  # noqa: BLE001 - loading failed: one line, and the server stops
+            from llama_chat.inference.types import RequestError
+            from llama_chat.model.errors import ModelLoadError
+
+            log.error(one_line(str(e)) if isinstance(e, (ModelLoadError, RequestError))
+                      else f"{type(e).__name__}: {one_line(str(e))}")
+            status = exit_status.USAGE if isinstance(e, (ModelLoadError, RequestError)) else exit_status.FAILURE
+        state.phase = "stopping"
+        server.should_exit = True
+        await server_done.wait()
+        tg.cancel_scope.cancel()
+    log.note("stopped")
+    return status
+
+
+async def _watch_signals(stop: anyio.Event, log: ServerLog, *, task_status: TaskStatus[None]) -> None:
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        task_status.started()
+        async for signum in signals:
+            if stop.is_set():
+                hard_exit(signum, message=b"llama-chat serve: second signal, exiting now\n")
+            log.note(f"{signal.Signals(signum).name}: stopping (a second one exits at once)")
+            stop.set()
+
+
+async def _load(opts: ServeOptions, log: ServerLog, stop: anyio.Event):
+    """``(loaded, scheduler)`` from a worker thread, or None when stopped first."""
+    result: list = []
+
+    async def load() -> None:
+        result.append(await anyio.to_thread.run_sync(_load_model, opts, abandon_on_cancel=True))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            async def cancel_on_stop() -> None:
+                await stop.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(cancel_on_stop)
+            await load()
+            tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        raise sole_exception(group) from None
+    return result[0] if result else None
+
+
+def _load_model(opts: ServeOptions):
+    from llama_chat.cmd.run_command import load, warm_up
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+
+    options = opts.options()
+    err = Console(stderr=True, highlight=False, quiet=opts.quiet)
+    loaded = load(options, err)
+    scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
+        max_batch=opts.max_batch, cache_tokens=opts.cache_tokens, quantize=options.quantize,
+        compile=bool(opts.compile)))
+    warm_up(scheduler, options.sampling(), err, quiet=opts.quiet)
+    return loaded, scheduler
+
+
+async def _serve_model(opts: ServeOptions, state: ServerState, model, log: ServerLog, stop: anyio.Event, server,
+                       server_done: anyio.Event) -> int:
+    loaded, scheduler = model
+    serving = Serving(scheduler, queue_limit=opts.queue_limit, metrics=state.metrics)
+    names = frozenset({loaded.name, *([opts.model] if opts.model else [])})
+    served = Served(loaded, serving, opts.options(), names, int(time.time()))
+    while True:
+        try:
+            async with scheduler:
+                if state.phase == "loading":
+                    state.ready(served)
+                    log.note(f"ready: model {loaded.name!r} ({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')}), "
+                             f"context {scheduler.max_seq_len} tokens, batch of {opts.max_batch}, queue of {opts.queue_limit}")
+                await stop.wait()
+                state.phase = "stopping"
+                server.should_exit = True  # no new connections; uvicorn waits for the open ones
+                if serving.open_jobs:
+                    log.note(f"jobs open: {serving.open_jobs}; up to {opts.shutdown_grace:g} s to finish")
+                cancelled = await serving.drain(opts.shutdown_grace)
+                if cancelled:
+                    log.note(f"jobs cancelled: {cancelled}")
+                await server_done.wait()
+            return exit_status.OK
+        except Exception as e:  # noqa: BLE001 - a forward or the sampler raised: its jobs ended with an error
+            log.error(f"the scheduler failed ({type(e).__name__}: {one_line(str(e))}); its jobs ended, "
+                      "starting it again")
+            if opts.debug:
+                import traceback
+
+                traceback.print_exc()
+            if stop.is_set():
+                return exit_status.FAILURE
+
+
+__all__ = ["ServeOptions", "listen", "run_serve", "serve_app"]
+

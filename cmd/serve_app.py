@@ -1,0 +1,452 @@
+"""The HTTP side of ``llama-chat serve``: OpenAI's routes on Starlette, over ``inference/serving.py``.
+
+::
+
+    RequestLog          one line per request on stderr, outcomes counted; no traceback ever
+    └── CORS            only with --cors-origin
+        └── routes      /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions
+            └── GenerationResponse   the jobs of one request, streamed as server-sent events or
+                                     sent whole; a client that goes away cancels them
+
+Every refusal is an OpenAI error object with a 4xx status (``openai_api.ApiError``). The model
+may still be loading: the routes then answer 503, and /health says so.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
+
+from llama_chat.cmd.openai_api import ApiError, Generation, Reply, bad, dumps, parse_chat, parse_completion, usage
+from llama_chat.cmd.sanitize import one_line
+from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
+from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError
+from llama_chat.ml.controls import MAX_SEED
+
+if TYPE_CHECKING:
+    from llama_chat.cmd.options import Options
+    from llama_chat.inference.serving import Choice, Serving
+    from llama_chat.model.loader import LoadedModel
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+LOADING_RETRY_AFTER_S = 2
+# Where the response records what the log line and the outcome counter say of it.
+LOG_DETAIL = "llama_chat.detail"
+LOG_OUTCOME = "llama_chat.outcome"
+
+
+@dataclass(frozen=True)
+class Served:
+    """The loaded model as the routes use it."""
+
+    loaded: LoadedModel
+    serving: Serving
+    opts: Options  # the command's options: the base of every request (``Options.request``)
+    names: frozenset[str]  # what a request's ``model`` may say; ``loaded.name`` is the one listed
+    created: int
+
+    @property
+    def model_id(self) -> str:
+        return self.loaded.name
+
+
+class ServerState:
+    """What the routes read: the phase (loading, ready, stopping), the model once loaded, limits."""
+
+    def __init__(self, *, api_key: str | None, max_body_bytes: int, log: Callable[[str], None] | None) -> None:
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.log = log
+        self.phase = "loading"
+        self.served: Served | None = None
+        self.metrics = ServingMetrics()
+
+    def ready(self, served: Served) -> None:
+        self.served = served
+        self.phase = "ready"
+
+    def snapshot(self) -> Snapshot:
+        if self.served is None:
+            return Snapshot(False)
+        now = self.served.serving.snapshot()
+        return Snapshot(self.phase == "ready", now.running, now.queued, now.stats)
+
+    def require_ready(self) -> Served:
+        if self.phase == "ready" and self.served is not None:
+            return self.served
+        if self.phase == "loading":
+            raise ApiError(503, "the model is loading; try again shortly", code="model_loading",
+                           headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+# -- routes ----------------------------------------------------------------------------------------
+
+
+def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGIApp:
+    def endpoint(handler: Callable[[HttpRequest], Awaitable[Response]], *, public: bool = False):
+        async def run(request: HttpRequest) -> Response:
+            try:
+                if not public:
+                    _authorize(state, request)
+                return await handler(request)
+            except ApiError as e:
+                request.scope[LOG_DETAIL] = e.message
+                return error_response(e)
+        return run
+
+    async def health(request: HttpRequest) -> Response:
+        status = 200 if state.phase == "ready" else 503
+        return JSONResponse({"status": "ok" if status == 200 else state.phase}, status_code=status)
+
+    async def metrics(request: HttpRequest) -> Response:
+        text = state.metrics.exposition(state.snapshot())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def models(request: HttpRequest) -> Response:
+        served = state.require_ready()
+        return JSONResponse({"object": "list", "data": [_model_object(served)]})
+
+    async def model(request: HttpRequest) -> Response:
+        served = state.require_ready()
+        _check_model(served, request.path_params["name"], param=None)
+        return JSONResponse(_model_object(served))
+
+    async def chat(request: HttpRequest) -> Response:
+        return await _generate(state, request, parse_chat)
+
+    async def completions(request: HttpRequest) -> Response:
+        return await _generate(state, request, parse_completion)
+
+    async def http_error(request: HttpRequest, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            e = ApiError(404, f"no such route: {request.method} {request.url.path}", code="not_found")
+        elif exc.status_code == 405:
+            e = ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+        else:
+            e = ApiError(exc.status_code, str(exc.detail))
+        return JSONResponse(e.body(), status_code=e.status, headers=dict(exc.headers or {}))
+
+    routes = [
+        Route("/health", endpoint(health, public=True), methods=["GET"]),
+        Route("/metrics", endpoint(metrics), methods=["GET"]),
+        Route("/v1/models", endpoint(models), methods=["GET"]),
+        Route("/v1/models/{name:path}", endpoint(model), methods=["GET"]),
+        Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
+    ]
+    middleware = [Middleware(RequestLog, state=state)]
+    if cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["Authorization", "Content-Type"]))
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: http_error})
+
+
+def _authorize(state: ServerState, request: HttpRequest) -> None:
+    if state.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+        raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _model_object(served: Served) -> dict[str, Any]:
+    return {"id": served.model_id, "object": "model", "created": served.created, "owned_by": "llama-chat",
+            "context_length": served.serving.scheduler.max_seq_len}
+
+
+def _check_model(served: Served, name: str | None, *, param: str | None = "model") -> None:
+    if name is not None and name not in served.names:
+        raise ApiError(404, f"the model {name!r} does not exist; this server has {served.model_id!r}",
+                       param=param, code="model_not_found")
+
+
+async def _read_json(state: ServerState, request: HttpRequest) -> dict[str, Any]:
+    limit = state.max_body_bytes
+    too_big = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    body, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        body.append(chunk)
+    try:
+        value = json.loads(b"".join(body))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the body is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise bad("the body must be a JSON object")
+    return value
+
+
+async def _generate(state: ServerState, request: HttpRequest,
+                    parse: Callable[[dict[str, Any]], Generation]) -> Response | GenerationResponse:
+    served = state.require_ready()
+    body = await _read_json(state, request)
+    # Checking the fields (a schema compiles) and tokenizing (a template renders) are CPU work:
+    # off the event loop, which streams every other client's tokens.
+    reply_id = uuid.uuid4().hex[:24]
+    generation, requests, prompt_lens = await anyio.to_thread.run_sync(_prepare, served, body, parse, reply_id)
+    if len(requests) > served.serving.capacity:
+        raise bad(f"this request asks for {len(requests)} jobs (n per prompt); the server takes at most "
+                  f"{served.serving.capacity} at once", "n")
+    try:
+        choices = served.serving.submit(requests)
+    except PromptTooLong as e:
+        raise bad(str(e), generation.prompt_field, "context_length_exceeded") from None
+    except EmptyPrompt as e:
+        raise bad(str(e), generation.prompt_field) from None
+    except RequestError as e:
+        raise bad(str(e)) from None
+    except Overloaded as e:
+        raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
+    except NotAccepting as e:
+        raise ApiError(503, str(e), code="shutting_down") from None
+    reply = Reply(generation.chat, f"{'chatcmpl' if generation.chat else 'cmpl'}-{reply_id}", served.model_id,
+                  int(time.time()))
+    return GenerationResponse(generation, reply, choices, prompt_lens)
+
+
+def _prepare(served: Served, body: dict[str, Any], parse: Callable[[dict[str, Any]], Generation], reply_id: str
+             ) -> tuple[Generation, list[Request], list[int]]:
+    """The request's jobs: ``n`` per prompt, choice ``j`` seeded ``seed + j`` when a seed is given."""
+    generation = parse(body)
+    _check_model(served, generation.model)
+    loaded = served.loaded
+    vocab = served.serving.scheduler.model.args.vocab_size
+    for token, _ in generation.settings.get("logit_bias", ()):
+        if token >= vocab:
+            raise bad(f"logit_bias: token id {token} is outside the vocabulary (0 to {vocab - 1})", "logit_bias")
+    requests, prompt_lens = [], []
+    for p, prompt in enumerate(generation.prompts):
+        ids = _prompt_ids(served, generation, prompt)
+        prompt_lens.append(len(ids))
+        settings = dict(generation.settings)
+        seed = settings.pop("seed", None)
+        for j in range(generation.n):
+            if seed is not None:
+                settings["seed"] = (seed + j) % (MAX_SEED + 1)
+            request = served.opts.request(ids, chat_reply=generation.chat and loaded.chat_format is not None,
+                                          request_id=f"{reply_id}-{p * generation.n + j}", **settings)
+            if generation.constraint is not None:
+                request = replace(request, constraint=generation.constraint)
+            requests.append(request)
+    return generation, requests, prompt_lens
+
+
+def _prompt_ids(served: Served, generation: Generation, prompt) -> list[int]:
+    loaded = served.loaded
+    if generation.chat:
+        if loaded.chat_format is None:
+            raise bad("this model has no chat template: use /v1/completions, or start the server with "
+                      "--template llama2|llama3|hf", "messages")
+        try:
+            ids = loaded.chat_format.encode_dialog(list(prompt), add_generation_prompt=True)
+        except ValueError as e:  # roles out of order for the format, a template that failed
+            raise bad(one_line(str(e)), "messages") from None
+        # A conversation's next turn finds the pages of its previous one, the reply's included,
+        # when they were the last job to end (``Scheduler.align_to_cache``).
+        return served.serving.scheduler.align_to_cache(ids)
+    if isinstance(prompt, str):
+        return loaded.tokenizer.encode(prompt, bos=True)
+    vocab = served.serving.scheduler.model.args.vocab_size
+    if any(i >= vocab for i in prompt):
+        raise bad(f"prompt: token ids must be below the vocabulary size, {vocab}", "prompt")
+    return list(prompt)
+
+
+# -- one request's jobs, sent back -----------------------------------------------------------------
+
+
+class GenerationResponse:
+    """An ASGI response that runs the request's jobs while it sends them: as server-sent events
+    (``data: {chunk}`` ... ``data: [DONE]``) or as one JSON object at the end. A task beside them
+    waits for the client to go away and cancels them if it does, during the prefill too."""
+
+    def __init__(self, generation: Generation, reply: Reply, choices: list[Choice], prompt_lens: list[int]) -> None:
+        self.generation = generation
+        self.reply = reply
+        self.choices = choices
+        self.prompt_lens = prompt_lens
+        self.disconnected = False
+        self._finished = False
+        self._lock = anyio.Lock()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch, receive, tg.cancel_scope)
+                if self.generation.stream:
+                    await self._stream(send)
+                else:
+                    await self._whole(send)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                for choice in self.choices:
+                    await choice.aclose()  # cancels what has not finished
+            scope[LOG_OUTCOME], scope[LOG_DETAIL] = self._summary()
+
+    async def _watch(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self._finished:
+                    self.disconnected = True
+                    scope.cancel()
+                return
+
+    async def _whole(self, send: Send) -> None:
+        async def run(choice: Choice) -> None:
+            async for _ in choice.pieces():
+                pass
+
+        async with anyio.create_task_group() as tg:
+            for choice in self.choices:
+                tg.start_soon(run, choice)
+        completions = [choice.completion() for choice in self.choices]
+        if any(c.finish_reason is GenerationState.ERROR for c in completions):
+            status, body = 500, ApiError(500, "generation failed; see the server's log", code="generation_failed").body()
+        else:
+            status, body = 200, self.reply.whole(completions, self._usage())
+        self._finished = True
+        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+        await send({"type": "http.response.body", "body": dumps(body)})
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        async with anyio.create_task_group() as tg:
+            for choice in self.choices:
+                tg.start_soon(self._stream_choice, choice, send)
+        if any(c.completion().finish_reason is GenerationState.ERROR for c in self.choices):
+            await self._event(send, ApiError(500, "generation failed; see the server's log",
+                                             code="generation_failed").body())
+        elif self.generation.include_usage:
+            await self._event(send, self.reply.usage_chunk(self._usage()))
+        self._finished = True
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    async def _stream_choice(self, choice: Choice, send: Send) -> None:
+        index = self.choices.index(choice)
+        if self.reply.chat:
+            await self._event(send, self.reply.chunk(index, "", first=True))
+        sent = 0
+        async for text in choice.pieces():
+            await self._event(send, self.reply.chunk(index, text))
+            sent += len(text)
+        completion = choice.completion()
+        # A cancel keeps the whole characters that were still held back.
+        await self._event(send, self.reply.chunk(index, completion.text[sent:], state=completion.finish_reason))
+
+    async def _event(self, send: Send, obj: dict[str, Any]) -> None:
+        async with self._lock:
+            await send({"type": "http.response.body", "body": b"data: " + dumps(obj) + b"\n\n", "more_body": True})
+
+    def _usage(self) -> dict[str, Any]:
+        completions = [choice.completion() for choice in self.choices]
+        n = self.generation.n
+        # A prompt counts once however many choices it has; its cached tokens are those of its
+        # first job (the others share the pages that one writes, a saving of this request's own).
+        cached = sum(min(c.cached_tokens for c in completions[p * n:(p + 1) * n]) for p in range(len(self.prompt_lens)))
+        return usage(sum(self.prompt_lens), cached, sum(c.completion_tokens for c in completions))
+
+    def _summary(self) -> tuple[str, str]:
+        completions = [choice.completion() for choice in self.choices]
+        reasons = sorted({c.finish_reason.value for c in completions})
+        if self.disconnected:
+            outcome = "cancelled"
+        elif "error" in reasons:
+            outcome = "error"
+        elif "cancelled" in reasons:
+            outcome = "cancelled"
+        else:
+            outcome = "ok"
+        u = self._usage()
+        detail = (f"n={len(completions)} prompt={u['prompt_tokens']} cached={u['prompt_tokens_details']['cached_tokens']} "
+                  f"completion={u['completion_tokens']} finish={','.join(reasons)}"
+                  + (" (client went away)" if self.disconnected else ""))
+        return outcome, detail
+
+
+# -- the log line and the outcome of every request ---------------------------------------------------
+
+
+class RequestLog:
+    """One line per request (method, path, status, time, what the response recorded); the
+    generation endpoints' outcomes counted for /metrics. An exception no route caught is logged in
+    one line and answered 500 (when nothing was sent yet), never left to kill the connection with a
+    traceback."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status: int | None = None
+
+        async def sending(message: AsgiMessage) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        failure = ""
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # noqa: BLE001 - one line in the log, a 500 to the client, the server goes on
+            failure = f" error: {type(e).__name__}: {e}"
+            if status is None:
+                body = ApiError(500, "internal error; see the server's log", code="internal_error").body()
+                await sending({"type": "http.response.start", "status": 500, "headers": JSON_HEADERS})
+                await send({"type": "http.response.body", "body": dumps(body)})
+        method, path = scope.get("method", ""), scope.get("path", "")
+        if method == "POST" and path in GENERATION_PATHS:
+            self.state.metrics.count(scope.get(LOG_OUTCOME) or _outcome_of(status))
+        if self.state.log is not None:
+            client = scope.get("client")
+            who = f"{client[0]}:{client[1]} " if client else ""
+            detail = scope.get(LOG_DETAIL)
+            self.state.log(one_line(f"{who}{method} {path} {status or '-'} {time.perf_counter() - start:.2f} s"
+                                    + (f" {detail}" if detail else "") + failure))
+
+
+def _outcome_of(status: int | None) -> str:
+    if status is None or status >= 500 and status != 503:
+        return "error"
+    if status in (429, 503):
+        return "rejected"
+    if status >= 400:
+        return "invalid"
+    return "ok"

@@ -1,0 +1,347 @@
+"""``llama-chat serve``: the installed command on a free port, driven by OpenAI's own client.
+
+Two servers of a tiny model that never ends on its own: an open one, and a guarded one (an API
+key, one job at a time and a queue of one, a short shutdown grace) that the last test stops with
+SIGTERM. Every wait is for a condition, with a generous bound: the machine is busy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from cli_support import build_tiny_model, cli_env, llama_chat_command
+
+START_S = 240.0  # the process starting, torch imported and the model loaded
+WAIT_S = 120.0  # one request, or a condition to come true
+CONTEXT = 4096
+GUARD_KEY = "test-key-1"
+LONG_USER_MESSAGE = " ".join(f"the fox number {i} jumped over the lazy dog" for i in range(12))
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    lines: list[str]  # its stderr so far
+    health: list[int] = field(default_factory=list)  # the /health statuses seen while it started
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=WAIT_S)
+
+    def metrics(self, api_key: str | None = None) -> dict[str, float]:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        response = httpx.get(f"{self.url}/metrics", headers=headers, timeout=WAIT_S)
+        assert response.status_code == 200, response.text
+        values = {}
+        for line in response.text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+
+def wait_for(condition, what: str, timeout: float = WAIT_S, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+def start_server(model_dir: Path, *args: str, **env: str) -> Server:
+    proc = subprocess.Popen(
+        [*llama_chat_command(), "serve", "-m", str(model_dir), "--port", "0", "--template", "llama2", *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env(**env))
+    lines: list[str] = []
+
+    def read() -> None:  # always drained, so the server never blocks on a full pipe
+        for raw in proc.stderr:
+            lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def address() -> str | None:
+        assert proc.poll() is None, "\n".join(lines)
+        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "\n".join(lines))
+        return found and found.group(1)
+
+    server = Server(proc, wait_for(address, "the server to listen", START_S), lines)
+
+    def healthy() -> bool:
+        assert proc.poll() is None, server.log()
+        try:
+            status = httpx.get(f"{server.url}/health", timeout=WAIT_S).status_code
+        except httpx.TransportError:
+            return False
+        server.health.append(status)
+        return status == 200
+
+    wait_for(healthy, "the model to load", START_S)
+    return server
+
+
+def stop_server(server: Server) -> int:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("serve"), max_seq_len=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = start_server(tiny.path, "--max-body-bytes", "65536", "--max-batch", "4")
+    yield s
+    assert stop_server(s) == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny):
+    s = start_server(tiny.path, "--max-batch", "1", "--queue-limit", "1", "--shutdown-grace", "1",
+                     LLAMA_CHAT_API_KEY=GUARD_KEY)
+    yield s
+    if s.proc.poll() is None:
+        stop_server(s)
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# -- the open server ---------------------------------------------------------------------------------
+
+
+def test_health_says_503_while_the_model_loads_then_200(server):
+    assert server.health[0] == 503 and server.health[-1] == 200, server.health
+    assert "ready: model 'tiny'" in server.log()
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_chat_and_completions_whole_and_streamed_say_the_same(server):
+    client = server.client()
+    whole = client.chat.completions.create(model="tiny", messages=chat("Tell me about the fox"), max_tokens=12,
+                                           temperature=0)
+    assert whole.object == "chat.completion" and len(whole.choices) == 1
+    assert whole.choices[0].finish_reason == "length" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=chat("Tell me about the fox"),
+                                                 max_tokens=12, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+    done = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=9, temperature=0)
+    assert done.object == "text_completion" and done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 9
+    streamed = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=9,
+                                              temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_n_choices_run_together_each_with_its_own_seed(server):
+    client = server.client()
+    reply = client.completions.create(model="tiny", prompt="The fox", max_tokens=10, n=3, seed=5, temperature=1.0)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert reply.usage.completion_tokens == 30
+    assert len({c.text for c in reply.choices}) > 1  # seeds 5, 6 and 7
+    # Choice 1 of seed 5 is choice 0 of seed 6.
+    alone = client.completions.create(model="tiny", prompt="The fox", max_tokens=10, seed=6, temperature=1.0)
+    assert alone.choices[0].text == reply.choices[1].text
+
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model="tiny", messages=chat("Hello there"), max_tokens=8, n=2,
+                                                stream=True, seed=1):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "length", 1: "length"} and set(texts) == {0, 1}
+
+
+def test_the_same_seed_gives_the_same_text_and_another_seed_another(server):
+    client = server.client()
+
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(model="tiny", messages=chat("Sing me a song"), max_tokens=20,
+                                              temperature=1.0, seed=seed).choices[0].message.content
+
+    first = sample(11)
+    assert sample(11) == first
+    assert sample(12) != first
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    client = server.client()
+    full = client.completions.create(model="tiny", prompt="A story:", max_tokens=40, temperature=0).choices[0].text
+    words = re.findall(r"\w{3,}", full[5:])
+    assert words, full
+    stop = words[0]
+    reply = client.completions.create(model="tiny", prompt="A story:", max_tokens=40, temperature=0, stop=[stop, "@@"])
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].text == full[:full.index(stop)]
+
+
+def test_a_conversations_next_turn_prefills_only_what_is_new(server):
+    client = server.client()
+    first = client.chat.completions.create(model="tiny", messages=chat(LONG_USER_MESSAGE), max_tokens=6,
+                                           temperature=0)
+    assert first.usage.prompt_tokens > 32
+    messages = [*chat(LONG_USER_MESSAGE), {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens
+    assert server.metrics()["llama_chat_prompt_tokens_cached_total"] >= cached
+    assert server.metrics()["llama_chat_prefix_cache_hit_ratio"] > 0
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"n": 0}, "n"),
+    ({"seed": -3}, "seed"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"nope": 1}}, "logit_bias"),
+    ({"logit_bias": {"100000": -100}}, "logit_bias"),
+    ({"logprobs": True}, "logprobs"),
+    ({"extra_body": {"top_k": -1}}, "top_k"),
+    ({"extra_body": {"min_p": "high"}}, "min_p"),
+    ({"extra_body": {"colour": "red"}}, "colour"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x " * 5000}]}, "messages"),
+])
+def test_a_bad_request_gets_400_naming_its_field(server, kwargs, param):
+    request = {"model": "tiny", "messages": chat("hi"), "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().chat.completions.create(**request)
+    assert info.value.status_code == 400 and info.value.param == param, info.value.body
+    assert info.value.type == "invalid_request_error" and info.value.message
+    if "x " in json.dumps(kwargs):
+        assert info.value.code == "context_length_exceeded"
+
+
+def test_other_refusals_are_openai_errors_too(server):
+    with pytest.raises(openai.NotFoundError) as info:
+        server.client().chat.completions.create(model="gpt-4o", messages=chat("hi"), max_tokens=4)
+    assert info.value.param == "model" and info.value.code == "model_not_found"
+
+    def error_of(response: httpx.Response) -> dict:
+        assert set(response.json()) == {"error"}, response.text
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        return response.json()["error"]
+
+    url = server.url
+    assert httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=WAIT_S).status_code == 400
+    assert httpx.post(f"{url}/v1/completions", json=["a list"], timeout=WAIT_S).status_code == 400
+    response = httpx.get(f"{url}/v1/nothing", timeout=WAIT_S)
+    assert response.status_code == 404 and error_of(response)["type"] == "not_found_error"
+    response = httpx.get(f"{url}/v1/chat/completions", timeout=WAIT_S)
+    assert response.status_code == 405 and error_of(response)
+    big = {"model": "tiny", "prompt": "y" * 70000}
+    response = httpx.post(f"{url}/v1/completions", json=big, timeout=WAIT_S)
+    assert response.status_code == 413 and error_of(response)["code"] == "request_too_large"
+    # The server took all of that without a traceback, and goes on.
+    assert "Traceback" not in server.log()
+    assert server.client().completions.create(model="tiny", prompt="Still", max_tokens=2).usage.completion_tokens == 2
+    counts = server.metrics()
+    assert counts['llama_chat_requests_total{outcome="invalid"}'] >= 4
+    assert counts["llama_chat_time_to_first_token_seconds_count"] > 0
+    assert counts["llama_chat_inter_token_latency_seconds_count"] > 0
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_pages(server):
+    before = server.metrics()['llama_chat_requests_total{outcome="cancelled"}']
+    body = {"model": "tiny", "prompt": "An endless story", "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=WAIT_S) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        data = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in data)
+        assert server.metrics()["llama_chat_jobs_running"] == 1
+    # The connection is closed: the job is cancelled and its pages go back to the pool.
+    wait_for(lambda: server.metrics()["llama_chat_kv_pages_used"] == 0
+             and server.metrics()["llama_chat_jobs_running"] == 0, "the job's pages to be freed")
+    wait_for(lambda: server.metrics()['llama_chat_requests_total{outcome="cancelled"}'] == before + 1,
+             "the request to be counted as cancelled")
+    assert "(client went away)" in server.log()
+
+
+# -- the guarded server: a key, one job at a time, a queue of one ------------------------------------
+
+
+def test_an_api_key_is_required_except_for_health(guarded):
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client().models.list()
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client("wrong").completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert httpx.get(f"{guarded.url}/metrics", timeout=WAIT_S).status_code == 401
+    assert httpx.get(f"{guarded.url}/health", timeout=WAIT_S).status_code == 200
+    reply = guarded.client(GUARD_KEY).completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert reply.usage.completion_tokens == 2
+
+
+def test_past_the_queue_limit_a_request_gets_429_with_retry_after(guarded):
+    client = guarded.client(GUARD_KEY)
+    long = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": CONTEXT - 50, "stream": True}
+    running = client.completions.create(**long)
+    queued = client.completions.create(**long)
+    try:
+        wait_for(lambda: guarded.metrics(GUARD_KEY)["llama_chat_jobs_running"] == 1
+                 and guarded.metrics(GUARD_KEY)["llama_chat_jobs_queued"] == 1, "one job running and one queued")
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model="tiny", prompt="me too", max_tokens=2)
+        assert info.value.response.headers["retry-after"] == "1"
+        assert info.value.code == "queue_full"
+    finally:
+        running.close()
+        queued.close()
+    wait_for(lambda: guarded.metrics(GUARD_KEY)["llama_chat_kv_pages_used"] == 0, "the jobs' pages to be freed")
+    assert guarded.metrics(GUARD_KEY)['llama_chat_requests_total{outcome="rejected"}'] >= 1
+
+
+def test_sigterm_lets_the_running_job_end_then_exits_0(guarded):
+    client = guarded.client(GUARD_KEY)
+    stream = client.completions.create(model="tiny", prompt="A very long tale", max_tokens=CONTEXT - 50, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    guarded.proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)  # the stream ends properly: cancelled after the grace, or finished
+    assert rest and rest[-1].choices[0].finish_reason in ("cancelled", "length")
+    assert guarded.proc.wait(timeout=WAIT_S) == 0, guarded.log()
+    log = guarded.log()
+    assert "SIGTERM: stopping" in log and "stopped" in log and "Traceback" not in log
