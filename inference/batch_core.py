@@ -31,6 +31,7 @@ from llama_chat.inference.page_table import PageTable, page_keys
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
+from llama_chat.ml.constraints import Constraints
 from llama_chat.ml.processors import TokenHistory, make_sampler
 from llama_chat.ml.sampling import draw_uniforms
 from llama_chat.model.paged_kv_cache import PagedKVCache
@@ -84,6 +85,7 @@ class BatchCore:
         # depends on the thread's inference mode.
         self._backends: StepBackends | None = None
         self.sizer: PrefillSizer | None = None  # prompt chunks sized by time, if set (else prefill_chunk)
+        self.constraints: Constraints | None = None  # compiles the jobs' structured output (set by the scheduler)
 
     @property
     def lone_step(self) -> LoneRowStep | None:
@@ -191,8 +193,12 @@ class BatchCore:
             params = job.request.sampling
             if not params.greedy:
                 job.uniforms = draw_uniforms(self.settings.max_seq_len, job.request.seed)
-            if not params.plain:  # penalties, top-k, min-p ...: the processors, with the job's history
-                job.controls = make_sampler(params, eos_ids=job.stop_ids)
+            if job.request.constraint is not None:
+                assert self.constraints is not None, "a scheduler's core compiles constraints"
+                job.constraint = self.constraints.processor(job.request.constraint,
+                                                            extra_stop_ids=job.request.stop_ids)
+            if not params.plain or job.constraint is not None:  # penalties, top-k, a schema ...: the processors
+                job.controls = make_sampler(params, eos_ids=job.stop_ids, constraint=job.constraint)
                 job.history = TokenHistory([list(prompt)], vocab_size=self.sample_ids or self.model.args.vocab_size,
                                            device=self.device, window=params.repeat_last_n)
             self.counters.cached_tokens += job.cached_tokens
@@ -254,7 +260,8 @@ class BatchCore:
             index = len(job.tokens) - job.prompt_len
             job.tokens.append(token)
             state = state_after(token, index=index, request=job.request, stop_ids=job.stop_ids,
-                                max_seq_len=s.max_seq_len, elapsed_s=now - job.admitted)
+                                max_seq_len=s.max_seq_len, elapsed_s=now - job.admitted,
+                                grammar_done=job.constraint is not None and job.constraint.stopped(0))
             data = b"" if token in job.stop_ids else self.token_bytes(token)
             events.append((job, TokenEvent(job.request_id, index, token, data, state, now - job.submitted)))
             job.produced += 1

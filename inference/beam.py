@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_chat.inference.types import GenerationState
+from llama_chat.ml.constraints import GrammarMask
 from llama_chat.ml.controls import BeamParams, SamplingParams
 from llama_chat.ml.processors import TokenHistory, make_logits_processors, make_warpers
 from llama_chat.model.kv_cache import KVCache
@@ -70,7 +71,7 @@ class BeamLimits:
 class BeamSearch:
     def __init__(self, model: Transformer, prompt: Sequence[int], params: SamplingParams, beams: BeamParams, *,
                  limits: BeamLimits, stop_ids: Iterable[int], seed: int, vocab: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, constraint: GrammarMask | None = None) -> None:
         self.model = model
         self.prompt = list(prompt)
         self.params, self.beams, self.limits = params, beams, limits
@@ -81,7 +82,9 @@ class BeamSearch:
         self.cache = KVCache.for_model(model.args, n, max_seq_len=len(self.prompt) + limits.max_new,
                                        device=device, dtype=dtype)
         self.history = TokenHistory([self.prompt] * n, vocab_size=vocab, device=device, window=params.repeat_last_n)
-        self.processors = make_logits_processors(params, eos_ids=self.stop_ids)
+        # A constraint's matchers follow the history's rows: beams that fork copy them.
+        self.constraint = constraint
+        self.processors = make_logits_processors(params, eos_ids=self.stop_ids, constraint=constraint)
         # Beam sampling keeps one id more than there are end tokens, so a beam can always go on.
         self.warpers = make_warpers(params, min_keep=1 + len(self.stop_ids))
         self.keep = max(2, 1 + len(self.stop_ids)) * n
@@ -167,7 +170,7 @@ class BeamSearch:
             scores, candidates = torch.topk(total, self.keep)
         sources, ids = candidates // self.vocab, candidates % self.vocab
 
-        ends = self._ends(ids.tolist())
+        ends = self._ends(ids.tolist(), sources.tolist())
         hits = torch.tensor([e is not None for e in ends], device=self.device)
         new_length = self.length + 1
 
@@ -214,8 +217,9 @@ class BeamSearch:
         all_finished_and_enough = bool(self.finished.all()) and beams.early_stopping is True
         self.done = not self.improvable or all_finished_and_enough or bool(hits.all())
 
-    def _ends(self, ids: list[int]) -> list[GenerationState | None]:
-        """Why each candidate token would end its hypothesis, or None."""
+    def _ends(self, ids: list[int], sources: list[int]) -> list[GenerationState | None]:
+        """Why each candidate token (``ids[c]`` after beam ``sources[c]``) would end its
+        hypothesis, or None."""
         limits = self.limits
         if self.length + 1 >= limits.max_new:
             everyone: GenerationState | None = limits.at_max_new
@@ -223,7 +227,10 @@ class BeamSearch:
             everyone = GenerationState.MAX_TIME
         else:
             everyone = None
-        return [GenerationState.EOS if i in self.stop_ids else everyone for i in ids]
+        grammar = self.constraint
+        return [GenerationState.EOS if i in self.stop_ids
+                else GenerationState.STOP_GRAMMAR if grammar is not None and grammar.would_stop(s, i)
+                else everyone for i, s in zip(ids, sources)]
 
     def _update_improvable(self) -> None:
         """Whether the best running beam might still beat the worst finished hypothesis."""

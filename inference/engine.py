@@ -41,8 +41,9 @@ from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, EngineBusy, GenerationState, Request,
-                                        Tally, TokenEvent, check_request, sole_exception, state_after,
-                                        stop_ids_of)
+                                        Tally, TokenEvent, check_constraint, check_request, sole_exception,
+                                        state_after, stop_ids_of)
+from llama_chat.ml.constraints import Constraints, GrammarMask
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams, sample
@@ -94,6 +95,7 @@ class Engine:
         self.options = options
         self.name = name
         self.stop_ids = stop_ids_of(tokenizer)
+        self.constraints = Constraints(tokenizer, self.stop_ids)  # requests' structured output
         self._sampler = sampler
         self._busy = False
         self._cached: tuple[int, ...] = ()
@@ -148,6 +150,13 @@ class Engine:
     def check(self, request: Request) -> None:
         """Raise a ``RequestError`` for a request that cannot run (before any work is done)."""
         check_request(request, self.max_seq_len, self.step.sample_ids or self.step.vocab_size)
+        check_constraint(request, self.constraints)
+
+    def constraint_for(self, request: Request) -> GrammarMask | None:
+        """The processor of ``request``'s constraint, if it has one (in the step thread)."""
+        if request.constraint is None:
+            return None
+        return self.constraints.processor(request.constraint, extra_stop_ids=request.stop_ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         # Stop tokens are never printed, whatever bytes a tokenizer gives them.
@@ -352,7 +361,8 @@ class BeamRun:
                             time.perf_counter(), request.max_time)
         self.search = BeamSearch(step.model, request.prompt_ids, request.sampling, request.beams, limits=limits,
                                  stop_ids=engine.stop_ids, seed=request.seed,
-                                 vocab=step.sample_ids or step.vocab_size, device=step.device, dtype=step.dtype)
+                                 vocab=step.sample_ids or step.vocab_size, device=step.device, dtype=step.dtype,
+                                 constraint=engine.constraint_for(request))
         self._prefilled = False
 
     def __aiter__(self) -> BeamRun:
@@ -402,22 +412,25 @@ class _DecodeRun:
         self.sent = 0  # events handed to the channel (event loop side)
         self.finished = False
         self.decode: Decode | None = None
+        self.constraint: GrammarMask | None = None
 
     def step(self) -> TokenEvent | None:
         if self.finished:
             return None
         engine = self.engine
         if self.decode is None:
+            self.constraint = engine.constraint_for(self.request)
             self.decode = engine.step.decode(self.rows[0], self.pos, self.request.sampling, self.request.seed,
                                              engine._sampler, prompt=self.request.prompt_ids,
-                                             stop_ids=engine.stop_ids)
+                                             stop_ids=engine.stop_ids, constraint=self.constraint)
         token = self.decode.next_token()
         # Each call fed the tokens not yet fed: the prompt's tail first, then the token before.
         self.fed = len(self.request.prompt_ids) + len(self.tokens)
         self.tokens.append(token)
         elapsed = time.perf_counter() - self.start
         state = state_after(token, index=self.index, request=self.request, stop_ids=engine.stop_ids,
-                            max_seq_len=engine.step.max_seq_len, elapsed_s=elapsed)
+                            max_seq_len=engine.step.max_seq_len, elapsed_s=elapsed,
+                            grammar_done=self.constraint is not None and self.constraint.stopped(0))
         event = TokenEvent(self.request.request_id, self.index, token, engine.token_bytes(token), state, elapsed)
         self.finished = state.finished
         self.index += 1

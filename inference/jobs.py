@@ -19,6 +19,7 @@ from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.page_table import PageKey
 from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import Completion, GenerationState, Request, Tally, TokenEvent
+from llama_chat.ml.constraints import GrammarMask
 from llama_chat.ml.processors import Sampler, TokenHistory
 
 
@@ -45,6 +46,7 @@ class Job:
     uniforms: torch.Tensor | None = None
     controls: Sampler | None = None  # the logits processors, for settings beyond temperature and top-p
     history: TokenHistory | None = None  # what the processors read: the job's tokens so far
+    constraint: GrammarMask | None = None  # the request's structured output, one of its processors
     final_state: GenerationState | None = None  # how it ended when no event said so (a cancel)
     # -- the event loop's end of the job: set once its pages are back in the pool --
     released: anyio.Event = field(default_factory=anyio.Event)

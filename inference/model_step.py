@@ -22,7 +22,7 @@ import torch
 
 from llama_chat.inference.decode_step import StaticStep, StaticStepOptions, compile_failure_text
 from llama_chat.ml.processors import Sampler as Controls
-from llama_chat.ml.processors import TokenHistory, make_sampler
+from llama_chat.ml.processors import LogitsProcessor, TokenHistory, make_sampler
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, draw_uniforms, sample
 from llama_chat.model import cpu_decode
 from llama_chat.model.kv_cache import KVCache
@@ -156,23 +156,26 @@ class ModelStep:
             return self.model(tokens, positions, self.cache, last_only=True)[:, -1, :]
 
     def decode(self, tail: Sequence[int], start: int, params: SamplingParams, seed: int,
-               sampler: Sampler = sample, *, prompt: Sequence[int] = (), stop_ids: Iterable[int] = ()) -> Decode:
+               sampler: Sampler = sample, *, prompt: Sequence[int] = (), stop_ids: Iterable[int] = (),
+               constraint: LogitsProcessor | None = None) -> Decode:
         """A request's decode loop, from the last prompt chunk ``tail`` that begins at ``start``.
 
         ``prompt``: the whole prompt (``tail`` is its end), the history that penalties and n-gram
-        bans read; ``stop_ids``: what ``min_new_tokens`` holds back. Call in the worker thread;
-        the returned object's ``next_token`` too.
+        bans read; ``stop_ids``: what ``min_new_tokens`` holds back; ``constraint``: the request's
+        structured output (``ml/constraints.py``). Call in the worker thread; the returned
+        object's ``next_token`` too.
         """
         uniforms = draw_uniforms(self.max_seq_len, seed, self.device)
         # The compiled step samples in-graph with temperature and top-p only; the other controls
         # read the token history on the host, so they take the eager step.
-        if self.static is not None and sampler is sample and params.plain and self.prepare_static(params):
+        plain = params.plain and constraint is None
+        if self.static is not None and sampler is sample and plain and self.prepare_static(params):
             return StaticDecode(self, self.static, list(tail), start, params, uniforms)
-        if not params.plain:
+        if not plain:
             history = TokenHistory([list(prompt) or list(tail)], vocab_size=self.sample_ids or self.vocab_size,
                                    device=self.device, window=params.repeat_last_n)
             return ControlledDecode(self, list(tail), start, params, uniforms, sampler,
-                                    make_sampler(params, eos_ids=stop_ids), history)
+                                    make_sampler(params, eos_ids=stop_ids, constraint=constraint), history)
         if self.one_call is not None and sampler is sample and params.greedy:
             return PickedDecode(self, list(tail), start, params, uniforms, sampler)
         return EagerDecode(self, list(tail), start, params, uniforms, sampler)

@@ -39,8 +39,9 @@ from llama_chat.inference.model_step import StepOptions
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
-from llama_chat.inference.types import (GenerationState, Request, RequestError, TokenEvent, check_request,
-                                        sole_exception, stop_ids_of)
+from llama_chat.inference.types import (GenerationState, Request, RequestError, TokenEvent, check_constraint,
+                                        check_request, sole_exception, stop_ids_of)
+from llama_chat.ml.constraints import Constraints
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams
@@ -157,6 +158,7 @@ class Scheduler:
         self.core = BatchCore(model, settings, device=device, dtype=dtype, token_bytes=tokenizer.token_bytes,
                               sample_ids=sample_ids)
         self.core.sizer = sizer
+        self.core.constraints = Constraints(tokenizer, self.stop_ids)
         one_call = device.type == "cpu" and cpu_decode.supports(model)
         step = StepOptions.for_device(device, parameters, options.compile, quantized=quantized, dtype=dtype,
                                       one_call=one_call)
@@ -221,6 +223,7 @@ class Scheduler:
     def check(self, request: Request) -> None:
         """Raise a ``RequestError`` for a job that can never run (before it is queued)."""
         check_request(request, self.max_seq_len, self.core.sample_ids or self.model.args.vocab_size)
+        check_constraint(request, self.core.constraints)
         need = self.core.reserved_len(len(request.prompt_ids), request.max_tokens)
         if self.core.pages_for(need) > self.core.pages.usable:
             raise RequestError(f"a job of {need} tokens does not fit in a cache of "

@@ -11,7 +11,7 @@ import enum
 import uuid
 from dataclasses import dataclass, field
 
-from llama_chat.ml.controls import BeamParams, SamplingParams, check
+from llama_chat.ml.controls import BeamParams, ControlError, SamplingParams, check
 from llama_chat.ml.grammars import Constraint
 from llama_chat.model.tokenizers.base import Tokenizer
 
@@ -314,6 +314,17 @@ def check_request(request: Request, max_seq_len: int, vocab: int) -> None:
     for token, _ in request.sampling.logit_bias:
         if token >= vocab:
             raise RequestError(f"--logit-bias: token id {token} is outside the vocabulary (0 to {vocab - 1})")
+
+
+def check_constraint(request: Request, constraints) -> None:
+    """Raise a ``RequestError`` when the model's vocabulary cannot spell ``request``'s constraint.
+    ``constraints``: the model's ``ml.constraints.Constraints``, which keeps what it compiles here
+    for the request's processor."""
+    if request.constraint is not None:
+        try:
+            constraints.compile(request.constraint)
+        except ControlError as e:
+            raise RequestError(str(e)) from None
 
 
 class EngineBusy(RuntimeError):

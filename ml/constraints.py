@@ -65,7 +65,9 @@ class Vocabulary:
     """Every token's bytes and the ids that end a reply, as llguidance's tokenizer.
 
     Stop tokens and tokens without bytes (control tokens) can never spell text: the grammar allows
-    the stop tokens where it accepts, and the others never. The engine also asks for a
+    the stop tokens where it accepts, and the others never. Nor can a token that starts with the
+    byte 0xFF (the byte piece ``<0xFF>``), which is how llguidance marks special tokens; no UTF-8
+    text holds that byte, so no grammar loses anything. The engine also asks for a
     tokenization of some bytes now and then (forced bytes); it gets an exact one, longest token
     first, for the tokenizers' own ``encode`` may add a word-start space the bytes do not have.
     """
@@ -132,7 +134,7 @@ class Compiled:
                                                 f"{self._start.get_error().splitlines()[0]}")
         self.first_mask = torch.zeros(self.words, dtype=torch.int32)
         self._start.unsafe_compute_mask_ptr(self.first_mask.data_ptr(), self.words * 4)
-        if not bool(self.first_mask.any()):
+        if self._start.is_error():  # no token of the vocabulary starts what the grammar asks for
             raise ControlError(constraint.kind, "allows no token of this model's vocabulary")
 
     def matcher(self):
@@ -321,15 +323,16 @@ class GrammarMask:
         nbytes = self.compiled.words * 4
         for r, matcher in enumerate(self.matchers):
             matcher.unsafe_compute_mask_ptr(self._words[r].data_ptr(), nbytes)
-        self._unpack()
-        if self.extra_stop_ids.numel():
-            for r, matcher in enumerate(self.matchers):
-                if matcher.is_accepting():
-                    self._banned[r].index_fill_(0, self.extra_stop_ids, False)
+        accepting = [r for r, m in enumerate(self.matchers) if m.is_accepting()] if self.extra_stop_ids.numel() else []
+        self._unpack(accepting)
         self._current = True
 
-    def _unpack(self) -> None:
-        # In the thread's own inference mode: the buffers may have been made in either mode.
+    def _unpack(self, accepting: Sequence[int] = ()) -> None:
+        """The bits into ``_banned``; the request's own end tokens allowed in the ``accepting`` rows."""
+        # In the buffers' own inference mode: they may have been made in either, and this may run
+        # in the background thread, which is in neither.
         with torch.inference_mode(torch.is_inference(self._banned)):
             torch.eq(torch.bitwise_and(self._words.unsqueeze(-1), _BITS), 0,
                      out=self._banned.view(len(self.matchers), self.compiled.words, 32))
+            for r in accepting:
+                self._banned[r].index_fill_(0, self.extra_stop_ids, False)
