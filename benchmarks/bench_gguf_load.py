@@ -82,7 +82,7 @@ def _kernels() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from llama_chat.model.formats.gguf_quants import BLOCKS
+    from llama_chat.ml.blocks import BLOCKS
 
     def best(f) -> float:
         times = []

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from llama_chat.ml.cpu import kernels as cpu_kernels
-from llama_chat.model.formats.gguf_quants import BLOCKS  # TODO(layering): moves to ml/
+from llama_chat.ml.blocks import BLOCKS
 
 PACKED_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 # (values, bytes) of a block of each kind, as ggml lays them out (ml/cpu/blocks.h has the same).

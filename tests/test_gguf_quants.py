@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 from builders import train_sentencepiece  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, hf_config, hf_llama, hf_with_file_weights, write_gguf  # noqa: E402
 from cli_support import run_cli  # noqa: E402
-from llama_chat.model.formats import gguf_quants  # noqa: E402
+from llama_chat.ml import blocks as gguf_quants  # noqa: E402
 from llama_chat.model.formats.gguf import open_gguf  # noqa: E402
 from llama_chat.model.loader import load_model  # noqa: E402
 

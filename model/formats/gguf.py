@@ -37,7 +37,7 @@ from llama_chat.model.formats.common import (
     release_pages,
 )
 from llama_chat.model.formats.gguf_header import MAGIC, read_header
-from llama_chat.model.formats.gguf_quants import (
+from llama_chat.ml.blocks import (
     BLOCKS,
     PLAIN,
     SMALLEST_BYTES_PER_VALUE,

@@ -1,4 +1,4 @@
-"""GGML block formats to floating point, in torch: the dequantizers the GGUF reader uses.
+"""GGML block formats to floating point, in torch: the dequantizers the GGUF reader and packed weights use.
 
 Each function takes the raw bytes of whole blocks (a uint8 tensor whose length is a multiple of
 the block's byte size) and returns float32 values, in the order the tensor stores them;
