@@ -16,6 +16,7 @@ Requests and the server's state are logged one line each on stderr (``--quiet``:
 from __future__ import annotations
 
 import inspect
+import ipaddress
 import logging
 import signal
 import socket
@@ -51,6 +52,7 @@ DEFAULT_SHUTDOWN_GRACE_S = 5.0
 # ones to send their last chunk.
 CONNECTIONS_MARGIN_S = 5.0
 LISTEN_BACKLOG = 2048
+RESTART_PAUSE_S = 0.5  # after the scheduler failed: not a busy loop if it fails again at once
 SERVER = "Server"
 
 
@@ -170,6 +172,8 @@ def run_serve(opts: ServeOptions) -> int:
         log.error(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}")
         return exit_status.FAILURE
     log.note(f"listening on {_url(sock)}; loading {opts.model or 'the shipped model'}")
+    if opts.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+        log.note("no --api-key: anyone who can reach this address can use the server")
     try:
         return anyio.run(_serve, opts, sock, log)
     except KeyboardInterrupt:
@@ -293,8 +297,9 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
     while True:
         try:
             async with scheduler:
-                if state.phase == "loading":
-                    state.ready(served)
+                first = state.phase == "loading"
+                state.ready(served)
+                if first:
                     log.note(f"ready: model {loaded.name!r} ({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')}), "
                              f"context {scheduler.max_seq_len} tokens, batch of {opts.max_batch}, queue of {opts.queue_limit}")
                 await stop.wait()
@@ -308,6 +313,7 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
                 await server_done.wait()
             return exit_status.OK
         except Exception as e:  # noqa: BLE001 - a forward or the sampler raised: its jobs ended with an error
+            state.phase = "restarting"
             log.error(f"the scheduler failed ({type(e).__name__}: {one_line(str(e))}); its jobs ended, "
                       "starting it again")
             if opts.debug:
@@ -316,6 +322,7 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
                 traceback.print_exc()
             if stop.is_set():
                 return exit_status.FAILURE
+            await anyio.sleep(RESTART_PAUSE_S)
 
 
 __all__ = ["ServeOptions", "listen", "run_serve", "serve_app"]

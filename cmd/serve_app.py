@@ -69,7 +69,8 @@ class Served:
 
 
 class ServerState:
-    """What the routes read: the phase (loading, ready, stopping), the model once loaded, limits."""
+    """What the routes read: the phase (loading, ready, restarting after a failure, stopping), the
+    model once loaded, limits."""
 
     def __init__(self, *, api_key: str | None, max_body_bytes: int, log: Callable[[str], None] | None) -> None:
         self.api_key = api_key
@@ -95,6 +96,9 @@ class ServerState:
         if self.phase == "loading":
             raise ApiError(503, "the model is loading; try again shortly", code="model_loading",
                            headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
+        if self.phase == "restarting":
+            raise ApiError(503, "the scheduler is starting again after a failure; try again shortly",
+                           code="restarting", headers={"Retry-After": "1"})
         raise ApiError(503, "the server is shutting down", code="shutting_down")
 
 
@@ -202,6 +206,8 @@ async def _read_json(state: ServerState, request: HttpRequest) -> dict[str, Any]
         value = json.loads(b"".join(body))
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise bad("the body is not valid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise bad("the body must be a JSON object")
     return value
@@ -355,7 +361,7 @@ class GenerationResponse:
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _stream_choice(self, choice: Choice, send: Send) -> None:
-        index = self.choices.index(choice)
+        index = choice.index
         if self.reply.chat:
             await self._event(send, self.reply.chunk(index, "", first=True))
         sent = 0
