@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llama_chat.ml import quantize
+from llama_chat.ml import packed, quantize
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
 
@@ -116,7 +116,10 @@ def _cpu_has_half_matmul() -> bool:
 
 def project(x: torch.Tensor, layer: torch.nn.Module, row_products: bool = False) -> torch.Tensor:
     """``layer``'s bias-free product with ``x``: float weights through ``linear``, int8 ones
-    (``quantize.Int8Linear``, which has ``scales``) through ``quantize.int8_linear``."""
+    (``quantize.Int8Linear``, which has ``scales``) through ``quantize.int8_linear``, packed GGUF
+    blocks (``packed.PACKED_LAYERS``) through their own product."""
+    if isinstance(layer, packed.PACKED_LAYERS):
+        return layer(x)
     scales = getattr(layer, "scales", None)
     if scales is not None:
         return quantize.int8_linear(x, layer.weight, scales, row_products, layer.packed, layer.packed_key)

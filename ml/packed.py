@@ -164,8 +164,64 @@ class PackedLinear(nn.Module):
             return rows.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return product(x, self.packed)
 
+    @property
+    def segments(self) -> tuple[tuple[str, int], ...]:
+        """(kind, rows) of each run of rows of one kind: here all of them."""
+        return ((self.kind, self.out_features),)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+class PackedConcat(nn.Module):
+    """Packed layers of different kinds, their outputs side by side: a fused q/k/v of a Q4_K_M file,
+    whose v rows are Q6_K in some layers. Their bytes are one buffer (what the one-call decode step
+    reads as one matrix), each layer's rows a view of it."""
+
+    def __init__(self, parts: list[PackedWeight]) -> None:
+        super().__init__()
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("layers side by side take the same inputs")
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.segments = tuple((p.kind, p.out_features) for p in parts)
+        self.register_buffer("data", torch.cat([p.data.reshape(-1) for p in parts]))
+
+    @property
+    def parts(self) -> list[PackedWeight]:
+        out, offset = [], 0
+        for kind, rows in self.segments:
+            size = rows * row_bytes(kind, self.in_features)
+            out.append(PackedWeight(kind, self.data[offset:offset + size].view(rows, -1), self.in_features))
+            offset += size
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([product(x, part) for part in self.parts], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, segments={self.segments}"
+
+
+# The layers whose products read packed blocks (``ml/ops.project`` hands them their input).
+PACKED_LAYERS = (PackedLinear, PackedConcat)
+
+
+def fuse(parts: list[nn.Module]) -> nn.Module:
+    """Packed layers' outputs side by side, as one layer: a ``PackedLinear`` of their rows when
+    they are of one kind, else a ``PackedConcat``. The parts' bytes are copied once."""
+    weights = [w for part in parts for w in (part.parts if isinstance(part, PackedConcat) else [part.packed])]
+    if len({w.kind for w in weights}) == 1:
+        return PackedLinear(PackedWeight(weights[0].kind, torch.cat([w.data for w in weights]), weights[0].in_features))
+    return PackedConcat(weights)
+
+
+def step_layout(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the one-call decode step (``ml/cpu/decode.cpp``) reads of a packed layer: its bytes as
+    one uint8 vector, and its runs of rows as int64 (kind, rows) pairs, the kind as its place in
+    ``PACKED_TYPES`` (the operator's order too)."""
+    pairs = [v for kind, rows in layer.segments for v in (PACKED_TYPES.index(kind), rows)]
+    return layer.data.reshape(-1), torch.tensor(pairs, dtype=torch.int64)
 
 
 def pack(kind: str, weight: torch.Tensor) -> PackedWeight:

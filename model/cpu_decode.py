@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llama_chat.ml import quantize
+from llama_chat.ml import packed, quantize
 from llama_chat.ml.cpu import decode
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.cpu.decode import PANEL, Decoder, StepWeights
@@ -160,12 +160,17 @@ def supports(model: nn.Module) -> bool:
     return found is not None and found[0].device.type == "cpu"
 
 
+def _tensor(layer: nn.Module) -> torch.Tensor:
+    """A projection's weight, or its packed blocks (``ml/packed.py``)."""
+    return layer.data if isinstance(layer, packed.PACKED_LAYERS) else layer.weight
+
+
 def _key(model: nn.Module) -> tuple:
     # Replacing or casting the parameters changes these; loading in place does not need to.
     first = model.layers[0]
     projection = first.attention.wqkv
-    return (model.output.weight.data_ptr(), model.output.weight.dtype,
-            projection.weight.data_ptr() if projection is not None else None)
+    output = _tensor(model.output)
+    return (output.data_ptr(), output.dtype, _tensor(projection).data_ptr() if projection is not None else None)
 
 
 # Values copied at a time when weights move (``_copy_releasing``).

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_chat.ml import ops, quantize
+from llama_chat.ml import ops, packed, quantize
 from llama_chat.model import cpu_decode, interrupt
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.kv_cache import KVCache
@@ -123,6 +123,8 @@ def _fused_linear(*parts: nn.Module) -> nn.Module:
     """One bias-free linear layer whose output is the outputs of ``parts`` side by side."""
     if all(isinstance(p, quantize.Int8Linear) for p in parts):
         return quantize.fused(list(parts))
+    if all(isinstance(p, packed.PACKED_LAYERS) for p in parts):
+        return packed.fuse(list(parts))
     weight = torch.cat([p.weight.detach() for p in parts])
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
