@@ -228,6 +228,16 @@ def test_a_conversations_next_turn_prefills_only_what_is_new(server):
     assert server.metrics()["llama_chat_prefix_cache_hit_ratio"] > 0
 
 
+def test_response_format_holds_the_reply_to_a_schema(server):
+    schema = {"type": "object", "properties": {"done": {"type": "boolean"}}, "required": ["done"],
+              "additionalProperties": False}
+    reply = server.client().chat.completions.create(
+        model="tiny", messages=chat("Are you done?"), max_tokens=40, temperature=1.0, seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert json.loads(reply.choices[0].message.content) in ({"done": True}, {"done": False})
+    assert reply.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -239,6 +249,8 @@ def test_a_conversations_next_turn_prefills_only_what_is_new(server):
     ({"logit_bias": {"nope": 1}}, "logit_bias"),
     ({"logit_bias": {"100000": -100}}, "logit_bias"),
     ({"logprobs": True}, "logprobs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "not a schema"}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"extra_body": {"top_k": -1}}, "top_k"),
     ({"extra_body": {"min_p": "high"}}, "min_p"),
     ({"extra_body": {"colour": "red"}}, "colour"),
