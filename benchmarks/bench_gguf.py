@@ -25,8 +25,8 @@ written into the repository:
 
    ``llama-chat -m FILE -f PROMPT_FILE --no-stdin -n N --min-new-tokens N -t 0 --template none
    -c CTX --json`` (CTX: the shape's context length, which is also what it uses unasked).
-5. Also measured in the same run: the machine's read bandwidth (``bench_decode``'s float32 sum,
-   at the start of every round) and the baseline, llama-chat's peak RSS on the shipped model with
+5. Also measured in the same run: the machine's read bandwidth (a float32 sum over 1 GiB on the
+   same threads, best of 7 passes at the start of every round, the best round's kept) and the baseline, llama-chat's peak RSS on the shipped model with
    the short prompt (median of one run per round, after an untimed run that also builds
    llama-chat's CPU kernels if their cache is cold).
 
@@ -93,7 +93,7 @@ TYPES = {"f16": ("convert", "f16"), "q8_0": ("convert", "q8_0"), "q4_0": ("quant
          "q4_k_m": ("quantize", "Q4_K_M")}
 MEMORY_SLACK = 1.1  # the memory rule's allowance over the file's bytes
 SHORT_PROMPT = "Once upon a time"
-RETRIES = 3  # llama-chat runs that fail on an ImportError (the tree changing under it) are retried
+RETRIES = 3  # llama-chat runs that die on a traceback (an import while the tree changes) are retried
 RETRY_WAIT_S = 60
 CORPUS = [
     "Once upon a time there was a little fox who lived in the forest near a big river.",
@@ -113,7 +113,11 @@ def log(msg: str) -> None:
     print(f"# {msg}", file=sys.stderr, flush=True)
 
 
+ROWS: list[dict] = []  # everything emitted, which is all the report reads
+
+
 def emit(**row) -> None:
+    ROWS.append(row)
     print(json.dumps(row), flush=True)
 
 
@@ -235,22 +239,31 @@ def prefill_prompt(cache: Path, tokenizer: Path, n_tokens: int) -> Path:
     return path
 
 
-# -- the runs -----------------------------------------------------------------------------------
+# -- the runs and what they found -----------------------------------------------------------------------------------
 
 
 @dataclass
 class Results:
-    """Every round's figures for one file, by system and measure."""
+    """Every round's figures for one file, by system and measure (the emitted rows' field names)."""
 
     values: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
-    def add(self, system: str, measure: str, value: float | None) -> None:
-        if value is not None:
-            self.values.setdefault((system, measure), []).append(value)
+    def add(self, row: dict) -> None:
+        for measure in ("decode_tok_s", "prefill_tok_s", "peak_rss_mb"):
+            if row.get(measure) is not None:
+                self.values.setdefault((row["system"], measure), []).append(row[measure])
 
     def median(self, system: str, measure: str) -> float | None:
         found = self.values.get((system, measure))
         return statistics.median(found) if found else None
+
+    def spread(self, system: str, measure: str) -> str:
+        """The median, and the range of the rounds when there are several: "80.5 (48.6-171.6)"."""
+        found = self.values.get((system, measure))
+        if not found:
+            return "-"
+        mid = f"{statistics.median(found):.1f}"
+        return mid if len(found) == 1 else f"{mid} ({min(found):.1f}-{max(found):.1f})"
 
 
 def llama_chat_command() -> list[str]:
@@ -271,13 +284,32 @@ def run_llama_chat(model: Path | None, prompt_file: Path, n_new: int, ctx: int |
         m = run_measured(cmd, env=env, cwd=Path.home())
         if m.returncode == 0:
             return json.loads(m.stdout), m
-        if "ImportError" in m.stderr and attempt < RETRIES:
-            log(f"llama-chat failed on an ImportError; retrying in {RETRY_WAIT_S} s")
+        if "Traceback (most recent call last)" in m.stderr and attempt < RETRIES:
+            log(f"llama-chat failed ({m.stderr.strip().splitlines()[-1][:200]}); retrying in {RETRY_WAIT_S} s")
             time.sleep(RETRY_WAIT_S)
             continue
         break
     raise SystemExit(f"llama-chat failed (exit {m.returncode}) on {model or 'the shipped model'}: "
                      f"{m.stderr.strip()[-800:]}")
+
+
+def read_bandwidth_gbs(threads: int) -> float:
+    """A float32 sum over 1 GiB on ``threads`` threads: bytes read per second, best of 7.
+
+    The best, not the median: the bound is what the memory can give, and on a shared machine every
+    disturbance only makes a pass slower.
+    """
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.ones(2**28)
+    a.sum()
+    best = float("inf")
+    for _ in range(7):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -291,33 +323,24 @@ def read_through(path: Path) -> None:
             pass
 
 
-def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], results: dict, prompts: dict,
-                  args, round_no: int) -> None:
+def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], prompts: dict, args, round_no: int) -> None:
     env = child_env(args.threads)
     for (key, ftype), path in files.items():
-        shape = SHAPES[key]
-        got = results[key, ftype]
+        ctx = SHAPES[key].ctx
         cpp = peer_mod.llama_bench(peer, path, threads=args.threads, prompt=args.prompt_tokens, gen=args.gen, env=env)
         emit(round=round_no, shape=key, type=ftype, system="llama.cpp", prefill_tok_s=cpp.prefill_tok_s,
              decode_tok_s=cpp.decode_tok_s, peak_rss_mb=cpp.peak_rss_bytes / 1e6, wall_s=cpp.wall_s)
-        got.add("llama.cpp", "prefill", cpp.prefill_tok_s)
-        got.add("llama.cpp", "decode", cpp.decode_tok_s)
-        got.add("llama.cpp", "rss", cpp.peak_rss_bytes)
 
-        pre, pre_m = run_llama_chat(path, prompts["long"], 1, shape.ctx, env)
-        dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, shape.ctx, env)
+        pre, pre_m = run_llama_chat(path, prompts["long"], 1, ctx, env)
+        dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, ctx, env)
         if pre["prompt_tokens"] != args.prompt_tokens:
             log(f"llama-chat read the prefill prompt as {pre['prompt_tokens']} tokens, not {args.prompt_tokens}")
         if dec["completion_tokens"] != args.gen:
             log(f"llama-chat generated {dec['completion_tokens']} tokens, not {args.gen}")
-        rss = max(pre_m.peak_rss_bytes, dec_m.peak_rss_bytes)
         emit(round=round_no, shape=key, type=ftype, system="llama-chat", prefill_tok_s=pre["timings"]["prefill_tok_s"],
              prompt_tokens=pre["prompt_tokens"], decode_tok_s=dec["timings"]["decode_tok_s"],
-             completion_tokens=dec["completion_tokens"], peak_rss_mb=rss / 1e6,
-             wall_s=pre_m.wall_s + dec_m.wall_s)
-        got.add("llama-chat", "prefill", pre["timings"]["prefill_tok_s"])
-        got.add("llama-chat", "decode", dec["timings"]["decode_tok_s"])
-        got.add("llama-chat", "rss", rss)
+             completion_tokens=dec["completion_tokens"],
+             peak_rss_mb=max(pre_m.peak_rss_bytes, dec_m.peak_rss_bytes) / 1e6, wall_s=pre_m.wall_s + dec_m.wall_s)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -331,39 +354,56 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
-def print_tables(files: dict, results: dict, bandwidth: float, baseline: float, peer: LlamaCpp, args) -> None:
+def report(rows: list[dict], cache: Path) -> None:
+    """One Markdown table per shape, from the rows a run emitted (this one's, or a saved one's)."""
     from bench_decode import cpu_name
 
-    print(f"\n### {cpu_name()}, {args.threads} threads, read bandwidth {bandwidth:.1f} GB/s, "
-          f"llama.cpp {peer.commit} (llama-cpp-python {peer.version})\n")
-    print(f"Median of {args.rounds} round(s); pp{args.prompt_tokens} and tg{args.gen}; ratios are llama-chat over "
-          f"llama.cpp. Baseline (llama-chat on the shipped model): {baseline / 1e6:.0f} MB peak RSS.")
-    for key in dict.fromkeys(k for k, _ in files):
+    run = next(r for r in rows if "llama_cpp" in r)
+    rounds = [r for r in rows if "read_bandwidth_gbs" in r]
+    results: dict[tuple[str, str], Results] = {}
+    for row in rows:
+        if "system" in row:
+            results.setdefault((row["shape"], row["type"]), Results()).add(row)
+    bandwidth = max(r["read_bandwidth_gbs"] for r in rounds)
+    baseline_mb = statistics.median(r["baseline_rss_mb"] for r in rounds)
+    print(f"\n### {cpu_name()}, {run.get('threads', 2)} threads, read bandwidth {bandwidth:.1f} GB/s (best of the run), "
+          f"llama.cpp {run['llama_cpp']} (llama-cpp-python {run['sdist']})\n")
+    print(f"Median of {len(rounds)} round(s), the rounds' range in brackets; pp{run.get('prompt_tokens', 512)} and "
+          f"tg{run.get('gen', 128)}, tok/s; ratios are llama-chat's median over llama.cpp's. Baseline (llama-chat on the "
+          f"shipped model): {baseline_mb:.0f} MB peak RSS.")
+    for key in dict.fromkeys(k for k, _ in results):
         shape = SHAPES[key]
-        kv = 2 * shape.n_layers * shape.ctx * shape.kv_dim * 4
+        kv_mb = 2 * shape.n_layers * shape.ctx * shape.kv_dim * 4 / 1e6
         print(f"\n#### {shape.name}-shaped (dim {shape.dim}, {shape.n_layers} layers, {shape.n_heads}/"
               f"{shape.n_kv_heads} heads, ffn {shape.hidden}, vocab {VOCAB}, {'tied' if shape.tied else 'untied'}); "
-              f"llama-chat KV cache {kv / 1e6:.0f} MB (ctx {shape.ctx}, float32)\n")
+              f"llama-chat KV cache {kv_mb:.0f} MB (ctx {shape.ctx}, float32)\n")
         print("| type | file MB | read/token MB | bound tok/s | decode llama.cpp | decode llama-chat | ratio "
               "| of bound cpp / chat | prefill llama.cpp | prefill llama-chat | ratio | peak RSS llama.cpp MB "
               "| peak RSS llama-chat MB | rule MB | rule holds |")
         print("|---|" + "---:|" * 14)
-        for (k, ftype), path in files.items():
+        for (k, ftype), r in results.items():
             if k != key:
                 continue
-            r = results[k, ftype]
-            size = path.stat().st_size
-            per_token = weight_bytes_per_token(path)
+            path = gguf_path(cache, k, ftype)
+            size_mb, per_token = path.stat().st_size / 1e6, weight_bytes_per_token(path)
             bound = bandwidth * 1e9 / per_token
-            cd, hd = r.median("llama.cpp", "decode"), r.median("llama-chat", "decode")
-            cp, hp = r.median("llama.cpp", "prefill"), r.median("llama-chat", "prefill")
-            crss, hrss = r.median("llama.cpp", "rss"), r.median("llama-chat", "rss")
-            rule = MEMORY_SLACK * size + kv + baseline
+            cd, hd = r.median("llama.cpp", "decode_tok_s"), r.median("llama-chat", "decode_tok_s")
+            cp, hp = r.median("llama.cpp", "prefill_tok_s"), r.median("llama-chat", "prefill_tok_s")
+            crss, hrss = r.median("llama.cpp", "peak_rss_mb"), r.median("llama-chat", "peak_rss_mb")
+            rule = MEMORY_SLACK * size_mb + kv_mb + baseline_mb
             holds = "-" if hrss is None else ("yes" if hrss <= rule else "**no**")
             of_bound = f"{_f(cd and cd / bound, 2)} / {_f(hd and hd / bound, 2)}"
-            print(f"| {ftype} | {size / 1e6:.0f} | {per_token / 1e6:.0f} | {bound:.1f} | {_f(cd)} | {_f(hd)} "
-                  f"| {_ratio(hd, cd)} | {of_bound} | {_f(cp)} | {_f(hp)} | {_ratio(hp, cp)} "
-                  f"| {_f(crss and crss / 1e6, 0)} | {_f(hrss and hrss / 1e6, 0)} | {rule / 1e6:.0f} | {holds} |")
+            print(f"| {ftype} | {size_mb:.0f} | {per_token / 1e6:.0f} | {bound:.1f} "
+                  f"| {r.spread('llama.cpp', 'decode_tok_s')} | {r.spread('llama-chat', 'decode_tok_s')} "
+                  f"| {_ratio(hd, cd)} | {of_bound} "
+                  f"| {r.spread('llama.cpp', 'prefill_tok_s')} | {r.spread('llama-chat', 'prefill_tok_s')} "
+                  f"| {_ratio(hp, cp)} | {_f(crss, 0)} | {_f(hrss, 0)} | {rule:.0f} | {holds} |")
+    loads = [r["load_average_1min"] for r in rows if "load_average_1min" in r]
+    # Both systems share the cores with whatever else runs: say how busy the machine was.
+    print(f"\nLoad average (1 min) at each round's start and at the end: {', '.join(f'{x:.1f}' for x in loads)}; "
+          f"{os.cpu_count()} CPUs. llama.cpp build: {run['build_s']:.0f} s"
+          f"{' (this run)' if run['built_now'] else ' (cached)'}. Python {platform.python_version()}.")
+    print(f"\nCommand: `python benchmarks/bench_gguf.py {run.get('command', '')}`")
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -380,6 +420,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--quick", action="store_true", help="110m only, 1 round")
     p.add_argument("--threads", type=int, default=2, help="threads for both systems (default 2)")
     p.add_argument("--jobs", type=int, default=2, help="parallel jobs for llama.cpp's build (default 2)")
+    p.add_argument("--report", type=Path, metavar="FILE",
+                   help="print the tables again from a run's saved output (its JSON lines), and run nothing")
     p.add_argument("--prompt-tokens", type=int, default=512, help=argparse.SUPPRESS)
     p.add_argument("--gen", type=int, default=128, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -417,6 +459,17 @@ def check_disk(cache: Path, shapes: list[str], types: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cache = args.cache.expanduser().resolve()
+    if args.report:
+        try:
+            rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.startswith("{")]
+        except (OSError, ValueError) as e:
+            print(f"bench_gguf: --report {args.report}: {e}", file=sys.stderr)
+            return 2
+        if not any("llama_cpp" in r for r in rows) or not any("read_bandwidth_gbs" in r for r in rows):
+            print(f"bench_gguf: --report {args.report}: not the output of a run", file=sys.stderr)
+            return 2
+        report(rows, cache)
+        return 0
     check_disk(cache, args.shape_keys, args.type_keys)
     try:
         peer = peer_mod.ensure_llama_cpp(cache, jobs=args.jobs, log=log)
@@ -424,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_gguf: {e}", file=sys.stderr)
         return 1
     emit(llama_cpp=peer.commit, sdist=peer.version, build_s=round(peer.build_s, 1), built_now=peer.built_now,
-         cmake_flags=list(peer_mod.CMAKE_FLAGS))
+         cmake_flags=list(peer_mod.CMAKE_FLAGS), threads=args.threads, prompt_tokens=args.prompt_tokens, gen=args.gen,
+         command=" ".join(sys.argv[1:] if argv is None else argv))
 
     tokenizer = write_tokenizer(cache / "tokenizer" / "tokenizer.model")
     files: dict[tuple[str, str], Path] = {}
@@ -439,25 +493,19 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {"long": prefill_prompt(cache, tokenizer, args.prompt_tokens), "short": cache / "prompt-short.txt"}
     prompts["short"].write_text(SHORT_PROMPT)
 
-    from bench_decode import read_bandwidth_gbs
-
     env = child_env(args.threads)
     log("untimed llama-chat run on the shipped model (builds its CPU kernels if their cache is cold)")
     run_llama_chat(None, prompts["short"], 8, None, env)
     for path in files.values():
         read_through(path)
-    results = {k: Results() for k in files}
-    bandwidths, baselines = [], []
     for round_no in range(1, args.rounds + 1):
-        bandwidths.append(read_bandwidth_gbs(args.threads))
+        bandwidth = read_bandwidth_gbs(args.threads)
         _, base = run_llama_chat(None, prompts["short"], args.gen, None, env)
-        baselines.append(base.peak_rss_bytes)
-        emit(round=round_no, read_bandwidth_gbs=bandwidths[-1], baseline_rss_mb=base.peak_rss_bytes / 1e6)
-        measure_round(peer, files, results, prompts, args, round_no)
-    print_tables(files, results, statistics.median(bandwidths), statistics.median(baselines), peer, args)
-    print(f"\nllama.cpp build: {peer.build_s:.0f} s{' (this run)' if peer.built_now else ' (cached)'}; "
-          f"python {platform.python_version()}; command: python benchmarks/bench_gguf.py "
-          f"{' '.join(sys.argv[1:] if argv is None else argv)}")
+        emit(round=round_no, read_bandwidth_gbs=bandwidth, baseline_rss_mb=base.peak_rss_bytes / 1e6,
+             load_average_1min=os.getloadavg()[0])
+        measure_round(peer, files, prompts, args, round_no)
+    emit(load_average_1min=os.getloadavg()[0])
+    report(ROWS, cache)
     return 0
 
 

@@ -7,8 +7,9 @@ builds ``llama-bench`` and ``llama-quantize`` from it, CPU only and for this CPU
 (``convert_hf_to_gguf.py``) runs from the same tree with the tree's own ``gguf-py`` first on
 ``PYTHONPATH``, so the converter and the ``gguf`` package it writes with always match.
 
-Every child runs through ``run_measured``, which reaps it with ``os.wait4``: the peak resident set
-it reports is that process's own (its largest reaped descendant's if larger), not the parent's.
+Every measured child runs through ``run_measured``, which starts it from a small launcher and reaps
+it with ``os.wait4``: the peak resident set it reports is that process's own (its largest reaped
+descendant's if larger), not the benchmark's.
 """
 
 from __future__ import annotations
@@ -82,28 +83,45 @@ class Measured:
     peak_rss_bytes: int
 
 
-def run_measured(cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None,
-                 timeout_s: float | None = None) -> Measured:
-    """Run ``cmd`` to its end and report its own peak RSS (``ru_maxrss`` of ``os.wait4``)."""
+# Runs one command in a fork of this small interpreter and writes "EXIT MAXRSS_KB" to the file
+# descriptor it is given. Why a launcher: Linux starts a child's peak RSS at its parent's (a vfork
+# child execs from the parent's memory, whose high-water mark it keeps), so a command started
+# straight from a benchmark that holds torch and large tensors would report that process's peak
+# when its own is smaller.
+LAUNCHER = """
+import os, sys
+out = int(sys.argv[1])
+pid = os.fork()
+if pid == 0:
+    os.close(out)
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    except OSError as e:
+        os.write(2, (sys.argv[2] + ": " + str(e) + "\\n").encode())
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+os.write(out, ("%d %d" % (os.waitstatus_to_exitcode(status), usage.ru_maxrss)).encode())
+"""
+
+
+def run_measured(cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> Measured:
+    """Run ``cmd`` to its end and report its own peak RSS (``ru_maxrss`` from ``os.wait4``)."""
+    read_end, write_end = os.pipe()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd)
-        deadline = None if timeout_s is None else t0 + timeout_s
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if deadline is not None and time.perf_counter() > deadline:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.05)
+        proc = subprocess.Popen([sys.executable, "-S", "-c", LAUNCHER, str(write_end), *cmd], pass_fds=(write_end,),
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd)
+        os.close(write_end)
+        with os.fdopen(read_end) as report:
+            fields = report.read().split()
+        proc.wait()
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: keep Popen from waiting again
         out.seek(0)
         err.seek(0)
-        return Measured(proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"),
-                        wall, usage.ru_maxrss * 1024)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    if len(fields) != 2:
+        raise PeerError(f"the launcher for {cmd[0]} failed (exit {proc.returncode}): {stderr.strip()[-400:]}")
+    return Measured(int(fields[0]), stdout, stderr, wall, int(fields[1]) * 1024)
 
 
 # -- fetch and build ---------------------------------------------------------------------------
