@@ -49,6 +49,7 @@ from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers, no_control_echo
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.remote import RemoteModel, RemoteSource
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Completion, GenerationState, Request, Timings
 from llama_chat.model.chat_format import ChatFormat, Message
@@ -442,11 +443,14 @@ def read_conversation(data) -> tuple[str | None, list[Turn]]:
     return system or None, turns
 
 
-def make_chat_backend(loaded, opts: Options) -> Engine | Scheduler:
+def make_chat_backend(loaded, opts: Options) -> Engine | Scheduler | RemoteSource:
     """The scheduler, one job at a time, with a page table for one whole conversation; on CUDA the
-    one-prompt engine, whose decode step is a CUDA graph over its dense cache."""
+    one-prompt engine, whose decode step is a CUDA graph over its dense cache; a remote model's
+    server (``-m openai:URL``)."""
     from llama_chat.cmd.run_command import make_engine
 
+    if isinstance(loaded, RemoteModel):
+        return make_engine(loaded, opts)
     model = loaded.model
     if next(model.parameters()).device.type == "cuda":
         return make_engine(loaded, opts)

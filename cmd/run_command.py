@@ -24,6 +24,7 @@ from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.report import print_summary, seed_to_report, write_json
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.remote import RemoteModel, RemoteSource, connect, is_remote
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 from llama_chat.model.stores import resolve_model
@@ -34,7 +35,11 @@ if TYPE_CHECKING:
     from llama_chat.ml.sampling import SamplingParams
 
 
-def load(opts: Options, err: Console) -> LoadedModel:
+def load(opts: Options, err: Console) -> LoadedModel | RemoteModel:
+    if is_remote(opts.model):
+        # Another machine's model (inference/remote.py): nothing is loaded here, the server is asked.
+        return connect(opts.model, model=getattr(opts, "remote_model", None), template=opts.template,
+                       api_key=getattr(opts, "api_key", None) or os.environ.get("OPENAI_API_KEY"))
     if opts.model is None:
         path, name = default_model_dir(), None
     else:
@@ -71,7 +76,9 @@ def prepare_cpu_kernels(loaded: LoadedModel, quantize: str, err: Console, *, qui
                   f"using PyTorch's products", markup=False, highlight=False)
 
 
-def make_engine(loaded: LoadedModel, opts: Options) -> Engine:
+def make_engine(loaded: LoadedModel | RemoteModel, opts: Options) -> Engine | RemoteSource:
+    if isinstance(loaded, RemoteModel):
+        return RemoteSource(loaded)
     return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile,
                                                             quantize=getattr(opts, "quantize", "none")))
 

@@ -39,6 +39,7 @@ from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.serve_app import Served, ServerState, build_app
 from llama_chat.cmd.signals import hard_exit, install_sync_handlers
 from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
+from llama_chat.inference.remote import is_remote
 from llama_chat.inference.serving import Serving
 from llama_chat.inference.types import sole_exception
 
@@ -163,6 +164,9 @@ class _UvicornLog(logging.Handler):
 
 def run_serve(opts: ServeOptions) -> int:
     log = ServerLog(quiet=opts.quiet)
+    if is_remote(opts.model):
+        log.error("serve runs a model in this process; -m openai:URL is another server's")
+        return exit_status.USAGE
     if opts.api_key is not None and not opts.api_key.strip():
         log.error("--api-key is empty")
         return exit_status.USAGE

@@ -1,0 +1,154 @@
+"""``-m openai:URL``: a remote model behind the same stream of responses, against our own server.
+
+One ``llama-chat serve`` of a tiny model that never ends on its own; what the remote source gives
+is compared with what OpenAI's client gets from the same server.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import pytest
+
+from cli_support import build_tiny_model, run_cli
+from llama_chat.inference.remote import (DialogCarrier, RemoteError, RemoteRequestError, RemoteSource, TextCarrier,
+                                         connect)
+from llama_chat.inference.types import GenerationState, Request
+from llama_chat.ml.controls import SamplingParams
+from llama_chat.model.chat_format import Message
+from serve_support import WAIT_S, start_server, stop_server, wait_for
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tiny = build_tiny_model(tmp_path_factory.mktemp("remote"), max_seq_len=1024)
+    s = start_server(tiny.path, "--max-batch", "4")
+    yield s
+    assert stop_server(s) == 0, s.log()
+
+
+def spec(server) -> str:
+    return f"openai:{server.url}/v1"
+
+
+def text_request(text: str, **kwargs) -> Request:
+    return Request(TextCarrier().encode(text), **{"sampling": GREEDY, "max_tokens": 10, **kwargs})
+
+
+def dialog_request(text: str, **kwargs) -> Request:
+    ids = DialogCarrier().encode_dialog([Message("user", text)])
+    return Request(ids, **{"sampling": GREEDY, "max_tokens": 10, "chat_reply": True, **kwargs})
+
+
+async def run(source: RemoteSource, request: Request):
+    async with source.stream(request) as stream:
+        responses = [response async for response in stream]
+    return responses, stream.completion()
+
+
+def test_connect_finds_the_model_and_names_what_is_wrong(server):
+    model = connect(spec(server))
+    assert model.name == "tiny" and model.max_seq_len == 1024
+    assert connect(spec(server) + "#tiny").name == "tiny"
+    with pytest.raises(RemoteRequestError, match="has no model 'nope'"):
+        connect(spec(server) + "#nope")
+    with pytest.raises(RemoteRequestError, match="expected openai:http"):
+        connect("openai:ftp://somewhere")
+    with pytest.raises(RemoteError, match="cannot reach the server"):
+        connect("openai:http://127.0.0.1:9/v1")
+
+
+def test_a_remote_stream_says_what_the_server_says(server):
+    source = RemoteSource(connect(spec(server)))
+    client = server.client()
+
+    responses, done = anyio.run(run, source, text_request("Once upon a time"))
+    expected = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
+    assert done.text == expected.choices[0].text == "".join(r.text for r in responses)
+    assert done.finish_reason == GenerationState.MAX_TOKENS and responses[-1].state == GenerationState.MAX_TOKENS
+    assert done.completion_tokens == 10 and done.prompt_tokens == expected.usage.prompt_tokens
+    assert done.timings.ttft_s is not None
+
+    _, chat = anyio.run(run, source, dialog_request("Tell me about the fox"))
+    expected = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell me about the fox"}],
+                                              max_tokens=10, temperature=0)
+    assert chat.text == expected.choices[0].message.content and chat.completion_tokens == 10
+
+    # Sampling settings and stop strings cross too.
+    request = text_request("Once upon a time", sampling=SamplingParams(temperature=0.9, top_k=20), seed=4,
+                           max_tokens=12)
+    _, sampled = anyio.run(run, source, request)
+    same = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0.9,
+                                     seed=4, extra_body={"top_k": 20})
+    assert sampled.text == same.choices[0].text
+
+
+def test_leaving_a_stream_early_cancels_the_job_on_the_server(server):
+    source = RemoteSource(connect(spec(server)))
+    cancelled = server.metrics()['llama_chat_requests_total{outcome="cancelled"}']
+
+    async def take_three():
+        async with source.stream(text_request("An endless story", max_tokens=900)) as stream:
+            taken = 0
+            async for _ in stream:
+                taken += 1
+                if taken == 3:
+                    break
+        return stream.completion()
+
+    done = anyio.run(take_three)
+    assert done.finish_reason == GenerationState.CANCELLED
+    wait_for(lambda: server.metrics()['llama_chat_requests_total{outcome="cancelled"}'] == cancelled + 1,
+             "the server to cancel the job")
+    wait_for(lambda: server.metrics()["llama_chat_kv_pages_used"] == 0, "the job's pages to be freed")
+
+
+def test_many_requests_at_once_and_a_refused_one_fails_alone(server):
+    source = RemoteSource(connect(spec(server)), max_batch=2)
+    results: dict[int, object] = {}
+
+    async def consume(i, stream):
+        try:
+            async for _ in stream:
+                pass
+            results[i] = stream.completion()
+        except RemoteRequestError as e:
+            results[i] = e
+
+    async def main():
+        async with source:
+            async with anyio.create_task_group() as tg:
+                for i, prompt in enumerate(["The fox", "The dog", "x " * 2000, "The cat"]):
+                    tg.start_soon(consume, i, source.submit(text_request(prompt, max_tokens=6)))
+
+    anyio.run(main)
+    assert isinstance(results[2], RemoteRequestError) and "400" in str(results[2])
+    assert all(results[i].completion_tokens == 6 for i in (0, 1, 3))
+    assert source.stats.generated_tokens == 18 and source.stats.jobs_finished == 4
+
+
+def test_the_command_runs_against_a_remote_model(server):
+    client = server.client()
+    proc = run_cli("-m", spec(server), "-p", "Tell me about the fox", "-t", "0", "-n", "8", "--json",
+                   timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = json.loads(proc.stdout)
+    expected = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell me about the fox"}],
+                                              max_tokens=8, temperature=0)
+    assert out["text"] == expected.choices[0].message.content
+    assert out["completion_tokens"] == 8 and out["finish_reason"] == "max_tokens" and out["model"] == "tiny"
+
+    plain = run_cli("-m", spec(server) + "#tiny", "--template", "none", "-p", "Once upon a time", "-t", "0",
+                    "-n", "8", timeout=WAIT_S)
+    assert plain.returncode == 0, plain.stderr.decode()
+    expected = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert plain.stdout.decode().rstrip("\n") == expected.choices[0].text
+
+    too_long = run_cli("-m", spec(server), "-p", "x " * 2000, "-n", "4", timeout=WAIT_S)
+    err = too_long.stderr.decode()
+    assert too_long.returncode == 2 and "the prompt is" in err and "Traceback" not in err, err
+    unknown = run_cli("-m", spec(server) + "#nope", "-p", "hi", timeout=WAIT_S)
+    assert unknown.returncode == 2 and "has no model 'nope'" in unknown.stderr.decode()
