@@ -13,7 +13,8 @@ written into the repository:
 3. Files: llama.cpp's ``convert_hf_to_gguf.py`` (from the same tree, its own ``gguf-py`` first on
    ``PYTHONPATH``) writes F16 and Q8_0; ``llama-quantize`` makes Q4_0 and Q4_K_M from the F16 file.
 4. Runs, for ``--rounds`` rounds, each round every file in turn, llama.cpp then llama-chat on the
-   same file, each in a fresh process reaped with ``os.wait4`` for its peak RSS:
+   same file, each in a fresh process (started from a small launcher and reaped with ``os.wait4``,
+   for its own peak RSS), both with ``--threads`` threads (default 2):
    * llama.cpp: ``llama-bench -m FILE -t T -p 512 -n 128 -r 1 -o json`` (pp512 and tg128, after
      llama-bench's own warm-up, in one process);
    * llama-chat, as a user runs it (``OMP_NUM_THREADS=T``, the command line below, no other
@@ -26,12 +27,13 @@ written into the repository:
    ``llama-chat -m FILE -f PROMPT_FILE --no-stdin -n N --min-new-tokens N -t 0 --template none
    -c CTX --json`` (CTX: the shape's context length, which is also what it uses unasked).
 5. Also measured in the same run: the machine's read bandwidth (a float32 sum over 1 GiB on the
-   same threads, best of 7 passes at the start of every round, the best round's kept) and the baseline, llama-chat's peak RSS on the shipped model with
-   the short prompt (median of one run per round, after an untimed run that also builds
-   llama-chat's CPU kernels if their cache is cold).
+   same threads, best of 7 passes at the start of every round, the best round's kept), the
+   baseline (llama-chat's peak RSS on the shipped model with the short prompt, median of one run
+   per round, after an untimed run that also builds llama-chat's CPU kernels if their cache is
+   cold) and the load average, since both systems share the cores with whatever else runs.
 
-Printed: one JSON line per measurement, then one Markdown table per shape. Speeds and RSS are the
-median of the rounds, and ratios are llama-chat over llama.cpp of those medians. "Bound" is the
+Printed: one JSON line per measurement, then one Markdown table per shape (``--report FILE`` prints
+the tables again from saved output). Speeds and RSS are the median of the rounds, and ratios are llama-chat over llama.cpp of those medians. "Bound" is the
 decode speed the measured bandwidth allows for the file's weights as stored (every tensor read
 once per token, the token embedding only when it is also the classifier), and "of bound" is a
 system's decode speed over it. The memory rule for llama-chat: peak RSS <= 1.1 x file size +
@@ -40,6 +42,7 @@ KV cache (float32, CTX positions) + baseline.
     python benchmarks/bench_gguf.py --quick                           # 110m, 1 round
     python benchmarks/bench_gguf.py --shapes 110m --rounds 3
     python benchmarks/bench_gguf.py --shapes 1.1b,110m --types q8_0,q4_0 --cache /tmp/bench
+    python benchmarks/bench_gguf.py --shapes 110m > run.txt; python benchmarks/bench_gguf.py --report run.txt
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -93,7 +95,7 @@ TYPES = {"f16": ("convert", "f16"), "q8_0": ("convert", "q8_0"), "q4_0": ("quant
          "q4_k_m": ("quantize", "Q4_K_M")}
 MEMORY_SLACK = 1.1  # the memory rule's allowance over the file's bytes
 SHORT_PROMPT = "Once upon a time"
-RETRIES = 3  # llama-chat runs that die on a traceback (an import while the tree changes) are retried
+RETRIES = 3  # a failed llama-chat run, other than a usage error, is retried: the tree may be mid-change
 RETRY_WAIT_S = 60
 CORPUS = [
     "Once upon a time there was a little fox who lived in the forest near a big river.",
@@ -284,8 +286,9 @@ def run_llama_chat(model: Path | None, prompt_file: Path, n_new: int, ctx: int |
         m = run_measured(cmd, env=env, cwd=Path.home())
         if m.returncode == 0:
             return json.loads(m.stdout), m
-        if "Traceback (most recent call last)" in m.stderr and attempt < RETRIES:
-            log(f"llama-chat failed ({m.stderr.strip().splitlines()[-1][:200]}); retrying in {RETRY_WAIT_S} s")
+        if m.returncode != 2 and attempt < RETRIES:
+            last = (m.stderr.strip().splitlines() or ["no message"])[-1][:200]
+            log(f"llama-chat failed (exit {m.returncode}: {last}); retrying in {RETRY_WAIT_S} s")
             time.sleep(RETRY_WAIT_S)
             continue
         break
@@ -310,6 +313,17 @@ def read_bandwidth_gbs(threads: int) -> float:
         a.sum()
         best = min(best, time.perf_counter() - t)
     return a.numel() * 4 / best / 1e9
+
+
+def llama_chat_revision() -> str:
+    """The commit llama-chat runs from, with "+changes" when its tree has uncommitted edits."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -367,7 +381,7 @@ def report(rows: list[dict], cache: Path) -> None:
     bandwidth = max(r["read_bandwidth_gbs"] for r in rounds)
     baseline_mb = statistics.median(r["baseline_rss_mb"] for r in rounds)
     print(f"\n### {cpu_name()}, {run.get('threads', 2)} threads, read bandwidth {bandwidth:.1f} GB/s (best of the run), "
-          f"llama.cpp {run['llama_cpp']} (llama-cpp-python {run['sdist']})\n")
+          f"llama.cpp {run['llama_cpp']} (llama-cpp-python {run['sdist']}), llama-chat {run.get('llama_chat', '?')}\n")
     print(f"Median of {len(rounds)} round(s), the rounds' range in brackets; pp{run.get('prompt_tokens', 512)} and "
           f"tg{run.get('gen', 128)}, tok/s; ratios are llama-chat's median over llama.cpp's. Baseline (llama-chat on the "
           f"shipped model): {baseline_mb:.0f} MB peak RSS.")
@@ -478,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     emit(llama_cpp=peer.commit, sdist=peer.version, build_s=round(peer.build_s, 1), built_now=peer.built_now,
          cmake_flags=list(peer_mod.CMAKE_FLAGS), threads=args.threads, prompt_tokens=args.prompt_tokens, gen=args.gen,
-         command=" ".join(sys.argv[1:] if argv is None else argv))
+         command=" ".join(sys.argv[1:] if argv is None else argv), llama_chat=llama_chat_revision())
 
     tokenizer = write_tokenizer(cache / "tokenizer" / "tokenizer.model")
     files: dict[tuple[str, str], Path] = {}
