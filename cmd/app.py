@@ -35,6 +35,7 @@ with deferred_signals(exit_now=True):
     from llama_chat.cmd.options import Options
     from llama_chat.cmd.sanitize import one_line
     from llama_chat.cmd.signals import install_sync_handlers
+    from llama_chat.ml.controls import ControlError
 
 
 def _package_version() -> str:
@@ -142,6 +143,10 @@ def execute(opts: Options) -> int:
             raise UsageProblem("--download needs -m org/name (a Hugging Face id)")
         if opts.num_return > opts.num_beams:
             raise UsageProblem(f"--num-return must be at most --num-beams ({opts.num_beams}), got {opts.num_return}")
+        try:
+            opts.constraint()
+        except ControlError as e:
+            raise UsageProblem(str(e)) from None
         if check_batch_options(opts):
             jobs = read_batch(opts.batch)
             with deferred_signals():  # torch is imported here

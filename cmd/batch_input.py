@@ -11,17 +11,16 @@ import json
 import math
 import sys
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llama_chat.cmd.inputs import MAX_PROMPT_BYTES, UsageProblem, read_stdin_text
+from llama_chat.cmd.options import CONSTRAINT_OPTIONS, Options, make_constraint
 from llama_chat.ml.controls import RULES, ControlError, SamplingParams, check
 
-if TYPE_CHECKING:
-    from llama_chat.cmd.options import Options
-
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
-# The settings a JSON line may give its job, under the names of the options they override.
-SETTING_KEYS = (*SAMPLING_KEYS, "max_tokens", "seed", "max_time", "stop")
+# The settings a JSON line may give its job, under the names of the options they override. A
+# line's json_schema is a JSON object (or its text), its grammar the grammar's text.
+SETTING_KEYS = (*SAMPLING_KEYS, "max_tokens", "seed", "max_time", "stop", *CONSTRAINT_OPTIONS)
 JOB_KEYS = ("prompt", "id", "system", *SETTING_KEYS)
 
 
@@ -117,6 +116,9 @@ def _job(number: int, obj: dict, job_id: Any) -> JobLine:
     settings = {name: _setting(name, obj[name]) for name in SETTING_KEYS if obj.get(name) is not None}
     # Every control together, as the job will use them (one may constrain another).
     SamplingParams(**{name: value for name, value in settings.items() if name in SAMPLING_KEYS})
+    constraints = [name for name in CONSTRAINT_OPTIONS if name in settings]
+    if len(constraints) > 1:
+        raise ValueError(f"one of {', '.join(map(repr, CONSTRAINT_OPTIONS))} at a time, got {len(constraints)}")
     return JobLine(number, prompt, job_id, system, tuple(settings.items()))
 
 
@@ -129,7 +131,19 @@ def _setting(name: str, value: Any) -> Any:
         return tuple(stop)
     if name == "logit_bias":
         return _logit_bias(value)
+    if name in CONSTRAINT_OPTIONS:
+        return _constraint(name, value)
     return check(name, value) if name in RULES else value
+
+
+def _constraint(name: str, value: Any) -> str:
+    """A line's schema (an object, or JSON text), pattern, grammar text or format, checked."""
+    if name == "json_schema" and isinstance(value, (dict, bool)):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise ValueError(f"'{name}' must be {'a JSON object' if name == 'json_schema' else 'a string'}")
+    make_constraint(name, value)
+    return value.strip().lower() if name == "format" else value
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -10,16 +10,16 @@ from __future__ import annotations
 import difflib
 import re
 import textwrap
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
-from llama_chat.cmd.options import Options
+from llama_chat.cmd.options import CONSTRAINT_OPTIONS, Options, constraint_text
 from llama_chat.inference.types import Request
 from llama_chat.ml.controls import BeamParams, SamplingParams, check_early_stopping, parse, parse_logit_bias
 
 # What /set changes, under the options' names (Hugging Face's for the controls).
 SETTING_NAMES = (*(f.name for f in fields(SamplingParams)), "seed", "max_tokens", "max_time", "stop",
-                 *(f.name for f in fields(BeamParams)))
+                 *(f.name for f in fields(BeamParams)), *CONSTRAINT_OPTIONS)
 # Other names users know for the same settings (llama.cpp's, transformers' longer ones).
 SETTING_ALIASES = {"repeat_penalty": "repetition_penalty", "num_return_sequences": "num_return",
                    "max_new_tokens": "max_tokens"}
@@ -35,7 +35,8 @@ def set_help(indent: int) -> str:
     pad = " " * indent
     names = textwrap.fill(", ".join(SETTING_NAMES), width=100, initial_indent=pad, subsequent_indent=pad)
     return (f"{'  /set [NAME VALUE]':<{indent}}change a setting (also NAME=VALUE; no argument: show them all):\n"
-            f"{names}\n{pad}stop and logit_bias (ID=BIAS) add one; VALUE none: the default")
+            f"{names}\n{pad}stop and logit_bias (ID=BIAS) add one; VALUE none: the default\n"
+            f"{pad}format json, json_schema FILE|JSON, regex PATTERN, grammar FILE: one at a time")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class Settings:
         controls = {f.name: getattr(sampling, f.name) for f in fields(SamplingParams)}
         controls["logit_bias"] = [f"{token}={bias}" for token, bias in sampling.logit_bias]
         return {**controls, "seed": opts.seed, "max_tokens": opts.max_tokens, "max_time": opts.max_time,
-                "stop": list(opts.stop), **{f.name: getattr(beams, f.name) for f in fields(BeamParams)}}
+                "stop": list(opts.stop), **{f.name: getattr(beams, f.name) for f in fields(BeamParams)},
+                **{name: getattr(opts, name) for name in CONSTRAINT_OPTIONS}}
 
 
 def split_setting(arg: str) -> tuple[str, str | None]:
@@ -95,14 +97,17 @@ def apply_setting(name: str, value: str, settings: Settings) -> Settings:
         parsed = _DEFAULTS[name]
     elif name == "early_stopping":
         parsed = check_early_stopping(value)
+    elif name in CONSTRAINT_OPTIONS:  # a schema inline or in a file, a pattern, a grammar's file
+        parsed = constraint_text(name, value)
     else:
         parsed = parse(name, value)
     changes = {name: parsed}
     if name == "num_beams" and parsed < opts.num_return:
         changes["num_return"] = parsed  # fewer beams return fewer: /set num_beams 1 turns them off
-    changed = replace(opts, **changes)
+    changed = opts.with_settings(**changes)  # a new constraint replaces the one before
     changed.sampling()  # every control together, as a reply will use them (one may constrain another)
     changed.beams()
+    changed.constraint()
     return Settings(changed)
 
 

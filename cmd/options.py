@@ -14,6 +14,7 @@ import re
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from typing import Annotated, Any
 
 import typer
@@ -22,10 +23,13 @@ from llama_chat.inference.types import Request, new_request_id
 from llama_chat.ml.controls import (COLOR_MODES, DEFAULT_TEMPERATURE, DTYPES, QUANTIZE_MODES, RULES, BeamParams,
                                     ControlError, SamplingParams, check, check_early_stopping, parse_logit_bias,
                                     temperature_for)
+from llama_chat.ml.grammars import Constraint, format_constraint
 from llama_chat.model.chat_format import FORMAT_NAMES
 
 # A seed drawn for a run that names none (reported, so the run can be repeated).
 RANDOM_SEEDS = 2**31
+# The longest schema or grammar read (a file named by mistake should not be read whole).
+MAX_CONSTRAINT_BYTES = 1 << 20
 
 
 def _choices(name: str, values: Sequence[str]) -> type[enum.Enum]:
@@ -47,7 +51,10 @@ SAMPLING = "Sampling (Hugging Face generate's names)"
 PENALTIES = "Penalties and token rules"
 STOPPING = "Stopping"
 BEAMS = "Beam search"
+STRUCTURED = "Structured output (one at a time)"
 BATCH = "Batch"
+# The options that constrain a reply; a later one (a --batch line's, a /set) replaces the others.
+CONSTRAINT_OPTIONS = ("json_schema", "format", "regex", "grammar")
 
 
 def _control(name: str) -> Callable:
@@ -80,6 +87,52 @@ def _check_early_stopping(value: str):
         return check_early_stopping(value)
     except ControlError as e:
         raise typer.BadParameter(e.reason) from None
+
+
+def _read_text(value: str, what: str) -> str:
+    """``value`` itself when it is inline (JSON), else the text of the file it names."""
+    if what == "json_schema" and (value.lstrip()[:1] in ("{", "[", '"') or value.strip() in ("true", "false")):
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read(MAX_CONSTRAINT_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise ControlError(what, f"cannot read {value!r}: {reason}") from None
+
+
+def constraint_text(name: str, value: str) -> str:
+    """The text of constraint option ``name`` (``CONSTRAINT_OPTIONS``) given as ``value``: a
+    schema inline or in a file, a pattern, a grammar's file, json or none; checked (``ControlError``
+    with the reason in one line). The command line, --batch lines and the chat's /set read them
+    here; a batch line's grammar is its text, not a file (``batch_input``)."""
+    if name in ("json_schema", "grammar"):
+        value = _read_text(value, name)
+        if len(value) > MAX_CONSTRAINT_BYTES:
+            raise ControlError(name, f"is longer than {MAX_CONSTRAINT_BYTES} bytes")
+    elif name == "format":
+        value = value.strip().lower()
+    make_constraint(name, value)
+    return value
+
+
+def _check_constraint(name: str) -> Callable:
+    def callback(value):
+        if value is None:
+            return value
+        try:
+            return constraint_text(name, value)
+        except ControlError as e:
+            raise typer.BadParameter(e.reason) from None
+    return callback
+
+
+@lru_cache(maxsize=64)
+def make_constraint(name: str, text: str) -> Constraint | None:
+    """Constraint option ``name``'s ``Constraint`` from its text (made once per text)."""
+    if name == "format":
+        return format_constraint(text)
+    return Constraint(name, text)
 
 
 def _check_device(value: str) -> str:
@@ -166,6 +219,19 @@ class Options:
     min_new_tokens: Annotated[int, _ranged(
         "min_new_tokens", "--min-new-tokens", rich_help_panel=PENALTIES,
         help="No end-of-sequence token before this many new tokens, {range}.")] = _SAMPLING.min_new_tokens
+    json_schema: Annotated[str | None, typer.Option(
+        "--json-schema", callback=_check_constraint("json_schema"), metavar="FILE|JSON", rich_help_panel=STRUCTURED,
+        help="The reply is one JSON value valid against this JSON Schema (a file, or the schema itself); it ends "
+             "where the JSON does (finish reason stop_grammar).")] = None
+    format: Annotated[str | None, typer.Option(
+        "--format", callback=_check_constraint("format"), metavar="json", rich_help_panel=STRUCTURED,
+        help="json: the reply is one JSON object.")] = None
+    regex: Annotated[str | None, typer.Option(
+        "--regex", callback=_check_constraint("regex"), metavar="PATTERN", rich_help_panel=STRUCTURED,
+        help="The whole reply matches this regular expression (\\d, \\w, \\s are ASCII).")] = None
+    grammar: Annotated[str | None, typer.Option(
+        "--grammar", callback=_check_constraint("grammar"), metavar="FILE", rich_help_panel=STRUCTURED,
+        help="The reply follows this grammar: Lark (llguidance's dialect) or llama.cpp's GBNF.")] = None
     num_beams: Annotated[int, _ranged(
         "num_beams", "--num-beams", rich_help_panel=BEAMS,
         help="Beam search with N beams, {range}; deterministic unless -t is given. Not streamed: a progress "
@@ -237,17 +303,36 @@ class Options:
     def beams(self) -> BeamParams:
         return BeamParams(**{f.name: getattr(self, f.name) for f in fields(BeamParams)})
 
+    def constraint(self) -> Constraint | None:
+        """What the replies must match (``ml/grammars.py``); ``ControlError`` when more than one
+        of --json-schema, --format json, --regex and --grammar is given."""
+        made = [make_constraint(name, getattr(self, name)) for name in CONSTRAINT_OPTIONS
+                if getattr(self, name) is not None]
+        made = [c for c in made if c is not None]  # --format none
+        if len(made) > 1:
+            raise ControlError("structured output", "takes one of --json-schema, --format json, --regex and "
+                                                    f"--grammar, got {len(made)}")
+        return made[0] if made else None
+
     def request(self, prompt_ids: Sequence[int], *, chat_reply: bool, reuse_cache: bool = False,
                 request_id: str | None = None, **overrides: Any) -> Request:
         """The ``Request`` for ``prompt_ids`` under these options, with a job's own settings
         (``overrides``, by option name: ``max_tokens``, ``seed``, ``temperature`` ...) over them.
         Without a seed, one is drawn (``Request.seed`` says which)."""
-        opts = replace(self, **overrides) if overrides else self
+        opts = self.with_settings(**overrides) if overrides else self
         seed = opts.seed if opts.seed is not None else secrets.randbelow(RANDOM_SEEDS)
         return Request(prompt_ids, sampling=opts.sampling(), seed=seed, max_tokens=opts.max_tokens, stop=opts.stop,
                        chat_reply=chat_reply, reuse_cache=reuse_cache, max_time=opts.max_time, beams=opts.beams(),
-                       request_id=request_id or new_request_id())
+                       request_id=request_id or new_request_id(), constraint=opts.constraint())
+
+    def with_settings(self, **changes: Any) -> Options:
+        """These options with ``changes`` (by option name). A constraint named there replaces the
+        one these options have: a --batch line's schema, a /set regex after --json-schema, and
+        /set format none (or any of them none) leaves none."""
+        if any(name in changes for name in CONSTRAINT_OPTIONS):
+            changes = {**{name: None for name in CONSTRAINT_OPTIONS}, **changes}
+        return replace(self, **changes)
 
 
-__all__ = ["BATCH", "BEAMS", "PENALTIES", "SAMPLING", "STOPPING", "ColorMode", "DType", "Options", "Quantize",
-           "Template"]
+__all__ = ["BATCH", "BEAMS", "CONSTRAINT_OPTIONS", "PENALTIES", "SAMPLING", "STOPPING", "STRUCTURED", "ColorMode",
+           "DType", "Options", "Quantize", "Template", "constraint_text", "make_constraint"]

@@ -496,3 +496,130 @@ def test_a_constraint_the_vocabulary_cannot_spell_is_a_request_error():
     assert constraints.compile(Constraint.regex("(a|b)+c")) is constraints.compile(Constraint.regex("(a|b)+c"))
     with pytest.raises(RequestError, match="^regex allows no token of this model's vocabulary$"):
         check_constraint(Request((1,), constraint=Constraint.regex("x+")), constraints)
+
+
+# -- the command: one-shot, --batch, the chat ---------------------------------------------------------
+
+CLI_SCHEMA = {"type": "object",
+              "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"},
+                             "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["a", "b"]}}},
+              "required": ["name", "n", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from cli_support import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("cli_constraints"))
+
+
+def test_one_shot_command_takes_each_option(tiny, tmp_path):
+    from cli_support import json_result, run_cli
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(CLI_SCHEMA, indent=2))
+    (tmp_path / "yes_no.gbnf").write_text('root ::= answer "."\nanswer ::= "yes" | "no"\n')
+    (tmp_path / "list.lark").write_text('start: item ("," item){0,2}\nitem: /[a-z]{1,6}/\n')
+    cases = [
+        (["--json-schema", str(schema_file)], lambda text: check_json(text, CLI_SCHEMA)),
+        (["--json-schema", json.dumps(CLI_SCHEMA)], lambda text: check_json(text, CLI_SCHEMA)),
+        (["--format", "json"], lambda text: json.loads(text)),
+        (["--regex", PATTERNS["date"]], lambda text: check_pattern(text, PATTERNS["date"])),
+        (["--grammar", str(tmp_path / "yes_no.gbnf")], lambda text: check_pattern(text, "(yes|no)\\.")),
+        (["--grammar", str(tmp_path / "list.lark")], lambda text: check_pattern(text, "[a-z]{1,6}(,[a-z]{1,6}){0,2}")),
+    ]
+    for args, check in cases:
+        # --format json allows any object: sampled strings may run on, so it runs greedy.
+        sampling = ["-t", "0"] if args[0] == "--format" else ["-t", "1", "--top-p", "1", "--seed", "7"]
+        result = json_result(run_cli("-m", str(tiny.path), "-p", "Tell me", "-n", "300", "--json", *sampling, *args))
+        assert result["finish_reason"] in ("stop_grammar", "eos"), (args, result)
+        check(result["text"].strip())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json-schema", "{bad"], "Invalid value for '--json-schema': is not valid JSON"),
+    (["--json-schema", '{"type": "foo"}'], "Invalid type: foo"),
+    (["--regex", "a("], "Invalid value for '--regex': is not valid: invalid regex \"a(\": unclosed group"),
+    (["--grammar", "/no/such/file"], "Invalid value for '--grammar': cannot read '/no/such/file'"),
+    (["--format", "yaml"], "Invalid value for '--format': must be one of json, none, got 'yaml'"),
+    (["--format", "json", "--regex", "a+"], "structured output takes one of --json-schema, --format json, --regex "
+                                            "and --grammar, got 2"),
+])
+def test_bad_constraints_are_one_line_and_exit_2_before_the_model_loads(args, message):
+    from cli_support import run_cli
+
+    proc = run_cli("-m", "/no/such/model", "-p", "hi", *args)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert "/no/such/model" not in err  # refused before the model was looked for
+
+
+def test_batch_lines_each_with_their_own_constraint(tiny, tmp_path):
+    from cli_support import run_cli
+
+    other = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}},
+             "required": ["ok", "level"], "additionalProperties": False}
+    jobs = [
+        {"prompt": "One", "json_schema": CLI_SCHEMA},
+        {"prompt": "Two", "json_schema": other, "seed": 3},
+        {"prompt": "Three", "regex": PATTERNS["e-mail"]},
+        {"prompt": "Four", "grammar": 'start: "yes" | "no"'},
+        {"prompt": "Five", "format": "none", "max_tokens": 5},  # no constraint, though the command line has one
+        {"prompt": "Six", "json_schema": {"type": "nonsense"}},
+        {"prompt": "Seven", "regex": "a", "format": "json"},
+        {"prompt": "Eight"},  # the command line's constraint
+    ]
+    src = tmp_path / "jobs.jsonl"
+    src.write_text("\n".join(json.dumps(job) for job in jobs) + "\n")
+    proc = run_cli("-m", str(tiny.path), "--batch", str(src), "--ordered", "-t", "1", "--top-p", "1", "-n", "300",
+                   "--json-schema", json.dumps(other))
+    assert proc.returncode == 2, proc.stderr.decode()  # two bad lines, reported; the others ran
+    out = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert [o["line"] for o in out] == list(range(1, 9))
+    check_json(out[0]["text"], CLI_SCHEMA)
+    check_json(out[1]["text"], other)
+    check_pattern(out[2]["text"], PATTERNS["e-mail"])
+    assert out[3]["text"] in ("yes", "no")
+    assert out[4]["finish_reason"] == "max_tokens"
+    assert "Invalid type: nonsense" in out[5]["error"] and "at a time" in out[6]["error"]
+    check_json(out[7]["text"], other)
+    assert all(o["finish_reason"] in ("stop_grammar", "eos") for o in (out[:4] + out[7:]))
+
+
+def test_chat_set_format_and_schema(tiny, tmp_path):
+    import pexpect
+
+    from cli_support import cli_env, llama_chat_command
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(CLI_SCHEMA))
+    cmd = llama_chat_command()
+    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", str(tiny.path), "--template", "llama2", "-t", "0", "-n", "300"],
+                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=120, encoding="utf-8",
+                          dimensions=(40, 160))
+    child.expect_exact(">>> ")
+    child.sendline("/set regex [a-z]{2")
+    child.expect_exact("unclosed counted repetition")
+    child.expect_exact(">>> ")
+    child.sendline(f"/set json_schema {schema_file}")
+    child.expect_exact(">>> ")
+    child.sendline("Tell me about a fox")
+    child.expect_exact(">>> ")
+    child.sendline("/set format json")
+    child.expect_exact(">>> ")
+    child.sendline("And a rabbit")
+    child.expect_exact(">>> ")
+    child.sendline("/set format none")
+    child.expect_exact(">>> ")
+    child.sendline("/set")
+    child.expect_exact("json_schema=None  format=None  regex=None  grammar=None")
+    child.expect_exact(">>> ")
+    child.sendline(f"/save {tmp_path / 'chat.json'}")
+    child.expect_exact(">>> ")
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    replies = [m["content"] for m in json.loads((tmp_path / "chat.json").read_text())["messages"]
+               if m["role"] == "assistant"]
+    assert len(replies) == 2
+    check_json(replies[0], CLI_SCHEMA)
+    assert isinstance(json.loads(replies[1]), dict)
