@@ -32,6 +32,7 @@ from llama_chat.cmd.run_command import load, silence_stdout, warm_up
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import StopRequest, install_sync_handlers, watch_signals
 from llama_chat.inference.jobs import JobStream
+from llama_chat.inference.remote import RemoteModel, RemoteSource
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions, SchedulerStats
 from llama_chat.inference.types import Completion, GenerationState, Request, RequestError
 
@@ -205,9 +206,13 @@ def plural(count: int, noun: str) -> str:
 
 def run_batch(opts: Options, jobs: list[JobLine | BadLine], color: str, err: Console) -> int:
     loaded = load(opts, err)
-    # A lone job's compiled step only with --compile: in a batch, jobs rarely run alone.
-    scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
-        max_batch=opts.max_batch, cache_tokens=opts.cache_tokens, quantize=opts.quantize, compile=bool(opts.compile)))
+    if isinstance(loaded, RemoteModel):  # -m openai:URL: the server batches, --max-batch requests at a time
+        scheduler = RemoteSource(loaded, max_batch=opts.max_batch)
+    else:
+        # A lone job's compiled step only with --compile: in a batch, jobs rarely run alone.
+        scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
+            max_batch=opts.max_batch, cache_tokens=opts.cache_tokens, quantize=opts.quantize,
+            compile=bool(opts.compile)))
     warm_up(scheduler, opts.sampling(), err, quiet=False)
     good, bad = _requests(opts, jobs, loaded, scheduler)
     for b in sorted(bad, key=lambda b: b.line):

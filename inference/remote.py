@@ -27,6 +27,7 @@ same ``TextStream`` as local tokens: stop strings are matched here too (a server
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -267,12 +268,14 @@ class RemoteCompletion(Completion):
 
 class RemoteStream(TextStream):
     """One request's responses, as ``Engine.stream`` gives them; ``completion()`` counts tokens
-    as the server's ``usage`` did. An error of the server ends the iteration by raising it."""
+    as the server's ``usage`` did. An error of the server (kept in ``error``) ends the iteration by
+    raising it, or, ``raises`` False (a job among many), with finish reason ``error``."""
 
-    def __init__(self, request: Request, receive: MemoryObjectReceiveStream[TokenEvent]) -> None:
+    def __init__(self, request: Request, receive: MemoryObjectReceiveStream[TokenEvent], *, raises: bool) -> None:
         super().__init__(request, TextMaker(request.stop), Tally(request.request_id, 0), receive)
         self.usage = _Usage()
         self.error: Exception | None = None
+        self.raises = raises
         self.request_id = request.request_id
         self._scope: anyio.CancelScope | None = None
         self._first_s: float | None = None
@@ -282,7 +285,7 @@ class RemoteStream(TextStream):
         try:
             return await super().__anext__()
         except StopAsyncIteration:
-            if self.error is not None:
+            if self.error is not None and self.raises:
                 error, self.error = self.error, None
                 raise error from None
             raise
@@ -376,7 +379,7 @@ class RemoteSource:
     async def stream(self, request: Request) -> AsyncIterator[RemoteStream]:
         self.check(request)
         async with self._new_client() as client, anyio.create_task_group() as tg:
-            stream = self._start(tg, client, request, None)
+            stream = self._start(tg, client, request, None, raises=True)
             try:
                 yield stream
             finally:
@@ -404,7 +407,7 @@ class RemoteSource:
         if self._task_group is None or self._client is None:
             raise RuntimeError("submit requests inside `async with source:`")
         self.check(request)
-        return self._start(self._task_group, self._client, request, self._limiter)
+        return self._start(self._task_group, self._client, request, self._limiter, raises=False)
 
     # -- internals ---------------------------------------------------------------------------------------
 
@@ -414,9 +417,9 @@ class RemoteSource:
                                  timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
 
     def _start(self, tg: anyio.abc.TaskGroup, client: httpx.AsyncClient, request: Request,
-               limiter: anyio.CapacityLimiter | None) -> RemoteStream:
+               limiter: anyio.CapacityLimiter | None, *, raises: bool) -> RemoteStream:
         send, receive = anyio.create_memory_object_stream[TokenEvent](BUFFER)
-        stream = RemoteStream(request, receive)
+        stream = RemoteStream(request, receive, raises=raises)
         stream._scope = anyio.CancelScope()
         self.submitted += 1
         tg.start_soon(self._produce, client, request, stream, send, limiter)
@@ -434,10 +437,12 @@ class RemoteSource:
                         await self._exchange(client, request, stream, send)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass  # the consumer went away
-            except (RemoteError, RemoteRequestError) as e:
-                stream.error = e
-            except httpx.HTTPError as e:
-                stream.error = RemoteError(f"{self.model.spec.base_url}: {_why(e)}")
+            except (RemoteError, RemoteRequestError, httpx.HTTPError) as e:
+                stream.error = e if not isinstance(e, httpx.HTTPError) else RemoteError(
+                    f"{self.model.spec.base_url}: {_why(e)}")
+                if not stream.raises:
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        await send.send(TokenEvent(request.request_id, 0, NO_ID, b"", GenerationState.ERROR, 0.0))
         self.finished += 1
         usage = stream.usage
         self.prompt_tokens += usage.prompt_tokens or 0

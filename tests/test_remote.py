@@ -111,12 +111,9 @@ def test_many_requests_at_once_and_a_refused_one_fails_alone(server):
     results: dict[int, object] = {}
 
     async def consume(i, stream):
-        try:
-            async for _ in stream:
-                pass
-            results[i] = stream.completion()
-        except RemoteRequestError as e:
-            results[i] = e
+        async for _ in stream:
+            pass
+        results[i] = stream.error or stream.completion()
 
     async def main():
         async with source:
@@ -152,3 +149,20 @@ def test_the_command_runs_against_a_remote_model(server):
     assert too_long.returncode == 2 and "the prompt is" in err and "Traceback" not in err, err
     unknown = run_cli("-m", spec(server) + "#nope", "-p", "hi", timeout=WAIT_S)
     assert unknown.returncode == 2 and "has no model 'nope'" in unknown.stderr.decode()
+
+
+def test_a_batch_runs_against_a_remote_model(server, tmp_path):
+    src = tmp_path / "jobs.jsonl"
+    src.write_text("\n".join(json.dumps(job) for job in [
+        {"prompt": "Tell me about the fox", "max_tokens": 6, "id": "fox"},
+        {"prompt": "x " * 2000, "max_tokens": 6, "id": "long"},
+        {"prompt": "Tell me about the dog", "max_tokens": 5, "id": "dog", "top_k": 30},
+    ]) + "\n")
+    proc = run_cli("-m", spec(server), "--batch", str(src), "-t", "0", "--max-batch", "2", timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = {o["id"]: o for o in map(json.loads, proc.stdout.decode().splitlines())}
+    expected = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Tell me about the fox"}], max_tokens=6, temperature=0)
+    assert out["fox"]["text"] == expected.choices[0].message.content and out["fox"]["completion_tokens"] == 6
+    assert out["dog"]["finish_reason"] == "max_tokens" and out["dog"]["completion_tokens"] == 5
+    assert out["long"]["finish_reason"] == "error"
