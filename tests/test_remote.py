@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 
 import anyio
+import pexpect
 import pytest
 
-from cli_support import build_tiny_model, run_cli
+from cli_support import build_tiny_model, cli_env, llama_chat_command, run_cli
 from llama_chat.inference.remote import (DialogCarrier, RemoteError, RemoteRequestError, RemoteSource, TextCarrier,
                                          connect)
 from llama_chat.inference.types import GenerationState, Request
@@ -166,3 +167,29 @@ def test_a_batch_runs_against_a_remote_model(server, tmp_path):
     assert out["fox"]["text"] == expected.choices[0].message.content and out["fox"]["completion_tokens"] == 6
     assert out["dog"]["finish_reason"] == "max_tokens" and out["dog"]["completion_tokens"] == 5
     assert out["long"]["finish_reason"] == "error"
+
+
+def test_the_chat_runs_against_a_remote_model(server, tmp_path):
+    cmd = llama_chat_command()
+    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", spec(server), "-t", "0", "-n", "6", "--no-history"],
+                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
+                          dimensions=(40, 160))
+    child.expect_exact("chatting with tiny")
+    child.expect_exact(">>> ")
+    for message in ("Tell me about the fox", "And the dog?"):
+        child.sendline(message)
+        child.expect_exact(">>> ")
+    child.sendline("/save " + str(tmp_path / "chat.json"))
+    child.expect_exact(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    messages = json.loads((tmp_path / "chat.json").read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 2
+    # Each reply is the server's own for the dialog so far.
+    for turn in (1, 3):
+        dialog = [{"role": m["role"], "content": m["content"]} for m in messages[:turn]]
+        expected = server.client().chat.completions.create(model="tiny", messages=dialog, max_tokens=6,
+                                                           temperature=0)
+        assert messages[turn]["content"] == expected.choices[0].message.content
