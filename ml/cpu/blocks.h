@@ -110,12 +110,14 @@ struct RoundedBlocks {
   std::vector<float> step_sums;     // per block of 32: its step times the sum of its values
   std::vector<int32_t> sums;        // per block of 32: the sum of its values
   std::vector<int16_t> half_sums;   // per 16 values: their sum (Q6_K's sub-blocks are 16 long)
+  std::vector<int8_t> interleaved;  // q, each group of 256 as interleave_group lays a weight group
 
   const int8_t* q_of(int64_t r) const { return q.data() + r * padded; }
   const float* steps_of(int64_t r) const { return steps.data() + r * (padded / kQuantBlock); }
   const float* step_sums_of(int64_t r) const { return step_sums.data() + r * (padded / kQuantBlock); }
   const int32_t* sums_of(int64_t r) const { return sums.data() + r * (padded / kQuantBlock); }
   const int16_t* half_sums_of(int64_t r) const { return half_sums.data() + r * (padded / 16); }
+  const int8_t* interleaved_of(int64_t r) const { return interleaved.data() + r * padded; }
 };
 
 // One block of n (at most 32) values.
@@ -172,6 +174,28 @@ inline void round_block32(const float* x, int8_t* q, float& step, float& step_su
   half_sums[0] = static_cast<int16_t>(low);
   half_sums[1] = static_cast<int16_t>(high);
 }
+
+// Eight blocks' vectors (v[j]: block j's 32 bytes as eight 4-byte words) rearranged in place so
+// that each lane belongs to one block: v[k] (k < 4) holds word k of blocks 0-3 in its low 128
+// bits and word k + 4 of the same blocks in its high ones; v[4 + k] the same of blocks 4-7. The
+// products of v[0..3] summed lane by lane are then blocks 0-3's first 16 values' and, in the
+// high lanes, their last 16 values' (Q6_K scales those halves); v[4..7] blocks 4-7's. The
+// weights of a group are rearranged once for every input row, the rounded rows once for every
+// weight row (RoundedBlocks::interleaved): no row then sums across its lanes per block, which
+// it did with the same shuffles for each row. A row alone reduces its own sums instead
+// (sums_of_groups): it has no other rows to share the rearranged weights with.
+LLAMA_CHAT_HOT void interleave_group(__m256i* v) {
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    __m256i* b = v + 4 * h;
+    const __m256i t0 = _mm256_unpacklo_epi32(b[0], b[1]), t1 = _mm256_unpackhi_epi32(b[0], b[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(b[2], b[3]), t3 = _mm256_unpackhi_epi32(b[2], b[3]);
+    b[0] = _mm256_unpacklo_epi64(t0, t2);
+    b[1] = _mm256_unpackhi_epi64(t0, t2);
+    b[2] = _mm256_unpacklo_epi64(t1, t3);
+    b[3] = _mm256_unpackhi_epi64(t1, t3);
+  }
+}
 #endif
 
 // Rows [0, rows) of x (each k long, `stride` apart) into `out`, whose vectors are reused.
@@ -203,6 +227,15 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
       round_block(xr + b * kQuantBlock, n, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
     }
   }
+#ifdef LLAMA_CHAT_AVX2
+  out.interleaved.resize(out.q.size());
+  for (int64_t at = 0; at < static_cast<int64_t>(out.q.size()); at += kQuantGroup) {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out.q.data() + at + 32 * j));
+    interleave_group(v);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.interleaved.data() + at + 32 * j), v[j]);
+  }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -303,23 +336,21 @@ inline float packed_dot_scalar(Packed kind, const uint8_t* row, int64_t blocks, 
 
 #ifdef LLAMA_CHAT_AVX2
 
-// Sums of four unsigned-by-signed byte products in each int32 lane.
-LLAMA_CHAT_HOT __m256i dot_u8i8(__m256i u, __m256i y) {
+// acc plus, in each int32 lane, the sum of its four unsigned-by-signed byte products.
+LLAMA_CHAT_HOT __m256i dot_add(__m256i acc, __m256i u, __m256i y) {
 #if defined(LLAMA_CHAT_AVX_VNNI)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, y);
+  return _mm256_dpbusd_avx_epi32(acc, u, y);
 #elif defined(LLAMA_CHAT_VNNI)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y);
+  return _mm256_dpbusd_epi32(acc, u, y);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1)));
 #endif
 }
 
-// The sums of eight vectors' lanes in two steps. The first: pairs of vectors interleaved and
-// added (lanes of v[j] and v[j + 1] side by side), twice, which leaves, per four vectors, each
-// one's lanes 0-3 summed in the low 128 bits and its lanes 4-7 in the high ones: the sums of the
-// first and second 16 values of each block (Q6_K scales those). Single-operation shuffles only:
-// vphaddd is several on some cores.
-LLAMA_CHAT_HOT void half_sums_of_8(const __m256i* v, __m256i* quads) {
+// The sums of eight vectors' lanes (v[j]: block j's four-product sums), in the order of the
+// sums of interleaved groups (below): pairs of vectors interleaved and added, twice (single-
+// operation shuffles only: vphaddd is several on some cores).
+LLAMA_CHAT_HOT void sums_of_groups(const __m256i* v, __m256i* quads) {
   __m256i pairs[4];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j)
@@ -331,7 +362,8 @@ LLAMA_CHAT_HOT void half_sums_of_8(const __m256i* v, __m256i* quads) {
                                 _mm256_unpackhi_epi64(pairs[2 * j], pairs[2 * j + 1]));
 }
 
-// Lane j: the sum of v[j]'s eight lanes, from half_sums_of_8's two vectors.
+// Lane j: block j's sum, from the sums of interleaved groups' lanes (quads[h]: blocks 4h to 4h + 3's
+// first halves low, second halves high).
 LLAMA_CHAT_HOT __m256i join_halves(const __m256i* quads) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(quads[0], quads[1], 0x20),
                           _mm256_permute2x128_si256(quads[0], quads[1], 0x31));
@@ -402,16 +434,16 @@ constexpr bool kOffset = K == Packed::q4_1 || K == Packed::q5_1 || K == Packed::
 
 // Eight blocks of a row, decoded.
 struct Group {
-  __m256i u[8];      // unsigned codes (Q8_0 with the sign trick: magnitudes)
-  __m256i signs[8];  // Q8_0 with the sign trick: the signed codes
-  __m256i halves[2];  // Q6_K: the 16-value sub-blocks' scales in half_sums_of_8's order
+  __m256i u[8];      // unsigned codes, interleaved (Q8_0 with the sign trick: magnitudes)
+  __m256i signs[8];  // Q8_0 with the sign trick: the signed codes, interleaved
+  __m256i halves[2];  // Q6_K: the 16-value sub-blocks' scales in the order of interleaved sums
   __m256i scales16;  // Q6_K: the sixteen sub-block scales as int16, for the zero point
   __m256 scale;      // a, per block
   __m256 offset;     // c, per block
 };
 
 // Blocks [8g, 8g + count) of a row of 32-value blocks (count from 1 to 8; the rest are zeros).
-template <Packed K>
+template <Packed K, bool Interleave>
 LLAMA_CHAT_HOT void decode_small_group(const uint8_t* row, int64_t g, int count, Group& out) {
   constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
   const uint8_t* first = row + 8 * g * bytes;
@@ -426,12 +458,8 @@ LLAMA_CHAT_HOT void decode_small_group(const uint8_t* row, int64_t g, int count,
     const uint8_t* p = first + j * bytes;
     if constexpr (K == Packed::q8_0) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-      if constexpr (kSignTrick<K>) {
-        out.u[j] = _mm256_abs_epi8(q);
-        out.signs[j] = q;
-      } else {
-        out.u[j] = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));  // q + 128
-      }
+      if constexpr (kSignTrick<K>) out.signs[j] = q;
+      else out.u[j] = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));  // q + 128
     } else if constexpr (K == Packed::q4_0) {
       out.u[j] = nibbles_of_16(p + 2);
     } else if constexpr (K == Packed::q4_1) {
@@ -441,6 +469,13 @@ LLAMA_CHAT_HOT void decode_small_group(const uint8_t* row, int64_t g, int count,
     } else {  // q5_1
       out.u[j] = _mm256_or_si256(nibbles_of_16(p + 8), fifth_bits(p + 4));
     }
+  }
+  if constexpr (kSignTrick<K>) {
+    if constexpr (Interleave) interleave_group(out.signs);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) out.u[j] = _mm256_abs_epi8(out.signs[j]);
+  } else if constexpr (Interleave) {
+    interleave_group(out.u);
   }
 }
 
@@ -463,7 +498,7 @@ LLAMA_CHAT_HOT void k_scales(const uint8_t* p, Group& out) {
   out.offset = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(p + 2)), minimums);
 }
 
-template <Packed K>
+template <Packed K, bool Interleave>
 LLAMA_CHAT_HOT void decode_super_block(const uint8_t* row, int64_t g, Group& out) {
   constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
   const uint8_t* p = row + g * bytes;
@@ -511,21 +546,37 @@ LLAMA_CHAT_HOT void decode_super_block(const uint8_t* row, int64_t g, Group& out
     out.halves[1] = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(ordered, ordered));
     out.scale = _mm256_set1_ps(half_to_float(p + 208));
   }
+  if constexpr (Interleave) interleave_group(out.u);
 }
 
 // One rounded row's share of a decoded group, added to acc.
-template <Packed K>
+template <Packed K, bool Interleaved>
 LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t r, int64_t g, __m256 acc) {
-  const int8_t* y = in.q_of(r) + g * kQuantGroup;
-  __m256i p[8];
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    __m256i yj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32 * j));
-    if constexpr (kSignTrick<K>) yj = _mm256_sign_epi8(yj, w.signs[j]);
-    p[j] = dot_u8i8(w.u[j], yj);
-  }
   __m256i quads[2];
-  half_sums_of_8(p, quads);
+  if constexpr (Interleaved) {
+    const int8_t* y = in.interleaved_of(r) + g * kQuantGroup;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i sum = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int k = 4 * h; k < 4 * h + 4; ++k) {
+        __m256i yk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32 * k));
+        if constexpr (kSignTrick<K>) yk = _mm256_sign_epi8(yk, w.signs[k]);
+        sum = dot_add(sum, w.u[k], yk);
+      }
+      quads[h] = sum;
+    }
+  } else {
+    const int8_t* y = in.q_of(r) + g * kQuantGroup;
+    __m256i p[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m256i yj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32 * j));
+      if constexpr (kSignTrick<K>) yj = _mm256_sign_epi8(yj, w.signs[j]);
+      p[j] = dot_add(_mm256_setzero_si256(), w.u[j], yj);
+    }
+    sums_of_groups(p, quads);
+  }
   if constexpr (K == Packed::q6_k) {
     quads[0] = _mm256_mullo_epi32(quads[0], w.halves[0]);
     quads[1] = _mm256_mullo_epi32(quads[1], w.halves[1]);
@@ -549,20 +600,21 @@ template <Packed K, int R>
 inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t r0, float* out) {
   constexpr bool super = kPackedLayouts[static_cast<int>(K)].values == kQuantGroup;
   const int64_t blocks = in.k / kQuantBlock, full = blocks / 8;
+  constexpr bool interleave = R > 1;  // see interleave_group
   __m256 acc[R];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   Group w;
   for (int64_t g = 0; g < full; ++g) {
-    if constexpr (super) decode_super_block<K>(row, g, w);
-    else decode_small_group<K>(row, g, 8, w);
+    if constexpr (super) decode_super_block<K, interleave>(row, g, w);
+    else decode_small_group<K, interleave>(row, g, 8, w);
 #pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) acc[i] = add_group<K>(w, in, r0 + i, g, acc[i]);
+    for (int i = 0; i < R; ++i) acc[i] = add_group<K, interleave>(w, in, r0 + i, g, acc[i]);
   }
   if constexpr (!super) {
     if (blocks % 8) {
-      decode_small_group<K>(row, full, static_cast<int>(blocks % 8), w);
-      for (int i = 0; i < R; ++i) acc[i] = add_group<K>(w, in, r0 + i, full, acc[i]);
+      decode_small_group<K, interleave>(row, full, static_cast<int>(blocks % 8), w);
+      for (int i = 0; i < R; ++i) acc[i] = add_group<K, interleave>(w, in, r0 + i, full, acc[i]);
     }
   }
   for (int i = 0; i < R; ++i) out[i] = horizontal_sum(acc[i]);
@@ -572,6 +624,10 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 // Rounded rows [row_first, row_stop) against weight rows [first, stop) of `data` (rows of
 // in.k values, packed): out[(r - row_first) * row_stride + (j - first)] is weight row j with
 // rounded row r; stored, or with Add added to what is there.
+// Weight rows a tile of them has, for rows of `row_bytes`: about 16 KiB, so that a tile stays in
+// the core's caches while every four input rows take it (and those rows' values stay in L1).
+inline int64_t packed_tile_rows(int64_t row_bytes) { return std::max<int64_t>(1, (16 << 10) / row_bytes); }
+
 template <bool Add, Packed K>
 void packed_range_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_first, int64_t row_stop, int64_t first,
                      int64_t stop, float* out, int64_t row_stride) {
@@ -581,28 +637,35 @@ void packed_range_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
     if constexpr (Add) slot += v;
     else slot = v;
   };
-  for (int64_t j = first; j < stop; ++j) {
-    const uint8_t* row = data + j * row_bytes;
 #ifdef LLAMA_CHAT_AVX2
-    // Four rounded rows share each decoded group.
+  const int64_t tile = packed_tile_rows(row_bytes);
+  for (int64_t tile_first = first; tile_first < stop; tile_first += tile) {
+    const int64_t tile_stop = std::min(stop, tile_first + tile);
+    // Four rounded rows share each decoded group, and the tile's weight rows the four rows.
     float four[4];
     int64_t r = row_first;
-    for (; r + 4 <= row_stop; r += 4) {
-      packed_dot_rows<K, 4>(row, in, r, four);
-      for (int i = 0; i < 4; ++i) put(r + i, j, four[i]);
+    for (; r + 4 <= row_stop; r += 4)
+      for (int64_t j = tile_first; j < tile_stop; ++j) {
+        packed_dot_rows<K, 4>(data + j * row_bytes, in, r, four);
+        for (int i = 0; i < 4; ++i) put(r + i, j, four[i]);
+      }
+    if (r == row_stop) continue;
+    for (int64_t j = tile_first; j < tile_stop; ++j) {
+      const uint8_t* row = data + j * row_bytes;
+      switch (row_stop - r) {
+        case 3: packed_dot_rows<K, 3>(row, in, r, four); break;
+        case 2: packed_dot_rows<K, 2>(row, in, r, four); break;
+        default: packed_dot_rows<K, 1>(row, in, r, four); break;
+      }
+      for (int64_t i = 0; r + i < row_stop; ++i) put(r + i, j, four[i]);
     }
-    switch (row_stop - r) {
-      case 3: packed_dot_rows<K, 3>(row, in, r, four); break;
-      case 2: packed_dot_rows<K, 2>(row, in, r, four); break;
-      case 1: packed_dot_rows<K, 1>(row, in, r, four); break;
-      default: break;
-    }
-    for (int64_t i = 0; r + i < row_stop; ++i) put(r + i, j, four[i]);
-#else
-    for (int64_t r = row_first; r < row_stop; ++r)
-      put(r, j, packed_dot_scalar(K, row, in.k / kQuantBlock, in.q_of(r), in.steps_of(r), in.step_sums_of(r)));
-#endif
   }
+#else
+  for (int64_t j = first; j < stop; ++j)
+    for (int64_t r = row_first; r < row_stop; ++r)
+      put(r, j, packed_dot_scalar(K, data + j * row_bytes, in.k / kQuantBlock, in.q_of(r), in.steps_of(r),
+                                  in.step_sums_of(r)));
+#endif
 }
 
 template <bool Add = false>
