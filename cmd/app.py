@@ -141,6 +141,11 @@ def execute(opts: Options) -> int:
             return print_model_list(sys.stdout)
         if opts.download and opts.model is None:
             raise UsageProblem("--download needs -m org/name (a Hugging Face id)")
+        if opts.remote_model is not None or opts.api_key is not None:
+            from llama_chat.inference.remote import is_remote
+
+            if not is_remote(opts.model):
+                raise UsageProblem("--remote-model and --api-key go with -m openai:URL (a model on a server)")
         if opts.num_return > opts.num_beams:
             raise UsageProblem(f"--num-return must be at most --num-beams ({opts.num_beams}), got {opts.num_return}")
         try:

@@ -146,14 +146,21 @@ class Options:
     model: Annotated[str | None, typer.Option(
         "--model", "-m", metavar="MODEL",
         help="Model: a directory or weights file (.gguf too), a Hugging Face id org/name from the local "
-             "cache, or ollama:NAME[:TAG] from Ollama's store (default: the small model shipped with the "
-             "package, also named by -m default). --list shows what is there.")] = None
+             "cache, ollama:NAME[:TAG] from Ollama's store, or openai:URL[#NAME], a model an OpenAI-compatible "
+             "server runs (default: the small model shipped with the package, also named by -m default). "
+             "--list shows what is there.")] = None
     list_models: Annotated[bool, typer.Option(
         "--list", help="List the shipped model, then the models in the Hugging Face cache and Ollama's store, "
                    "and exit.")] = False
     download: Annotated[bool, typer.Option(
         "--download", help="With -m org/name: download the model from the Hugging Face hub if it is not "
                            "in the cache (with a progress bar).")] = False
+    remote_model: Annotated[str | None, typer.Option(
+        "--remote-model", metavar="NAME",
+        help="With -m openai:URL: which of the server's models (also URL#NAME; default: its only one).")] = None
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", metavar="KEY",
+        help="With -m openai:URL: the server's API key (default: $OPENAI_API_KEY).")] = None
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None
     file: Annotated[str | None, typer.Option(
         "--file", "-f", help="Read the prompt from this file ('-': stdin); stdin is then not read otherwise.")] = None

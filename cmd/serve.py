@@ -100,8 +100,10 @@ class ServeOptions:
     debug: _OPTION["debug"] = False
 
     def options(self) -> Options:
-        """The command's ``Options``: what loads the model, and the base of every request."""
-        return Options(**{f.name: getattr(self, f.name) for f in fields(self) if f.name in Options.__dataclass_fields__})
+        """The command's ``Options``: what loads the model, and the base of every request. (Its
+        ``api_key`` is the key of a remote model's server, not this server's.)"""
+        return Options(**{f.name: getattr(self, f.name) for f in fields(self)
+                          if f.name in Options.__dataclass_fields__ and f.name != "api_key"})
 
 
 def _command(**kwargs) -> None:

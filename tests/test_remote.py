@@ -21,12 +21,13 @@ from llama_chat.model.chat_format import Message
 from serve_support import WAIT_S, start_server, stop_server, wait_for
 
 GREEDY = SamplingParams(temperature=0.0)
+KEY = "remote-test-key"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tiny = build_tiny_model(tmp_path_factory.mktemp("remote"), max_seq_len=1024)
-    s = start_server(tiny.path, "--max-batch", "4")
+    s = start_server(tiny.path, "--max-batch", "4", "--api-key", KEY)
     yield s
     assert stop_server(s) == 0, s.log()
 
@@ -51,11 +52,14 @@ async def run(source: RemoteSource, request: Request):
 
 
 def test_connect_finds_the_model_and_names_what_is_wrong(server):
-    model = connect(spec(server))
+    model = connect(spec(server), api_key=KEY)
     assert model.name == "tiny" and model.max_seq_len == 1024
-    assert connect(spec(server) + "#tiny").name == "tiny"
+    assert connect(spec(server) + "#tiny", api_key=KEY).name == "tiny"
+    assert connect(spec(server), model="tiny", api_key=KEY).name == "tiny"
     with pytest.raises(RemoteRequestError, match="has no model 'nope'"):
-        connect(spec(server) + "#nope")
+        connect(spec(server) + "#nope", api_key=KEY)
+    with pytest.raises(RemoteRequestError, match="401"):
+        connect(spec(server), api_key="wrong")
     with pytest.raises(RemoteRequestError, match="expected openai:http"):
         connect("openai:ftp://somewhere")
     with pytest.raises(RemoteError, match="cannot reach the server"):
@@ -63,8 +67,8 @@ def test_connect_finds_the_model_and_names_what_is_wrong(server):
 
 
 def test_a_remote_stream_says_what_the_server_says(server):
-    source = RemoteSource(connect(spec(server)))
-    client = server.client()
+    source = RemoteSource(connect(spec(server), api_key=KEY))
+    client = server.client(KEY)
 
     responses, done = anyio.run(run, source, text_request("Once upon a time"))
     expected = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
@@ -88,8 +92,8 @@ def test_a_remote_stream_says_what_the_server_says(server):
 
 
 def test_leaving_a_stream_early_cancels_the_job_on_the_server(server):
-    source = RemoteSource(connect(spec(server)))
-    cancelled = server.metrics()['llama_chat_requests_total{outcome="cancelled"}']
+    source = RemoteSource(connect(spec(server), api_key=KEY))
+    cancelled = server.metrics(KEY)['llama_chat_requests_total{outcome="cancelled"}']
 
     async def take_three():
         async with source.stream(text_request("An endless story", max_tokens=900)) as stream:
@@ -102,13 +106,13 @@ def test_leaving_a_stream_early_cancels_the_job_on_the_server(server):
 
     done = anyio.run(take_three)
     assert done.finish_reason == GenerationState.CANCELLED
-    wait_for(lambda: server.metrics()['llama_chat_requests_total{outcome="cancelled"}'] == cancelled + 1,
+    wait_for(lambda: server.metrics(KEY)['llama_chat_requests_total{outcome="cancelled"}'] == cancelled + 1,
              "the server to cancel the job")
-    wait_for(lambda: server.metrics()["llama_chat_kv_pages_used"] == 0, "the job's pages to be freed")
+    wait_for(lambda: server.metrics(KEY)["llama_chat_kv_pages_used"] == 0, "the job's pages to be freed")
 
 
 def test_many_requests_at_once_and_a_refused_one_fails_alone(server):
-    source = RemoteSource(connect(spec(server)), max_batch=2)
+    source = RemoteSource(connect(spec(server), api_key=KEY), max_batch=2)
     results: dict[int, object] = {}
 
     async def consume(i, stream):
@@ -129,9 +133,9 @@ def test_many_requests_at_once_and_a_refused_one_fails_alone(server):
 
 
 def test_the_command_runs_against_a_remote_model(server):
-    client = server.client()
+    client = server.client(KEY)
     proc = run_cli("-m", spec(server), "-p", "Tell me about the fox", "-t", "0", "-n", "8", "--json",
-                   timeout=WAIT_S)
+                   timeout=WAIT_S, OPENAI_API_KEY=KEY)
     assert proc.returncode == 0, proc.stderr.decode()
     out = json.loads(proc.stdout)
     expected = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell me about the fox"}],
@@ -139,17 +143,19 @@ def test_the_command_runs_against_a_remote_model(server):
     assert out["text"] == expected.choices[0].message.content
     assert out["completion_tokens"] == 8 and out["finish_reason"] == "max_tokens" and out["model"] == "tiny"
 
-    plain = run_cli("-m", spec(server) + "#tiny", "--template", "none", "-p", "Once upon a time", "-t", "0",
-                    "-n", "8", timeout=WAIT_S)
+    plain = run_cli("-m", spec(server), "--remote-model", "tiny", "--api-key", KEY, "--template", "none",
+                    "-p", "Once upon a time", "-t", "0", "-n", "8", timeout=WAIT_S)
     assert plain.returncode == 0, plain.stderr.decode()
     expected = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
     assert plain.stdout.decode().rstrip("\n") == expected.choices[0].text
 
-    too_long = run_cli("-m", spec(server), "-p", "x " * 2000, "-n", "4", timeout=WAIT_S)
+    too_long = run_cli("-m", spec(server), "-p", "x " * 2000, "-n", "4", timeout=WAIT_S, OPENAI_API_KEY=KEY)
     err = too_long.stderr.decode()
     assert too_long.returncode == 2 and "the prompt is" in err and "Traceback" not in err, err
-    unknown = run_cli("-m", spec(server) + "#nope", "-p", "hi", timeout=WAIT_S)
+    unknown = run_cli("-m", spec(server) + "#nope", "-p", "hi", timeout=WAIT_S, OPENAI_API_KEY=KEY)
     assert unknown.returncode == 2 and "has no model 'nope'" in unknown.stderr.decode()
+    keyless = run_cli("-m", spec(server), "-p", "hi", timeout=WAIT_S, OPENAI_API_KEY="")
+    assert keyless.returncode == 2 and ": 401: " in keyless.stderr.decode(), keyless.stderr.decode()
 
 
 def test_a_batch_runs_against_a_remote_model(server, tmp_path):
@@ -159,10 +165,11 @@ def test_a_batch_runs_against_a_remote_model(server, tmp_path):
         {"prompt": "x " * 2000, "max_tokens": 6, "id": "long"},
         {"prompt": "Tell me about the dog", "max_tokens": 5, "id": "dog", "top_k": 30},
     ]) + "\n")
-    proc = run_cli("-m", spec(server), "--batch", str(src), "-t", "0", "--max-batch", "2", timeout=WAIT_S)
+    proc = run_cli("-m", spec(server), "--batch", str(src), "-t", "0", "--max-batch", "2", timeout=WAIT_S,
+                   OPENAI_API_KEY=KEY)
     assert proc.returncode == 0, proc.stderr.decode()
     out = {o["id"]: o for o in map(json.loads, proc.stdout.decode().splitlines())}
-    expected = server.client().chat.completions.create(
+    expected = server.client(KEY).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Tell me about the fox"}], max_tokens=6, temperature=0)
     assert out["fox"]["text"] == expected.choices[0].message.content and out["fox"]["completion_tokens"] == 6
     assert out["dog"]["finish_reason"] == "max_tokens" and out["dog"]["completion_tokens"] == 5
@@ -172,7 +179,8 @@ def test_a_batch_runs_against_a_remote_model(server, tmp_path):
 def test_the_chat_runs_against_a_remote_model(server, tmp_path):
     cmd = llama_chat_command()
     child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", spec(server), "-t", "0", "-n", "6", "--no-history"],
-                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
+                          env=cli_env(XDG_STATE_HOME=str(tmp_path), OPENAI_API_KEY=KEY), timeout=WAIT_S,
+                          encoding="utf-8",
                           dimensions=(40, 160))
     child.expect_exact("chatting with tiny")
     child.expect_exact(">>> ")
@@ -190,6 +198,6 @@ def test_the_chat_runs_against_a_remote_model(server, tmp_path):
     # Each reply is the server's own for the dialog so far.
     for turn in (1, 3):
         dialog = [{"role": m["role"], "content": m["content"]} for m in messages[:turn]]
-        expected = server.client().chat.completions.create(model="tiny", messages=dialog, max_tokens=6,
+        expected = server.client(KEY).chat.completions.create(model="tiny", messages=dialog, max_tokens=6,
                                                            temperature=0)
         assert messages[turn]["content"] == expected.choices[0].message.content
