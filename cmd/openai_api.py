@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llama_chat.cmd.batch_input import SAMPLING_KEYS, SETTING_KEYS, _setting
+from llama_chat.cmd.options import CONSTRAINT_OPTIONS
 from llama_chat.inference.types import Completion, GenerationState
 from llama_chat.ml.controls import ControlError, SamplingParams
-from llama_chat.ml.grammars import Constraint
 from llama_chat.model.chat_format import Message
 
 MAX_CHOICES = 128  # OpenAI's own bound on n
@@ -93,7 +93,6 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     settings: dict[str, Any] = field(default_factory=dict)
-    constraint: Constraint | None = None
 
     @property
     def prompt_field(self) -> str:
@@ -113,7 +112,14 @@ def parse_chat(body: dict[str, Any]) -> Generation:
             raise bad(f"{name} are not supported by this server", name)
     messages = _messages(body.get("messages"))
     limit = "max_completion_tokens" if _given(body, "max_completion_tokens") else "max_tokens"
-    return Generation(True, (messages,), **_common(body, limit), constraint=_response_format(body))
+    common = _common(body, limit)
+    form = _response_format(body)
+    if form:
+        if any(name in common["settings"] for name in CONSTRAINT_OPTIONS):
+            raise bad(f"response_format and {', '.join(CONSTRAINT_OPTIONS)} constrain the reply: one at a time",
+                      "response_format")
+        common["settings"].update(form)
+    return Generation(True, (messages,), **common)
 
 
 def parse_completion(body: dict[str, Any]) -> Generation:
@@ -232,25 +238,28 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
     raise bad("prompt must be a string, a list of strings, or token ids", "prompt")
 
 
-def _response_format(body: dict[str, Any]) -> Constraint | None:
+def _response_format(body: dict[str, Any]) -> dict[str, str]:
+    """OpenAI's ``response_format`` as the option it stands for: ``format`` json, or ``json_schema``."""
     value = body.get("response_format")
     if value is None:
-        return None
+        return {}
     kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        name, setting = "format", "json"
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
+        name, setting = "json_schema", json.dumps(schema)
+    else:
+        raise bad("response_format.type must be text, json_object or json_schema", "response_format")
     try:
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return Constraint("json")
-        if kind == "json_schema":
-            spec = value.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
-            return Constraint("json_schema", json.dumps(schema))
-    except ControlError as e:
-        raise bad(f"response_format: {e.reason}", "response_format") from None
-    raise bad("response_format.type must be text, json_object or json_schema", "response_format")
+        return {name: _setting(name, setting)}
+    except (ControlError, ValueError) as e:
+        raise bad(f"response_format: {getattr(e, 'reason', e)}", "response_format") from None
 
 
 # -- what is sent back -----------------------------------------------------------------------------

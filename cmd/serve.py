@@ -178,7 +178,7 @@ def run_serve(opts: ServeOptions) -> int:
         log.error(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}")
         return exit_status.FAILURE
     log.note(f"listening on {_url(sock)}; loading {opts.model or 'the shipped model'}")
-    if opts.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+    if opts.api_key is None and not _loopback(sock.getsockname()[0]):
         log.note("no --api-key: anyone who can reach this address can use the server")
     try:
         return anyio.run(_serve, opts, sock, log)
@@ -194,6 +194,13 @@ def listen(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (bound now, so a taken port is an error at once)."""
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     return socket.create_server(address, family=family, backlog=LISTEN_BACKLOG)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.partition("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _url(sock: socket.socket) -> str:

@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -262,8 +262,6 @@ def _prepare(served: Served, body: dict[str, Any], parse: Callable[[dict[str, An
                 settings["seed"] = (seed + j) % (MAX_SEED + 1)
             request = served.opts.request(ids, chat_reply=generation.chat and loaded.chat_format is not None,
                                           request_id=f"{reply_id}-{p * generation.n + j}", **settings)
-            if generation.constraint is not None:
-                request = replace(request, constraint=generation.constraint)
             requests.append(request)
     return generation, requests, prompt_lens
 

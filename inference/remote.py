@@ -370,8 +370,10 @@ class RemoteSource:
         """The counters ``--batch --stats`` shows, in the scheduler's form (no pages here)."""
         from llama_chat.inference.scheduler import SchedulerStats
 
-        return SchedulerStats(self.submitted, self.finished, self.prompt_tokens - self.cached_tokens,
-                              self.cached_tokens, self.generated, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return SchedulerStats(jobs_submitted=self.submitted, jobs_finished=self.finished,
+                              prefill_tokens=self.prompt_tokens - self.cached_tokens, cached_tokens=self.cached_tokens,
+                              generated_tokens=self.generated, steps=0, mixed_steps=0, page_size=0, pages_total=0,
+                              pages_free=0, pages_cached=0, pages_in_use=0, pages_peak=0, evictions=0)
 
     # -- one request -------------------------------------------------------------------------------------
 

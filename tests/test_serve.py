@@ -152,6 +152,10 @@ def test_response_format_holds_the_reply_to_a_schema(server):
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
     assert json.loads(reply.choices[0].message.content) in ({"done": True}, {"done": False})
     assert reply.choices[0].finish_reason == "stop"
+    # The command line's own structured output, as extra fields.
+    digits = server.client().completions.create(model="tiny", prompt="A number:", max_tokens=10, seed=3,
+                                                extra_body={"regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].text) and digits.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -167,6 +171,8 @@ def test_response_format_holds_the_reply_to_a_schema(server):
     ({"logprobs": True}, "logprobs"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": "not a schema"}}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"regex": "a+"}}, "response_format"),
+    ({"extra_body": {"regex": "("}}, "regex"),
     ({"extra_body": {"top_k": -1}}, "top_k"),
     ({"extra_body": {"min_p": "high"}}, "min_p"),
     ({"extra_body": {"colour": "red"}}, "colour"),
