@@ -38,7 +38,7 @@ def server(tiny):
 @pytest.fixture(scope="module")
 def guarded(tiny):
     s = start_server(tiny.path, "--max-batch", "1", "--queue-limit", "1", "--shutdown-grace", "1",
-                     LLAMA_CHAT_API_KEY=GUARD_KEY)
+                     "--cors-origin", "https://app.example", LLAMA_CHAT_API_KEY=GUARD_KEY)
     yield s
     if s.proc.poll() is None:
         stop_server(s)
@@ -247,6 +247,20 @@ def test_an_api_key_is_required_except_for_health(guarded):
     assert httpx.get(f"{guarded.url}/health", timeout=WAIT_S).status_code == 200
     reply = guarded.client(GUARD_KEY).completions.create(model="tiny", prompt="hi", max_tokens=2)
     assert reply.usage.completion_tokens == 2
+
+
+def test_cors_lets_the_named_origin_in_only(guarded, server):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    response = httpx.options(f"{guarded.url}/v1/chat/completions", headers=preflight, timeout=WAIT_S)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(f"{guarded.url}/v1/chat/completions",
+                          headers={**preflight, "Origin": "https://elsewhere.example"}, timeout=WAIT_S)
+    assert "access-control-allow-origin" not in other.headers
+    # Without --cors-origin, no origin is let in.
+    plain = httpx.get(f"{server.url}/health", headers={"Origin": "https://app.example"}, timeout=WAIT_S)
+    assert "access-control-allow-origin" not in plain.headers
 
 
 def test_past_the_queue_limit_a_request_gets_429_with_retry_after(guarded):
