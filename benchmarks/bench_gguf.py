@@ -29,7 +29,7 @@ written into the repository:
 5. Also measured in the same run: the machine's read bandwidth (a float32 sum over 1 GiB on the
    same threads, best of 7 passes at the start of every round, the best round's kept), the
    baseline (llama-chat's peak RSS on the shipped model with the short prompt, median of one run
-   per round, after an untimed run that also builds llama-chat's CPU kernels if their cache is
+   per round, after untimed runs that also build llama-chat's CPU kernels if their cache is
    cold) and the load average, since both systems share the cores with whatever else runs.
 
 Printed: one JSON line per measurement, then one Markdown table per shape (``--report FILE`` prints
@@ -250,7 +250,11 @@ class Results:
 
     values: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
+    errors: list[str] = field(default_factory=list)
+
     def add(self, row: dict) -> None:
+        if row.get("error"):
+            self.errors.append(row["error"])
         for measure in ("decode_tok_s", "prefill_tok_s", "peak_rss_mb"):
             if row.get(measure) is not None:
                 self.values.setdefault((row["system"], measure), []).append(row[measure])
@@ -278,22 +282,29 @@ def llama_chat_command() -> list[str]:
     return [found]
 
 
+class RunFailed(Exception):
+    """A measured run that failed for good; the message is its last line of output."""
+
+
 def run_llama_chat(model: Path | None, prompt_file: Path, n_new: int, ctx: int | None, env: dict) -> tuple[dict, Measured]:
+    """One llama-chat process. A failure is retried while its message changes (the tree may be
+    mid-commit); one that repeats, or a usage error, raises ``RunFailed``."""
     cmd = [*llama_chat_command()] + (["-m", str(model)] if model else [])
     cmd += ["-f", str(prompt_file), "--no-stdin", "-n", str(n_new), "--min-new-tokens", str(n_new), "-t", "0",
             "--template", "none", "--json"] + (["-c", str(ctx)] if ctx else [])
+    seen: set[str] = set()
     for attempt in range(RETRIES + 1):
         m = run_measured(cmd, env=env, cwd=Path.home())
         if m.returncode == 0:
             return json.loads(m.stdout), m
-        if m.returncode != 2 and attempt < RETRIES:
-            last = (m.stderr.strip().splitlines() or ["no message"])[-1][:200]
-            log(f"llama-chat failed (exit {m.returncode}: {last}); retrying in {RETRY_WAIT_S} s")
-            time.sleep(RETRY_WAIT_S)
-            continue
-        break
-    raise SystemExit(f"llama-chat failed (exit {m.returncode}) on {model or 'the shipped model'}: "
-                     f"{m.stderr.strip()[-800:]}")
+        last = (m.stderr.strip().splitlines() or [f"exit {m.returncode}"])[-1][:300]
+        if m.returncode == 2 or last in seen or attempt == RETRIES:
+            raise RunFailed(last)
+        seen.add(last)
+        log(f"llama-chat failed on {model.name if model else 'the shipped model'} ({last}); "
+            f"retrying in {RETRY_WAIT_S} s")
+        time.sleep(RETRY_WAIT_S)
+    raise AssertionError("unreachable")
 
 
 def read_bandwidth_gbs(threads: int) -> float:
@@ -345,8 +356,13 @@ def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], prompts: d
         emit(round=round_no, shape=key, type=ftype, system="llama.cpp", prefill_tok_s=cpp.prefill_tok_s,
              decode_tok_s=cpp.decode_tok_s, peak_rss_mb=cpp.peak_rss_bytes / 1e6, wall_s=cpp.wall_s)
 
-        pre, pre_m = run_llama_chat(path, prompts["long"], 1, ctx, env)
-        dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, ctx, env)
+        try:
+            pre, pre_m = run_llama_chat(path, prompts["long"], 1, ctx, env)
+            dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, ctx, env)
+        except RunFailed as e:
+            log(f"llama-chat failed on {path.name}: {e}")
+            emit(round=round_no, shape=key, type=ftype, system="llama-chat", error=str(e))
+            continue
         if pre["prompt_tokens"] != args.prompt_tokens:
             log(f"llama-chat read the prefill prompt as {pre['prompt_tokens']} tokens, not {args.prompt_tokens}")
         if dec["completion_tokens"] != args.gen:
@@ -395,9 +411,12 @@ def report(rows: list[dict], cache: Path) -> None:
               "| of bound cpp / chat | prefill llama.cpp | prefill llama-chat | ratio | peak RSS llama.cpp MB "
               "| peak RSS llama-chat MB | rule MB | rule holds |")
         print("|---|" + "---:|" * 14)
+        failures = []
         for (k, ftype), r in results.items():
             if k != key:
                 continue
+            if r.errors:
+                failures.append(f"- {ftype}: llama-chat failed in {len(r.errors)} round(s): {r.errors[-1]}")
             path = gguf_path(cache, k, ftype)
             size_mb, per_token = path.stat().st_size / 1e6, weight_bytes_per_token(path)
             bound = bandwidth * 1e9 / per_token
@@ -412,6 +431,8 @@ def report(rows: list[dict], cache: Path) -> None:
                   f"| {_ratio(hd, cd)} | {of_bound} "
                   f"| {r.spread('llama.cpp', 'prefill_tok_s')} | {r.spread('llama-chat', 'prefill_tok_s')} "
                   f"| {_ratio(hp, cp)} | {_f(crss, 0)} | {_f(hrss, 0)} | {rule:.0f} | {holds} |")
+        if failures:
+            print("\n" + "\n".join(failures))
     loads = [r["load_average_1min"] for r in rows if "load_average_1min" in r]
     # Both systems share the cores with whatever else runs: say how busy the machine was.
     print(f"\nLoad average (1 min) at each round's start and at the end: {', '.join(f'{x:.1f}' for x in loads)}; "
@@ -508,13 +529,28 @@ def main(argv: list[str] | None = None) -> int:
     prompts["short"].write_text(SHORT_PROMPT)
 
     env = child_env(args.threads)
-    log("untimed llama-chat run on the shipped model (builds its CPU kernels if their cache is cold)")
-    run_llama_chat(None, prompts["short"], 8, None, env)
+    # Untimed: these build llama-chat's CPU kernels (the float ones and the packed ones) when their
+    # cache is cold, which would otherwise land in the first timed run, compiler's memory included.
+    smallest = min(files.items(), key=lambda kv: kv[1].stat().st_size)
+    log(f"untimed llama-chat runs on the shipped model and on {smallest[1].name}")
+    try:
+        run_llama_chat(None, prompts["short"], 8, None, env)
+    except RunFailed as e:
+        print(f"bench_gguf: llama-chat fails on the shipped model: {e}", file=sys.stderr)
+        return 1
+    try:
+        run_llama_chat(smallest[1], prompts["short"], 8, SHAPES[smallest[0][0]].ctx, env)
+    except RunFailed as e:
+        log(f"llama-chat failed on {smallest[1].name}: {e}")
     for path in files.values():
         read_through(path)
     for round_no in range(1, args.rounds + 1):
         bandwidth = read_bandwidth_gbs(args.threads)
-        _, base = run_llama_chat(None, prompts["short"], args.gen, None, env)
+        try:
+            _, base = run_llama_chat(None, prompts["short"], args.gen, None, env)
+        except RunFailed as e:
+            print(f"bench_gguf: llama-chat fails on the shipped model: {e}", file=sys.stderr)
+            return 1
         emit(round=round_no, read_bandwidth_gbs=bandwidth, baseline_rss_mb=base.peak_rss_bytes / 1e6,
              load_average_1min=os.getloadavg()[0])
         measure_round(peer, files, prompts, args, round_no)
