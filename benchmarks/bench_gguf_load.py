@@ -1,4 +1,4 @@
-"""Load time and peak memory of GGUF files, against the float32 weights they expand to.
+"""Load time and peak memory of GGUF files: expanded to float32, or kept packed.
 
 Writes a TinyLlama-1.1B-shaped GGUF (dim 2048, 22 layers, 32 query / 4 kv heads, ffn 5632,
 vocab 32000, untied: 1.1 B parameters) with random weights, once per type asked for, then loads
@@ -12,6 +12,14 @@ torch dequantizers the reader uses.
     python benchmarks/bench_gguf_load.py --dir /tmp/bench_gguf --types q8_0 --layers 4
     python benchmarks/bench_gguf_load.py --kernels     # dequantizers alone: torch against numpy
     python benchmarks/bench_gguf_load.py --dir /tmp/bench_gguf --types q8_0 --quantize int8
+
+``--packed`` loads each file as a user's run does (no ``--dtype``: the quantized matrices stay the
+file's blocks, ``ml/packed.py``), then makes the decode step's state (fused projections, a KV cache
+of the file's context) and runs an 8-token prompt and 8 decode steps; it reports the peak resident
+set against the file's size plus the KV cache plus the baseline (target: at most 1.1x the file).
+``--file PATH`` measures that file instead of the written ones.
+
+    python benchmarks/bench_gguf_load.py --dir /tmp/bench_gguf --types q4_k_m q8_0 --packed
 """
 
 from __future__ import annotations
@@ -33,6 +41,32 @@ def _status_kb(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def _packed_child(path: str) -> None:
+    import torch
+
+    from llama_chat.inference.model_step import ModelStep
+    from llama_chat.ml.cpu import kernels as cpu_kernels
+    from llama_chat.model.loader import load_model
+
+    cpu_kernels.load()  # imported before the baseline: the command loads it before the model too
+    baseline_kb = _status_kb("VmRSS")
+    t0 = time.perf_counter()
+    loaded = load_model(path, device="cpu")
+    load_s = time.perf_counter() - t0
+    after_load_kb = _status_kb("VmHWM")
+    summary = loaded.weights()
+    step = ModelStep(loaded.model)  # as the engine makes it: projections fused, the KV cache allocated
+    kv_bytes = sum(t.numel() * t.element_size() for t in (*step.cache.keys, *step.cache.values))
+    t0 = time.perf_counter()
+    logits = step.forward([list(range(1, 9))], [0])
+    for pos in range(8, 16):
+        logits = step.forward([[int(logits[0].argmax())]], [pos])
+    decode_s = time.perf_counter() - t0
+    print(json.dumps({"format": summary.format, "weight_bytes": loaded.weights().nbytes, "kv_bytes": kv_bytes,
+                      "baseline_kb": baseline_kb, "after_load_kb": after_load_kb, "vmhwm_kb": _status_kb("VmHWM"),
+                      "load_s": load_s, "steps_s": decode_s, "threads": torch.get_num_threads()}))
 
 
 def _child(path: str, quantize: str) -> None:
@@ -158,6 +192,29 @@ def _write(path: Path, kind: str, n_layers: int) -> None:
     del torch
 
 
+def _written(opts: argparse.Namespace, kind: str) -> Path:
+    """The TinyLlama-shaped file of ``kind``, written first when it is not there yet."""
+    opts.dir.mkdir(parents=True, exist_ok=True)
+    path = opts.dir / f"tinyllama-{opts.layers}l-{kind}.gguf"
+    if not path.is_file():
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, __file__, "--write", str(path), "--types", kind,
+                        "--layers", str(opts.layers)], check=True)
+        print(f"wrote {path.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return path
+
+
+def _report_packed(path: Path) -> None:
+    r = json.loads(subprocess.run([sys.executable, __file__, "--packed-child", str(path)], check=True,
+                                  capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    size, kv, base = path.stat().st_size, r["kv_bytes"], r["baseline_kb"] * 1024
+    hwm, loaded = r["vmhwm_kb"] * 1024, r["after_load_kb"] * 1024
+    print(f"{path.name}: {r['format']} | file {size / 1e9:.3f} GB, weights in memory {r['weight_bytes'] / 1e9:.3f} GB, "
+          f"KV cache {kv / 1e9:.3f} GB | load_model {r['load_s']:.2f} s, 8 + 8 tokens {r['steps_s']:.1f} s "
+          f"({r['threads']} threads) | baseline {base / 1e9:.3f} GB, peak after load {loaded / 1e9:.3f} GB, "
+          f"peak {hwm / 1e9:.3f} GB | (peak - baseline - KV) / file {(hwm - base - kv) / size:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/bench_gguf"), help="where the files are written (reused when present)")
@@ -166,6 +223,9 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="time the dequantizers alone")
     parser.add_argument("--quantize", choices=["none", "int8"], default="none",
                         help="load with load_model(quantize=...): int8 keeps the projections in int8")
+    parser.add_argument("--packed", action="store_true", help="load packed (no dtype) and decode; see above")
+    parser.add_argument("--file", type=Path, help="measure this GGUF file instead of writing one per type")
+    parser.add_argument("--packed-child", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--numpy-child", help=argparse.SUPPRESS)
     parser.add_argument("--write", help=argparse.SUPPRESS)
@@ -176,17 +236,18 @@ def main() -> None:
         return _child(opts.child, opts.quantize)
     if opts.numpy_child:
         return _numpy_child(opts.numpy_child)
+    if opts.packed_child:
+        return _packed_child(opts.packed_child)
     if opts.write:
         return _write(Path(opts.write), opts.types[0], opts.layers)
     # This process imports no torch: a child's ru_maxrss would carry this process's peak over.
+    if opts.packed:
+        for path in [opts.file] if opts.file else [_written(opts, kind) for kind in opts.types]:
+            _report_packed(path)
+        return
     opts.dir.mkdir(parents=True, exist_ok=True)
     for kind in opts.types:
-        path = opts.dir / f"tinyllama-{opts.layers}l-{kind}.gguf"
-        if not path.is_file():
-            t0 = time.perf_counter()
-            subprocess.run([sys.executable, __file__, "--write", str(path), "--types", kind,
-                            "--layers", str(opts.layers)], check=True)
-            print(f"wrote {path.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        path = _written(opts, kind)
         r = json.loads(subprocess.run([sys.executable, __file__, "--child", str(path), "--quantize", opts.quantize],
                                       check=True,
                                       capture_output=True, text=True).stdout.strip().splitlines()[-1])

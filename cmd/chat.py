@@ -44,7 +44,7 @@ from llama_chat.cmd.chat_settings import Settings, apply_setting, set_help, spli
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.render import make_renderer
-from llama_chat.cmd.report import seed_to_report
+from llama_chat.cmd.report import seed_to_report, weights_text
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers, no_control_echo
 from llama_chat.cmd.sanitize import displayable
@@ -55,7 +55,10 @@ from llama_chat.inference.types import Completion, GenerationState, Request, Tim
 from llama_chat.model.chat_format import ChatFormat, Message
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from llama_chat.cmd.options import Options
+    from llama_chat.model.loader import WeightsSummary
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -235,12 +238,14 @@ class Leave(Exception):
 
 
 class ChatRunner:
-    def __init__(self, chat: Chat, opts: Options, color: str, err: Console, name: str) -> None:
+    def __init__(self, chat: Chat, opts: Options, color: str, err: Console, name: str,
+                 weights: Callable[[], WeightsSummary] | None = None) -> None:
         self.chat = chat
         self.opts = opts
         self.color = color
         self.err = err
         self.name = name
+        self.weights = weights  # the model's weights as they are when /stats asks
 
     # -- output
 
@@ -336,7 +341,7 @@ class ChatRunner:
                 f"{done.prefilled_tokens} prefilled)  reply: {done.completion_tokens} tokens, "
                 f"{done.finish_reason.value}  ttft: {fmt(t.ttft_s, 's', 3)}  prefill: {fmt(t.prefill_tok_s, 'tok/s')}  "
                 f"decode: {fmt(t.decode_tok_s, 'tok/s')}  context: {used}/{self.chat.backend.max_seq_len}"
-                f"{seed}{self.pages_text()}")
+                f"{seed}{self.pages_text()}" + (f"  {weights_text(self.weights())}" if self.weights else ""))
 
     def pages_text(self) -> str:
         """Where the conversation's keys are: the scheduler's page table (nothing for the engine)."""
@@ -475,7 +480,7 @@ def _chat(opts: Options, first: str | None, color: str, err: Console) -> int:
     backend = make_chat_backend(loaded, opts)
     settings = Settings(opts)
     chat = Chat(backend, loaded.chat_format, settings, system=opts.system)
-    runner = ChatRunner(chat, opts, color, err, loaded.name)
+    runner = ChatRunner(chat, opts, color, err, loaded.name, weights=getattr(loaded, "weights", None))
     warm_up(backend, settings.sampling, err, quiet=False)
     reader = ChatInput(history=not opts.no_history)
     runner.say(f"chatting with {loaded.name} ({loaded.chat_format.name} format, {backend.max_seq_len} tokens of "

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 from rich.text import Text
 
+from llama_chat.cmd.model_list import human_size
 from llama_chat.inference.types import BeamCompletion, Completion
+
+if TYPE_CHECKING:
+    from llama_chat.model.loader import WeightsSummary
 
 
 def _fmt(value: float | None, unit: str, digits: int = 1) -> str:
@@ -32,25 +36,31 @@ def finish_line(completion: Completion, seed: int | None) -> Text:
     return line
 
 
-def stats_line(completion: Completion, load_s: float | None = None) -> Text:
+def weights_text(weights: WeightsSummary) -> str:
+    """``weights: Q4_K_M, packed q4_k+q6_k (668.0 MB)``: the matrices' form and the bytes they take."""
+    return f"weights: {weights.format} ({human_size(weights.nbytes)})"
+
+
+def stats_line(completion: Completion, load_s: float | None = None, weights: WeightsSummary | None = None) -> Text:
     """Token counts and timings; ``load_s``: how long the model took to be ready (read, prepared,
-    warmed up) before the prompt was timed, which the time to the first token does not include."""
+    warmed up) before the prompt was timed, which the time to the first token does not include;
+    ``weights``: what the model's weights are (``weights_text``)."""
     t = completion.timings
     load = f"load: {_fmt(load_s, 's', 2)}  " if load_s is not None else ""
     return Text(
         f"tokens: {completion.prompt_tokens} prompt, {completion.completion_tokens} generated  "
         f"{load}ttft: {_fmt(t.ttft_s, 's', 3)}  prefill: {_fmt(t.prefill_tok_s, 'tok/s')}  "
-        f"decode: {_fmt(t.decode_tok_s, 'tok/s')}",
+        f"decode: {_fmt(t.decode_tok_s, 'tok/s')}" + (f"  {weights_text(weights)}" if weights is not None else ""),
         style="dim",
     )
 
 
 def print_summary(err: Console, completion: Completion, seed: int | None, *, stats: bool,
-                  load_s: float | None = None) -> None:
+                  load_s: float | None = None, weights: WeightsSummary | None = None) -> None:
     """The finish line (with the seed once, if any) and, with ``stats``, the stats line."""
     err.print(finish_line(completion, seed), highlight=False, soft_wrap=True)
     if stats:
-        err.print(stats_line(completion, load_s), highlight=False, soft_wrap=True)
+        err.print(stats_line(completion, load_s, weights), highlight=False, soft_wrap=True)
 
 
 def json_object(completion: Completion, *, seed: int | None, model: str) -> dict:

@@ -152,7 +152,8 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
             silence_stdout()
             return exit_status.OUTPUT_CLOSED
     # A pipe's answer ends its line (PlainRenderer.finish), so the summary starts a fresh one.
-    print_summary(err, outcome.completion, shown_seed, stats=opts.stats, load_s=load_s)
+    print_summary(err, outcome.completion, shown_seed, stats=opts.stats, load_s=load_s,
+                  weights=loaded.weights() if opts.stats and isinstance(loaded, LoadedModel) else None)
     if outcome.signum is not None:
         return exit_status.for_signal(outcome.signum)
     return exit_status.OK

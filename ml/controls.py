@@ -74,7 +74,8 @@ RULES: dict[str, Rule] = {
 # The choices of the command line's options that are not ranges. The chat formats' names are
 # ``model.chat_format.FORMAT_NAMES``.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZE_MODES = ("none", "int8")
+# int8: one scale per output row; q8_0 and q4_0: llama.cpp's blocks of 32 values (ml/packed.py).
+QUANTIZE_MODES = ("none", "int8", "q8_0", "q4_0")
 COLOR_MODES = ("auto", "always", "never")
 
 

@@ -4,7 +4,8 @@ A GGUF tensor of shape (out, in) stores each row of ``in`` values as consecutive
 (``ggml-common.h``): 32 values a block for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, 256 a super-block for
 Q4_K, Q5_K and Q6_K. A ``PackedWeight`` is those bytes as a uint8 (out, row bytes) tensor, often a
 view of the memory-mapped file (never written), so a model takes about its file's memory instead
-of four bytes a value. ``PackedLinear`` is the module a model's projections become.
+of four bytes a value. ``PackedLinear`` is the module a model's projections become,
+``PackedEmbedding`` its token embedding (a lookup expands only the rows it reads).
 
 Products: with the CPU operator loaded (``ml/cpu/kernels.py``), products on the CPU take
 ``torch.ops.llama_chat_cpu.packed_product`` (``ml/cpu/blocks.h``): the rows are rounded per 32
@@ -222,6 +223,30 @@ def step_layout(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     ``PACKED_TYPES`` (the operator's order too)."""
     pairs = [v for kind, rows in layer.segments for v in (PACKED_TYPES.index(kind), rows)]
     return layer.data.reshape(-1), torch.tensor(pairs, dtype=torch.int64)
+
+
+class PackedEmbedding(nn.Module):
+    """A token embedding kept in packed blocks: a lookup expands only the rows it reads, to float32
+    values exactly ``dequantize``'s, so a quantized embedding costs its blocks' bytes rather than four
+    bytes a value. A classifier tied to it is a ``PackedLinear`` over the same buffer."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.kind = weight.kind
+        self.num_embeddings = weight.out_features
+        self.embedding_dim = weight.in_features
+        self.register_buffer("data", weight.data)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.kind, self.data, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.data.index_select(0, ids.reshape(-1).to(self.data.device))
+        return _dequantizer(self.kind)(rows.view(-1)).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind}"
 
 
 def pack(kind: str, weight: torch.Tensor) -> PackedWeight:

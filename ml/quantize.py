@@ -12,6 +12,7 @@ The API other modules use:
 * ``int8_linear(x, weight, scales, row_products=False)``: ``x @ (weight * scales[:, None]).T``.
 * ``quantize_model(model)``: every projection of a ``Transformer`` (and its classifier) replaced by
   an ``Int8Linear`` in place; the embedding stays in float (one row of it is read per token).
+* ``pack_model(model, kind)``: the same with llama.cpp's Q8_0 or Q4_0 blocks (``ml/packed.py``).
 * ``QUANTIZE_MODES``: the values ``--quantize`` accepts.
 
 Decoding reads every weight once per token, so a weight in one byte instead of four (or two) is
@@ -46,7 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llama_chat.ml.controls import QUANTIZE_MODES  # noqa: F401 - defined with the other choices, torch-free
+from llama_chat.ml import packed
+from llama_chat.ml.controls import QUANTIZE_MODES  # defined with the other choices, torch-free
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
 # Rows per fbgemm call (they share one activation range, so rows are sorted by magnitude first):
@@ -224,16 +226,33 @@ def quantize_model(model: nn.Module) -> int:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, Int8Linear) for m in model.modules())
+    """Whether ``model``'s projections are int8 or packed blocks (``ml/packed.py``)."""
+    return any(isinstance(m, (Int8Linear, *packed.PACKED_LAYERS)) for m in model.modules())
 
 
 def apply_quantization(model: nn.Module, mode: str) -> bool:
-    """Quantize ``model`` in place as ``mode`` asks (``"none"`` or ``"int8"``), once however many
-    engines share it; returns whether its projections are int8 now."""
-    if mode == "int8":
-        if not is_quantized(model):
-            model.fuse_projections()  # per-row scales: fusing first costs nothing in accuracy
-            quantize_model(model)
-    elif mode != "none":
+    """Quantize ``model`` in place as ``mode`` asks (``QUANTIZE_MODES``), once however many
+    engines share it; returns whether its projections are int8 or packed now. (The loader
+    quantizes as it loads; this is for a model built otherwise.)"""
+    if mode not in QUANTIZE_MODES:
         raise ValueError(f"unknown quantization {mode!r}")
+    if mode != "none" and not is_quantized(model):
+        model.fuse_projections()  # per-row scales, blocks within a row: fusing first costs nothing
+        if mode == "int8":
+            quantize_model(model)
+        else:
+            pack_model(model, mode)
     return is_quantized(model)
+
+
+def pack_model(model: nn.Module, kind: str) -> int:
+    """Replace every ``nn.Linear`` under ``model`` whose rows are whole blocks by a ``PackedLinear``
+    of ``kind`` (``packed.PACKABLE``), in place, as ``quantize_model`` does for int8; returns how many."""
+    values, _ = packed.block_layout(kind)
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.bias is None and child.in_features % values == 0:
+                setattr(parent, name, packed.PackedLinear(packed.pack(kind, child.weight)))
+                replaced += 1
+    return replaced

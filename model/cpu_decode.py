@@ -58,7 +58,7 @@ class DecodeWeights:
         ``packed_weights`` makes them."""
         args = model.args
         weights, output = self.packed_weights() if packed else (self.weights, self.output)
-        return StepWeights(model.tok_embeddings.weight.detach(), weights, self.scales, self.norms, self.final_norm,
+        return StepWeights(_embedding(model), weights, self.scales, self.norms, self.final_norm,
                            output, self.output_scales, model.rope_table(self.output.device), args.n_heads,
                            args.n_kv_heads, args.norm_eps)
 
@@ -132,6 +132,12 @@ def _pack(weight: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
         tail[:n - whole * PANEL] = weight[whole * PANEL:]
         panels[whole].copy_(tail.T)
     return panels
+
+
+def _embedding(model: nn.Module) -> torch.Tensor | packed.PackedWeight:
+    """The embedding as the step reads it: the float weight, or a packed one's blocks."""
+    layer = model.tok_embeddings
+    return layer.packed if isinstance(layer, packed.PackedEmbedding) else layer.weight
 
 
 def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:

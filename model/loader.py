@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.overrides import TorchFunctionMode
 
+from llama_chat.ml import controls
+from llama_chat.ml.packed import PACKABLE, PackedEmbedding, PackedLinear, PackedWeight, block_layout, pack, row_bytes
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.chat_format import ChatFormat
 from llama_chat.model.formats.common import Checkpoint, Weight, check_state, realize
@@ -41,7 +43,9 @@ GGUF = "gguf"
 # 131072, whose KV cache alone would be 16 GiB for an 8B model. Ask for more with max_seq_len.
 DEFAULT_MAX_SEQ_LEN = 4096
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Projections whose outputs the model concatenates (``Transformer.fuse_projections``): kept packed
+# only all together, since a fused layer is all blocks or all floats.
+_FUSED_GROUPS = (("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3"))
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,47 @@ class LoadedModel:
     path: Path
     name: str
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the float weights (norms, and any projection not kept in blocks)
     layout: str  # "meta" | "hf" | "llama2c" | "gguf"
+    file_type: str | None = None  # a GGUF file's own name for its quantization: "Q4_K_M"
+
+    def weights(self) -> WeightsSummary:
+        """The weights' format and bytes as they are now (after any fusing an engine did)."""
+        return weights_summary(self)
+
+
+@dataclass(frozen=True)
+class WeightsSummary:
+    """What a model's weights are, for reports: ``format`` names the matrices' form ("Q4_K_M,
+    packed q4_k+q6_k", "int8", "float32"; a GGUF file's own type name first), ``nbytes`` what its
+    tensors take in memory (a memory-mapped file's counted whole, as its pages are once read)."""
+
+    format: str
+    nbytes: int
+
+
+def weights_summary(loaded: LoadedModel) -> WeightsSummary:
+    """``loaded``'s weights as they are now (after any fusing or quantizing an engine did)."""
+    from llama_chat.ml.packed import PACKED_TYPES, PackedConcat
+    from llama_chat.ml.quantize import Int8Linear
+
+    kinds: set[str] = set()
+    others: set[str] = set()
+    for module in loaded.model.modules():
+        if isinstance(module, (PackedLinear, PackedConcat)):
+            kinds.update(kind for kind, _ in module.segments)
+        elif isinstance(module, Int8Linear):
+            others.add("int8")
+        elif isinstance(module, torch.nn.Linear):
+            others.add(str(module.weight.dtype).removeprefix("torch."))
+    parts = ([f"packed {'+'.join(k for k in PACKED_TYPES if k in kinds)}"] if kinds else []) + sorted(others)
+    if loaded.file_type is not None:
+        parts.insert(0, loaded.file_type)
+    sizes: dict[tuple[torch.device, int], int] = {}
+    for tensor in (*loaded.model.parameters(), *loaded.model.buffers()):
+        key = (tensor.device, tensor.data_ptr())
+        sizes[key] = max(sizes.get(key, 0), tensor.numel() * tensor.element_size())
+    return WeightsSummary(", ".join(parts), sum(sizes.values()))
 
 
 def detect_layout(path: Path | str) -> str:
@@ -114,11 +157,21 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
     found beside the weights (for GGUF: the one in the file); ``chat_format`` is a format name or
     "auto". ``name`` is what the model is called in reports (default: the directory's or file's;
     ``default`` for the shipped model).
-    ``quantize``: "none", or "int8" to make every projection weight-only int8 (``ml/quantize.py``)
-    as it is loaded, so the float model never exists whole (a GGUF Q8_0 file then goes from its
-    blocks to per-row int8 one tensor at a time).
+    ``quantize`` (``controls.QUANTIZE_MODES``): "none"; "int8" to make every projection
+    weight-only int8 (``ml/quantize.py``); "q8_0" or "q4_0" to make it llama.cpp's blocks of that
+    kind (``ml/packed.py``). Either is done as each tensor is loaded, so the float model never
+    exists whole (a GGUF file's blocks are expanded one tensor at a time, and kept as they are
+    where they already are of the kind asked for).
+
+    A GGUF file on the CPU with ``dtype`` "auto" and no ``quantize`` keeps its quantized matrices
+    as the file's blocks (``PackedLinear``, ``PackedEmbedding`` over views of its memory map: no
+    copy), for every kind ``ml/packed.py`` multiplies; other kinds are expanded to float32. A
+    ``dtype`` given explicitly expands them all.
     Every problem with the files raises ``ModelLoadError`` with a one-line message.
     """
+    if quantize not in controls.QUANTIZE_MODES:
+        raise ModelLoadError(f"quantization {quantize!r} is not supported (expected "
+                             f"{', '.join(controls.QUANTIZE_MODES[:-1])} or {controls.QUANTIZE_MODES[-1]})")
     path = Path(path)
     layout = detect_layout(path)
     weights_file = path if path.is_file() else None
@@ -150,9 +203,8 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
     args = ckpt.args.with_max_seq_len(_context(max_seq_len, ckpt.args.max_seq_len))
     state = check_state(ckpt)
     del ckpt  # `state` holds the only references to the source tensors, released one by one
-    if quantize not in ("none", "int8"):
-        raise ModelLoadError(f"quantization {quantize!r} is not supported (expected none or int8)")
-    model = _build(args, state, target_device, target_dtype, on_progress, int8=quantize == "int8")
+    keep_blocks = layout == GGUF and dtype == "auto" and target_device.type == "cpu" and quantize == "none"
+    model = _build(args, state, target_device, target_dtype, on_progress, quantize=quantize, keep_blocks=keep_blocks)
     if contents is not None:
         from llama_chat.model.chat_format import chat_format_from_template
         from llama_chat.model.formats.gguf import meta_str
@@ -165,8 +217,13 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
         name = DEFAULT_MODEL_NAME  # the name -m takes for it
     if name is None:
         name = weights_file.stem if layout in (LLAMA2C, GGUF) else model_dir.resolve().name
+    file_type = None
+    if contents is not None:
+        from llama_chat.model.formats.gguf import file_type_name
+
+        file_type = file_type_name(contents)
     return LoadedModel(model=model, args=args, tokenizer=tokenizer, chat_format=fmt, path=path, name=name,
-                       device=target_device, dtype=target_dtype, layout=layout)
+                       device=target_device, dtype=target_dtype, layout=layout, file_type=file_type)
 
 
 def _read(layout: str, model_dir: Path, weights_file: Path | None, tokenizer_vocab: int) -> Checkpoint:
@@ -197,7 +254,8 @@ def _context(asked: int | None, trained: int) -> int:
 
 
 def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtype: torch.dtype,
-           on_progress: ProgressCallback | None, *, int8: bool = False) -> Transformer:
+           on_progress: ProgressCallback | None, *, quantize: str = "none",
+           keep_blocks: bool = False) -> Transformer:
     """Assign the checked tensors to a Transformer built without allocating any weights.
 
     Each tensor goes from the file to its device and dtype on its own (``realize``), before
@@ -206,60 +264,122 @@ def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtyp
     checkpoint loaded as float32 on the CPU is not copied at all: the parameters are the
     memory-mapped file, and pages are read as the forward first touches them.
 
-    With ``int8``, each projection is quantized (per row, ``quantize_int8``) as soon as it is
-    realised and its float copy dropped, exactly as ``quantize_model`` would quantize the loaded
-    float model, but without ever holding that float model: the peak is the int8 model, the float
-    embedding and one float projection.
+    With ``quantize`` ("int8", "q8_0", "q4_0"), each projection is quantized as soon as it is
+    realised and its float copy dropped, exactly as quantizing the loaded float model would,
+    but without ever holding that float model: the peak is the quantized model, the float
+    embedding and one float projection. With ``keep_blocks`` (a GGUF file on the CPU), the
+    matrices ``_kept_blocks`` names are not realised at all: they become packed layers over the
+    file's own bytes.
     """
     total = sum(t.numel() * t.element_size() for t in state.values())
     done = 0
     if on_progress is not None:
         on_progress(0, total)
+    kept = _kept_blocks(state, quantize) if keep_blocks or quantize in PACKABLE else {}
     moved: dict[str, torch.Tensor] = {}
-    quantized: dict[str, Int8Weight] = {}
+    layers: dict[str, Int8Weight | PackedWeight] = {}  # what becomes an Int8Linear or a packed layer
     for name in list(state):
         tensor = state.pop(name)
         done += tensor.numel() * tensor.element_size()
-        weight = realize(tensor, device, dtype)
-        del tensor
-        if int8 and _is_projection(name):
-            from llama_chat.ml.quantize import quantize_int8
-            from llama_chat.model.formats.common import release_pages
-
-            quantized[name] = quantize_int8(weight)
-            release_pages(weight)  # a float32 file's own mapping: its pages are not needed again
+        if name in kept:
+            layers[name] = kept[name]
         else:
-            moved[name] = weight
-        del weight
+            weight = realize(tensor, device, dtype)
+            quantized = _quantized(weight, quantize) if _is_projection(name) else None
+            if quantized is not None:
+                from llama_chat.model.formats.common import release_pages
+
+                layers[name] = quantized
+                release_pages(weight)  # a float32 file's own mapping: its pages are not needed again
+            else:
+                moved[name] = weight
+            del weight
+        del tensor
         if on_progress is not None:
             on_progress(done, total)
     if args.tie_embeddings:
-        # The module lists the tied projection as its own key; it is the embedding itself (or,
-        # in int8, an int8 copy of it: the lookup reads a row, the classifier reads them all).
-        if int8:
-            from llama_chat.ml.quantize import quantize_int8
-
-            quantized["output.weight"] = quantize_int8(moved["tok_embeddings.weight"])
+        # The module lists the tied projection as its own key; it is the embedding itself: its
+        # blocks, or the float tensor (quantized, a copy: the lookup reads a row, the classifier
+        # reads them all).
+        embedding = layers.get("tok_embeddings.weight", moved.get("tok_embeddings.weight"))
+        quantized = None if isinstance(embedding, PackedWeight) else _quantized(embedding, quantize)
+        if isinstance(embedding, PackedWeight) or quantized is not None:
+            layers["output.weight"] = embedding if quantized is None else quantized
         else:
-            moved["output.weight"] = moved["tok_embeddings.weight"]
+            moved["output.weight"] = embedding
     with torch.device("meta"), _SkipRandomInit():
         model = Transformer(args)
-    model.load_state_dict(moved, assign=True, strict=not quantized)
-    if quantized:
-        from llama_chat.ml.quantize import Int8Linear
-
-        for name, q in quantized.items():
-            parent, attr = _parent_of(model, name)
-            setattr(parent, attr, Int8Linear(q))
-    else:
+    model.load_state_dict(moved, assign=True, strict=not layers)
+    for name, weight in layers.items():
+        parent, attr = _parent_of(model, name)
+        setattr(parent, attr, _layer(weight, embedding=name == "tok_embeddings.weight"))
+    if "output.weight" not in layers:
         model.tie_weights()
     model.to(device=device, dtype=dtype)  # a no-op for the weights; kept so buffers follow too
     model.requires_grad_(False)
     return model.eval()
 
 
+def _kept_blocks(state: dict[str, Weight], quantize: str) -> dict[str, PackedWeight]:
+    """The GGUF matrices kept as the file's blocks: with ``quantize`` "none", the projections, the
+    classifier and the embedding of every kind ``ml/packed.py`` multiplies; with "q8_0" or "q4_0",
+    the projections and classifier already of that kind. Projections the model fuses are kept
+    only all together (a fused layer is all blocks or all floats)."""
+    from llama_chat.model.formats.gguf import Dequantized
+
+    kept = {}
+    for name, weight in state.items():
+        wanted = _is_projection(name) or (quantize == "none" and name == "tok_embeddings.weight")
+        if wanted and isinstance(weight, Dequantized) and quantize in ("none", weight.kind):
+            blocks = weight.packed()
+            if blocks is not None:
+                kept[name] = blocks
+    for name in list(kept):
+        for group in _FUSED_GROUPS:
+            member = next((m for m in group if name.endswith(f".{m}.weight")), None)
+            layer = name[:-len(f"{member}.weight")] if member else ""
+            if member and any(f"{layer}{m}.weight" not in kept for m in group):
+                del kept[name]
+    return kept
+
+
+def _quantized(weight: torch.Tensor, quantize: str) -> Int8Weight | PackedWeight | None:
+    """``weight`` as ``quantize`` asks: per-row int8, or blocks of 32 (None where its rows are not
+    whole blocks: it then stays float, as llama.cpp keeps such tensors in a wider type); None for
+    "none"."""
+    if quantize == "int8":
+        from llama_chat.ml.quantize import quantize_int8
+
+        return quantize_int8(weight)
+    if quantize in PACKABLE and weight.shape[-1] % block_layout(quantize)[0] == 0:
+        return _pack_rows(quantize, weight)
+    return None
+
+
+# Float values packed at a time (``_pack_rows``): bounds the quantizer's float temporaries.
+_PACK_VALUES = 1 << 22
+
+
+def _pack_rows(kind: str, weight: torch.Tensor) -> PackedWeight:
+    """``pack(kind, weight)``, a chunk of rows at a time straight into the final bytes."""
+    rows, cols = weight.shape
+    out = torch.empty(rows, row_bytes(kind, cols), dtype=torch.uint8, device=weight.device)
+    step = max(1, _PACK_VALUES // cols)
+    for start in range(0, rows, step):
+        out[start:start + step] = pack(kind, weight[start:start + step]).data
+    return PackedWeight(kind, out, cols)
+
+
+def _layer(weight: Int8Weight | PackedWeight, *, embedding: bool) -> torch.nn.Module:
+    if isinstance(weight, PackedWeight):
+        return PackedEmbedding(weight) if embedding else PackedLinear(weight)
+    from llama_chat.ml.quantize import Int8Linear
+
+    return Int8Linear(weight)
+
+
 def _is_projection(name: str) -> bool:
-    """The weights ``quantize_model`` would make int8: every linear layer's, not the embedding."""
+    """The weights quantization makes int8 or packed: every linear layer's, not the embedding."""
     return name == "output.weight" or name.endswith(
         (".wq.weight", ".wk.weight", ".wv.weight", ".wo.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
@@ -346,12 +466,10 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
         if device.type == "mps":
             return torch.float16
         return torch.float32
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ModelLoadError(
-            f"dtype {dtype!r} is not supported (expected auto, float32, bfloat16 or float16)"
-        ) from None
+    if dtype not in controls.DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported (expected "
+                             f"{', '.join(controls.DTYPES[:-1])} or {controls.DTYPES[-1]})")
+    return getattr(torch, dtype)
 
 
 def _is_hf_file(path: Path) -> bool:

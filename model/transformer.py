@@ -11,6 +11,7 @@ from torch import nn
 from llama_chat.ml import ops, packed, quantize
 from llama_chat.model import cpu_decode, interrupt
 from llama_chat.model.args import ModelArgs
+from llama_chat.model.formats.common import release_pages
 from llama_chat.model.kv_cache import KVCache
 
 
@@ -124,7 +125,10 @@ def _fused_linear(*parts: nn.Module) -> nn.Module:
     if all(isinstance(p, quantize.Int8Linear) for p in parts):
         return quantize.fused(list(parts))
     if all(isinstance(p, packed.PACKED_LAYERS) for p in parts):
-        return packed.fuse(list(parts))
+        fused = packed.fuse(list(parts))
+        for part in parts:  # a file's blocks, now copied: their pages are not read again
+            release_pages(part.data)
+        return fused
     weight = torch.cat([p.weight.detach() for p in parts])
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)

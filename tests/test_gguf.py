@@ -456,7 +456,7 @@ def test_q8_0_loads_straight_into_the_int8_path(tmp_path, sp_model, reference):
         direct = load_model(path, device="cpu", quantize="int8").model
         assert isinstance(direct.layers[0].attention.wq, Int8Linear) and isinstance(direct.output, Int8Linear)
         assert direct.tok_embeddings.weight.dtype == torch.float32
-        after = load_model(path, device="cpu").model
+        after = load_model(path, device="cpu", dtype="float32").model  # the float model (auto keeps the blocks)
         assert quantize_model(after) == 7 * 2 + 1
         with torch.inference_mode():
             got, expected = direct(prompt), after(prompt)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llama_chat.ml.packed import PackedWeight
+
 # Outputs per panel of packed float32 weights (``panels.h``).
 PANEL = 16
 
@@ -27,7 +29,7 @@ class StepWeights:
     int8 matrix (int8 with float32 scales per output), or float32 panels (ceil(n / 16), k, 16);
     then its attention and feed-forward norms, float32."""
 
-    embedding: torch.Tensor
+    embedding: torch.Tensor | PackedWeight  # float rows, or blocks expanded a row at a time as read
     weights: list[torch.Tensor]
     scales: list[torch.Tensor | None]
     norms: list[torch.Tensor]
@@ -72,8 +74,8 @@ class Decoder:
         # Detached: a step needs no inference or no-grad mode around it (``pick`` in the engine),
         # and a plain tensor slices faster than a parameter (docs/benchmarks.md, "Decode").
         self.weights = weights
-        self.embedding = weights.embedding.detach()
-        self.vocab_size = self.embedding.shape[0]
+        self.embedding = _plain(weights.embedding)
+        self.vocab_size, dim = _shape(self.embedding)
         self.classes = weights.classes  # logits per step
         self.capacity = keys[0].shape[1]
         self.keys_ptr = keys[0].data_ptr()
@@ -87,7 +89,7 @@ class Decoder:
         self._picks = torch.zeros(1, dtype=torch.long)
         self._pick_slot = self._picks.numpy()
         # So does a float32 embedding row (``_EmbeddingRows``).
-        self._hidden_row = torch.zeros(1, self.embedding.shape[1])
+        self._hidden_row = torch.zeros(1, dim)
         self._hidden_bytes = memoryview(self._hidden_row.numpy()).cast("B")
         self._embedding_rows = _EmbeddingRows.of(self.embedding)
 
@@ -108,7 +110,7 @@ class Decoder:
             raise IndexError(f"token id {token} is outside the vocabulary ({self.vocab_size})")
         self._position_slot[0] = position
         if self._embedding_rows is None:
-            return self.embedding[token:token + 1].float()
+            return _rows(self.embedding, [token])
         self._embedding_rows.copy((token,), self._hidden_bytes)
         return self._hidden_row
 
@@ -127,8 +129,8 @@ class RowsDecoder:
 
     def __init__(self, lone: StepWeights, several: Callable[[], StepWeights], keys: list[torch.Tensor],
                  values: list[torch.Tensor], page_size: int) -> None:
-        self.embedding = lone.embedding.detach()  # a plain tensor slices faster
-        self.vocab_size = self.embedding.shape[0]
+        self.embedding = _plain(lone.embedding)
+        self.vocab_size, dim = _shape(self.embedding)
         self.classes = lone.classes  # logits per row
         self.page_size = page_size
         self._run = _decode_step()
@@ -140,7 +142,7 @@ class RowsDecoder:
         self._several_model: torch.ScriptObject | None = None
         # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's too.
         self._embedding_rows = _EmbeddingRows.of(self.embedding)
-        self._rows_inputs = _RowsInputs(self.embedding.shape[1])
+        self._rows_inputs = _RowsInputs(dim)
 
     def weights_for(self, rows: int) -> StepWeights:
         """What a step of ``rows`` rows reads."""
@@ -194,13 +196,32 @@ class RowsDecoder:
                 raise IndexError(f"a token id of {tokens} is outside the vocabulary ({self.vocab_size})")
             self._embedding_rows.copy(tokens, kept.hidden_bytes)
             hidden = kept.hidden
-        elif len(tokens) == 1:  # a slice, not a gather
-            hidden = self.embedding[tokens[0]:tokens[0] + 1].float()
         else:
-            hidden = self.embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
+            hidden = _rows(self.embedding, tokens)
         kept.positions_slot[:] = positions
         kept.tables_slot[:] = tables
         return (hidden, kept.positions, kept.tables)
+
+
+def _plain(embedding: torch.Tensor | PackedWeight) -> torch.Tensor | PackedWeight:
+    """A float embedding as a plain tensor (it slices faster than a parameter); packed blocks as they are."""
+    return embedding if isinstance(embedding, PackedWeight) else embedding.detach()
+
+
+def _shape(embedding: torch.Tensor | PackedWeight) -> tuple[int, int]:
+    if isinstance(embedding, PackedWeight):
+        return embedding.out_features, embedding.in_features
+    return embedding.shape[0], embedding.shape[1]
+
+
+def _rows(embedding: torch.Tensor | PackedWeight, tokens: list[int]) -> torch.Tensor:
+    """The float32 rows of ``tokens``: a slice for one token (not a gather), packed rows expanded."""
+    if isinstance(embedding, PackedWeight):
+        picked = embedding.data.index_select(0, torch.tensor(tokens, dtype=torch.long))
+        return PackedWeight(embedding.kind, picked, embedding.in_features).dequantize_rows(0, len(tokens))
+    if len(tokens) == 1:
+        return embedding[tokens[0]:tokens[0] + 1].float()
+    return embedding.index_select(0, torch.tensor(tokens, dtype=torch.long)).float()
 
 
 class _EmbeddingRows:
@@ -214,7 +235,7 @@ class _EmbeddingRows:
 
     @classmethod
     def of(cls, embedding: torch.Tensor) -> _EmbeddingRows | None:
-        return cls(embedding) if embedding.dtype == torch.float32 else None
+        return cls(embedding) if isinstance(embedding, torch.Tensor) and embedding.dtype == torch.float32 else None
 
     def copy(self, tokens, into: memoryview) -> None:
         """Row ``tokens[r]`` into the ``r``-th row of ``into`` (float32 rows, as bytes)."""

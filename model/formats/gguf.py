@@ -2,11 +2,13 @@
 
 The header is parsed by ``gguf_header.py`` (why not with ``GGUFReader``: see there), with the
 ``gguf`` package's type tables, imported only when a GGUF file is opened. Metadata values are
-plain Python values, checked as they are used; tensor data is mapped once with ``torch.from_file`` and every weight is a view of
+plain Python values, checked as they are used; tensor data is mapped once with ``torch.from_file``
+(a private mapping: nothing done to a tensor can reach the file) and every weight is a view of
 that mapping, so nothing is read until a weight is realised. F32 weights loaded as float32 on the
-CPU are the mapping itself; F16/BF16 are converted per tensor; block-quantized weights are
-expanded row chunk by row chunk straight into their final tensor (``Dequantized``), so the peak
-beyond the model is one chunk.
+CPU are the mapping itself; F16/BF16 are converted per tensor; block-quantized weights are either
+kept as the file's blocks (``Dequantized.packed``: the loader's default on the CPU for the kinds
+``ml/packed.py`` multiplies) or expanded row chunk by row chunk straight into their final tensor
+(``Dequantized.realize``), so the peak beyond the model is one chunk.
 
 Rotary layout: llama.cpp's converter permutes Hugging Face's q/k rows back into Meta's
 interleaved order (its ``LlamaModel.permute``), which is the order our model uses, so GGUF
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from llama_chat.ml.ops import RopeScaling, rope_frequencies
+from llama_chat.ml.packed import PACKED_TYPES, PackedWeight
 from llama_chat.model.args import MAX_SIZE, ModelArgs
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.common import (
@@ -163,6 +166,21 @@ def meta_str(contents: GGUFContents, key: str) -> str | None:
     return value
 
 
+def file_type_name(contents: GGUFContents) -> str | None:
+    """The file's own name for its quantization (``general.file_type``, llama.cpp's
+    ``llama_ftype``): "Q4_K_M", "F16"; None when the file does not say or says something unknown."""
+    from gguf import LlamaFileType
+
+    value = contents.metadata.get("general.file_type")
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    try:
+        name = LlamaFileType(value).name
+    except ValueError:
+        return None
+    return None if name == "GUESSED" else name.split("_", 1)[1]
+
+
 # --- the checkpoint -------------------------------------------------------------------------
 
 
@@ -243,10 +261,12 @@ def _type_name(ggml_type: int) -> str:
 
 
 class Dequantized(Deferred):
-    """A block-quantized weight, expanded to its target dtype and device a chunk of rows at a time.
+    """A block-quantized weight, expanded to its target dtype and device a chunk of rows at a time,
+    or kept as the file's blocks (``packed``).
 
     The bytes of each chunk go to the device first and are expanded there (so on a GPU the work
-    is the GPU's), then written into the final tensor; the chunk's file pages are released after.
+    is the GPU's, and the host never holds a float copy), then written into the final tensor; the
+    chunk's file pages are released after.
     """
 
     def __init__(self, raw: torch.Tensor, shape: tuple[int, ...], fmt: Any) -> None:
@@ -260,6 +280,19 @@ class Dequantized(Deferred):
         if self.rows * self.row_bytes != raw.numel():
             raise ModelLoadError(f"tensor of shape {tuple(shape)} needs {self.rows * self.row_bytes} bytes of "
                                  f"{fmt.name}, found {raw.numel()}")
+
+    @property
+    def kind(self) -> str:
+        """The block type's name as ``ml/packed.py`` spells it: ``q4_k``."""
+        return self.fmt.name.lower()
+
+    def packed(self) -> PackedWeight | None:
+        """The matrix as its blocks where they lie in the file (a view of the mapping: nothing is
+        copied or read until a product touches it), when ``ml/packed.py`` multiplies its kind as
+        it is; else None."""
+        if len(self.shape) != 2 or self.kind not in PACKED_TYPES:
+            return None
+        return PackedWeight(self.kind, self.raw.view(self.rows, self.row_bytes), self.shape[1])
 
     def realize(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=dtype, device=device)
