@@ -286,19 +286,20 @@ class RunFailed(Exception):
     """A measured run that failed for good; the message is its last line of output."""
 
 
-def run_llama_chat(model: Path | None, prompt_file: Path, n_new: int, ctx: int | None, env: dict) -> tuple[dict, Measured]:
+def run_llama_chat(model: Path | None, prompt_file: Path, n_new: int, ctx: int | None, env: dict,
+                   retries: int = RETRIES) -> tuple[dict, Measured]:
     """One llama-chat process. A failure is retried while its message changes (the tree may be
     mid-commit); one that repeats, or a usage error, raises ``RunFailed``."""
     cmd = [*llama_chat_command()] + (["-m", str(model)] if model else [])
     cmd += ["-f", str(prompt_file), "--no-stdin", "-n", str(n_new), "--min-new-tokens", str(n_new), "-t", "0",
             "--template", "none", "--json"] + (["-c", str(ctx)] if ctx else [])
     seen: set[str] = set()
-    for attempt in range(RETRIES + 1):
+    for attempt in range(retries + 1):
         m = run_measured(cmd, env=env, cwd=Path.home())
         if m.returncode == 0:
             return json.loads(m.stdout), m
         last = (m.stderr.strip().splitlines() or [f"exit {m.returncode}"])[-1][:300]
-        if m.returncode == 2 or last in seen or attempt == RETRIES:
+        if m.returncode == 2 or last in seen or attempt == retries:
             raise RunFailed(last)
         seen.add(last)
         log(f"llama-chat failed on {model.name if model else 'the shipped model'} ({last}); "
@@ -348,7 +349,8 @@ def read_through(path: Path) -> None:
             pass
 
 
-def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], prompts: dict, args, round_no: int) -> None:
+def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], prompts: dict, args, round_no: int,
+                  failed: set[Path]) -> None:
     env = child_env(args.threads)
     for (key, ftype), path in files.items():
         ctx = SHAPES[key].ctx
@@ -356,10 +358,13 @@ def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], prompts: d
         emit(round=round_no, shape=key, type=ftype, system="llama.cpp", prefill_tok_s=cpp.prefill_tok_s,
              decode_tok_s=cpp.decode_tok_s, peak_rss_mb=cpp.peak_rss_bytes / 1e6, wall_s=cpp.wall_s)
 
+        # A file that failed in an earlier round is tried again, once, without waiting.
+        retries = 0 if path in failed else RETRIES
         try:
-            pre, pre_m = run_llama_chat(path, prompts["long"], 1, ctx, env)
-            dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, ctx, env)
+            pre, pre_m = run_llama_chat(path, prompts["long"], 1, ctx, env, retries)
+            dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, ctx, env, retries)
         except RunFailed as e:
+            failed.add(path)
             log(f"llama-chat failed on {path.name}: {e}")
             emit(round=round_no, shape=key, type=ftype, system="llama-chat", error=str(e))
             continue
@@ -531,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     env = child_env(args.threads)
     # Untimed: these build llama-chat's CPU kernels (the float ones and the packed ones) when their
     # cache is cold, which would otherwise land in the first timed run, compiler's memory included.
+    failed: set[Path] = set()
     smallest = min(files.items(), key=lambda kv: kv[1].stat().st_size)
     log(f"untimed llama-chat runs on the shipped model and on {smallest[1].name}")
     try:
@@ -541,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_llama_chat(smallest[1], prompts["short"], 8, SHAPES[smallest[0][0]].ctx, env)
     except RunFailed as e:
+        failed.add(smallest[1])
         log(f"llama-chat failed on {smallest[1].name}: {e}")
     for path in files.values():
         read_through(path)
@@ -553,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         emit(round=round_no, read_bandwidth_gbs=bandwidth, baseline_rss_mb=base.peak_rss_bytes / 1e6,
              load_average_1min=os.getloadavg()[0])
-        measure_round(peer, files, prompts, args, round_no)
+        measure_round(peer, files, prompts, args, round_no, failed)
     emit(load_average_1min=os.getloadavg()[0])
     report(ROWS, cache)
     return 0
