@@ -19,6 +19,7 @@
 #include "dot.h"
 #include "panels.h"
 #include "pick.h"
+#include "vectors.h"
 
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -57,7 +58,7 @@ inline void cpu_relax() {
 #endif
 }
 
-// The constants of e^x in vectors (exp8, exp16): the clamp, log2(e), ln2 in two parts (n ln2 is
+// The constants of e^x in vectors (exp_of): the clamp, log2(e), ln2 in two parts (n ln2 is
 // exact), and e^r ~ 1 + r + r^2 (kC[5] + kC[4] r + ... + kC[0] r^5), in Horner's order.
 namespace exp_poly {
 constexpr float kLowest = -87.3f, kHighest = 88.3f, kLog2e = 1.44269504f;
@@ -67,22 +68,21 @@ constexpr float kC[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
 }  // namespace exp_poly
 
 #ifdef LLAMA_CHAT_AVX2
-// e^x for eight floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (the
+// e^x for a vector of floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (the
 // classic single-precision coefficients), 2^n put into the exponent bits. Relative error about
 // 2e-7; inputs are clamped to where a float's e^x is finite and normal. std::exp, one value at a
 // time, was a tenth of a 16-row step (softmax and SwiGLU take one per score and hidden unit).
-inline __m256 exp8(__m256 x) {
+template <typename V>
+inline typename V::Vec exp_of(typename V::Vec x) {
   using namespace exp_poly;
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kLowest)), _mm256_set1_ps(kHighest));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
-  __m256 p = _mm256_set1_ps(kC[0]);
-  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kC[i]));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+  x = V::min(V::max(x, V::set1(kLowest)), V::set1(kHighest));
+  const typename V::Vec n = V::round(V::mul(x, V::set1(kLog2e)));
+  typename V::Vec r = V::fnmadd(n, V::set1(kLn2High), x);
+  r = V::fnmadd(n, V::set1(kLn2Low), r);
+  typename V::Vec p = V::set1(kC[0]);
+  for (int i = 1; i < 6; ++i) p = V::fmadd(p, r, V::set1(kC[i]));
+  p = V::fmadd(p, V::mul(r, r), V::add(r, V::set1(1.f)));
+  return V::mul(p, V::exp2_whole(n));
 }
 #endif
 
@@ -94,7 +94,7 @@ inline float exp_and_sum(float* v, int64_t n, float shift) {
   __m256 sum = _mm256_setzero_ps();
   const __m256 by = _mm256_set1_ps(shift);
   for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), by));
+    const __m256 e = exp_of<Floats8>(_mm256_sub_ps(_mm256_loadu_ps(v + i), by));
     _mm256_storeu_ps(v + i, e);
     sum = _mm256_add_ps(sum, e);
   }
@@ -111,13 +111,13 @@ inline void swiglu(float* gate, const float* up, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 e = exp_of<Floats8>(_mm256_sub_ps(_mm256_setzero_ps(), g));
     _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
   }
   if (i < n) {  // the tail through the same e^x, so that where a range ends changes nothing
     float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, e[8];
     std::memcpy(g, gate + i, sizeof(float) * static_cast<size_t>(n - i));
-    _mm256_storeu_ps(e, exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(g))));
+    _mm256_storeu_ps(e, exp_of<Floats8>(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(g))));
     for (int64_t t = 0; i < n; ++i, ++t) gate[i] = g[t] / (1.f + e[t]) * up[i];
   }
 #endif
@@ -450,21 +450,6 @@ struct CacheView {
 };
 
 #ifdef __AVX512F__
-// e^x for sixteen floats, exp8's polynomial.
-inline __m512 exp16(__m512 x) {
-  using namespace exp_poly;
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kLowest)), _mm512_set1_ps(kHighest));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
-  __m512 p = _mm512_set1_ps(kC[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC[i]));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
-
 // Lane t: the sum of v[t]'s sixteen lanes. Four rounds, each adding the halves of two vectors'
 // lane groups side by side (a fixed order of additions for every lane).
 inline __m512 sums_of_16(__m512* v) {
@@ -529,7 +514,7 @@ void attend_head(const CacheView& keys, const CacheView& values, int64_t row, in
   __m512 total = _mm512_setzero_ps();
   for (int64_t t = 0; t < count; t += 16) {
     const __mmask16 taken = static_cast<__mmask16>(count - t >= 16 ? 0xffff : (1u << (count - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(taken, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(taken, scores + t), shift)));
+    const __m512 e = _mm512_maskz_mov_ps(taken, exp_of<Floats16>(_mm512_sub_ps(_mm512_maskz_loadu_ps(taken, scores + t), shift)));
     _mm512_mask_storeu_ps(scores + t, taken, e);
     total = _mm512_add_ps(total, e);
   }

@@ -23,6 +23,7 @@
 #pragma once
 
 #include "dot.h"
+#include "vectors.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -50,82 +51,92 @@ constexpr int kMostTileRows = 6;
 // asking, on a noisy machine, was slower.
 constexpr int64_t kAheadBytes = 4 << 10;
 
-#ifdef __AVX512F__
-// Rows [0, R) of the interleaved inputs xt (row r's input i at xt[i * ld + r]) against one panel
-// of k inputs: row r's 16 results go to out + r * out_stride, stored or added. Each result is one
-// lane adding its row's products input by input from zero, as the AVX2 tiles and `panel_pair` add
-// them: the same bits on either path. An array of accumulators stays in registers here (every
-// index is a constant once unrolled).
-template <int R, bool Add, bool Ahead = false>
-inline void panel_tile(const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
-                       int64_t out_stride) {
-  static_assert(R >= 1 && R <= kMostTileRows, "one to sixteen rows a tile");
-  __m512 c[R];
+// Rows [0, R) of the interleaved inputs xt (row r's input i at xt[i * ld + r]) against P panels of
+// k inputs that follow one another (panel p at panel + p * k * kPanel), in vectors of V: row r's
+// P * 16 results go to out + r * out_stride, stored or added. Each result is one lane adding its
+// row's products input by input from zero, whatever V, R and P: the same bits on every path. The
+// accumulators are an array that stays in registers (every index is a constant once unrolled),
+// and go straight into the step's outputs: through a tile on the stack and a copy, the
+// stories15M-sized classifier of 16 rows took a quarter longer (C++ test).
+template <typename V, int R, int P, bool Add, bool Ahead>
+inline void panel_tile(const float* xt, int64_t ld, const float* panel, int64_t k, float* out, int64_t out_stride) {
+  using Vec = typename V::Vec;
+  constexpr int kVectors = kPanel / V::kWidth;  // of a panel's weights for one input
+  Vec c[R][P][kVectors];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) c[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 16
+      for (int v = 0; v < kVectors; ++v) c[r][p][v] = V::zero();
   for (int64_t i = 0; i < k; ++i, xt += ld) {
-    if constexpr (Ahead)  // past the end of the weights it is a hint that fetches nothing
-      _mm_prefetch(reinterpret_cast<const char*>(panel + i * kPanel) + kAheadBytes, _MM_HINT_T0);
-    const __m512 w = _mm512_loadu_ps(panel + i * kPanel);
+    Vec w[P][kVectors];
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      const float* weights = panel + p * k * kPanel + i * kPanel;
+      if constexpr (Ahead)  // past the end of the weights it is a hint that fetches nothing
+        V::prefetch(reinterpret_cast<const char*>(weights) + kAheadBytes);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(xt[r]), w, c[r]);
+      for (int v = 0; v < kVectors; ++v) w[p][v] = V::load(weights + v * V::kWidth);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec b = V::broadcast(xt + r);
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p)
+#pragma GCC unroll 16
+        for (int v = 0; v < kVectors; ++v) c[r][p][v] = V::fmadd(b, w[p][v], c[r][p][v]);
+    }
   }
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    float* target = out + r * out_stride;
-    if constexpr (Add) c[r] = _mm512_add_ps(_mm512_loadu_ps(target), c[r]);
-    _mm512_storeu_ps(target, c[r]);
-  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 16
+      for (int v = 0; v < kVectors; ++v) {
+        float* target = out + r * out_stride + p * kPanel + v * V::kWidth;
+        if constexpr (Add) c[r][p][v] = V::add(V::load(target), c[r][p][v]);
+        V::store(target, c[r][p][v]);
+      }
 }
 
+// The tile of exactly `rows` rows (R to Most).
+template <typename V, int R, int Most, int P, bool Add, bool Ahead>
+inline void tile_of_rows(int rows, const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
+                         int64_t out_stride) {
+  static_assert(R >= 1 && R <= Most, "a tile has one row or more");
+  if constexpr (R < Most) {
+    if (rows > R) return tile_of_rows<V, R + 1, Most, P, Add, Ahead>(rows, xt, ld, panel, k, out, out_stride);
+  }
+  panel_tile<V, R, P, Add, Ahead>(xt, ld, panel, k, out, out_stride);
+}
+
+// A tile of `rows` rows against one panel, in the build's widest vectors.
+template <bool Add, bool Ahead>
+inline void panel_rows(int rows, const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
+                       int64_t out_stride) {
+  tile_of_rows<Widest, 1, kMostTileRows, 1, Add, Ahead>(rows, xt, ld, panel, k, out, out_stride);
+}
+
+// One row against two panels (the second follows `panel`): 32 results into out. Alone, a row is
+// bound by reading the weights; two panels at once read them as fast as rows of weights do.
+// In 256-bit vectors, AVX-512 builds too.
+template <bool Add>
+inline void panel_pair(const float* x, const float* panel, int64_t k, float* out) {
+#ifdef LLAMA_CHAT_AVX2
+  panel_tile<Floats8, 1, 2, Add, false>(x, 1, panel, k, out, 2 * kPanel);
+#else
+  panel_tile<Floats1, 1, 2, Add, false>(x, 1, panel, k, out, 2 * kPanel);
+#endif
+}
+
+#ifdef __AVX512F__
 // From this many rows on, two panels are taken at once by tiles of up to 14 rows: two weight
 // loads and one broadcast per two multiply-adds of each row, 28 accumulators. A stories15M-sized
 // classifier of 64 rows took 4.3 ms instead of 4.9 (C++ test, 2-core Xeon); at 16 rows, as two
 // tiles of 8, it lost (1.4 against 1.3 ms).
 constexpr int64_t kPairedFromRows = 24;
 constexpr int kMostPairedRows = 14;
-
-// Rows [0, R) of xt (as in `panel_tile`) against two panels (`next` follows `panel`): row r's 32
-// results go to out + r * out_stride. Each result is summed as in `panel_tile`.
-template <int R, bool Add>
-inline void panel_pair_tile(const float* xt, int64_t ld, const float* panel, const float* next, int64_t k,
-                            float* out, int64_t out_stride) {
-  static_assert(R >= 1 && R <= kMostPairedRows, "one to fourteen rows a paired tile");
-  __m512 c[R], d[R];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) c[r] = d[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i, xt += ld) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + i * kPanel) + kAheadBytes, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(next + i * kPanel) + kAheadBytes, _MM_HINT_T0);
-    const __m512 w = _mm512_loadu_ps(panel + i * kPanel), v = _mm512_loadu_ps(next + i * kPanel);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 b = _mm512_set1_ps(xt[r]);
-      c[r] = _mm512_fmadd_ps(b, w, c[r]);
-      d[r] = _mm512_fmadd_ps(b, v, d[r]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    float* target = out + r * out_stride;
-    if constexpr (Add) {
-      c[r] = _mm512_add_ps(_mm512_loadu_ps(target), c[r]);
-      d[r] = _mm512_add_ps(_mm512_loadu_ps(target + kPanel), d[r]);
-    }
-    _mm512_storeu_ps(target, c[r]);
-    _mm512_storeu_ps(target + kPanel, d[r]);
-  }
-}
-
-// The paired tile of exactly `rows` rows (R to kMostPairedRows).
-template <int R, bool Add>
-inline void paired_rows_from(int rows, const float* xt, int64_t ld, const float* panel, const float* next,
-                             int64_t k, float* out, int64_t out_stride) {
-  if constexpr (R < kMostPairedRows) {
-    if (rows > R) return paired_rows_from<R + 1, Add>(rows, xt, ld, panel, next, k, out, out_stride);
-  }
-  panel_pair_tile<R, Add>(xt, ld, panel, next, k, out, out_stride);
-}
 
 // All `rows` rows of xt (interleaved, `rows` apart) against two whole panels, in near-even paired
 // tiles (64 rows: 13, 13, 13, 13, 12).
@@ -135,131 +146,12 @@ inline void paired_panels(int64_t rows, const float* xt, int64_t k, const float*
   const int64_t tiles = (rows + kMostPairedRows - 1) / kMostPairedRows;
   for (int64_t r = 0, t = 0; r < rows; ++t) {
     const int taken = static_cast<int>((rows - r) / (tiles - t));
-    paired_rows_from<1, Add>(taken, xt + r, rows, panel, panel + k * kPanel, k, out + r * row_stride, row_stride);
+    tile_of_rows<Floats16, 1, kMostPairedRows, 2, Add, true>(taken, xt + r, rows, panel, k, out + r * row_stride,
+                                                             row_stride);
     r += taken;
   }
 }
 #endif
-
-#ifdef LLAMA_CHAT_AVX2
-// 16 results into out[0..16): stored, or added to what is there.
-template <bool Add>
-inline void put16(float* out, __m256 low, __m256 high) {
-  if constexpr (Add) {
-    low = _mm256_add_ps(_mm256_loadu_ps(out), low);
-    high = _mm256_add_ps(_mm256_loadu_ps(out + 8), high);
-  }
-  _mm256_storeu_ps(out, low);
-  _mm256_storeu_ps(out + 8, high);
-}
-
-// Rows [0, R) of the interleaved inputs xt (row r's input i at xt[i * ld + r]) against one panel
-// of k inputs: row r's 16 results go to out + r * out_stride, stored or added. Straight into the
-// step's outputs: through a tile on the stack and a copy, the stories15M-sized classifier of 16
-// rows took a quarter longer (C++ test).
-#ifndef __AVX512F__
-template <int R, bool Add, bool Ahead = false>
-inline void panel_tile(const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
-                       int64_t out_stride) {
-  static_assert(R >= 1 && R <= kMostTileRows, "one to six rows a tile");
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  // Named accumulators, not an array: GCC kept an array of them in memory, storing every one
-  // after each multiply-add (16 instead of 60 billion multiply-adds a second).
-  for (int64_t i = 0; i < k; ++i, xt += ld) {
-    if constexpr (Ahead)  // past the end of the weights it is a hint that fetches nothing
-      _mm_prefetch(reinterpret_cast<const char*>(panel + i * kPanel) + kAheadBytes, _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(panel + i * kPanel), w1 = _mm256_loadu_ps(panel + i * kPanel + 8);
-    __m256 b = _mm256_broadcast_ss(xt);
-    c00 = _mm256_fmadd_ps(b, w0, c00);
-    c01 = _mm256_fmadd_ps(b, w1, c01);
-    if constexpr (R > 1) {
-      b = _mm256_broadcast_ss(xt + 1);
-      c10 = _mm256_fmadd_ps(b, w0, c10);
-      c11 = _mm256_fmadd_ps(b, w1, c11);
-    }
-    if constexpr (R > 2) {
-      b = _mm256_broadcast_ss(xt + 2);
-      c20 = _mm256_fmadd_ps(b, w0, c20);
-      c21 = _mm256_fmadd_ps(b, w1, c21);
-    }
-    if constexpr (R > 3) {
-      b = _mm256_broadcast_ss(xt + 3);
-      c30 = _mm256_fmadd_ps(b, w0, c30);
-      c31 = _mm256_fmadd_ps(b, w1, c31);
-    }
-    if constexpr (R > 4) {
-      b = _mm256_broadcast_ss(xt + 4);
-      c40 = _mm256_fmadd_ps(b, w0, c40);
-      c41 = _mm256_fmadd_ps(b, w1, c41);
-    }
-    if constexpr (R > 5) {
-      b = _mm256_broadcast_ss(xt + 5);
-      c50 = _mm256_fmadd_ps(b, w0, c50);
-      c51 = _mm256_fmadd_ps(b, w1, c51);
-    }
-  }
-  put16<Add>(out, c00, c01);
-  if constexpr (R > 1) put16<Add>(out + out_stride, c10, c11);
-  if constexpr (R > 2) put16<Add>(out + 2 * out_stride, c20, c21);
-  if constexpr (R > 3) put16<Add>(out + 3 * out_stride, c30, c31);
-  if constexpr (R > 4) put16<Add>(out + 4 * out_stride, c40, c41);
-  if constexpr (R > 5) put16<Add>(out + 5 * out_stride, c50, c51);
-}
-#endif
-
-// One row against two panels (`next` follows `panel`): 32 results into out. Alone, a row is
-// bound by reading the weights; two panels at once read them as fast as rows of weights do.
-template <bool Add>
-inline void panel_pair(const float* x, const float* panel, const float* next, int64_t k, float* out) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00;
-  for (int64_t i = 0; i < k; ++i) {
-    const __m256 b = _mm256_broadcast_ss(x + i);
-    c00 = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + i * kPanel), c00);
-    c01 = _mm256_fmadd_ps(b, _mm256_loadu_ps(panel + i * kPanel + 8), c01);
-    c10 = _mm256_fmadd_ps(b, _mm256_loadu_ps(next + i * kPanel), c10);
-    c11 = _mm256_fmadd_ps(b, _mm256_loadu_ps(next + i * kPanel + 8), c11);
-  }
-  put16<Add>(out, c00, c01);
-  put16<Add>(out + kPanel, c10, c11);
-}
-#else
-template <int R, bool Add, bool Ahead = false>
-inline void panel_tile(const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
-                       int64_t out_stride) {
-  float sums[kMostTileRows * kPanel] = {};
-  for (int64_t i = 0; i < k; ++i)
-    for (int r = 0; r < R; ++r)
-      for (int64_t t = 0; t < kPanel; ++t) sums[r * kPanel + t] += xt[i * ld + r] * panel[i * kPanel + t];
-  for (int r = 0; r < R; ++r)
-    for (int64_t t = 0; t < kPanel; ++t) {
-      if constexpr (Add) out[r * out_stride + t] += sums[r * kPanel + t];
-      else out[r * out_stride + t] = sums[r * kPanel + t];
-    }
-}
-
-template <bool Add>
-inline void panel_pair(const float* x, const float* panel, const float* next, int64_t k, float* out) {
-  panel_tile<1, Add>(x, 1, panel, k, out, kPanel);
-  panel_tile<1, Add>(x, 1, next, k, out + kPanel, kPanel);
-}
-#endif
-
-// The tile of exactly `rows` rows (R to kMostTileRows).
-template <int R, bool Add, bool Ahead>
-inline void panel_rows_from(int rows, const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
-                            int64_t out_stride) {
-  if constexpr (R < kMostTileRows) {
-    if (rows > R) return panel_rows_from<R + 1, Add, Ahead>(rows, xt, ld, panel, k, out, out_stride);
-  }
-  panel_tile<R, Add, Ahead>(xt, ld, panel, k, out, out_stride);
-}
-
-template <bool Add, bool Ahead>
-inline void panel_rows(int rows, const float* xt, int64_t ld, const float* panel, int64_t k, float* out,
-                       int64_t out_stride) {
-  panel_rows_from<1, Add, Ahead>(rows, xt, ld, panel, k, out, out_stride);
-}
 
 // Rows for the next tile when `left` remain: the most a tile takes, but between one and two
 // tiles' worth split in two near-even tiles (AVX2's 16 rows: 6, 5, 5), since a tile of few rows
@@ -299,7 +191,7 @@ void panel_products(const float* panels, int64_t k, const float* x, int64_t rows
     float* target = out + (base + from - first);
     const bool whole = from == 0 && to == kPanel;
     if (rows == 1 && whole && base + 2 * kPanel <= stop) {
-      panel_pair<Add>(x, panel, panel + k * kPanel, k, target);
+      panel_pair<Add>(x, panel, k, target);
       ++p;
       continue;
     }
