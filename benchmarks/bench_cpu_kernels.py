@@ -1,4 +1,4 @@
-"""Our decode products (``ml/cpu_kernels.cpp``) against PyTorch's, all of a model's at once.
+"""Our decode products (``ml/cpu/kernels.cpp``) against PyTorch's, all of a model's at once.
 
 A decode step multiplies a few rows by every weight of the model once, and the weights do not fit
 in the cache; so each measure here is one pass over all the projections of a config, as a step

@@ -104,8 +104,8 @@ class DecodeWeights:
 # model's is 0.4 GiB, a TinyLlama-sized one's 4.1 GiB.
 PANELS_AT_MOST = 1 << 30
 # A single stream takes the packed copy only up to this size. One row reads panels faster than
-# weight rows: a stories15M-sized model (a 60 MB copy) decoded 1.21x as fast, a 110M-parameter one
-# (0.4 GiB) 1.09x; a copy that doubles a large model's memory is not worth that much.
+# weight rows, but not by enough to double a large model's memory (docs/batching.md, "Steps on
+# the CPU").
 PANELS_ALONE_AT_MOST = 1 << 28
 
 
@@ -225,8 +225,8 @@ def gather(model: nn.Module) -> DecodeWeights | None:
     """The tensors the operator reads from ``model``, or None when it cannot read them.
 
     Before they are gathered, the weights move onto 2 MiB pages (``cpu_kernels.large_pages_block``):
-    a step then misses the TLB once per 2 MiB it reads instead of once per 4 KiB, which made the
-    stories15M-sized step 8 % faster. A float32 checkpoint's weights thereby stop being its
+    a step then misses the TLB once per 2 MiB it reads instead of once per 4 KiB
+    (docs/benchmark-log.md, "Measurements once in the CPU operator's comments"). A float32 checkpoint's weights thereby stop being its
     memory-mapped file: they are read whole here rather than as the first steps touch them.
     """
     if not _readable(model):

@@ -1,4 +1,4 @@
-"""Our CPU matrix-vector products (``ml/cpu_kernels.cpp``): built, exact, taken where they pay."""
+"""Our CPU matrix-vector products (``ml/cpu/kernels.cpp``): built, exact, taken where they pay."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def test_a_model_decodes_the_same_tokens_on_either_product(kind, monkeypatch):
         runs[f"logits {loaded}"] = logits
     assert runs[True] == runs[False]
     scale = runs["logits False"].abs().max()
-    # int8: ours rounds the activations to 2^-14 of their largest (see cpu_kernels.cpp).
+    # int8: ours rounds the activations to 2^-14 of their largest (see ml/cpu/kernels.cpp).
     tolerance = 1e-4 if kind == "float32" else 1e-3
     assert (runs["logits True"] - runs["logits False"]).abs().max() <= tolerance * scale
 

@@ -1,16 +1,17 @@
 // One decode token through every layer of a Llama model in one call, on the CPU:
 // torch.ops.llama_chat_cpu.decode_step. A step of the eager model is some 25 parallel products
-// for a stories15M-sized model, and each wakes torch's sleeping OpenMP helper (30-60 us) when the
-// products themselves take 20-100 us; llama2.c's threads spin between its products instead, which
-// takes the cores from the streaming pipeline. Here the whole token is one parallel region: the
+// for a stories15M-sized model, and each wakes torch's sleeping OpenMP helper, which costs about
+// as long as the product itself (docs/benchmarks.md, "CPU decode products"); llama2.c's threads
+// spin between its products instead, which takes the cores from the streaming pipeline. Here the whole token is one parallel region: the
 // helper wakes once, and between the stages of a layer a thread that needs a stage's results
 // spins until its last unit is done (every thread is working on this token then). Each stage's
 // work (heads, or chunks of weight rows) is taken by threads as they come.
 //
 // Per layer: rms norm (each thread into its own buffer: cheaper than another stage), q/k/v by
 // head (rotated and written into the cache as each head's rows are done), attention by row and
-// query head (in 512-bit vectors where it can: `attend_head`), the output projection added into the residual, the SwiGLU's gate and up rows together
-// with the activation, and its down projection added into the residual. Then the final norm and
+// query head (in 512-bit vectors where it can: `attend_head`), the output projection added into
+// the residual, the SwiGLU's gate and up rows together with the activation, and its down
+// projection added into the residual. Then the final norm and
 // the classifier. Arithmetic is float32 throughout, whatever the weights' and cache's storage
 // type, and each output is one thread's sum in a fixed order: the result does not depend on the
 // number of threads.
@@ -70,8 +71,9 @@ constexpr float kC[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
 #ifdef LLAMA_CHAT_AVX2
 // e^x for a vector of floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (the
 // classic single-precision coefficients), 2^n put into the exponent bits. Relative error about
-// 2e-7; inputs are clamped to where a float's e^x is finite and normal. std::exp, one value at a
-// time, was a tenth of a 16-row step (softmax and SwiGLU take one per score and hidden unit).
+// 2e-7; inputs are clamped to where a float's e^x is finite and normal. Softmax and SwiGLU take
+// one per score and hidden unit: std::exp, one value at a time, was a visible part of a batched
+// step (docs/batching.md, "Steps on the CPU").
 template <typename V>
 inline typename V::Vec exp_of(typename V::Vec x) {
   using namespace exp_poly;
@@ -133,7 +135,7 @@ struct Stage {
   std::atomic<int64_t> done{0};
 };
 
-// Waiters spin: a stage takes tens of microseconds, a sleeping thread's wake-up as long again.
+// Waiters spin: a stage is short, and a sleeping thread's wake-up would take about as long.
 // After this many spins a waiter yields its core, for a machine busy with other work.
 constexpr int kSpinsBeforeYield = 1 << 14;
 
@@ -261,9 +263,8 @@ void range_of(const W* w, const Matrix& m, const Inputs& in, int64_t first, int6
   if constexpr (!std::is_same_v<W, int8_t>) {
     // Many rows: three weight rows against four input rows at a time. The first group of input
     // rows reads a block from memory, the others from L1; below 32 rows three rows read at once
-    // streamed worse than one (16 rows: 7.9 ms a stories15M-sized step against 6.5 one row at a
-    // time), at 64 rows this is 26 ms against 31. The rows left over take the loop below, which
-    // sums each pair as this does.
+    // stream worse than one, from 32 rows on they win (docs/batching.md, "Steps on the CPU"). The
+    // rows left over take the loop below, which sums each pair as this does.
     if (in.rows >= kBlockedRows) {
       for (; j + 3 <= stop; j += 3) {
         const W* rows3 = w + j * k;
@@ -348,8 +349,8 @@ struct Scratch {
     for (int64_t r = 0; r < rows; ++r) {
       const float* hr = h + r * dim;
       // Eight sums in double, one per lane of eight inputs, added in a fixed order: one sum in a
-      // single chain waited on each addition (every thread normalizes every row, 13 times a
-      // step: some 90 us of a 16-row step of a stories15M-sized model).
+      // single chain waited on each addition, and every thread normalizes every row, 13 times a
+      // step of a stories15M-sized model.
       double lanes[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
       int64_t i = 0;
       for (; i + 8 <= dim; i += 8)
@@ -360,8 +361,7 @@ struct Scratch {
     }
     if (m.panels && rows > 1) {
       // Input by input, its rows' values side by side: written row by row, 64 rows (a cache
-      // line a value, 288 of them a row, 74 KB in all) went through L1 again and again, 42 us a
-      // norm instead of 17.5 (stories15M-sized model, 2-core Xeon).
+      // line a value, 288 of them a row, 74 KB in all) went through L1 again and again.
       for (int64_t i = 0; i < dim; ++i) {
         float* out = normed.data() + i * rows;
         for (int64_t r = 0; r < rows; ++r) out[r] = h[r * dim + i] * inverses[static_cast<size_t>(r)] * weight[i];
@@ -478,9 +478,8 @@ inline __m512 sums_of_16(__m512* v) {
 // out = softmax(q . keys * scale) . values over positions [0, count). Scores are made sixteen
 // positions at a time, each position's products summed across vectors together
 // (`sums_of_16`); the weighted sum keeps its head in registers, two positions at a time, and is
-// scaled by the softmax's sum once at the end. Against a dot product and a sum across a vector
-// a position (`CacheView::scores`), a 16-row step's attention took 104-112 us a layer instead of
-// 118-144 (stories15M-sized model, 2-core Xeon).
+// scaled by the softmax's sum once at the end: faster than a dot product and a sum across a
+// vector a position (`CacheView::scores`; docs/batching.md, "Attention in 512-bit vectors").
 template <int C>
 void attend_head(const CacheView& keys, const CacheView& values, int64_t row, int64_t head, int64_t count,
                  const float* q, float scale, float* scores, float* out) {
@@ -873,7 +872,7 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
           range_products(classifier, in, first, stop, out + first, vocab);
           // Picked here, from the logits this thread has just written and still holds in its
           // cache: picked on the calling thread afterwards, half of them came from the other
-          // core's (48 against 10 us for a stories15M-sized row).
+          // core's.
           if (picking && first < picks_below) {
             for (int64_t r = 0; r < out_rows; ++r) {
               const Pick found = pick_of(out + r * vocab + first, std::min(stop, picks_below) - first, first);

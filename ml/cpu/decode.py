@@ -67,12 +67,12 @@ class Decoder:
     """``decoder(token, position)``: the logits ``(1, vocab)`` of one token of one sequence, its keys
     and values written into ``keys`` and ``values`` (per layer, the sequence's
     ``(kv_heads, length, head_dim)``), with everything but the token and the position prepared
-    once (the sequence's slots as one page of the cache's length). A step on the
-    stories15M-sized model spent a tenth of its time in Python around the call before."""
+    once (the sequence's slots as one page of the cache's length): the Python around each call
+    was a visible part of a small model's step."""
 
     def __init__(self, weights: StepWeights, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         # Detached: a step needs no inference or no-grad mode around it (``pick`` in the engine),
-        # and a plain tensor slices faster than a parameter (docs/benchmarks.md, "Decode").
+        # and a plain tensor slices faster than a parameter.
         self.weights = weights
         self.embedding = _plain(weights.embedding)
         self.vocab_size, dim = _shape(self.embedding)

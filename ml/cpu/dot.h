@@ -106,10 +106,10 @@ inline void dot4(const float* x, int64_t stride, const W* w, int64_t k, float* o
 }
 
 // Three weight rows (each k long, one after another) against four input rows: out[q * 4 + r] is
-// weight row q with input row r, twelve accumulators. In the operator a stories15M-sized step of
-// 64 rows took 26 ms with it against 31 with dot4 alone; at 16 rows it lost (7.9 against 6.5 ms),
-// and in a loop of its own it is barely faster than dot4 (the compiler, short of registers, folds
-// the weight loads into the multiply-adds). Each sum is dot4's, to the bit.
+// weight row q with input row r, twelve accumulators. It pays in steps of many rows and loses in
+// steps of few (docs/batching.md, "Steps on the CPU"); in a loop of its own it is barely faster
+// than dot4 (the compiler, short of registers, folds the weight loads into the multiply-adds).
+// Each sum is dot4's, to the bit.
 template <typename W>
 inline void dot3x4(const float* x, int64_t stride, const W* w, int64_t k, float* out) {
 #ifdef LLAMA_CHAT_AVX2

@@ -1,10 +1,9 @@
 // Matrix-vector products for decode steps on the CPU: out = x @ w.T, times a scale per output row
 // for int8 weights. A decode step multiplies one row (or a few) by every weight once, so the
-// speed is how fast the weight is read. PyTorch's kernels for these shapes read the weights at
-// 55-80 % of the memory's speed on a 2-core AVX2 machine, bfloat16 ones at a quarter of that
-// for several rows, where these reach 70-90 % (benchmarks/bench_cpu_kernels.py): each output row
-// is a dot product over one contiguous weight row, with several accumulators, and the rows are
-// split among threads.
+// speed is how fast the weight is read. PyTorch's kernels for these shapes read the weights well
+// below the memory's speed, bfloat16 ones most of all for several rows, and these come nearer it
+// (docs/benchmarks.md, "CPU decode products"): each output row is a dot product over one
+// contiguous weight row, with several accumulators, and the rows are split among threads.
 //
 // Built on first use by llama_chat/ml/cpu/kernels.py with the machine's C++ compiler.
 #include "blocks.h"
@@ -25,15 +24,15 @@ namespace {
 using namespace llama_chat_cpu;
 
 // Weight bytes per chunk of output rows that a thread takes at a time; a product of one or two
-// chunks runs on the calling thread alone. Smaller chunks balance better and stream worse: in
-// one process, interleaved, all of a model's products at once, 256 KiB was as fast as fixed
-// halves or faster (TinyLlama-sized int8 58 against 64 ms), 16 Ki weights slower (72 ms).
+// chunks runs on the calling thread alone. Smaller chunks balance better and stream worse;
+// 256 KiB was as fast as fixed halves or faster, and smaller chunks slower
+// (docs/benchmark-log.md, "Measurements once in the CPU operator's comments").
 constexpr int64_t kBytesPerChunk = 1 << 18;
 
 // body(begin, end) over output rows [0, n), in chunks that threads take as they come. torch's
 // OpenMP helpers sleep between parallel regions (the command sets OMP_WAIT_POLICY=PASSIVE) and
-// take 30-60 us to wake: with a fixed half each, the calling thread would finish its half and
-// wait for the late helper's; taking chunks, it goes on with the rows the helper has not reached.
+// are slow to wake: with a fixed half each, the calling thread would finish its half and wait
+// for the late helper's; taking chunks, it goes on with the rows the helper has not reached.
 template <typename Body>
 void for_rows(int64_t n, int64_t row_bytes, const Body& body) {
   const int64_t chunk = std::max<int64_t>(1, kBytesPerChunk / std::max<int64_t>(row_bytes, 1));

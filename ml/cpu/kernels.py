@@ -2,14 +2,14 @@
 
 A decode step multiplies one row by every weight, and PyTorch's CPU kernels read the weights
 well below the memory's speed, bfloat16 and int8 ones most of all on CPUs without bf16 or
-AVX-512 instructions (``benchmarks/bench_cpu_kernels.py``; the numbers are in
-docs/architecture.md). ``kernels.cpp`` is one operator,
+AVX-512 instructions (``benchmarks/bench_cpu_kernels.py``; docs/benchmarks.md, "CPU decode
+products"). ``kernels.cpp`` is one operator,
 ``torch.ops.llama_chat_cpu.matvec(x, weight, scales=None)``: ``x @ weight.T`` (times ``scales``
 per output row) for float32, bfloat16 and int8 weights and a few rows of ``x``, in ``x``'s dtype. It is compiled with the
 machine's C++ compiler (``$CXX``, else ``c++``), the one inductor uses too, against the installed
 torch, for this CPU (``-march=native``), into ``~/.cache/llama-chat/kernels`` (or
 ``$LLAMA_CHAT_KERNEL_DIR``), under a name that changes with the source, torch, Python and the CPU.
-The first build takes 10-20 s; later processes load the file.
+The first build takes a while; later processes load the file.
 
 The API other modules use:
 
@@ -50,17 +50,15 @@ HEADERS = (HERE / "dot.h", HERE / "panels.h", HERE / "pick.h", HERE / "blocks.h"
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
 # A product of up to this many rows takes the operator (a decode step, or the packed decode rows
-# of the scheduler's jobs); longer ones are matrix products, where BLAS's blocking wins. All the
-# products of a stories15M-sized model, oneDNN's time over ours: 1.5x at one row, 2.1x at 8,
-# 1.6x at 16, 1.0x at 32, 0.8x at 64 (110M-sized: 1.2x, 1.3x, 1.0x, 0.8x). int8 rows have no
-# four-row blocking and stop at 8, past which fbgemm's product takes them.
+# of the scheduler's jobs); longer ones are matrix products, where BLAS's blocking wins: ours is
+# ahead of oneDNN up to 16 rows and not from 32 (docs/benchmarks.md, "CPU decode products"). int8
+# rows stop at 8, past which fbgemm's product takes them.
 MAX_ROWS = 16
 MAX_INT8_ROWS = 8
 BUILD_TIMEOUT_S = 300
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # Smaller float32 models do not build the operator for themselves: their decode steps are short
-# whatever the product (the model shipped with the package decodes at hundreds of tokens/s), and
-# a first run would wait for the build. They take it when it is loaded anyway.
+# whatever the product, and a first run would wait for the build. They take it when it is loaded anyway.
 MIN_FLOAT32_PARAMETERS = 10_000_000
 
 _state: dict[str, object] = {"loaded": False, "failure": None, "tried": False}
@@ -178,8 +176,9 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
 
 
 # Rows up to which a greedy pick takes ``argmax_rows``, on the calling thread; torch's threaded
-# argmax of 32000-wide rows took four times as long at 4, 16 and 64 rows (82, 269 and 1011 us
-# against 16, 61 and 231 on 2 cores), so the bound only keeps a very large step off one thread.
+# argmax of vocabulary-wide rows was several times slower at 4 to 64 rows (docs/benchmark-log.md,
+# "Measurements once in the CPU operator's comments"), so the bound only keeps a very large step
+# off one thread.
 MAX_ARGMAX_ROWS = 256
 
 

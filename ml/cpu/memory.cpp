@@ -2,8 +2,8 @@
 //
 // A decode step reads every weight once, tens of megabytes to gigabytes, and on 4 KiB pages each
 // new page costs a TLB miss and a page walk on top of the read. On 2 MiB pages (Linux's
-// transparent huge pages, asked for with madvise) the one-call step of a stories15M-sized model
-// read its weights 8 % faster (median of 12 interleaved pairs on a 2-core AMD EPYC).
+// transparent huge pages, asked for with madvise) the one-call step reads its weights faster
+// (docs/benchmark-log.md, "Measurements once in the CPU operator's comments").
 //
 // Built on first use by llama_chat/ml/cpu/kernels.py, together with the other operators.
 #include <torch/library.h>

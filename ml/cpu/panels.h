@@ -3,12 +3,10 @@
 // out input by input: panel[i * 16 + t] is output t's weight for input i, so one input's weights
 // for all 16 outputs are two vectors. A tile of up to six input rows is taken against a panel with
 // each input broadcast: twelve accumulators, two weight loads and six broadcasts per twelve
-// multiply-adds, and no sums across a vector at the end. Against weight rows taken one at a time
-// (dot4: a load per multiply-add, and a sum across each accumulator), a stories15M-sized
-// classifier of 16 rows took 2.1-2.4 ms instead of 3.3 on two cores (62-70 against 44 billion
-// multiply-adds a second, of the cores' 102). With AVX-512 a panel is one vector and a tile
-// takes up to 16 rows (one accumulator each): on a 2-core Xeon the same classifier of 16 rows
-// took 1.3 ms instead of the AVX2 tiles' 2.0.
+// multiply-adds, and no sums across a vector at the end, where weight rows taken one at a time
+// (dot4) need a load per multiply-add and a sum across each accumulator. With AVX-512 a panel is
+// one vector and a tile takes up to 16 rows (one accumulator each). Both are faster than weight
+// rows for a batch (docs/batching.md, "Steps on the CPU").
 //
 // Each product is one accumulator lane adding its row's products input by input, in order, from
 // zero: the same sum however many rows share the tile, so a row's result does not depend on the
@@ -17,9 +15,8 @@
 // The tiles read their input rows interleaved: row r's input i at xt[i * ld + r], so that one
 // pointer, stepped by `ld` an input, reaches every row of a tile at a constant offset. With a
 // pointer per row, a 16-row tile needed more than the 15 general registers: its loop fetched
-// pointers from vector registers and the stack on the multiply-adds' port, and the classifier
-// of 16 rows ran at 107 instead of 131 billion multiply-adds a second (2-core Xeon, C++ test).
-// One row interleaved is the row itself.
+// pointers from vector registers and the stack on the multiply-adds' port. One row interleaved
+// is the row itself.
 #pragma once
 
 #include "dot.h"
@@ -35,29 +32,24 @@ constexpr int64_t kPanel = 16;  // outputs per panel
 #ifdef __AVX512F__
 // A panel is one 512-bit vector: a tile of up to 16 rows keeps 16 accumulators and a panel's
 // weights in 18 of the 32 registers, with each row's input broadcast from memory by its
-// multiply-add. The stories15M-sized classifier of 16 rows took 1.3 ms instead of 2.0 with the
-// AVX2 tiles (116 against 73 billion multiply-adds a second, 2-core Xeon, C++ test).
+// multiply-add.
 constexpr int kMostTileRows = 16;
 #else
 constexpr int kMostTileRows = 6;
 #endif
-// The first tile of a panel asks for the weights this far ahead, a cache line per input: the
-// hardware's prefetcher alone left a 16-row classifier 10 % slower, and the whole 16-row step 9 %
-// slower. With the tiles reading interleaved rows, 4 KiB ahead (some 200 ns of a 16-row tile)
-// beats 32: the 16-row classifier took 0.89 ms instead of 1.12 with the AVX-512 tiles (165
-// against 131 billion multiply-adds a second, the cores' peak) and 1.79 instead of 1.96 with the
-// AVX2 ones, 8 KiB falling in between (2-core Xeon, C++ test). A row alone (two panels at a
-// time, `panel_pair`) does not ask: it is bound by the memory, and the one measurement of it
-// asking, on a noisy machine, was slower.
+// The first tile of a panel asks for the weights this far ahead, a cache line per input: far
+// enough to arrive in time, near enough not to leave L1 before it is read; the hardware's
+// prefetcher alone was slower, and so were 8 and 32 KiB (docs/batching.md, "Steps on the CPU").
+// A row alone (two panels at a time, `panel_pair`) does not ask: it is bound by the memory.
 constexpr int64_t kAheadBytes = 4 << 10;
 
 // Rows [0, R) of the interleaved inputs xt (row r's input i at xt[i * ld + r]) against P panels of
 // k inputs that follow one another (panel p at panel + p * k * kPanel), in vectors of V: row r's
 // P * 16 results go to out + r * out_stride, stored or added. Each result is one lane adding its
 // row's products input by input from zero, whatever V, R and P: the same bits on every path. The
-// accumulators are an array that stays in registers (every index is a constant once unrolled),
-// and go straight into the step's outputs: through a tile on the stack and a copy, the
-// stories15M-sized classifier of 16 rows took a quarter longer (C++ test).
+// accumulators are an array that stays in registers (every index is a constant once unrolled:
+// the unroll pragmas are what keep GCC from storing them after every multiply-add), and go
+// straight into the step's outputs, not through a tile on the stack and a copy.
 template <typename V, int R, int P, bool Add, bool Ahead>
 inline void panel_tile(const float* xt, int64_t ld, const float* panel, int64_t k, float* out, int64_t out_stride) {
   using Vec = typename V::Vec;
@@ -132,9 +124,9 @@ inline void panel_pair(const float* x, const float* panel, int64_t k, float* out
 
 #ifdef __AVX512F__
 // From this many rows on, two panels are taken at once by tiles of up to 14 rows: two weight
-// loads and one broadcast per two multiply-adds of each row, 28 accumulators. A stories15M-sized
-// classifier of 64 rows took 4.3 ms instead of 4.9 (C++ test, 2-core Xeon); at 16 rows, as two
-// tiles of 8, it lost (1.4 against 1.3 ms).
+// loads and one broadcast per two multiply-adds of each row, 28 accumulators. It pays for many
+// rows; 16 rows stay one tile, which paired tiles of 8 did not beat (docs/batching.md, "Steps on
+// the CPU").
 constexpr int64_t kPairedFromRows = 24;
 constexpr int kMostPairedRows = 14;
 

@@ -29,7 +29,7 @@ inline bool better(const Pick& a, const Pick& b) {
 // The pick of v[0, n), its index counted from `offset`.
 inline Pick pick_of(const float* v, int64_t n, int64_t offset = 0) {
   // The largest value (and whether there is a NaN) 32 at a time in four independent maxima, then
-  // its first place eight at a time: a 32000-entry row in a few microseconds.
+  // its first place eight at a time.
   float largest = -INFINITY;
   bool nan = false;
   int64_t i = 0;
