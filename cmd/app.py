@@ -31,7 +31,7 @@ with deferred_signals(exit_now=True):
 
     from llama_chat.cmd import exit_status
     from llama_chat.cmd.batch_input import check_batch_options, read_batch
-    from llama_chat.cmd.inputs import UsageProblem, gather_first_message, gather_prompt
+    from llama_chat.cmd.inputs import UsageProblem, check_command_line_text, gather_first_message, gather_prompt
     from llama_chat.cmd.options import Options
     from llama_chat.cmd.sanitize import one_line
     from llama_chat.cmd.signals import install_sync_handlers
@@ -135,6 +135,7 @@ def execute(opts: Options) -> int:
         # Input problems are found before torch is imported: a usage error should be instant.
         if sys.stdout is None:  # started with stdout closed (`>&-`)
             raise UsageProblem("standard output is closed: there is nowhere to write the answer")
+        check_command_line_text(opts)
         if opts.list_models:
             from llama_chat.cmd.model_list import print_model_list
 
@@ -181,11 +182,15 @@ def execute(opts: Options) -> int:
         _error(err, str(e))
         return exit_status.USAGE
     except Exception as e:  # noqa: BLE001 - the last line of defence: one line, or a traceback on request
-        from llama_chat.inference.types import RequestError
+        from llama_chat.inference.types import RequestError, sole_exception
         from llama_chat.model.errors import ModelLoadError
 
         if opts.debug:
             traceback.print_exc()
+        if isinstance(e, BaseExceptionGroup):  # a task group's wrapping says nothing: the error inside does
+            e = sole_exception(e)
+            if isinstance(e, BaseExceptionGroup):
+                e = e.exceptions[0]
         if isinstance(e, (ModelLoadError, RequestError)):
             _error(err, " ".join(str(e).split("\n")))
             return exit_status.USAGE

@@ -1,21 +1,26 @@
 """``--batch`` input: one job per line, plain text or a JSON object with options of its own.
 
-Read and checked before torch is imported, so that a bad option is an instant usage error. A line
-that cannot be a job is kept as a ``BadLine`` with its number: it is reported, and the other jobs
-run anyway.
+Read lazily, a line at a time, while the jobs before run: a batch of a million lines holds one
+line in memory, not a million. The first job is read before torch is imported, so that an empty
+or unreadable source is an instant usage error. A line that cannot be a job (not JSON, nested too
+deeply, an integer of thousands of digits, a lone surrogate, a bad option, longer than
+``MAX_LINE_BYTES``) is a ``BadLine`` with its number: it is reported, and the other jobs run anyway.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import os
+import stat
 import sys
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, BinaryIO
 
-from llama_chat.cmd.inputs import MAX_PROMPT_BYTES, UsageProblem, read_stdin_text
+from llama_chat.cmd.inputs import MAX_PROMPT_BYTES, UsageProblem
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS, Options, make_constraint
 from llama_chat.ml.controls import RULES, ControlError, SamplingParams, check
+from llama_chat.ml.safe_files import kind_of, size_text
+from llama_chat.model.safe_input import BadInput, NotText, check_text, decode_utf8, loads
 
 SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 # The settings a JSON line may give its job, under the names of the options they override. A
@@ -60,41 +65,146 @@ def check_batch_options(opts: Options) -> bool:
     return True
 
 
-def read_batch(source: str) -> list[JobLine | BadLine]:
-    """The jobs of ``source`` (a file name, or '-' for standard input), one per non-empty line."""
+class BatchReader:
+    """The jobs of a ``--batch`` source, one line at a time: memory holds one line (at most
+    ``MAX_LINE_BYTES``), however many lines there are, and nothing is read before it is wanted.
+
+    ``take`` blocks on a pipe or a terminal, so the batch calls it in a worker thread; one caller
+    at a time.
+    """
+
+    def __init__(self, stream: BinaryIO, what: str) -> None:
+        self.stream = stream
+        self.what = what
+        self.lines = 0  # lines read so far, empty ones included
+        self.eof = False
+        self._ahead: list[JobLine | BadLine] = []
+
+    def _raw_line(self) -> bytes | None:
+        """The next line without its newline; ``TOO_LONG`` for one past the bound (skipped
+        whole, a chunk at a time); None at the end."""
+        try:
+            raw = self.stream.readline(MAX_LINE_BYTES + 1)
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while True:
+                    chunk = self.stream.readline(_SKIP_CHUNK)
+                    if not chunk or chunk.endswith(b"\n"):
+                        return TOO_LONG
+        except OSError as e:
+            raise UsageProblem(f"{self.what}: cannot read it ({e.strerror or e})") from None
+        if not raw:
+            return None
+        return raw[:-1] if raw.endswith(b"\n") else raw
+
+    def next(self) -> JobLine | BadLine | None:
+        """The next job or bad line (empty lines are skipped); None at the end of the input."""
+        if self._ahead:
+            return self._ahead.pop()
+        while not self.eof:
+            raw = self._raw_line()
+            if raw is None:
+                self.eof = True
+                break
+            self.lines += 1
+            if raw is TOO_LONG:
+                return BadLine(self.lines, self.lines, f"longer than {size_text(MAX_LINE_BYTES)}")
+            if raw.strip():
+                return parse_line(self.lines, raw)
+        return None
+
+    def take(self, most: int) -> list[JobLine | BadLine]:
+        """Up to ``most`` jobs or bad lines; an empty list at the end of the input."""
+        out = []
+        while len(out) < most:
+            item = self.next()
+            if item is None:
+                break
+            out.append(item)
+        return out
+
+    def peek(self) -> None:
+        """Read up to the first job now (before torch is imported): a source with no line that is
+        not empty is a usage error at once."""
+        item = self.next()
+        if item is None:
+            raise UsageProblem("--batch: no prompts (every line is empty)")
+        self._ahead.append(item)
+
+
+TOO_LONG = b"\0too long"  # a sentinel, compared by identity
+# One job's line: as much as any prompt (cmd/inputs.py).
+MAX_LINE_BYTES = MAX_PROMPT_BYTES
+_SKIP_CHUNK = 1 << 20
+
+
+def read_batch(source: str) -> BatchReader:
+    """The jobs of ``source`` (a file name, or '-' for standard input), one per non-empty line,
+    with the first one already read (``BatchReader.peek``)."""
     if source == "-":
         if sys.stdin is None:
             raise UsageProblem("--batch: standard input is closed")
         if sys.stdin.isatty():
             print("llama-chat: reading prompts from the terminal, one per line; end with Ctrl+D",
                   file=sys.stderr)
-        text = read_stdin_text(sys.stdin.buffer)
+        reader = BatchReader(sys.stdin.buffer, "standard input")
     else:
+        what = f"--batch {source}"
         try:
-            with open(source, "rb") as f:
-                text = read_stdin_text(f, what=f"--batch {source}")
+            stream = open(source, "rb")
         except OSError as e:
-            raise UsageProblem(f"--batch {source}: cannot read it ({e.strerror or e})") from None
-    jobs = [parse_line(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
-    if not jobs:
-        raise UsageProblem("--batch: no prompts (every line is empty)")
-    return jobs
+            raise UsageProblem(f"{what}: cannot read it ({e.strerror or e})") from None
+        mode = os.fstat(stream.fileno()).st_mode
+        # A pipe is a source like any other (``--batch <(make_jobs)``); a device is not, unless it
+        # is a terminal: /dev/zero would be one endless line.
+        if (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) and not stream.isatty():
+            stream.close()
+            raise UsageProblem(f"{what}: cannot read it (not a file, a pipe or a terminal: {kind_of(mode)})")
+        reader = BatchReader(stream, what)
+    reader.peek()
+    return reader
 
 
-def parse_line(number: int, line: str) -> JobLine | BadLine:
-    stripped = line.strip()
-    if not stripped.startswith("{"):
+def parse_line(number: int, line: str | bytes) -> JobLine | BadLine:
+    """Line ``number`` of a batch as a job, or the one reason it is not one. Never raises:
+    whatever the line holds, one bad line is one error record."""
+    try:
+        return _parse_line(number, line)
+    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as e:  # noqa: PERF203
+        return BadLine(number, number, f"cannot be read ({type(e).__name__})")
+
+
+def _parse_line(number: int, line: str | bytes) -> JobLine | BadLine:
+    is_json = (line.lstrip().startswith(b"{") if isinstance(line, bytes) else line.lstrip().startswith("{"))
+    if isinstance(line, bytes):
+        if not is_json:  # plain text is a prompt like any other: bytes that are not UTF-8 become U+FFFD
+            line = line.decode("utf-8", errors="replace")
+        else:  # JSON text must be UTF-8 (RFC 8259)
+            try:
+                line = decode_utf8(line)
+            except BadInput as e:
+                return BadLine(number, number, str(e))
+    try:
+        check_text(line, "the line")
+    except BadInput as e:
+        return BadLine(number, number, str(e))
+    if not is_json:
         return JobLine(number, line.rstrip("\r"), number)
     try:
-        obj = json.loads(stripped)
+        obj = loads(line.strip())
     except json.JSONDecodeError as e:
         return BadLine(number, number, f"not valid JSON ({e.msg} at column {e.colno})")
+    except NotText as e:
+        return BadLine(number, number, str(e))
+    except BadInput as e:
+        return BadLine(number, number, f"not valid JSON ({e})")
     if not isinstance(obj, dict):
         return BadLine(number, number, "not a JSON object")
     job_id = obj.get("id", number)
+    if isinstance(job_id, (dict, list)):
+        return BadLine(number, number, "'id' must be a string, a number or null")
     try:
         return _job(number, obj, job_id)
-    except (ControlError, ValueError, TypeError) as e:
+    except (ControlError, ValueError, TypeError, OverflowError) as e:
         return BadLine(number, job_id, str(e))
 
 
@@ -107,8 +217,6 @@ def _job(number: int, obj: dict, job_id: Any) -> JobLine:
         raise ValueError("'prompt' must be a non-empty string")
     if len(prompt.encode("utf-8", "replace")) > MAX_PROMPT_BYTES:
         raise ValueError("'prompt' is too long")
-    if isinstance(job_id, (dict, list)) or (isinstance(job_id, float) and not math.isfinite(job_id)):
-        raise ValueError("'id' must be a string, a number or null")
     system = obj.get("system")
     if system is not None and not isinstance(system, str):
         raise ValueError("'system' must be a string")
@@ -157,7 +265,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
             raise ValueError("'logit_bias' entries must be [id, bias]")
         token, bias = item
         try:
+            if isinstance(token, bool) or not isinstance(token, (int, str)) or isinstance(bias, bool):
+                raise TypeError
             out.append((int(token), float(bias)))
-        except (TypeError, ValueError):
-            raise ValueError(f"'logit_bias' entry {list(item)!r} is not an id and a number") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"'logit_bias' entry {list(item)!r:.80} is not an id and a number") from None
     return tuple(out)

@@ -27,7 +27,6 @@ the chat with their usual statuses after the reply has been cut.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -41,6 +40,8 @@ from rich.text import Text
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.chat_settings import Settings, apply_setting, set_help, split_setting
+from llama_chat.cmd.conversation_file import (SAVE_FORMAT, ConversationError, Turn, load_conversation,
+                                              save_conversation)
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.render import make_renderer
@@ -63,7 +64,6 @@ if TYPE_CHECKING:
 PROMPT = ">>> "
 CONTINUATION = "... "
 FENCE = '"""'
-SAVE_FORMAT = "llama-chat-conversation/1"
 # Tokens kept free for a reply when the dialog is fitted into the context, at most this share of it.
 REPLY_ROOM = 256
 HISTORY_LENGTH = 1000
@@ -87,19 +87,6 @@ Ctrl+C stops a reply (it stays in the conversation, marked as interrupted)."""
 
 
 # -- the conversation ------------------------------------------------------------------------------
-
-
-@dataclass
-class Turn:
-    role: str  # "user" | "assistant"
-    content: str
-    interrupted: bool = False  # an assistant reply stopped by Ctrl+C
-
-    def as_dict(self) -> dict:
-        d = {"role": self.role, "content": self.content}
-        if self.interrupted:
-            d["interrupted"] = True
-        return d
 
 
 @dataclass
@@ -137,13 +124,9 @@ class Chat:
         """The dialog's ids ending where the reply begins, after dropping the oldest turns it
         takes to leave room for a reply; None when the last message alone does not fit."""
         ctx = self.backend.max_seq_len
-        dropped = 0
-        while True:
-            ids = self.chat_format.encode_dialog(self.messages(), add_generation_prompt=True)
-            if len(ids) + self.reply_room() <= ctx or len(self.turns) <= 1:
-                break
-            self.turns[:2] = []  # the oldest user message and its reply
-            dropped += 1
+        dropped = self._exchanges_to_drop(ctx)
+        self.turns[:2 * dropped] = []  # the oldest user messages and their replies
+        ids = self.chat_format.encode_dialog(self.messages(), add_generation_prompt=True)
         if dropped:
             say(f"the conversation was longer than the context ({ctx} tokens): dropped the oldest "
                 f"{dropped} exchange{'s' if dropped > 1 else ''}")
@@ -153,6 +136,33 @@ class Chat:
             self.turns.pop()
             return None
         return ids
+
+    def _exchanges_to_drop(self, ctx: int) -> int:
+        """The fewest oldest exchanges (a user message and its reply) to drop for the dialog and a
+        reply to fit in ``ctx``; at most all but the last message. Found by bisection, so a long
+        conversation (a /load of thousands of messages) is encoded a few times, not once per
+        exchange dropped."""
+        head = [Message("system", self.system)] if self.system else []
+        messages = [Message(t.role, t.content) for t in self.turns]
+        room = self.reply_room()
+
+        def fits(dropped: int) -> bool:
+            ids = self.chat_format.encode_dialog(head + messages[2 * dropped:], add_generation_prompt=True)
+            return len(ids) + room <= ctx
+
+        high = len(self.turns) // 2  # dropping ``high`` leaves one message or none
+        # Every message takes a token at least (its role's marks), so of more than ``ctx`` of them
+        # the oldest are dropped unseen: a template never renders thousands of messages.
+        low = min(high, max(0, (len(self.turns) - ctx + 1) // 2))
+        if fits(low):
+            return low
+        while high - low > 1:  # fits(high) or nothing fits; never fits(low)
+            middle = (low + high) // 2
+            if fits(middle):
+                high = middle
+            else:
+                low = middle
+        return high
 
 
 # -- input -----------------------------------------------------------------------------------------
@@ -407,10 +417,9 @@ class ChatRunner:
         data = {"format": SAVE_FORMAT, "model": self.name, "system": chat.system,
                 "settings": chat.settings.as_dict(), "messages": [t.as_dict() for t in chat.turns]}
         try:
-            Path(path).expanduser().write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n",
-                                               encoding="utf-8")
-        except OSError as e:
-            self.say(f"/save {path}: {e.strerror or e}")
+            save_conversation(path, data)
+        except ConversationError as e:
+            self.say(f"/save {path}: {e}")
             return
         self.say(f"saved {len(chat.turns)} messages to {path}")
 
@@ -419,33 +428,12 @@ class ChatRunner:
             self.say("/load needs a file name")
             return
         try:
-            data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
-            system, turns = read_conversation(data)
-        except OSError as e:
-            self.say(f"/load {path}: {e.strerror or e}")
-            return
-        except (ValueError, TypeError, KeyError) as e:
-            self.say(f"/load {path}: not a saved conversation ({e})")
+            system, turns = load_conversation(path)
+        except ConversationError as e:
+            self.say(f"/load {path}: {e}")
             return
         self.chat.system, self.chat.turns = system, turns
         self.say(f"loaded {len(turns)} messages from {path}")
-
-
-def read_conversation(data) -> tuple[str | None, list[Turn]]:
-    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
-        raise ValueError("no list of messages")
-    system = data.get("system")
-    if system is not None and not isinstance(system, str):
-        raise ValueError("the system message is not text")
-    turns = []
-    for i, m in enumerate(data["messages"]):
-        role, content = m["role"], m["content"]
-        if role != ("user" if i % 2 == 0 else "assistant") or not isinstance(content, str):
-            raise ValueError(f"message {i} is not a {'user' if i % 2 == 0 else 'assistant'} message")
-        turns.append(Turn(role, content, bool(m.get("interrupted", False))))
-    if turns and turns[-1].role == "user":
-        turns.pop()  # an unanswered message: it is asked again by typing it
-    return system or None, turns
 
 
 def make_chat_backend(loaded, opts: Options) -> Engine | Scheduler | RemoteSource:
@@ -506,7 +494,11 @@ def _chat(opts: Options, first: str | None, color: str, err: Console) -> int:
             if not text.strip():
                 continue
             if text.startswith("/") and not text.startswith("//"):
-                runner.command(text)
+                try:
+                    runner.command(text)
+                except KeyboardInterrupt:  # Ctrl+C during a command (a slow /load): the chat goes on
+                    sys.stdout.write("\n")
+                    runner.say("(interrupted)")
                 continue
             chat.turns.append(Turn("user", text[1:] if text.startswith("//") else text))
             runner.reply()

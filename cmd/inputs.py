@@ -7,6 +7,7 @@ import sys
 from typing import BinaryIO
 
 from llama_chat.cmd.sanitize import one_line
+from llama_chat.model.safe_input import BadInput, check_text
 
 # More than any context holds (131072 tokens are well under 1 MiB of text); the bound keeps
 # `yes | llama-chat` or a huge file from filling memory before the prompt is even tokenized.
@@ -15,6 +16,22 @@ MAX_PROMPT_BYTES = 64 * 1024 * 1024
 
 class UsageProblem(ValueError):
     """Input the command cannot use; reported as a usage error (exit status 2)."""
+
+
+# Options whose text reaches the tokenizer, by their flags.
+TEXT_OPTIONS = (("prompt", "--prompt"), ("system", "--system"), ("stop", "--stop"))
+
+
+def check_command_line_text(opts) -> None:
+    """``UsageProblem`` when an option's text is not text: bytes that are not UTF-8 on the command
+    line (``-p $'hi \\xff'``) reach Python as lone surrogates, which no tokenizer can encode."""
+    for name, flag in TEXT_OPTIONS:
+        value = getattr(opts, name, None)
+        for text in (value,) if isinstance(value, str) else value or ():
+            try:
+                check_text(text, flag)
+            except BadInput as e:
+                raise UsageProblem(str(e)) from None
 
 
 def read_stdin_text(stream: BinaryIO, *, what: str = "standard input") -> str:
@@ -90,5 +107,5 @@ def gather_first_message(prompt: str | None, *, file: str | None = None, read_st
     return text
 
 
-__all__ = ["gather_first_message", "MAX_PROMPT_BYTES", "UsageProblem", "combine_prompt", "gather_prompt", "one_line", "read_prompt_file",
+__all__ = ["gather_first_message", "MAX_PROMPT_BYTES", "UsageProblem", "check_command_line_text", "combine_prompt", "gather_prompt", "one_line", "read_prompt_file",
            "read_stdin_text"]

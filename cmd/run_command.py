@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,14 +21,18 @@ from rich.console import Console
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.load_progress import load_progress
+from llama_chat.cmd.memory_check import check_memory
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.prompt import prompt_ids
 from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.report import print_summary, seed_to_report, write_json
+from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers
+from llama_chat.cmd.startup import silence_stdout
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.remote import RemoteModel, RemoteSource, connect, is_remote
 from llama_chat.ml.cpu import kernels as cpu_kernels
+from llama_chat.ml.user_cache import cache_problem
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 from llama_chat.model.stores import resolve_model
 
@@ -53,6 +60,7 @@ def load(opts: Options, err: Console) -> LoadedModel | RemoteModel:
         loaded = load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
                             max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress, name=name,
                             quantize=getattr(opts, "quantize", "none"))
+    check_memory(opts, loaded)  # -c, --cache-tokens, --max-batch against the memory left
     prepare_cpu_kernels(loaded, getattr(opts, "quantize", "none"), err, quiet=getattr(opts, "json", False))
     return loaded
 
@@ -66,14 +74,42 @@ def prepare_cpu_kernels(loaded: LoadedModel, quantize: str, err: Console, *, qui
     if not cpu_kernels.wanted(loaded.model, quantize) or cpu_kernels.loaded():
         return
     building = not cpu_kernels.cached()
-    if building and err.is_terminal and not quiet:
-        with err.status("building CPU kernels (first run only)", spinner="dots"):
+    if building:
+        with slow_notice(err, "building CPU kernels (first run only)",
+                         "building the CPU kernels for this machine (first run only; a minute or more)", quiet=quiet):
             cpu_kernels.load()
     else:
         cpu_kernels.load()
-    if building and cpu_kernels.failure() and not quiet:
-        err.print(f"llama-chat: could not build the CPU kernels ({cpu_kernels.failure()}); "
-                  f"using PyTorch's products", markup=False, highlight=False)
+    if cpu_kernels.failure() and not cpu_kernels.failed_before() and not quiet:
+        # The reason quotes the compiler's name and output: shown through one_line like any outside text.
+        err.print(f"llama-chat: could not build the CPU kernels ({one_line(cpu_kernels.failure())}); "
+                  f"using PyTorch's products", markup=False, highlight=False, soft_wrap=True)
+
+
+# A first use that takes longer than this is announced in a pipe too (a terminal shows a spinner
+# from the start): a wait with nothing said looks like a hang.
+SLOW_NOTICE_S = 1.0
+
+
+@contextmanager
+def slow_notice(err: Console, status: str, line: str, *, quiet: bool) -> Iterator[None]:
+    """A spinner saying ``status`` on a terminal; elsewhere one line, ``line``, if the block takes
+    more than ``SLOW_NOTICE_S``; nothing when ``quiet`` (``--json``)."""
+    if quiet:
+        yield
+        return
+    if err.is_terminal:
+        with err.status(status, spinner="dots"):
+            yield
+        return
+    timer = threading.Timer(SLOW_NOTICE_S, lambda: err.print(f"llama-chat: {line}", markup=False, highlight=False,
+                                                             soft_wrap=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def make_engine(loaded: LoadedModel | RemoteModel, opts: Options) -> Engine | RemoteSource:
@@ -88,9 +124,15 @@ def warm_up(engine: Engine | Scheduler, sampling: SamplingParams, err: Console, 
 
     A compile that fails is reported in one line and decoding goes on without it.
     """
-    if engine.compiles and not quiet and err.is_terminal:
-        with err.status(f"compiling for {engine.device.type} (first run only)", spinner="dots"):
+    if engine.compiles:
+        with slow_notice(err, f"compiling for {engine.device.type} (first run only)",
+                         f"compiling the decode step for {engine.device.type} (the first run takes longest)",
+                         quiet=quiet):
             engine.warm_up(sampling)
+        problem = cache_problem("torch-compile")
+        if problem and not quiet:
+            err.print(f"llama-chat: compiled steps are kept for this run only ({one_line(problem)})",
+                      markup=False, highlight=False, soft_wrap=True)
     else:
         engine.warm_up(sampling)
     if engine.compile_failure and not quiet:
@@ -103,17 +145,6 @@ def _fileno(stream) -> int | None:
         return stream.fileno()
     except (AttributeError, OSError, ValueError):
         return None
-
-
-def silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush cannot fail on a closed pipe.
-
-    Python's documented recipe for SIGPIPE-free programs: without it, the flush at exit prints
-    "Exception ignored ... BrokenPipeError" to stderr.
-    """
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 def run_command(opts: Options, text: str, color: str, err: Console) -> int:

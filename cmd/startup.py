@@ -89,3 +89,14 @@ def ensure_std_fds() -> tuple[bool, bool, bool]:
     if closed[2] or sys.stderr is None:
         sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
     return closed[0], closed[1], closed[2]
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail on a closed pipe.
+
+    Python's documented recipe for SIGPIPE-free programs: without it, the flush at exit prints
+    "Exception ignored ... BrokenPipeError" to stderr.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

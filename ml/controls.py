@@ -43,6 +43,12 @@ class Rule:
 
 
 MAX_SEED = 2**64 - 1
+# Bounds of the options that size buffers allocated whole: no model has a longer context than
+# this (the loader refuses larger dimensions), and no CPU or GPU runs more jobs in one step. The
+# memory a value needs is checked against the machine's once the model is known
+# (model/memory_budget.py).
+MAX_TOKENS = 2**24
+MAX_BATCH = 4096
 DEFAULT_TEMPERATURE = 0.8
 
 # Every ranged setting: the command line's options, the keys of a --batch line and the chat's /set
@@ -66,9 +72,10 @@ RULES: dict[str, Rule] = {
     "max_time": Rule(float, lambda v: _finite(v) and v > 0, "a number of seconds > 0"),
     "max_tokens": Rule(int, lambda v: v >= 1, "at least 1"),
     "seed": Rule(int, lambda v: 0 <= v <= MAX_SEED, "in 0 <= seed <= 2**64-1"),
-    "ctx_size": Rule(int, lambda v: v >= 0, "0 (the model's full context) or a positive number"),
-    "max_batch": Rule(int, lambda v: v >= 1, "at least 1"),
-    "cache_tokens": Rule(int, lambda v: v >= 1, "at least 1"),
+    "ctx_size": Rule(int, lambda v: 0 <= v <= MAX_TOKENS,
+                     f"0 (the model's full context) or a positive number up to {MAX_TOKENS}"),
+    "max_batch": Rule(int, lambda v: 1 <= v <= MAX_BATCH, f"an integer in 1 <= n <= {MAX_BATCH}"),
+    "cache_tokens": Rule(int, lambda v: 1 <= v <= MAX_TOKENS, f"an integer in 1 <= n <= {MAX_TOKENS}"),
 }
 
 # The choices of the command line's options that are not ranges. The chat formats' names are

@@ -19,8 +19,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from llama_chat.ml.safe_files import read_regular
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.json_files import read_json
+from llama_chat.model.safe_input import BadInput, decode_utf8
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.tokenizers.specials import split_on_specials, token_name
 
@@ -168,8 +170,11 @@ class HFTemplateChatFormat:
                  eos_token: str | None = None) -> None:
         from jinja2.exceptions import TemplateSyntaxError
 
-        from llama_chat.model.template_sandbox import BoundedSandbox
+        from llama_chat.model.template_sandbox import MAX_TEMPLATE_CHARS, BoundedSandbox
 
+        if len(template) > MAX_TEMPLATE_CHARS:
+            raise ChatTemplateError(f"chat template: {len(template):,} characters, more than the limit of "
+                                    f"{MAX_TEMPLATE_CHARS:,}")
         env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = env._bounded_filter("tojson", _tojson)
         env.globals.pop("lipsum", None)  # a text generator, not something a chat template needs
@@ -250,13 +255,26 @@ def read_chat_template(model_dir: Path) -> tuple[str | None, dict]:
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    if template is None and (model_dir / "chat_template.jinja").is_file():
-        template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    jinja = model_dir / "chat_template.jinja"
+    if template is None and (jinja.exists() or jinja.is_symlink()):
+        template = _read_template_file(jinja)
     if template is None and (model_dir / "chat_template.json").is_file():
         template = read_json(model_dir / "chat_template.json").get("chat_template")
     if template is not None and not isinstance(template, str):
         raise ModelLoadError(f"{config_path}: chat_template must be a string, found {type(template).__name__}")
     return template, config
+
+
+def _read_template_file(path: Path) -> str:
+    """A ``chat_template.jinja``: a regular file of UTF-8 text, no larger than a template may be."""
+    from llama_chat.model.template_sandbox import MAX_TEMPLATE_CHARS
+
+    try:
+        return decode_utf8(read_regular(path, 4 * MAX_TEMPLATE_CHARS))
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except BadInput as e:
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def chat_format_hint(model_dir: Path) -> str | None:

@@ -11,7 +11,10 @@
   Nothing is downloaded unless asked (``download=True``), and never with ``HF_HUB_OFFLINE`` set.
 
 Everything here works without torch (``llama-chat --list`` never loads it), and every value read
-from a manifest or a directory name is checked before it becomes part of a path.
+from a manifest, a ref or a directory name is checked before it becomes part of a path. The files
+of both stores are read by ``ml/safe_files.py``'s rule: regular files of bounded size (a FIFO or
+``/dev/zero`` in their place is refused, not read), and a symlink must stay inside the repository
+or store it is in: a cache entry cannot lead to another repository's model or out of the cache.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from llama_chat.ml.safe_files import UnsafeFile, inside, read_regular, require_regular
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.json_files import first_sentence, read_json
 
@@ -35,6 +39,10 @@ OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 _OLLAMA_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# A ref file holds one commit hash; a manifest lists a few layers (a few KB).
+MAX_REF_BYTES = 256
+MAX_MANIFEST_BYTES = 1 << 20
 # What --download fetches of a Hugging Face repository: enough to run it, never every file.
 _HF_RUN_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "tokenizer.model", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
@@ -127,7 +135,8 @@ def resolve_model(spec: str, *, download: bool = False, progress: bool = True) -
 
 def _resolve_hub(repo_id: str, *, download: bool, progress: bool) -> ResolvedModel:
     cache = hf_cache_dir()
-    snapshot = _cached_snapshot(repo_id, cache)
+    repo_dir = _hf_repo_dir(cache, repo_id)
+    snapshot = _hf_snapshot(repo_dir, repo_id)
     if snapshot is None:
         if not download:
             raise ModelLoadError(f"{repo_id}: not in the Hugging Face cache ({cache}); fetch it with "
@@ -135,6 +144,7 @@ def _resolve_hub(repo_id: str, *, download: bool, progress: bool) -> ResolvedMod
         snapshot = _download(repo_id, cache, progress)
     elif download:
         snapshot = _download(repo_id, cache, progress)  # completes a partial copy; cached files stay
+    _check_snapshot(snapshot, repo_dir, repo_id)
     if not _runnable(snapshot):
         raise ModelLoadError(f"{repo_id}: the cached copy ({snapshot}) has no config.json with weights nor a "
                              f"GGUF file; complete it with `llama-chat -m {repo_id} --download`")
@@ -148,16 +158,45 @@ def _runnable(snapshot: Path) -> bool:
         p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json") for p in snapshot.iterdir())
 
 
-def _cached_snapshot(repo_id: str, cache: Path) -> Path | None:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+def _hf_repo_dir(cache: Path, repo_id: str) -> Path:
+    return cache / f"models--{repo_id.replace('/', '--')}"
 
+
+def _hf_snapshot(repo_dir: Path, label: str) -> Path | None:
+    """The snapshot a repository's ``refs/main`` names, or None when it is not cached.
+
+    Read here rather than by huggingface_hub, which reads the ref whole, whatever it is (a FIFO
+    blocks it, a symlink to /dev/zero fills memory), and joins its text to the path (``../..``
+    leaves the cache). The ref must be a small regular file inside the repository holding a
+    commit hash, and the snapshot a directory inside the repository."""
+    ref = repo_dir / "refs" / "main"
     try:
-        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
-    except LocalEntryNotFoundError:
+        inside(ref, repo_dir)
+        commit = read_regular(ref, MAX_REF_BYTES).decode("ascii", errors="replace").strip()
+    except FileNotFoundError:
         return None
-    except Exception as e:  # noqa: BLE001 - a damaged cache entry: say which, on one line
-        raise ModelLoadError(f"{repo_id}: cannot read its Hugging Face cache entry ({first_sentence(e)})") from None
+    except OSError as e:
+        raise ModelLoadError(f"{label}: its Hugging Face cache entry is damaged ({ref}: {e.strerror or e})") from None
+    if not _COMMIT.fullmatch(commit):
+        raise ModelLoadError(f"{label}: its Hugging Face cache entry is damaged ({ref} holds {commit!r:.60}, "
+                             "not a commit hash)")
+    snapshot = repo_dir / "snapshots" / commit
+    if not snapshot.is_dir():
+        return None
+    return snapshot
+
+
+def _check_snapshot(snapshot: Path, repo_dir: Path, label: str) -> None:
+    """Every file of ``snapshot`` leads to a file inside its repository (its blobs), never to
+    another repository's files or out of the cache."""
+    try:
+        inside(snapshot, repo_dir)
+        for entry in snapshot.iterdir():
+            inside(entry, repo_dir)
+    except UnsafeFile as e:
+        raise ModelLoadError(f"{label}: its cached file {e.filename} {e.strerror}") from None
+    except OSError as e:
+        raise ModelLoadError(f"{label}: cannot read its Hugging Face cache entry ({e.strerror or e})") from None
 
 
 def _download(repo_id: str, cache: Path, progress: bool) -> Path:
@@ -235,32 +274,47 @@ class _SilentBar:
 
 
 def _hf_entries(cache: Path) -> Iterator[StoredModel]:
-    if not cache.is_dir():
-        return
-    from huggingface_hub import scan_cache_dir
-
+    """The cache's model repositories, as ``_hf_snapshot`` finds them (a damaged entry is left out)."""
     try:
-        info = scan_cache_dir(cache)
-    except Exception:  # noqa: BLE001 - an unreadable cache lists nothing rather than failing --list
+        repos = sorted((p for p in cache.iterdir() if p.name.startswith("models--")), key=lambda p: p.name.lower())
+    except OSError:
         return
-    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
-        if repo.repo_type != "model" or not is_hub_id(repo.repo_id):
+    for repo_dir in repos:
+        repo_id = repo_dir.name[len("models--"):].replace("--", "/", 1)
+        if not is_hub_id(repo_id):
             continue
-        revision = next((r for r in repo.revisions if "main" in r.refs), None)
-        if revision is None:
+        try:
+            snapshot = _hf_snapshot(repo_dir, repo_id)
+            if snapshot is None:
+                continue
+            _check_snapshot(snapshot, repo_dir, repo_id)
+            files = {p.name: p for p in snapshot.iterdir() if p.is_file()}
+        except (ModelLoadError, OSError):
             continue
-        names = {f.file_name for f in revision.files}
-        ggufs = sorted(f for f in names if f.endswith(".gguf"))
-        if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
-            yield StoredModel(repo.repo_id, "hf", "hf", revision.size_on_disk, revision.snapshot_path)
+        size = _files_size(files.values())
+        ggufs = sorted(f for f in files if f.endswith(".gguf"))
+        if "config.json" in files and any(n.endswith((".safetensors", ".bin")) for n in files):
+            yield StoredModel(repo_id, "hf", "hf", size, snapshot)
         elif len(ggufs) == 1:
-            yield StoredModel(repo.repo_id, "hf", "gguf", revision.size_on_disk, revision.snapshot_path)
+            yield StoredModel(repo_id, "hf", "gguf", size, snapshot)
         elif ggufs:
             for name in ggufs:  # several quantizations of one model: each file by its path
-                file = revision.snapshot_path / name
+                file = snapshot / name
                 yield StoredModel(str(file), "hf", "gguf", _size(file), file)
         else:  # a partial download, or a repository of something else
-            yield StoredModel(repo.repo_id, "hf", "incomplete", revision.size_on_disk, revision.snapshot_path)
+            yield StoredModel(repo_id, "hf", "incomplete", size, snapshot)
+
+
+def _files_size(files) -> int:
+    """Bytes on disk of ``files``, each blob counted once (files of a snapshot link to blobs)."""
+    seen: dict[tuple[int, int], int] = {}
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
 
 
 def _size(path: Path) -> int:
@@ -300,7 +354,7 @@ def _resolve_ollama(name: str) -> ResolvedModel:
     store = ollama_models_dir()
     manifest = store / "manifests" / host / namespace / model / tag
     short = _short_name(host, namespace, model, tag)
-    if not manifest.is_file():
+    if not (manifest.exists() or manifest.is_symlink()):
         pull = short.removesuffix(":latest")
         raise ModelLoadError(f"ollama:{short}: not in Ollama's store ({store}); fetch it with `ollama pull {pull}`")
     blob, _ = _model_blob(manifest, store)
@@ -309,7 +363,11 @@ def _resolve_ollama(name: str) -> ResolvedModel:
 
 def _model_blob(manifest: Path, store: Path) -> tuple[Path, int]:
     """The GGUF blob a manifest names, and its size as the manifest gives it."""
-    data = read_json(manifest)
+    try:
+        inside(manifest, store / "manifests")
+    except UnsafeFile as e:
+        raise ModelLoadError(f"{manifest}: {e.strerror}") from None
+    data = read_json(manifest, max_bytes=MAX_MANIFEST_BYTES, what="an Ollama manifest")
     layers = data.get("layers")
     if not isinstance(layers, list):
         raise ModelLoadError(f"{manifest}: not an Ollama manifest (no 'layers' list)")
@@ -321,8 +379,13 @@ def _model_blob(manifest: Path, store: Path) -> tuple[Path, int]:
     if m is None:
         raise ModelLoadError(f"{manifest}: the model layer's digest {digest!r:.80} is not 'sha256:' and 64 hex digits")
     blob = store / "blobs" / f"sha256-{m.group(1)}"
-    if not blob.is_file():
-        raise ModelLoadError(f"{manifest}: its model blob {blob.name} is missing from {blob.parent}")
+    try:
+        inside(blob, store / "blobs")
+        require_regular(blob)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{manifest}: its model blob {blob.name} is missing from {blob.parent}") from None
+    except OSError as e:
+        raise ModelLoadError(f"{manifest}: its model blob {blob.name} {e.strerror or e}") from None
     size = layer.get("size")
     return blob, size if isinstance(size, int) and not isinstance(size, bool) else _size(blob)
 
@@ -333,7 +396,7 @@ def _ollama_entries(store: Path) -> Iterator[StoredModel]:
         return
     for manifest in sorted(root.glob("*/*/*/*")):
         host, namespace, model, tag = manifest.relative_to(root).parts
-        if not manifest.is_file() or not all(_OLLAMA_PART.fullmatch(p) for p in (host, namespace, model, tag)):
+        if not all(_OLLAMA_PART.fullmatch(p) for p in (host, namespace, model, tag)):
             continue
         try:
             blob, size = _model_blob(manifest, store)

@@ -40,6 +40,9 @@ INPUT_FACTOR = 4  # ... plus this many times the characters of the messages bein
 MAX_STEPS = 2_000_000  # lines of template code executed in one render
 MAX_INT_BITS = 4096  # integers beyond this many bits are not chat-template arithmetic
 MAX_JSON_INDENT = 64
+# Characters of a template's source. Real templates run to tens of KB; compiling takes time and
+# memory in proportion to the source, far more than rendering a real one does.
+MAX_TEMPLATE_CHARS = 1 << 18
 
 _FORMAT_NUMBER = re.compile(r"\d+")
 

@@ -147,7 +147,7 @@ def test_max_time_ends_every_job_and_one_bad_line_is_one(tiny, tmp_path):
     (("--ordered", "-p", "hi"), "--ordered needs --batch"),
     (("--batch", "--json"), "leave out --json"),
     (("--batch", "/nonexistent/jobs.txt"), "cannot read it"),
-    (("--batch", "--max-batch", "0"), "must be at least 1"),
+    (("--batch", "--max-batch", "0"), "must be an integer in 1 <= n <= 4096"),
 ])
 def test_bad_batch_options_are_one_line_and_exit_2(tiny, args, message):
     proc = run_cli("-m", str(tiny.path), *args, stdin=b"hello\n")

@@ -9,7 +9,22 @@ per output row) for float32, bfloat16 and int8 weights and a few rows of ``x``, 
 machine's C++ compiler (``$CXX``, else ``c++``), the one inductor uses too, against the installed
 torch, for this CPU (``-march=native``), into ``~/.cache/llama-chat/kernels`` (or
 ``$LLAMA_CHAT_KERNEL_DIR``), under a name that changes with the source, torch, Python and the CPU.
-The first build takes a while; later processes load the file.
+The first build takes a while (docs/usage.md says how long); later processes load the file.
+
+The cache is trusted only as far as it is checked, since a file loaded into the process runs
+with it and a damaged one can crash it outright (a library cut short ends the process with
+SIGBUS when it is mapped):
+
+* a build is compiled under a temporary name, sealed (its size and SHA-256 appended as a
+  trailer, which the dynamic loader ignores) and renamed into place, so two processes building
+  at once each load a whole library and neither ever sees half of one;
+* a library is loaded only if it is a regular file whose trailer matches its bytes (anything
+  else, a truncated file or an unrelated library under the name, is built again), and kept only
+  if every operator the sources define is there once it is loaded (else PyTorch's products, and
+  the file is removed so the next process builds it);
+* the ``.failed`` note is read only when it is a small regular file, and written through a
+  rename, so a FIFO in its place neither blocks a reader nor a writer;
+* a cache directory that cannot be written means PyTorch's products and one line saying why.
 
 The API other modules use:
 
@@ -21,7 +36,8 @@ The API other modules use:
   can say so. A build that failed leaves a ``.failed`` note beside where the file would be, with
   the reason, and is not tried again for the same source, torch and CPU.
 * ``loaded()``: whether the operator is there; ``ops`` and ``quantize`` consult it per product.
-* ``failure()``: why the last build failed, one line, or None.
+* ``failure()``: why the last build failed, one line, or None; ``failed_before()``: whether
+  that is an earlier process's failure, read from its note.
 
 ``LLAMA_CHAT_CPU_KERNELS=0`` keeps PyTorch's kernels. A machine without a compiler, or a build
 that fails, does too: the operator is a speed-up, never a requirement.
@@ -33,6 +49,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +58,8 @@ from pathlib import Path
 
 import torch
 
-from llama_chat.ml.user_cache import user_cache_dir
+from llama_chat.ml.safe_files import open_regular, read_regular, write_atomic
+from llama_chat.ml.user_cache import wanted_cache_dir, writable_dir
 
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is shared by both.
@@ -61,7 +79,16 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # whatever the product, and a first run would wait for the build. They take it when it is loaded anyway.
 MIN_FLOAT32_PARAMETERS = 10_000_000
 
-_state: dict[str, object] = {"loaded": False, "failure": None, "tried": False}
+# The seal appended to a built library: a fixed-size line with the magic, the size of the bytes
+# before it and their SHA-256.
+SEAL_MAGIC = b"llama-chat-cpu-kernels/1"
+SEAL_SIZE = 128
+MAX_LIBRARY_BYTES = 256 << 20
+MAX_NOTE_BYTES = 4096
+_DEFINED = re.compile(rb'm\.def\(\s*"(\w+)\(')
+
+# "earlier": the failure is an earlier process's, read from its note (and said by that process).
+_state: dict[str, object] = {"loaded": False, "failure": None, "tried": False, "earlier": False}
 
 
 def enabled() -> bool:
@@ -74,6 +101,12 @@ def loaded() -> bool:
 
 def failure() -> str | None:
     return _state["failure"]  # type: ignore[return-value]
+
+
+def failed_before() -> bool:
+    """Whether ``failure`` is an earlier process's build failure (its ``.failed`` note), already
+    said there; a failure of this process's own is not."""
+    return bool(_state["earlier"]) and failure() is not None
 
 
 def wanted(model: torch.nn.Module, quantize: str = "none") -> bool:
@@ -96,7 +129,7 @@ def wanted(model: torch.nn.Module, quantize: str = "none") -> bool:
 def cache_dir() -> Path:
     if os.environ.get(DIR_ENV):
         return Path(os.environ[DIR_ENV])
-    return user_cache_dir("kernels")
+    return wanted_cache_dir("kernels")  # never a temporary one: a build each run would cost more than it saves
 
 
 def library_path() -> Path:
@@ -114,11 +147,11 @@ def _sources_missing() -> str | None:
 
 
 def cached() -> bool:
-    """Whether ``load`` would not build: loaded, built, or a build failed here before."""
+    """Whether ``load`` would not build: loaded, built (and sealed), or a build failed here before."""
     if loaded() or _sources_missing():
         return True
     path = library_path()
-    return path.exists() or path.with_suffix(".failed").exists()
+    return _untrusted(path) is None or _failure_note(path.with_suffix(".failed")) is not None
 
 
 def prepare(model: torch.nn.Module, quantize: str = "none") -> bool:
@@ -143,32 +176,103 @@ def load(build: bool = True) -> bool:
         _state["failure"] = f"{missing} is missing from the installed package"
         return False
     target = library_path()
-    if not target.exists():
+    if _untrusted(target) is not None:  # missing, cut short, or not one of our builds: build it
         if not build:
             return False
         if _state["tried"]:  # a build that failed once in this process fails again
             return False
         _state["tried"] = True
         marker = target.with_suffix(".failed")
-        if marker.exists():  # and so does one that failed in an earlier process on this machine
-            _state["failure"] = marker.read_text(errors="replace").strip() or "an earlier build failed"
+        note = _failure_note(marker)
+        if note is not None:  # and so does one that failed in an earlier process on this machine
+            _state["failure"], _state["earlier"] = note, True
+            return False
+        try:
+            writable_dir(target.parent)
+        except OSError as e:
+            _state["failure"] = f"cannot write its cache {target.parent} ({e.strerror or e})"
             return False
         problem = _build(target)
         if problem is not None:
             _state["failure"] = problem
             try:
-                marker.write_text(problem + "\n")
+                write_atomic(marker, (problem + "\n").encode("utf-8", errors="replace"))
             except OSError:
                 pass
+            return False
+        why = _untrusted(target)
+        if why is not None:  # replaced by something else between the rename and now
+            _state["failure"] = f"the library just built at {target} {why}"
             return False
     try:
         torch.ops.load_library(str(target))
     except (OSError, RuntimeError) as exc:
         _state["failure"] = f"could not load {target}: {str(exc).splitlines()[0][:200]}"
         return False
+    absent = _operators_absent()
+    if absent:
+        _state["failure"] = f"{target} does not define the operator {absent[0]}; it is removed, to be built again"
+        try:
+            target.unlink()
+        except OSError:
+            pass
+        return False
     _register_fake()
     _state["loaded"] = True
     return True
+
+
+def _failure_note(marker: Path) -> str | None:
+    """The reason an earlier build failed, from a small regular ``.failed`` file; None when there
+    is none (or something that is not one: it is replaced when a build fails again)."""
+    try:
+        text = read_regular(marker, MAX_NOTE_BYTES).decode("utf-8", errors="replace").strip()
+    except OSError:
+        return None
+    return text.splitlines()[0] if text else "an earlier build failed"
+
+
+def _seal(path: Path) -> None:
+    """Append the seal (size and SHA-256 of the library's bytes) to the library at ``path``."""
+    body = path.read_bytes()
+    line = b"%s %d %s" % (SEAL_MAGIC, len(body), hashlib.sha256(body).hexdigest().encode())
+    with open(path, "ab") as f:
+        f.write(b"\n" + line.ljust(SEAL_SIZE - 2) + b"\n")
+
+
+def _untrusted(path: Path) -> str | None:
+    """None when ``path`` is a regular file whose seal matches its bytes; else why it is not."""
+    try:
+        with open_regular(path, max_bytes=MAX_LIBRARY_BYTES) as f:
+            data = f.read(MAX_LIBRARY_BYTES + 1)
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    body, seal = data[:-SEAL_SIZE], data[-SEAL_SIZE:]
+    fields = seal.split()
+    if len(data) <= SEAL_SIZE or len(fields) != 3 or fields[0] != SEAL_MAGIC:
+        return "is not sealed (cut short, or not a library built here)"
+    if fields[1] != str(len(body)).encode() or fields[2] != hashlib.sha256(body).hexdigest().encode():
+        return "does not match its seal (changed or cut short since it was built)"
+    return None
+
+
+def _operators_absent() -> list[str]:
+    """The operators the sources define that are not registered (a library that is not ours)."""
+    names = []
+    for path in SOURCES:
+        try:
+            names += [m.decode() for m in _DEFINED.findall(path.read_bytes())]
+        except OSError:
+            pass
+    absent = []
+    for name in names:
+        try:
+            getattr(torch.ops.llama_chat_cpu, name)
+        except (AttributeError, RuntimeError):
+            absent.append(name)
+    return absent
 
 
 def matvec(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -246,7 +350,6 @@ def _build(target: Path) -> str | None:
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}) on PATH"
-    target.parent.mkdir(parents=True, exist_ok=True)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libraries = [f"-L{p}" for p in cpp_extension.library_paths()]
     abi = int(torch.compiled_with_cxx11_abi())
@@ -258,18 +361,24 @@ def _build(target: Path) -> str | None:
                 ["-std=c++17"]]
     problem = "not built"
     for extra in attempts:
-        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
+        try:
+            with tempfile.NamedTemporaryFile(dir=target.parent, prefix=".build-", suffix=".so", delete=False) as tmp:
+                partial = Path(tmp.name)
+        except OSError as exc:
+            return f"cannot write its cache {target.parent} ({exc.strerror or exc})"
         try:
             run = subprocess.run([compiler, *base, *extra, *map(str, SOURCES), *link, "-o", str(partial)],
-                                 capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as exc:
+                                 capture_output=True, text=True, errors="replace", timeout=BUILD_TIMEOUT_S)
+            if run.returncode == 0:
+                _seal(partial)
+                os.replace(partial, target)  # atomic: a process beside this one sees all or nothing
+                return None
+        except subprocess.TimeoutExpired:
+            return f"{compiler} ran for more than {BUILD_TIMEOUT_S} s"
+        except OSError as exc:
+            return f"{compiler}: {exc.strerror or exc}"
+        finally:
             partial.unlink(missing_ok=True)
-            return f"{compiler}: {exc}"
-        if run.returncode == 0:
-            os.replace(partial, target)  # atomic: a process beside this one sees all or nothing
-            return None
-        partial.unlink(missing_ok=True)
         lines = [line for line in run.stderr.splitlines() if "error" in line] or run.stderr.splitlines() or [""]
         problem = f"{compiler} failed: {lines[0].strip()[:200]}"
     return problem

@@ -7,7 +7,9 @@ llama.cpp's ``gguf.cpp`` define, with the ``gguf`` package's own tables for the 
 types; ``tests/test_gguf.py`` checks the result against ``GGUFReader`` on the files it writes.
 
 Every count and length is checked against the bytes left in the file before anything is sized by
-it, so a hostile header claiming 2^60 tokens fails at once with a one-line error.
+it, so a hostile header claiming 2^60 tokens fails at once with a one-line error; and the
+elements of all metadata arrays together are bounded (``MAX_METADATA_ITEMS``), as Python objects
+take many times the bytes of the file's elements.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llama_chat.ml.safe_files import open_regular
 from llama_chat.model.errors import ModelLoadError
 
 MAGIC = b"GGUF"
@@ -25,6 +28,14 @@ VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 MAX_NESTING = 2
+# Array elements in all the metadata together. A vocabulary's tokens, scores, types and merges are
+# a few hundred thousand each; a numeric element becomes a Python object of tens of bytes, so a
+# file of a few hundred MB of one-byte elements would otherwise take tens of GB to parse.
+MAX_METADATA_ITEMS = 1 << 23
+# Metadata entries (keys): real files have a few dozen.
+MAX_METADATA_ENTRIES = 1 << 16
+# llama.cpp's GGML_MAX_NAME, less its terminating zero: a longer name is not a tensor of a GGUF file.
+MAX_TENSOR_NAME = 63
 
 # GGUF value types (gguf.GGUFValueType): id -> (struct format, size); 8 is a string, 9 an array.
 _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
@@ -53,6 +64,13 @@ class Header:
 class _Cursor:
     def __init__(self, buf: mmap.mmap | bytes, name: str) -> None:
         self.buf, self.pos, self.name, self.size = buf, 0, name, len(buf)
+        self.items_left = MAX_METADATA_ITEMS
+
+    def spend(self, n: int, what: str) -> None:
+        """Count ``n`` more metadata array elements against ``MAX_METADATA_ITEMS``."""
+        if n > self.items_left:
+            raise self.fail(f"{what} would take the metadata past {MAX_METADATA_ITEMS:,} array elements")
+        self.items_left -= n
 
     def fail(self, what: str) -> ModelLoadError:
         return ModelLoadError(f"{self.name}: not a valid GGUF file ({what} at byte {self.pos:,})")
@@ -71,8 +89,10 @@ class _Cursor:
             raise self.fail(f"{what} claims {n:,} items, more than the {self.size - self.pos:,} bytes left hold")
         return n
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, *, most: int | None = None) -> str:
         n = self.count(what, 1)
+        if most is not None and n > most:
+            raise self.fail(f"{what} of {n:,} bytes is longer than GGUF allows ({most})")
         data = self.buf[self.pos:self.pos + n]
         self.pos += n
         try:
@@ -85,7 +105,7 @@ def read_header(path: Path) -> Header:
     """Parse ``path``'s GGUF header; ModelLoadError naming the file and the problem."""
     name = path.name
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO or a device in a model's place is refused, not read
             size = f.seek(0, 2)
             if size < 24:
                 raise ModelLoadError(f"{name}: not a valid GGUF file (only {size} bytes)")
@@ -106,6 +126,8 @@ def _parse(c: _Cursor) -> Header:
         raise ModelLoadError(f"{c.name}: GGUF version {version} is not supported (expected 2 or 3)")
     n_tensors = c.count("the tensor count", 8 + 4 + 4 + 8)
     n_kv = c.count("the metadata count", 8 + 4 + 1)
+    if n_kv > MAX_METADATA_ENTRIES:
+        raise c.fail(f"the metadata count {n_kv:,} is more than any model's ({MAX_METADATA_ENTRIES:,})")
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = c.string("a metadata key")
@@ -116,7 +138,7 @@ def _parse(c: _Cursor) -> Header:
     tensors: list[RawTensor] = []
     seen: set[str] = set()
     for _ in range(n_tensors):
-        tname = c.string("a tensor name")
+        tname = c.string("a tensor name", most=MAX_TENSOR_NAME)
         n_dims = c.take("<I", 4)
         if not 1 <= n_dims <= MAX_DIMS:
             raise c.fail(f"tensor {tname!r:.80} has {n_dims} dimensions")
@@ -148,6 +170,7 @@ def _value(c: _Cursor, kind: int, key: str, depth: int) -> Any:
     if item in _SCALARS:
         _, size = _SCALARS[item]
         n = c.count(f"metadata {key!r:.80}", size)
+        c.spend(n, f"metadata {key!r:.80}")
         import numpy as np
 
         # One read for the whole array: token scores and types run to 128k entries.
@@ -156,6 +179,23 @@ def _value(c: _Cursor, kind: int, key: str, depth: int) -> Any:
         return values
     if item == STRING:
         n = c.count(f"metadata {key!r:.80}", 8)
+        c.spend(n, f"metadata {key!r:.80}")
         return [c.string(f"metadata {key!r:.80}") for _ in range(n)]
     n = c.count(f"metadata {key!r:.80}", 12)
+    c.spend(n, f"metadata {key!r:.80}")
     return [_value(c, item, key, depth + 1) for _ in range(n)]
+
+
+def file_type_name(metadata: dict[str, Any]) -> str | None:
+    """A file's own name for its quantization (``general.file_type``, llama.cpp's ``llama_ftype``):
+    "Q4_K_M", "F16"; None when the file does not say or says something unknown."""
+    from gguf import LlamaFileType
+
+    value = metadata.get("general.file_type")
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    try:
+        name = LlamaFileType(value).name
+    except ValueError:
+        return None
+    return None if name == "GUESSED" else name.split("_", 1)[1]
