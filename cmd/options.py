@@ -258,15 +258,17 @@ class Options:
     device: Annotated[str, typer.Option(
         "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps.")] = "auto"
     dtype: Annotated[DType, typer.Option(
-        "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 on cuda, float16 on mps.")] = DType("auto")
+        "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 on cuda, float16 on mps (a quantized GGUF "
+                        "file's blocks kept as they are on cpu; a dtype given expands them).")] = DType("auto")
     compile: Annotated[bool | None, typer.Option(
         "--compile/--no-compile",
         help="Compile the decode step (default: for models of 50M parameters or more, on CUDA, and on the "
              "CPU in float32 where llama-chat's CPU kernels are not built; int8 only when asked). The first run compiles (a C++ compiler is needed on the CPU; without one the "
              "step runs uncompiled); later runs reuse the on-disk cache.")] = None
     quantize: Annotated[Quantize, typer.Option(
-        "--quantize", help="Weights: none, or int8 (weight-only, one scale per output row, made at load "
-                           "time; about a quarter of float32's bytes).")] = Quantize("none")
+        "--quantize", help="Weights, made at load time: none; int8 (weight-only, one scale per output row, "
+                           "about a quarter of float32's bytes); q8_0 or q4_0 (llama.cpp's blocks of 32 "
+                           "values, about 0.27 and 0.14 of float32's bytes).")] = Quantize("none")
     template: Annotated[Template, typer.Option(
         "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template("auto")
     json: Annotated[bool, typer.Option(

@@ -219,9 +219,9 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
         name = weights_file.stem if layout in (LLAMA2C, GGUF) else model_dir.resolve().name
     file_type = None
     if contents is not None:
-        from llama_chat.model.formats.gguf import file_type_name
+        from llama_chat.model.formats.gguf_header import file_type_name
 
-        file_type = file_type_name(contents)
+        file_type = file_type_name(contents.metadata)
     return LoadedModel(model=model, args=args, tokenizer=tokenizer, chat_format=fmt, path=path, name=name,
                        device=target_device, dtype=target_dtype, layout=layout, file_type=file_type)
 

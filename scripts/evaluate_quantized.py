@@ -1,20 +1,24 @@
-"""The shipped model's validation loss with float32 and with ``--quantize int8`` weights.
+"""The shipped model's validation loss with float32 weights and with each ``--quantize`` mode.
 
-    python scripts/evaluate_quantized.py [--windows 32] [--decode-windows 4]
+    python scripts/evaluate_quantized.py [--windows 32] [--decode-windows 4] [--modes int8 q8_0 q4_0]
 
 The validation windows are the training script's (32 fixed windows of 512 tokens of the
-validation documents). Three figures, each a mean cross-entropy over the same targets:
+validation documents). Each mode's model is loaded as the command loads it
+(``load_model(quantize=mode)``, then fused as an engine fuses it). Figures, each a mean
+cross-entropy over the same targets:
 
 * float32: whole windows through the model (one per forward), as training measured it;
-* int8, prefill kernel: the same forwards with int8 weights (on x86, fbgemm's product: the
-  activations rounded to 7 bits, one range per 64 rows of similar magnitude);
-* int8, decode kernel: the first ``--decode-windows`` windows fed one token at a time through the
-  KV cache, so every product is the one-row kernel a decode step uses: our operator
-  (``ml/cpu/kernels.cpp``, activations rounded to 2^-14 of their largest) as the command loads it
-  for an int8 model, or fbgemm's product (7 bits) where it does not build; the float32 loss of
-  the same windows is printed beside it, through the same operator.
+* MODE, prefill kernel: the same forwards with the quantized weights: for int8 on x86, fbgemm's
+  product (the activations rounded to 7 bits, one range per 64 rows of similar magnitude); for
+  q8_0 and q4_0, the packed product (``ml/packed.py``: the activations rounded to int8 steps per
+  32 values, as llama.cpp rounds them);
+* MODE, decode kernel: the first ``--decode-windows`` windows fed one token at a time through the
+  KV cache, so every product is the one a decode step uses: for int8 our operator
+  (``ml/cpu/kernels.cpp``, activations rounded to 2^-14 of their largest) as the command loads it,
+  or fbgemm's product (7 bits) where it does not build; for q8_0 and q4_0 the packed product; the
+  float32 loss of the same windows is printed beside them, through the same operator.
 
-The perplexity rise is ``exp(int8 loss - float32 loss) - 1``.
+The perplexity rise is ``exp(mode's loss - float32 loss) - 1``.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from default_model import corpus  # noqa: E402
 from default_model.data import encode_documents, fixed_windows  # noqa: E402
+from llama_chat.ml.controls import QUANTIZE_MODES  # noqa: E402
 from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
-from llama_chat.ml.quantize import quantize_model  # noqa: E402
 from llama_chat.model.kv_cache import KVCache  # noqa: E402
 from llama_chat.model.loader import default_model_dir, load_model  # noqa: E402
 from train_default_model import VAL_DOCS  # noqa: E402
@@ -71,21 +75,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--decode-windows", type=int, default=4)
+    ap.add_argument("--modes", nargs="+", choices=[m for m in QUANTIZE_MODES if m != "none"],
+                    default=[m for m in QUANTIZE_MODES if m != "none"])
     a = ap.parse_args()
     ws = windows(a.windows)
-    fp32 = load_model(default_model_dir(), device="cpu", dtype="float32").model.eval()
-    int8 = load_model(default_model_dir(), device="cpu", dtype="float32").model.eval()
-    int8.fuse_projections()
-    quantize_model(int8)
-    cpu_kernels.prepare(int8)  # as an engine does for an int8 model
-    rows = [("float32", whole_loss(fp32, ws)), ("int8, prefill kernel", whole_loss(int8, ws))]
     few = ws[:a.decode_windows]
-    rows += [(f"float32, {len(few)} windows token by token", stepwise_loss(fp32, few)),
-             (f"int8, decode kernel, {len(few)} windows token by token", stepwise_loss(int8, few))]
+    fp32 = load_model(default_model_dir(), device="cpu", dtype="float32").model.eval()
+    whole, stepwise = [("float32", whole_loss(fp32, ws))], [("float32", stepwise_loss(fp32, few))]
+    for mode in a.modes:
+        model = load_model(default_model_dir(), device="cpu", quantize=mode).model.eval()
+        model.fuse_projections()
+        cpu_kernels.prepare(model)  # as an engine does for a quantized model
+        whole.append((f"{mode}, prefill kernel", whole_loss(model, ws)))
+        stepwise.append((f"{mode}, decode kernel", stepwise_loss(model, few)))
     print("| weights | validation loss | perplexity | perplexity rise |\n|---|---|---|---|")
-    base = {0: rows[0][1], 1: rows[0][1], 2: rows[2][1], 3: rows[2][1]}
-    for i, (name, loss) in enumerate(rows):
-        print(f"| {name} | {loss:.4f} | {math.exp(loss):.4f} | {math.exp(loss - base[i]) - 1:+.2%} |")
+    for rows, where in ((whole, f"{len(ws)} windows whole"), (stepwise, f"{len(few)} windows token by token")):
+        for name, loss in rows:
+            print(f"| {name}, {where} | {loss:.4f} | {math.exp(loss):.4f} | {math.exp(loss - rows[0][1]) - 1:+.2%} |")
 
 
 if __name__ == "__main__":

@@ -251,3 +251,22 @@ def test_the_command_runs_a_packed_gguf_and_stats_name_its_format(files):
                        "--dtype", "float32")
     assert expanded.returncode == 0, expanded.stderr.decode()
     assert _stats_weights(expanded.stderr).endswith(", float32")
+
+
+def test_the_chats_stats_name_the_weights(files, tmp_path):
+    import pexpect
+
+    from cli_support import cli_env, llama_chat_command
+
+    command = llama_chat_command()
+    child = pexpect.spawn(command[0], [*command[1:], "-m", str(files["q4_k", True]), "--template", "llama2", "-n", "4",
+                                       "-t", "0"], env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=120,
+                          encoding="utf-8", dimensions=(40, 200))
+    child.expect_exact(">>> ")
+    child.sendline("hello")
+    child.expect_exact(">>> ")
+    child.sendline("/stats")
+    child.expect(r"weights:\s+\S+,\s+packed\s+q4_k\s+\(\d")  # wrapped at spaces, as the terminal is narrow
+    child.expect_exact(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
