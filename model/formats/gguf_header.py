@@ -199,18 +199,3 @@ def file_type_name(metadata: dict[str, Any]) -> str | None:
     except ValueError:
         return None
     return None if name == "GUESSED" else name.split("_", 1)[1]
-
-
-def file_type_name(metadata: dict[str, Any]) -> str | None:
-    """A file's own name for its quantization (``general.file_type``, llama.cpp's ``llama_ftype``):
-    "Q4_K_M", "F16"; None when the file does not say or says something unknown."""
-    from gguf import LlamaFileType
-
-    value = metadata.get("general.file_type")
-    if not isinstance(value, int) or isinstance(value, bool):
-        return None
-    try:
-        name = LlamaFileType(value).name
-    except ValueError:
-        return None
-    return None if name == "GUESSED" else name.split("_", 1)[1]
