@@ -306,16 +306,20 @@ class BatchCore:
                 del self.claims[key]
         job.keys.extend(new)
 
-    def abandon(self) -> None:
-        """Drop every job, running or waiting, and release its pages: the scheduler has stopped.
-        Only when no step can run (the step thread has finished its block)."""
+    def abandon(self, state: GenerationState = GenerationState.CANCELLED) -> None:
+        """Drop every job, running or waiting, and release its pages: the scheduler has stopped,
+        cancelled or failed (``state`` is what a job still open ends as). Only when no step can
+        run (the step thread has finished its block)."""
         while self.incoming:
             self.waiting.append(self.incoming.popleft())
         for job in self.waiting:
             job.finished = True
-            job.final_state = job.final_state or GenerationState.CANCELLED
+            job.final_state = job.final_state or state
         self.waiting = []
         for job in list(self.active):
+            if not job.finished:
+                job.finished = True
+                job.final_state = job.final_state or state
             self._release(job)
 
     def _release(self, job: Job) -> None:

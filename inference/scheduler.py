@@ -322,8 +322,8 @@ class Scheduler:
         finally:
             # Cancelled with the scheduler, or failed: every job still open ends here, and, the
             # step thread being gone, its pages go back to the pool from here.
-            self.core.abandon()
             state = GenerationState.CANCELLED if not failed else GenerationState.ERROR
+            self.core.abandon(state)
             for job in list(self._jobs.values()):
                 if job.final_state is None:
                     job.final_state = state

@@ -508,3 +508,42 @@ def test_prompt_chunks_go_to_the_one_call_step_as_rows_with_the_forwards_tokens(
         a, b = as_rows[r.request_id].token_ids, forward[r.request_id].token_ids
         first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
         assert near_tie(model, list(r.prompt_ids) + list(b), len(r.prompt_ids) + first)
+
+
+def test_a_failing_step_ends_every_open_job_with_an_error_not_a_cancel(model, tokenizer, monkeypatch):
+    """A forward that raises is the scheduler's error: the jobs running and those still waiting for
+    a slot all finish as ``error`` (a cancel is what the user asked for; this they did not)."""
+    steps = {"n": 0}
+    choose = StepBackends.choose
+
+    def failing(self, plan):
+        backend = choose(self, plan)
+        steps["n"] += 1
+        if steps["n"] < 4:
+            return backend
+
+        class Broken:
+            wants_consecutive = False
+
+            def run(self, plan):
+                raise RuntimeError("the forward broke")
+        return Broken()
+
+    monkeypatch.setattr(StepBackends, "choose", failing)
+    requests = [Request([1, 5, 6, 7], sampling=GREEDY, max_tokens=40, request_id=f"j{i}") for i in range(3)]
+    states = {}
+
+    async def main():
+        with pytest.raises(RuntimeError, match="the forward broke"):
+            async with Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, page_size=16)) as scheduler:
+                streams = [scheduler.submit(r) for r in requests]
+                async with anyio.create_task_group() as tg:
+                    for stream in streams:
+                        async def consume(stream=stream):
+                            async for _ in stream:
+                                pass
+                            states[stream.request_id] = stream.completion().finish_reason
+                        tg.start_soon(consume)
+
+    anyio.run(main)
+    assert states == {f"j{i}": GenerationState.ERROR for i in range(3)}
