@@ -218,11 +218,12 @@ def fuse(parts: list[nn.Module]) -> nn.Module:
 
 
 def step_layout(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the one-call decode step (``ml/cpu/decode.cpp``) reads of a packed layer: its bytes as
-    one uint8 vector, and its runs of rows as int64 (kind, rows) pairs, the kind as its place in
-    ``PACKED_TYPES`` (the operator's order too)."""
+    """What the one-call decode step (``ml/cpu/decode.cpp``) reads of a packed layer: its bytes
+    (uint8, a ``PackedLinear``'s as (rows, row bytes), so that its first size counts its outputs
+    as a weight's does), and its runs of rows as int64 (kind, rows) pairs, the kind as its place
+    in ``PACKED_TYPES`` (the operator's order too)."""
     pairs = [v for kind, rows in layer.segments for v in (PACKED_TYPES.index(kind), rows)]
-    return layer.data.reshape(-1), torch.tensor(pairs, dtype=torch.int64)
+    return layer.data, torch.tensor(pairs, dtype=torch.int64)
 
 
 class PackedEmbedding(nn.Module):

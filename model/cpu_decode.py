@@ -9,7 +9,8 @@ threads spinning only while that token is computed. Two ways in:
 
 * ``Transformer.forward`` hands it a forward when ``takes`` says so: one token of one row, on the
   CPU, without gradients, over a ``KVCache``, with fused projections whose weights the operator
-  reads (float32, bfloat16, or int8 with per-row scales), the operator loaded (``forward``);
+  reads (float32, bfloat16, int8 with per-row scales, or GGUF's packed blocks: ``ml/packed.py``),
+  the operator loaded (``forward``);
 * the scheduler hands it a step of one-token rows over its page pool, each row with its own
   position and block table (``takes_rows``, ``forward_rows``).
 
@@ -141,6 +142,10 @@ def _embedding(model: nn.Module) -> torch.Tensor | packed.PackedWeight:
 
 
 def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """What the operator reads of a projection: its weight and scales (None for float weights),
+    or packed blocks and their layout (``packed.step_layout``) in the scales' place."""
+    if isinstance(layer, packed.PACKED_LAYERS):
+        return packed.step_layout(layer)
     if isinstance(layer, quantize.Int8Linear):
         return layer.weight, layer.scales
     if type(layer) is nn.Linear and layer.bias is None and layer.weight.dtype in WEIGHT_DTYPES:
@@ -160,8 +165,8 @@ def supports(model: nn.Module) -> bool:
             found = _weight(part)
             if found is None or found[0].device.type != "cpu":
                 return False
-        if len({p.weight.dtype for p in parts}) > 1 and not all(isinstance(p, quantize.Int8Linear) for p in parts):
-            return False  # fusing needs one dtype
+        if len({_tensor(p).dtype for p in parts}) > 1 and not all(isinstance(p, quantize.Int8Linear) for p in parts):
+            return False  # fusing needs one dtype (packed layers of several kinds fuse: ``packed.fuse``)
     found = _weight(model.output)
     return found is not None and found[0].device.type == "cpu"
 
@@ -184,9 +189,10 @@ _MOVE_PIECE = 1 << 22
 
 
 def _to_large_pages(modules: list[nn.Module]) -> None:
-    """Move the modules' weights into one block of 2 MiB pages, in place, one at a time."""
-    sizes = [m.weight.numel() * m.weight.element_size() for m in modules]
-    if any(m.weight.device.type != "cpu" for m in modules):
+    """Move the modules' weights (or packed blocks) into one block of 2 MiB pages, in place, one
+    at a time."""
+    sizes = [_tensor(m).numel() * _tensor(m).element_size() for m in modules]
+    if any(_tensor(m).device.type != "cpu" for m in modules):
         return
     slots = [(size + 63) // 64 * 64 for size in sizes]  # each weight at a cache line's start
     block = cpu_kernels.large_pages_block(sum(slots))
@@ -194,12 +200,15 @@ def _to_large_pages(modules: list[nn.Module]) -> None:
         return
     offset = 0
     for module, size, slot in zip(modules, sizes, slots):
-        weight = module.weight
+        weight = _tensor(module)
         with torch.inference_mode(False):
             moved = block[offset:offset + size].view(weight.dtype).view(weight.shape)
             _copy_releasing(weight.data, moved)
-            # ``.data`` keeps the parameter object, so a weight tied to the embedding moves with it.
-            weight.data = moved
+            if isinstance(module, packed.PACKED_LAYERS):
+                module.data = moved  # a buffer: nothing is tied to it
+            else:
+                # ``.data`` keeps the parameter object, so a weight tied to the embedding moves with it.
+                weight.data = moved
         if isinstance(module, quantize.Int8Linear):
             module.repack()
         offset += slot

@@ -266,6 +266,7 @@ def test_fusing_packed_layers_keeps_their_blocks_and_products():
     assert isinstance(ffn.w13, packed.PackedLinear) and ffn.w13.kind == "q4_0" and ffn.w13.out_features == 320
     data, layout = packed.step_layout(attention.wqkv)
     assert data.dtype == torch.uint8 and data.numel() == attention.wqkv.data.numel()
+    assert packed.step_layout(model.output)[0].shape[0] == 97  # the classifier's outputs
     assert layout.tolist() == [1, 64, 1, 32, 0, 32]
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     parts = attention.wqkv.parts
@@ -298,3 +299,72 @@ def test_a_model_of_packed_layers_computes_what_its_dequantized_weights_do():
         got = model(torch.tensor([prompt]), torch.arange(len(prompt)).unsqueeze(0)).float()
         want = reference(torch.tensor([prompt]), torch.arange(len(prompt)).unsqueeze(0)).float()
     assert ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt() < 0.08
+
+
+@needs_kernels
+def test_the_one_call_step_reads_packed_blocks_and_picks_the_layers_tokens(cpu_kernels_loaded, monkeypatch):
+    # Through the operator (model/cpu_decode.py, ml/cpu/decode.cpp) and through the layers, the
+    # products are the same rounded-input sums; only the float order of norms and attention
+    # differs, so the logits agree far below the gaps between the ids picked.
+    from llama_chat.model import cpu_decode
+    from llama_chat.model.kv_cache import KVCache
+
+    model, _ = packed_model()
+    with torch.inference_mode():
+        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+    prompt = [3, 14, 15, 92, 65]
+    ids, logits = _greedy(model, prompt, 12)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_decode, "takes", lambda *args: False)
+        layer_ids, layer_logits = _greedy(model, prompt, 12)
+    assert ids == layer_ids
+    assert (logits - layer_logits).abs().max() < 1e-3
+
+
+@needs_kernels
+def test_rows_of_a_paged_step_read_packed_blocks_each_as_it_would_alone(cpu_kernels_loaded):
+    # The scheduler's rows: each row's logits are, to the bit, what the row gives alone.
+    from llama_chat.model import cpu_decode
+    from llama_chat.model.paged_kv_cache import PagedKVCache
+
+    model, _ = packed_model()
+    tokens = [3, 9, 27, 81, 50, 4, 12]
+    tables = [[r] for r in range(len(tokens))]
+    together_cache, alone_cache = (PagedKVCache.for_model(model.args, num_pages=len(tokens), page_size=4)
+                                   for _ in range(2))
+    with torch.inference_mode():
+        assert cpu_decode.takes_rows(model, together_cache)
+        together = cpu_decode.forward_rows(model, tokens, [0] * len(tokens), tables, together_cache)
+        alone = torch.cat([cpu_decode.forward_rows(model, [token], [0], [table], alone_cache)
+                           for token, table in zip(tokens, tables)])
+    assert torch.equal(together, alone)
+
+
+@needs_kernels
+def test_packed_blocks_of_a_mapped_file_move_onto_large_pages_with_their_bytes(cpu_kernels_loaded, tmp_path):
+    # The classifier's blocks as a GGUF loader leaves them, a view of the memory-mapped file; the
+    # one-call step's weights move onto 2 MiB pages (where the kernel has them) byte for byte.
+    from llama_chat.model import cpu_decode
+    from llama_chat.model.formats.common import in_file_mapping
+    from llama_chat.model.kv_cache import KVCache
+
+    model, _ = packed_model(vocab_size=32768)  # a classifier of more than one 2 MiB page
+    path = tmp_path / "blocks.bin"
+    model.output.data.numpy().tofile(path)
+    mapped = torch.from_file(str(path), shared=False, size=model.output.data.numel(), dtype=torch.uint8)
+    model.output = packed.PackedLinear(packed.PackedWeight("q8_0", mapped.view(32768, -1), 64))
+    assert in_file_mapping(model.output.data)
+    layers = [p for layer in model.layers for p in cpu_decode._projections(layer)] + [model.output]
+    before = [layer.data.clone() for layer in layers]
+    prompt = [3, 14, 15, 92, 65]
+    want, _ = _greedy(model, prompt, 4)  # the prompt through the layers, then one-call steps
+    with torch.inference_mode():
+        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+    assert all(torch.equal(layer.data, bytes_) for layer, bytes_ in zip(layers, before))
+    if cpu_kernels.large_pages():
+        storage = model.output.data.untyped_storage().data_ptr()
+        assert all(layer.data.untyped_storage().data_ptr() == storage for layer in layers)
+        assert storage % cpu_kernels.LARGE_PAGE == 0
+        assert not in_file_mapping(model.output.data)
+    got, _ = _greedy(model, prompt, 4)
+    assert got == want

@@ -17,6 +17,7 @@
 // number of threads.
 //
 // Built with kernels.cpp into one library by llama_chat/ml/cpu/kernels.py.
+#include "blocks.h"
 #include "dot.h"
 #include "panels.h"
 #include "pick.h"
@@ -184,23 +185,90 @@ void run_stage(Stage& stage, int64_t total, int64_t smallest, int64_t align, int
 // The fewest weight bytes a thread takes of a product at a time.
 constexpr int64_t kSmallestBytes = 1 << 14;
 
+// Rows [first, stop) of a matrix kept as GGUF's packed blocks (blocks.h), all of one kind: a
+// fused q/k/v of a Q4_K_M file has Q6_K rows after Q4_K ones in some layers.
+struct Segment {
+  Packed kind = Packed::q8_0;
+  const uint8_t* data = nullptr;  // its first row
+  int64_t first = 0, stop = 0, row_bytes = 0;
+};
+constexpr int kMostSegments = 4;
+
 struct Matrix {
   const void* data = nullptr;
   at::ScalarType type = at::kFloat;
   const float* scales = nullptr;
   const float* panels = nullptr;  // float32 weights packed as panels (panels.h) instead of rows
   int64_t n = 0, k = 0;
+  Segment segments[kMostSegments];  // packed blocks: runs of rows of one kind
+  int segment_count = 0;
 
+  bool blocks() const { return segment_count > 0; }
   int64_t smallest() const {
-    return std::max<int64_t>(1, kSmallestBytes / std::max<int64_t>(k * static_cast<int64_t>(at::elementSize(type)), 1));
+    const int64_t row_bytes = blocks() ? segments[0].row_bytes : k * static_cast<int64_t>(at::elementSize(type));
+    return std::max<int64_t>(1, kSmallestBytes / std::max<int64_t>(row_bytes, 1));
   }
   // Ranges of a packed matrix start on a panel's edge.
   int64_t align() const { return panels ? kPanel : 1; }
 };
 
-// A weight is an (n, k) matrix, or, float32 only, its panels: (ceil(n / 16), k, 16).
+// The inputs of a packed weight of `n` rows: its bytes a row, in whole blocks of its first kind.
+int64_t packed_inputs(const at::Tensor& w, const std::optional<at::Tensor>& layout, int64_t n) {
+  TORCH_CHECK(layout.has_value() && layout->scalar_type() == at::kLong && layout->numel() >= 2 && n > 0,
+              "decode_step: packed blocks need their (kind, rows) pairs");
+  const int64_t id = layout->data_ptr<int64_t>()[0];
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(sizeof kPackedLayouts / sizeof kPackedLayouts[0]),
+              "decode_step: no packed kind ", id);
+  const PackedLayout& kind = kPackedLayouts[id];
+  return w.numel() / n / kind.bytes * kind.values;
+}
+
+// Packed blocks: the bytes (uint8, contiguous, any shape) of `n` rows of k inputs, in runs of
+// rows of one kind given by `layout`, int64 (kind, rows) pairs (the kind as its place in
+// ml/packed.py's PACKED_TYPES, blocks.h's order).
+Matrix packed_matrix_of(const char* what, int64_t layer, const at::Tensor& w, const std::optional<at::Tensor>& layout,
+                        int64_t n, int64_t k) {
+  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "decode_step: the blocks of ", what, " of layer ", layer,
+              " must be contiguous on the CPU");
+  TORCH_CHECK(layout.has_value() && layout->scalar_type() == at::kLong && layout->is_contiguous() &&
+                  layout->dim() == 1 && layout->numel() % 2 == 0 && layout->numel() >= 2 &&
+                  layout->numel() <= 2 * kMostSegments,
+              "decode_step: the blocks of ", what, " of layer ", layer, " need 1 to ", kMostSegments,
+              " int64 (kind, rows) pairs");
+  Matrix m;
+  m.data = w.data_ptr();
+  m.type = at::kByte;
+  m.n = n;
+  m.k = k;
+  const int64_t* pairs = layout->data_ptr<int64_t>();
+  const uint8_t* at = w.data_ptr<uint8_t>();
+  int64_t rows = 0, bytes = 0;
+  for (int64_t i = 0; i < layout->numel() / 2; ++i) {
+    const int64_t id = pairs[2 * i], count = pairs[2 * i + 1];
+    TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(sizeof kPackedLayouts / sizeof kPackedLayouts[0]) && count > 0,
+                "decode_step: ", what, " of layer ", layer, " has a run of ", count, " rows of packed kind ", id);
+    const Packed kind = static_cast<Packed>(id);
+    TORCH_CHECK(k % layout_of(kind).values == 0, "decode_step: ", what, " of layer ", layer, ": ", k,
+                " inputs are not whole ", layout_of(kind).name, " blocks");
+    Segment& segment = m.segments[m.segment_count++];
+    segment.kind = kind;
+    segment.data = at + bytes;
+    segment.first = rows;
+    segment.stop = rows + count;
+    segment.row_bytes = packed_row_bytes(kind, k);
+    rows += count;
+    bytes += count * segment.row_bytes;
+  }
+  TORCH_CHECK(rows == n && bytes == w.numel(), "decode_step: ", what, " of layer ", layer, " has ", rows,
+              " packed rows in ", w.numel(), " bytes, expected ", n, " rows of ", k, " inputs (", bytes, " bytes)");
+  return m;
+}
+
+// A weight is an (n, k) matrix, or, float32 only, its panels: (ceil(n / 16), k, 16), or packed
+// GGUF blocks (uint8) with their layout in place of scales (packed_matrix_of).
 Matrix matrix_of(const char* what, int64_t layer, const at::Tensor& w, const std::optional<at::Tensor>& scales,
                  int64_t n, int64_t k) {
+  if (w.scalar_type() == at::kByte) return packed_matrix_of(what, layer, w, scales, n, k);
   if (w.dim() == 3) {
     TORCH_CHECK(w.is_contiguous() && w.device().is_cpu() && w.scalar_type() == at::kFloat && !scales.has_value(),
                 "decode_step: the panels of ", what, " of layer ", layer, " must be contiguous float32 on the CPU");
@@ -240,6 +308,7 @@ struct Inputs {
   const float* x = nullptr;
   const int16_t* rounded = nullptr;
   const float* steps = nullptr;
+  const RoundedBlocks* blocks = nullptr;  // for packed blocks: the rows rounded per 32 values
   int64_t rows = 0, k = 0;
 };
 
@@ -307,9 +376,22 @@ void range_of(const W* w, const Matrix& m, const Inputs& in, int64_t first, int6
   }
 }
 
+// Rows [first, stop) of packed blocks, run by run.
+template <bool Add>
+void packed_products(const Matrix& m, const Inputs& in, int64_t first, int64_t stop, float* out, int64_t row_stride) {
+  for (int i = 0; i < m.segment_count; ++i) {
+    const Segment& s = m.segments[i];
+    const int64_t from = std::max(first, s.first), to = std::min(stop, s.stop);
+    if (from < to)
+      packed_range<Add>(s.kind, s.data, *in.blocks, 0, in.rows, from - s.first, to - s.first, out + (from - first),
+                        row_stride);
+  }
+}
+
 template <bool Add = false>
 void range_products(const Matrix& m, const Inputs& in, int64_t first, int64_t stop, float* out, int64_t row_stride) {
   if (m.panels) return panel_products<Add>(m.panels, m.k, in.x, in.rows, first, stop, out, row_stride);
+  if (m.blocks()) return packed_products<Add>(m, in, first, stop, out, row_stride);
   switch (m.type) {
     case at::kFloat:
       range_of<Add>(static_cast<const float*>(m.data), m, in, first, stop, out, row_stride);
@@ -326,6 +408,7 @@ void range_products(const Matrix& m, const Inputs& in, int64_t first, int64_t st
 struct Scratch {
   std::vector<float> normed, head, scores, steps, chosen, inverses;
   std::vector<int16_t> rounded;
+  RoundedBlocks blocks;
 
   // x: the rows as `m` reads them (interleaved for panels).
   Inputs inputs(const float* x, int64_t rows, int64_t k, const Matrix& m) {
@@ -340,6 +423,10 @@ struct Scratch {
       in.steps = steps.data();
     }
 #endif
+    if (m.blocks()) {
+      round_blocks(x, rows, k, k, blocks);
+      in.blocks = &blocks;
+    }
     return in;
   }
 
@@ -622,7 +709,9 @@ struct StepModel : torch::CustomClassHolder {
     TORCH_CHECK(head_dim % 2 == 0, "decode_step: odd head size ", head_dim);
     q_width = n_heads * head_dim;
     kv_width = n_kv_heads * head_dim;
-    ffn = weights[3].size(weights[3].dim() == 3 ? 1 : -1);  // w2 is (dim, ffn), or its panels
+    // w2 is (dim, ffn), or its panels, or packed blocks of dim rows
+    ffn = weights[3].scalar_type() == at::kByte ? packed_inputs(weights[3], scales.get(3), dim)
+                                                : weights[3].size(weights[3].dim() == 3 ? 1 : -1);
     TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
                     rope.size(1) == head_dim / 2 && rope.size(2) == 2,
                 "decode_step: the rotary table must be float32 (positions, ", head_dim / 2, ", 2)");
