@@ -20,8 +20,9 @@ Three parts:
 * ``GrammarMask``: the processor. It keeps one matcher per row of the ``TokenHistory`` it is
   given, and follows the history (``TokenHistory.follow``): a sampled token advances the row's
   matcher, beams that fork copy it, rows that join get a fresh one. Each call sets every token the
-  row's matcher refuses to ``-inf``. After a token is taken, the next step's masks are computed in
-  a background thread while the step's forward runs: llguidance lets go of the GIL for it.
+  row's matcher refuses to ``-inf``. As soon as a token is taken, the next step's masks are
+  computed in a background thread while the step's forward runs (llguidance lets go of the GIL
+  for it), so that the step finds them ready (docs/benchmarks.md, "Structured output").
 
 A row's matcher is *stopped* when its grammar can take nothing more but an end token (the closing
 brace of a JSON object, the last character a pattern allows): the reply then ends there, with
@@ -49,7 +50,10 @@ NEG_INF = float("-inf")
 # Compiled constraints kept per tokenizer: a --batch run may give every line its own schema, and
 # a constraint no longer kept is compiled again (a millisecond or so).
 KEPT_CONSTRAINTS = 64
-_BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)  # bit i of an int32 word
+# What each byte of a mask adds to its 8 tokens' logits: 0 where its bit allows the token, -inf
+# where it does not. A lookup in this table and an addition cost less than torch's fill of the
+# vocabulary through a boolean mask, which does not vectorize.
+_BYTE_BIAS = torch.tensor([[0.0 if byte >> bit & 1 else NEG_INF for bit in range(8)] for byte in range(256)])
 
 
 class TokenSource(Protocol):
@@ -217,7 +221,7 @@ class GrammarMask:
         self.matchers: list = []
         self._stopped: list[bool] = []
         self._words = torch.empty(0, compiled.words, dtype=torch.int32)  # each row's mask, one bit a token
-        self._banned = torch.empty(0, compiled.words * 32, dtype=torch.bool)  # the same, one bool a token
+        self._bias = torch.empty(0, compiled.words * 32)  # the same as what it adds to each logit: 0 or -inf
         self._current = False  # whether the masks are those of the matchers' present state
         self._pending: Future | None = None
 
@@ -226,12 +230,14 @@ class GrammarMask:
     def __call__(self, history, logits: torch.Tensor) -> torch.Tensor:
         if history is not self._history:
             self._bind(history)
-        banned = self._masks()
+        bias = self._masks()
+        if bias.device != logits.device:  # the matchers write host memory: one copy a step
+            bias = bias.to(logits.device)
         size = self.compiled.vocabulary.size
         width = logits.shape[-1]
         if width <= size:
-            return logits.masked_fill_(banned[:, :width], NEG_INF)
-        logits[:, :size].masked_fill_(banned[:, :size], NEG_INF)
+            return logits.add_(bias[:, :width])
+        logits[:, :size].add_(bias[:, :size])
         logits[:, size:] = NEG_INF  # ids past the tokenizer's vocabulary spell nothing
         return logits
 
@@ -243,7 +249,7 @@ class GrammarMask:
         """Whether taking ``token`` would complete row ``row``'s grammar (without taking it).
         False for a token the row's mask refuses."""
         self._settle()
-        if not 0 <= token < self.compiled.vocabulary.size or not self._current or bool(self._banned[row, token]):
+        if not 0 <= token < self.compiled.vocabulary.size or not self._current or bool(self._bias[row, token] < 0):
             return False
         matcher = self.matchers[row]
         if not matcher.consume_token(token):
@@ -279,7 +285,7 @@ class GrammarMask:
         self._stopped = [self._stopped[s] for s in sources]
         index = torch.tensor(list(sources), dtype=torch.long)
         self._words = self._words.index_select(0, index)
-        self._banned = self._banned.index_select(0, index)
+        self._bias = self._bias.index_select(0, index)
 
     def add_rows(self, rows: Sequence[Sequence[int]]) -> None:
         """New rows (their prompts) join below: each starts the grammar from its beginning."""
@@ -288,7 +294,7 @@ class GrammarMask:
         self._stopped += [False] * len(rows)
         first = self.compiled.first_mask.expand(len(rows), -1)
         self._words = torch.cat([self._words, first])
-        self._banned = torch.cat([self._banned, torch.empty(len(rows), self._banned.shape[1], dtype=torch.bool)])
+        self._bias = torch.cat([self._bias, torch.empty(len(rows), self._bias.shape[1])])
         self._current = False
 
     # -- masks ---------------------------------------------------------------------------------------
@@ -300,7 +306,7 @@ class GrammarMask:
         self.matchers = [self.compiled.matcher() for _ in range(rows)]
         self._stopped = [False] * rows
         self._words = self.compiled.first_mask.expand(rows, -1).clone()
-        self._banned = torch.empty(rows, self.compiled.words * 32, dtype=torch.bool)
+        self._bias = torch.empty(rows, self.compiled.words * 32)
         self._unpack()
         self._current = True
         history.follow(self)
@@ -315,7 +321,7 @@ class GrammarMask:
         self._settle()
         if not self._current:
             self._compute()
-        return self._banned
+        return self._bias
 
     def _compute(self) -> None:
         """Each row's mask for the matcher's present state (in the step thread, or in the
@@ -328,11 +334,13 @@ class GrammarMask:
         self._current = True
 
     def _unpack(self, accepting: Sequence[int] = ()) -> None:
-        """The bits into ``_banned``; the request's own end tokens allowed in the ``accepting`` rows."""
+        """The bits into ``_bias``; the request's own end tokens allowed in the ``accepting`` rows."""
+        # Byte k of word w holds the bits of tokens 32w + 8k ... 32w + 8k + 7 (little-endian, as
+        # every machine torch runs on).
+        index = self._words.view(torch.uint8).view(-1).long()
         # In the buffers' own inference mode: they may have been made in either, and this may run
         # in the background thread, which is in neither.
-        with torch.inference_mode(torch.is_inference(self._banned)):
-            torch.eq(torch.bitwise_and(self._words.unsqueeze(-1), _BITS), 0,
-                     out=self._banned.view(len(self.matchers), self.compiled.words, 32))
+        with torch.inference_mode(torch.is_inference(self._bias)):
+            torch.index_select(_BYTE_BIAS, 0, index, out=self._bias.view(-1, 8))
             for r in accepting:
-                self._banned[r].index_fill_(0, self.extra_stop_ids, False)
+                self._bias[r].index_fill_(0, self.extra_stop_ids, 0.0)
