@@ -313,7 +313,7 @@ class ChatRunner:
             raise Leave(exit_status.for_signal(outcome.signum))
         if interrupted:
             self.say("(interrupted: the reply so far is kept)")
-        elif done.finish_reason not in (GenerationState.EOS, GenerationState.STOP_STRING):
+        elif done.finish_reason not in (GenerationState.EOS, GenerationState.STOP_STRING, GenerationState.STOP_GRAMMAR):
             self.say(f"finish: {done.finish_reason.value}")
         if self.opts.stats:
             self.say(self.stats_text())
