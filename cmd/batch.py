@@ -244,6 +244,18 @@ class BatchRun:
         if self.window is not None:
             self.window.release()
 
+    def write(self, line: int, obj: dict) -> bool:
+        """Hand one result to the writer; False when stdout failed or went away (recorded)."""
+        try:
+            self.writer.add(line, obj)
+        except OutputGone:
+            self.output_gone = True
+            return False
+        except OutputFailed as e:
+            self.output_failed = str(e)
+            return False
+        return True
+
 
 async def _run_all(run: BatchRun) -> None:
     """Read, submit and run every job until the input ends, Ctrl+C, or stdout fails."""
@@ -255,13 +267,7 @@ async def _run_all(run: BatchRun) -> None:
         run.done += 1
         if run.progress is not None:
             run.progress.done += 1
-        try:
-            run.writer.add(job.line, result_object(job, stream.completion(), job.request.seed))
-        except OutputGone:
-            run.output_gone = True
-            scope.cancel()
-        except OutputFailed as e:
-            run.output_failed = str(e)
+        if not run.write(job.line, result_object(job, stream.completion(), job.request.seed)):
             scope.cancel()
 
     async def feed(jobs: anyio.abc.TaskGroup) -> None:
@@ -292,13 +298,7 @@ async def _run_all(run: BatchRun) -> None:
                         continue
                 run.bad += 1
                 run.report(item)
-                try:
-                    run.writer.add(item.line, error_object(item))
-                except OutputGone:
-                    run.output_gone = True
-                    scope.cancel()
-                except OutputFailed as e:
-                    run.output_failed = str(e)
+                if not run.write(item.line, error_object(item)):
                     scope.cancel()
 
     async with anyio.create_task_group() as tg:
@@ -340,8 +340,9 @@ def run_batch(opts: Options, reader: BatchReader, color: str, err: Console) -> i
     progress = ProgressBar(err) if err.is_terminal else None
     before = progress.clear if progress is not None and sys.stdout.isatty() else None
     stop = StopRequest()
-    run = BatchRun(reader, JobMaker(opts, loaded, scheduler), scheduler, None, err, progress, stop)  # type: ignore[arg-type]
-    run.writer = ResultWriter(sys.stdout, ordered=opts.ordered, before_write=before, on_written=run.written)
+    writer = ResultWriter(sys.stdout, ordered=opts.ordered, before_write=before)
+    run = BatchRun(reader, JobMaker(opts, loaded, scheduler), scheduler, writer, err, progress, stop)
+    writer.on_written = run.written  # each line written frees a place in the window
     start = time.perf_counter()
     try:
         anyio.run(_run_all, run)

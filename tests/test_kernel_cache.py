@@ -1,0 +1,171 @@
+"""The CPU operator's cache (``ml/cpu/kernels.py``) trusts nothing it has not checked: a library cut
+short, an unrelated library under its name, a FIFO for its failure note, a directory it cannot
+write, two processes building at once, a compiler that hangs or names itself with escape codes.
+Each ends in a working run, on the operator or on PyTorch's products, with at most one line said.
+
+Each case runs in a fresh process over a cache directory of its own (``LLAMA_CHAT_KERNEL_DIR``):
+a process that has loaded a library keeps it, and a crash must end the child, not the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cli_support import build_tiny_model, cli_env, llama_chat_command
+from llama_chat.ml.cpu import kernels as cpu_kernels
+
+TIMEOUT = 600  # a real build on a busy two-core machine takes minutes
+HAS_COMPILER = shutil.which(os.environ.get("CXX") or "c++") is not None
+needs_kernels = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler to build the kernels")
+
+LOAD = ("import json; from llama_chat.ml.cpu import kernels as k; ok = k.load(); "
+        "print(json.dumps({'loaded': ok, 'failure': k.failure()}))")
+
+
+def load_in_child(kernel_dir: Path, **env: str) -> dict:
+    """``kernels.load()`` in a fresh process over ``kernel_dir``: whether it loaded, and why not."""
+    base = {k: v for k, v in os.environ.items() if k not in ("CXX", "LLAMA_CHAT_KERNEL_DIR")}
+    run = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=TIMEOUT,
+                         env={**base, "LLAMA_CHAT_KERNEL_DIR": str(kernel_dir), **env})
+    assert run.returncode == 0, run.stderr  # no crash (a library cut short would end it with SIGBUS)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def built(cpu_kernels_loaded) -> Path:
+    """The library the suite built (or found) for this machine, sealed."""
+    if not cpu_kernels_loaded:
+        pytest.skip(f"the kernels are not built here ({cpu_kernels.failure()})")
+    return cpu_kernels.library_path()
+
+
+def _copy(built: Path, tmp: Path) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    target = tmp / built.name
+    shutil.copyfile(built, target)
+    return target
+
+
+def test_a_sealed_library_loads_without_a_build(built, tmp_path):
+    _copy(built, tmp_path)
+    assert load_in_child(tmp_path, CXX="/bin/false") == {"loaded": True, "failure": None}
+
+
+def test_a_library_cut_short_is_built_again_not_loaded(built, tmp_path):
+    target = _copy(built, tmp_path)
+    os.truncate(target, target.stat().st_size // 2)
+    found = load_in_child(tmp_path, CXX="/bin/false")  # the rebuild fails at once: PyTorch's products
+    assert found["loaded"] is False and found["failure"].startswith("/bin/false failed"), found
+
+
+def test_an_unrelated_library_under_the_name_is_never_trusted(built, tmp_path):
+    import _json
+
+    if not getattr(_json, "__file__", None):
+        pytest.skip("this Python has no extension module file to stand in for an unrelated library")
+    unrelated = Path(_json.__file__)
+    target = tmp_path / built.name
+    shutil.copyfile(unrelated, target)
+    found = load_in_child(tmp_path, CXX="/bin/false")  # not sealed: built again
+    assert found["loaded"] is False and found["failure"].startswith("/bin/false failed"), found
+    cpu_kernels._seal(target)  # sealed as if built here: loaded, found wanting, removed
+    found = load_in_child(tmp_path, CXX="/bin/false")
+    assert found["loaded"] is False and "does not define the operator" in found["failure"], found
+    assert not target.exists()
+
+
+def test_a_fifo_for_the_failure_note_neither_blocks_nor_stays(built, tmp_path):
+    marker = (tmp_path / built.name).with_suffix(".failed")
+    os.mkfifo(marker)
+    found = load_in_child(tmp_path, CXX="/bin/false")
+    assert found["loaded"] is False and found["failure"].startswith("/bin/false failed"), found
+    assert marker.is_file() and marker.read_text().startswith("/bin/false failed")
+
+
+def test_a_cache_that_cannot_be_written_falls_back_in_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    found = load_in_child(blocker / "kernels")
+    assert found["loaded"] is False and found["failure"].startswith(f"cannot write its cache {blocker / 'kernels'}")
+
+
+@needs_kernels
+def test_two_processes_building_at_once_both_load_a_whole_library(tmp_path):
+    base = {k: v for k, v in os.environ.items() if k != "LLAMA_CHAT_KERNEL_DIR"}
+    env = {**base, "LLAMA_CHAT_KERNEL_DIR": str(tmp_path)}
+    children = [subprocess.Popen([sys.executable, "-c", LOAD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=env) for _ in range(2)]
+    for child in children:
+        out, err = child.communicate(timeout=2 * TIMEOUT)
+        assert child.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1]) == {"loaded": True, "failure": None}
+    libraries = sorted(p.name for p in tmp_path.iterdir())
+    assert len(libraries) == 1 and libraries[0].endswith(".so"), libraries  # no half-written leftovers
+    assert cpu_kernels._untrusted(tmp_path / libraries[0]) is None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("kernel_cache"))
+
+
+def _run(tiny, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*llama_chat_command(), "-m", str(tiny.path), "-p", "hello", "-n", "4", "-t", "0",
+                           "--no-stdin", *args], capture_output=True, timeout=TIMEOUT, env=cli_env(**env))
+
+
+def test_a_compiler_named_with_escape_codes_is_shown_safely(tiny, tmp_path):
+    proc = _run(tiny, "--quantize", "int8", CXX="\x1b]0;x\x07\x1b[2Jcc", LLAMA_CHAT_KERNEL_DIR=str(tmp_path))
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and proc.stdout.strip(), err
+    assert "\x1b" not in err and "\x07" not in err
+    lines = [line for line in err.splitlines() if "CPU kernels" in line]
+    assert lines == ["llama-chat: could not build the CPU kernels (no C++ compiler (␛]0;x␇␛[2Jcc) on PATH); "
+                     "using PyTorch's products"], err
+
+
+def test_a_read_only_cache_falls_back_in_one_line_each(tiny, tmp_path):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache directory should be")
+    env = {"XDG_CACHE_HOME": str(blocker), "CXX": "/bin/false"}
+    quantized = _run(tiny, "--quantize", "int8", **env)
+    err = quantized.stderr.decode()
+    assert quantized.returncode == 0 and quantized.stdout.strip(), err
+    said = [line for line in err.splitlines() if line.startswith("llama-chat:")]
+    assert said == [f"llama-chat: could not build the CPU kernels (cannot write its cache {blocker}/llama-chat/"
+                    "kernels (Not a directory)); using PyTorch's products"], err
+    compiled = _run(tiny, "--compile", **{"XDG_CACHE_HOME": str(blocker)})
+    err = compiled.stderr.decode()
+    assert compiled.returncode == 0 and compiled.stdout.strip(), err
+    said = [line for line in err.splitlines() if line.startswith("llama-chat:") and "compil" in line]
+    assert said[-1] == (f"llama-chat: compiled steps are kept for this run only (cannot write {blocker}/llama-chat/"
+                        "torch-compile (Not a directory))"), err
+    assert "Traceback" not in err
+
+
+def test_a_compiler_that_hangs_is_announced_and_ctrl_c_ends_the_wait(tiny, tmp_path):
+    hang = tmp_path / "hang-cc"
+    hang.write_text("#!/bin/sh\nexec sleep 600\n")
+    hang.chmod(0o755)
+    proc = subprocess.Popen([*llama_chat_command(), "-m", str(tiny.path), "-p", "hello", "-n", "4", "--no-stdin",
+                             "--quantize", "int8"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=cli_env(CXX=str(hang), LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "k")))
+    try:
+        line = proc.stderr.readline().decode()  # said in a pipe too, once the wait passes a second
+        assert line == "llama-chat: building the CPU kernels for this machine (first run only; a minute or more)\n"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err
