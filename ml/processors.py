@@ -33,9 +33,9 @@ import torch
 from llama_chat.ml.controls import SamplingParams
 from llama_chat.ml.sampling import apply_top_p, sample
 
-__all__ = ["FrequencyPresencePenalty", "HistoryFollower", "LogitBias", "LogitsProcessor", "MinNewTokens", "MinP", "NoRepeatNGram",
-           "Penalties", "RepetitionPenalty", "Sampler", "Temperature", "TokenHistory", "TopK", "TopP", "TypicalP",
-           "make_logits_processors", "make_sampler", "make_warpers"]
+__all__ = ["FrequencyPresencePenalty", "HistoryFollower", "LogitBias", "LogitsProcessor", "MinNewTokens", "MinP",
+           "NoRepeatNGram", "Penalties", "RepetitionPenalty", "Sampler", "Temperature", "TokenHistory", "TopK", "TopP",
+           "TypicalP", "make_logits_processors", "make_sampler", "make_warpers"]
 
 NEG_INF = float("-inf")
 

@@ -165,7 +165,8 @@ def test_constraints_are_checked_without_torch():
 
 def test_equal_constraints_compare_equal_and_formats_are_named():
     a = Constraint("json_schema", '{"type": "object",\n "required": []}')
-    assert a == Constraint.json_schema({"type": "object", "required": []}) and hash(a) == hash(Constraint(a.kind, a.source))
+    assert a == Constraint.json_schema({"type": "object", "required": []})
+    assert hash(a) == hash(Constraint(a.kind, a.source))
     assert format_constraint("JSON") == Constraint.any_json() and format_constraint("none") is None
     with pytest.raises(ControlError, match="format must be one of json, none"):
         format_constraint("yaml")
