@@ -71,7 +71,7 @@ def _command(run: Callable[[Options], int]) -> Callable[..., None]:
     return command
 
 
-class _GroupedHelp(typer.core.TyperCommand):
+class GroupedHelp(typer.core.TyperCommand):
     """Plain ``--help`` (no boxes, no colour) with the options in sections: each option's
     ``rich_help_panel``, the others under "Options"."""
 
@@ -89,7 +89,7 @@ class _GroupedHelp(typer.core.TyperCommand):
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]})
-app.command(name="llama-chat", cls=_GroupedHelp,
+app.command(name="llama-chat", cls=GroupedHelp,
             help="Generate text from a Llama-family model, or chat with it. The prompt comes from --prompt, "
                  "from --file or piped stdin, or both (prompt first, a blank line, then the rest). With no "
                  "prompt on a terminal, or with --chat, an interactive chat starts (/help lists its "

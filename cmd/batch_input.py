@@ -221,7 +221,7 @@ def _job(number: int, obj: dict, job_id: Any) -> JobLine:
     if system is not None and not isinstance(system, str):
         raise ValueError("'system' must be a string")
     # null is no setting: the command line's value holds, as for a key left out.
-    settings = {name: _setting(name, obj[name]) for name in SETTING_KEYS if obj.get(name) is not None}
+    settings = {name: setting(name, obj[name]) for name in SETTING_KEYS if obj.get(name) is not None}
     # Every control together, as the job will use them (one may constrain another).
     SamplingParams(**{name: value for name, value in settings.items() if name in SAMPLING_KEYS})
     constraints = [name for name in CONSTRAINT_OPTIONS if name in settings]
@@ -230,7 +230,7 @@ def _job(number: int, obj: dict, job_id: Any) -> JobLine:
     return JobLine(number, prompt, job_id, system, tuple(settings.items()))
 
 
-def _setting(name: str, value: Any) -> Any:
+def setting(name: str, value: Any) -> Any:
     """A line's value for option ``name``, checked as the command line checks the option."""
     if name == "stop":
         stop = [value] if isinstance(value, str) else value

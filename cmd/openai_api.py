@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from llama_chat.cmd.batch_input import SAMPLING_KEYS, SETTING_KEYS, _setting
+from llama_chat.cmd.batch_input import SAMPLING_KEYS, SETTING_KEYS, setting
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS
 from llama_chat.inference.types import Completion, GenerationState
 from llama_chat.ml.controls import ControlError, SamplingParams
@@ -166,7 +166,7 @@ def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
         if not _given(body, source):
             continue
         try:
-            settings[name] = _setting(name, body[source])
+            settings[name] = setting(name, body[source])
         except ControlError as e:
             raise bad(f"{source} {e.reason}", source) from None
         except (ValueError, TypeError) as e:
@@ -247,17 +247,17 @@ def _response_format(body: dict[str, Any]) -> dict[str, str]:
     if kind == "text":
         return {}
     if kind == "json_object":
-        name, setting = "format", "json"
+        name, text = "format", "json"
     elif kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
-        name, setting = "json_schema", json.dumps(schema)
+        name, text = "json_schema", json.dumps(schema)
     else:
         raise bad("response_format.type must be text, json_object or json_schema", "response_format")
     try:
-        return {name: _setting(name, setting)}
+        return {name: setting(name, text)}
     except (ControlError, ValueError) as e:
         raise bad(f"response_format: {getattr(e, 'reason', e)}", "response_format") from None
 

@@ -46,7 +46,7 @@ _SAMPLING = SamplingParams()
 _BEAMS = BeamParams()
 _DEVICE = re.compile(r"auto|cpu|(cuda|mps)(:\d{1,3})?")
 
-# --help shows the options in these sections, in this order (``app._GroupedHelp``).
+# --help shows the options in these sections, in this order (``app.GroupedHelp``).
 SAMPLING = "Sampling (Hugging Face generate's names)"
 PENALTIES = "Penalties and token rules"
 STOPPING = "Stopping"
@@ -69,7 +69,7 @@ def _control(name: str) -> Callable:
     return callback
 
 
-def _ranged(name: str, *flags: str, help: str, **kwargs) -> Any:
+def ranged(name: str, *flags: str, help: str, **kwargs) -> Any:
     """An option checked by rule ``name``; ``{range}`` in ``help`` is the rule's own text, so that
     --help and the error say the same thing."""
     return typer.Option(*flags, callback=_control(name), help=help.format(range=RULES[name].allowed), **kwargs)
@@ -171,59 +171,59 @@ class Options:
                        "stdin becomes the first message; the chat then goes on reading the terminal.")] = False
     system: Annotated[str | None, typer.Option(
         "--system", "-s", help="A system message (needs a chat template).")] = None
-    max_tokens: Annotated[int | None, _ranged(
+    max_tokens: Annotated[int | None, ranged(
         "max_tokens", "--max-tokens", "--max-new-tokens", "-n", rich_help_panel=STOPPING,
         help="Most tokens to generate, {range} (default: until a stop token or the context is full).")] = None
     stop: Annotated[list[str] | None, typer.Option(
         "--stop", help="Stop when the text contains TEXT (repeatable); the stop string is not printed.",
         metavar="TEXT", rich_help_panel=STOPPING)] = None
-    max_time: Annotated[float | None, _ranged(
+    max_time: Annotated[float | None, ranged(
         "max_time", "--max-time", rich_help_panel=STOPPING, metavar="SECONDS",
         help="Stop after this many seconds from the start of the request, prefill included (finish "
              "reason max_time); at least one token is generated.")] = None
-    ctx_size: Annotated[int | None, _ranged(
+    ctx_size: Annotated[int | None, ranged(
         "ctx_size", "--ctx-size", "-c",
         help="Context length in tokens, at most the model's; 0: the model's full context (default: the "
              "model's, at most 4096).")] = None
-    temperature: Annotated[float | None, _ranged(
+    temperature: Annotated[float | None, ranged(
         "temperature", "--temperature", "-t", rich_help_panel=SAMPLING,
         help=f"Sampling temperature, {{range}}; 0 means greedy (default: {DEFAULT_TEMPERATURE}, and 0 with "
              f"--num-beams: deterministic beams).")] = None
-    top_p: Annotated[float, _ranged(
+    top_p: Annotated[float, ranged(
         "top_p", "--top-p", rich_help_panel=SAMPLING, help="Nucleus sampling mass, {range}.")] = _SAMPLING.top_p
-    top_k: Annotated[int, _ranged(
+    top_k: Annotated[int, ranged(
         "top_k", "--top-k", rich_help_panel=SAMPLING,
         help="Sample among the K most likely tokens only, {range}.")] = _SAMPLING.top_k
-    min_p: Annotated[float, _ranged(
+    min_p: Annotated[float, ranged(
         "min_p", "--min-p", rich_help_panel=SAMPLING,
         help="Drop tokens less likely than P times the most likely one, {range}.")] = _SAMPLING.min_p
-    typical_p: Annotated[float, _ranged(
+    typical_p: Annotated[float, ranged(
         "typical_p", "--typical-p", rich_help_panel=SAMPLING,
         help="Locally typical sampling mass, {range}.")] = _SAMPLING.typical_p
-    seed: Annotated[int | None, _ranged(
+    seed: Annotated[int | None, ranged(
         "seed", "--seed", rich_help_panel=SAMPLING,
         help="Sampling seed, {range} (default: random; reported unless the run is greedy).")] = None
-    repetition_penalty: Annotated[float, _ranged(
+    repetition_penalty: Annotated[float, ranged(
         "repetition_penalty", "--repetition-penalty", "--repeat-penalty", rich_help_panel=PENALTIES,
         help="Divide the positive logits (multiply the negative ones) of tokens already seen by this, "
              "{range}.")] = _SAMPLING.repetition_penalty
-    repeat_last_n: Annotated[int, _ranged(
+    repeat_last_n: Annotated[int, ranged(
         "repeat_last_n", "--repeat-last-n", rich_help_panel=PENALTIES,
         help="The repetition, presence and frequency penalties look at the last N tokens, "
              "{range}.")] = _SAMPLING.repeat_last_n
-    presence_penalty: Annotated[float, _ranged(
+    presence_penalty: Annotated[float, ranged(
         "presence_penalty", "--presence-penalty", rich_help_panel=PENALTIES,
         help="Subtract this from the logit of every token already seen, {range}.")] = _SAMPLING.presence_penalty
-    frequency_penalty: Annotated[float, _ranged(
+    frequency_penalty: Annotated[float, ranged(
         "frequency_penalty", "--frequency-penalty", rich_help_panel=PENALTIES,
         help="Subtract this times its count from the logit of every token seen, {range}.")] = _SAMPLING.frequency_penalty
-    no_repeat_ngram_size: Annotated[int, _ranged(
+    no_repeat_ngram_size: Annotated[int, ranged(
         "no_repeat_ngram_size", "--no-repeat-ngram-size", rich_help_panel=PENALTIES,
         help="Never repeat a run of N tokens already in the prompt or reply, {range}.")] = _SAMPLING.no_repeat_ngram_size
     logit_bias: Annotated[list[str] | None, typer.Option(
         "--logit-bias", callback=_check_logit_bias, rich_help_panel=PENALTIES, metavar="ID=BIAS",
         help="Add BIAS to token ID's logit (repeatable); -inf bans the token.")] = None
-    min_new_tokens: Annotated[int, _ranged(
+    min_new_tokens: Annotated[int, ranged(
         "min_new_tokens", "--min-new-tokens", rich_help_panel=PENALTIES,
         help="No end-of-sequence token before this many new tokens, {range}.")] = _SAMPLING.min_new_tokens
     json_schema: Annotated[str | None, typer.Option(
@@ -239,11 +239,11 @@ class Options:
     grammar: Annotated[str | None, typer.Option(
         "--grammar", callback=_check_constraint("grammar"), metavar="FILE", rich_help_panel=STRUCTURED,
         help="The reply follows this grammar: Lark (llguidance's dialect) or llama.cpp's GBNF.")] = None
-    num_beams: Annotated[int, _ranged(
+    num_beams: Annotated[int, ranged(
         "num_beams", "--num-beams", rich_help_panel=BEAMS,
         help="Beam search with N beams, {range}; deterministic unless -t is given. Not streamed: a progress "
              "line, then the best beam.")] = _BEAMS.num_beams
-    length_penalty: Annotated[float, _ranged(
+    length_penalty: Annotated[float, ranged(
         "length_penalty", "--length-penalty", rich_help_panel=BEAMS,
         help="A beam's score is its log-probability over length ** this, {range}; above 0 favours "
              "longer beams.")] = _BEAMS.length_penalty
@@ -251,7 +251,7 @@ class Options:
         "--early-stopping", callback=_check_early_stopping, rich_help_panel=BEAMS, metavar="true|false|never",
         help="true: stop when num-beams beams have finished; false: when no running beam is likely to do "
              "better; never: when none can.")] = str(_BEAMS.early_stopping).lower()
-    num_return: Annotated[int, _ranged(
+    num_return: Annotated[int, ranged(
         "num_return", "--num-return", "--num-return-sequences", rich_help_panel=BEAMS,
         help="How many of the best beams to return, at most num-beams (all of them under --json; "
              "the best one on a terminal).")] = _BEAMS.num_return
@@ -285,9 +285,9 @@ class Options:
              "objects with a prompt and options of their own. JSON Lines out, one per job as it finishes.")] = None
     ordered: Annotated[bool, typer.Option(
         "--ordered", rich_help_panel=BATCH, help="--batch: write the results in input order.")] = False
-    max_batch: Annotated[int, _ranged(
+    max_batch: Annotated[int, ranged(
         "max_batch", "--max-batch", rich_help_panel=BATCH, help="--batch: most jobs generating at once.")] = 16
-    cache_tokens: Annotated[int | None, _ranged(
+    cache_tokens: Annotated[int | None, ranged(
         "cache_tokens", "--cache-tokens", rich_help_panel=BATCH,
         help="--batch: size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536 and 4 GiB; "
              "at least one context).")] = None

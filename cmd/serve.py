@@ -33,8 +33,8 @@ from anyio.abc import TaskStatus
 from rich.console import Console
 
 from llama_chat.cmd import exit_status
-from llama_chat.cmd.app import _GroupedHelp
-from llama_chat.cmd.options import BATCH, Options, _ranged
+from llama_chat.cmd.app import GroupedHelp
+from llama_chat.cmd.options import BATCH, Options, ranged
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.serve_app import Served, ServerState, build_app
 from llama_chat.cmd.signals import hard_exit, install_sync_handlers
@@ -85,9 +85,9 @@ class ServeOptions:
     ] = DEFAULT_SHUTDOWN_GRACE_S
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", rich_help_panel=SERVER, help="Log errors only, not every request.")] = False
-    max_batch: Annotated[int, _ranged(
+    max_batch: Annotated[int, ranged(
         "max_batch", "--max-batch", rich_help_panel=BATCH, help="Most jobs generating at once.")] = 16
-    cache_tokens: Annotated[int | None, _ranged(
+    cache_tokens: Annotated[int | None, ranged(
         "cache_tokens", "--cache-tokens", rich_help_panel=BATCH,
         help="Size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536 and 4 GiB; "
              "at least one context).")] = None
@@ -120,7 +120,7 @@ _command.__signature__ = _signature()
 serve_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                         context_settings={"help_option_names": ["-h", "--help"]})
 serve_app.command(
-    name="serve", cls=_GroupedHelp,
+    name="serve", cls=GroupedHelp,
     help="Serve a model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models), many "
          "requests at once on the batching scheduler; /health and /metrics (Prometheus) beside them.")(_command)
 
