@@ -228,6 +228,7 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
     }
   }
 #ifdef LLAMA_CHAT_AVX2
+  if (rows < 2) return;  // a row alone reads q (packed_dot_rows)
   out.interleaved.resize(out.q.size());
   for (int64_t at = 0; at < static_cast<int64_t>(out.q.size()); at += kQuantGroup) {
     __m256i v[8];
