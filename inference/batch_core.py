@@ -263,7 +263,8 @@ class BatchCore:
                                 max_seq_len=s.max_seq_len, elapsed_s=now - job.admitted,
                                 grammar_done=job.constraint is not None and job.constraint.stopped(0))
             data = b"" if token in job.stop_ids else self.token_bytes(token)
-            events.append((job, TokenEvent(job.request_id, index, token, data, state, now - job.submitted)))
+            events.append((job, TokenEvent(job.request_id, index, token, data, state, now - job.submitted,
+                                           job.drawn_logprobs)))
             job.produced += 1
             c.generated_tokens += 1
             if state.finished:

@@ -29,6 +29,7 @@ import torch
 
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.paged_step import LoneRowStep
+from llama_chat.inference.types import TokenLogprobs
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.sampling import sample
 from llama_chat.model import cpu_decode
@@ -93,7 +94,8 @@ def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.T
     ``picks``: the rows' argmax where the step made them already (the operator). Only the first
     ``sample_ids`` logits are candidates. The token after position ``p`` is drawn with the job's
     uniform ``p``, as the one-request engine does, so a seeded job picks the same tokens batched
-    or alone.
+    or alone. A job that asks for logprobs (``Request.logprobs``) gets its token's on
+    ``job.drawn_logprobs``, from its row's raw logits (``token_logprobs``); no other row pays.
     """
     if picks is None:
         picks = cpu_kernels.argmax(logits[:, :sample_ids])
@@ -110,10 +112,25 @@ def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.T
             assert job.uniforms is not None
             picks[i] = sample(row, params, job.uniforms[last:last + 1])[0]
     chosen = picks.tolist()  # the one value that crosses back to the host per step
-    for job, token in zip(jobs, chosen):
-        if job is not None and job.history is not None:
+    for i, (job, token) in enumerate(zip(jobs, chosen)):
+        if job is None:
+            continue
+        if job.history is not None:
             job.history.append([token])
+        if job.request.logprobs is not None:
+            job.drawn_logprobs = token_logprobs(logits[i, :sample_ids], token, job.request.logprobs)
     return chosen
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability under one row's ``logits`` (before any processor: what the model
+    said, ``TokenLogprobs``), and the ``top`` most likely ids with theirs, most likely first."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    pairs: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+        pairs = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(float(logprobs[token]), pairs)
 
 
 class PackedForward:
@@ -360,7 +377,9 @@ class StepBackends:
                 return self.decodes if plan.decodes_only else self.rows
             if self.compiled_lone is None:  # with --compile a lone row keeps the compiled graph
                 job = rows[0]
-                lone = plan.decodes_only and job.controls is None and job.request.sampling.greedy
+                # The operator's own pick makes no logits: a job asking for logprobs needs them.
+                lone = (plan.decodes_only and job.controls is None and job.request.sampling.greedy
+                        and job.request.logprobs is None)
                 return self.lone_greedy if lone else self.rows
         if self.compiled_lone is not None and len(rows) == 1 and plan.decodes_only and rows[0].controls is None:
             return self.compiled_lone

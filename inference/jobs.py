@@ -18,7 +18,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.page_table import PageKey
 from llama_chat.inference.text_stream import TextStream
-from llama_chat.inference.types import Completion, GenerationState, Request, Tally, TokenEvent
+from llama_chat.inference.types import (Completion, GenerationState, Request, Response, Tally, TokenEvent,
+                                        TokenLogprobs)
 from llama_chat.ml.constraints import GrammarMask
 from llama_chat.ml.processors import Sampler, TokenHistory
 
@@ -48,6 +49,7 @@ class Job:
     history: TokenHistory | None = None  # what the processors read: the job's tokens so far
     constraint: GrammarMask | None = None  # the request's structured output, one of its processors
     final_state: GenerationState | None = None  # how it ended when no event said so (a cancel)
+    drawn_logprobs: TokenLogprobs | None = None  # of the token just drawn, when the request asks
     # -- the event loop's end of the job: set once its pages are back in the pool --
     released: anyio.Event = field(default_factory=anyio.Event)
 
@@ -64,7 +66,8 @@ class JobStream(TextStream):
     """``async for response in stream`` yields the job's ``Response`` items; then ``completion()``.
 
     Leaving early (``aclose``, or the ``async with`` block) cancels the job, and its pages are
-    released at the scheduler's next step.
+    released at the scheduler's next step. ``logprobs``: for a request that asks for them, those of
+    every token taken so far but a stop token (which is never part of the text), in order.
     """
 
     def __init__(self, job: Job, receive: MemoryObjectReceiveStream[TokenEvent], *, strip_leading_space: bool,
@@ -72,6 +75,7 @@ class JobStream(TextStream):
         super().__init__(job.request, TextMaker(job.request.stop, strip_leading_space=strip_leading_space),
                          Tally(job.request_id, job.prompt_len), receive)
         self.job = job
+        self.logprobs: list[tuple[int, TokenLogprobs]] = []  # (token id, its logprobs)
         self._on_receive = on_receive
         self._on_cancel = on_cancel
 
@@ -103,6 +107,11 @@ class JobStream(TextStream):
         self.cut_off()
         self.tally.cached_tokens = self.job.cached_tokens
         return self.tally.completion(self.text)
+
+    def _respond(self, event: TokenEvent) -> Response:
+        if event.logprobs is not None and event.token_id not in self.job.stop_ids:
+            self.logprobs.append((event.token_id, event.logprobs))
+        return super()._respond(event)
 
     def _taken(self) -> None:
         self.job.received += 1

@@ -41,6 +41,8 @@ class GenerationState(str, enum.Enum):
 
 # -- requests ------------------------------------------------------------------------------------
 
+MAX_TOP_LOGPROBS = 20  # most alternatives a token's logprobs list (OpenAI's and vLLM's bound)
+
 
 def new_request_id() -> str:
     return uuid.uuid4().hex[:12]
@@ -64,6 +66,8 @@ class Request:
     ``beams``: beam search settings (``num_beams`` 1: none); a beam request is not streamed.
     ``constraint``: what the reply must match (a JSON schema, a pattern, a grammar:
     ``ml/grammars.py``); it ends, ``stop_grammar``, where the constraint is complete.
+    ``logprobs``: None, none reported; 0 to ``MAX_TOP_LOGPROBS``, each token event carries the
+    token's log-probability and that many of the most likely alternatives (``TokenLogprobs``).
     """
 
     prompt_ids: tuple[int, ...]
@@ -78,6 +82,7 @@ class Request:
     beams: BeamParams = BeamParams()
     stop_ids: tuple[int, ...] = ()  # token ids that end this request, besides the tokenizer's
     constraint: Constraint | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
@@ -86,9 +91,25 @@ class Request:
         for name in ("max_tokens", "max_time"):
             if getattr(self, name) is not None:
                 check(name, getattr(self, name))
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
 
 # -- what the producer sends, and what the consumer gets ------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """How likely a drawn token was: ``logprob``, its log-probability, and ``top``, the most likely
+    tokens as ``(id, log-probability)`` pairs, most likely first.
+
+    They are the raw model's, as vLLM reports by default: the log-softmax of the logits the row
+    was sampled from, over the tokenizer's ids, before any logits processor, penalty, bias,
+    constraint or temperature, so they say what the model thought whatever the sampling settings.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,7 +119,8 @@ class TokenEvent:
     ``data`` is the token's bytes (``b""`` for stop and other special tokens, which are never
     printed). ``state`` is ``IN_PROGRESS`` or, on the last event of a stream, the finish reason.
     ``elapsed_s`` is measured from the start of the request to the moment the token was sampled,
-    so the first event's value is the time to first token.
+    so the first event's value is the time to first token. ``logprobs``: only for a request that
+    asks for them (``Request.logprobs``).
     """
 
     request_id: str
@@ -107,6 +129,7 @@ class TokenEvent:
     data: bytes
     state: GenerationState
     elapsed_s: float
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -547,3 +547,45 @@ def test_a_failing_step_ends_every_open_job_with_an_error_not_a_cancel(model, to
 
     anyio.run(main)
     assert states == {f"j{i}": GenerationState.ERROR for i in range(3)}
+
+
+@pytest.mark.parametrize("max_batch", [1, 4], ids=["alone", "batched"])
+def test_logprobs_are_the_log_softmax_of_the_models_logits_at_each_step(model, tokenizer, max_batch):
+    g = torch.Generator().manual_seed(23)
+    asking = [Request(random_prompt(g, 12 + 5 * i, tokenizer.vocab_size), max_tokens=6, request_id=f"lp{i}",
+                      sampling=GREEDY if i % 2 == 0 else SamplingParams(temperature=0.9, top_k=20), seed=i,
+                      logprobs=3 + i)
+              for i in range(3)]
+    plain = Request(random_prompt(g, 9, tokenizer.vocab_size), sampling=GREEDY, max_tokens=6, request_id="plain")
+
+    async def main():
+        async with Scheduler(model, tokenizer, SchedulerOptions(max_batch=max_batch)) as scheduler:
+            streams = {r.request_id: scheduler.submit(r) for r in [*asking, plain]}
+
+            async def consume(stream):
+                async for _ in stream:
+                    pass
+            async with anyio.create_task_group() as tg:
+                for stream in streams.values():
+                    tg.start_soon(consume, stream)
+            return {name: (stream.completion(), stream.logprobs) for name, stream in streams.items()}
+
+    results = anyio.run(main)
+    assert results["plain"][1] == []
+    for request in asking:
+        completion, logprobs = results[request.request_id]
+        drawn = [t for t in completion.token_ids if t != EOS]
+        assert [token for token, _ in logprobs] == drawn and drawn
+        ids = list(request.prompt_ids)
+        for token, reported in logprobs:
+            with torch.inference_mode():
+                expected = torch.log_softmax(model(torch.tensor([ids]))[0, -1].float(), dim=-1)
+            assert reported.logprob == pytest.approx(float(expected[token]), abs=1e-3)
+            assert len(reported.top) == request.logprobs
+            values, top_ids = expected.topk(request.logprobs)
+            assert [v for _, v in reported.top] == pytest.approx(values.tolist(), abs=1e-3)
+            for top_id, value in reported.top:
+                assert value == pytest.approx(float(expected[top_id]), abs=1e-3)
+            if request.sampling.greedy:
+                assert reported.logprob >= reported.top[0][1] - 1e-6
+            ids.append(token)
