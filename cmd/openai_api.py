@@ -12,16 +12,18 @@ their command-line names. Nothing here knows the model or HTTP: ``serve_app.py``
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from llama_chat.cmd.batch_input import SAMPLING_KEYS, SETTING_KEYS, setting
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS
-from llama_chat.inference.types import Completion, GenerationState
+from llama_chat.inference.types import MAX_TOP_LOGPROBS, Completion, GenerationState, TokenLogprobs
 from llama_chat.ml.controls import ControlError, SamplingParams
 from llama_chat.model.chat_format import Message
 
 MAX_CHOICES = 128  # OpenAI's own bound on n
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs (a chat's top_logprobs: MAX_TOP_LOGPROBS)
 
 # OpenAI's error types by HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -93,6 +95,7 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     settings: dict[str, Any] = field(default_factory=dict)
+    logprobs: int | None = None  # None: none asked; else how many alternatives per token
 
     @property
     def prompt_field(self) -> str:
@@ -104,9 +107,11 @@ class Generation:
 
 def parse_chat(body: dict[str, Any]) -> Generation:
     _known(body, CHAT_FIELDS)
-    if _given(body, "top_logprobs") or body.get("logprobs"):
-        param = "logprobs" if body.get("logprobs") else "top_logprobs"
-        raise bad("logprobs are not supported by this server yet", param)
+    logprobs = None
+    if _flag(body, "logprobs"):
+        logprobs = _logprobs_count(body, "top_logprobs", MAX_TOP_LOGPROBS) if _given(body, "top_logprobs") else 0
+    elif _given(body, "top_logprobs"):
+        raise bad("top_logprobs needs logprobs to be true", "top_logprobs")
     for name in ("tools", "functions"):
         if _given(body, name) and body[name] != []:
             raise bad(f"{name} are not supported by this server", name)
@@ -119,13 +124,12 @@ def parse_chat(body: dict[str, Any]) -> Generation:
             raise bad(f"response_format and {', '.join(CONSTRAINT_OPTIONS)} constrain the reply: one at a time",
                       "response_format")
         common["settings"].update(form)
-    return Generation(True, (messages,), **common)
+    return Generation(True, (messages,), **common, logprobs=logprobs)
 
 
 def parse_completion(body: dict[str, Any]) -> Generation:
     _known(body, COMPLETION_FIELDS)
-    if _given(body, "logprobs"):
-        raise bad("logprobs are not supported by this server yet", "logprobs")
+    logprobs = _logprobs_count(body, "logprobs", MAX_COMPLETION_LOGPROBS) if _given(body, "logprobs") else None
     if body.get("echo"):
         raise bad("echo is not supported by this server", "echo")
     if _given(body, "suffix"):
@@ -134,7 +138,7 @@ def parse_completion(body: dict[str, Any]) -> Generation:
     best_of = body.get("best_of")
     if best_of is not None and best_of != common["n"]:
         raise bad("best_of is not supported by this server (leave it out, or give n's value)", "best_of")
-    return Generation(False, _prompts(body.get("prompt")), **common)
+    return Generation(False, _prompts(body.get("prompt")), **common, logprobs=logprobs)
 
 
 def _given(body: dict[str, Any], name: str) -> bool:
@@ -176,6 +180,13 @@ def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
     except ControlError as e:
         raise bad(str(e), e.name) from None
     return {"model": model, "n": n, "stream": stream, "include_usage": include_usage, "settings": settings}
+
+
+def _logprobs_count(body: dict[str, Any], name: str, most: int) -> int:
+    value = body[name]
+    if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most):
+        raise bad(f"{name} must be an integer in 0 <= {name} <= {most}, got {value!r}", name)
+    return value
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -275,6 +286,38 @@ def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+class LogprobsWriter:
+    """One choice's token logprobs (``JobStream.logprobs`` entries) in OpenAI's shape: a chat's
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}``, a completion's ``{tokens,
+    token_logprobs, top_logprobs, text_offset}``. A token's text is its bytes decoded, an
+    incomplete UTF-8 character replaced; a completion's offsets run on across a stream's chunks."""
+
+    def __init__(self, chat: bool, token_bytes: Callable[[int], bytes]) -> None:
+        self.chat = chat
+        self.token_bytes = token_bytes
+        self.offset = 0  # where the next token's text starts, in the choice's text
+
+    def render(self, entries: Sequence[tuple[int, TokenLogprobs]]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [{**self._token(token, lp.logprob),
+                                 "top_logprobs": [self._token(t, v) for t, v in lp.top]} for token, lp in entries]}
+        tokens = [self._text(token) for token, _ in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in entries],
+                "top_logprobs": [{self._text(t): v for t, v in lp.top} for _, lp in entries],
+                "text_offset": offsets}
+
+    def _text(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        data = self.token_bytes(token)
+        return {"token": data.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(data)}
+
+
 @dataclass(frozen=True)
 class Reply:
     """The objects of one response: a whole completion, or the chunks of a stream."""
@@ -287,27 +330,31 @@ class Reply:
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, completions: list[Completion], usage_object: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, completions: list[Completion], usage_object: dict[str, Any],
+              logprobs: Sequence[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+        """``logprobs``: each choice's (``LogprobsWriter``), when they were asked for."""
+        logprobs = logprobs or [None] * len(completions)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                        "finish_reason": finish_reason(c.finish_reason)} for i, c in enumerate(completions)]
+            choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                        "finish_reason": finish_reason(c.finish_reason)}
+                       for i, (c, lp) in enumerate(zip(completions, logprobs))]
             return {**self._head("chat.completion"), "choices": choices, "usage": usage_object}
-        choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": finish_reason(c.finish_reason)}
-                   for i, c in enumerate(completions)]
+        choices = [{"index": i, "text": c.text, "logprobs": lp, "finish_reason": finish_reason(c.finish_reason)}
+                   for i, (c, lp) in enumerate(zip(completions, logprobs))]
         return {**self._head("text_completion"), "choices": choices, "usage": usage_object}
 
     def chunk(self, index: int, text: str, *, state: GenerationState | None = None,
-              first: bool = False) -> dict[str, Any]:
+              first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """A stream's piece of choice ``index``: ``text``, and its finish reason on its last chunk.
-        A chat's first chunk names the role."""
+        A chat's first chunk names the role. ``logprobs``: those of the tokens the piece took."""
         reason = None if state is None else finish_reason(state)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, usage_object: dict[str, Any]) -> dict[str, Any]:
@@ -319,5 +366,5 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-__all__ = ["ApiError", "Generation", "MAX_CHOICES", "Reply", "bad", "dumps", "finish_reason", "parse_chat",
-           "parse_completion", "usage"]
+__all__ = ["ApiError", "Generation", "LogprobsWriter", "MAX_CHOICES", "MAX_COMPLETION_LOGPROBS", "Reply", "bad",
+           "dumps", "finish_reason", "parse_chat", "parse_completion", "usage"]

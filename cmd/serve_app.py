@@ -14,6 +14,7 @@ may still be loading: the routes then answer 503, and /health says so.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import time
@@ -32,7 +33,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
-from llama_chat.cmd.openai_api import ApiError, Generation, Reply, bad, dumps, parse_chat, parse_completion, usage
+from llama_chat.cmd.openai_api import (ApiError, Generation, LogprobsWriter, Reply, bad, dumps, parse_chat,
+                                       parse_completion, usage)
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
 from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError
@@ -238,7 +240,7 @@ async def _generate(state: ServerState, request: HttpRequest,
         raise ApiError(503, str(e), code="shutting_down") from None
     reply = Reply(generation.chat, f"{'chatcmpl' if generation.chat else 'cmpl'}-{reply_id}", served.model_id,
                   int(time.time()))
-    return GenerationResponse(generation, reply, choices, prompt_lens)
+    return GenerationResponse(generation, reply, choices, prompt_lens, served.loaded.tokenizer.token_bytes)
 
 
 def _prepare(served: Served, body: dict[str, Any], parse: Callable[[dict[str, Any]], Generation], reply_id: str
@@ -262,6 +264,8 @@ def _prepare(served: Served, body: dict[str, Any], parse: Callable[[dict[str, An
                 settings["seed"] = (seed + j) % (MAX_SEED + 1)
             request = served.opts.request(ids, chat_reply=generation.chat and loaded.chat_format is not None,
                                           request_id=f"{reply_id}-{p * generation.n + j}", **settings)
+            if generation.logprobs is not None:
+                request = dataclasses.replace(request, logprobs=generation.logprobs)
             requests.append(request)
     return generation, requests, prompt_lens
 
@@ -295,11 +299,15 @@ class GenerationResponse:
     (``data: {chunk}`` ... ``data: [DONE]``) or as one JSON object at the end. A task beside them
     waits for the client to go away and cancels them if it does, during the prefill too."""
 
-    def __init__(self, generation: Generation, reply: Reply, choices: list[Choice], prompt_lens: list[int]) -> None:
+    def __init__(self, generation: Generation, reply: Reply, choices: list[Choice], prompt_lens: list[int],
+                 token_bytes: Callable[[int], bytes]) -> None:
         self.generation = generation
         self.reply = reply
         self.choices = choices
         self.prompt_lens = prompt_lens
+        # One per choice where logprobs were asked for: a completion's text offsets run on.
+        self.logprobs = (None if generation.logprobs is None
+                         else [LogprobsWriter(reply.chat, token_bytes) for _ in choices])
         self.disconnected = False
         self._finished = False
         self._lock = anyio.Lock()
@@ -340,7 +348,9 @@ class GenerationResponse:
         if any(c.finish_reason is GenerationState.ERROR for c in completions):
             status, body = 500, ApiError(500, "generation failed; see the server's log", code="generation_failed").body()
         else:
-            status, body = 200, self.reply.whole(completions, self._usage())
+            logprobs = None if self.logprobs is None else [
+                writer.render(choice.take_logprobs()) for writer, choice in zip(self.logprobs, self.choices)]
+            status, body = 200, self.reply.whole(completions, self._usage(), logprobs)
         self._finished = True
         await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": dumps(body)})
@@ -364,11 +374,20 @@ class GenerationResponse:
             await self._event(send, self.reply.chunk(index, "", first=True))
         sent = 0
         async for text in choice.pieces():
-            await self._event(send, self.reply.chunk(index, text))
+            await self._event(send, self.reply.chunk(index, text, logprobs=self._logprobs_of(choice)))
             sent += len(text)
         completion = choice.completion()
         # A cancel keeps the whole characters that were still held back.
-        await self._event(send, self.reply.chunk(index, completion.text[sent:], state=completion.finish_reason))
+        await self._event(send, self.reply.chunk(index, completion.text[sent:], state=completion.finish_reason,
+                                                 logprobs=self._logprobs_of(choice)))
+
+    def _logprobs_of(self, choice: Choice) -> dict[str, Any] | None:
+        """The logprobs of the tokens ``choice`` took since its last chunk, where they were asked
+        for and there are any (a piece's text may come from tokens an earlier chunk held back)."""
+        if self.logprobs is None:
+            return None
+        entries = choice.take_logprobs()
+        return self.logprobs[choice.index].render(entries) if entries else None
 
     async def _event(self, send: Send, obj: dict[str, Any]) -> None:
         async with self._lock:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from llama_chat.inference.types import Completion, Request, Response
+from llama_chat.inference.types import Completion, Request, Response, TokenLogprobs
 
 if TYPE_CHECKING:
     from llama_chat.inference.jobs import JobStream
@@ -158,6 +158,7 @@ class Choice:
         self._serving = serving
         self._last_s: float | None = None
         self._closed = False
+        self._logprobs_taken = 0
 
     async def __aenter__(self) -> Choice:
         return self
@@ -193,6 +194,13 @@ class Choice:
     def completion(self) -> Completion:
         """What the job came to; after a cancel, the text so far and finish reason ``cancelled``."""
         return self.stream.completion()
+
+    def take_logprobs(self) -> list[tuple[int, TokenLogprobs]]:
+        """The ``(token id, logprobs)`` of the tokens taken since the last call (``JobStream.logprobs``:
+        none unless the request asked for them)."""
+        entries = self.stream.logprobs[self._logprobs_taken:]
+        self._logprobs_taken += len(entries)
+        return entries
 
     @property
     def phase(self) -> str:

@@ -158,6 +158,53 @@ def test_response_format_holds_the_reply_to_a_schema(server):
     assert re.fullmatch("[0-9]{3}", digits.choices[0].text) and digits.choices[0].finish_reason == "stop"
 
 
+def check_top(chosen: float, top: list[float], k: int) -> None:
+    """A greedy token's logprob against its alternatives: at most 0, at least each of them, and
+    they are sorted, most likely first."""
+    assert chosen <= 0 and len(top) == k and all(v <= 0 for v in top)
+    assert top == sorted(top, reverse=True)
+    assert all(chosen >= v - 1e-5 for v in top)
+
+
+def test_logprobs_of_chat_and_completions_whole_and_streamed(server):
+    client = server.client()
+    request = {"model": "tiny", "messages": chat("Tell me about the fox"), "max_tokens": 10, "temperature": 0,
+               "logprobs": True, "top_logprobs": 3}
+    whole = client.chat.completions.create(**request)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens - (whole.choices[0].finish_reason == "stop") > 0
+    for entry in content:
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+        check_top(entry.logprob, [t.logprob for t in entry.top_logprobs], 3)
+        assert all(bytes(t.bytes).decode("utf-8", errors="replace") == t.token for t in entry.top_logprobs)
+    assert "".join(e.token for e in content).strip() == whole.choices[0].message.content.strip()
+
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    plain = client.chat.completions.create(**{**request, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+    done = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=9, temperature=0,
+                                     logprobs=2)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 9
+    assert "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(9)]
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2  # two alternatives, unless both spell the same text
+        assert chosen <= 0 and all(chosen >= v - 1e-5 for v in top.values())
+    pieces = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=9, temperature=0, logprobs=2, stream=True)
+        if c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens] == lp.tokens
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=6)
+    assert info.value.status_code == 400 and info.value.param == "logprobs"
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -168,7 +215,10 @@ def test_response_format_holds_the_reply_to_a_schema(server):
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"logit_bias": {"nope": 1}}, "logit_bias"),
     ({"logit_bias": {"100000": -100}}, "logit_bias"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": 1}, "logprobs"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": "not a schema"}}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "extra_body": {"regex": "a+"}}, "response_format"),
