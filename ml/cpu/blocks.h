@@ -18,10 +18,13 @@
 // each four products into int32 lanes in one instruction; with AVX2 alone, vpmaddubsw and vpmaddwd
 // do it in two (Q8_0's signed codes take the sign trick there: |w| times x with w's sign, since
 // unsigned codes up to 255 would saturate vpmaddubsw's int16 pairs). Eight blocks (256 values) at
-// a time, the eight blocks' int32 lanes are summed into one vector of eight block sums, the zero
-// points are taken off with the inputs' block sums (exact integers), and one multiply-add by the
-// eight blocks' scales times the inputs' steps adds them to a float32 accumulator. AVX-512BW
-// expands Q5's fifth bits from a mask register. Without AVX2, a scalar loop does the same sums.
+// a time, the eight blocks' int32 lanes become one vector of eight block sums (for several input
+// rows the decoded weights are rearranged once so that each lane is one block's, and every row
+// just adds its products lane by lane: interleave_group), the zero points are taken off with the
+// inputs' block sums (exact integers), and one multiply-add by the eight blocks' scales times the
+// inputs' steps adds them to a float32 accumulator. AVX-512BW expands Q5's fifth bits from a mask
+// register; the vectors stay 256 bits wide with AVX-512 too (no 512-bit path is written). Without
+// AVX2, a scalar loop does the same sums.
 #pragma once
 
 #include "dot.h"
