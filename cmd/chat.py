@@ -53,6 +53,7 @@ from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.remote import RemoteModel, RemoteSource
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Completion, GenerationState, Request, Timings
+from llama_chat.ml.safe_files import require_regular
 from llama_chat.model.chat_format import ChatFormat, Message
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ FENCE = '"""'
 # Tokens kept free for a reply when the dialog is fitted into the context, at most this share of it.
 REPLY_ROOM = 256
 HISTORY_LENGTH = 1000
+MAX_HISTORY_BYTES = 16 << 20
 # Token slots per page of the chat's cache: the last, partly filled page of a turn is prefilled
 # again by the next one, so pages are smaller than --batch's.
 CHAT_PAGE_SIZE = 8
@@ -186,10 +188,12 @@ class ChatInput:
         self.readline = readline
         if readline is not None:
             readline.set_history_length(HISTORY_LENGTH)
-            if self.history_file is not None and self.history_file.exists():
+            if self.history_file is not None:
                 try:
-                    readline.read_history_file(self.history_file)
-                except OSError:
+                    # readline reads the file whole and blocking: a regular file of bounded size only
+                    if require_regular(self.history_file).st_size <= MAX_HISTORY_BYTES:
+                        readline.read_history_file(self.history_file)
+                except OSError:  # missing, a FIFO or a device, unreadable: the chat starts without it
                     pass
 
     def line(self, prompt: str) -> str:
@@ -222,11 +226,18 @@ class ChatInput:
     def _save(self) -> None:
         if self.readline is None or self.history_file is None:
             return
+        # Through a temporary file and a rename, so that a FIFO in the history's place is replaced
+        # rather than blocking the chat, and two chats never mix their lines.
+        partial = self.history_file.with_name(f".{self.history_file.name}.{os.getpid()}.tmp")
         try:
             self.history_file.parent.mkdir(parents=True, exist_ok=True)
-            self.readline.write_history_file(self.history_file)
-        except OSError:
-            pass  # a read-only home: the chat goes on without a history file
+            self.readline.write_history_file(partial)
+            os.replace(partial, self.history_file)
+        except OSError:  # a read-only home: the chat goes on without a history file
+            try:
+                partial.unlink()
+            except OSError:
+                pass
 
 
 # -- the loop --------------------------------------------------------------------------------------

@@ -177,8 +177,11 @@ def test_load_and_save_problems_are_one_line_and_the_chat_goes_on(tmp_path):
         ("/save ~nosuchuser/x.json", "no user 'nosuchuser' to expand ~nosuchuser for"),
         (f"/save {fifo}", "not a regular file (a FIFO)"),
     ]
+    history = tmp_path / "state" / "llama-chat" / "history"
+    history.parent.mkdir(parents=True)
+    os.mkfifo(history)  # neither read nor written through: replaced by the first message's history
     cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-t", "0", "-n", "4", "--no-history"], env=cli_env(),
+    child = pexpect.spawn(cmd[0], [*cmd[1:], "-t", "0", "-n", "4"], env=cli_env(XDG_STATE_HOME=str(tmp_path / "state")),
                           timeout=TIMEOUT, encoding="utf-8", dimensions=(40, 400), preexec_fn=_limited)
     try:
         child.expect_exact(">>> ")
@@ -205,6 +208,7 @@ def test_load_and_save_problems_are_one_line_and_the_chat_goes_on(tmp_path):
     assert messages[-2]["content"] == "Tell me a story" and messages[-1]["role"] == "assistant"
     assert messages[-1]["content"]
     assert fifo.is_fifo()  # /save did not write through it, nor replace it
+    assert history.is_file() and "Tell me a story" in history.read_text()
 
 
 # --- model stores ---------------------------------------------------------------------------------
