@@ -14,12 +14,15 @@ written into the repository:
    ``PYTHONPATH``) writes F16 and Q8_0; ``llama-quantize`` makes Q4_0 and Q4_K_M from the F16 file.
 4. Runs, for ``--rounds`` rounds, each round every file in turn, llama.cpp then llama-chat on the
    same file, each in a fresh process (started from a small launcher and reaped with ``os.wait4``,
-   for its own peak RSS), both with ``--threads`` threads (default 2):
+   for its own peak RSS), both with ``--threads`` threads (default 2: ``-t`` and ``OMP_NUM_THREADS``)
+   and ``OMP_WAIT_POLICY=PASSIVE``, which llama-chat sets for itself and llama.cpp's OpenMP build
+   needs on shared cores: its threads meet at a barrier after every operation, and where they spin
+   there while the other thread waits for a core, its decode collapses (``--omp-wait-policy
+   default`` leaves the variable unset; docs/benchmarks.md has what it does here);
    * llama.cpp: ``llama-bench -m FILE -t T -p 512 -n 128 -r 1 -o json`` (pp512 and tg128, after
      llama-bench's own warm-up, in one process);
-   * llama-chat, as a user runs it (``OMP_NUM_THREADS=T``, the command line below, no other
-     setting): one process prefills a 512-token prompt (BOS included) and generates 1 token, for
-     prefill tok/s; another generates 128 tokens greedily after a short prompt, for decode tok/s.
+   * llama-chat, as a user runs it (the command line below, no other setting): one process
+     prefills a 512-token prompt (BOS included) and generates 1 token, for prefill tok/s; another generates 128 tokens greedily after a short prompt, for decode tok/s.
      They are apart because llama-bench's tg128 decodes from an empty context: decoding after the
      512-token prompt would charge llama-chat for attention over 512 more positions. Its peak RSS
      is the larger of the two. ``--min-new-tokens`` keeps random weights from stopping early.
@@ -338,8 +341,13 @@ def llama_chat_revision() -> str:
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def child_env(threads: int) -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS=str(threads))
+def child_env(args) -> dict[str, str]:
+    """Both systems' environment: the thread count, and OpenMP's wait policy unless "default"."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env.pop("OMP_WAIT_POLICY", None)
+    if args.omp_wait_policy != "default":
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    return env
 
 
 def read_through(path: Path) -> None:
@@ -351,7 +359,7 @@ def read_through(path: Path) -> None:
 
 def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], prompts: dict, args, round_no: int,
                   failed: set[Path]) -> None:
-    env = child_env(args.threads)
+    env = child_env(args)
     for (key, ftype), path in files.items():
         ctx = SHAPES[key].ctx
         cpp = peer_mod.llama_bench(peer, path, threads=args.threads, prompt=args.prompt_tokens, gen=args.gen, env=env)
@@ -401,7 +409,8 @@ def report(rows: list[dict], cache: Path) -> None:
             results.setdefault((row["shape"], row["type"]), Results()).add(row)
     bandwidth = max(r["read_bandwidth_gbs"] for r in rounds)
     baseline_mb = statistics.median(r["baseline_rss_mb"] for r in rounds)
-    print(f"\n### {cpu_name()}, {run.get('threads', 2)} threads, read bandwidth {bandwidth:.1f} GB/s (best of the run), "
+    print(f"\n### {cpu_name()}, {run.get('threads', 2)} threads, OMP_WAIT_POLICY "
+          f"{run.get('omp_wait_policy', 'default')}, read bandwidth {bandwidth:.1f} GB/s (best of the run), "
           f"llama.cpp {run['llama_cpp']} (llama-cpp-python {run['sdist']}), llama-chat {run.get('llama_chat', '?')}\n")
     print(f"Median of {len(rounds)} round(s), the rounds' range in brackets; pp{run.get('prompt_tokens', 512)} and "
           f"tg{run.get('gen', 128)}, tok/s; ratios are llama-chat's median over llama.cpp's. Baseline (llama-chat on the "
@@ -459,6 +468,10 @@ def parse_args(argv: list[str] | None = None):
                    help="where llama.cpp, the checkpoints and the files are kept")
     p.add_argument("--quick", action="store_true", help="110m only, 1 round")
     p.add_argument("--threads", type=int, default=2, help="threads for both systems (default 2)")
+    p.add_argument("--omp-wait-policy", choices=("passive", "active", "default"), default="passive",
+                   help="OMP_WAIT_POLICY for both systems (default passive, what llama-chat sets for itself "
+                        "unless told otherwise; 'default' leaves it unset): llama.cpp's OpenMP threads spin at "
+                        "every barrier, and on shared cores its decode collapses")
     p.add_argument("--jobs", type=int, default=2, help="parallel jobs for llama.cpp's build (default 2)")
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="print the tables again from a run's saved output (its JSON lines), and run nothing")
@@ -517,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_gguf: {e}", file=sys.stderr)
         return 1
     emit(llama_cpp=peer.commit, sdist=peer.version, build_s=round(peer.build_s, 1), built_now=peer.built_now,
-         cmake_flags=list(peer_mod.CMAKE_FLAGS), threads=args.threads, prompt_tokens=args.prompt_tokens, gen=args.gen,
+         cmake_flags=list(peer_mod.CMAKE_FLAGS), threads=args.threads, omp_wait_policy=args.omp_wait_policy,
+         prompt_tokens=args.prompt_tokens, gen=args.gen,
          command=" ".join(sys.argv[1:] if argv is None else argv), llama_chat=llama_chat_revision())
 
     tokenizer = write_tokenizer(cache / "tokenizer" / "tokenizer.model")
@@ -533,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {"long": prefill_prompt(cache, tokenizer, args.prompt_tokens), "short": cache / "prompt-short.txt"}
     prompts["short"].write_text(SHORT_PROMPT)
 
-    env = child_env(args.threads)
+    env = child_env(args)
     # Untimed: these build llama-chat's CPU kernels (the float ones and the packed ones) when their
     # cache is cold, which would otherwise land in the first timed run, compiler's memory included.
     failed: set[Path] = set()
