@@ -18,12 +18,12 @@ written into the repository:
    and ``OMP_WAIT_POLICY=PASSIVE``, which llama-chat sets for itself and llama.cpp's OpenMP build
    needs on shared cores: its threads meet at a barrier after every operation, and where they spin
    there while the other thread waits for a core, its decode collapses (``--omp-wait-policy
-   default`` leaves the variable unset; docs/benchmarks.md has what it does here);
+   default`` leaves the variable unset, to see how much);
    * llama.cpp: ``llama-bench -m FILE -t T -p 512 -n 128 -r 1 -o json`` (pp512 and tg128, after
      llama-bench's own warm-up, in one process);
    * llama-chat, as a user runs it (the command line below, no other setting): one process
-     prefills a 512-token prompt (BOS included) and generates 1 token, for prefill tok/s; another generates 128 tokens greedily after a short prompt, for decode tok/s.
-     They are apart because llama-bench's tg128 decodes from an empty context: decoding after the
+     prefills a 512-token prompt (BOS included) and generates 1 token, for prefill tok/s;
+     another generates 128 tokens greedily after a short prompt, for decode tok/s. They are apart because llama-bench's tg128 decodes from an empty context: decoding after the
      512-token prompt would charge llama-chat for attention over 512 more positions. Its peak RSS
      is the larger of the two. ``--min-new-tokens`` keeps random weights from stopping early.
 
