@@ -23,9 +23,10 @@ written into the repository:
      llama-bench's own warm-up, in one process);
    * llama-chat, as a user runs it (the command line below, no other setting): one process
      prefills a 512-token prompt (BOS included) and generates 1 token, for prefill tok/s;
-     another generates 128 tokens greedily after a short prompt, for decode tok/s. They are apart because llama-bench's tg128 decodes from an empty context: decoding after the
-     512-token prompt would charge llama-chat for attention over 512 more positions. Its peak RSS
-     is the larger of the two. ``--min-new-tokens`` keeps random weights from stopping early.
+     another generates 128 tokens greedily after a short prompt, for decode tok/s. They are apart
+     because llama-bench's tg128 decodes from an empty context: decoding after the 512-token
+     prompt would charge llama-chat for attention over 512 more positions. Its peak RSS is the
+     larger of the two. ``--min-new-tokens`` keeps random weights from stopping early.
 
    ``llama-chat -m FILE -f PROMPT_FILE --no-stdin -n N --min-new-tokens N -t 0 --template none
    -c CTX --json`` (CTX: the shape's context length, which is also what it uses unasked).
