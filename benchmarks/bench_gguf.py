@@ -37,10 +37,11 @@ written into the repository:
    cold) and the load average, since both systems share the cores with whatever else runs.
 
 Printed: one JSON line per measurement, then one Markdown table per shape (``--report FILE`` prints
-the tables again from saved output). Speeds and RSS are the median of the rounds, and ratios are llama-chat over llama.cpp of those medians. "Bound" is the
-decode speed the measured bandwidth allows for the file's weights as stored (every tensor read
-once per token, the token embedding only when it is also the classifier), and "of bound" is a
-system's decode speed over it. The memory rule for llama-chat: peak RSS <= 1.1 x file size +
+the tables again from saved output). Speeds and RSS are the median of the rounds (their range in
+brackets), and ratios are llama-chat over llama.cpp of those medians. "Bound" is the decode speed
+the measured bandwidth allows for the file's weights as stored (every tensor read once per token,
+the token embedding only when it is also the classifier), and "of bound" is a system's decode
+speed over it. The memory rule for llama-chat: peak RSS <= 1.1 x file size +
 KV cache (float32, CTX positions) + baseline.
 
     python benchmarks/bench_gguf.py --quick                           # 110m, 1 round
@@ -412,10 +413,11 @@ def report(rows: list[dict], cache: Path) -> None:
     baseline_mb = statistics.median(r["baseline_rss_mb"] for r in rounds)
     print(f"\n### {cpu_name()}, {run.get('threads', 2)} threads, OMP_WAIT_POLICY "
           f"{run.get('omp_wait_policy', 'default')}, read bandwidth {bandwidth:.1f} GB/s (best of the run), "
-          f"llama.cpp {run['llama_cpp']} (llama-cpp-python {run['sdist']}), llama-chat {run.get('llama_chat', '?')}\n")
-    print(f"Median of {len(rounds)} round(s), the rounds' range in brackets; pp{run.get('prompt_tokens', 512)} and "
-          f"tg{run.get('gen', 128)}, tok/s; ratios are llama-chat's median over llama.cpp's. Baseline (llama-chat on the "
-          f"shipped model): {baseline_mb:.0f} MB peak RSS.")
+          f"llama.cpp {run['llama_cpp']} (llama-cpp-python {run['sdist']}), "
+          f"llama-chat {run.get('llama_chat', '?')}\n")
+    print(f"Median of {len(rounds)} round(s), the rounds' range in brackets; pp{run.get('prompt_tokens', 512)} "
+          f"and tg{run.get('gen', 128)}, tok/s; ratios are llama-chat's median over llama.cpp's. Baseline "
+          f"(llama-chat on the shipped model): {baseline_mb:.0f} MB peak RSS.")
     for key in dict.fromkeys(k for k, _ in results):
         shape = SHAPES[key]
         kv_mb = 2 * shape.n_layers * shape.ctx * shape.kv_dim * 4 / 1e6
