@@ -368,3 +368,51 @@ def test_packed_blocks_of_a_mapped_file_move_onto_large_pages_with_their_bytes(c
         assert not in_file_mapping(model.output.data)
     got, _ = _greedy(model, prompt, 4)
     assert got == want
+
+
+def random_packed_model(kind: str, seed: int = 0):
+    """A tiny model (256 wide, so K-quant rows are whole super-blocks) whose projections and
+    classifier are random blocks of ``kind`` (scales small enough for sane activations), its v rows
+    Q6_K (a fused q/k/v of two kinds where ``kind`` is not Q6_K), fused."""
+    from builders import random_model, tiny_args
+
+    model = random_model(tiny_args(128, dim=256, hidden_dim=512, n_heads=4, n_kv_heads=2), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+
+    def blocks(layer_kind: str, out_features: int, in_features: int) -> packed.PackedLinear:
+        weight = random_weight(layer_kind, out_features, in_features, int(torch.randint(0, 2**16, (1,), generator=g)))
+        for offset in HALF_OFFSETS[layer_kind]:  # scales (and mins) of +-2^-14 to 2^-10: small sane weights
+            values, size = packed.block_layout(layer_kind)
+            raw = weight.data.view(-1, size)
+            scale = torch.exp2(torch.empty(raw.shape[0]).uniform_(-14, -10, generator=g))
+            scale = scale * torch.where(torch.rand(raw.shape[0], generator=g) < 0.5, -1.0, 1.0)
+            raw[:, offset:offset + 2] = scale.to(torch.float16).view(torch.uint8).view(-1, 2)
+        return packed.PackedLinear(weight)
+
+    for layer in model.layers:
+        for part, name in _MODEL_KINDS:
+            linear = getattr(getattr(layer, part), name)
+            layer_kind = "q6_k" if name == "wv" else kind
+            setattr(getattr(layer, part), name, blocks(layer_kind, linear.out_features, linear.in_features))
+    model.output = blocks(kind, 128, 256)
+    model.fuse_projections()
+    return model.eval()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", packed.PACKED_TYPES)
+def test_the_one_call_step_reads_every_kind(cpu_kernels_loaded, kind, monkeypatch):
+    from llama_chat.model import cpu_decode
+
+    model = random_packed_model(kind)
+    prompt = [3, 14, 15, 92, 65]
+    ids, logits = _greedy(model, prompt, 6)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_decode, "takes", lambda *args: False)
+        layer_ids, layer_logits = _greedy(model, prompt, 6)
+    assert cpu_decode._weights_of(model) is not None  # the steps after the prompt took the operator
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    assert ids == layer_ids
+    # The two paths' norms and attention sum in other orders, which can move an input across a
+    # rounding boundary of its int8 step: a logit then moves by about a step times a weight.
+    assert (logits - layer_logits).abs().max() <= 1e-2 * logits.abs().max()
