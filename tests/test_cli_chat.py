@@ -238,7 +238,7 @@ def test_replies_and_stats_wrap_at_spaces_on_a_narrow_terminal(tmp_path):
     stats = " ".join(lines[lines.index(">>> /stats") + 1:save])
     assert re.fullmatch(r"prompt: \d+ tokens \(\d+ from the cache, \d+ prefilled\) +reply: 60 tokens, max_tokens +"
                         r"ttft: [\d.]+ s +prefill: [\d.]+ tok/s +decode: [\d.]+ tok/s +context: \d+/\d+ +pages: "
-                        r"\d+ kept, \d+ free of \d+ \(8 tokens each\)", stats), stats
+                        r"\d+ kept, \d+ free of \d+ \(8 tokens each\) +weights: [\w ,+.]+ \([\d.]+ [kMG]?B\)", stats), stats
     notice = " ".join(lines[:lines.index(">>> Tell me a story")])
     assert notice.split() == ("chatting with default (llama2 format, 512 tokens of context); /help for commands, "
                               "Ctrl+D to leave").split()
