@@ -15,10 +15,11 @@ written into the repository:
 4. Runs, for ``--rounds`` rounds, each round every file in turn, llama.cpp then llama-chat on the
    same file, each in a fresh process (started from a small launcher and reaped with ``os.wait4``,
    for its own peak RSS), both with ``--threads`` threads (default 2: ``-t`` and ``OMP_NUM_THREADS``)
-   and ``OMP_WAIT_POLICY=PASSIVE``, which llama-chat sets for itself and llama.cpp's OpenMP build
-   needs on shared cores: its threads meet at a barrier after every operation, and where they spin
-   there while the other thread waits for a core, its decode collapses (``--omp-wait-policy
-   default`` leaves the variable unset, to see how much);
+   and ``OMP_WAIT_POLICY`` as each ships: unset, so llama.cpp's OpenMP threads spin at the barrier
+   after every operation, and llama-chat sets PASSIVE for itself. Spinning is llama.cpp's faster
+   choice on idle cores and a collapse of its decode on busy ones, where a spinning thread holds a
+   core its partner waits for; the report flags a busy machine. ``--omp-wait-policy passive``
+   gives llama.cpp PASSIVE too, the steadier comparison while others share the cores;
    * llama.cpp: ``llama-bench -m FILE -t T -p 512 -n 128 -r 1 -o json`` (pp512 and tg128, after
      llama-bench's own warm-up, in one process);
    * llama-chat, as a user runs it (the command line below, no other setting): one process
@@ -451,6 +452,10 @@ def report(rows: list[dict], cache: Path) -> None:
         if failures:
             print("\n" + "\n".join(failures))
     loads = [r["load_average_1min"] for r in rows if "load_average_1min" in r]
+    if run.get("omp_wait_policy", "default") == "default" and max(loads, default=0) > (os.cpu_count() or 1):
+        print(f"\n**The machine was busy** (load average up to {max(loads):.1f} on {os.cpu_count()} CPUs): "
+              f"llama.cpp's spinning threads slow down far more than llama-chat's; rerun when it is quiet, "
+              f"or with --omp-wait-policy passive.")
     # Both systems share the cores with whatever else runs: say how busy the machine was.
     print(f"\nLoad average (1 min) at each round's start and at the end: {', '.join(f'{x:.1f}' for x in loads)}; "
           f"{os.cpu_count()} CPUs. llama.cpp build: {run['build_s']:.0f} s"
@@ -471,10 +476,10 @@ def parse_args(argv: list[str] | None = None):
                    help="where llama.cpp, the checkpoints and the files are kept")
     p.add_argument("--quick", action="store_true", help="110m only, 1 round")
     p.add_argument("--threads", type=int, default=2, help="threads for both systems (default 2)")
-    p.add_argument("--omp-wait-policy", choices=("passive", "active", "default"), default="passive",
-                   help="OMP_WAIT_POLICY for both systems (default passive, what llama-chat sets for itself "
-                        "unless told otherwise; 'default' leaves it unset): llama.cpp's OpenMP threads spin at "
-                        "every barrier, and on shared cores its decode collapses")
+    p.add_argument("--omp-wait-policy", choices=("default", "passive", "active"), default="default",
+                   help="OMP_WAIT_POLICY for both systems; default: unset, as each ships (llama.cpp spins, "
+                        "llama-chat sets passive for itself); passive when others share the cores, where "
+                        "llama.cpp's spinning threads collapse")
     p.add_argument("--jobs", type=int, default=2, help="parallel jobs for llama.cpp's build (default 2)")
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="print the tables again from a run's saved output (its JSON lines), and run nothing")
