@@ -301,7 +301,7 @@ def run_llama_chat(model: Path | None, prompt_file: Path, n_new: int, ctx: int |
             "--template", "none", "--json"] + (["-c", str(ctx)] if ctx else [])
     seen: set[str] = set()
     for attempt in range(retries + 1):
-        m = run_measured(cmd, env=env, cwd=Path.home())
+        m = run_measured(cmd, env=env)
         if m.returncode == 0:
             return json.loads(m.stdout), m
         last = (m.stderr.strip().splitlines() or [f"exit {m.returncode}"])[-1][:300]

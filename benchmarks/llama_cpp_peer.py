@@ -7,9 +7,9 @@ builds ``llama-bench`` and ``llama-quantize`` from it, CPU only and for this CPU
 (``convert_hf_to_gguf.py``) runs from the same tree with the tree's own ``gguf-py`` first on
 ``PYTHONPATH``, so the converter and the ``gguf`` package it writes with always match.
 
-Every measured child runs through ``run_measured``, which starts it from a small launcher and reaps
-it with ``os.wait4``: the peak resident set it reports is that process's own (its largest reaped
-descendant's if larger), not the benchmark's.
+Every measured child runs through ``run_measured``, which starts it from ``bench_decode``'s small
+launcher that reaps it with ``os.wait4``: the peak resident set it reports is that process's own
+(its largest reaped descendant's if larger), not the benchmark's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,45 +82,14 @@ class Measured:
     peak_rss_bytes: int
 
 
-# Runs one command in a fork of this small interpreter and writes "EXIT MAXRSS_KB" to the file
-# descriptor it is given. Why a launcher: Linux starts a child's peak RSS at its parent's (a vfork
-# child execs from the parent's memory, whose high-water mark it keeps), so a command started
-# straight from a benchmark that holds torch and large tensors would report that process's peak
-# when its own is smaller.
-LAUNCHER = """
-import os, sys
-out = int(sys.argv[1])
-pid = os.fork()
-if pid == 0:
-    os.close(out)
-    try:
-        os.execvp(sys.argv[2], sys.argv[2:])
-    except OSError as e:
-        os.write(2, (sys.argv[2] + ": " + str(e) + "\\n").encode())
-        os._exit(127)
-_, status, usage = os.wait4(pid, 0)
-os.write(out, ("%d %d" % (os.waitstatus_to_exitcode(status), usage.ru_maxrss)).encode())
-"""
+def run_measured(cmd: list[str], *, env: dict[str, str] | None = None) -> Measured:
+    """Run ``cmd`` to its end and report its own peak RSS, through ``bench_decode``'s launcher (a
+    child started straight from a process holding torch would report that process's peak)."""
+    from bench_decode import run_child
 
-
-def run_measured(cmd: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> Measured:
-    """Run ``cmd`` to its end and report its own peak RSS (``ru_maxrss`` from ``os.wait4``)."""
-    read_end, write_end = os.pipe()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-S", "-c", LAUNCHER, str(write_end), *cmd], pass_fds=(write_end,),
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd)
-        os.close(write_end)
-        with os.fdopen(read_end) as report:
-            fields = report.read().split()
-        proc.wait()
-        wall = time.perf_counter() - t0
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    if len(fields) != 2:
-        raise PeerError(f"the launcher for {cmd[0]} failed (exit {proc.returncode}): {stderr.strip()[-400:]}")
-    return Measured(int(fields[0]), stdout, stderr, wall, int(fields[1]) * 1024)
+    t0 = time.perf_counter()
+    returncode, stdout, stderr, peak_mib = run_child(cmd, dict(os.environ) if env is None else env, None)
+    return Measured(returncode, stdout, stderr, time.perf_counter() - t0, int(peak_mib * 1024 * 1024))
 
 
 # -- fetch and build ---------------------------------------------------------------------------
