@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -55,6 +56,7 @@ CARRIER_VOCAB = 257
 UNKNOWN_CONTEXT = 1 << 20
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # between two pieces of a stream: a long queue or a long prefill on the server
+READ_TIMEOUT_ENV = "LLAMA_CHAT_REMOTE_READ_TIMEOUT_S"  # seconds of silence before a stream is given up
 BUFFER = 8  # events waiting for the consumer; a slow one slows the reading of the connection
 DEFAULT_MAX_BATCH = 16
 NO_ID = -1  # a piece of text from the server: its token ids are not known here
@@ -194,7 +196,18 @@ def connect(spec: str, *, model: str | None = None, api_key: str | None = None, 
                        chat_format=None if template == "none" else DialogCarrier())
 
 
+def read_timeout_s() -> float:
+    """The read timeout: ``READ_TIMEOUT_ENV`` when it is a number of seconds > 0, else the default."""
+    try:
+        value = float(os.environ.get(READ_TIMEOUT_ENV, ""))
+    except ValueError:
+        return READ_TIMEOUT_S
+    return value if 0 < value < float("inf") else READ_TIMEOUT_S
+
+
 def _why(e: Exception) -> str:
+    if isinstance(e, httpx.ReadTimeout):
+        return f"the server sent nothing for {read_timeout_s():g} s (the read timeout; {READ_TIMEOUT_ENV} sets it)"
     return str(e) or type(e).__name__
 
 
@@ -416,7 +429,7 @@ class RemoteSource:
     def _new_client(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=self.max_batch + 1, max_keepalive_connections=self.max_batch)
         return httpx.AsyncClient(headers=self.model.headers(), limits=limits,
-                                 timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+                                 timeout=httpx.Timeout(read_timeout_s(), connect=CONNECT_TIMEOUT_S))
 
     def _start(self, tg: anyio.abc.TaskGroup, client: httpx.AsyncClient, request: Request,
                limiter: anyio.CapacityLimiter | None, *, raises: bool) -> RemoteStream:

@@ -7,10 +7,18 @@ is compared with what OpenAI's client gets from the same server.
 from __future__ import annotations
 
 import json
+import socket
+import threading
+from contextlib import contextmanager
 
 import anyio
 import pexpect
 import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
 from cli_support import build_tiny_model, cli_env, llama_chat_command, run_cli
 from llama_chat.inference.remote import (DialogCarrier, RemoteError, RemoteRequestError, RemoteSource, TextCarrier,
@@ -201,3 +209,78 @@ def test_the_chat_runs_against_a_remote_model(server, tmp_path):
         expected = server.client(KEY).chat.completions.create(model="tiny", messages=dialog, max_tokens=6,
                                                            temperature=0)
         assert messages[turn]["content"] == expected.choices[0].message.content
+
+
+# -- servers that fail -----------------------------------------------------------------------------
+
+STALL_S = 3600  # far past the read timeout the command is given below
+
+
+def failing_app(kind: str) -> Starlette:
+    """An OpenAI server that lists one model, then answers a generation with a 500 or with one
+    chunk of a stream and then silence."""
+
+    async def models(request: HttpRequest):
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "context_length": 512}]})
+
+    async def generate(request: HttpRequest):
+        if kind == "500":
+            return JSONResponse({"error": {"message": "the model fell over", "type": "server_error"}}, status_code=500)
+
+        async def events():
+            chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "Once", "delta": {"content": "Once"}, "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+            await anyio.sleep(STALL_S)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", generate, methods=["POST"]),
+                             Route("/v1/completions", generate, methods=["POST"])])
+
+
+@contextmanager
+def serving(app: Starlette):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, "the test server to start")
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+
+
+def assert_one_line_and_fails(proc, *expected: str) -> None:
+    err = proc.stderr.decode()
+    assert proc.returncode != 0, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+
+
+def test_a_server_that_is_down_is_one_line_and_a_failure():
+    url = closed_port_url()
+    assert_one_line_and_fails(run_cli("-m", f"openai:{url}", "-p", "hi", timeout=WAIT_S), "127.0.0.1")
+
+
+def test_a_server_that_answers_500_is_one_line_and_a_failure():
+    with serving(failing_app("500")) as url:
+        proc = run_cli("-m", f"openai:{url}", "-p", "hi", timeout=WAIT_S)
+    assert_one_line_and_fails(proc, "the model fell over")
+
+
+def test_a_server_that_stalls_mid_stream_is_one_line_and_a_failure():
+    with serving(failing_app("stall")) as url:
+        proc = run_cli("-m", f"openai:{url}", "-p", "hi", timeout=WAIT_S, LLAMA_CHAT_REMOTE_READ_TIMEOUT_S="2")
+    assert_one_line_and_fails(proc, "the server sent nothing for 2 s")
+
