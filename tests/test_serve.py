@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from cli_support import build_tiny_model
+from cli_support import build_tiny_model, run_cli
 from serve_support import WAIT_S, start_server, stop_server, wait_for
 
 CONTEXT = 4096
@@ -117,6 +117,17 @@ def test_the_same_seed_gives_the_same_text_and_another_seed_another(server):
     first = sample(11)
     assert sample(11) == first
     assert sample(12) != first
+
+
+def test_greedy_completions_equal_the_command_on_the_same_model(server, tiny):
+    prompt = "Once upon a time the fox"
+    served = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    proc = run_cli("-m", str(tiny.path), "--template", "none", "--json", "-t", "0", "-n", "24", "-p", prompt,
+                   timeout=WAIT_S)
+    assert proc.returncode == 0, proc.stderr.decode()
+    local = json.loads(proc.stdout)
+    assert local["completion_tokens"] == served.usage.completion_tokens == 24
+    assert served.choices[0].text and local["text"] == served.choices[0].text
 
 
 def test_a_stop_string_ends_the_text_before_it(server):
