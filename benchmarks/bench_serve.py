@@ -1,0 +1,312 @@
+"""``llama-chat serve`` under load on loopback, against ``llama-chat --batch`` on the same jobs.
+
+A stories15M-sized model (dim 288, 6 layers, 6 heads, vocab 32,000; random float32 weights,
+seeded; ids 0-2 never win, so nothing stops early) is written once as a Hugging Face checkpoint
+with a llama2.c-style ``tokenizer.bin`` (``bench_gpu.write_checkpoint``). Then, in one run:
+
+* ``llama-chat --batch`` on ``--clients`` jobs (one short prompt each, greedy, ``-n --new``,
+  ``--max-batch 64``), its aggregate tok/s read from its ``--stats`` line (generated tokens over
+  the batch's own time, the model's load left out);
+* ``llama-chat serve --max-batch 64`` as a real process on a free port, waited for until
+  ``/health`` answers 200, one warm-up request, then ``--clients`` concurrent streaming
+  ``/v1/completions`` requests of the same jobs (httpx, greedy). Every one must finish with
+  ``length``, its streamed text must equal ``--batch``'s text for the same prompt, and its token
+  count ``--new`` (a token lost or sent twice changes one or the other). Aggregate tok/s: all
+  tokens over the wall time from the first request sent to the last stream ended. Time to first
+  token and inter-token latency are the client's: from sending to the first text event, and
+  between two text events of one stream (an event carries the text of one token, or of a few when
+  a character spans tokens);
+* the soak: ``--soak`` requests in waves of ``--clients``, a quarter of each wave disconnecting
+  after a few events; the server's RSS (``VmRSS`` of ``/proc/PID/status``) after the first 200
+  requests and after all of them, and the cancelled-requests counter of ``/metrics``.
+
+Prints one JSON line per measurement and a Markdown table last; exits 1 if a check fails.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_serve.py [--quick] [--clients 64] [--new 128] [--soak 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+import torch
+
+from bench_gpu import write_checkpoint
+
+CONFIG = {"dim": 288, "hidden": 768, "n_layers": 6, "n_heads": 6, "n_kv_heads": 6, "vocab": 32000}
+MAX_BATCH = 64
+START_S = 300.0  # the server's process starting, torch imported, the model loaded
+REQUEST_S = 600.0  # one request on a busy machine
+SOAK_FIRST = 200  # the requests after which the soak's first RSS is read
+DISCONNECT_AFTER = 3  # text events a disconnecting client reads before it goes
+
+
+@dataclass
+class Stream:
+    """What one client saw of one streamed request."""
+
+    text: str = ""
+    tokens: int = 0  # the usage chunk's completion_tokens
+    finish_reason: str | None = None
+    sent: float = 0.0
+    events: list[float] = field(default_factory=list)  # when each text event arrived
+
+
+def llama_chat() -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "llama-chat")
+    return [exe] if os.path.isfile(exe) else [sys.executable, "-c", "from llama_chat.cmd.app import main; main()"]
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "NO_COLOR": "1"}
+
+
+def job_prompts(n: int, first: int = 0) -> list[str]:
+    """``n`` different short prompts (words of the numbered vocabulary and plain text)."""
+    return [f"Story {i}: w{300 + 7 * i} w{900 + 13 * i} once upon a time" for i in range(first, first + n)]
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))]
+
+
+def emit(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+# -- --batch ---------------------------------------------------------------------------------------
+
+
+def run_batch(model: str, prompts: list[str], new: int, work: str) -> tuple[dict[str, dict], float, float]:
+    """Each job's result by id, the ``--stats`` tok/s, and the command's wall tok/s (load included)."""
+    path = os.path.join(work, "jobs.jsonl")
+    with open(path, "w") as f:
+        for i, prompt in enumerate(prompts):
+            f.write(json.dumps({"id": str(i), "prompt": prompt}) + "\n")
+    start = time.perf_counter()
+    proc = subprocess.run([*llama_chat(), "-m", model, "--template", "none", "--batch", path, "--max-batch",
+                           str(MAX_BATCH), "-t", "0", "-n", str(new), "--stats"],
+                          capture_output=True, env=child_env(), timeout=3600)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"--batch failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-2000:]}")
+    results = {obj["id"]: obj for obj in map(json.loads, proc.stdout.decode().splitlines())}
+    found = re.search(r"generated (\d+) tokens in [\d.]+ s \(([\d.]+) tok/s\)", proc.stderr.decode())
+    if not found:
+        sys.exit(f"no --stats line in: {proc.stderr.decode(errors='replace')[-2000:]}")
+    total = sum(r["completion_tokens"] for r in results.values())
+    return results, float(found.group(2)), total / wall
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, work: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(os.path.join(work, "serve.log"), "wb")
+    proc = subprocess.Popen([*llama_chat(), "serve", "-m", model, "--port", str(port), "--max-batch", str(MAX_BATCH)],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited {proc.returncode}: {open(log.name, errors='replace').read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    sys.exit("the server did not answer /health 200 in time")
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        found = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.M)
+    return int(found.group(1)) / 1024
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def stream_one(client: httpx.AsyncClient, prompt: str, new: int, disconnect_after: int | None = None) -> Stream:
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    seen = Stream(sent=time.perf_counter())
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"status {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                seen.tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                if choice.get("text"):
+                    seen.events.append(time.perf_counter())
+                    seen.text += choice["text"]
+                seen.finish_reason = choice.get("finish_reason") or seen.finish_reason
+            if disconnect_after is not None and len(seen.events) >= disconnect_after:
+                break  # leaving the block closes the connection mid-stream
+    return seen
+
+
+async def wave(url: str, prompts: list[str], new: int, disconnecting: int = 0) -> tuple[list[Stream], float]:
+    """All ``prompts`` at once, the first ``disconnecting`` of them going early; and the wall time."""
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_S, limits=limits) as client:
+        out: list[Stream | None] = [None] * len(prompts)
+
+        async def one(i: int) -> None:
+            out[i] = await stream_one(client, prompts[i], new, DISCONNECT_AFTER if i < disconnecting else None)
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        return out, time.perf_counter() - start
+
+
+def stop(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def check_streams(streams: list[Stream], batch: dict[str, dict], new: int) -> list[str]:
+    problems = []
+    for i, s in enumerate(streams):
+        expected = batch[str(i)]
+        if s.finish_reason != "length" or s.tokens != new:
+            problems.append(f"job {i}: finish {s.finish_reason}, {s.tokens} tokens (want length, {new})")
+        if s.text != expected["text"]:
+            problems.append(f"job {i}: streamed text differs from --batch's ({len(s.text)} against "
+                            f"{len(expected['text'])} characters)")
+        if expected["completion_tokens"] != new:
+            problems.append(f"job {i}: --batch generated {expected['completion_tokens']} tokens, not {new}")
+    return problems
+
+
+def soak(proc: subprocess.Popen, url: str, total: int, clients: int, new: int) -> dict:
+    done, after_first, problems, gone, started = 0, None, 0, 0, time.perf_counter()
+    cancelled_before = metric(url, 'llama_chat_requests_total{outcome="cancelled"}')
+    while done < total:
+        size = min(clients, total - done)
+        leaving = size // 4
+        streams, _ = anyio.run(wave, url, job_prompts(size, first=done), new, leaving)
+        for i, s in enumerate(streams):
+            if i >= leaving and (s.finish_reason != "length" or s.tokens != new):
+                problems += 1
+        gone += leaving
+        done += size
+        if after_first is None and done >= SOAK_FIRST:
+            after_first = rss_mib(proc.pid)
+            emit(measure="soak_rss_first", requests=done, rss_mib=round(after_first, 1))
+    # A disconnected job is cancelled at the scheduler's next step: wait until none is left running.
+    deadline = time.monotonic() + 120
+    while metric(url, "llama_chat_jobs_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    last = rss_mib(proc.pid)
+    cancelled = metric(url, 'llama_chat_requests_total{outcome="cancelled"}') - cancelled_before
+    row = {"requests": done, "disconnected": gone, "cancelled_counted": cancelled, "incomplete": problems,
+           "rss_first_mib": after_first or last, "rss_last_mib": last, "seconds": time.perf_counter() - started,
+           "jobs_running_after": metric(url, "llama_chat_jobs_running")}
+    emit(measure="soak", **{k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=None, help="concurrent streams (64; 16 with --quick)")
+    parser.add_argument("--new", type=int, default=128, help="max_tokens of each request")
+    parser.add_argument("--soak", type=int, default=None, help="soak requests (2000; 200 with --quick)")
+    parser.add_argument("--soak-new", type=int, default=32, help="max_tokens of each soak request")
+    parser.add_argument("--quick", action="store_true", help="16 clients and a soak of 200")
+    args = parser.parse_args()
+    clients = args.clients or (16 if args.quick else 64)
+    total = args.soak if args.soak is not None else (200 if args.quick else 2000)
+    if not 1 <= clients <= MAX_BATCH or args.new < 1 or args.soak_new <= DISCONNECT_AFTER or total < 0:
+        parser.error(f"--clients must be 1 to {MAX_BATCH}, --new at least 1, --soak-new over {DISCONNECT_AFTER}")
+
+    with tempfile.TemporaryDirectory(prefix="bench_serve_") as work:
+        model = os.path.join(work, "stories15m")
+        write_checkpoint(CONFIG, model, torch.device("cpu"), torch.float32)
+        prompts = job_prompts(clients)
+
+        batch, batch_stats_tok_s, batch_wall_tok_s = run_batch(model, prompts, args.new, work)
+        emit(measure="batch", jobs=clients, stats_tok_s=batch_stats_tok_s, wall_tok_s=round(batch_wall_tok_s, 1))
+
+        proc, url = start_server(model, work)
+        try:
+            anyio.run(wave, url, prompts[:1], 8)  # warm-up: first touch of the weights and the kernels
+            streams, wall = anyio.run(wave, url, prompts, args.new)
+            problems = check_streams(streams, batch, args.new)
+            serve_tok_s = sum(s.tokens for s in streams) / wall
+            ttft = [(s.events[0] - s.sent) * 1000 for s in streams if s.events]
+            itl = [(b - a) * 1000 for s in streams for a, b in zip(s.events, s.events[1:])]
+            emit(measure="serve", clients=clients, tok_s=round(serve_tok_s, 1), problems=len(problems))
+            for p in problems[:10]:
+                print("  " + p, flush=True)
+            soaked = soak(proc, url, total, clients, args.soak_new) if total else None
+        finally:
+            code = stop(proc)
+        if code != 0:
+            problems.append(f"the server exited {code} on SIGTERM")
+
+    ratio = serve_tok_s / batch_stats_tok_s
+    print(json.dumps({"load_avg": os.getloadavg(), "torch": torch.__version__, "cpus": os.cpu_count()}))
+    print()
+    print("| measure | value | target |")
+    print("|---|---|---|")
+    print(f"| `--batch`, {clients} jobs x {args.new} tokens (`--stats`) | {batch_stats_tok_s:.0f} tok/s | |")
+    print(f"| `--batch`, the same, command wall time (load included) | {batch_wall_tok_s:.0f} tok/s | |")
+    print(f"| serve, {clients} streaming clients, aggregate | {serve_tok_s:.0f} tok/s | |")
+    print(f"| serve over `--batch --stats` | {ratio:.2f}x | >= 0.9x |")
+    print(f"| streams complete, text equal to `--batch` | {clients - len({p.split(':')[0] for p in problems})}"
+          f" of {clients} | all |")
+    print(f"| TTFT p50 / p99 (client) | {percentile(ttft, 50):.0f} / {percentile(ttft, 99):.0f} ms | |")
+    print(f"| inter-token latency p50 / p99 (client) | {percentile(itl, 50):.1f} / {percentile(itl, 99):.1f} ms | |")
+    if soaked:
+        print(f"| soak: requests (disconnected mid-stream; counted cancelled) | {soaked['requests']} "
+              f"({soaked['disconnected']}; {soaked['cancelled_counted']:.0f}) | |")
+        print(f"| soak: others not complete; jobs running after | {soaked['incomplete']}; "
+              f"{soaked['jobs_running_after']:.0f} | 0; 0 |")
+        print(f"| soak: server RSS after {SOAK_FIRST} / after {soaked['requests']} | {soaked['rss_first_mib']:.0f} / "
+              f"{soaked['rss_last_mib']:.0f} MiB ({soaked['rss_last_mib'] / soaked['rss_first_mib']:.3f}) | <= 1.10 |")
+    if problems or (soaked and soaked["incomplete"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
