@@ -4,25 +4,27 @@ A stories15M-sized model (dim 288, 6 layers, 6 heads, vocab 32,000; random float
 seeded; ids 0-2 never win, so nothing stops early) is written once as a Hugging Face checkpoint
 with a llama2.c-style ``tokenizer.bin`` (``bench_gpu.write_checkpoint``). Then, in one run:
 
-* ``llama-chat --batch`` on ``--clients`` jobs (one short prompt each, greedy, ``-n --new``,
-  ``--max-batch 64``), its aggregate tok/s read from its ``--stats`` line (generated tokens over
-  the batch's own time, the model's load left out);
-* ``llama-chat serve --max-batch 64`` as a real process on a free port, waited for until
-  ``/health`` answers 200, one warm-up request, then ``--clients`` concurrent streaming
-  ``/v1/completions`` requests of the same jobs (httpx, greedy). Every one must finish with
-  ``length``, its streamed text must equal ``--batch``'s text for the same prompt, and its token
-  count ``--new`` (a token lost or sent twice changes one or the other). Aggregate tok/s: all
-  tokens over the wall time from the first request sent to the last stream ended. Time to first
+* ``llama-chat serve --max-batch 64`` started as a real process on a free port, waited for until
+  ``/health`` answers 200, and one warm-up request;
+* ``--runs`` times, back to back: ``llama-chat --batch`` on ``--clients`` jobs (one short prompt
+  each, greedy, ``-n --new``, ``--max-batch 64``), its aggregate tok/s read from its ``--stats``
+  line (generated tokens over the batch's own time, the model's load left out); then
+  ``--clients`` concurrent streaming ``/v1/completions`` requests of the same jobs (httpx,
+  greedy). Every one must finish with ``length``, its streamed text must equal ``--batch``'s
+  text for the same prompt, and its token count ``--new`` (a token lost or sent twice changes one
+  or the other). Aggregate tok/s: all tokens over the wall time from the first request sent to the last stream ended. Time to first
   token and inter-token latency are the client's: from sending to the first text event, and
   between two text events of one stream (an event carries the text of one token, or of a few when
-  a character spans tokens);
+  a character spans tokens). The ratio of the two is taken within each run and its median
+  printed: a busy machine's speed swings between minutes (as in ``bench_batch.py``);
 * the soak: ``--soak`` requests in waves of ``--clients``, a quarter of each wave disconnecting
   after a few events; the server's RSS (``VmRSS`` of ``/proc/PID/status``) after the first 200
   requests and after all of them, and the cancelled-requests counter of ``/metrics``.
 
 Prints one JSON line per measurement and a Markdown table last; exits 1 if a check fails.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_serve.py [--quick] [--clients 64] [--new 128] [--soak 2000]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_serve.py [--quick] [--runs 3] [--clients 64] [--new 128]
+        [--soak 2000] [--soak-new 32]
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ def job_prompts(n: int, first: int = 0) -> list[str]:
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))]
+
+
+def listed(values: list[float], spec: str = ".0f") -> str:
+    return ", ".join(format(v, spec) for v in values)
 
 
 def emit(**row) -> None:
@@ -222,7 +228,7 @@ def soak(proc: subprocess.Popen, url: str, total: int, clients: int, new: int) -
     done, after_first, problems, gone, started = 0, None, 0, 0, time.perf_counter()
     cancelled_before = metric(url, 'llama_chat_requests_total{outcome="cancelled"}')
     while done < total:
-        size = min(clients, total - done)
+        size = min(clients, total - done, SOAK_FIRST - done if done < SOAK_FIRST else clients)
         leaving = size // 4
         streams, _ = anyio.run(wave, url, job_prompts(size, first=done), new, leaving)
         for i, s in enumerate(streams):
@@ -252,9 +258,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--soak", type=int, default=None, help="soak requests (2000; 200 with --quick)")
     parser.add_argument("--soak-new", type=int, default=32, help="max_tokens of each soak request")
-    parser.add_argument("--quick", action="store_true", help="16 clients and a soak of 200")
+    parser.add_argument("--runs", type=int, default=None, help="pairs of --batch and serve (3; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="16 clients, one run and a soak of 200")
     args = parser.parse_args()
     clients = args.clients or (16 if args.quick else 64)
+    runs = args.runs or (1 if args.quick else 3)
     total = args.soak if args.soak is not None else (200 if args.quick else 2000)
     if not 1 <= clients <= MAX_BATCH or args.new < 1 or args.soak_new <= DISCONNECT_AFTER or total < 0:
         parser.error(f"--clients must be 1 to {MAX_BATCH}, --new at least 1, --soak-new over {DISCONNECT_AFTER}")
@@ -264,37 +272,47 @@ def main() -> None:
         write_checkpoint(CONFIG, model, torch.device("cpu"), torch.float32)
         prompts = job_prompts(clients)
 
-        batch, batch_stats_tok_s, batch_wall_tok_s = run_batch(model, prompts, args.new, work)
-        emit(measure="batch", jobs=clients, stats_tok_s=batch_stats_tok_s, wall_tok_s=round(batch_wall_tok_s, 1))
-
         proc, url = start_server(model, work)
+        problems: list[str] = []
+        bad_jobs = 0
+        batch_stats, batch_wall, served, ttft, itl = [], [], [], [], []
         try:
             anyio.run(wave, url, prompts[:1], 8)  # warm-up: first touch of the weights and the kernels
-            streams, wall = anyio.run(wave, url, prompts, args.new)
-            problems = check_streams(streams, batch, args.new)
-            serve_tok_s = sum(s.tokens for s in streams) / wall
-            ttft = [(s.events[0] - s.sent) * 1000 for s in streams if s.events]
-            itl = [(b - a) * 1000 for s in streams for a, b in zip(s.events, s.events[1:])]
-            emit(measure="serve", clients=clients, tok_s=round(serve_tok_s, 1), problems=len(problems))
-            for p in problems[:10]:
-                print("  " + p, flush=True)
+            for run in range(runs):  # --batch and the server back to back, so that their ratio is a fair one
+                batch, stats_tok_s, wall_tok_s = run_batch(model, prompts, args.new, work)
+                batch_stats.append(stats_tok_s)
+                batch_wall.append(wall_tok_s)
+                emit(run=run, measure="batch", jobs=clients, stats_tok_s=stats_tok_s, wall_tok_s=round(wall_tok_s, 1))
+                streams, wall = anyio.run(wave, url, prompts, args.new)
+                found = check_streams(streams, batch, args.new)
+                problems += found
+                bad_jobs += len({p.split(":")[0] for p in found})
+                served.append(sum(s.tokens for s in streams) / wall)
+                ttft += [(s.events[0] - s.sent) * 1000 for s in streams if s.events]
+                itl += [(b - a) * 1000 for s in streams for a, b in zip(s.events, s.events[1:])]
+                emit(run=run, measure="serve", clients=clients, tok_s=round(served[-1], 1), problems=len(found))
+                for p in found[:10]:
+                    print("  " + p, flush=True)
             soaked = soak(proc, url, total, clients, args.soak_new) if total else None
         finally:
             code = stop(proc)
         if code != 0:
             problems.append(f"the server exited {code} on SIGTERM")
 
-    ratio = serve_tok_s / batch_stats_tok_s
+    ratios = [a / b for a, b in zip(served, batch_stats)]
     print(json.dumps({"load_avg": os.getloadavg(), "torch": torch.__version__, "cpus": os.cpu_count()}))
     print()
-    print("| measure | value | target |")
+    print(f"| measure (median of {runs} runs; each run's values listed) | value | target |")
     print("|---|---|---|")
-    print(f"| `--batch`, {clients} jobs x {args.new} tokens (`--stats`) | {batch_stats_tok_s:.0f} tok/s | |")
-    print(f"| `--batch`, the same, command wall time (load included) | {batch_wall_tok_s:.0f} tok/s | |")
-    print(f"| serve, {clients} streaming clients, aggregate | {serve_tok_s:.0f} tok/s | |")
-    print(f"| serve over `--batch --stats` | {ratio:.2f}x | >= 0.9x |")
-    print(f"| streams complete, text equal to `--batch` | {clients - len({p.split(':')[0] for p in problems})}"
-          f" of {clients} | all |")
+    print(f"| `--batch`, {clients} jobs x {args.new} tokens (`--stats`) | {statistics.median(batch_stats):.0f} tok/s "
+          f"({listed(batch_stats)}) | |")
+    print(f"| `--batch`, the same, command wall time (load included) | {statistics.median(batch_wall):.0f} tok/s "
+          f"({listed(batch_wall)}) | |")
+    print(f"| serve, {clients} streaming clients, aggregate | {statistics.median(served):.0f} tok/s "
+          f"({listed(served)}) | |")
+    print(f"| serve over `--batch --stats`, per run | {statistics.median(ratios):.2f}x "
+          f"({listed(ratios, '.2f')}) | >= 0.9x |")
+    print(f"| streams complete, text equal to `--batch` | {runs * clients - bad_jobs} of {runs * clients} | all |")
     print(f"| TTFT p50 / p99 (client) | {percentile(ttft, 50):.0f} / {percentile(ttft, 99):.0f} ms | |")
     print(f"| inter-token latency p50 / p99 (client) | {percentile(itl, 50):.1f} / {percentile(itl, 99):.1f} ms | |")
     if soaked:
