@@ -211,6 +211,43 @@ def test_the_chat_runs_against_a_remote_model(server, tmp_path):
         assert messages[turn]["content"] == expected.choices[0].message.content
 
 
+def test_ctrl_c_mid_reply_cancels_the_remote_job_and_the_chat_goes_on(server, tmp_path):
+    cmd = llama_chat_command()
+    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", spec(server), "-t", "0", "-n", "6", "--no-history"],
+                          env=cli_env(XDG_STATE_HOME=str(tmp_path), OPENAI_API_KEY=KEY), timeout=WAIT_S,
+                          encoding="utf-8", dimensions=(40, 160))
+    child.expect_exact(">>> ")
+    for message in ("Tell me about the fox", "And the dog?"):
+        child.sendline(message)
+        child.expect_exact(">>> ")
+    cancelled = server.metrics(KEY)['llama_chat_requests_total{outcome="cancelled"}']
+    child.sendline("/set max_tokens 900")  # a reply far longer than it takes to interrupt it
+    child.expect_exact(">>> ")
+    child.sendline("Tell me a long story")
+    child.expect_exact("story\r\n")  # the echo of the message
+    child.expect("(?s)(\x1b7.*?){5}")  # five pieces of the reply drawn
+    child.sendintr()
+    child.expect_exact("interrupted")
+    child.expect_exact(">>> ")
+    wait_for(lambda: server.metrics(KEY)['llama_chat_requests_total{outcome="cancelled"}'] == cancelled + 1,
+             "the server to cancel the interrupted reply's job")
+    child.sendline("/set max_tokens 6")
+    child.expect_exact(">>> ")
+    child.sendline("And the cat?")
+    child.expect_exact(">>> ")
+    child.sendline("/save " + str(tmp_path / "chat.json"))
+    child.expect_exact(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    messages = json.loads((tmp_path / "chat.json").read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 4
+    assert messages[5]["interrupted"] is True and messages[5]["content"]
+    assert messages[7]["content"] and not messages[7].get("interrupted")
+    assert not any(m.get("interrupted") for m in messages[:5])
+
+
 # -- servers that fail -----------------------------------------------------------------------------
 
 STALL_S = 3600  # far past the read timeout the command is given below
