@@ -416,7 +416,8 @@ def report(rows: list[dict], cache: Path) -> None:
           f"{run.get('omp_wait_policy', 'default')}, read bandwidth {bandwidth:.1f} GB/s (best of the run), "
           f"llama.cpp {run['llama_cpp']} (llama-cpp-python {run['sdist']}), "
           f"llama-chat {run.get('llama_chat', '?')}\n")
-    print(f"Median of {len(rounds)} round(s), the rounds' range in brackets; pp{run.get('prompt_tokens', 512)} "
+    measured_rounds = len({r["round"] for r in rows if "system" in r})
+    print(f"Median of {measured_rounds} round(s), the rounds' range in brackets; pp{run.get('prompt_tokens', 512)} "
           f"and tg{run.get('gen', 128)}, tok/s; ratios are llama-chat's median over llama.cpp's. Baseline "
           f"(llama-chat on the shipped model): {baseline_mb:.0f} MB peak RSS.")
     for key in dict.fromkeys(k for k, _ in results):
