@@ -16,7 +16,8 @@ with a llama2.c-style ``tokenizer.bin`` (``bench_gpu.write_checkpoint``). Then, 
   token and inter-token latency are the client's: from sending to the first text event, and
   between two text events of one stream (an event carries the text of one token, or of a few when
   a character spans tokens). The ratio of the two is taken within each run and its median
-  printed: a busy machine's speed swings between minutes (as in ``bench_batch.py``);
+  printed: a busy machine's speed swings between minutes (as in ``bench_batch.py``). The clients
+  run on the same machine as the server, so the CPU they take (printed) is taken from it;
 * the soak: ``--soak`` requests in waves of ``--clients``, a quarter of each wave disconnecting
   after a few events; the server's RSS (``VmRSS`` of ``/proc/PID/status``) after the first 200
   requests and after all of them, and the cancelled-requests counter of ``/metrics``.
@@ -275,7 +276,7 @@ def main() -> None:
         proc, url = start_server(model, work)
         problems: list[str] = []
         bad_jobs = 0
-        batch_stats, batch_wall, served, ttft, itl = [], [], [], [], []
+        batch_stats, batch_wall, served, ttft, itl, client_cores = [], [], [], [], [], []
         try:
             anyio.run(wave, url, prompts[:1], 8)  # warm-up: first touch of the weights and the kernels
             for run in range(runs):  # --batch and the server back to back, so that their ratio is a fair one
@@ -283,7 +284,9 @@ def main() -> None:
                 batch_stats.append(stats_tok_s)
                 batch_wall.append(wall_tok_s)
                 emit(run=run, measure="batch", jobs=clients, stats_tok_s=stats_tok_s, wall_tok_s=round(wall_tok_s, 1))
+                cpu = time.process_time()
                 streams, wall = anyio.run(wave, url, prompts, args.new)
+                client_cores.append((time.process_time() - cpu) / wall)
                 found = check_streams(streams, batch, args.new)
                 problems += found
                 bad_jobs += len({p.split(":")[0] for p in found})
@@ -310,6 +313,8 @@ def main() -> None:
           f"({listed(batch_wall)}) | |")
     print(f"| serve, {clients} streaming clients, aggregate | {statistics.median(served):.0f} tok/s "
           f"({listed(served)}) | |")
+    print(f"| the clients' own CPU while streaming (cores busy, on this machine's {os.cpu_count()}) | "
+          f"{statistics.median(client_cores):.2f} ({listed(client_cores, '.2f')}) | |")
     print(f"| serve over `--batch --stats`, per run | {statistics.median(ratios):.2f}x "
           f"({listed(ratios, '.2f')}) | >= 0.9x |")
     print(f"| streams complete, text equal to `--batch` | {runs * clients - bad_jobs} of {runs * clients} | all |")
