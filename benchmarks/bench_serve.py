@@ -12,12 +12,15 @@ with a llama2.c-style ``tokenizer.bin`` (``bench_gpu.write_checkpoint``). Then, 
   ``--clients`` concurrent streaming ``/v1/completions`` requests of the same jobs (httpx,
   greedy). Every one must finish with ``length``, its streamed text must equal ``--batch``'s
   text for the same prompt, and its token count ``--new`` (a token lost or sent twice changes one
-  or the other). Aggregate tok/s: all tokens over the wall time from the first request sent to the last stream ended. Time to first
-  token and inter-token latency are the client's: from sending to the first text event, and
-  between two text events of one stream (an event carries the text of one token, or of a few when
-  a character spans tokens). The ratio of the two is taken within each run and its median
-  printed: a busy machine's speed swings between minutes (as in ``bench_batch.py``). The clients
-  run on the same machine as the server, so the CPU they take (printed) is taken from it;
+  or the other), and equal the text of the same request without ``stream`` (sent next, all at
+  once too: its tok/s shows what streaming costs the server). Aggregate tok/s: all tokens over
+  the wall time from the first request sent to the last response ended. Time to first token and
+  inter-token latency are the client's: from sending to the first text event, and between two
+  text events of one stream (an event carries the text of one token, or of a few when a
+  character spans tokens). The ratio of streaming's tok/s to ``--batch``'s is taken within each
+  run and its median printed: a busy machine's speed swings between minutes (as in
+  ``bench_batch.py``). The clients run on the server's machine, so the CPU they take (printed)
+  is taken from it;
 * the soak: ``--soak`` requests in waves of ``--clients``, a quarter of each wave disconnecting
   after a few events; the server's RSS (``VmRSS`` of ``/proc/PID/status``) after the first 200
   requests and after all of them, and the cancelled-requests counter of ``/metrics``.
@@ -182,14 +185,30 @@ async def stream_one(client: httpx.AsyncClient, prompt: str, new: int, disconnec
     return seen
 
 
-async def wave(url: str, prompts: list[str], new: int, disconnecting: int = 0) -> tuple[list[Stream], float]:
+async def whole_one(client: httpx.AsyncClient, prompt: str, new: int) -> Stream:
+    """The same request without ``stream``: one response with the whole text."""
+    seen = Stream(sent=time.perf_counter())
+    response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": new, "temperature": 0})
+    if response.status_code != 200:
+        raise RuntimeError(f"status {response.status_code}: {response.text[:300]}")
+    body = response.json()
+    seen.text, seen.finish_reason = body["choices"][0]["text"], body["choices"][0]["finish_reason"]
+    seen.tokens = body["usage"]["completion_tokens"]
+    return seen
+
+
+async def wave(url: str, prompts: list[str], new: int, disconnecting: int = 0,
+               stream: bool = True) -> tuple[list[Stream], float]:
     """All ``prompts`` at once, the first ``disconnecting`` of them going early; and the wall time."""
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_S, limits=limits) as client:
         out: list[Stream | None] = [None] * len(prompts)
 
         async def one(i: int) -> None:
-            out[i] = await stream_one(client, prompts[i], new, DISCONNECT_AFTER if i < disconnecting else None)
+            if stream:
+                out[i] = await stream_one(client, prompts[i], new, DISCONNECT_AFTER if i < disconnecting else None)
+            else:
+                out[i] = await whole_one(client, prompts[i], new)
 
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
@@ -276,7 +295,7 @@ def main() -> None:
         proc, url = start_server(model, work)
         problems: list[str] = []
         bad_jobs = 0
-        batch_stats, batch_wall, served, ttft, itl, client_cores = [], [], [], [], [], []
+        batch_stats, batch_wall, served, served_whole, ttft, itl, client_cores = [], [], [], [], [], [], []
         try:
             anyio.run(wave, url, prompts[:1], 8)  # warm-up: first touch of the weights and the kernels
             for run in range(runs):  # --batch and the server back to back, so that their ratio is a fair one
@@ -287,13 +306,18 @@ def main() -> None:
                 cpu = time.process_time()
                 streams, wall = anyio.run(wave, url, prompts, args.new)
                 client_cores.append((time.process_time() - cpu) / wall)
-                found = check_streams(streams, batch, args.new)
-                problems += found
-                bad_jobs += len({p.split(":")[0] for p in found})
                 served.append(sum(s.tokens for s in streams) / wall)
                 ttft += [(s.events[0] - s.sent) * 1000 for s in streams if s.events]
                 itl += [(b - a) * 1000 for s in streams for a, b in zip(s.events, s.events[1:])]
-                emit(run=run, measure="serve", clients=clients, tok_s=round(served[-1], 1), problems=len(found))
+                emit(run=run, measure="serve", clients=clients, tok_s=round(served[-1], 1))
+                whole, whole_wall = anyio.run(wave, url, prompts, args.new, 0, False)
+                served_whole.append(sum(s.tokens for s in whole) / whole_wall)
+                emit(run=run, measure="serve_whole", clients=clients, tok_s=round(served_whole[-1], 1))
+                found = check_streams(streams, batch, args.new)
+                found += [f"job {i}: the whole response's text differs from the streamed one"
+                          for i, (a, b) in enumerate(zip(streams, whole)) if a.text != b.text]
+                problems += found
+                bad_jobs += len({p.split(":")[0] for p in found})
                 for p in found[:10]:
                     print("  " + p, flush=True)
             soaked = soak(proc, url, total, clients, args.soak_new) if total else None
@@ -313,11 +337,14 @@ def main() -> None:
           f"({listed(batch_wall)}) | |")
     print(f"| serve, {clients} streaming clients, aggregate | {statistics.median(served):.0f} tok/s "
           f"({listed(served)}) | |")
+    print(f"| serve, {clients} clients without `stream`, aggregate | {statistics.median(served_whole):.0f} tok/s "
+          f"({listed(served_whole)}) | |")
     print(f"| the clients' own CPU while streaming (cores busy, on this machine's {os.cpu_count()}) | "
           f"{statistics.median(client_cores):.2f} ({listed(client_cores, '.2f')}) | |")
     print(f"| serve over `--batch --stats`, per run | {statistics.median(ratios):.2f}x "
           f"({listed(ratios, '.2f')}) | >= 0.9x |")
-    print(f"| streams complete, text equal to `--batch` | {runs * clients - bad_jobs} of {runs * clients} | all |")
+    print(f"| streams complete, text equal to `--batch`'s and to the whole response's | "
+          f"{runs * clients - bad_jobs} of {runs * clients} | all |")
     print(f"| TTFT p50 / p99 (client) | {percentile(ttft, 50):.0f} / {percentile(ttft, 99):.0f} ms | |")
     print(f"| inter-token latency p50 / p99 (client) | {percentile(itl, 50):.1f} / {percentile(itl, 99):.1f} ms | |")
     if soaked:
