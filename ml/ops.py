@@ -61,7 +61,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) ->
 # least this many elements multiplied by at most this many rows. MKL's product of a transposed
 # weight with few rows reads the weight at well below the memory's speed; oneDNN's does not, but
 # its fixed cost per call loses on small weights, and past this many rows both are compute-bound
-# (docs/benchmarks.md, "Float32 products: MKL against oneDNN").
+# (docs/benchmarks.md, "Products: the operator's, MKL's and oneDNN's").
 ONEDNN_MIN_WEIGHT = 1_500_000
 ONEDNN_MAX_ROWS = 128
 

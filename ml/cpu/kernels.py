@@ -2,11 +2,12 @@
 
 A decode step multiplies one row by every weight, and PyTorch's CPU kernels read the weights
 well below the memory's speed, bfloat16 and int8 ones most of all on CPUs without bf16 or
-AVX-512 instructions (``benchmarks/bench_cpu_kernels.py``; docs/benchmarks.md, "CPU decode
-products"). ``kernels.cpp`` is one operator,
+AVX-512 instructions (``benchmarks/bench_cpu_kernels.py``; docs/benchmarks.md, "Products: the
+operator's, MKL's and oneDNN's"). ``kernels.cpp`` is one operator,
 ``torch.ops.llama_chat_cpu.matvec(x, weight, scales=None)``: ``x @ weight.T`` (times ``scales``
-per output row) for float32, bfloat16 and int8 weights and a few rows of ``x``, in ``x``'s dtype. It is compiled with the
-machine's C++ compiler (``$CXX``, else ``c++``), the one inductor uses too, against the installed
+per output row) for float32, bfloat16 and int8 weights and a few rows of ``x``, in ``x``'s dtype.
+It is compiled with the machine's C++ compiler (``$CXX``, else ``c++``), the one inductor uses too,
+against the installed
 torch, for this CPU (``-march=native``), into ``~/.cache/llama-chat/kernels`` (or
 ``$LLAMA_CHAT_KERNEL_DIR``), under a name that changes with the source, torch, Python and the CPU.
 The first build takes a while (docs/usage.md says how long); later processes load the file.
@@ -69,8 +70,8 @@ DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
 # A product of up to this many rows takes the operator (a decode step, or the packed decode rows
 # of the scheduler's jobs); longer ones are matrix products, where BLAS's blocking wins: ours is
-# ahead of oneDNN up to 16 rows and not from 32 (docs/benchmarks.md, "CPU decode products"). int8
-# rows stop at 8, past which fbgemm's product takes them.
+# ahead of oneDNN up to 16 rows and not from 32 (docs/benchmarks.md, "Products: the operator's,
+# MKL's and oneDNN's"). int8 rows stop at 8, past which fbgemm's product takes them.
 MAX_ROWS = 16
 MAX_INT8_ROWS = 8
 BUILD_TIMEOUT_S = 300
