@@ -184,24 +184,33 @@ def test_a_batch_runs_against_a_remote_model(server, tmp_path):
     assert out["long"]["finish_reason"] == "error"
 
 
-def test_the_chat_runs_against_a_remote_model(server, tmp_path):
+def chat_of_two_turns(server, tmp_path) -> pexpect.spawn:
+    """The chat against the server on a pty, after two short greedy turns, at its prompt."""
     cmd = llama_chat_command()
     child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", spec(server), "-t", "0", "-n", "6", "--no-history"],
                           env=cli_env(XDG_STATE_HOME=str(tmp_path), OPENAI_API_KEY=KEY), timeout=WAIT_S,
-                          encoding="utf-8",
-                          dimensions=(40, 160))
+                          encoding="utf-8", dimensions=(40, 160))
     child.expect_exact("chatting with tiny")
     child.expect_exact(">>> ")
     for message in ("Tell me about the fox", "And the dog?"):
         child.sendline(message)
         child.expect_exact(">>> ")
+    return child
+
+
+def save_and_leave(child: pexpect.spawn, tmp_path) -> list[dict]:
+    """``/save``, then Ctrl+D (status 0); the saved messages."""
     child.sendline("/save " + str(tmp_path / "chat.json"))
     child.expect_exact(">>> ")
     child.sendeof()
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
-    messages = json.loads((tmp_path / "chat.json").read_text())["messages"]
+    return json.loads((tmp_path / "chat.json").read_text())["messages"]
+
+
+def test_the_chat_runs_against_a_remote_model(server, tmp_path):
+    messages = save_and_leave(chat_of_two_turns(server, tmp_path), tmp_path)
     assert [m["role"] for m in messages] == ["user", "assistant"] * 2
     # Each reply is the server's own for the dialog so far.
     for turn in (1, 3):
@@ -212,14 +221,7 @@ def test_the_chat_runs_against_a_remote_model(server, tmp_path):
 
 
 def test_ctrl_c_mid_reply_cancels_the_remote_job_and_the_chat_goes_on(server, tmp_path):
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", spec(server), "-t", "0", "-n", "6", "--no-history"],
-                          env=cli_env(XDG_STATE_HOME=str(tmp_path), OPENAI_API_KEY=KEY), timeout=WAIT_S,
-                          encoding="utf-8", dimensions=(40, 160))
-    child.expect_exact(">>> ")
-    for message in ("Tell me about the fox", "And the dog?"):
-        child.sendline(message)
-        child.expect_exact(">>> ")
+    child = chat_of_two_turns(server, tmp_path)
     cancelled = server.metrics(KEY)['llama_chat_requests_total{outcome="cancelled"}']
     child.sendline("/set max_tokens 900")  # a reply far longer than it takes to interrupt it
     child.expect_exact(">>> ")
@@ -235,13 +237,7 @@ def test_ctrl_c_mid_reply_cancels_the_remote_job_and_the_chat_goes_on(server, tm
     child.expect_exact(">>> ")
     child.sendline("And the cat?")
     child.expect_exact(">>> ")
-    child.sendline("/save " + str(tmp_path / "chat.json"))
-    child.expect_exact(">>> ")
-    child.sendeof()
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
-    messages = json.loads((tmp_path / "chat.json").read_text())["messages"]
+    messages = save_and_leave(child, tmp_path)
     assert [m["role"] for m in messages] == ["user", "assistant"] * 4
     assert messages[5]["interrupted"] is True and messages[5]["content"]
     assert messages[7]["content"] and not messages[7].get("interrupted")
