@@ -104,3 +104,18 @@ def write_meta_checkpoint(model: Transformer, out_dir: Path, tokenizer_model: Pa
     if tokenizer_model is not None and tokenizer_model != out_dir / "tokenizer.model":
         shutil.copy(tokenizer_model, out_dir / "tokenizer.model")
     return out_dir
+
+
+def separate_greedy_choices(hf, seed: int, scale) -> None:
+    """Give a random ``transformers`` Llama weights whose logits are well separated, so greedy
+    choices are not near-ties, and norms away from one, so swapping two norms would show.
+    ``scale(p)``: the standard deviation of a weight matrix ``p``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * scale(p))
+    hf.generation_config.eos_token_id = None  # always generate all the tokens asked for
+    hf.generation_config.pad_token_id = 0

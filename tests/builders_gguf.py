@@ -28,6 +28,8 @@ import torch
 import gguf
 from gguf.quants import quantize
 
+from builders import separate_greedy_choices
+
 from llama_chat.model.tokenizers.hf import byte_level_decoder
 from llama_chat.model.tokenizers.tiktoken import llama3_special_tokens
 
@@ -382,17 +384,8 @@ def hf_llama(vocab: int, *, heads: int, kv_heads: int, tied: bool, rope: dict, s
     )
     torch.manual_seed(seed)
     hf = transformers.LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        # Weights scaled so activations stay near one through the layers and logits are well
-        # separated (greedy choices are not near-ties); norms away from one so swaps would show.
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / p.shape[-1] ** 0.5))
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
+    # Scaled by the inputs, so that activations stay near one through the layers.
+    separate_greedy_choices(hf, seed, lambda p: 1.5 / p.shape[-1] ** 0.5)
     return hf.eval()
 
 

@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from builders import train_sentencepiece  # noqa: E402
+from builders import separate_greedy_choices, train_sentencepiece  # noqa: E402
 from llama_chat.inference.engine import Engine, EngineOptions  # noqa: E402
 from llama_chat.inference.model_step import ModelStep, StepOptions  # noqa: E402
 from llama_chat.ml.sampling import SamplingParams  # noqa: E402
@@ -59,17 +59,7 @@ def _hf_model(tokenizer_vocab: int, spec: dict, seed: int):
     )
     torch.manual_seed(seed)
     hf = transformers.LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        # Large random weights so logits are well separated and greedy choices are not ties;
-        # norms away from one so swapping attention_norm and ffn_norm would show.
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    hf.generation_config.eos_token_id = None  # always generate all the tokens asked for
-    hf.generation_config.pad_token_id = 0
+    separate_greedy_choices(hf, seed, lambda p: 0.2)
     return hf.eval()
 
 
