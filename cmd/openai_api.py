@@ -12,6 +12,7 @@ their command-line names. Nothing here knows the model or HTTP: ``serve_app.py``
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring  # json.dumps of one str, ensure_ascii=False
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -366,5 +367,38 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-__all__ = ["ApiError", "Generation", "LogprobsWriter", "MAX_CHOICES", "MAX_COMPLETION_LOGPROBS", "Reply", "bad",
-           "dumps", "finish_reason", "parse_chat", "parse_completion", "usage"]
+def event(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj``."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+class StreamEvents:
+    """A stream's chunks as server-sent events. Almost every chunk is a piece of text alone (no
+    logprobs, no finish reason): its event is its choice's chunk encoded once with a marker where
+    the text goes, so only the text is JSON-encoded each time; the bytes are those of ``event``.
+    Any other chunk is encoded whole."""
+
+    # Encoded as itself: a model name or id holding it only costs the template (checked once).
+    MARKER = "\ue000llama-chat-text\ue000"
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self._around: dict[int, tuple[bytes, bytes] | None] = {}
+
+    def text(self, index: int, text: str) -> bytes:
+        """The event of a piece of choice ``index``'s text (not a chat's first chunk)."""
+        if index not in self._around:
+            self._around[index] = self._template(index)
+        around = self._around[index]
+        if around is None:
+            return event(self.reply.chunk(index, text))
+        return around[0] + encode_basestring(text).encode("utf-8") + around[1]
+
+    def _template(self, index: int) -> tuple[bytes, bytes] | None:
+        whole = event(self.reply.chunk(index, self.MARKER))
+        parts = whole.split(encode_basestring(self.MARKER).encode("utf-8"))
+        return (parts[0], parts[1]) if len(parts) == 2 else None
+
+
+__all__ = ["ApiError", "Generation", "LogprobsWriter", "MAX_CHOICES", "MAX_COMPLETION_LOGPROBS", "Reply",
+           "StreamEvents", "bad", "dumps", "event", "finish_reason", "parse_chat", "parse_completion", "usage"]

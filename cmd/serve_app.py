@@ -33,8 +33,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
-from llama_chat.cmd.openai_api import (ApiError, Generation, LogprobsWriter, Reply, bad, dumps, parse_chat,
-                                       parse_completion, usage)
+from llama_chat.cmd.openai_api import (ApiError, Generation, LogprobsWriter, Reply, StreamEvents, bad, dumps, event,
+                                       parse_chat, parse_completion, usage)
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
 from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError
@@ -308,9 +308,13 @@ class GenerationResponse:
         # One per choice where logprobs were asked for: a completion's text offsets run on.
         self.logprobs = (None if generation.logprobs is None
                          else [LogprobsWriter(reply.chat, token_bytes) for _ in choices])
+        self.events = StreamEvents(reply)
         self.disconnected = False
         self._finished = False
-        self._lock = anyio.Lock()
+        # Several choices stream into one response, each from its own task: one event at a time.
+        # A single choice's task is the only sender, and takes no lock (a lock is a yield to the
+        # event loop on every event).
+        self._lock = anyio.Lock(fast_acquire=True) if len(choices) > 1 else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -361,25 +365,27 @@ class GenerationResponse:
             for choice in self.choices:
                 tg.start_soon(self._stream_choice, choice, send)
         if any(c.completion().finish_reason is GenerationState.ERROR for c in self.choices):
-            await self._event(send, ApiError(500, "generation failed; see the server's log",
-                                             code="generation_failed").body())
+            await self._send(send, event(ApiError(500, "generation failed; see the server's log",
+                                                  code="generation_failed").body()))
         elif self.generation.include_usage:
-            await self._event(send, self.reply.usage_chunk(self._usage()))
+            await self._send(send, event(self.reply.usage_chunk(self._usage())))
         self._finished = True
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def _stream_choice(self, choice: Choice, send: Send) -> None:
         index = choice.index
         if self.reply.chat:
-            await self._event(send, self.reply.chunk(index, "", first=True))
+            await self._send(send, event(self.reply.chunk(index, "", first=True)))
         sent = 0
         async for text in choice.pieces():
-            await self._event(send, self.reply.chunk(index, text, logprobs=self._logprobs_of(choice)))
+            logprobs = self._logprobs_of(choice)
+            await self._send(send, self.events.text(index, text) if logprobs is None
+                             else event(self.reply.chunk(index, text, logprobs=logprobs)))
             sent += len(text)
         completion = choice.completion()
         # A cancel keeps the whole characters that were still held back.
-        await self._event(send, self.reply.chunk(index, completion.text[sent:], state=completion.finish_reason,
-                                                 logprobs=self._logprobs_of(choice)))
+        await self._send(send, event(self.reply.chunk(index, completion.text[sent:], state=completion.finish_reason,
+                                                      logprobs=self._logprobs_of(choice))))
 
     def _logprobs_of(self, choice: Choice) -> dict[str, Any] | None:
         """The logprobs of the tokens ``choice`` took since its last chunk, where they were asked
@@ -389,9 +395,13 @@ class GenerationResponse:
         entries = choice.take_logprobs()
         return self.logprobs[choice.index].render(entries) if entries else None
 
-    async def _event(self, send: Send, obj: dict[str, Any]) -> None:
-        async with self._lock:
-            await send({"type": "http.response.body", "body": b"data: " + dumps(obj) + b"\n\n", "more_body": True})
+    async def _send(self, send: Send, data: bytes) -> None:
+        message = {"type": "http.response.body", "body": data, "more_body": True}
+        if self._lock is None:
+            await send(message)
+        else:
+            async with self._lock:
+                await send(message)
 
     def _usage(self) -> dict[str, Any]:
         completions = [choice.completion() for choice in self.choices]

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from cli_support import build_tiny_model, run_cli
+from llama_chat.cmd.openai_api import Reply, StreamEvents, event
 from serve_support import WAIT_S, start_server, stop_server, wait_for
 
 CONTEXT = 4096
@@ -46,6 +47,22 @@ def guarded(tiny):
 
 def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+# -- a stream's events, without a server ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat_reply", [False, True])
+@pytest.mark.parametrize("model", ["tiny", 'a "quoted" model \\ é', f"odd {StreamEvents.MARKER} name"])
+def test_a_text_events_bytes_are_its_chunks_encoded_whole(chat_reply, model):
+    """The template a piece of text is written into gives the bytes of its chunk encoded whole,
+    whatever the text and the names around it (a name that holds the marker: encoded whole)."""
+    reply = Reply(chat_reply, "cmpl-0123abcd", model, 1_700_000_000)
+    events = StreamEvents(reply)
+    texts = ["Once", " upon", 'a "quote" \\ back', "line\nbreak\ttab\x00\x1f", "é 猫 👨‍👩‍👧 \u2028\u2029", "\ud7ff"]
+    for index in (0, 3, 0):
+        for text in texts:
+            assert events.text(index, text) == event(reply.chunk(index, text))
 
 
 # -- the open server ---------------------------------------------------------------------------------
@@ -84,6 +101,49 @@ def test_chat_and_completions_whole_and_streamed_say_the_same(server):
                                               temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
     assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def sse_chunks(response: httpx.Response) -> list[dict]:
+    """A stream's body as it is on the wire: ``data: {chunk}`` events, each ended by a blank line,
+    then ``data: [DONE]`` last; the chunks, each with one id and OpenAI's keys."""
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], events[-3:]
+    assert all(e.startswith("data: {") and "\n" not in e for e in events[:-2]), events
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert len({c["id"] for c in chunks}) == 1
+    for c in chunks:
+        assert set(c) == {"id", "object", "created", "model", "choices", *(["usage"] if "usage" in c else [])}, c
+    return chunks
+
+
+def test_streams_on_the_wire_are_openai_chunks_with_every_token_once(server):
+    """The raw events of streamed completions and chats, one choice and several: each choice's text
+    (greedy) is the whole response's, its finish reason comes once, on its last chunk."""
+    url = server.url
+    prompt = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    whole = httpx.post(f"{url}/v1/completions", json=prompt, timeout=WAIT_S).json()["choices"][0]["text"]
+    body = {**prompt, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = sse_chunks(httpx.post(f"{url}/v1/completions", json=body, timeout=WAIT_S))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+    pieces = [c["choices"][0] for c in chunks[:-1]]
+    assert all(set(p) == {"index", "text", "logprobs", "finish_reason"} and p["index"] == 0 for p in pieces)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(p["text"] for p in pieces) == whole
+    assert [p["finish_reason"] for p in pieces] == [None] * (len(pieces) - 1) + ["length"]
+
+    messages = {"model": "tiny", "messages": chat("Tell me about the fox"), "max_tokens": 12, "temperature": 0}
+    said = httpx.post(f"{url}/v1/chat/completions", json=messages, timeout=WAIT_S).json()
+    said = said["choices"][0]["message"]["content"]
+    chunks = sse_chunks(httpx.post(f"{url}/v1/chat/completions", json={**messages, "n": 2, "stream": True},
+                                   timeout=WAIT_S))
+    assert all(c["object"] == "chat.completion.chunk" and len(c["choices"]) == 1 for c in chunks)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(set(m["delta"]) == {"content"} for m in mine[1:-1])
+        assert "".join(m["delta"].get("content", "") for m in mine) == said
+        assert [m["finish_reason"] for m in mine] == [None] * (len(mine) - 1) + ["length"]
 
 
 def test_n_choices_run_together_each_with_its_own_seed(server):
