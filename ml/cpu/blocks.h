@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <string_view>
 #include <vector>
 
@@ -52,6 +53,21 @@
 #define LLAMA_CHAT_HOT inline __attribute__((always_inline))
 
 namespace llama_chat_cpu {
+
+// 64-byte aligned storage for vectors of any width.
+template <typename T>
+struct AlignedAllocator {
+  using value_type = T;
+  AlignedAllocator() = default;
+  template <typename U>
+  AlignedAllocator(const AlignedAllocator<U>&) {}
+  T* allocate(size_t count) { return static_cast<T*>(::operator new(count * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const AlignedAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const AlignedAllocator<U>&) const { return false; }
+};
 
 enum class Packed : int { q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k };
 
@@ -625,6 +641,289 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 }
 #endif
 
+#ifdef LLAMA_CHAT_AVX2
+// ---------------------------------------------------------------------------------------------
+// Many rows (a prompt's): weight rows decoded once into tiles, side by side.
+//
+// The path above decodes a group of a weight row again for every four input rows and spends
+// most of its instructions on that and on moving sums between lanes. Here a tile of weight rows
+// (16 with AVX-512 VNNI, else 8) is decoded once into vectors that hold four codes of each of
+// its rows (lane j: row j), so one instruction takes four products for every row of the tile
+// against a broadcast of four input values, and every input row of the call reuses the tile
+// from the cache. The result is the same bits as packed_dot_rows: a block's integer sum is exact
+// in any order, and each row's float sums are kept as the old path's lanes keep them (block b in
+// lane b mod 8), in the same order, then added as horizontal_sum adds lanes.
+
+// The products of unsigned codes must not saturate: Q8_0 without VNNI keeps the sign trick's path.
+template <Packed K>
+constexpr bool kTiled = !kSignTrick<K>;
+
+// Calls with at least this many input rows take the tiles.
+constexpr int64_t kTiledFromRows = 4;
+
+// The vector a tile's lanes fill: 8 rows of 32-bit lanes in 256 bits.
+struct Lanes8 {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kRows = 8;
+  // Input rows a pass takes together, their sums in registers (32 vector registers with
+  // AVX-512, 16 without).
+#if defined(__AVX512VL__)
+  static constexpr int kPassRows = 8;
+#else
+  static constexpr int kPassRows = 4;
+#endif
+  static I zero() { return _mm256_setzero_si256(); }
+  static F zero_f() { return _mm256_setzero_ps(); }
+  static I load(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const I*>(p)); }
+  static F load(const float* p) { return _mm256_load_ps(p); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static I dot(I acc, I u, I y) { return dot_add(acc, u, y); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm256_store_ps(p, v); }
+};
+
+#if defined(LLAMA_CHAT_VNNI) && !defined(LLAMA_CHAT_AVX_VNNI) && defined(__AVX512BW__)
+// 16 rows in 512 bits: half the instructions and loads per product of Lanes8.
+struct Lanes16 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kRows = 16;
+  static constexpr int kPassRows = 8;
+  static I zero() { return _mm512_setzero_si512(); }
+  static F zero_f() { return _mm512_setzero_ps(); }
+  static I load(const int32_t* p) { return _mm512_load_si512(p); }
+  static F load(const float* p) { return _mm512_load_ps(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static I dot(I acc, I u, I y) { return _mm512_dpbusd_epi32(acc, u, y); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm512_store_ps(p, v); }
+};
+using TileLanes = Lanes16;
+#else
+using TileLanes = Lanes8;
+#endif
+
+// Eight vectors of eight 32-bit lanes transposed in place: v[c] lane j becomes v[j] lane c.
+LLAMA_CHAT_HOT void transpose_8x8(__m256i* v) {
+  __m256i t[8], u[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+    v[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+  }
+}
+
+// A tile's weight rows (fewer at the end of a range: the rest zeros), every block decoded; n
+// is the rows a tile holds, and each entry below has n lanes, lane j for row j.
+struct DecodedTile {
+  int64_t blocks = 0, n = 0;
+  std::vector<int32_t, AlignedAllocator<int32_t>> codes;  // [(b * 8 + c) * n + j]: values 4c..4c + 3 of block b
+  std::vector<float, AlignedAllocator<float>> scale;      // [b * n + j]: the block's a
+  std::vector<float, AlignedAllocator<float>> offset;     // [b * n + j]: the block's c
+  std::vector<int32_t, AlignedAllocator<int32_t>> halves;  // [(2b + h) * n + j]: Q6_K's scale of half h
+
+  void resize(int64_t block_count, int64_t rows) {
+    blocks = block_count;
+    n = rows;
+    codes.resize(static_cast<size_t>(blocks * 8 * n));
+    scale.resize(static_cast<size_t>(blocks * n));
+    offset.resize(static_cast<size_t>(blocks * n));
+    halves.resize(static_cast<size_t>(blocks * 2 * n));
+  }
+};
+
+// Weight rows [first, first + count) of `data` (count at most rows) into a tile of `rows` lanes,
+// eight rows at a time.
+template <Packed K>
+void decode_tile(const uint8_t* data, int64_t row_bytes, int64_t first, int64_t count, int64_t blocks, int64_t rows,
+                 DecodedTile& tile) {
+  constexpr bool super = kPackedLayouts[static_cast<int>(K)].values == kQuantGroup;
+  constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
+  tile.resize(blocks, rows);
+  const int64_t n = rows, groups = (blocks + 7) / 8;
+  Group w[8];
+  for (int64_t eighth = 0; eighth < rows; eighth += 8) {
+    const int64_t here = std::max<int64_t>(0, std::min<int64_t>(8, count - eighth));
+    for (int64_t g = 0; g < groups; ++g) {
+      const int in_group = static_cast<int>(std::min<int64_t>(8, blocks - 8 * g));
+      for (int64_t j = 0; j < 8; ++j) {
+        if (j >= here) {
+          for (int b = 0; b < 8; ++b) w[j].u[b] = _mm256_setzero_si256();
+          w[j].scale = w[j].offset = _mm256_setzero_ps();
+          continue;
+        }
+        const uint8_t* row = data + (first + eighth + j) * row_bytes;
+        if constexpr (super) decode_super_block<K, false>(row, g, w[j]);
+        else decode_small_group<K, false>(row, g, in_group, w[j]);
+        if constexpr (!kOffset<K>) w[j].offset = _mm256_setzero_ps();
+      }
+      __m256i scales[8], offsets[8];
+      for (int j = 0; j < 8; ++j) {
+        scales[j] = _mm256_castps_si256(w[j].scale);
+        offsets[j] = _mm256_castps_si256(w[j].offset);
+      }
+      transpose_8x8(scales);
+      transpose_8x8(offsets);
+      for (int bb = 0; bb < in_group; ++bb) {
+        const int64_t b = 8 * g + bb;
+        __m256i v[8];
+        for (int j = 0; j < 8; ++j) v[j] = w[j].u[bb];
+        transpose_8x8(v);
+        for (int c = 0; c < 8; ++c)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tile.codes.data() + (b * 8 + c) * n + eighth), v[c]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tile.scale.data() + b * n + eighth), scales[bb]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tile.offset.data() + b * n + eighth), offsets[bb]);
+        if constexpr (K == Packed::q6_k) {
+          for (int64_t j = 0; j < 8; ++j) {
+            const uint8_t* p = data + (first + eighth + j) * row_bytes + g * bytes;
+            tile.halves[(2 * b) * n + eighth + j] = j < here ? static_cast<int8_t>(p[192 + 2 * bb]) : 0;
+            tile.halves[(2 * b + 1) * n + eighth + j] = j < here ? static_cast<int8_t>(p[192 + 2 * bb + 1]) : 0;
+          }
+        }
+      }
+    }
+  }
+}
+
+LLAMA_CHAT_HOT int32_t word_at(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return word;
+}
+
+// Input rows [r0, r0 + R) against a tile: sums[i] lane j is row r0 + i with the tile's row j.
+template <Packed K, class L, int R>
+LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, int64_t r0, typename L::F* sums) {
+  using I = typename L::I;
+  using F = typename L::F;
+  constexpr int64_t n = L::kRows;
+  F lanes[R][8];
+  for (int l = 0; l < 8; ++l) {
+    F acc[R];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i] = L::zero_f();
+    for (int64_t b = l; b < tile.blocks; b += 8) {
+      const int32_t* codes = tile.codes.data() + b * 8 * n;
+      I s[R];
+      if constexpr (K == Packed::q6_k) {
+        // Each half's sum less its zero point, times the half's scale: the same integer as the
+        // old path's scaled halves less 32 times the scaled input sums.
+        I first_half[R];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) s[i] = L::zero();
+#pragma GCC unroll 4
+          for (int c = 4 * h; c < 4 * h + 4; ++c) {
+            const I wv = L::load(codes + c * n);
+#pragma GCC unroll 8
+            for (int i = 0; i < R; ++i) s[i] = L::dot(s[i], wv, L::set1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
+          }
+          const I scale = L::load(tile.halves.data() + (2 * b + h) * n);
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) {
+            s[i] = L::mullo(L::sub(s[i], L::set1(static_cast<int32_t>(in.half_sums_of(r0 + i)[2 * b + h]) << 5)), scale);
+            if (h == 0) first_half[i] = s[i];
+            else s[i] = L::add(s[i], first_half[i]);
+          }
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) s[i] = L::zero();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+          const I wv = L::load(codes + c * n);
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) s[i] = L::dot(s[i], wv, L::set1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
+        }
+        if constexpr (kZeroShift<K> > 0) {
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) s[i] = L::sub(s[i], L::set1(in.sums_of(r0 + i)[b] << kZeroShift<K>));
+        }
+      }
+      const F scale = L::load(tile.scale.data() + b * n);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        acc[i] = L::fma(L::to_float(s[i]), L::mul(scale, L::set1(in.steps_of(r0 + i)[b])), acc[i]);
+        if constexpr (kOffset<K>)
+          acc[i] = L::fma(L::load(tile.offset.data() + b * n), L::set1(in.step_sums_of(r0 + i)[b]), acc[i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) lanes[i][l] = acc[i];
+  }
+  // horizontal_sum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+  for (int i = 0; i < R; ++i) {
+    const F* a = lanes[i];
+    sums[i] = L::add(L::add(L::add(a[0], a[4]), L::add(a[2], a[6])), L::add(L::add(a[1], a[5]), L::add(a[3], a[7])));
+  }
+}
+
+template <bool Add, Packed K>
+void packed_tiles_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_first, int64_t row_stop, int64_t first,
+                     int64_t stop, float* out, int64_t row_stride) {
+  using L = TileLanes;
+  const int64_t row_bytes = packed_row_bytes(K, in.k);
+  DecodedTile tile;
+  typename L::F sums[L::kPassRows];
+  alignas(64) float values[L::kRows];
+  for (int64_t tile_first = first; tile_first < stop; tile_first += L::kRows) {
+    const int64_t count = std::min<int64_t>(L::kRows, stop - tile_first);
+    decode_tile<K>(data, row_bytes, tile_first, count, in.k / kQuantBlock, L::kRows, tile);
+    auto put = [&](int64_t r, int rows) {
+      for (int i = 0; i < rows; ++i) {
+        L::store(values, sums[i]);
+        float* o = out + (r + i - row_first) * row_stride + (tile_first - first);
+        for (int64_t j = 0; j < count; ++j) {
+          if constexpr (Add) o[j] += values[j];
+          else o[j] = values[j];
+        }
+      }
+    };
+    int64_t r = row_first;
+    for (; r + L::kPassRows <= row_stop; r += L::kPassRows) {
+      tile_pass<K, L, L::kPassRows>(tile, in, r, sums);
+      put(r, L::kPassRows);
+    }
+    for (; r + 2 <= row_stop; r += 2) {
+      tile_pass<K, L, 2>(tile, in, r, sums);
+      put(r, 2);
+    }
+    if (r < row_stop) {
+      tile_pass<K, L, 1>(tile, in, r, sums);
+      put(r, 1);
+    }
+  }
+}
+#endif
+
 // Rounded rows [row_first, row_stop) against weight rows [first, stop) of `data` (rows of
 // in.k values, packed): out[(r - row_first) * row_stride + (j - first)] is weight row j with
 // rounded row r; stored, or with Add added to what is there.
@@ -642,6 +941,10 @@ void packed_range_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
     else slot = v;
   };
 #ifdef LLAMA_CHAT_AVX2
+  if constexpr (kTiled<K>) {
+    if (row_stop - row_first >= kTiledFromRows)
+      return packed_tiles_of<Add, K>(data, in, row_first, row_stop, first, stop, out, row_stride);
+  }
   const int64_t tile = packed_tile_rows(row_bytes);
   for (int64_t tile_first = first; tile_first < stop; tile_first += tile) {
     const int64_t tile_stop = std::min(stop, tile_first + tile);

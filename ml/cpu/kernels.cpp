@@ -134,8 +134,7 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::opti
 // x @ dequantize(data).T for weights kept as GGUF's packed blocks (blocks.h, which states the
 // numerics: the rows are rounded per 32 values to int8 steps first). x: float32 (rows, k); data:
 // uint8 (n, row bytes), never written (it may be a memory-mapped file). Any number of rows: the
-// weights a thread takes are read from memory once and from its cache for each further 16 rows.
-constexpr int64_t kPackedRowsAtOnce = 16;
+// weights a thread takes are read from memory once and decoded once for all of them.
 
 at::Tensor packed_product(const at::Tensor& x, const at::Tensor& data, c10::string_view kind_name) {
   Packed kind;
@@ -160,8 +159,7 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& data, c10::stri
   const uint8_t* w = data.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   for_rows(n, row_bytes, [&](int64_t begin, int64_t end) {
-    for (int64_t r = 0; r < rows; r += kPackedRowsAtOnce)
-      packed_range(kind, w, rounded, r, std::min(rows, r + kPackedRowsAtOnce), begin, end, o + r * n + begin, n);
+    packed_range(kind, w, rounded, 0, rows, begin, end, o + begin, n);
   });
   return out;
 }
