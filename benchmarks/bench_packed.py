@@ -7,8 +7,8 @@ the reference (``torch.ops.llama_chat_cpu.matvec``, the operator's ``--quantize 
 Each round times every kind's layer once, interleaved, and the fastest round is reported (on a
 machine shared with other work the least disturbed; ``--median`` for the median) as GB/s of
 weight bytes read (and ms per layer); the reference is measured in the same rounds.
-With ``--prefill`` it also times the longer products a prompt takes: the operator (16 rows at a
-time) against ``dequantized_product`` (weights expanded a tile at a time, then a float32 matrix
+With ``--prefill`` it also times the longer products a prompt takes: the operator (tiles of weight
+rows decoded once) against ``dequantized_product`` (weights expanded a tile at a time, then a float32 matrix
 product), which is why a prompt takes the operator too.
 
     python benchmarks/bench_packed.py [--rows 1 4 16] [--rounds 15] [--kinds q8_0 q4_0 ...] [--prefill]

@@ -11,8 +11,8 @@ Products: with the CPU operator loaded (``ml/cpu/kernels.py``), products on the 
 ``torch.ops.llama_chat_cpu.packed_product`` (``ml/cpu/blocks.h``): the rows are rounded per 32
 values to int8 steps (step max|x| / 127, as llama.cpp rounds its activations) and meet the blocks
 in integer sums, so the result is ``dequantize(w) @ rounded(x)`` up to the order of float32
-additions (blocks.h states it exactly). A prompt's many rows take it too, sixteen rows at a time
-against weights a thread has in its cache: it was faster than expanding the weights and one float32
+additions (blocks.h states it exactly). A prompt's many rows take it too, against tiles of weight
+rows decoded once for all of them: it was faster than expanding the weights and one float32
 matrix product at every row count measured (``benchmarks/bench_packed.py --prefill``). Other
 devices, or no operator, take ``dequantized_product``: tiles of weight rows expanded to float32
 and multiplied, exact to float32.

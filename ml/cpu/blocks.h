@@ -23,8 +23,9 @@
 // just adds its products lane by lane: interleave_group), the zero points are taken off with the
 // inputs' block sums (exact integers), and one multiply-add by the eight blocks' scales times the
 // inputs' steps adds them to a float32 accumulator. AVX-512BW expands Q5's fifth bits from a mask
-// register; the vectors stay 256 bits wide with AVX-512 too (no 512-bit path is written). Without
-// AVX2, a scalar loop does the same sums.
+// register; these vectors stay 256 bits wide with AVX-512 too. A call with several rows (a
+// prompt's) takes tiles of weight rows decoded once instead, 512 bits wide with AVX-512 VNNI
+// ("Many rows" below), with the same bits. Without AVX2, a scalar loop does the same sums.
 #pragma once
 
 #include "dot.h"
