@@ -659,8 +659,9 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 template <Packed K>
 constexpr bool kTiled = !kSignTrick<K>;
 
-// Calls with at least this many input rows take the tiles.
-constexpr int64_t kTiledFromRows = 4;
+// Calls with at least this many input rows take the tiles: decoding a tile costs about what
+// eight rows of the path above do (benchmarks/bench_packed.py --rows 4 8 16).
+constexpr int64_t kTiledFromRows = 12;
 
 // The vector a tile's lanes fill: 8 rows of 32-bit lanes in 256 bits.
 struct Lanes8 {
