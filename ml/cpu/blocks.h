@@ -218,6 +218,24 @@ LLAMA_CHAT_HOT void interleave_group(__m256i* v) {
 }
 #endif
 
+// Q8_0 without VNNI takes the sign trick: its codes are |w| and `signs` holds w.
+template <Packed K>
+constexpr bool kSignTrick =
+#ifdef LLAMA_CHAT_VNNI
+    false;
+#else
+    K == Packed::q8_0;
+#endif
+
+// Calls with many rows take tiles of weight rows ("Many rows" below), whose products of unsigned
+// codes must not saturate: Q8_0 without VNNI keeps the sign trick's path.
+template <Packed K>
+constexpr bool kTiled = !kSignTrick<K>;
+
+// Calls with at least this many input rows take the tiles: decoding a tile costs about what
+// eight rows of the other path do (benchmarks/bench_packed.py --rows 4 8 16).
+constexpr int64_t kTiledFromRows = 12;
+
 // Rows [0, rows) of x (each k long, `stride` apart) into `out`, whose vectors are reused.
 inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride, RoundedBlocks& out) {
   out.rows = rows;
@@ -248,7 +266,8 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
     }
   }
 #ifdef LLAMA_CHAT_AVX2
-  if (rows < 2) return;  // a row alone reads q (packed_dot_rows)
+  // A row alone reads q (packed_dot_rows), and so do the tiles that calls of many rows take.
+  if (rows < 2 || (rows >= kTiledFromRows && kTiled<Packed::q8_0>)) return;
   out.interleaved.resize(out.q.size());
   for (int64_t at = 0; at < static_cast<int64_t>(out.q.size()); at += kQuantGroup) {
     __m256i v[8];
@@ -436,15 +455,6 @@ LLAMA_CHAT_HOT __m256i fifth_bits(const uint8_t* p) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 #endif
 }
-
-// Q8_0 without VNNI takes the sign trick: its codes are |w| and `signs` holds w.
-template <Packed K>
-constexpr bool kSignTrick =
-#ifdef LLAMA_CHAT_VNNI
-    false;
-#else
-    K == Packed::q8_0;
-#endif
 
 // The zero point z as a shift (z = 1 << shift), taken off with the inputs' block sums; 0 for none.
 template <Packed K>
@@ -655,13 +665,6 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 // in any order, and each row's float sums are kept as the old path's lanes keep them (block b in
 // lane b mod 8), in the same order, then added as horizontal_sum adds lanes.
 
-// The products of unsigned codes must not saturate: Q8_0 without VNNI keeps the sign trick's path.
-template <Packed K>
-constexpr bool kTiled = !kSignTrick<K>;
-
-// Calls with at least this many input rows take the tiles: decoding a tile costs about what
-// eight rows of the path above do (benchmarks/bench_packed.py --rows 4 8 16).
-constexpr int64_t kTiledFromRows = 12;
 
 // The vector a tile's lanes fill: 8 rows of 32-bit lanes in 256 bits.
 struct Lanes8 {
@@ -944,7 +947,7 @@ void packed_range_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
   };
 #ifdef LLAMA_CHAT_AVX2
   if constexpr (kTiled<K>) {
-    if (row_stop - row_first >= kTiledFromRows)
+    if (in.rows >= kTiledFromRows)  // as round_blocks decided (it left out what tiles do not read)
       return packed_tiles_of<Add, K>(data, in, row_first, row_stop, first, stop, out, row_stride);
   }
   const int64_t tile = packed_tile_rows(row_bytes);
