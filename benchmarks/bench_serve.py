@@ -9,15 +9,18 @@ with a llama2.c-style ``tokenizer.bin`` (``bench_gpu.write_checkpoint``). Then, 
 * ``--runs`` times, back to back: ``llama-chat --batch`` on ``--clients`` jobs (one short prompt
   each, greedy, ``-n --new``, ``--max-batch 64``), its aggregate tok/s read from its ``--stats``
   line (generated tokens over the batch's own time, the model's load left out); then
-  ``--clients`` concurrent streaming ``/v1/completions`` requests of the same jobs (httpx,
-  greedy). Every one must finish with ``length``, its streamed text must equal ``--batch``'s
-  text for the same prompt, and its token count ``--new`` (a token lost or sent twice changes one
-  or the other), and equal the text of the same request without ``stream`` (sent next, all at
-  once too: its tok/s shows what streaming costs the server). Aggregate tok/s: all tokens over
+  ``--clients`` concurrent streaming ``/v1/completions`` requests of the same jobs (greedy; each
+  on a connection of its own, read by a small HTTP/1.1 client on asyncio's streams that undoes
+  the chunked coding and parses the server-sent events itself: on the server's two cores, a
+  client library's own work per event is taken from the server). Every one must finish with
+  ``length``, its streamed text must equal ``--batch``'s text for the same prompt, and its token
+  count ``--new`` (a token lost or sent twice changes one or the other), and equal the text of
+  the same request without ``stream`` (sent next with httpx, all at once too: its tok/s shows
+  what streaming costs the server). Aggregate tok/s: all tokens over
   the wall time from the first request sent to the last response ended. Time to first token and
   inter-token latency are the client's: from sending to the first text event, and between two
-  text events of one stream (an event carries the text of one token, or of a few when a
-  character spans tokens). The ratio of streaming's tok/s to ``--batch``'s is taken within each
+  text events of one stream (an event carries the text of the tokens waiting to be sent: one,
+  or a few when a character spans tokens or the stream fell behind). The ratio of streaming's tok/s to ``--batch``'s is taken within each
   run and its median printed: a busy machine's speed swings between minutes (as in
   ``bench_batch.py``). The clients run on the server's machine, so the CPU they take (printed)
   is taken from it;
