@@ -29,6 +29,7 @@
 #pragma once
 
 #include "dot.h"
+#include "vectors.h"
 
 #include <algorithm>
 #include <cmath>
@@ -666,10 +667,10 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 // lane b mod 8), in the same order, then added as horizontal_sum adds lanes.
 
 
-// The vector a tile's lanes fill: 8 rows of 32-bit lanes in 256 bits.
-struct Lanes8 {
+// The vector a tile's lanes fill, its float operations vectors.h's: 8 rows of 32-bit lanes in
+// 256 bits, and below 16 in 512. The integer operations a tile adds are named with an i.
+struct Lanes8 : Floats8 {
   using I = __m256i;
-  using F = __m256;
   static constexpr int kRows = 8;
   // Input rows a pass takes together, their sums in registers (32 vector registers with
   // AVX-512, 16 without).
@@ -678,45 +679,30 @@ struct Lanes8 {
 #else
   static constexpr int kPassRows = 4;
 #endif
-  static I zero() { return _mm256_setzero_si256(); }
-  static F zero_f() { return _mm256_setzero_ps(); }
-  static I load(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const I*>(p)); }
-  static F load(const float* p) { return _mm256_load_ps(p); }
-  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
-  static I dot(I acc, I u, I y) { return dot_add(acc, u, y); }
-  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
-  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
-  static F to_float(I a) { return _mm256_cvtepi32_ps(a); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static void store(float* p, F v) { _mm256_store_ps(p, v); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I iload(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const I*>(p)); }
+  static I iset1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I idot(I acc, I u, I y) { return dot_add(acc, u, y); }
+  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I imullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static Vec to_float(I a) { return _mm256_cvtepi32_ps(a); }
 };
 
 #if defined(LLAMA_CHAT_VNNI) && !defined(LLAMA_CHAT_AVX_VNNI) && defined(__AVX512BW__)
-// 16 rows in 512 bits: half the instructions and loads per product of Lanes8.
-struct Lanes16 {
+// Half the instructions and loads per product of Lanes8.
+struct Lanes16 : Floats16 {
   using I = __m512i;
-  using F = __m512;
   static constexpr int kRows = 16;
   static constexpr int kPassRows = 8;
-  static I zero() { return _mm512_setzero_si512(); }
-  static F zero_f() { return _mm512_setzero_ps(); }
-  static I load(const int32_t* p) { return _mm512_load_si512(p); }
-  static F load(const float* p) { return _mm512_load_ps(p); }
-  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
-  static F set1(float v) { return _mm512_set1_ps(v); }
-  static I dot(I acc, I u, I y) { return _mm512_dpbusd_epi32(acc, u, y); }
-  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
-  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  static F to_float(I a) { return _mm512_cvtepi32_ps(a); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static void store(float* p, F v) { _mm512_store_ps(p, v); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I iload(const int32_t* p) { return _mm512_load_si512(p); }
+  static I iset1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I idot(I acc, I u, I y) { return _mm512_dpbusd_epi32(acc, u, y); }
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I imullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static Vec to_float(I a) { return _mm512_cvtepi32_ps(a); }
 };
 using TileLanes = Lanes16;
 #else
@@ -825,15 +811,15 @@ LLAMA_CHAT_HOT int32_t word_at(const int8_t* p) {
 
 // Input rows [r0, r0 + R) against a tile: sums[i] lane j is row r0 + i with the tile's row j.
 template <Packed K, class L, int R>
-LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, int64_t r0, typename L::F* sums) {
+LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, int64_t r0, typename L::Vec* sums) {
   using I = typename L::I;
-  using F = typename L::F;
+  using F = typename L::Vec;
   constexpr int64_t n = L::kRows;
   F lanes[R][8];
   for (int l = 0; l < 8; ++l) {
     F acc[R];
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[i] = L::zero_f();
+    for (int i = 0; i < R; ++i) acc[i] = L::zero();
     for (int64_t b = l; b < tile.blocks; b += 8) {
       const int32_t* codes = tile.codes.data() + b * 8 * n;
       I s[R];
@@ -844,41 +830,41 @@ LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, 
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
 #pragma GCC unroll 8
-          for (int i = 0; i < R; ++i) s[i] = L::zero();
+          for (int i = 0; i < R; ++i) s[i] = L::izero();
 #pragma GCC unroll 4
           for (int c = 4 * h; c < 4 * h + 4; ++c) {
-            const I wv = L::load(codes + c * n);
+            const I wv = L::iload(codes + c * n);
 #pragma GCC unroll 8
-            for (int i = 0; i < R; ++i) s[i] = L::dot(s[i], wv, L::set1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
+            for (int i = 0; i < R; ++i) s[i] = L::idot(s[i], wv, L::iset1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
           }
-          const I scale = L::load(tile.halves.data() + (2 * b + h) * n);
+          const I scale = L::iload(tile.halves.data() + (2 * b + h) * n);
 #pragma GCC unroll 8
           for (int i = 0; i < R; ++i) {
-            s[i] = L::mullo(L::sub(s[i], L::set1(static_cast<int32_t>(in.half_sums_of(r0 + i)[2 * b + h]) << 5)), scale);
+            s[i] = L::imullo(L::isub(s[i], L::iset1(static_cast<int32_t>(in.half_sums_of(r0 + i)[2 * b + h]) << 5)), scale);
             if (h == 0) first_half[i] = s[i];
-            else s[i] = L::add(s[i], first_half[i]);
+            else s[i] = L::iadd(s[i], first_half[i]);
           }
         }
       } else {
 #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) s[i] = L::zero();
+        for (int i = 0; i < R; ++i) s[i] = L::izero();
 #pragma GCC unroll 8
         for (int c = 0; c < 8; ++c) {
-          const I wv = L::load(codes + c * n);
+          const I wv = L::iload(codes + c * n);
 #pragma GCC unroll 8
-          for (int i = 0; i < R; ++i) s[i] = L::dot(s[i], wv, L::set1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
+          for (int i = 0; i < R; ++i) s[i] = L::idot(s[i], wv, L::iset1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
         }
         if constexpr (kZeroShift<K> > 0) {
 #pragma GCC unroll 8
-          for (int i = 0; i < R; ++i) s[i] = L::sub(s[i], L::set1(in.sums_of(r0 + i)[b] << kZeroShift<K>));
+          for (int i = 0; i < R; ++i) s[i] = L::isub(s[i], L::iset1(in.sums_of(r0 + i)[b] << kZeroShift<K>));
         }
       }
       const F scale = L::load(tile.scale.data() + b * n);
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        acc[i] = L::fma(L::to_float(s[i]), L::mul(scale, L::set1(in.steps_of(r0 + i)[b])), acc[i]);
+        acc[i] = L::fmadd(L::to_float(s[i]), L::mul(scale, L::set1(in.steps_of(r0 + i)[b])), acc[i]);
         if constexpr (kOffset<K>)
-          acc[i] = L::fma(L::load(tile.offset.data() + b * n), L::set1(in.step_sums_of(r0 + i)[b]), acc[i]);
+          acc[i] = L::fmadd(L::load(tile.offset.data() + b * n), L::set1(in.step_sums_of(r0 + i)[b]), acc[i]);
       }
     }
 #pragma GCC unroll 8
@@ -897,7 +883,7 @@ void packed_tiles_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
   using L = TileLanes;
   const int64_t row_bytes = packed_row_bytes(K, in.k);
   DecodedTile tile;
-  typename L::F sums[L::kPassRows];
+  typename L::Vec sums[L::kPassRows];
   alignas(64) float values[L::kRows];
   for (int64_t tile_first = first; tile_first < stop; tile_first += L::kRows) {
     const int64_t count = std::min<int64_t>(L::kRows, stop - tile_first);
