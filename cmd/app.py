@@ -7,7 +7,7 @@ neither may put escape codes on the user's terminal.
 
 from __future__ import annotations
 
-from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds
+from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds, importing_torch
 
 # First of all, before any module opens a file that could take over fd 1 or 2 (`llama-chat >&-`).
 ensure_std_fds()
@@ -35,6 +35,7 @@ with deferred_signals(exit_now=True):
     from llama_chat.cmd.options import Options
     from llama_chat.cmd.sanitize import one_line
     from llama_chat.cmd.signals import install_sync_handlers
+    from llama_chat.inference.thread_signals import block_in_new_threads
     from llama_chat.ml.controls import ControlError
 
 
@@ -155,7 +156,7 @@ def execute(opts: Options) -> int:
             raise UsageProblem(str(e)) from None
         if check_batch_options(opts):
             jobs = read_batch(opts.batch)
-            with deferred_signals():  # torch is imported here
+            with importing_torch():  # torch is imported here, and its threads start
                 from llama_chat.cmd.batch import run_batch
 
             return run_batch(opts, jobs, color, err)
@@ -163,12 +164,12 @@ def execute(opts: Options) -> int:
             if opts.json:
                 raise UsageProblem("--json prints one answer; it cannot be used with the chat")
             first = gather_first_message(opts.prompt, file=opts.file, read_stdin=not opts.no_stdin)
-            with deferred_signals():  # torch is imported here
+            with importing_torch():  # torch is imported here, and its threads start
                 from llama_chat.cmd.chat import run_chat
 
             return run_chat(opts, first, color, err)
         text = gather_prompt(opts.prompt, file=opts.file, read_stdin=not opts.no_stdin)
-        with deferred_signals():  # torch is imported here
+        with importing_torch():  # torch is imported here, and its threads start
             from llama_chat.cmd.run_command import run_command
 
         return run_command(opts, text, color, err)
@@ -220,6 +221,8 @@ def main() -> None:
     # (docs/benchmarks.md). A user's own setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     install_sync_handlers()
+    # Signals are the main thread's alone: a Ctrl+C at the chat's prompt must wake its wait.
+    block_in_new_threads()
     try:
         # Not standalone: usage errors come back here as exceptions and are printed on one line.
         if sys.argv[1:2] == ["serve"]:  # the one subcommand; anything else is the command as it always was

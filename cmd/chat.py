@@ -47,7 +47,7 @@ from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.report import seed_to_report, weights_text
 from llama_chat.cmd.sanitize import one_line
-from llama_chat.cmd.signals import install_sync_handlers, no_control_echo
+from llama_chat.cmd.signals import install_sync_handlers, interruptible_prompt, no_control_echo
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.remote import RemoteModel, RemoteSource
@@ -198,7 +198,8 @@ class ChatInput:
 
     def line(self, prompt: str) -> str:
         """One line; ``EOFError`` on Ctrl+D, ``KeyboardInterrupt`` on Ctrl+C."""
-        return input(prompt)
+        with interruptible_prompt():
+            return input(prompt)
 
     def current_text(self) -> str:
         return self.readline.get_line_buffer() if self.readline is not None else ""

@@ -17,6 +17,12 @@ The chat turns the terminal's echo of control characters off while it runs
 (``no_control_echo``): a Ctrl+C then leaves no ``^C`` among the reply's text, however many are
 typed and wherever they land (readline, which reads the same setting, does not echo them
 either). Every way out restores it, a hard exit included.
+
+At the chat's prompt a signal ends readline's wait however it lands (``interruptible_prompt``).
+Only the main thread takes signals (``inference/thread_signals.py``), and readline lets Python run
+a handler when its ``select()`` is interrupted. A signal that lands after a key's echo is written
+and before ``select()`` begins interrupts no wait: on a busy machine the echo wakes whoever typed,
+and their Ctrl+C comes before the main thread gets on. Left alone, it would act at the next key.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +41,8 @@ from anyio.abc import TaskStatus
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
 
-__all__ = ["StopRequest", "Terminated", "hard_exit", "install_sync_handlers", "no_control_echo", "watch_signals"]
+__all__ = ["StopRequest", "Terminated", "hard_exit", "install_sync_handlers", "interruptible_prompt", "no_control_echo",
+           "watch_signals"]
 
 # Restore what a live display may have changed (colours, hidden cursor) before a hard exit.
 _TERMINAL_RESET = "\x1b[0m\x1b[?25h"
@@ -89,6 +97,59 @@ def no_control_echo(fd: int = 0) -> Iterator[None]:
         yield
     finally:
         _restore_echo()
+
+
+# Sent to the main thread only to interrupt its wait at the prompt; its handler does nothing.
+# Nothing else sends it to this process, and its default action is to ignore it (Go's runtime
+# takes it to interrupt threads for the same reasons).
+_WAKE = signal.SIGURG
+# How often the main thread is woken until its wait has ended: a wake that lands just before the
+# wait begins is lost as the signal was, and the next one ends it.
+_WAKE_EVERY_S = 0.05
+
+
+@contextmanager
+def interruptible_prompt() -> Iterator[None]:
+    """Around the chat's ``input()``: a signal received while it waits ends the wait.
+
+    Python's own handler also writes each signal's number to a pipe (``signal.set_wakeup_fd``) at
+    the moment it lands. A helper thread reading the pipe sends ``_WAKE`` to the main thread until
+    the wait has ended: an interrupted ``select()`` is where readline lets Python run the handler
+    that is still due (``KeyboardInterrupt`` for Ctrl+C). Where the handler has run already, the
+    wait goes on. Only in the main thread (elsewhere nothing changes).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    ended = threading.Event()
+    previous_handler = signal.signal(_WAKE, _ignore)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_wake_main_thread, args=(read_fd, ended, threading.main_thread().ident),
+                     name="llama-chat prompt waker", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(_WAKE, previous_handler)  # a wake still on its way is ignored now
+        ended.set()
+        os.close(write_fd)  # the helper reads to the end, then ends
+
+
+def _ignore(signum, frame) -> None:
+    pass
+
+
+def _wake_main_thread(read_fd: int, ended: threading.Event, main_thread: int) -> None:
+    try:
+        while signums := os.read(read_fd, 64):
+            if any(signum != _WAKE for signum in signums):
+                while not ended.is_set():
+                    signal.pthread_kill(main_thread, _WAKE)
+                    ended.wait(_WAKE_EVERY_S)
+    finally:
+        os.close(read_fd)
 
 
 def _restore_echo() -> None:

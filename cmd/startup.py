@@ -8,6 +8,10 @@ at once: an exception raised in the middle of importing an extension module can 
 numpy initialisation clears a pending exception, and the run then carries on as if nothing had
 happened) or leave a half-initialised module behind ("cannot load module more than once per
 process"). A recording handler is safe anywhere; the signal is acted on when the import is done.
+
+The import that brings torch in (``importing_torch``) also blocks the signals meanwhile and starts
+torch's threads before it ends, so that those threads never take a signal meant for the main
+thread (``inference/thread_signals.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from llama_chat.inference import thread_signals
 
 # The signals that end a run. SIGHUP: the terminal went away (or someone asked us to stop).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -66,6 +72,19 @@ def deferred_signals(*, exit_now: bool = False) -> Iterator[None]:
         if exit_now:
             exit_cancelled(received[0])
         raise exception_for(received[0])
+
+
+@contextmanager
+def importing_torch() -> Iterator[None]:
+    """``deferred_signals`` around the import of a command's modules, which brings torch in.
+
+    The signals are blocked in the block too, so that the threads the import starts (OpenBLAS's)
+    and the main thread's OpenMP helpers, started before it ends, inherit the block: afterwards
+    only the main thread takes them. One that came meanwhile is acted on as the block ends.
+    """
+    with deferred_signals(), thread_signals.blocked():
+        yield
+        thread_signals.start_native_threads()
 
 
 def ensure_std_fds() -> tuple[bool, bool, bool]:

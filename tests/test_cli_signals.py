@@ -18,7 +18,10 @@ import pytest
 
 from cli_support import ANSI, build_tiny_model, cli_env, json_result, llama_chat_command, run_cli
 from llama_chat.cmd import signals as cli_signals
+from llama_chat.cmd.batch import READ_AHEAD
 from llama_chat.cmd.sanitize import displayable
+from serve_support import start_server, stop_server
+from thread_masks import blocked_signals, threads_taking_signals
 
 LONG = ("-t", "0", "-n", "1000", "-p", "Once upon a time")
 # How long a test waits for something that must happen, on however busy a machine. No test here
@@ -173,6 +176,46 @@ def test_second_sigint_exits_at_once(tiny):
     # One signal ends with the summary (the test above); two exit at once, with no summary.
     assert err.strip().endswith(b"finish: cancelled (second signal, exiting now)"), err.decode()
     assert err.count(b"finish:") == 1 and b"Traceback" not in err
+
+
+@needs_proc
+@pytest.mark.parametrize("batch", [False, True], ids=["one-shot", "batch"])
+def test_only_the_main_thread_takes_signals(tiny, batch):
+    """Every other thread (the step thread, anyio's stdin reader, torch's helpers) blocks the
+    signals the main thread acts on (inference/thread_signals.py). Looked at while the command is
+    held writing its first text to a full pipe, with the batch reader waiting on an open stdin."""
+    if batch:
+        read_fd, write_fd, filled = full_pipe()
+        proc = start(tiny, "--batch", "-t", "0", "-n", "40", stdin=subprocess.PIPE, stdout=write_fd)
+        os.close(write_fd)
+        # More jobs than one trip of the reader takes: it takes the rest, then waits for more.
+        proc.stdin.write(b'{"prompt": "Once upon a time"}\n' * (READ_AHEAD + 2))
+        proc.stdin.flush()
+        wait_until(lambda: blocked_writing_a_pipe(proc), "the command is blocked writing its first result")
+    else:
+        proc, read_fd, filled = start_blocked_on_output(tiny, *LONG)
+    assert len(blocked_signals(proc.pid)) >= 2  # the main thread and the step thread at least
+    assert threads_taking_signals(proc.pid) == []
+    send_and_wait_taken(proc, signal.SIGINT)
+    if batch:
+        proc.stdin.close()
+    _, err = finish(proc, read_fd, filled)
+    assert proc.returncode == 130, err.decode()
+
+
+@needs_proc
+def test_only_the_main_thread_takes_signals_in_the_server(tiny):
+    """The same in ``llama-chat serve``, whose model is loaded in one of anyio's threads, after a
+    request; SIGTERM then still drains and ends it with status 0."""
+    server = start_server(tiny.path)
+    try:
+        reply = server.client().completions.create(model="tiny", prompt="Once upon a time", max_tokens=8)
+        assert reply.choices[0].text
+        assert len(blocked_signals(server.proc.pid)) >= 2
+        assert threads_taking_signals(server.proc.pid) == []
+    finally:
+        status = stop_server(server)
+    assert status == 0 and "stopped" in server.log(), server.log()
 
 
 def test_sigint_before_generation_starts(tiny):
