@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llama_chat.ml import packed, quantize
+from llama_chat.ml import half, packed, quantize
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
 
@@ -46,6 +46,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) ->
         return cpu_kernels.matvec(x, weight)
     if row_products:
         return (x.unsqueeze(-2) * weight).sum(-1)
+    if half.mixed(x, weight):  # a GGUF file's 16-bit weights under float32 rows
+        return half.product(x, weight)
     if _slow_half_matmul(x, weight):
         # Half-precision matrix products on a CPU without bf16/fp16 instructions run far slower
         # than float32's; converting the weight costs less than that once a chunk has rows.

@@ -9,7 +9,8 @@ threads spinning only while that token is computed. Two ways in:
 
 * ``Transformer.forward`` hands it a forward when ``takes`` says so: one token of one row, on the
   CPU, without gradients, over a ``KVCache``, with fused projections whose weights the operator
-  reads (float32, bfloat16, int8 with per-row scales, or GGUF's packed blocks: ``ml/packed.py``),
+  reads (float32, bfloat16, float16, int8 with per-row scales, or GGUF's packed blocks:
+  ``ml/packed.py``; a GGUF file's 16-bit weights are ``ml/half.py``'s layers),
   the operator loaded (``forward``);
 * the scheduler hands it a step of one-token rows over its page pool, each row with its own
   position and block table (``takes_rows``, ``forward_rows``).
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from llama_chat.ml import packed, quantize
+from llama_chat.ml import half, packed, quantize
 from llama_chat.ml.cpu import decode
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.cpu.decode import PANEL, Decoder, StepWeights
@@ -37,7 +38,8 @@ from llama_chat.model.formats.common import in_file_mapping, release_heap, relea
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache
 
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -148,7 +150,7 @@ def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None
         return packed.step_layout(layer)
     if isinstance(layer, quantize.Int8Linear):
         return layer.weight, layer.scales
-    if type(layer) is nn.Linear and layer.bias is None and layer.weight.dtype in WEIGHT_DTYPES:
+    if type(layer) in (nn.Linear, half.HalfLinear) and layer.bias is None and layer.weight.dtype in WEIGHT_DTYPES:
         return layer.weight, None
     return None
 
@@ -156,6 +158,11 @@ def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None
 def supports(model: nn.Module) -> bool:
     """Whether ``model``'s one-token CPU steps will go to the operator (fused or not yet)."""
     if not cpu_kernels.loaded():
+        return False
+    # Engines make the cache in the dtype of the first parameter (a norm, where the matrices are
+    # a file's blocks or 16-bit values): one the step cannot read keeps the layers.
+    first = next(model.parameters(), None)
+    if first is None or first.dtype not in CACHE_DTYPES:
         return False
     for layer in model.layers:
         attention, ffn = layer.attention, layer.feed_forward
@@ -280,7 +287,7 @@ def takes(model: nn.Module, tokens: torch.Tensor, cache) -> bool:
     if not (tokens.shape == (1, 1) and tokens.device.type == "cpu" and type(cache) is KVCache
             and not torch.is_grad_enabled() and cpu_kernels.loaded()):
         return False
-    return _weights_of(model) is not None and cache.keys[0].dtype in WEIGHT_DTYPES
+    return _weights_of(model) is not None and cache.keys[0].dtype in CACHE_DTYPES
 
 
 @dataclass
@@ -320,7 +327,7 @@ def decoder(model: nn.Module, cache: KVCache) -> Decoder:
 def takes_rows(model: nn.Module, cache) -> bool:
     """Whether ``forward_rows`` can run one-token rows of ``model`` over the paged ``cache``."""
     return (isinstance(cache, PagedKVCache) and cache.device.type == "cpu" and cpu_kernels.loaded()
-            and not torch.is_grad_enabled() and cache.keys[0].dtype in WEIGHT_DTYPES
+            and not torch.is_grad_enabled() and cache.keys[0].dtype in CACHE_DTYPES
             and _weights_of(model) is not None)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from llama_chat.ml import controls
+from llama_chat.ml.half import HalfEmbedding, HalfLinear
 from llama_chat.ml.packed import PACKABLE, PackedEmbedding, PackedLinear, PackedWeight, block_layout, pack, row_bytes
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.chat_format import ChatFormat
@@ -43,8 +44,9 @@ GGUF = "gguf"
 # 131072, whose KV cache alone would be 16 GiB for an 8B model. Ask for more with max_seq_len.
 DEFAULT_MAX_SEQ_LEN = 4096
 
-# Projections whose outputs the model concatenates (``Transformer.fuse_projections``): kept packed
-# only all together, since a fused layer is all blocks or all floats.
+# Projections whose outputs the model concatenates (``Transformer.fuse_projections``): kept as the
+# file's only all together and in one form (blocks, or 16-bit values of one dtype), since a fused
+# layer is all blocks, all 16-bit or all float32.
 _FUSED_GROUPS = (("attention.wq", "attention.wk", "attention.wv"), ("feed_forward.w1", "feed_forward.w3"))
 
 
@@ -57,7 +59,7 @@ class LoadedModel:
     path: Path
     name: str
     device: torch.device
-    dtype: torch.dtype  # of the float weights (norms, and any projection not kept in blocks)
+    dtype: torch.dtype  # of the float weights (norms, and any matrix not kept as the file's)
     layout: str  # "meta" | "hf" | "llama2c" | "gguf"
     file_type: str | None = None  # a GGUF file's own name for its quantization: "Q4_K_M"
 
@@ -69,8 +71,9 @@ class LoadedModel:
 @dataclass(frozen=True)
 class WeightsSummary:
     """What a model's weights are, for reports: ``format`` names the matrices' form ("Q4_K_M,
-    packed q4_k+q6_k", "int8", "float32"; a GGUF file's own type name first), ``nbytes`` what its
-    tensors take in memory (a memory-mapped file's counted whole, as its pages are once read)."""
+    packed q4_k+q6_k", "F16, float16", "int8", "float32"; a GGUF file's own type name first),
+    ``nbytes`` what its tensors take in memory (a memory-mapped file's counted whole, as its pages
+    are once read)."""
 
     format: str
     nbytes: int
@@ -165,8 +168,10 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
 
     A GGUF file on the CPU with ``dtype`` "auto" and no ``quantize`` keeps its quantized matrices
     as the file's blocks (``PackedLinear``, ``PackedEmbedding`` over views of its memory map: no
-    copy), for every kind ``ml/packed.py`` multiplies; other kinds are expanded to float32. A
-    ``dtype`` given explicitly expands them all.
+    copy), for every kind ``ml/packed.py`` multiplies, and its F16 and BF16 matrices as the file's
+    16-bit values (``HalfLinear``, ``HalfEmbedding``: ``ml/half.py``), under float32 norms,
+    activations and cache; other kinds are expanded to float32. A ``dtype`` given explicitly
+    expands or converts them all.
     Every problem with the files raises ``ModelLoadError`` with a one-line message.
     """
     if quantize not in controls.QUANTIZE_MODES:
@@ -269,7 +274,7 @@ def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtyp
     but without ever holding that float model: the peak is the quantized model, the float
     embedding and one float projection. With ``keep_blocks`` (a GGUF file on the CPU), the
     matrices ``_kept_blocks`` names are not realised at all: they become packed layers over the
-    file's own bytes.
+    file's own bytes (quantized blocks as packed layers, 16-bit matrices as ``ml/half.py``'s).
     """
     total = sum(t.numel() * t.element_size() for t in state.values())
     done = 0
@@ -277,7 +282,8 @@ def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtyp
         on_progress(0, total)
     kept = _kept_blocks(state, quantize) if keep_blocks or quantize in PACKABLE else {}
     moved: dict[str, torch.Tensor] = {}
-    layers: dict[str, Int8Weight | PackedWeight] = {}  # what becomes an Int8Linear or a packed layer
+    # What becomes an Int8Linear, a packed layer or a 16-bit one (a tensor: ``ml/half.py``).
+    layers: dict[str, Int8Weight | PackedWeight | torch.Tensor] = {}
     for name in list(state):
         tensor = state.pop(name)
         done += tensor.numel() * tensor.element_size()
@@ -298,15 +304,18 @@ def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtyp
         if on_progress is not None:
             on_progress(done, total)
     if args.tie_embeddings:
-        # The module lists the tied projection as its own key; it is the embedding itself: its
-        # blocks, or the float tensor (quantized, a copy: the lookup reads a row, the classifier
-        # reads them all).
-        embedding = layers.get("tok_embeddings.weight", moved.get("tok_embeddings.weight"))
-        quantized = None if isinstance(embedding, PackedWeight) else _quantized(embedding, quantize)
-        if isinstance(embedding, PackedWeight) or quantized is not None:
-            layers["output.weight"] = embedding if quantized is None else quantized
+        # The module lists the tied projection as its own key; it is the embedding itself: the
+        # file's blocks or 16-bit values, or the float tensor (quantized, a copy: the lookup
+        # reads a row, the classifier reads them all).
+        if "tok_embeddings.weight" in layers:
+            layers["output.weight"] = layers["tok_embeddings.weight"]
         else:
-            moved["output.weight"] = embedding
+            embedding = moved["tok_embeddings.weight"]
+            quantized = _quantized(embedding, quantize)
+            if quantized is not None:
+                layers["output.weight"] = quantized
+            else:
+                moved["output.weight"] = embedding
     with torch.device("meta"), _SkipRandomInit():
         model = Transformer(args)
     model.load_state_dict(moved, assign=True, strict=not layers)
@@ -315,32 +324,45 @@ def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtyp
         setattr(parent, attr, _layer(weight, embedding=name == "tok_embeddings.weight"))
     if "output.weight" not in layers:
         model.tie_weights()
-    model.to(device=device, dtype=dtype)  # a no-op for the weights; kept so buffers follow too
+    if any(isinstance(w, torch.Tensor) for w in layers.values()):
+        model.to(device=device)  # a cast would expand the 16-bit layers; the rest is in dtype already
+    else:
+        model.to(device=device, dtype=dtype)  # a no-op for the weights; kept so buffers follow too
     model.requires_grad_(False)
     return model.eval()
 
 
-def _kept_blocks(state: dict[str, Weight], quantize: str) -> dict[str, PackedWeight]:
-    """The GGUF matrices kept as the file's blocks: with ``quantize`` "none", the projections, the
-    classifier and the embedding of every kind ``ml/packed.py`` multiplies; with "q8_0" or "q4_0",
-    the projections and classifier already of that kind. Projections the model fuses are kept
-    only all together (a fused layer is all blocks or all floats)."""
-    from llama_chat.model.formats.gguf import Dequantized
+def _kept_blocks(state: dict[str, Weight], quantize: str) -> dict[str, PackedWeight | torch.Tensor]:
+    """The GGUF matrices kept as the file's: with ``quantize`` "none", the projections, the
+    classifier and the embedding, as blocks for every kind ``ml/packed.py`` multiplies and as
+    16-bit values for F16 and BF16 (``ml/half.py``); with "q8_0" or "q4_0", the projections and
+    classifier already of that kind. Projections the model fuses are kept only all together and
+    in one form (a fused layer is all blocks, all 16-bit of one dtype or all float32)."""
+    from llama_chat.model.formats.gguf import Converted, Dequantized
 
-    kept = {}
+    kept: dict[str, PackedWeight | torch.Tensor] = {}
     for name, weight in state.items():
         wanted = _is_projection(name) or (quantize == "none" and name == "tok_embeddings.weight")
+        found = None
         if wanted and isinstance(weight, Dequantized) and quantize in ("none", weight.kind):
-            blocks = weight.packed()
-            if blocks is not None:
-                kept[name] = blocks
+            found = weight.packed()
+        elif wanted and isinstance(weight, Converted) and quantize == "none":
+            found = weight.kept()
+        if found is not None:
+            kept[name] = found
     for name in list(kept):
         for group in _FUSED_GROUPS:
             member = next((m for m in group if name.endswith(f".{m}.weight")), None)
             layer = name[:-len(f"{member}.weight")] if member else ""
-            if member and any(f"{layer}{m}.weight" not in kept for m in group):
+            names = [f"{layer}{m}.weight" for m in group]
+            if member and (any(n not in kept for n in names) or len({_form(kept[n]) for n in names}) > 1):
                 del kept[name]
     return kept
+
+
+def _form(weight: PackedWeight | torch.Tensor) -> str:
+    """What a kept matrix becomes: packed blocks (of any kinds: they fuse), or 16-bit values of a dtype."""
+    return "packed" if isinstance(weight, PackedWeight) else str(weight.dtype)
 
 
 def _quantized(weight: torch.Tensor, quantize: str) -> Int8Weight | PackedWeight | None:
@@ -370,9 +392,11 @@ def _pack_rows(kind: str, weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(kind, out, cols)
 
 
-def _layer(weight: Int8Weight | PackedWeight, *, embedding: bool) -> torch.nn.Module:
+def _layer(weight: Int8Weight | PackedWeight | torch.Tensor, *, embedding: bool) -> torch.nn.Module:
     if isinstance(weight, PackedWeight):
         return PackedEmbedding(weight) if embedding else PackedLinear(weight)
+    if isinstance(weight, torch.Tensor):  # a file's 16-bit values
+        return HalfEmbedding(weight) if embedding else HalfLinear(weight)
     from llama_chat.ml.quantize import Int8Linear
 
     return Int8Linear(weight)

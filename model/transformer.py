@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama_chat.ml import ops, packed, quantize
+from llama_chat.ml import half, ops, packed, quantize
 from llama_chat.model import cpu_decode, interrupt
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.formats.common import release_pages
@@ -128,6 +128,11 @@ def _fused_linear(*parts: nn.Module) -> nn.Module:
         fused = packed.fuse(list(parts))
         for part in parts:  # a file's blocks, now copied: their pages are not read again
             release_pages(part.data)
+        return fused
+    if all(isinstance(p, half.HalfLinear) and p.weight.dtype == parts[0].weight.dtype for p in parts):
+        fused = half.fuse(list(parts))
+        for part in parts:  # as for blocks: a file's 16-bit weights, now copied
+            release_pages(part.weight)
         return fused
     weight = torch.cat([p.weight.detach() for p in parts])
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")

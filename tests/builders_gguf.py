@@ -456,7 +456,7 @@ def write_gguf(path: Path, hf_state: dict[str, torch.Tensor], config: dict, *, q
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type(int(qtype) if qtype in (T.F32, T.F16) else 7)
+    writer.add_file_type({T.F32: 0, T.F16: 1, T.BF16: 32}.get(qtype, 7))  # llama_ftype: MOSTLY_BF16 is 32
     if sp_model is not None:
         add_sentencepiece_vocab(writer, sp_model, config["vocab_size"])
     if tiktoken_file is not None:

@@ -286,8 +286,8 @@ Matrix matrix_of(const char* what, int64_t layer, const at::Tensor& w, const std
   TORCH_CHECK(w.size(0) == n && w.size(1) == k, "decode_step: ", what, " of layer ", layer, " is ", w.size(0), "x",
               w.size(1), ", expected ", n, "x", k);
   const auto type = w.scalar_type();
-  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kChar, "decode_step: ", what,
-              " has weights of type ", type);
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf || type == at::kChar,
+              "decode_step: ", what, " has weights of type ", type);
   Matrix m;
   m.data = w.data_ptr();
   m.type = type;
@@ -398,6 +398,9 @@ void range_products(const Matrix& m, const Inputs& in, int64_t first, int64_t st
       break;
     case at::kBFloat16:
       range_of<Add>(static_cast<const uint16_t*>(m.data), m, in, first, stop, out, row_stride);
+      break;
+    case at::kHalf:
+      range_of<Add>(static_cast<const F16*>(m.data), m, in, first, stop, out, row_stride);
       break;
     default:
       range_of<Add>(static_cast<const int8_t*>(m.data), m, in, first, stop, out, row_stride);

@@ -1,5 +1,9 @@
 // Dot products of one float32 row against weight rows of each storage type, shared by the
-// products (kernels.cpp) and the one-call decode step (decode.cpp).
+// products (kernels.cpp) and the one-call decode step (decode.cpp). The storage types: float32,
+// bfloat16 (uint16_t), float16 (F16) and int8. 16-bit weights are converted exactly to float32
+// and every product is summed in float32, so a 16-bit weight row gives the bits its float32
+// conversion gives wherever the two are summed in the same order (every path but the 512-bit
+// float16 one below, which sums sixteen lanes where the others sum eight).
 #pragma once
 
 #include <algorithm>
@@ -8,8 +12,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 #define LLAMA_CHAT_AVX2 1
 #endif
 
@@ -20,6 +26,51 @@ inline float bf16_to_float(uint16_t v) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// A float16 (IEEE binary16) weight as its bits: a type of its own, so that the products pick its
+// conversion by overload as they pick bfloat16's by uint16_t.
+struct F16 {
+  uint16_t bits;
+};
+
+// Exact: every float16 value, subnormals, infinities and NaNs included, is a float32 value.
+inline float f16_to_float(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu,
+                 mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: mantissa * 2^-24, normalized
+    uint32_t m = mantissa, e = 113;
+    while (!(m & 0x400u)) {
+      m <<= 1;
+      --e;
+    }
+    bits = sign | (e << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// a * b + c, fused where the build has fused multiply-adds, else two roundings: the tails below
+// spell it out, since whether the compiler fuses an expression written a * b + c depends on its
+// context, and a float32 and a float16 row of the same values must be summed alike.
+inline float madd(float a, float b, float c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
 }
 
 #ifdef LLAMA_CHAT_AVX2
@@ -39,10 +90,20 @@ inline __m256 load8(const int8_t* w) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
+inline __m256 load8(const F16* w) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+#else
+  float v[8];
+  for (int i = 0; i < 8; ++i) v[i] = f16_to_float(w[i].bits);
+  return _mm256_loadu_ps(v);
+#endif
+}
 #endif
 
 inline float scalar(float w) { return w; }
 inline float scalar(uint16_t w) { return bf16_to_float(w); }
+inline float scalar(F16 w) { return f16_to_float(w.bits); }
 inline float scalar(int8_t w) { return static_cast<float>(w); }
 
 // One weight row against one input row. Four independent accumulators keep the multiply-adds
@@ -68,7 +129,7 @@ inline float dot(const float* x, const W* w, int64_t k) {
     for (int j = 0; j < 8; ++j) acc[j] += x[i + j] * scalar(w[i + j]);
   for (int j = 0; j < 8; ++j) sum += acc[j];
 #endif
-  for (; i < k; ++i) sum += x[i] * scalar(w[i]);
+  for (; i < k; ++i) sum = madd(x[i], scalar(w[i]), sum);
   return sum;
 }
 
@@ -100,7 +161,7 @@ inline void dot4(const float* x, int64_t stride, const W* w, int64_t k, float* o
 #endif
   for (; i < k; ++i) {
     const float wi = scalar(w[i]);
-    for (int r = 0; r < 4; ++r) sums[r] += x[r * stride + i] * wi;
+    for (int r = 0; r < 4; ++r) sums[r] = madd(x[r * stride + i], wi, sums[r]);
   }
   for (int r = 0; r < 4; ++r) out[r] = sums[r];
 }
@@ -131,7 +192,7 @@ inline void dot3x4(const float* x, int64_t stride, const W* w, int64_t k, float*
     const W* wq = w + q * k;
     for (int64_t t = i; t < k; ++t) {
       const float wt = scalar(wq[t]);
-      for (int r = 0; r < 4; ++r) sums[r] += x[r * stride + t] * wt;
+      for (int r = 0; r < 4; ++r) sums[r] = madd(x[r * stride + t], wt, sums[r]);
     }
     for (int r = 0; r < 4; ++r) out[q * 4 + r] = sums[r];
   }
@@ -139,6 +200,76 @@ inline void dot3x4(const float* x, int64_t stride, const W* w, int64_t k, float*
   for (int q = 0; q < 3; ++q) dot4(x, stride, w + q * k, k, out + 4 * q);
 #endif
 }
+
+#ifdef __AVX512F__
+// float16 weights in 512-bit vectors: sixteen converted by one instruction (vcvtph2ps), half the
+// instructions per weight of the eight-wide templates above, which counts where a product is
+// bound by the core (several input rows) rather than by reading the weights. These overloads
+// are taken over the templates; they sum as the templates do, in sixteen lanes instead of eight
+// (the order of additions a float32 row of the same values takes differs: see the header's
+// opening comment), and dot3x4's sums are dot4's to the bit.
+inline __m512 load16(const F16* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+
+inline float dot(const float* x, const F16* w, int64_t k) {
+  int64_t i = 0;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (; i + 64 <= k; i += 64) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load16(w + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16), load16(w + i + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 32), load16(w + i + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 48), load16(w + i + 48), a3);
+  }
+  for (; i + 16 <= k; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), load16(w + i), a0);
+  float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  for (; i < k; ++i) sum = madd(x[i], f16_to_float(w[i].bits), sum);
+  return sum;
+}
+
+inline void dot4(const float* x, int64_t stride, const F16* w, int64_t k, float* out) {
+  int64_t i = 0;
+  __m512 a[4];
+  for (auto& v : a) v = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m512 wi = load16(w + i);
+    for (int r = 0; r < 4; ++r) a[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * stride + i), wi, a[r]);
+  }
+  float sums[4];
+  for (int r = 0; r < 4; ++r) sums[r] = _mm512_reduce_add_ps(a[r]);
+  for (; i < k; ++i) {
+    const float wi = f16_to_float(w[i].bits);
+    for (int r = 0; r < 4; ++r) sums[r] = madd(x[r * stride + i], wi, sums[r]);
+  }
+  for (int r = 0; r < 4; ++r) out[r] = sums[r];
+}
+
+inline void dot3x4(const float* x, int64_t stride, const F16* w, int64_t k, float* out) {
+  int64_t i = 0;
+  __m512 a[12];
+  for (auto& v : a) v = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m512 w0 = load16(w + i), w1 = load16(w + k + i), w2 = load16(w + 2 * k + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 xr = _mm512_loadu_ps(x + r * stride + i);
+      a[r] = _mm512_fmadd_ps(xr, w0, a[r]);
+      a[4 + r] = _mm512_fmadd_ps(xr, w1, a[4 + r]);
+      a[8 + r] = _mm512_fmadd_ps(xr, w2, a[8 + r]);
+    }
+  }
+  for (int q = 0; q < 3; ++q) {
+    float sums[4];
+    for (int r = 0; r < 4; ++r) sums[r] = _mm512_reduce_add_ps(a[4 * q + r]);
+    const F16* wq = w + q * k;
+    for (int64_t t = i; t < k; ++t) {
+      const float wt = f16_to_float(wq[t].bits);
+      for (int r = 0; r < 4; ++r) sums[r] = madd(x[r * stride + t], wt, sums[r]);
+    }
+    for (int r = 0; r < 4; ++r) out[q * 4 + r] = sums[r];
+  }
+}
+#endif
 
 // int8 weights against activations rounded to 15-bit integers (one scale per input row): the
 // products of pairs are summed in 32-bit integers by one instruction (vpmaddwd), two to three

@@ -1,6 +1,7 @@
-// Matrix-vector products for decode steps on the CPU: out = x @ w.T, times a scale per output row
-// for int8 weights. A decode step multiplies one row (or a few) by every weight once, so the
-// speed is how fast the weight is read. PyTorch's kernels for these shapes read the weights well
+// Matrix-vector products for decode steps on the CPU: out = x @ w.T for float32, bfloat16,
+// float16 or int8 weights (dot.h states the numerics), times a scale per output row for int8
+// ones. A decode step multiplies one row (or a few) by every weight once, so the speed is how
+// fast the weight is read. PyTorch's kernels for these shapes read the weights well
 // below the memory's speed, bfloat16 ones most of all for several rows, and these come nearer it
 // (docs/benchmarks.md, "CPU decode products"): each output row is a dot product over one
 // contiguous weight row, with several accumulators, and the rows are split among threads.
@@ -117,6 +118,9 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::opti
       break;
     case at::kBFloat16:
       products(xs, reinterpret_cast<const uint16_t*>(weight.data_ptr()), scale, o, rows, k, n);
+      break;
+    case at::kHalf:
+      products(xs, reinterpret_cast<const F16*>(weight.data_ptr()), scale, o, rows, k, n);
       break;
     case at::kChar:
 #ifdef LLAMA_CHAT_AVX2

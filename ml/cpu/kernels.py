@@ -5,7 +5,8 @@ well below the memory's speed, bfloat16 and int8 ones most of all on CPUs withou
 AVX-512 instructions (``benchmarks/bench_cpu_kernels.py``; docs/benchmarks.md, "Products: the
 operator's, MKL's and oneDNN's"). ``kernels.cpp`` is one operator,
 ``torch.ops.llama_chat_cpu.matvec(x, weight, scales=None)``: ``x @ weight.T`` (times ``scales``
-per output row) for float32, bfloat16 and int8 weights and a few rows of ``x``, in ``x``'s dtype.
+per output row) for float32, bfloat16, float16 and int8 weights and a few rows of ``x``, in ``x``'s
+dtype (``dot.h`` states the numerics: 16-bit weights converted exactly, float32 sums).
 It is compiled with the machine's C++ compiler (``$CXX``, else ``c++``), the one inductor uses too,
 against the installed
 torch, for this CPU (``-march=native``), into ``~/.cache/llama-chat/kernels`` (or
@@ -30,9 +31,9 @@ SIGBUS when it is mapped):
 The API other modules use:
 
 * ``prepare(model, quantize)``: build or load the operator when ``model`` has CPU weights it is
-  for (bfloat16, int8, or float32 in models of 10 M parameters or more); returns whether it is
-  loaded. Engines and schedulers call it, so whether
-  a product takes the operator is settled before the first token.
+  for (16-bit, int8, packed blocks, or float32 in models of 10 M parameters or more); returns
+  whether it is loaded. Engines and schedulers call it, so whether a product takes the operator
+  is settled before the first token.
 * ``wanted(model, quantize)`` and ``cached()``: whether ``prepare`` would build, so the command
   can say so. A build that failed leaves a ``.failed`` note beside where the file would be, with
   the reason, and is not tried again for the same source, torch and CPU.
@@ -75,7 +76,8 @@ DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
 MAX_ROWS = 16
 MAX_INT8_ROWS = 8
 BUILD_TIMEOUT_S = 300
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8)
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # the 16-bit float weights (ml/half.py)
 # Smaller float32 models do not build the operator for themselves: their decode steps are short
 # whatever the product, and a first run would wait for the build. They take it when it is loaded anyway.
 MIN_FLOAT32_PARAMETERS = 10_000_000
@@ -111,8 +113,9 @@ def failed_before() -> bool:
 
 
 def wanted(model: torch.nn.Module, quantize: str = "none") -> bool:
-    """Whether ``model`` has CPU weights the operator is for: bfloat16 or int8 ones (or int8 asked
-    for with ``quantize``), or float32 ones in a model of ``MIN_FLOAT32_PARAMETERS`` or more."""
+    """Whether ``model`` has CPU weights the operator is for: 16-bit or int8 ones (or int8 asked
+    for with ``quantize``), packed blocks, or float32 ones in a model of ``MIN_FLOAT32_PARAMETERS``
+    or more."""
     if not enabled():
         return False
     params = [p for p in model.parameters() if p.device.type == "cpu"]
@@ -122,7 +125,8 @@ def wanted(model: torch.nn.Module, quantize: str = "none") -> bool:
         return True
     if any(b.dtype == torch.uint8 for b in model.buffers()):  # packed quant blocks (ml/packed.py)
         return True
-    if any(p.dtype == torch.bfloat16 for p in params):
+    # 16-bit weights: parameters (``--dtype bfloat16``), or a GGUF file's own (ml/half.py's buffers)
+    if any(t.dtype in HALF_DTYPES for t in (*params, *model.buffers())):
         return True
     return sum(p.numel() for p in params if p.dtype == torch.float32) >= MIN_FLOAT32_PARAMETERS
 

@@ -5,10 +5,12 @@ The header is parsed by ``gguf_header.py`` (why not with ``GGUFReader``: see the
 plain Python values, checked as they are used; tensor data is mapped once with ``torch.from_file``
 (a private mapping: nothing done to a tensor can reach the file) and every weight is a view of
 that mapping, so nothing is read until a weight is realised. F32 weights loaded as float32 on the
-CPU are the mapping itself; F16/BF16 are converted per tensor; block-quantized weights are either
-kept as the file's blocks (``Dequantized.packed``: the loader's default on the CPU for the kinds
-``ml/packed.py`` multiplies) or expanded row chunk by row chunk straight into their final tensor
-(``Dequantized.realize``), so the peak beyond the model is one chunk.
+CPU are the mapping itself; F16/BF16 matrices are either kept as the file's 16-bit values
+(``Converted.kept``: the loader's default on the CPU, for ``ml/half.py``'s layers) or converted
+per tensor; block-quantized weights are either kept as the file's blocks (``Dequantized.packed``:
+the loader's default on the CPU for the kinds ``ml/packed.py`` multiplies) or expanded row chunk
+by row chunk straight into their final tensor (``Dequantized.realize``), so the peak beyond the
+model is one chunk.
 
 Rotary layout: llama.cpp's converter permutes Hugging Face's q/k rows back into Meta's
 interleaved order (its ``LlamaModel.permute``), which is the order our model uses, so GGUF
@@ -299,7 +301,8 @@ class Dequantized(Deferred):
 
 
 class Converted(Deferred):
-    """An F16/BF16 weight, converted a chunk of rows at a time straight into its final tensor.
+    """An F16/BF16 weight, converted a chunk of rows at a time straight into its final tensor, or
+    kept as the file's values (``kept``).
 
     Like ``Dequantized``: each chunk's file pages are given back once copied, so a float16 file
     loaded as float32 costs the float32 model plus one chunk, not the file as well.
@@ -309,6 +312,12 @@ class Converted(Deferred):
         self.source = source
         self.shape = source.shape
         self.dtype = source.dtype
+
+    def kept(self) -> torch.Tensor | None:
+        """The matrix as the file's 16-bit values where they lie (a view of the mapping: nothing is
+        copied or read until a product touches it), for ``ml/half.py``'s layers; None for a tensor
+        that is not a matrix."""
+        return self.source if self.source.dim() == 2 else None
 
     def realize(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         if device.type == "cpu" and dtype == self.dtype:
