@@ -248,6 +248,7 @@ def gather(model: nn.Module) -> DecodeWeights | None:
     if not _readable(model):
         return None
     _to_large_pages([p for layer in model.layers for p in _projections(layer)] + [model.output])
+    model.tie_weights()  # a tied packed embedding reads the moved classifier's blocks
     weights: list[torch.Tensor] = []
     scales: list[torch.Tensor | None] = []
     norms: list[torch.Tensor] = []

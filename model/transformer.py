@@ -15,6 +15,16 @@ from llama_chat.model.formats.common import release_pages
 from llama_chat.model.kv_cache import KVCache
 
 
+# A forward over a CPU cache takes a long run of tokens in pieces whose activations hold at most
+# this share of the model's weights' bytes (``Transformer.rows_per_forward``): the memory rule's
+# slack over a file's size (docs/benchmarks.md, "Packed blocks").
+PROMPT_MEMORY_SHARE = 0.1
+# Never pieces shorter than this (the CPU engine's first prefill chunk): each reads every weight.
+FEWEST_PIECE_ROWS = 64
+# Piece lengths are multiples of this (the packed products take sixteen rows at a time).
+PIECE_STEP = 16
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -117,7 +127,11 @@ class FeedForward(nn.Module):
             gate, up = ops.project(x, self.w13, row_products).chunk(2, dim=-1)
         else:
             gate, up = ops.project(x, self.w1, row_products), ops.project(x, self.w3, row_products)
-        return ops.project(F.silu(gate) * up, self.w2, row_products)
+        # The product in place and the gate and up rows let go before the last projection: a
+        # prompt's widest moment in a layer holds three hidden rows a token rather than four.
+        hidden = F.silu(gate).mul_(up)
+        del gate, up
+        return ops.project(hidden, self.w2, row_products)
 
 
 def _fused_linear(*parts: nn.Module) -> nn.Module:
@@ -172,10 +186,20 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the output projection when the checkpoint ties them.
 
-        Called again after loading with ``assign=True``, which replaces the parameters.
+        Called again after loading with ``assign=True``, which replaces the parameters, and after
+        a packed classifier's blocks move (``cpu_decode``'s large pages): the lookups then read the
+        moved blocks, where the file's would be paged in again beside them, the table resident twice.
+        A classifier that is its own copy (quantized at load) stays apart.
         """
-        if self.args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        if not self.args.tie_embeddings:
+            return
+        embedding, output = self.tok_embeddings, self.output
+        if isinstance(embedding, packed.PackedEmbedding):
+            if (isinstance(output, packed.PackedLinear) and output.kind == embedding.kind
+                    and output.data.shape == embedding.data.shape):
+                embedding.data = output.data
+        elif type(output) is nn.Linear:
+            output.weight = embedding.weight
 
     def fuse_projections(self) -> None:
         """Concatenate q/k/v and the two SwiGLU input projections, layer by layer, in place.
@@ -237,17 +261,57 @@ class Transformer(nn.Module):
             layout = StepLayout.over_whole_cache(positions, window or cache.max_seq_len, row_products=row_products)
         else:
             layout = self._layout(positions, cache)
-        h = self.tok_embeddings(tokens)
-        rope = ops.rope_at(self.rope_table(device), positions)
-        for i, layer in enumerate(self.layers):
-            if not static:
-                interrupt.check()  # between two layers: a long prefill stops soon after a cancel
-            h = layer(h, rope, layout, cache, i)
+            rows = self._piece_rows(layout, seq, device) if last_only else None
+            if rows is not None:
+                # The earlier pieces leave only their keys and values in the cache.
+                last = (seq - 1) // rows * rows
+                for start in range(0, last, rows):
+                    piece = positions[:, start:start + rows]
+                    self._hidden(tokens[:, start:start + rows], piece, self._layout(piece, cache), cache)
+                tokens, positions = tokens[:, last:], positions[:, last:]
+                layout = self._layout(positions, cache)
+        h = self._hidden(tokens, positions, layout, cache)
         if last_only:
             h = h[:, -1:, :]
         elif logits_at is not None:
             h = h[:, logits_at, :]
         return ops.project(self.norm(h), self.output, layout.row_products).float()
+
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout,
+                cache: KVCache | None) -> torch.Tensor:
+        """The last layer's output for ``tokens``, their keys and values written into ``cache``."""
+        h = self.tok_embeddings(tokens)
+        rope = ops.rope_at(self.rope_table(tokens.device), positions)
+        for i, layer in enumerate(self.layers):
+            if not layout.whole_cache:  # a static step is compiled: no host calls in it
+                interrupt.check()  # between two layers: a long prefill stops soon after a cancel
+            h = layer(h, rope, layout, cache, i)
+        return h
+
+    def rows_per_forward(self) -> int:
+        """The most tokens of a run that one pass over the layers takes on the CPU (``forward``).
+
+        A prompt's activations in a layer do not grow with the weights: a small model's long
+        chunk would hold more of them, and of the C heap's free pieces they leave, than its whole
+        file's share of the memory rule allows (docs/benchmarks.md, "Packed blocks"). A pass holds
+        ``PROMPT_MEMORY_SHARE`` of the weights' bytes at most, in float32 rows of the widest moment
+        of a layer (the residual, its norm and the feed-forward's three hidden rows), and never
+        fewer than ``FEWEST_PIECE_ROWS`` tokens: every pass reads all the weights.
+        """
+        weights = sum(t.numel() * t.element_size() for t in (*self.parameters(), *self.buffers()))
+        per_token = 4 * (3 * self.args.dim + 3 * self.args.hidden_dim)
+        fit = int(weights * PROMPT_MEMORY_SHARE) // per_token // PIECE_STEP * PIECE_STEP
+        return max(FEWEST_PIECE_ROWS, fit)
+
+    def _piece_rows(self, layout: StepLayout, seq: int, device: torch.device) -> int | None:
+        """Tokens per pass when a run of ``seq`` over a CPU cache goes in pieces, else None."""
+        if layout.contiguous_from is None or device.type != "cpu" or seq <= FEWEST_PIECE_ROWS:
+            return None  # no cache, rows at positions of their own, a GPU (the rule is the host's), short
+        most = self.rows_per_forward()
+        if seq <= most:
+            return None
+        pieces = -(-seq // most)
+        return min(most, -(-seq // pieces) + PIECE_STEP - 1) // PIECE_STEP * PIECE_STEP
 
     def _layout(self, positions: torch.Tensor, cache: KVCache | None) -> StepLayout:
         batch, seq = positions.shape
