@@ -2,7 +2,25 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def zeros(shape: tuple[int, ...], *, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of zeros that, on the CPU, takes memory only where it is written.
+
+    A cache is made for the whole context and a conversation seldom fills it. ``torch.zeros``
+    writes every page; a fresh private anonymous mapping reads as zeros and is resident page by
+    page as positions are written (like mlx-lm's cache, which grows as the positions come). Reading
+    an unwritten page (a static step attends over the whole cache) maps the kernel's zero page.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    # The tensor holds the mapping: it is unmapped when the last view of it goes.
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
 
 
 class KVCache:
@@ -16,8 +34,8 @@ class KVCache:
     def __init__(self, n_layers: int, rows: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
                  *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         shape = (rows, n_kv_heads, max_seq_len, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.keys = [zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.max_seq_len = max_seq_len
 
     @classmethod
