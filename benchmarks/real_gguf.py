@@ -360,11 +360,11 @@ def llama_cpp_generate(tools: dict[str, Path], gguf: Path, raw_prompt: str, n: i
     """llama.cpp's greedy continuation of ``raw_prompt`` (bos added, as the vocabulary asks)."""
     r = subprocess.run([str(tools["llama-completion"]), "-m", str(gguf), "-p", raw_prompt, "-n", str(n),
                         "--temp", "0", "-no-cnv", "--no-display-prompt", "-t", str(threads), "-c", str(PPL_CTX),
-                        "--seed", "0", "--no-warmup", "--simple-io", "--log-disable"],
+                        "--seed", "0", "--no-warmup", "--simple-io"],
                        capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if r.returncode:
         raise PeerError(f"llama-completion failed on {gguf.name}: {r.stderr.strip()[-400:]}")
-    return r.stdout.removesuffix("\n").removesuffix(" [end of text]")
+    return r.stdout.rstrip("\n").removesuffix(" [end of text]")
 
 
 def divergence(text: str, ref: str) -> str:
@@ -379,6 +379,39 @@ def token_divergence(ids: list[int], ref: list[int]) -> str:
         return f"{len(ids)} tokens equal"
     n = next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
     return f"first {n} of {len(ref)} tokens equal"
+
+
+_LOADED: dict = {}
+
+
+def float32_model(path: Path):
+    """``path`` loaded in float32 (a GGUF file's blocks expanded exactly), kept for the run."""
+    from llama_chat.model.loader import load_model
+
+    if path not in _LOADED:
+        _LOADED[path] = load_model(path, device="cpu", dtype="float32")
+    return _LOADED[path]
+
+
+def parting(path: Path, prompt: str, template: str, ref: list[int], other: list[int]) -> str:
+    """Where two greedy runs part, how ``path``'s weights in float32 rank the two tokens: a near
+    tie shows as probabilities close to each other."""
+    import torch
+
+    from llama_chat.model.chat_format import Message
+
+    n = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), None)
+    if n is None:
+        return ""
+    loaded = float32_model(path)
+    tok = loaded.tokenizer
+    ids = (tok.encode(prompt, bos=True) if template == "none"
+           else loaded.chat_format.encode_dialog([Message("user", prompt)]))
+    with torch.inference_mode():
+        probs = loaded.model.eval()(torch.tensor([ids + ref[:n]]))[0, -1].softmax(-1)
+    a, b = ref[n], other[n]
+    return (f"token {n}: {tok.decode([a])!r} p={float(probs[a]):.3f} vs {tok.decode([b])!r} "
+            f"p={float(probs[b]):.3f}")
 
 
 def raw_prompt(prompt: str, template: str) -> str:
@@ -405,11 +438,20 @@ def run_one_shots(tools, hf_dir: Path, files: dict[str, Path], n: int, threads: 
                 baseline = baseline or shot.peak_rss
             peer = ""
             if name in files:
-                theirs = llama_cpp_generate(tools, files[name], raw_prompt(prompt, template), n, threads)
-                peer = divergence(theirs, shot.text) if theirs != shot.text else "same text as llama-chat's"
+                # llama.cpp prints the reply's first piece as it is (" Once"); llama-chat leaves out
+                # the space a chat reply starts with, so the two are compared without it.
+                theirs = llama_cpp_generate(tools, files[name], raw_prompt(prompt, template), n, threads).lstrip(" ")
+                mine = shot.text.lstrip(" ")
+                if theirs == mine:
+                    peer = "same text as llama-chat's"
+                else:
+                    tok = float32_model(files[name]).tokenizer
+                    peer = (f"{divergence(theirs, mine)}; the file's weights in float32 at "
+                            f"{parting(files[name], prompt, template, tok.encode(mine), tok.encode(theirs))}")
             versus = "reference" if shot is ref else (
                 f"same text ({token_divergence(shot.ids, ref.ids)})" if shot.text == ref.text
-                else f"{token_divergence(shot.ids, ref.ids)}; {divergence(shot.text, ref.text)}")
+                else f"{token_divergence(shot.ids, ref.ids)}; shipped float32 at "
+                     f"{parting(META_DIR, prompt, template, ref.ids, shot.ids)}")
             print(f"| {name} | {shot.prompt_tokens} | {len(shot.ids)}, {shot.finish} | {versus} | {shot.weights} | "
                   f"{shot.peak_rss / 1e6:.0f} MB | {peer} |")
         if ref is not None:
