@@ -465,12 +465,18 @@ def run_one_shots(tools, hf_dir: Path, files: dict[str, Path], n: int, threads: 
 
 
 def llama_cpp_perplexity(tools, gguf: Path, text_file: Path, chunks: int, threads: int) -> float:
-    r = subprocess.run([str(tools["llama-perplexity"]), "-m", str(gguf), "-f", str(text_file), "-c", str(PPL_CTX),
-                        "--chunks", str(chunks), "-t", str(threads)], capture_output=True, text=True)
-    found = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
-    if r.returncode or not found:
-        raise PeerError(f"llama-perplexity failed on {gguf.name}: {(r.stderr or r.stdout).strip()[-400:]}")
-    return float(found.group(1))
+    """llama-perplexity's figure after the last chunk. Its log is written by a thread of its own,
+    and the last lines are sometimes lost at exit when it writes to a pipe: read the running
+    figure of the last chunk, and run it again when that was lost."""
+    for _ in range(3):
+        r = subprocess.run([str(tools["llama-perplexity"]), "-m", str(gguf), "-f", str(text_file), "-c",
+                            str(PPL_CTX), "--chunks", str(chunks), "-t", str(threads)], capture_output=True, text=True)
+        if r.returncode:
+            raise PeerError(f"llama-perplexity failed on {gguf.name}: {(r.stderr or r.stdout).strip()[-400:]}")
+        running = dict(re.findall(r"\[(\d+)\]([0-9.]+),", r.stdout + r.stderr))
+        if str(chunks) in running:
+            return float(running[str(chunks)])
+    raise PeerError(f"llama-perplexity on {gguf.name}: no figure for chunk {chunks} in three runs")
 
 
 def llama_chat_perplexity(model_path: Path, text: str, chunks: int) -> float:
@@ -519,9 +525,17 @@ def run_perplexity(tools, files: dict[str, Path], text_file: Path, chunks: int, 
 # -- the chat ------------------------------------------------------------------------------------
 
 
-def chat_session(model: str, threads: int) -> tuple[str, list[str], str]:
-    """Two turns in a pseudo-terminal with a system message; the banner, the replies (from
-    ``/save``) and ``/stats`` after the second."""
+@dataclass(frozen=True)
+class Chat:
+    banner: str
+    replies: list[str]
+    prompt_tokens: list[int]  # each turn's prompt, from /stats
+    stats: str  # /stats after the last turn
+
+
+def chat_session(model: str, threads: int) -> Chat:
+    """Two turns in a pseudo-terminal with a system message, /stats after each; the replies as
+    ``/save`` writes them."""
     import pexpect
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -530,12 +544,14 @@ def chat_session(model: str, threads: int) -> tuple[str, list[str], str]:
                               encoding="utf-8", timeout=WAIT_S, dimensions=(40, 160))
         child.expect_exact(">>> ")
         banner = re.sub(r"\x1b\[[0-9;]*m", "", child.before).strip()
+        prompts, stats = [], ""
         for turn in CHAT_TURNS:
             child.sendline(turn)
             child.expect_exact(">>> ")
-        child.sendline("/stats")
-        child.expect_exact(">>> ")
-        stats = " ".join(child.before.split("\n", 1)[-1].split())
+            child.sendline("/stats")
+            child.expect_exact(">>> ")
+            stats = " ".join(child.before.split("\n", 1)[-1].split())
+            prompts.append(int(re.search(r"prompt: (\d+) tokens", stats).group(1)))
         saved = Path(tmp) / "chat.json"
         child.sendline(f"/save {saved}")
         child.expect_exact(">>> ")
@@ -545,24 +561,45 @@ def chat_session(model: str, threads: int) -> tuple[str, list[str], str]:
         if child.exitstatus != 0:
             raise RuntimeError(f"the chat on {model} ended with status {child.exitstatus}")
         messages = json.loads(saved.read_text())["messages"]
-    return banner, [m["content"] for m in messages if m["role"] == "assistant"], stats
+    return Chat(banner, [m["content"] for m in messages if m["role"] == "assistant"], prompts, stats)
 
 
-def run_chats(hf_dir: Path, files: dict[str, Path], threads: int) -> None:
+def llama_cpp_chat_turn(tools, gguf: Path, threads: int) -> tuple[int, str]:
+    """llama.cpp's own chat, one turn, with the file's template (``-cnv -st --jinja``): the prompt's
+    token count and the reply (its output echoes the templated prompt first)."""
+    r = subprocess.run([str(tools["llama-completion"]), "-m", str(gguf), "-cnv", "-st", "--jinja", "-sys", SYSTEM,
+                        "-p", CHAT_TURNS[0], "--temp", "0", "-n", "400", "-t", str(threads), "-c", str(PPL_CTX),
+                        "--simple-io", "--no-warmup"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if r.returncode or "[/INST]" not in r.stdout:
+        raise PeerError(f"llama-completion -cnv failed on {gguf.name}: {r.stderr.strip()[-400:]}")
+    prompt = re.search(r"prompt eval time =.*?/\s*(\d+) tokens", r.stderr)
+    reply = r.stdout.split("[/INST]", 1)[1].strip().removesuffix("[end of text]").strip()
+    return int(prompt.group(1)) if prompt else -1, reply
+
+
+def run_chats(tools, hf_dir: Path, files: dict[str, Path], threads: int) -> None:
     models = {"shipped (Meta, float32)": str(META_DIR), "exported HF folder": str(hf_dir),
               **{k: str(v) for k, v in files.items()}}
-    print(f"`llama-chat -m MODEL -t 0 -s {SYSTEM!r}`, then {' / '.join(repr(t) for t in CHAT_TURNS)}, "
-          f"then /stats, /save and Ctrl+D, in a pseudo-terminal.\n")
-    ref: list[str] | None = None
+    print(f"`llama-chat -m MODEL -t 0 -s {SYSTEM!r}`, then {' / '.join(repr(t) for t in CHAT_TURNS)} "
+          f"(/stats after each), /save and Ctrl+D, in a pseudo-terminal. llama.cpp: `llama-completion -m FILE "
+          f"-cnv -st --jinja -sys ... -p {CHAT_TURNS[0]!r} --temp 0`, its first turn with the file's template.\n")
+    ref: Chat | None = None
     for name, model in models.items():
-        banner, replies, stats = chat_session(model, threads)
+        chat = chat_session(model, threads)
         if ref is None:
-            ref = replies
+            ref = chat
             verdict = "reference"
         else:
-            verdict = "; ".join(f"turn {i + 1}: {divergence(r, s)}" for i, (r, s) in enumerate(zip(replies, ref)))
-        print(f"- **{name}**: {banner!r}\n  - {verdict}\n  - /stats: {stats}")
-    for i, reply in enumerate(ref or []):
+            verdict = "; ".join(f"turn {i + 1}: {divergence(r, s)}" for i, (r, s) in
+                                enumerate(zip(chat.replies, ref.replies)))
+        print(f"- **{name}**: {chat.banner!r}\n  - prompts of {' and '.join(map(str, chat.prompt_tokens))} tokens; "
+              f"{verdict}\n  - /stats: {chat.stats}")
+        if name in files:
+            n, reply = llama_cpp_chat_turn(tools, files[name], threads)
+            same = reply == chat.replies[0].strip()
+            print(f"  - llama.cpp's first turn: a prompt of {n} tokens, "
+                  + ("the same reply" if same else divergence(reply, chat.replies[0].strip())))
+    for i, reply in enumerate(ref.replies if ref else []):
         print(f"\nshipped model's reply {i + 1}: {reply!r}")
 
 
@@ -643,7 +680,7 @@ def main() -> int:
         run_perplexity(tools, files, text_file, a.chunks, a.threads)
     if "chat" not in skip:
         section("Chat")
-        run_chats(hf_dir, files, a.threads)
+        run_chats(tools, hf_dir, files, a.threads)
     if "list" not in skip:
         section("--list")
         run_list(hf_dir, files)
