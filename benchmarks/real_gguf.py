@@ -422,6 +422,8 @@ def raw_prompt(prompt: str, template: str) -> str:
 def run_one_shots(tools, hf_dir: Path, files: dict[str, Path], n: int, threads: int) -> None:
     models = {"shipped (Meta, float32)": str(META_DIR), "exported HF folder": str(hf_dir),
               **{k: str(v) for k, v in files.items()}}
+    for model in models.values():  # untimed: builds llama-chat's CPU kernels if their cache is cold
+        one_shot(model, PROMPTS[0][0], PROMPTS[0][1], 1, threads)
     baseline = None
     for prompt, template in PROMPTS:
         print(f"\n`-p {prompt!r} --template {template}` (greedy, -n {n}):\n")
@@ -543,7 +545,8 @@ def chat_session(model: str, threads: int) -> Chat:
         child = pexpect.spawn(llama_chat_bin(), ["-m", model, "-t", "0", "--no-history", "-s", SYSTEM], env=env,
                               encoding="utf-8", timeout=WAIT_S, dimensions=(40, 160))
         child.expect_exact(">>> ")
-        banner = re.sub(r"\x1b\[[0-9;]*m", "", child.before).strip()
+        # the last line: a cold kernel cache draws a spinner before it
+        banner = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", child.before).replace("\r", "\n").strip().splitlines()[-1]
         prompts, stats = [], ""
         for turn in CHAT_TURNS:
             child.sendline(turn)
@@ -564,17 +567,21 @@ def chat_session(model: str, threads: int) -> Chat:
     return Chat(banner, [m["content"] for m in messages if m["role"] == "assistant"], prompts, stats)
 
 
-def llama_cpp_chat_turn(tools, gguf: Path, threads: int) -> tuple[int, str]:
+def llama_cpp_chat_turn(tools, gguf: Path, threads: int) -> tuple[int | None, str]:
     """llama.cpp's own chat, one turn, with the file's template (``-cnv -st --jinja``): the prompt's
-    token count and the reply (its output echoes the templated prompt first)."""
-    r = subprocess.run([str(tools["llama-completion"]), "-m", str(gguf), "-cnv", "-st", "--jinja", "-sys", SYSTEM,
-                        "-p", CHAT_TURNS[0], "--temp", "0", "-n", "400", "-t", str(threads), "-c", str(PPL_CTX),
-                        "--simple-io", "--no-warmup"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if r.returncode or "[/INST]" not in r.stdout:
-        raise PeerError(f"llama-completion -cnv failed on {gguf.name}: {r.stderr.strip()[-400:]}")
-    prompt = re.search(r"prompt eval time =.*?/\s*(\d+) tokens", r.stderr)
-    reply = r.stdout.split("[/INST]", 1)[1].strip().removesuffix("[end of text]").strip()
-    return int(prompt.group(1)) if prompt else -1, reply
+    token count (None when its log line was lost at exit three times) and the reply (its output
+    echoes the templated prompt first)."""
+    for _ in range(3):
+        r = subprocess.run([str(tools["llama-completion"]), "-m", str(gguf), "-cnv", "-st", "--jinja", "-sys", SYSTEM,
+                            "-p", CHAT_TURNS[0], "--temp", "0", "-n", "400", "-t", str(threads), "-c", str(PPL_CTX),
+                            "--simple-io", "--no-warmup"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if r.returncode or "[/INST]" not in r.stdout:
+            raise PeerError(f"llama-completion -cnv failed on {gguf.name}: {r.stderr.strip()[-400:]}")
+        reply = r.stdout.split("[/INST]", 1)[1].strip().removesuffix("[end of text]").strip()
+        prompt = re.search(r"prompt eval time =.*?/\s*(\d+) tokens", r.stderr)
+        if prompt:
+            return int(prompt.group(1)), reply
+    return None, reply
 
 
 def run_chats(tools, hf_dir: Path, files: dict[str, Path], threads: int) -> None:
@@ -597,7 +604,7 @@ def run_chats(tools, hf_dir: Path, files: dict[str, Path], threads: int) -> None
         if name in files:
             n, reply = llama_cpp_chat_turn(tools, files[name], threads)
             same = reply == chat.replies[0].strip()
-            print(f"  - llama.cpp's first turn: a prompt of {n} tokens, "
+            print(f"  - llama.cpp's first turn: a prompt of {n if n is not None else '?'} tokens, "
                   + ("the same reply" if same else divergence(reply, chat.replies[0].strip())))
     for i, reply in enumerate(ref.replies if ref else []):
         print(f"\nshipped model's reply {i + 1}: {reply!r}")
@@ -626,9 +633,15 @@ def run_list(hf_dir: Path, files: dict[str, Path]) -> None:
                 blob = repo_dir / "blobs" / hashlib.sha256(str(p).encode()).hexdigest()
                 os.link(p, blob) if p.stat().st_dev == blob.parent.stat().st_dev else shutil.copyfile(p, blob)
                 (snap / p.name).symlink_to(os.path.relpath(blob, snap))
-        r = subprocess.run([llama_chat_bin(), "--list"], capture_output=True, text=True,
-                           env=dict(os.environ, HF_HUB_CACHE=cache))
-        print("```\n" + (r.stdout + r.stderr).rstrip().replace(cache, "$HF_HUB_CACHE") + "\n```")
+        env = dict(os.environ, HF_HUB_CACHE=cache)
+        r = subprocess.run([llama_chat_bin(), "--list"], capture_output=True, text=True, env=env)
+        print("```\n$ llama-chat --list\n" + (r.stdout + r.stderr).rstrip().replace(cache, "$HF_HUB_CACHE"))
+        # What a user who downloaded the repository types first.
+        repo = "llama-chat/default-model-GGUF"
+        r = subprocess.run([llama_chat_bin(), "-m", repo, "-p", "Hi", "-n", "1", "--no-stdin"], capture_output=True,
+                           text=True, env=env)
+        print(f"$ llama-chat -m {repo} -p Hi -n 1   # exit {r.returncode}\n"
+              + (r.stdout + r.stderr).rstrip().replace(cache, "$HF_HUB_CACHE") + "\n```")
 
 
 # -- main ----------------------------------------------------------------------------------------
