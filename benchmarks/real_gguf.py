@@ -427,7 +427,8 @@ def run_one_shots(tools, hf_dir: Path, files: dict[str, Path], n: int, threads: 
     baseline = None
     for prompt, template in PROMPTS:
         print(f"\n`-p {prompt!r} --template {template}` (greedy, -n {n}):\n")
-        print("| model | prompt ids | tokens, finish | vs shipped | weights (--stats) | peak RSS | llama.cpp on the file |")
+        print("| model | prompt ids | tokens, finish | vs shipped | weights (--stats) | peak RSS "
+              "| llama.cpp on the file |")
         print("|---|---|---|---|---|---|---|")
         ref = None
         for name, model in models.items():
@@ -631,7 +632,10 @@ def run_list(hf_dir: Path, files: dict[str, Path]) -> None:
             snap.mkdir(parents=True)
             for p in paths:
                 blob = repo_dir / "blobs" / hashlib.sha256(str(p).encode()).hexdigest()
-                os.link(p, blob) if p.stat().st_dev == blob.parent.stat().st_dev else shutil.copyfile(p, blob)
+                try:
+                    os.link(p, blob)
+                except OSError:  # another file system
+                    shutil.copyfile(p, blob)
                 (snap / p.name).symlink_to(os.path.relpath(blob, snap))
         env = dict(os.environ, HF_HUB_CACHE=cache)
         r = subprocess.run([llama_chat_bin(), "--list"], capture_output=True, text=True, env=env)
@@ -647,6 +651,9 @@ def run_list(hf_dir: Path, files: dict[str, Path]) -> None:
 # -- main ----------------------------------------------------------------------------------------
 
 
+PARTS = ("tokenizer", "oneshot", "perplexity", "chat", "list")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "llama-chat-bench")
@@ -655,17 +662,23 @@ def main() -> int:
     ap.add_argument("-n", "--max-tokens", type=int, default=200, help="tokens per one-shot run")
     ap.add_argument("--chunks", type=int, default=16, help="perplexity chunks of 512 tokens")
     ap.add_argument("--docs", type=int, default=300, help="validation documents in the held-out text")
-    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: "
-                                               "tokenizer,oneshot,perplexity,chat,list")
+    ap.add_argument("--skip", default="", help=f"comma-separated parts to leave out: {','.join(PARTS)}")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
-    a.cache.mkdir(parents=True, exist_ok=True)
+    if skip - set(PARTS):
+        ap.error(f"--skip: unknown part {sorted(skip - set(PARTS))[0]!r} (expected some of {', '.join(PARTS)})")
     try:
-        peer = peer_mod.ensure_llama_cpp(a.cache, jobs=a.jobs, log=log)
-        tools = ensure_tools(peer, a.jobs)
+        report(a, skip)
     except PeerError as e:
         print(f"real_gguf: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def report(a: argparse.Namespace, skip: set[str]) -> None:
+    a.cache.mkdir(parents=True, exist_ok=True)
+    peer = peer_mod.ensure_llama_cpp(a.cache, jobs=a.jobs, log=log)
+    tools = ensure_tools(peer, a.jobs)
     folder = a.cache / "models" / "default-model"
     hf_dir = export_hf(META_DIR, folder / "default-model")  # the converter names the file after it
     files = make_files(peer, hf_dir, folder, a.threads)
@@ -697,7 +710,6 @@ def main() -> int:
     if "list" not in skip:
         section("--list")
         run_list(hf_dir, files)
-    return 0
 
 
 if __name__ == "__main__":
