@@ -6,8 +6,10 @@ layer's share of the budget times the layers. Each forward reads every weight on
 small chunk pays that read for few tokens. A fixed token count cannot serve both a 15M model (for
 which 64 tokens are a few milliseconds) and a 1B one (for which they are a long wait). The sizer
 measures each chunk and makes the next one as long as fits in ``budget_s`` at the rate just seen,
-so a slower machine or a busier moment gives shorter chunks at once. ``most`` bounds what a chunk
-holds in memory (its attention scores grow with its length times the context).
+so a slower machine or a busier moment gives shorter chunks at once. ``most`` bounds a chunk's
+length; what a chunk holds in memory on the CPU the model bounds itself, taking a long chunk
+through its layers in pieces whose activations hold a share of its weights' bytes
+(``Transformer.rows_per_forward``).
 
 Chunks never get shorter than the first one (64 tokens on the CPU). Every forward reads all the
 weights, so below that a big model's chunk costs about the same time for fewer tokens, and
