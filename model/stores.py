@@ -8,7 +8,11 @@
   beyond the manifest and the blob's existence);
 * ``org/name`` is that repository's snapshot in the Hugging Face cache (``$HF_HUB_CACHE``, else
   ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``), found offline through ``huggingface_hub``.
-  Nothing is downloaded unless asked (``download=True``), and never with ``HF_HUB_OFFLINE`` set.
+  Nothing is downloaded unless asked (``download=True``), and never with ``HF_HUB_OFFLINE`` set;
+* ``org/name:QUANT`` is the GGUF file of that repository whose name carries the quantization
+  QUANT (``...Q4_K_M.gguf``), as llama.cpp's ``-hf org/name:QUANT`` and Ollama's ``name:tag``
+  pick one file of a repository of several; ``org/name/FILE`` is a file of the repository by
+  its path there.
 
 Everything here works without torch (``llama-chat --list`` never loads it), and every value read
 from a manifest, a ref or a directory name is checked before it becomes part of a path. The files
@@ -19,6 +23,7 @@ or store it is in: a cache entry cannot lead to another repository's model or ou
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 from collections.abc import Iterator
@@ -40,6 +45,13 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]
 _OLLAMA_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+_HUB_QUANT = re.compile(rf"({_HUB_ID.pattern}):([A-Za-z0-9_]{{1,32}})")
+_HUB_FILE = re.compile(rf"({_HUB_ID.pattern})/(.+)")
+# The quantization a GGUF file's name carries, as llama.cpp's tools and the repositories that
+# publish them write it (tinyllama.Q4_K_M.gguf, Llama-3.2-1B-Q4_K_M.gguf, qwen2-q4_k_m.gguf,
+# phi-3-fp16.gguf, x.IQ4_XS.gguf): the last such word of the name, whatever its case.
+_QUANT_IN_NAME = re.compile(r"(?<![A-Za-z0-9])(?:I?Q[0-9]+(?:_[A-Za-z0-9]+)*|TQ[0-9]_[0-9]|MXFP4(?:_[A-Za-z0-9]+)*"
+                            r"|B?FP?(?:16|32))(?![A-Za-z0-9])", re.IGNORECASE)
 # A ref file holds one commit hash; a manifest lists a few layers (a few KB).
 MAX_REF_BYTES = 256
 MAX_MANIFEST_BYTES = 1 << 20
@@ -110,6 +122,39 @@ def is_hub_id(spec: str) -> bool:
     return bool(_HUB_ID.fullmatch(spec)) and ".." not in spec
 
 
+@dataclass(frozen=True)
+class HubName:
+    """A ``-m`` value that names a Hugging Face repository: ``org/name``, ``org/name:QUANT`` (one of
+    its GGUF files by quantization) or ``org/name/FILE`` (one of its files by its path there)."""
+
+    repo_id: str
+    quant: str | None = None
+    file: str | None = None
+
+    def __str__(self) -> str:
+        if self.quant is not None:
+            return f"{self.repo_id}:{self.quant}"
+        if self.file is not None:
+            return f"{self.repo_id}/{self.file}"
+        return self.repo_id
+
+
+def parse_hub_name(spec: str) -> HubName | None:
+    """``spec`` as a Hugging Face name, or None when it is none: the repository id must be one, a
+    quantization letters, digits and ``_``, and a file path relative parts (no ``.``, ``..`` or
+    empty ones), so that no name leads out of its repository."""
+    if is_hub_id(spec):
+        return HubName(spec)
+    if m := _HUB_QUANT.fullmatch(spec):
+        return HubName(m.group(1), quant=m.group(2)) if is_hub_id(m.group(1)) else None
+    if m := _HUB_FILE.fullmatch(spec):
+        repo_id, file = m.group(1), m.group(2)
+        parts = file.split("/")
+        if is_hub_id(repo_id) and "\0" not in file and all(p not in ("", ".", "..") for p in parts):
+            return HubName(repo_id, file=file)
+    return None
+
+
 def resolve_model(spec: str, *, download: bool = False, progress: bool = True) -> ResolvedModel:
     """The model ``spec`` names (see the module's docstring); ModelLoadError saying how to get it if missing."""
     if spec == DEFAULT_MODEL_NAME:
@@ -124,38 +169,123 @@ def resolve_model(spec: str, *, download: bool = False, progress: bool = True) -
         if download:
             raise ModelLoadError(f"{spec}: --download fetches Hugging Face ids (org/name), not local paths")
         return ResolvedModel(path=path, name=path.stem if path.is_file() else path.resolve().name, source="path")
-    if is_hub_id(spec):
-        return _resolve_hub(spec, download=download, progress=progress)
+    hub = parse_hub_name(spec)
+    if hub is not None:
+        return _resolve_hub(hub, download=download, progress=progress)
     raise ModelLoadError(f"{spec}: no such file or directory (nor {DEFAULT_MODEL_NAME}, a Hugging Face id "
-                         "org/name or ollama:NAME; --list shows the models there are)")
+                         "org/name[:QUANT] or ollama:NAME; --list shows the models there are)")
 
 
 # --- Hugging Face -------------------------------------------------------------------------------
 
 
-def _resolve_hub(repo_id: str, *, download: bool, progress: bool) -> ResolvedModel:
+def _resolve_hub(hub: HubName, *, download: bool, progress: bool) -> ResolvedModel:
     cache = hf_cache_dir()
+    repo_id, label = hub.repo_id, str(hub)
     repo_dir = _hf_repo_dir(cache, repo_id)
-    snapshot = _hf_snapshot(repo_dir, repo_id)
+    snapshot = _hf_snapshot(repo_dir, label)
     if snapshot is None:
         if not download:
-            raise ModelLoadError(f"{repo_id}: not in the Hugging Face cache ({cache}); fetch it with "
-                                 f"`llama-chat -m {repo_id} --download`")
-        snapshot = _download(repo_id, cache, progress)
+            if hub.file is not None:  # as likely a mistyped path as a repository's file
+                raise ModelLoadError(f"{label}: no such file or directory, nor is {repo_id} in the Hugging Face "
+                                     f"cache ({cache}) (fetch it with `llama-chat -m {label} --download`)")
+            raise ModelLoadError(f"{label}: not in the Hugging Face cache ({cache}); fetch it with "
+                                 f"`llama-chat -m {label} --download`")
+        snapshot = _download(hub, cache, progress)
     elif download:
-        snapshot = _download(repo_id, cache, progress)  # completes a partial copy; cached files stay
-    _check_snapshot(snapshot, repo_dir, repo_id)
-    if not _runnable(snapshot):
+        snapshot = _download(hub, cache, progress)  # completes a partial copy; cached files stay
+    _check_snapshot(snapshot, repo_dir, label)
+    if hub.file is not None:
+        return ResolvedModel(path=_repo_file(snapshot, repo_dir, hub), name=label, source="hf")
+    ggufs = _gguf_names_in(snapshot)
+    if hub.quant is not None:
+        file = _quant_file(hub, ggufs, has_hf_weights=_has_hf_weights(snapshot))
+        return ResolvedModel(path=snapshot / file, name=gguf_model_names(repo_id, ggufs)[file], source="hf")
+    if not (ggufs or _has_hf_weights(snapshot)):
         raise ModelLoadError(f"{repo_id}: the cached copy ({snapshot}) has no config.json with weights nor a "
                              f"GGUF file; complete it with `llama-chat -m {repo_id} --download`")
+    if len(ggufs) > 1 and not _has_hf_weights(snapshot):
+        raise ModelLoadError(f"{repo_id}: holds {len(ggufs)} GGUF files; name one with "
+                             f"{_ways_to_name(repo_id, ggufs)}")
     return ResolvedModel(path=snapshot, name=repo_id, source="hf")
 
 
-def _runnable(snapshot: Path) -> bool:
-    if any(snapshot.glob("*.gguf")):
-        return True
+def _has_hf_weights(snapshot: Path) -> bool:
+    """Whether the snapshot is a Hugging Face layout: the loader takes it before any GGUF file."""
     return (snapshot / "config.json").is_file() and any(
         p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json") for p in snapshot.iterdir())
+
+
+def _gguf_names_in(snapshot: Path) -> list[str]:
+    """The GGUF files at the top of a snapshot, as the loader finds them in a directory."""
+    return sorted(p.name for p in snapshot.glob("*.gguf") if p.is_file())
+
+
+def quant_in_name(file_name: str) -> str | None:
+    """The quantization a GGUF file's name carries, as written there ("Q4_K_M", "q8_0"), or None."""
+    found = _QUANT_IN_NAME.findall(file_name.removesuffix(".gguf"))
+    return found[-1] if found else None
+
+
+def files_of_quant(quant: str, files: list[str]) -> list[str]:
+    """The GGUF files ``org/name:quant`` names among ``files``: those whose name's quantization is
+    ``quant`` as written, else the same but for case, else those it begins (``Q4_K`` names
+    ``Q4_K_M`` and ``Q4_K_S``): the most exact kind of match that finds any."""
+    kinds = {f: quant_in_name(f) for f in files}
+    tests = (lambda k: k == quant, lambda k: k.upper() == quant.upper(),
+             lambda k: k.upper().startswith(quant.upper() + "_"))
+    for test in tests:
+        found = [f for f, kind in kinds.items() if kind is not None and test(kind)]
+        if found:
+            return found
+    return []
+
+
+def gguf_model_names(repo_id: str, files: list[str]) -> dict[str, str]:
+    """The ``-m`` value that names each of a repository's GGUF files: ``org/name:QUANT`` where that
+    picks the file and nothing else (in capitals when those pick it too), ``org/name/FILE`` else."""
+    names = {}
+    for f in files:
+        kind = quant_in_name(f)
+        names[f] = next((f"{repo_id}:{q}" for q in ((kind.upper(), kind) if kind else ())
+                         if files_of_quant(q, files) == [f]), f"{repo_id}/{f}")
+    return names
+
+
+def _ways_to_name(repo_id: str, files: list[str]) -> str:
+    """``-m a, b or c``: the values that pick each of ``files``."""
+    names = list(gguf_model_names(repo_id, files).values())
+    return "-m " + (", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0])
+
+
+def _quant_file(hub: HubName, files: list[str], *, has_hf_weights: bool, where: str = "cached repository") -> str:
+    """The one file of ``files`` that ``hub``'s quantization names; ModelLoadError, in one line
+    that lists the files and how to name each, when it names none or several."""
+    found = files_of_quant(hub.quant, files)
+    if len(found) == 1:
+        return found[0]
+    if not files:
+        run = f"; -m {hub.repo_id} runs its Hugging Face weights" if has_hf_weights else ""
+        raise ModelLoadError(f"{hub}: the {where} holds no GGUF file, so there is no {hub.quant} to pick{run}")
+    held = f"it holds {', '.join(files)}; name one with {_ways_to_name(hub.repo_id, files)}"
+    if not found:
+        raise ModelLoadError(f"{hub}: no GGUF file of the {where} is {hub.quant} ({held})")
+    raise ModelLoadError(f"{hub}: {len(found)} GGUF files of the {where} are {hub.quant} ({held})")
+
+
+def _repo_file(snapshot: Path, repo_dir: Path, hub: HubName) -> Path:
+    """``hub``'s file in the snapshot: it must be there, be a file and stay inside the repository."""
+    path = snapshot / hub.file
+    try:
+        inside(path, repo_dir)
+        require_regular(path)
+    except FileNotFoundError:
+        files = _gguf_names_in(snapshot)
+        held = f" (its GGUF files: {', '.join(files)})" if files else ""
+        raise ModelLoadError(f"{hub}: the cached repository has no file {hub.file}{held}") from None
+    except OSError as e:
+        raise ModelLoadError(f"{hub}: its cached file {hub.file} {e.strerror or e}") from None
+    return path
 
 
 def _hf_repo_dir(cache: Path, repo_id: str) -> Path:
@@ -199,19 +329,17 @@ def _check_snapshot(snapshot: Path, repo_dir: Path, label: str) -> None:
         raise ModelLoadError(f"{label}: cannot read its Hugging Face cache entry ({e.strerror or e})") from None
 
 
-def _download(repo_id: str, cache: Path, progress: bool) -> Path:
+def _download(hub: HubName, cache: Path, progress: bool) -> Path:
+    repo_id = hub.repo_id
     if hf_offline():
-        raise ModelLoadError(f"{repo_id}: HF_HUB_OFFLINE is set, so it cannot be downloaded")
+        raise ModelLoadError(f"{hub}: HF_HUB_OFFLINE is set, so it cannot be downloaded")
     from huggingface_hub import HfApi, snapshot_download
 
     try:
         # One request, never retried, asks for the file list first: without a network it fails at
         # once, where huggingface_hub's listing calls retry with back-off for half a minute.
         info = HfApi().model_info(repo_id, timeout=_HUB_TIMEOUT_S)
-        patterns = _run_files([s.rfilename for s in info.siblings or ()])
-        if not patterns:
-            raise ModelLoadError(f"{repo_id}: the repository has no Hugging Face weights (config.json and "
-                                 "*.safetensors); download one of its files yourself and pass its path")
+        patterns = _files_to_fetch(hub, [s.rfilename for s in info.siblings or ()])
         kwargs = {} if progress else {"tqdm_class": _SilentBar}
         return Path(snapshot_download(repo_id, cache_dir=cache, allow_patterns=patterns, **kwargs))
     except ModelLoadError:
@@ -220,9 +348,33 @@ def _download(repo_id: str, cache: Path, progress: bool) -> Path:
         if _unreachable(e):
             from huggingface_hub import constants
 
-            raise ModelLoadError(f"{repo_id}: cannot download it: the Hugging Face hub ({constants.ENDPOINT}) "
+            raise ModelLoadError(f"{hub}: cannot download it: the Hugging Face hub ({constants.ENDPOINT}) "
                                  f"cannot be reached ({first_sentence(e)})") from None
-        raise ModelLoadError(f"{repo_id}: cannot download it ({type(e).__name__}: {first_sentence(e)})") from None
+        raise ModelLoadError(f"{hub}: cannot download it ({type(e).__name__}: {first_sentence(e)})") from None
+
+
+def _files_to_fetch(hub: HubName, files: list[str]) -> list[str]:
+    """``snapshot_download``'s patterns for what running ``hub`` needs of a repository of ``files``:
+    the named file, the GGUF file of the quantization named, or a Hugging Face layout (a single
+    GGUF file where the repository has no such layout)."""
+    ggufs = sorted(f for f in files if f.endswith(".gguf") and "/" not in f)
+    if hub.file is not None:
+        if hub.file not in files:
+            raise ModelLoadError(f"{hub}: the repository has no file {hub.file}")
+        return [glob.escape(hub.file)]
+    if hub.quant is not None:
+        return [glob.escape(_quant_file(hub, ggufs, has_hf_weights=bool(_run_files(files)), where="repository"))]
+    patterns = _run_files(files)
+    if patterns:
+        return patterns
+    if len(ggufs) == 1:
+        return [glob.escape(ggufs[0])]
+    if ggufs:
+        raise ModelLoadError(f"{hub}: the repository has no Hugging Face weights (config.json and *.safetensors) "
+                             f"but {len(ggufs)} GGUF files; name one with {_ways_to_name(hub.repo_id, ggufs)} "
+                             "and --download")
+    raise ModelLoadError(f"{hub}: the repository has no Hugging Face weights (config.json and *.safetensors) "
+                         "nor a GGUF file; download one of its files yourself and pass its path")
 
 
 # Seconds to wait for the hub's answer about a repository before giving up.
@@ -289,18 +441,19 @@ def _hf_entries(cache: Path) -> Iterator[StoredModel]:
                 continue
             _check_snapshot(snapshot, repo_dir, repo_id)
             files = {p.name: p for p in snapshot.iterdir() if p.is_file()}
+            hf_layout = _has_hf_weights(snapshot)
         except (ModelLoadError, OSError):
             continue
         size = _files_size(files.values())
         ggufs = sorted(f for f in files if f.endswith(".gguf"))
-        if "config.json" in files and any(n.endswith((".safetensors", ".bin")) for n in files):
+        if hf_layout:
             yield StoredModel(repo_id, "hf", "hf", size, snapshot)
         elif len(ggufs) == 1:
             yield StoredModel(repo_id, "hf", "gguf", size, snapshot)
-        elif ggufs:
-            for name in ggufs:  # several quantizations of one model: each file by its path
+        elif ggufs:  # several quantizations of one model: each file by the name that picks it
+            for name, model_name in gguf_model_names(repo_id, ggufs).items():
                 file = snapshot / name
-                yield StoredModel(str(file), "hf", "gguf", _size(file), file)
+                yield StoredModel(model_name, "hf", "gguf", _size(file), file)
         else:  # a partial download, or a repository of something else
             yield StoredModel(repo_id, "hf", "incomplete", size, snapshot)
 

@@ -305,3 +305,171 @@ def test_download_fetches_only_what_running_needs(stores, monkeypatch, tmp_path)
     monkeypatch.setattr(huggingface_hub, "HfApi", GGUFOnlyApi)
     with pytest.raises(ModelLoadError, match="acme/gguf-only: the repository has no Hugging Face weights"):
         resolve_model("acme/gguf-only", download=True)
+
+
+# -- a repository of several GGUF files, one per quantization -------------------------------------
+
+MULTI = "acme/tiny-multi-GGUF"
+
+
+@pytest.fixture(scope="module")
+def quant_files(tmp_path_factory, tiny):
+    """The tiny model as GGUF files named as llama.cpp's tools and the hub's publishers name them
+    (``Q8_0`` in capitals, ``q4_k_m`` in small letters, ``Q4_0`` beside ``Q4_0_4_4``)."""
+    model, hf_dir, _ = tiny
+    out = tmp_path_factory.mktemp("quants")
+    sp = hf_dir / "tokenizer.model"
+    from gguf import GGMLQuantizationType as T
+
+    files = {}
+    for name, qtype in (("tiny.Q8_0.gguf", T.Q8_0), ("tiny.Q4_0.gguf", T.Q4_0), ("tiny.Q4_0_4_4.gguf", T.Q4_1),
+                        ("tiny.q4_k_m.gguf", T.F32)):
+        files[name] = write_gguf(out / name, hf_state(model), hf_config(model), qtype=qtype, sp_model=sp).read_bytes()
+    return files
+
+
+@pytest.fixture
+def multi(stores, quant_files):
+    """``MULTI`` in the cache beside the other repositories; its snapshot."""
+    cache, _, _ = stores
+    return make_hf_cache(cache, MULTI, {**quant_files, "README.md": b"hi"})
+
+
+def test_a_quantization_or_a_file_name_picks_one_gguf_file_of_a_repository(multi, tiny):
+    model, _, _ = tiny
+    picked = {
+        f"{MULTI}:Q8_0": ("tiny.Q8_0.gguf", f"{MULTI}:Q8_0"),
+        f"{MULTI}:q8_0": ("tiny.Q8_0.gguf", f"{MULTI}:Q8_0"),  # case-insensitive
+        f"{MULTI}:Q4_K_M": ("tiny.q4_k_m.gguf", f"{MULTI}:Q4_K_M"),  # ... either way
+        f"{MULTI}:Q4_0": ("tiny.Q4_0.gguf", f"{MULTI}:Q4_0"),  # the exact one, not Q4_0_4_4
+        f"{MULTI}:q4_0_4_4": ("tiny.Q4_0_4_4.gguf", f"{MULTI}:Q4_0_4_4"),
+        f"{MULTI}:Q4_K": ("tiny.q4_k_m.gguf", f"{MULTI}:Q4_K_M"),  # the one Q4_K file
+        f"{MULTI}/tiny.Q8_0.gguf": ("tiny.Q8_0.gguf", f"{MULTI}/tiny.Q8_0.gguf"),
+        f"{MULTI}/tiny.q4_k_m.gguf": ("tiny.q4_k_m.gguf", f"{MULTI}/tiny.q4_k_m.gguf"),
+    }
+    for spec, (file, name) in picked.items():
+        found = resolve_model(spec)
+        assert (found.path, found.name, found.source) == (multi / file, name, "hf"), spec
+    loaded = load_model(resolve_model(f"{MULTI}:q4_k_m").path, device="cpu")  # the F32 file: the same logits
+    ids = torch.tensor([[1, 5, 9, 12]])
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded.model(ids), model(ids), atol=1e-4, rtol=0)
+
+
+def _one_line_error(spec: str) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model(spec)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_a_quantization_that_names_several_files_or_none_lists_the_files(multi, stores):
+    cache, _, _ = stores
+    files = "tiny.Q4_0.gguf, tiny.Q4_0_4_4.gguf, tiny.Q8_0.gguf, tiny.q4_k_m.gguf"
+    forms = f"-m {MULTI}:Q4_0, {MULTI}:Q4_0_4_4, {MULTI}:Q8_0 or {MULTI}:Q4_K_M"
+    assert _one_line_error(MULTI) == f"{MULTI}: holds 4 GGUF files; name one with {forms}"
+    assert _one_line_error(f"{MULTI}:Q4") == (
+        f"{MULTI}:Q4: 3 GGUF files of the cached repository are Q4 (it holds {files}; name one with {forms})")
+    assert _one_line_error(f"{MULTI}:Q5_K_M") == (
+        f"{MULTI}:Q5_K_M: no GGUF file of the cached repository is Q5_K_M (it holds {files}; name one with {forms})")
+    assert _one_line_error(f"{MULTI}/tiny.Q5_K_M.gguf") == (
+        f"{MULTI}/tiny.Q5_K_M.gguf: the cached repository has no file tiny.Q5_K_M.gguf (its GGUF files: {files})")
+    # A repository of Hugging Face weights has no quantization to pick.
+    assert _one_line_error("acme/tiny-llama:Q4_K_M") == (
+        "acme/tiny-llama:Q4_K_M: the cached repository holds no GGUF file, so there is no Q4_K_M to pick; "
+        "-m acme/tiny-llama runs its Hugging Face weights")
+    assert _one_line_error("acme/missing:Q4_K_M") == (
+        f"acme/missing:Q4_K_M: not in the Hugging Face cache ({cache}); fetch it with "
+        "`llama-chat -m acme/missing:Q4_K_M --download`")
+    assert _one_line_error("acme/missing/model.gguf").startswith(
+        "acme/missing/model.gguf: no such file or directory, nor is acme/missing in the Hugging Face cache")
+    # Names that would leave the repository are no repository's names.
+    for spec in (f"{MULTI}/../models--acme--tiny-llama/x", f"{MULTI}/./tiny.Q8_0.gguf", f"{MULTI}:Q4/../x",
+                 f"{MULTI}//tiny.Q8_0.gguf"):
+        assert _one_line_error(spec).startswith(f"{spec}: no such file or directory (nor default"), spec
+    os.symlink("/etc", multi / "elsewhere")
+    assert "leads outside" in _one_line_error(f"{MULTI}/elsewhere/passwd")
+
+
+def test_list_names_each_file_of_a_repository_by_the_name_that_picks_it(multi):
+    listed = {m.name: m for m in list_models() if m.name.startswith(MULTI)}
+    assert {name: m.path for name, m in listed.items()} == {
+        f"{MULTI}:Q4_0": multi / "tiny.Q4_0.gguf", f"{MULTI}:Q4_0_4_4": multi / "tiny.Q4_0_4_4.gguf",
+        f"{MULTI}:Q8_0": multi / "tiny.Q8_0.gguf", f"{MULTI}:Q4_K_M": multi / "tiny.q4_k_m.gguf"}
+    assert all(m.format == "gguf" and m.size == m.path.stat().st_size for m in listed.values())
+    for name, m in listed.items():  # each name runs what it lists
+        assert resolve_model(name).path == m.path
+
+
+def test_list_falls_back_to_file_names_where_a_quantization_picks_several(stores, quant_files):
+    cache, _, _ = stores
+    data = quant_files["tiny.Q8_0.gguf"]
+    snapshot = make_hf_cache(cache, "acme/twins", {"a.Q8_0.gguf": data, "b.Q8_0.gguf": data + b"\0" * 32,
+                                                   "model.gguf": data + b"\0" * 64})
+    listed = sorted(m.name for m in list_models() if m.name.startswith("acme/twins"))
+    assert listed == ["acme/twins/a.Q8_0.gguf", "acme/twins/b.Q8_0.gguf", "acme/twins/model.gguf"]
+    assert all(resolve_model(name).path == snapshot / name.split("/")[-1] for name in listed)
+    assert _one_line_error("acme/twins") == (
+        "acme/twins: holds 3 GGUF files; name one with -m acme/twins/a.Q8_0.gguf, acme/twins/b.Q8_0.gguf "
+        "or acme/twins/model.gguf")
+
+
+def test_the_command_runs_and_lists_a_repository_of_several_gguf_files(multi, stores):
+    env = {"HF_HOME": os.environ["HF_HOME"], "HF_HUB_OFFLINE": "1", "OLLAMA_MODELS": os.environ["OLLAMA_MODELS"]}
+    listed = run_cli("--list", **env)
+    assert listed.returncode == 0, listed.stderr.decode()
+    rows = {line.split()[0]: line.split() for line in listed.stdout.decode().splitlines()[1:]}
+    assert {f"{MULTI}:Q8_0", f"{MULTI}:Q4_0", f"{MULTI}:Q4_0_4_4", f"{MULTI}:Q4_K_M"} <= set(rows)
+    assert rows[f"{MULTI}:Q8_0"][1:3] == ["gguf", "Q8_0"]  # the header's own type beside the name
+    assert rows[f"{MULTI}:Q8_0"][-1].endswith(f"snapshots/{COMMIT}/tiny.Q8_0.gguf")
+    assert not any("/snapshots/" in name for name in rows)
+
+    proc = run_cli("-m", f"{MULTI}:q8_0", "-p", "hello", "-n", "3", "-t", "0", "--json", "--no-stdin", **env)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["model"] == f"{MULTI}:Q8_0"
+
+    for spec, start in ((MULTI, f"{MULTI}: holds 4 GGUF files; name one with -m {MULTI}:Q4_0, "),
+                        (f"{MULTI}:Q5_K_M", f"{MULTI}:Q5_K_M: no GGUF file of the cached repository is Q5_K_M"),
+                        ("acme/tiny-llama:Q4_K_M", "acme/tiny-llama:Q4_K_M: the cached repository holds no GGUF")):
+        proc = run_cli("-m", spec, "-p", "Hi", "--no-stdin", **env)
+        lines = proc.stderr.decode().strip().splitlines()
+        assert proc.returncode == 2 and proc.stdout == b"", lines
+        assert len(lines) == 1 and lines[0].startswith(f"llama-chat: error: {start}"), lines
+
+
+def test_download_fetches_the_one_gguf_file_a_quantization_names(stores, monkeypatch):
+    """--download with a quantization or a file name asks the hub for that file alone."""
+    import huggingface_hub
+
+    asked = []
+
+    class FakeApi:
+        def model_info(self, repo_id, **kwargs):
+            names = ("a.Q4_K_M.gguf", "a.Q8_0.gguf", "a[1].Q2_K.gguf", "README.md")
+            return types.SimpleNamespace(siblings=[types.SimpleNamespace(rfilename=n) for n in names])
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        asked.append(kwargs["allow_patterns"])
+        snapshot = kwargs["cache_dir"] / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+        if not snapshot.is_dir():
+            make_hf_cache(kwargs["cache_dir"], repo_id, {"a.Q8_0.gguf": b"GGUF", "a[1].Q2_K.gguf": b"GGUF2"})
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    found = resolve_model("acme/quants:q8_0", download=True, progress=False)
+    assert asked == [["a.Q8_0.gguf"]] and found.path.name == "a.Q8_0.gguf" and found.name == "acme/quants:Q8_0"
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model("acme/quants:Q5_K_M", download=True, progress=False)
+    assert str(info.value) == ("acme/quants:Q5_K_M: no GGUF file of the repository is Q5_K_M (it holds "
+                               "a.Q4_K_M.gguf, a.Q8_0.gguf, a[1].Q2_K.gguf; name one with -m acme/quants:Q4_K_M, "
+                               "acme/quants:Q8_0 or acme/quants:Q2_K)")
+    with pytest.raises(ModelLoadError, match=r"acme/quants: the repository has no Hugging Face weights .* but 3 GGUF "
+                                             r"files; name one with -m acme/quants:Q4_K_M, .* and --download"):
+        resolve_model("acme/quants", download=True, progress=False)
+    asked.clear()
+    found = resolve_model("acme/quants/a[1].Q2_K.gguf", download=True, progress=False)
+    assert asked == [["a[[]1].Q2_K.gguf"]] and found.path.name == "a[1].Q2_K.gguf"  # the name, not a pattern
+    with pytest.raises(ModelLoadError, match="acme/quants/b.gguf: the repository has no file b.gguf"):
+        resolve_model("acme/quants/b.gguf", download=True, progress=False)
