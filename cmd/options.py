@@ -146,7 +146,7 @@ class Options:
     model: Annotated[str | None, typer.Option(
         "--model", "-m", metavar="MODEL",
         help="Model: a directory or weights file (.gguf too), a Hugging Face id org/name from the local "
-             "cache, ollama:NAME[:TAG] from Ollama's store, or openai:URL[#NAME], a model an OpenAI-compatible "
+             "cache (org/name:Q4_K_M or org/name/FILE for one of its GGUF files), ollama:NAME[:TAG] from Ollama's store, or openai:URL[#NAME], a model an OpenAI-compatible "
              "server runs (default: the small model shipped with the package, also named by -m default). "
              "--list shows what is there.")] = None
     list_models: Annotated[bool, typer.Option(
