@@ -5,11 +5,12 @@ Expanded to float32 such a file would take twice its size; kept as they are, its
 the file takes and a decode step reads half the bytes. The rest of the model stays float32 (norms,
 activations, the KV cache), so a product here multiplies float32 rows by 16-bit weights:
 
-* a few rows (a decode step, up to ``cpu_kernels.MAX_ROWS``) with the CPU operator loaded: its
-  products read the 16-bit weights as they are (``ml/cpu/dot.h``);
-* a prompt's many rows, or no operator: tiles of ``TILE_VALUES`` weights converted to float32 and
-  one float32 matrix product each (as ``packed.dequantized_product`` does with blocks), so the
-  float32 copy is never more than a tile.
+* with the CPU operator loaded, any rows: a decode step's few read the 16-bit weights as they are
+  (``ml/cpu/dot.h``), a prompt's many meet panels of them converted to float32 a few at a time in
+  each thread's cache (``ml/cpu/kernels.cpp``);
+* without it: tiles of ``TILE_VALUES`` weights converted to float32 and one float32 matrix
+  product each (as ``packed.dequantized_product`` does with blocks), so the float32 copy is never
+  more than a tile.
 
 Numerics, either way: each 16-bit weight is converted exactly to float32 and the products are
 summed in float32, so the result is ``x @ w.float().T`` up to the order of the float32 additions.
@@ -31,8 +32,8 @@ from llama_chat.ml.cpu import kernels as cpu_kernels
 DTYPES = cpu_kernels.HALF_DTYPES
 # Weight values converted at a time by ``tiled_product`` (32 MiB as float32). The float32 matrix
 # product loses speed on narrow tiles (it packs the rows again for each): at a prompt's rows,
-# tiles of this size came near the product over the whole float32 weight, and smaller ones
-# fell behind (docs/benchmarks.md, "Packed blocks: GGUF files against llama.cpp").
+# tiles of this size came near the product over the whole float32 weight, and smaller ones fell
+# behind.
 TILE_VALUES = 1 << 23
 
 
@@ -43,7 +44,7 @@ def mixed(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.float().T`` for 16-bit ``weight`` (out, in) and any leading dimensions of ``x``,
-    in ``x``'s dtype: the operator for a few rows, else ``tiled_product`` (see the module doc)."""
+    in ``x``'s dtype: through the operator, else ``tiled_product`` (see the module doc)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {weight.shape[1]}")
     if cpu_kernels.takes(x, weight):

@@ -185,24 +185,35 @@ def _assert_product(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
     assert ((got.double() - want).abs() <= summation_bound(x, converted)).all()
 
 
+# (rows, outputs, inputs): a decode step's few rows (weight rows one at a time), and a prompt's
+# (panels converted a few at a time): panels cut short, runs of inputs past kernels.cpp's 1,024
+# at a time, rows past what it interleaves at once.
+SHAPES = [(1, 37, 300), (3, 37, 300), (4, 37, 300), (9, 37, 300), (16, 37, 300), (17, 37, 300), (40, 45, 300),
+          (33, 64, 1100), (300, 45, 1100)]
+
+
 @pytest.mark.parametrize("dtype", half.DTYPES, ids=["float16", "bfloat16"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16, 17, 40])
-def test_products_of_16_bit_weights_are_those_of_their_float32_conversion(cpu_kernels_loaded, dtype, rows):
-    # Up to 16 rows the operator's, past them tiles converted to float32 and multiplied.
-    x, weight = _half_case(dtype, rows, 37, 300, seed=rows)
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+def test_products_of_16_bit_weights_are_those_of_their_float32_conversion(cpu_kernels_loaded, dtype, shape):
+    rows, n, k = shape
+    x, weight = _half_case(dtype, rows, n, k, seed=rows)
     assert half.mixed(x, weight) and not half.mixed(x.to(dtype), weight)
-    if cpu_kernels_loaded:
-        assert cpu_kernels.takes(x, weight) == (rows <= cpu_kernels.MAX_ROWS)
+    assert cpu_kernels.takes(x, weight) == bool(cpu_kernels_loaded)  # any rows: see kernels.takes
     _assert_product(half.product(x, weight), x, weight)
     _assert_product(ops.linear(x, weight), x, weight)  # how a model's projections reach it
     layer = half.HalfLinear(weight)
     assert list(layer.parameters()) == [] and layer.weight is weight
-    _assert_product(layer(x.view(1, rows, 300)).view(rows, 37), x, weight)
+    _assert_product(layer(x.view(1, rows, k)).view(rows, n), x, weight)
+    # Rows of the weights' own dtype (``--dtype bfloat16``) keep the operator for few rows only
+    # (float16 rows never had it).
+    few = bool(cpu_kernels_loaded) and rows <= cpu_kernels.MAX_ROWS and dtype == torch.bfloat16
+    assert cpu_kernels.takes(x.to(dtype), weight) == few
 
 
 @pytest.mark.parametrize("dtype", half.DTYPES, ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_without_the_operator_products_are_tiles_converted_to_float32(pytorch_products, monkeypatch, dtype, rows):
+    # The no-compiler path.
     x, weight = _half_case(dtype, rows, 37, 300, seed=rows)
     assert not cpu_kernels.takes(x, weight)
     _assert_product(half.product(x, weight), x, weight)
@@ -214,18 +225,19 @@ def test_without_the_operator_products_are_tiles_converted_to_float32(pytorch_pr
 
 
 @needs_compiler
-def test_the_operator_multiplies_float16_weights_exactly_as_their_conversion_in_order(cpu_kernels_loaded):
-    # In this build: within the summation bound (AVX-512 sums sixteen lanes, float32 rows eight);
-    # bit-equal builds are checked with dot.h above and, for the operator, in the slow test below.
+def test_the_operator_multiplies_float16_weights_as_their_float32_conversion(cpu_kernels_loaded):
+    # In this build: within the summation bound (AVX-512 sums sixteen lanes, float32 rows eight;
+    # a prompt's rows take panels); bit-equal builds are checked with dot.h above and, for the
+    # operator, in the slow test below.
     assert cpu_kernels_loaded, cpu_kernels.failure()
-    for rows in range(1, cpu_kernels.MAX_ROWS + 1):
-        x, weight = _half_case(torch.float16, rows, 29, 7 + 37 * rows, seed=rows)
+    for rows in (*range(1, cpu_kernels.MAX_ROWS + 1), 17, 31, 64):
+        x, weight = _half_case(torch.float16, rows, 29 + rows, 7 + 37 * rows, seed=rows)
         _assert_product(cpu_kernels.matvec(x, weight), x, weight)
 
 
 # A build of the operator's products alone (kernels.cpp) with instruction sets taken away, in a
 # process of its own: it writes each case's product on the float16 weights and on their float32
-# conversion.
+# conversion: a decode step's rows read both as weight rows, in the same order of additions.
 _VARIANT_SCRIPT = """
 import sys, torch
 from llama_chat.ml.cpu import kernels
@@ -244,14 +256,16 @@ def test_the_operator_built_without_avx512_gives_float16_products_equal_to_float
     wrapper.write_text(f'#!/bin/sh\nexec "{COMPILER}" "$@" {flags}\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     cases = [_half_case(torch.float16, rows, 29, k, seed=rows) for rows in range(1, 17) for k in (5, 64, 300)]
-    torch.save(cases, tmp_path / "cases.pt")
+    prompts = [_half_case(torch.float16, rows, n, k, seed=rows) for rows, n, k in SHAPES if rows > 16]
+    torch.save(cases + prompts, tmp_path / "cases.pt")
     env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "kernels"))
     run = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
-    for (x, weight), (halves, floats) in zip(cases, torch.load(tmp_path / "out.pt")):
-        assert torch.equal(halves, floats), (x.shape, weight.shape)
-        _assert_product(halves, x, weight)
+    for i, ((x, weight), (halves, floats)) in enumerate(zip(cases + prompts, torch.load(tmp_path / "out.pt"))):
+        if i < len(cases):
+            assert torch.equal(halves, floats), (x.shape, weight.shape)
+        _assert_product(halves, x, weight)  # a prompt's rows: panels, summed in another order
 
 
 def test_a_16_bit_embedding_gives_float32_rows_exactly():

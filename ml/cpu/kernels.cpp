@@ -9,6 +9,7 @@
 // Built on first use by llama_chat/ml/cpu/kernels.py with the machine's C++ compiler.
 #include "blocks.h"
 #include "dot.h"
+#include "panels.h"
 #include "pick.h"
 
 #include <torch/library.h>
@@ -94,6 +95,92 @@ void products(const float* x, const W* w, const float* scales, float* out, int64
   });
 }
 
+// Rows of x from which 16-bit weights are multiplied panel by panel (converted_panel_products):
+// a prompt's rows. Up to here, a decode step's few rows, weight rows are read one at a time.
+constexpr int64_t kMostRowProducts = 16;
+// A panel product takes this many inputs at a time, and so many rows that their interleaved
+// inputs for them fill this many bytes: what a thread reads again for each panel then stays in
+// its cache. Longer inputs and more rows at once (the whole of a 512-token prompt against a
+// 5632-input projection) were slower, each by up to half (docs/benchmarks.md, "Packed blocks:
+// GGUF files against llama.cpp").
+constexpr int64_t kInputsAtOnce = 1024;
+constexpr int64_t kInterleavedBytes = 1 << 20;
+
+// One weight row as float32 values, converted exactly.
+template <typename W>
+void convert_row(const W* w, int64_t k, float* out) {
+  int64_t i = 0;
+#ifdef LLAMA_CHAT_AVX2
+  for (; i + 8 <= k; i += 8) _mm256_storeu_ps(out + i, load8(w + i));
+#endif
+  for (; i < k; ++i) out[i] = scalar(w[i]);
+}
+
+// The weights of one panel, up to 16 rows (`count`, `k` apart) of `inputs` values, in panels.h's
+// layout (panel[i * 16 + t]: row t's input i), missing rows zero. Sixteen inputs at a time go
+// through a block in L1, converted a row's sixteen at once and then written a panel row (a cache
+// line) at once: written straight to the panel, each value was a store to a line of its own.
+template <typename W>
+void convert_panel(const W* w, int64_t k, int64_t count, int64_t inputs, float* panel) {
+  alignas(64) float block[kPanel * kPanel];  // block[t * 16 + j]: row t's input i + j
+  for (int64_t i = 0; i < inputs; i += kPanel) {
+    const int64_t width = std::min(kPanel, inputs - i);
+    for (int64_t t = 0; t < kPanel; ++t) {
+      float* values = block + t * kPanel;
+      if (t < count && width == kPanel) {
+        convert_row(w + t * k + i, kPanel, values);
+      } else {
+        for (int64_t j = 0; j < width; ++j) values[j] = t < count ? scalar(w[t * k + i + j]) : 0.f;
+      }
+    }
+    for (int64_t j = 0; j < width; ++j)
+      for (int64_t t = 0; t < kPanel; ++t) panel[(i + j) * kPanel + t] = block[t * kPanel + j];
+  }
+}
+
+// x @ w.T for many rows of x (a prompt's) and 16-bit weight rows w (n, k), read as they are: a
+// thread takes two panels of 16 outputs at a time, converts their weights for kInputsAtOnce
+// inputs into panels.h's float32 layout in a buffer of its own, and meets them with every tile of
+// rows there, from its cache (panel_products), adding each run of inputs to the last. The float32
+// copy is never more than those panels a thread: no float32 weight matrix crosses the memory, as
+// tiles converted for a library's matrix product do (ml/half.py's fallback, slower by half or
+// more: docs/benchmarks.md, "Packed blocks: GGUF files against llama.cpp"). Numerics: each result
+// is the exact conversions' products summed in float32, input by input in runs of kInputsAtOnce,
+// the runs' sums added in order.
+template <typename W>
+void converted_panel_products(const float* x, const W* w, float* out, int64_t rows, int64_t k, int64_t n) {
+  const int64_t span = std::max<int64_t>(1, std::min(k, kInputsAtOnce));
+  const int64_t most = std::max<int64_t>(kPanel, kInterleavedBytes / (4 * span) / kPanel * kPanel);
+  if (rows > most) {
+    for (int64_t r = 0; r < rows; r += most)
+      converted_panel_products(x + r * k, w, out + r * n, std::min(most, rows - r), k, n);
+    return;
+  }
+  constexpr int64_t kOutputs = 2 * kPanel;  // two panels: AVX-512 builds pair them for many rows
+  // Row r's input i at [i * rows + r], written sixteen rows at a time: a cache line a store.
+  std::vector<float> interleaved(static_cast<size_t>(rows * k));
+  for (int64_t from = 0; from < rows; from += kPanel)
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t r = from; r < std::min(rows, from + kPanel); ++r)
+        interleaved[static_cast<size_t>(i * rows + r)] = x[r * k + i];
+  const int64_t units = (n + kOutputs - 1) / kOutputs;
+  for_rows(units, kOutputs * k * static_cast<int64_t>(sizeof(W)), [&](int64_t begin, int64_t end) {
+    std::vector<float> panels(static_cast<size_t>(kOutputs * span));
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t first = u * kOutputs, count = std::min(kOutputs, n - first);
+      for (int64_t from = 0; from < k; from += span) {
+        const int64_t inputs = std::min(span, k - from);
+        for (int64_t p = 0; p * kPanel < kOutputs; ++p)
+          convert_panel(w + (first + p * kPanel) * k + from, k, std::max<int64_t>(0, std::min(kPanel, count - p * kPanel)),
+                        inputs, panels.data() + p * inputs * kPanel);
+        const float* xs = interleaved.data() + from * rows;
+        if (from == 0) panel_products<false>(panels.data(), inputs, xs, rows, 0, count, out + first, n);
+        else panel_products<true>(panels.data(), inputs, xs, rows, 0, count, out + first, n);
+      }
+    }
+  });
+}
+
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "matvec: the weight must be a contiguous matrix");
   TORCH_CHECK(x.size(-1) == weight.size(1), "matvec: x has ", x.size(-1), " columns, the weight ", weight.size(1));
@@ -117,10 +204,16 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::opti
       products(xs, weight.data_ptr<float>(), scale, o, rows, k, n);
       break;
     case at::kBFloat16:
-      products(xs, reinterpret_cast<const uint16_t*>(weight.data_ptr()), scale, o, rows, k, n);
+      if (rows > kMostRowProducts && !scale)
+        converted_panel_products(xs, reinterpret_cast<const uint16_t*>(weight.data_ptr()), o, rows, k, n);
+      else
+        products(xs, reinterpret_cast<const uint16_t*>(weight.data_ptr()), scale, o, rows, k, n);
       break;
     case at::kHalf:
-      products(xs, reinterpret_cast<const F16*>(weight.data_ptr()), scale, o, rows, k, n);
+      if (rows > kMostRowProducts && !scale)
+        converted_panel_products(xs, reinterpret_cast<const F16*>(weight.data_ptr()), o, rows, k, n);
+      else
+        products(xs, reinterpret_cast<const F16*>(weight.data_ptr()), scale, o, rows, k, n);
       break;
     case at::kChar:
 #ifdef LLAMA_CHAT_AVX2

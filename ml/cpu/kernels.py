@@ -5,8 +5,9 @@ well below the memory's speed, bfloat16 and int8 ones most of all on CPUs withou
 AVX-512 instructions (``benchmarks/bench_cpu_kernels.py``; docs/benchmarks.md, "Products: the
 operator's, MKL's and oneDNN's"). ``kernels.cpp`` is one operator,
 ``torch.ops.llama_chat_cpu.matvec(x, weight, scales=None)``: ``x @ weight.T`` (times ``scales``
-per output row) for float32, bfloat16, float16 and int8 weights and a few rows of ``x``, in ``x``'s
-dtype (``dot.h`` states the numerics: 16-bit weights converted exactly, float32 sums).
+per output row) for float32, bfloat16, float16 and int8 weights and a few rows of ``x`` (16-bit
+weights under float32 rows: any rows), in ``x``'s dtype (``dot.h`` and ``kernels.cpp`` state the
+numerics: 16-bit weights converted exactly, float32 sums).
 It is compiled with the machine's C++ compiler (``$CXX``, else ``c++``), the one inductor uses too,
 against the installed
 torch, for this CPU (``-march=native``), into ``~/.cache/llama-chat/kernels`` (or
@@ -324,11 +325,16 @@ def large_pages_block(size: int) -> torch.Tensor | None:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the product ``x @ weight.T`` goes to the operator: loaded, on the CPU, few rows."""
+    """Whether the product ``x @ weight.T`` goes to the operator: loaded, on the CPU, few rows; or
+    16-bit weights under float32 rows (a GGUF file's: ``ml/half.py``), any rows: a prompt's are
+    multiplied by panels converted a few at a time (``kernels.cpp``), faster than converting
+    tiles for a library's float32 product."""
     if not (loaded() and x.device.type == "cpu" and weight.device.type == "cpu"
             and weight.dtype in KERNEL_DTYPES and x.dtype in (torch.float32, torch.bfloat16)
             and weight.dim() == 2 and weight.is_contiguous()):
         return False
+    if weight.dtype in HALF_DTYPES and x.dtype == torch.float32:
+        return True
     rows = x.numel() // max(x.shape[-1], 1)
     return rows <= (MAX_INT8_ROWS if weight.dtype == torch.int8 else MAX_ROWS)
 
