@@ -30,10 +30,8 @@ from torch import nn
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
 DTYPES = cpu_kernels.HALF_DTYPES
-# Weight values converted at a time by ``tiled_product`` (32 MiB as float32). The float32 matrix
-# product loses speed on narrow tiles (it packs the rows again for each): at a prompt's rows,
-# tiles of this size came near the product over the whole float32 weight, and smaller ones fell
-# behind.
+# Weight values converted at a time by ``tiled_product`` (32 MiB as float32): wide tiles, since the
+# library's float32 product packs the rows again for each tile it is given.
 TILE_VALUES = 1 << 23
 
 

@@ -100,9 +100,9 @@ void products(const float* x, const W* w, const float* scales, float* out, int64
 constexpr int64_t kMostRowProducts = 16;
 // A panel product takes this many inputs at a time, and so many rows that their interleaved
 // inputs for them fill this many bytes: what a thread reads again for each panel then stays in
-// its cache. Longer inputs and more rows at once (the whole of a 512-token prompt against a
-// 5632-input projection) were slower, each by up to half (docs/benchmarks.md, "Packed blocks:
-// GGUF files against llama.cpp").
+// its cache. Longer runs of inputs and more rows at once (the whole of a 512-token prompt against
+// a 5632-input projection) were slower (docs/benchmarks.md, "Packed blocks: GGUF files against
+// llama.cpp").
 constexpr int64_t kInputsAtOnce = 1024;
 constexpr int64_t kInterleavedBytes = 1 << 20;
 
@@ -143,10 +143,10 @@ void convert_panel(const W* w, int64_t k, int64_t count, int64_t inputs, float* 
 // inputs into panels.h's float32 layout in a buffer of its own, and meets them with every tile of
 // rows there, from its cache (panel_products), adding each run of inputs to the last. The float32
 // copy is never more than those panels a thread: no float32 weight matrix crosses the memory, as
-// tiles converted for a library's matrix product do (ml/half.py's fallback, slower by half or
-// more: docs/benchmarks.md, "Packed blocks: GGUF files against llama.cpp"). Numerics: each result
-// is the exact conversions' products summed in float32, input by input in runs of kInputsAtOnce,
-// the runs' sums added in order.
+// tiles converted for a library's matrix product do (ml/half.py's fallback, slower at every row
+// count measured: docs/benchmarks.md, "Packed blocks: GGUF files against llama.cpp"). Numerics:
+// each result is the exact conversions' products summed in float32, input by input in runs of
+// kInputsAtOnce, the runs' sums added in order.
 template <typename W>
 void converted_panel_products(const float* x, const W* w, float* out, int64_t rows, int64_t k, int64_t n) {
   const int64_t span = std::max<int64_t>(1, std::min(k, kInputsAtOnce));
@@ -170,9 +170,10 @@ void converted_panel_products(const float* x, const W* w, float* out, int64_t ro
       const int64_t first = u * kOutputs, count = std::min(kOutputs, n - first);
       for (int64_t from = 0; from < k; from += span) {
         const int64_t inputs = std::min(span, k - from);
-        for (int64_t p = 0; p * kPanel < kOutputs; ++p)
-          convert_panel(w + (first + p * kPanel) * k + from, k, std::max<int64_t>(0, std::min(kPanel, count - p * kPanel)),
-                        inputs, panels.data() + p * inputs * kPanel);
+        for (int64_t p = 0; p * kPanel < kOutputs; ++p) {
+          const int64_t filled = std::max<int64_t>(0, std::min(kPanel, count - p * kPanel));
+          convert_panel(w + (first + p * kPanel) * k + from, k, filled, inputs, panels.data() + p * inputs * kPanel);
+        }
         const float* xs = interleaved.data() + from * rows;
         if (from == 0) panel_products<false>(panels.data(), inputs, xs, rows, 0, count, out + first, n);
         else panel_products<true>(panels.data(), inputs, xs, rows, 0, count, out + first, n);
