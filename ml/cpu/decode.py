@@ -25,8 +25,9 @@ PANEL = 16
 @dataclass(frozen=True)
 class StepWeights:
     """What the step reads of one model besides the tokens and the cache. Per layer, in this order,
-    the fused q/k/v, output, gate/up and down projections: each an (n, k) float32, bfloat16 or
-    int8 matrix (int8 with float32 scales per output), or float32 panels (ceil(n / 16), k, 16);
+    the fused q/k/v, output, gate/up and down projections: each an (n, k) float32, bfloat16,
+    float16 or int8 matrix (int8 with float32 scales per output), or float32 panels
+    (ceil(n / 16), k, 16), or packed blocks;
     then its attention and feed-forward norms, float32."""
 
     embedding: torch.Tensor | PackedWeight  # float rows, or blocks expanded a row at a time as read
