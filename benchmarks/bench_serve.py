@@ -16,14 +16,14 @@ with a llama2.c-style ``tokenizer.bin`` (``bench_gpu.write_checkpoint``). Then, 
   ``length``, its streamed text must equal ``--batch``'s text for the same prompt, and its token
   count ``--new`` (a token lost or sent twice changes one or the other), and equal the text of
   the same request without ``stream`` (sent next with httpx, all at once too: its tok/s shows
-  what streaming costs the server). Aggregate tok/s: all tokens over
-  the wall time from the first request sent to the last response ended. Time to first token and
-  inter-token latency are the client's: from sending to the first text event, and between two
-  text events of one stream (an event carries the text of the tokens waiting to be sent: one,
-  or a few when a character spans tokens or the stream fell behind). The ratio of streaming's tok/s to ``--batch``'s is taken within each
-  run and its median printed: a busy machine's speed swings between minutes (as in
-  ``bench_batch.py``). The clients run on the server's machine, so the CPU they take (printed)
-  is taken from it;
+  what streaming costs the server). Aggregate tok/s: all tokens over the wall time from the
+  first request sent to the last response ended. Time to first token and inter-token latency
+  are the client's: from sending to the first text event, and between two text events of one
+  stream (an event carries the text of the tokens waiting to be sent: one, or a few when a
+  character spans tokens or the stream fell behind). The ratio of streaming's tok/s to
+  ``--batch``'s is taken within each run and its median printed: a busy machine's speed swings
+  between minutes (as in ``bench_batch.py``). The clients run on the server's machine, so the
+  CPU they take (printed) is taken from it;
 * the soak: ``--soak`` requests in waves of ``--clients``, a quarter of each wave disconnecting
   after a few events; the server's RSS (``VmRSS`` of ``/proc/PID/status``) after the first 200
   requests and after all of them, and the cancelled-requests counter of ``/metrics``.
@@ -217,8 +217,8 @@ async def sse_data(reader: asyncio.StreamReader, headers: dict[str, str]) -> Asy
 
 
 async def stream_one(url: str, prompt: str, new: int, disconnect_after: int | None = None) -> Stream:
-    """One streamed completion on a plain asyncio connection: a light client, so that the CPU the
-    clients take from the server's two cores is mostly the kernel's, not a client library's."""
+    """One streamed completion, read as it comes (``post``, ``sse_data``); ``disconnect_after``
+    text events, if given, and the client goes."""
     body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     seen = Stream(sent=time.perf_counter())

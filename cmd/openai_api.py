@@ -12,9 +12,9 @@ their command-line names. Nothing here knows the model or HTTP: ``serve_app.py``
 from __future__ import annotations
 
 import json
-from json.encoder import encode_basestring  # json.dumps of one str, ensure_ascii=False
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring  # json.dumps of one str with ensure_ascii=False
 from typing import Any
 
 from llama_chat.cmd.batch_input import SAMPLING_KEYS, SETTING_KEYS, setting
@@ -378,7 +378,8 @@ class StreamEvents:
     the text goes, so only the text is JSON-encoded each time; the bytes are those of ``event``.
     Any other chunk is encoded whole."""
 
-    # Encoded as itself: a model name or id holding it only costs the template (checked once).
+    # JSON keeps it as it is (nothing to escape). A reply whose id or model name holds it has no
+    # template: its chunks are encoded whole.
     MARKER = "\ue000llama-chat-text\ue000"
 
     def __init__(self, reply: Reply) -> None:
