@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -170,3 +171,21 @@ def test_a_compiler_that_hangs_is_announced_and_ctrl_c_ends_the_wait(tiny, tmp_p
             proc.kill()
     assert proc.returncode == 130, err.decode()
     assert b"Traceback" not in err
+
+
+def test_the_compiler_takes_signals_when_started_from_a_thread_that_blocks_them():
+    # Every thread but the main one blocks the process's signals; a compiler it started with that
+    # mask would outlive a Ctrl+C.
+    found = {}
+
+    def build():
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        run = cpu_kernels._compile(["sh", "-c", "grep SigBlk /proc/self/status"])
+        found["child"] = int(run.stdout.split()[1], 16)
+        found["thread"] = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+
+    worker = threading.Thread(target=build)
+    worker.start()
+    worker.join(60)
+    assert found["child"] & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGTERM - 1)) == 0
+    assert {signal.SIGINT, signal.SIGTERM} <= found["thread"]  # the thread's own block is back

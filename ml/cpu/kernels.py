@@ -48,12 +48,14 @@ that fails, does too: the operator is a speed-up, never a requirement.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -378,8 +380,7 @@ def _build(target: Path) -> str | None:
         except OSError as exc:
             return f"cannot write its cache {target.parent} ({exc.strerror or exc})"
         try:
-            run = subprocess.run([compiler, *base, *extra, *map(str, SOURCES), *link, "-o", str(partial)],
-                                 capture_output=True, text=True, errors="replace", timeout=BUILD_TIMEOUT_S)
+            run = _compile([compiler, *base, *extra, *map(str, SOURCES), *link, "-o", str(partial)])
             if run.returncode == 0:
                 _seal(partial)
                 os.replace(partial, target)  # atomic: a process beside this one sees all or nothing
@@ -393,6 +394,32 @@ def _build(target: Path) -> str | None:
         lines = [line for line in run.stderr.splitlines() if "error" in line] or run.stderr.splitlines() or [""]
         problem = f"{compiler} failed: {lines[0].strip()[:200]}"
     return problem
+
+
+def _compile(argv: list[str]) -> subprocess.CompletedProcess:
+    """Run the compiler, its output captured, killed after ``BUILD_TIMEOUT_S``."""
+    with _signals_taken():
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+    try:
+        out, err = process.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
+
+
+@contextlib.contextmanager
+def _signals_taken():
+    """The calling thread's signals unblocked while a child starts. Every thread but the main one
+    blocks the process's signals (inference/thread_signals.py) and a child starts with its
+    thread's mask: a compiler started by the server's loading thread would outlive a Ctrl+C."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 @functools.cache
