@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,24 @@ def pytorch_products(monkeypatch):
     from llama_chat.ml.cpu import kernels as cpu_kernels
 
     monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+
+
+@pytest.fixture(scope="session")
+def operator_variant_env(tmp_path_factory):
+    """The environment of a process that builds the operator's products (``kernels.cpp`` alone)
+    with instruction sets taken away, ``flags`` added to every compile (say ``-mno-avx512f``): the
+    first such process builds the library into a cache of the flags' own, the next ones load it.
+    Shared by the tests of each product's variants, so that each variant is built once a run."""
+    made: dict[str, dict[str, str]] = {}
+
+    def env_for(flags: str) -> dict[str, str]:
+        if flags not in made:
+            root = tmp_path_factory.mktemp("operator-variant")
+            wrapper = root / "cxx"
+            compiler = shutil.which(os.environ.get("CXX") or "c++")
+            wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')
+            wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+            made[flags] = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(root / "kernels"))
+        return made[flags]
+
+    return env_for

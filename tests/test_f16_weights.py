@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -258,16 +257,13 @@ torch.save([(kernels.matvec(x, w), kernels.matvec(x, w.float())) for x, w in cas
 @needs_compiler
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", BUILDS[1:])
-def test_the_operator_built_without_avx512_gives_float16_products_equal_to_float32_ones(tmp_path, flags):
-    wrapper = tmp_path / "cxx"
-    wrapper.write_text(f'#!/bin/sh\nexec "{COMPILER}" "$@" {flags}\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+def test_the_operator_built_without_avx512_gives_float16_products_equal_to_float32_ones(tmp_path, flags,
+                                                                                        operator_variant_env):
     cases = [_half_case(torch.float16, rows, 29, k, seed=rows) for rows in range(1, 17) for k in (5, 64, 300)]
     prompts = [_half_case(torch.float16, rows, n, k, seed=rows) for rows, n, k in SHAPES if rows > 16]
     torch.save(cases + prompts, tmp_path / "cases.pt")
-    env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "kernels"))
     run = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                         env=operator_variant_env(flags), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     for i, ((x, weight), (halves, floats)) in enumerate(zip(cases + prompts, torch.load(tmp_path / "out.pt"))):
         if i < len(cases):

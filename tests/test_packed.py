@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -207,11 +206,7 @@ torch.save([torch.ops.llama_chat_cpu.packed_product(x, data, kind) for kind, x, 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", ["-mno-avx512vnni", "-mno-avx512f", "-mno-avx"],
                          ids=["avx512-without-vnni", "avx2", "scalar"])
-def test_builds_without_vnni_avx512_or_avx_give_the_same_products(tmp_path, flags):
-    compiler = shutil.which(os.environ.get("CXX") or "c++")
-    wrapper = tmp_path / "cxx"
-    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+def test_builds_without_vnni_avx512_or_avx_give_the_same_products(tmp_path, flags, operator_variant_env):
     cases, weights = [], []
     for i, kind in enumerate(packed.PACKED_TYPES):
         for rows, blocks in ((1, 9), (6, 2), (16, 17)):
@@ -221,9 +216,8 @@ def test_builds_without_vnni_avx512_or_avx_give_the_same_products(tmp_path, flag
             cases.append((kind, x, weight.data))
             weights.append(weight)
     torch.save(cases, tmp_path / "cases.pt")
-    env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "kernels"))
     run = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
-                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+                         env=operator_variant_env(flags), cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     for (kind, x, _), weight, got in zip(cases, weights, torch.load(tmp_path / "out.pt")):
         assert_operator_result(got, x, weight)
