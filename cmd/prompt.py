@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.model.chat_format import FORMAT_NAMES, ChatFormat, Message
-from llama_chat.model.tokenizers.base import Tokenizer
+from llama_chat.model.tokenizers.base import Tokenizer, encode_prompt
 
 # The formats a user can name for a model that has none of its own.
 NAMED_FORMATS = "|".join(name for name in FORMAT_NAMES if name not in ("auto", "none"))
@@ -25,7 +25,7 @@ def prompt_ids(text: str, *, system: str | None, tokenizer: Tokenizer, chat_form
         if system:
             raise UsageProblem(f"--system needs a chat template, and this model has none "
                                f"(choose one with --template {NAMED_FORMATS})")
-        return tokenizer.encode(text, bos=True)
+        return encode_prompt(tokenizer, text)
     messages = [Message("system", system)] if system else []
     messages.append(Message("user", text))
     return chat_format.encode_dialog(messages, add_generation_prompt=True)

@@ -39,6 +39,7 @@ from llama_chat.cmd.sanitize import one_line
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
 from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError
 from llama_chat.ml.controls import MAX_SEED
+from llama_chat.model.tokenizers.base import encode_prompt
 
 if TYPE_CHECKING:
     from llama_chat.cmd.options import Options
@@ -284,7 +285,7 @@ def _prompt_ids(served: Served, generation: Generation, prompt) -> list[int]:
         # when they were the last job to end (``Scheduler.align_to_cache``).
         return served.serving.scheduler.align_to_cache(ids)
     if isinstance(prompt, str):
-        return loaded.tokenizer.encode(prompt, bos=True)
+        return encode_prompt(loaded.tokenizer, prompt)
     vocab = served.serving.scheduler.model.args.vocab_size
     if any(i >= vocab for i in prompt):
         raise bad(f"prompt: token ids must be below the vocabulary size, {vocab}", "prompt")

@@ -141,6 +141,24 @@ def test_every_name_the_converter_writes_for_these_families_is_read():
 # -- what the file says besides the tokens ----------------------------------------------------------
 
 
+def test_a_plain_prompt_gets_bos_and_eos_only_where_the_file_says(tmp_path):
+    """``tokenizer.ggml.add_bos_token = false`` on a GPT-2-style vocabulary: a prompt without a chat
+    template (``--template none``, ``/v1/completions``) is the text's ids alone, as transformers and
+    llama.cpp tokenize it; true puts bos first; ``add_eos_token`` puts eos last."""
+    from llama_chat.cmd.prompt import prompt_ids
+
+    reference = _trained(PRE_TOKENIZERS["qwen2"])
+    text = "The capital of France is"
+    bare = reference.encode(text, add_special_tokens=False).ids
+    bos, eos = reference.token_to_id("<|im_start|>"), reference.token_to_id("<|endoftext|>")
+    cases = {(False, None): bare, (True, None): [bos, *bare], (False, True): [*bare, eos]}
+    for (add_bos, add_eos), expected in cases.items():
+        path = write_vocab_gguf(tmp_path / f"{add_bos}{add_eos}.gguf", reference, "qwen2", bos="<|im_start|>",
+                                eos="<|endoftext|>", add_bos=add_bos, add_eos=add_eos)
+        tok = _load(path)
+        assert prompt_ids(text, system=None, tokenizer=tok, chat_format=None, template="none") == expected
+
+
 def test_special_ids_flags_and_token_types_come_from_the_file(tmp_path):
     reference = _trained(PRE_TOKENIZERS["smollm"])
     ids = {t: reference.token_to_id(t) for t in SPECIALS + [USER_DEFINED]}

@@ -39,3 +39,14 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A plain prompt's ids (no chat template) with the markers its tokenizer says a prompt gets.
+
+    ``add_bos`` and ``add_eos`` come from the model's files (``tokenizer.ggml.add_bos_token``,
+    ``add_bos_token`` in tokenizer_config.json): a GPT-2-style vocabulary that says no bos gets
+    none, as transformers and llama.cpp tokenize it. A backend without the flags is a Llama's:
+    bos, no eos. A chat template writes its own markers (``ChatFormat.encode_dialog``).
+    """
+    return tokenizer.encode(text, bos=getattr(tokenizer, "add_bos", True), eos=getattr(tokenizer, "add_eos", False))

@@ -138,6 +138,7 @@ class GGUFSentencePieceTokenizer(SentencePieceTokenizer):
         super().__init__(contents.path, proto=proto,
                          info=ModelProtoInfo(piece_types=list(vocab.types), add_dummy_prefix=add_dummy_prefix))
         self._add_bos_flag = vocab.add_bos
+        self._add_eos = bool(vocab.add_eos) and self._eos is not None
         self._stops = vocab.stop_ids(self._specials, self._stops)
 
     @property
@@ -145,6 +146,11 @@ class GGUFSentencePieceTokenizer(SentencePieceTokenizer):
         if self._add_bos_flag is not None:
             return self._add_bos_flag and self._bos is not None
         return self._bos is not None
+
+    @property
+    def add_eos(self) -> bool:
+        """``tokenizer.ggml.add_eos_token``: a plain prompt ends with eos (``encode_prompt``)."""
+        return self._add_eos
 
 
 def _varint(value: int) -> bytes:
@@ -289,6 +295,7 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
         self._eos = vocab.ids["eos"]
         self._stops = vocab.stop_ids(specials)
         self._add_bos = vocab.add_bos if vocab.add_bos is not None else pre.add_bos
+        self._add_eos = bool(vocab.add_eos) and self._eos is not None
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         with self._switch:
@@ -309,6 +316,10 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
     @property
     def add_bos(self) -> bool:
         return bool(self._add_bos) and self._bos is not None
+
+    @property
+    def add_eos(self) -> bool:
+        return self._add_eos
 
     def encode_allowing_special(self, text: str) -> list[int]:
         with self._switch:

@@ -112,6 +112,7 @@ class HFTokenizer(ByteTableTokenizer):
         configured = self.config.get("add_bos_token")
         self._add_bos = bool(configured) if isinstance(configured, bool) else (
             self._bos is not None and probe[:1] == [self._bos] and bare[:1] != [self._bos])
+        self._add_eos = self.config.get("add_eos_token") is True and self._eos is not None
         self._strips = bool(bare) and table[bare[0]].startswith(b" ") and not raw.decode(bare[:1]).startswith(" ")
 
     def _find(self, configured: str | None, fallbacks: tuple[str, ...]) -> int | None:
@@ -142,6 +143,11 @@ class HFTokenizer(ByteTableTokenizer):
     def add_bos(self) -> bool:
         """``add_bos_token`` from tokenizer_config.json, else whether the post-processor adds bos."""
         return self._add_bos
+
+    @property
+    def add_eos(self) -> bool:
+        """``add_eos_token`` from tokenizer_config.json: a plain prompt ends with eos."""
+        return self._add_eos
 
     def encode_allowing_special(self, text: str) -> list[int]:
         """Encode rendered chat-template text the way ``apply_chat_template`` does."""
