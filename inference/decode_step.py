@@ -95,7 +95,7 @@ class StaticStep:
         self.temperature = torch.ones((), dtype=torch.float32, device=device)
         self.top_p = torch.ones((), dtype=torch.float32, device=device)
         self.mode = SamplingMode.GREEDY
-        model.rope_table(device)  # built now, or the first trace would guard on its absence
+        model.rope_tables(device)  # built now, or the first trace would guard on its absence
         self._run = self._step
         self._host_position = 0  # the position the next queued step feeds its token at
         self._windows: dict[int, torch.Tensor] = {}

@@ -42,7 +42,7 @@ class LoneRowStep:
         options = {"cpp_wrapper": True} if backend == "inductor" and cache.device.type == "cpu" else {}
         extra = {"options": options} if options else {}
         self._run = torch.compile(self._forward, backend=backend, fullgraph=True, dynamic=False, **extra)
-        model.rope_table(cache.device)  # built now, or the first trace would guard on its absence
+        model.rope_tables(cache.device)  # built now, or the first trace would guard on its absence
 
     def warm_up(self) -> bool:
         """Compile now (at a position of the scratch page); whether the step can be used."""

@@ -33,6 +33,46 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+@dataclass(frozen=True)
+class LinearRope:
+    """Positions divided by ``factor`` (``rope_type == "linear"``: Gemma 3's global layers)."""
+
+    factor: float
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """Phi-3's LongRoPE: a divisor per frequency, the short set for contexts up to the trained one
+    and the long set beyond it, and cos/sin scaled by ``attention_factor``. The set is chosen once,
+    by the context the table is made for, as llama.cpp chooses it."""
+
+    short_factors: tuple[float, ...]
+    long_factors: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float = 1.0
+
+
+Rope = RopeScaling | LinearRope | LongRope
+
+
+@dataclass(frozen=True)
+class AttentionRule:
+    """What a layer's attention does beyond Llama's: a sliding window of keys (a query at
+    position p sees keys p - window + 1 .. p), a soft cap on the scores (``cap * tanh(s / cap)``)
+    and a score scale other than ``1 / sqrt(head_dim)``. The default rule is Llama's."""
+
+    window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None and self.scale is None
+
+
+PLAIN_ATTENTION = AttentionRule()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) -> torch.Tensor:
     """``x @ weight.T``; with ``row_products``, spelled as a multiply and a sum over the inputs.
 
@@ -128,11 +168,20 @@ def project(x: torch.Tensor, layer: torch.nn.Module, row_products: bool = False)
     return linear(x, layer.weight, row_products)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
-    """Inverse frequencies, one per pair of channels, in float32 (optionally Llama 3.1 scaled)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_frequencies(head_dim: int, theta: float, scaling: Rope | None = None,
+                     max_seq_len: int = 0) -> torch.Tensor:
+    """Inverse frequencies, one per pair of channels, in float32 (optionally scaled: Llama 3.1's,
+    linear, or LongRoPE's set for a context of ``max_seq_len``)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if isinstance(scaling, LongRope):
+        long = max_seq_len > scaling.original_max_position_embeddings
+        factors = torch.tensor(scaling.long_factors if long else scaling.short_factors, dtype=torch.float32)
+        return 1.0 / (factors * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRope):
+        return inv_freq / scaling.factor
     # Long wavelengths are stretched by `factor`, short ones kept, the band between blended
     # smoothly: the published Llama 3.1 recipe.
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -148,12 +197,15 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
 
 
 def rope_table(
-    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+    head_dim: int, max_seq_len: int, theta: float, scaling: Rope | None = None
 ) -> torch.Tensor:
     """``(max_seq_len, head_dim // 2, 2)`` float32 table of (cos, sin) for every position."""
-    inv_freq = rope_frequencies(head_dim, theta, scaling)
+    inv_freq = rope_frequencies(head_dim, theta, scaling, max_seq_len)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+    table = torch.stack((angles.cos(), angles.sin()), dim=-1)
+    if isinstance(scaling, LongRope) and scaling.attention_factor != 1.0:
+        table *= scaling.attention_factor
+    return table
 
 
 def rope_at(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +267,36 @@ def attention(
         mask = mask.reshape(batch, mask.shape[1], n_rep * seq, mask.shape[-1])
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
     return out.reshape(batch, heads, seq, head_dim)  # some kernels return another layout
+
+
+def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``(batch, 1, seq, kv_len)`` bool: which keys each query sees (its own past, and with a
+    ``window`` only the last ``window`` positions of it). ``query_positions`` is ``(batch, seq)``,
+    ``key_positions`` ``(kv_len,)`` or ``(batch, kv_len)``."""
+    q = query_positions.unsqueeze(-1)
+    k = key_positions.view(-1, 1, key_positions.shape[-1]) if key_positions.dim() == 2 else key_positions
+    seen = k <= q
+    if window is not None:
+        seen &= k > q - window
+    return seen.unsqueeze(1)
+
+
+def ruled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    rule: AttentionRule) -> torch.Tensor:
+    """Attention under ``rule`` (see ``AttentionRule``): two products, the scale, the cap and a
+    float32 softmax, grouped heads as in ``attention_over_cache``. ``mask`` is ``visible_keys``'s."""
+    batch, heads, seq, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    n_rep = heads // kv_heads
+    grouped = q.reshape(batch, kv_heads, n_rep * seq, head_dim)
+    scale = rule.scale if rule.scale is not None else 1.0 / math.sqrt(head_dim)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale
+    if rule.softcap is not None:
+        scores = torch.tanh(scores / rule.softcap) * rule.softcap
+    mask = mask.unsqueeze(2).expand(batch, mask.shape[1], n_rep, seq, kv_len)
+    scores = scores.masked_fill(~mask.reshape(batch, mask.shape[1], n_rep * seq, kv_len), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(batch, heads, seq, head_dim)
 
 
 def attention_over_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

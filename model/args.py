@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from llama_chat.ml.ops import RopeScaling
+from llama_chat.ml.ops import PLAIN_ATTENTION, AttentionRule, LinearRope, LongRope, Rope, RopeScaling
 from llama_chat.model.errors import ModelLoadError
 
 
@@ -50,6 +50,9 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     dim: int
@@ -60,14 +63,33 @@ class ModelArgs:
     n_kv_heads: int | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: Rope | None = None
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    # The switches of the model families (``model/families.py`` reads them from a Hugging Face
+    # config or a GGUF file's metadata); the defaults are Llama's.
+    family: str = "llama"
+    head_size: int | None = None  # a head's width where it is not dim / n_heads (Qwen3, Gemma)
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before the rotary (Qwen3, Gemma 3)
+    activation: str = "silu"  # the feed-forward's gate: "silu" or "gelu_tanh" (Gemma)
+    embedding_scale: bool = False  # embeddings times sqrt(dim) (Gemma)
+    post_norms: bool = False  # norms on the attention's and the feed-forward's outputs (Gemma 2, 3)
+    attention_softcap: float | None = None  # scores capped by cap * tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None  # the logits capped likewise (Gemma 2)
+    query_scale: float | None = None  # the scores' scale where it is not 1 / sqrt(head_dim) (Gemma)
+    sliding_window: int | None = None  # the keys a windowed layer sees (Mistral, Gemma)
+    window_layers: tuple[int, ...] = ()  # the layers that attend through the window
+    local_rope_theta: float | None = None  # the windowed layers' own rotary base (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len"):
+        if self.head_size is not None and not isinstance(self.head_size, bool) \
+                and isinstance(self.head_size, int) and self.head_size * self.n_heads == self.dim:
+            object.__setattr__(self, "head_size", None)  # the usual width: one spelling of it
+        names = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len")
+        for name in names + (("head_size",) if self.head_size is not None else ()):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ConfigError(f"{name} must be an integer, found {value!r}")
@@ -75,7 +97,7 @@ class ModelArgs:
                 raise ConfigError(f"{name} must be positive, found {value}")
             if value > MAX_SIZE:
                 raise ConfigError(f"{name} {value} is larger than any model's ({MAX_SIZE})")
-        if self.dim % self.n_heads:
+        if self.head_size is None and self.dim % self.n_heads:
             raise ConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
@@ -83,7 +105,31 @@ class ModelArgs:
             raise ConfigError(f"head dimension {self.head_dim} (dim / n_heads) must be even for rotary embeddings")
         _positive_finite("norm_eps", self.norm_eps)
         _positive_finite("rope_theta", self.rope_theta)
-        if self.rope_scaling is not None:
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation {self.activation!r} is not supported (expected {' or '.join(ACTIVATIONS)})")
+        for name in ("attention_softcap", "final_softcap", "query_scale", "local_rope_theta"):
+            if getattr(self, name) is not None:
+                _positive_finite(name, getattr(self, name))
+        if self.sliding_window is not None:
+            if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) \
+                    or self.sliding_window <= 0:
+                raise ConfigError(f"sliding_window must be a positive integer, found {self.sliding_window!r}")
+        if any(not 0 <= i < self.n_layers for i in self.window_layers):
+            raise ConfigError(f"window_layers name a layer outside 0..{self.n_layers - 1}")
+        if isinstance(self.rope_scaling, LongRope):
+            r = self.rope_scaling
+            for name in ("short_factors", "long_factors"):
+                factors = getattr(r, name)
+                if len(factors) != self.head_dim // 2:
+                    raise ConfigError(f"rope scaling {name} has {len(factors)} values, expected "
+                                      f"head_dim / 2 = {self.head_dim // 2}")
+                for value in factors:
+                    _positive_finite(f"rope scaling {name}", value)
+            _positive_finite("rope scaling original_max_position_embeddings", r.original_max_position_embeddings)
+            _positive_finite("rope scaling attention_factor", r.attention_factor)
+        elif isinstance(self.rope_scaling, LinearRope):
+            _positive_finite("rope scaling factor", self.rope_scaling.factor)
+        elif self.rope_scaling is not None:
             s = self.rope_scaling
             for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 _positive_finite(f"rope scaling {name}", getattr(s, name))
@@ -93,7 +139,40 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size if self.head_size is not None else self.dim // self.n_heads
+
+    def attention_rule(self, layer: int) -> AttentionRule:
+        """What ``layer``'s attention does beyond Llama's (``ops.AttentionRule``). A window that
+        the context never passes changes nothing, so it is left out: such a layer keeps the
+        plain paths."""
+        window = self.sliding_window if layer in self.window_layers else None
+        if window is not None and window >= self.max_seq_len:
+            window = None
+        scale = self.query_scale
+        if scale is not None and math.isclose(scale, self.head_dim ** -0.5, rel_tol=1e-9):
+            scale = None
+        rule = AttentionRule(window, self.attention_softcap, scale)
+        return PLAIN_ATTENTION if rule.plain else rule
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` takes the windowed layers' own rotary table (Gemma 3)."""
+        return self.local_rope_theta is not None and layer in self.window_layers
+
+    def llama_layout(self) -> list[str]:
+        """What of this model differs from a Llama's layer: what a path written for Llama alone
+        (the CPU operator's one-call step) must leave to the general one. Empty for a Llama."""
+        gaps = [name for name, on in (
+            ("qkv bias", self.qkv_bias), ("q/k norms", self.qk_norm), ("head width", self.head_size is not None),
+            (self.activation, self.activation != "silu"), ("embedding scale", self.embedding_scale),
+            ("post norms", self.post_norms), ("final soft cap", self.final_softcap is not None),
+            ("local rotary base", self.local_rope_theta is not None),
+            ("LongRoPE", isinstance(self.rope_scaling, LongRope)),
+            ("linear rotary scaling", isinstance(self.rope_scaling, LinearRope)),
+        ) if on]
+        windowed = self.window_layers and self.sliding_window is not None and self.sliding_window < self.max_seq_len
+        if windowed or not self.attention_rule(-1).plain:
+            gaps.append("attention rule")
+        return gaps
 
     def with_max_seq_len(self, max_seq_len: int) -> ModelArgs:
         return replace(self, max_seq_len=max_seq_len)
@@ -173,17 +252,9 @@ class ModelArgs:
             for name, value in (("rope_parameters", rope_params), ("rope_scaling", rs)):
                 if not isinstance(value, dict):
                     raise ConfigError(f"{name} must be an object, found {value!r}")
-            kind = rs.get("rope_type", rs.get("type")) if rs else None
-            if kind not in (None, "default"):
-                if kind != "llama3":
-                    raise ConfigError(f"rope_scaling type {kind!r} is not supported (expected 'llama3')")
-                scaling = RopeScaling(
-                    factor=number(rs["factor"], "rope_scaling factor"),
-                    low_freq_factor=number(rs["low_freq_factor"], "rope_scaling low_freq_factor"),
-                    high_freq_factor=number(rs["high_freq_factor"], "rope_scaling high_freq_factor"),
-                    original_max_position_embeddings=integer(rs["original_max_position_embeddings"],
-                                                             "rope_scaling original_max_position_embeddings"),
-                )
+            from llama_chat.model.families import hf_rope
+
+            scaling = hf_rope(rs, config)
             rope_theta = config.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
             n_heads = integer(config["num_attention_heads"], "num_attention_heads")
             n_kv_heads = config.get("num_key_value_heads")
@@ -199,6 +270,7 @@ class ModelArgs:
                 rope_scaling=scaling,
                 max_seq_len=integer(config.get("max_position_embeddings", 2048), "max_position_embeddings"),
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                head_size=integer(config["head_dim"], "head_dim") if config.get("head_dim") is not None else None,
             )
         except KeyError as e:
             raise ConfigError(f"config.json: missing field {e.args[0]!r}") from None

@@ -157,8 +157,8 @@ def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None
 
 def supports(model: nn.Module) -> bool:
     """Whether ``model``'s one-token CPU steps will go to the operator (fused or not yet)."""
-    if not cpu_kernels.loaded():
-        return False
+    if not cpu_kernels.loaded() or model.args.llama_layout():
+        return False  # the operator computes a Llama's layer: other families take the layers
     # Engines make the cache in the dtype of the first parameter (a norm, where the matrices are
     # a file's blocks or 16-bit values): one the step cannot read keeps the layers.
     first = next(model.parameters(), None)
@@ -272,6 +272,8 @@ def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 def _readable(model: nn.Module) -> bool:
     """Whether every tensor ``gather`` takes is one the operator reads."""
+    if model.args.llama_layout():
+        return False
     for layer in model.layers:
         if layer.attention.wqkv is None or layer.feed_forward.w13 is None:
             return False

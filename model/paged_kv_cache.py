@@ -208,11 +208,13 @@ class PagedView:
             positions = batch.positions[first:first + length]
             self._run_masks.append((keys.view(1, width) <= positions.view(length, 1)).view(1, 1, length, width))
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rule: ops.AttentionRule = ops.PLAIN_ATTENTION) -> torch.Tensor:
         """Store ``k``/``v`` (``(1, kv_heads, tokens, head_dim)``) at the step's slots, then attend.
 
         ``q`` is ``(1, heads, tokens, head_dim)``; returns the same shape. No host sync: every
-        shape comes from the batch's Python ints and the tables' sizes.
+        shape comes from the batch's Python ints and the tables' sizes. A layer with its own
+        ``rule`` (a window, a soft cap) attends through ``_attend_ruled``.
         """
         cache, batch = self.cache, self.batch
         store_k, store_v = cache.keys[layer], cache.values[layer]
@@ -221,6 +223,8 @@ class PagedView:
         flat_v = store_v.view(kv_heads, num_pages * page_size, head_dim)
         flat_k.index_copy_(1, batch.slots, k[0])
         flat_v.index_copy_(1, batch.slots, v[0])
+        if not rule.plain:
+            return self._attend_ruled(store_k, store_v, q, rule)
 
         parts = []
         if batch.singles:
@@ -257,6 +261,32 @@ class PagedView:
             keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
             values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
             parts.append(ops.attention(q[:, :, first:first + length], keys, values, mask, causal=mask is None))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def _attend_ruled(self, store_k: torch.Tensor, store_v: torch.Tensor, q: torch.Tensor,
+                      rule: ops.AttentionRule) -> torch.Tensor:
+        """``attend`` for a layer with a rule: every row's keys gathered from its pages and each
+        query's visible keys worked out from its position (``ops.visible_keys``), the window's
+        included. The plain layers' shortcuts (the mirror, unmasked lone rows) are not taken."""
+        batch = self.batch
+        kv_heads, _, _, head_dim = store_k.shape
+        parts = []
+        if batch.singles:
+            n = batch.singles
+            keys = store_k.index_select(1, self._single_pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
+            values = store_v.index_select(1, self._single_pages).view(kv_heads, n, -1, head_dim).transpose(0, 1)
+            width = batch.single_kv_len or keys.shape[2]
+            keys, values = keys[:, :, :width], values[:, :, :width]
+            seen = ops.visible_keys(batch.positions[:n].view(n, 1), torch.arange(width, device=q.device), rule.window)
+            out = ops.ruled_attention(q[0, :, :n].transpose(0, 1).unsqueeze(2), keys, values, seen, rule)
+            parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))
+        for first, length, table, start in batch.runs:
+            end = start + length
+            keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
+            values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
+            seen = ops.visible_keys(batch.positions[first:first + length].view(1, length),
+                                    torch.arange(end, device=q.device), rule.window)
+            parts.append(ops.ruled_attention(q[:, :, first:first + length], keys, values, seen, rule))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def _attend_rows_by_head(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ class StepLayout:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
@@ -72,12 +72,27 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.wqkv: nn.Linear | None = None
+        # The biases are their own parameters: the projections stay bias-free layers of any form
+        # (float, int8, packed blocks, 16-bit), and the sum is one add after the product.
+        self.bq = self.bk = self.bv = self.bqkv = None
+        if args.qkv_bias:
+            self.bq = nn.Parameter(torch.zeros(args.n_heads * args.head_dim))
+            self.bk = nn.Parameter(torch.zeros(args.n_kv_heads * args.head_dim))
+            self.bv = nn.Parameter(torch.zeros(args.n_kv_heads * args.head_dim))
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.rule = args.attention_rule(layer)
 
     def fuse(self) -> None:
         """One projection for q, k and v (see ``Transformer.fuse_projections``)."""
         if self.wqkv is None:
             self.wqkv = _fused_linear(self.wq, self.wk, self.wv)
             del self.wq, self.wk, self.wv
+            if self.bq is not None:
+                self.bqkv = nn.Parameter(torch.cat([self.bq.detach(), self.bk.detach(), self.bv.detach()]),
+                                         requires_grad=False)
+                del self.bq, self.bk, self.bv
+                self.bq = self.bk = self.bv = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: StepLayout,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
@@ -85,22 +100,39 @@ class Attention(nn.Module):
         if self.wqkv is not None:
             q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
             qkv = ops.project(x, self.wqkv, layout.row_products)
-            # Queries and keys side by side are rotated by one call: half the kernels.
-            qk = qkv[..., :q_width + kv_width].view(batch, seq, self.n_heads + self.n_kv_heads, self.head_dim)
-            q, k = ops.apply_rope(qk, rope).split([self.n_heads, self.n_kv_heads], dim=2)
+            if self.bqkv is not None:
+                qkv = qkv + self.bqkv
+            if self.q_norm is None:
+                # Queries and keys side by side are rotated by one call: half the kernels.
+                qk = qkv[..., :q_width + kv_width].view(batch, seq, self.n_heads + self.n_kv_heads, self.head_dim)
+                q, k = ops.apply_rope(qk, rope).split([self.n_heads, self.n_kv_heads], dim=2)
+            else:
+                q = self.q_norm(qkv[..., :q_width].view(batch, seq, self.n_heads, self.head_dim))
+                k = self.k_norm(qkv[..., q_width:q_width + kv_width].view(batch, seq, self.n_kv_heads, self.head_dim))
+                q, k = ops.apply_rope(q, rope), ops.apply_rope(k, rope)
             v = qkv[..., q_width + kv_width:].view(batch, seq, self.n_kv_heads, self.head_dim)
         else:
             q, k, v = (ops.project(x, w, layout.row_products) for w in (self.wq, self.wk, self.wv))
-            q = ops.apply_rope(q.view(batch, seq, self.n_heads, self.head_dim), rope)
-            k = ops.apply_rope(k.view(batch, seq, self.n_kv_heads, self.head_dim), rope)
+            if self.bq is not None:
+                q, k, v = q + self.bq, k + self.bk, v + self.bv
+            q = q.view(batch, seq, self.n_heads, self.head_dim)
+            k = k.view(batch, seq, self.n_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = ops.apply_rope(q, rope), ops.apply_rope(k, rope)
             v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if layout.paged:  # packed sequences over pages (model/paged_kv_cache.py)
-            out = cache.attend(layer, q, k, v)
+            out = cache.attend(layer, q, k, v, self.rule)
             return ops.project(out.transpose(1, 2).reshape(batch, seq, -1), self.wo, layout.row_products)
         if cache is not None:
             k, v = cache.update(layer, k, v, layout.positions, layout.kv_len, layout.contiguous_from)
-        if layout.whole_cache:
+        if not self.rule.plain:
+            # Keys sit at their positions: a cache's from 0, the tokens' own without one.
+            keys = layout.positions if cache is None else torch.arange(k.shape[2], device=k.device)
+            mask = ops.visible_keys(layout.positions, keys, self.rule.window)
+            out = ops.ruled_attention(q, k, v, mask, self.rule)
+        elif layout.whole_cache:
             out = ops.attention_over_cache(q, k, v, layout.mask)
         else:
             out = ops.attention(q, k, v, layout.mask, causal=layout.causal)
@@ -108,10 +140,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+    """A gated feed-forward: ``w2(act(w1 x) * w3 x)``, SwiGLU (``silu``) or GeGLU (``gelu_tanh``)."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu") -> None:
         super().__init__()
+        self.activation = activation
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
@@ -129,7 +162,7 @@ class FeedForward(nn.Module):
             gate, up = ops.project(x, self.w1, row_products), ops.project(x, self.w3, row_products)
         # The product in place and the gate and up rows let go before the last projection: a
         # prompt's widest moment in a layer holds three hidden rows a token rather than four.
-        hidden = F.silu(gate).mul_(up)
+        hidden = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")).mul_(up)
         del gate, up
         return ops.project(hidden, self.w2, row_products)
 
@@ -155,17 +188,22 @@ def _fused_linear(*parts: nn.Module) -> nn.Module:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.attention = Attention(args, layer)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim, args.activation)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        # Gemma's norms of each sublayer's output, before it joins the residual.
+        self.attention_post_norm = RMSNorm(args.dim, args.norm_eps) if args.post_norms else None
+        self.ffn_post_norm = RMSNorm(args.dim, args.norm_eps) if args.post_norms else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: StepLayout,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, layout, cache, layer)
-        return h + self.feed_forward(self.ffn_norm(h), layout.row_products)
+        out = self.attention(self.attention_norm(x), rope, layout, cache, layer)
+        h = x + (out if self.attention_post_norm is None else self.attention_post_norm(out))
+        out = self.feed_forward(self.ffn_norm(h), layout.row_products)
+        return h + (out if self.ffn_post_norm is None else self.ffn_post_norm(out))
 
 
 class Transformer(nn.Module):
@@ -175,13 +213,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # The rotary table stays float32 whatever the weights' dtype, so it is kept out of the
         # module's buffers (which .to(dtype) would cast) and built once per device.
-        self._rope: dict[torch.device, torch.Tensor] = {}
+        self._rope: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection when the checkpoint ties them.
@@ -213,19 +251,29 @@ class Transformer(nn.Module):
             layer.attention.fuse()
             layer.feed_forward.fuse()
 
-    def rope_table(self, device: torch.device) -> torch.Tensor:
-        table = self._rope.get(device)
+    def rope_table(self, device: torch.device, local: bool = False) -> torch.Tensor:
+        """The rotary table; ``local``: the windowed layers' own (``ModelArgs.local_rope``)."""
+        table = self._rope.get((device, local))
         if table is None:
             a = self.args
-            table = ops.rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling).to(device)
-            self._rope[device] = table
+            if local:
+                table = ops.rope_table(a.head_dim, a.max_seq_len, a.local_rope_theta)
+            else:
+                table = ops.rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+            table = self._rope[(device, local)] = table.to(device)
         return table
+
+    def rope_tables(self, device: torch.device) -> None:
+        """Build every rotary table the forward reads (a compiled step must find them made)."""
+        self.rope_table(device)
+        if self.args.local_rope_theta is not None:
+            self.rope_table(device, local=True)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """Random weights (normal, ``std``; norms at one), for tests and training from scratch."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):  # also q_norm/k_norm
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=generator)
@@ -275,17 +323,24 @@ class Transformer(nn.Module):
             h = h[:, -1:, :]
         elif logits_at is not None:
             h = h[:, logits_at, :]
-        return ops.project(self.norm(h), self.output, layout.row_products).float()
+        logits = ops.project(self.norm(h), self.output, layout.row_products).float()
+        cap = self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout,
                 cache: KVCache | None) -> torch.Tensor:
         """The last layer's output for ``tokens``, their keys and values written into ``cache``."""
         h = self.tok_embeddings(tokens)
+        a = self.args
+        if a.embedding_scale:  # Gemma: sqrt(dim) rounded to the activations' dtype, as its own code does
+            h = h * torch.tensor(a.dim ** 0.5, dtype=h.dtype)
         rope = ops.rope_at(self.rope_table(tokens.device), positions)
+        local = ops.rope_at(self.rope_table(tokens.device, local=True), positions) \
+            if a.local_rope_theta is not None else rope
         for i, layer in enumerate(self.layers):
             if not layout.whole_cache:  # a static step is compiled: no host calls in it
                 interrupt.check()  # between two layers: a long prefill stops soon after a cancel
-            h = layer(h, rope, layout, cache, i)
+            h = layer(h, local if a.local_rope(i) else rope, layout, cache, i)
         return h
 
     def rows_per_forward(self) -> int:

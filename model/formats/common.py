@@ -278,6 +278,16 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes[p + "feed_forward.w3.weight"] = (args.hidden_dim, args.dim)
         shapes[p + "attention_norm.weight"] = (args.dim,)
         shapes[p + "ffn_norm.weight"] = (args.dim,)
+        if args.qkv_bias:
+            shapes[p + "attention.bq"] = (args.n_heads * args.head_dim,)
+            shapes[p + "attention.bk"] = (kv_dim,)
+            shapes[p + "attention.bv"] = (kv_dim,)
+        if args.qk_norm:
+            shapes[p + "attention.q_norm.weight"] = (args.head_dim,)
+            shapes[p + "attention.k_norm.weight"] = (args.head_dim,)
+        if args.post_norms:
+            shapes[p + "attention_post_norm.weight"] = (args.dim,)
+            shapes[p + "ffn_post_norm.weight"] = (args.dim,)
     shapes["norm.weight"] = (args.dim,)
     if not args.tie_embeddings:
         shapes["output.weight"] = (args.vocab_size, args.dim)

@@ -17,21 +17,10 @@ from llama_chat.model.formats.common import (
     torch_load,
     unreadable,
 )
+from llama_chat.model.families import Family, check_fused, hf_args, interleave_rows
 from llama_chat.model.formats.json_files import read_json
 from llama_chat.model.errors import ModelLoadError
 
-# Hugging Face name (after the "model." prefix) -> Meta name.
-_LAYER_NAMES = {
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "input_layernorm.weight": "attention_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-}
 _TOP_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
@@ -50,35 +39,60 @@ def has_weights(model_dir: Path) -> bool:
 
 
 def read_hf(model_dir: Path) -> Checkpoint:
-    """Read ``config.json`` and the weights; tensors stay memory-mapped except q/k (permuted)."""
+    """Read ``config.json`` and the weights; tensors stay memory-mapped except q/k (permuted), a
+    fused tensor's parts (views) and a Gemma norm (shifted: ``_shifted``)."""
     config = read_json(model_dir / "config.json")
-    args = _args(config)
+    family, args = _args(config)
     loaded, origin, files = _read_tensors(model_dir, args)
+    layer_names = dict(family.hf_layer_names)
     state: dict[str, Weight] = {}
     renamed_origin: dict[str, str] = {}
     for hf_name, tensor in loaded.items():
         if _IGNORED.fullmatch(hf_name):
             continue
-        name = meta_name(hf_name)
+        name = meta_name(hf_name, layer_names)
         if name is None:
             raise ModelLoadError(f"{origin[hf_name]}: unexpected tensor {hf_name!r}")
-        # The q/k rows are reordered as they are copied to the target (see hf_to_interleaved).
-        if name.endswith("attention.wq.weight"):
-            tensor = _permuted(tensor, args.n_heads, origin[hf_name], name)
-        elif name.endswith("attention.wk.weight"):
-            tensor = _permuted(tensor, args.n_kv_heads, origin[hf_name], name)
-        state[name] = tensor
-        renamed_origin[name] = origin[hf_name]
+        parts = check_fused(name, tensor.shape[0], args, origin[hf_name]) if tensor.dim() == 2 else None
+        if parts is None:
+            pieces = [(name, tensor)]
+        else:  # Phi-3's fused q/k/v and gate/up: views of the file's rows, fused again by the model
+            layer, _, _ = name.rpartition(".attention.") if ".attention." in name else name.rpartition(".feed_forward.")
+            pieces, start = [], 0
+            for part, rows in parts:
+                pieces.append((f"{layer}.{part}", tensor[start:start + rows]))
+                start += rows
+        for piece_name, piece in pieces:
+            state[piece_name] = _as_ours(piece_name, piece, args, family.norm_shift, origin[hf_name])
+            renamed_origin[piece_name] = origin[hf_name]
     return Checkpoint(args=args, state=state, origin=renamed_origin, files=tuple(files))
 
 
-def meta_name(hf_name: str) -> str | None:
+def meta_name(hf_name: str, layer_names: dict[str, str]) -> str | None:
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     m = _LAYER.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in layer_names:
+        return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
     return None
+
+
+def _as_ours(name: str, tensor: torch.Tensor, args: ModelArgs, norm_shift: bool, file: str) -> Weight:
+    """A tensor as the model reads it: q/k rows (and their biases and head norms) in pairs, and a
+    Gemma norm's ``w`` as ``1 + w`` in float32 (Gemma computes the sum in float32)."""
+    # The q/k rows are reordered as they are copied to the target (see hf_to_interleaved).
+    if name.endswith("attention.wq.weight"):
+        return _permuted(tensor, args.n_heads, file, name)
+    if name.endswith("attention.wk.weight"):
+        return _permuted(tensor, args.n_kv_heads, file, name)
+    heads = {"attention.bq": args.n_heads, "attention.bk": args.n_kv_heads,
+             "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}
+    for suffix, n in heads.items():
+        if name.endswith(suffix) and tensor.dim() == 1 and tensor.shape[0] % (2 * n) == 0:
+            tensor = interleave_rows(tensor, n)
+    if norm_shift and name.endswith("norm.weight"):
+        tensor = tensor.float() + 1
+    return tensor
 
 
 def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -86,17 +100,18 @@ def hf_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
     Why: Meta's Llama rotates interleaved channel pairs ``(2i, 2i+1)`` of each head; Hugging Face's
     conversion script permuted the q/k rows so that its ``rotate_half`` can rotate the pairs
-    ``(i, i + head_dim/2)`` instead. Our model keeps Meta's convention everywhere (the llama2.c and
-    Meta checkpoints need no change), so this is the one place that undoes HF's permutation: rows
-    ``[pair-halves..., head_dim/2]`` per head go back to ``[pairs, 2]``. Rows are reordered, never
-    mixed, and q and k get the same order, so ``q . k`` and the attention scores are unchanged.
-    It copies the tensor (the only weights that leave their memory map when loading HF files).
+    ``(i, i + head_dim/2)`` instead (and the other families were trained in that order). Our model
+    keeps Meta's convention everywhere (the llama2.c and Meta checkpoints need no change), so this
+    is the one place that undoes it: rows ``[pair-halves..., head_dim/2]`` per head go back to
+    ``[pairs, 2]``. Rows are reordered, never mixed, and q and k get the same order, so ``q . k``
+    and the attention scores are unchanged. It copies the tensor (the only weights that leave
+    their memory map when loading HF files).
     """
     rows, cols = w.shape
     head_dim = rows // n_heads
     if rows % n_heads or head_dim % 2:
         raise ModelLoadError(f"q/k projection of shape ({rows}, {cols}) does not split into {n_heads} heads")
-    return w.view(n_heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+    return interleave_rows(w, n_heads)
 
 
 def _permuted(tensor: torch.Tensor, n_heads: int, file: str, name: str) -> Weight:
@@ -108,28 +123,11 @@ def _permuted(tensor: torch.Tensor, n_heads: int, file: str, name: str) -> Weigh
         raise ModelLoadError(f"{file}: tensor {name!r}: {e}") from None
 
 
-def _args(config: dict) -> ModelArgs:
-    model_type = config.get("model_type", "llama")
-    # Mistral is a Llama with an optional sliding attention window; without one it is the same model.
-    if model_type not in ("llama", "mistral"):
-        raise ModelLoadError(f"config.json: model_type {model_type!r} is not supported (expected 'llama')")
-    if config.get("sliding_window") is not None:
-        raise ModelLoadError(f"config.json: sliding_window {config['sliding_window']} is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"config.json: hidden_act {config['hidden_act']!r} is not supported (expected 'silu')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise ModelLoadError(f"config.json: {flag} is true; biases are not supported")
+def _args(config: dict) -> tuple[Family, ModelArgs]:
     try:
-        args = ModelArgs.from_hf_config(config)
+        return hf_args(config)
     except (TypeError, ValueError, ModelLoadError) as e:
         raise config_error("config.json", e) from None
-    head_dim = config.get("head_dim")
-    if head_dim is not None and int(head_dim) != args.head_dim:
-        raise ModelLoadError(
-            f"config.json: head_dim {head_dim} differs from hidden_size / num_attention_heads = {args.head_dim}"
-        )
-    return args
 
 
 def _read_tensors(model_dir: Path, args: ModelArgs) -> tuple[dict[str, torch.Tensor], dict[str, str], list[Path]]:

@@ -1,0 +1,322 @@
+"""The model families as switches of the one transformer: what each family's files say, read into
+``ModelArgs``, and how each names its tensors.
+
+A family is Llama's layer with some of these: biases on q, k and v (Qwen2), an RMSNorm over each
+head of q and k (Qwen3, Gemma 3), GeGLU, a scaled embedding, norms after each sublayer, soft caps
+and a query scale (Gemma), sliding windows (Mistral, Gemma, Phi-3), fused q/k/v and gate/up
+tensors and LongRoPE (Phi-3). ``transformer.py`` reads only the switches; this module is the one
+place that knows which family sets which, from a Hugging Face ``config.json`` (``architectures``,
+``model_type``) or a GGUF file's ``general.architecture``.
+
+Rotary layout: the model rotates interleaved pairs (Meta's order). Hugging Face checkpoints of
+every family, and GGUF files of the families llama.cpp runs with its NEOX rotary (all but
+``llama``), keep q and k rows in the halves order; the readers put them in pairs at load
+(``interleave_rows``), biases and q/k norm weights with them, so no path of the model needs a
+second rotary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from llama_chat.ml.ops import LinearRope, LongRope, RopeScaling
+from llama_chat.model.args import ModelArgs, integer, number
+from llama_chat.model.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_types: tuple[str, ...]  # config.json's model_type values
+    gguf_arch: str | None  # general.architecture
+    # Hugging Face layer tensor (after "model.layers.N.") -> ours; the families' common ones below.
+    hf_layer_names: tuple[tuple[str, str], ...] = ()
+    gguf_layer_names: tuple[tuple[str, str], ...] = ()
+    gguf_halves: bool = True  # the GGUF file's q/k rows are in the halves order (NEOX rotary)
+    norm_shift: bool = False  # Hugging Face weights hold w of a (1 + w) norm (Gemma); GGUF's hold 1 + w
+
+
+_HF_ATTENTION = (
+    ("self_attn.q_proj.weight", "attention.wq.weight"),
+    ("self_attn.k_proj.weight", "attention.wk.weight"),
+    ("self_attn.v_proj.weight", "attention.wv.weight"),
+    ("self_attn.o_proj.weight", "attention.wo.weight"),
+    ("input_layernorm.weight", "attention_norm.weight"),
+)
+_HF_FFN = (
+    ("mlp.gate_proj.weight", "feed_forward.w1.weight"),
+    ("mlp.down_proj.weight", "feed_forward.w2.weight"),
+    ("mlp.up_proj.weight", "feed_forward.w3.weight"),
+)
+_HF_LLAMA = _HF_ATTENTION + _HF_FFN + (("post_attention_layernorm.weight", "ffn_norm.weight"),)
+_HF_BIAS = (
+    ("self_attn.q_proj.bias", "attention.bq"),
+    ("self_attn.k_proj.bias", "attention.bk"),
+    ("self_attn.v_proj.bias", "attention.bv"),
+)
+_HF_QK_NORM = (
+    ("self_attn.q_norm.weight", "attention.q_norm.weight"),
+    ("self_attn.k_norm.weight", "attention.k_norm.weight"),
+)
+# Gemma's post_attention_layernorm is the attention output's norm, not the feed-forward's input's.
+_HF_GEMMA = _HF_ATTENTION + _HF_FFN + (
+    ("post_attention_layernorm.weight", "attention_post_norm.weight"),
+    ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+    ("post_feedforward_layernorm.weight", "ffn_post_norm.weight"),
+)
+# Phi-3's fused tensors are split by ``split_fused``, into these names' parts.
+_HF_PHI3 = (
+    ("self_attn.qkv_proj.weight", "attention.wqkv.weight"),
+    ("self_attn.o_proj.weight", "attention.wo.weight"),
+    ("mlp.gate_up_proj.weight", "feed_forward.w13.weight"),
+    ("mlp.down_proj.weight", "feed_forward.w2.weight"),
+    ("input_layernorm.weight", "attention_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+)
+
+_GGUF_LLAMA = (
+    ("attn_q.weight", "attention.wq.weight"),
+    ("attn_k.weight", "attention.wk.weight"),
+    ("attn_v.weight", "attention.wv.weight"),
+    ("attn_output.weight", "attention.wo.weight"),
+    ("ffn_gate.weight", "feed_forward.w1.weight"),
+    ("ffn_down.weight", "feed_forward.w2.weight"),
+    ("ffn_up.weight", "feed_forward.w3.weight"),
+    ("attn_norm.weight", "attention_norm.weight"),
+    ("ffn_norm.weight", "ffn_norm.weight"),
+)
+_GGUF_BIAS = (("attn_q.bias", "attention.bq"), ("attn_k.bias", "attention.bk"), ("attn_v.bias", "attention.bv"))
+_GGUF_QK_NORM = (("attn_q_norm.weight", "attention.q_norm.weight"), ("attn_k_norm.weight", "attention.k_norm.weight"))
+_GGUF_POST_NORMS = (("post_attention_norm.weight", "attention_post_norm.weight"),
+                    ("post_ffw_norm.weight", "ffn_post_norm.weight"))
+_GGUF_PHI3 = (
+    ("attn_qkv.weight", "attention.wqkv.weight"),
+    ("attn_output.weight", "attention.wo.weight"),
+    ("ffn_up.weight", "feed_forward.w13.weight"),
+    ("ffn_down.weight", "feed_forward.w2.weight"),
+    ("attn_norm.weight", "attention_norm.weight"),
+    ("ffn_norm.weight", "ffn_norm.weight"),
+)
+
+FAMILIES = (
+    Family("llama", ("llama",), "llama", _HF_LLAMA, _GGUF_LLAMA, gguf_halves=False),
+    Family("mistral", ("mistral",), None, _HF_LLAMA),  # Mistral's GGUF files are "llama"
+    Family("qwen2", ("qwen2",), "qwen2", _HF_LLAMA + _HF_BIAS, _GGUF_LLAMA + _GGUF_BIAS),
+    Family("qwen3", ("qwen3",), "qwen3", _HF_LLAMA + _HF_QK_NORM, _GGUF_LLAMA + _GGUF_QK_NORM),
+    Family("gemma2", ("gemma2",), "gemma2", _HF_GEMMA, _GGUF_LLAMA + _GGUF_POST_NORMS, norm_shift=True),
+    Family("gemma3", ("gemma3_text", "gemma3"), "gemma3", _HF_GEMMA + _HF_QK_NORM,
+           _GGUF_LLAMA + _GGUF_POST_NORMS + _GGUF_QK_NORM, norm_shift=True),
+    Family("phi3", ("phi3",), "phi3", _HF_PHI3, _GGUF_PHI3),
+)
+GGUF_ARCHITECTURES = tuple(f.gguf_arch for f in FAMILIES if f.gguf_arch is not None)
+HF_TYPES = tuple(t for f in FAMILIES for t in f.hf_types)
+
+
+def family_named(name: str) -> Family:
+    return next(f for f in FAMILIES if f.name == name)
+
+
+def hf_family(config: dict[str, Any]) -> Family:
+    """The family of a ``config.json``, from ``model_type`` (or ``architectures``); one line naming
+    what was found and what is read otherwise."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        architectures = config.get("architectures") or ["LlamaForCausalLM"]
+        by_class = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                    "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+                    "Phi3ForCausalLM": "phi3"}
+        model_type = by_class.get(architectures[0] if isinstance(architectures, list) and architectures else None)
+        if model_type is None:
+            raise ModelLoadError(f"config.json: architecture {architectures!r:.80} is not supported "
+                                 f"(expected one of {', '.join(by_class)})")
+    for family in FAMILIES:
+        if model_type in family.hf_types:
+            if model_type == "gemma3" and isinstance(config.get("vision_config"), dict):
+                raise ModelLoadError("config.json: a Gemma 3 model with a vision tower is not supported "
+                                     "(its text model, model_type 'gemma3_text', is)")
+            return family
+    raise ModelLoadError(f"config.json: model_type {model_type!r:.60} is not supported "
+                         f"(expected one of {', '.join(HF_TYPES)})")
+
+
+def hf_args(config: dict[str, Any]) -> tuple[Family, ModelArgs]:
+    """``ModelArgs`` of a Hugging Face ``config.json`` of any family read here."""
+    family = hf_family(config)
+    if family.name == "gemma3" and isinstance(config.get("text_config"), dict):
+        config = {**config["text_config"], "model_type": "gemma3_text"}
+    try:
+        config, local_theta = _flat_rope(config)
+        args = ModelArgs.from_hf_config(config)
+        switches = _hf_switches(family, config, args)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        detail = f"missing field {e.args[0]!r}" if isinstance(e, KeyError) else f"bad field value ({e})"
+        raise ModelLoadError(f"config.json: {detail}") from None
+    if local_theta is not None:
+        switches["local_rope_theta"] = local_theta
+    return family, _replaced(args, switches, "config.json")
+
+
+def _flat_rope(config: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
+    """``config`` with one set of rotary parameters, and the windowed layers' own base where the
+    config has one (Gemma 3: ``rope_local_base_freq``, or transformers 5's parameters per layer type)."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        local = params.get("sliding_attention") or {}
+        config = {**config, "rope_parameters": params["full_attention"]}
+        return config, number(local["rope_theta"], "rope_theta") if "rope_theta" in local else None
+    local = config.get("rope_local_base_freq")
+    return config, number(local, "rope_local_base_freq") if local is not None else None
+
+
+def _hf_switches(family: Family, config: dict[str, Any], args: ModelArgs) -> dict[str, Any]:
+    get = config.get
+    switches: dict[str, Any] = {"family": family.name}
+    act = get("hidden_activation") or get("hidden_act") or "silu"
+    if act in ("gelu_pytorch_tanh", "gelu_tanh") or (family.name.startswith("gemma") and act == "gelu"):
+        switches["activation"] = "gelu_tanh"
+    elif act != "silu":
+        raise ModelLoadError(f"config.json: hidden_act {act!r:.40} is not supported (expected 'silu' or "
+                             "'gelu_pytorch_tanh')")
+    partial = (get("rope_parameters") or {}).get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(f"config.json: partial_rotary_factor {partial!r:.20} is not supported "
+                             "(rotary embeddings over the whole head only)")
+    for flag in ("mlp_bias",):
+        if get(flag):
+            raise ModelLoadError(f"config.json: {flag} is true; biases on the feed-forward are not supported")
+    if family.name == "qwen2":
+        switches["qkv_bias"] = True
+    elif get("attention_bias"):
+        raise ModelLoadError(f"config.json: attention_bias is true for a {family.name} model, which is not supported")
+    if family.name in ("qwen3", "gemma3"):
+        switches["qk_norm"] = True
+    if family.name.startswith("gemma"):
+        switches.update(embedding_scale=True, post_norms=True, tie_embeddings=True)
+        scalar = get("query_pre_attn_scalar")
+        if scalar is not None:
+            switches["query_scale"] = number(scalar, "query_pre_attn_scalar") ** -0.5
+        for ours, theirs in (("attention_softcap", "attn_logit_softcapping"),
+                             ("final_softcap", "final_logit_softcapping")):
+            if get(theirs) is not None:
+                switches[ours] = number(get(theirs), theirs)
+    window = get("sliding_window")
+    if family.name == "qwen2" and not get("use_sliding_window"):
+        window = None  # written by every Qwen2 config, used by none that sets this false
+    if family.name == "qwen2" and window is not None:
+        raise ModelLoadError("config.json: use_sliding_window is true; Qwen2's windowed layers are not supported")
+    if window is not None:
+        switches["sliding_window"] = integer(window, "sliding_window")
+        switches["window_layers"] = _window_layers(family, config, args.n_layers)
+    return switches
+
+
+def _window_layers(family: Family, config: dict[str, Any], n_layers: int) -> tuple[int, ...]:
+    """The layers that attend through the window: ``layer_types`` where the config lists them,
+    else the family's pattern (Gemma 2 every other layer from the first, Gemma 3 five of six)."""
+    types = config.get("layer_types")
+    if isinstance(types, list) and len(types) == n_layers:
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if family.name == "gemma2":
+        return tuple(range(0, n_layers, 2))
+    if family.name == "gemma3":
+        pattern = integer(config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6)),
+                          "sliding_window_pattern")
+        return tuple(i for i in range(n_layers) if (i + 1) % pattern)
+    return tuple(range(n_layers))
+
+
+def hf_rope(rs: dict[str, Any], config: dict[str, Any]) -> RopeScaling | LinearRope | LongRope | None:
+    """A config's rotary scaling (``rope_scaling`` or ``rope_parameters``): Llama 3.1's, linear or
+    LongRoPE; another type is refused in one line."""
+    kind = rs.get("rope_type", rs.get("type")) if rs else None
+    if kind in (None, "default"):
+        return None
+    if kind == "llama3":
+        return RopeScaling(
+            factor=number(rs["factor"], "rope_scaling factor"),
+            low_freq_factor=number(rs["low_freq_factor"], "rope_scaling low_freq_factor"),
+            high_freq_factor=number(rs["high_freq_factor"], "rope_scaling high_freq_factor"),
+            original_max_position_embeddings=integer(rs["original_max_position_embeddings"],
+                                                     "rope_scaling original_max_position_embeddings"),
+        )
+    if kind == "linear":
+        return LinearRope(number(rs["factor"], "rope_scaling factor"))
+    if kind in ("longrope", "su"):
+        original = rs.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+        original = integer(original, "original_max_position_embeddings")
+        factor = rs.get("factor")
+        factor = number(factor, "rope_scaling factor") if factor is not None else \
+            integer(config.get("max_position_embeddings", original), "max_position_embeddings") / original
+        attention = rs.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return LongRope(tuple(number(f, "rope_scaling short_factor") for f in rs["short_factor"]),
+                        tuple(number(f, "rope_scaling long_factor") for f in rs["long_factor"]),
+                        original, number(attention, "rope_scaling attention_factor"))
+    raise ModelLoadError(f"config.json: rope_scaling type {kind!r:.40} is not supported "
+                         "(expected llama3, linear or longrope)")
+
+
+def _replaced(args: ModelArgs, switches: dict[str, Any], where: str) -> ModelArgs:
+    from llama_chat.model.args import ConfigError
+
+    try:
+        return replace(args, **switches)
+    except ConfigError as e:
+        raise ModelLoadError(f"{where}: {e}") from None
+
+
+# -- the tensors -----------------------------------------------------------------------------------
+
+
+def interleave_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """A q or k projection's rows (or its bias) from the halves order to pairs, head by head: row
+    ``j`` of a head's first half and row ``j`` of its second become rows ``2j`` and ``2j + 1``.
+    The same reordering as ``hf.hf_to_interleaved``, for any leading dimension."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def interleave_order(rows: int, n_heads: int) -> torch.Tensor:
+    """The row indices ``interleave_rows`` takes: ``w[order]`` is the reordered ``w``."""
+    return interleave_rows(torch.arange(rows), n_heads)
+
+
+def split_sizes(args: ModelArgs) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Phi-3's fused tensors and the rows of their parts, in order."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return {
+        "attention.wqkv.weight": (("attention.wq.weight", q), ("attention.wk.weight", kv),
+                                  ("attention.wv.weight", kv)),
+        "feed_forward.w13.weight": (("feed_forward.w1.weight", args.hidden_dim),
+                                    ("feed_forward.w3.weight", args.hidden_dim)),
+    }
+
+
+def check_fused(name: str, rows: int, args: ModelArgs, where: str) -> tuple[tuple[str, int], ...] | None:
+    """The parts of the fused tensor ``name`` (``layers.N.attention.wqkv.weight``), or None when it
+    is not one; a fused tensor of the wrong size is refused in one line."""
+    for fused, parts in split_sizes(args).items():
+        if name.endswith("." + fused):
+            want = sum(n for _, n in parts)
+            if rows != want:
+                raise ModelLoadError(f"{where}: tensor {name!r} has {rows} rows, expected {want} "
+                                     f"({' + '.join(str(n) for _, n in parts)})")
+            return parts
+    return None
+
+
+def gemma_softcaps(arch: str, metadata: dict[str, Any]) -> dict[str, float]:
+    """Gemma 2's caps from a GGUF file's metadata."""
+    caps = {}
+    for ours, key in (("attention_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping")):
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None:
+            caps[ours] = number(value, key)
+    return caps
