@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 
 from llama_chat.cmd.inputs import MAX_PROMPT_BYTES, UsageProblem
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS, Options, make_constraint
-from llama_chat.ml.controls import RULES, ControlError, SamplingParams, check
+from llama_chat.ml.controls import RULES, ControlError, SamplingParams, check, check_stop
 from llama_chat.ml.safe_files import kind_of, size_text
 from llama_chat.model.safe_input import BadInput, NotText, check_text, decode_utf8, loads
 
@@ -233,10 +233,9 @@ def _job(number: int, obj: dict, job_id: Any) -> JobLine:
 def setting(name: str, value: Any) -> Any:
     """A line's value for option ``name``, checked as the command line checks the option."""
     if name == "stop":
-        stop = [value] if isinstance(value, str) else value
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        if not isinstance(value, (str, list)):
             raise ValueError("'stop' must be a string or a list of strings")
-        return tuple(stop)
+        return check_stop([value] if isinstance(value, str) else value)
     if name == "logit_bias":
         return _logit_bias(value)
     if name in CONSTRAINT_OPTIONS:

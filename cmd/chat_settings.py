@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS, Options, constraint_text
 from llama_chat.inference.types import Request
-from llama_chat.ml.controls import BeamParams, SamplingParams, check_early_stopping, parse, parse_logit_bias
+from llama_chat.ml.controls import (BeamParams, SamplingParams, check_early_stopping, check_stop, parse,
+                                    parse_logit_bias)
 
 # What /set changes, under the options' names (Hugging Face's for the controls).
 SETTING_NAMES = (*(f.name for f in fields(SamplingParams)), "seed", "max_tokens", "max_time", "stop",
@@ -93,6 +94,8 @@ def apply_setting(name: str, value: str, settings: Settings) -> Settings:
     if name in LISTS:
         item = parse_logit_bias(value) if name == "logit_bias" and not default else value
         parsed = () if default else (*getattr(opts, name), item)
+        if name == "stop":
+            check_stop(parsed)
     elif default:
         parsed = _DEFAULTS[name]
     elif name == "early_stopping":

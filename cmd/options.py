@@ -20,16 +20,14 @@ from typing import Annotated, Any
 import typer
 
 from llama_chat.inference.types import Request, new_request_id
-from llama_chat.ml.controls import (COLOR_MODES, DEFAULT_TEMPERATURE, DTYPES, QUANTIZE_MODES, RULES, BeamParams,
-                                    ControlError, SamplingParams, check, check_early_stopping, parse_logit_bias,
-                                    temperature_for)
+from llama_chat.ml.controls import (COLOR_MODES, DEFAULT_TEMPERATURE, DTYPES, MAX_CONSTRAINT_BYTES, QUANTIZE_MODES,
+                                    RULES, BeamParams, ControlError, SamplingParams, check, check_early_stopping,
+                                    check_stop, parse_logit_bias, temperature_for)
 from llama_chat.ml.grammars import Constraint, format_constraint
 from llama_chat.model.chat_format import FORMAT_NAMES
 
 # A seed drawn for a run that names none (reported, so the run can be repeated).
 RANDOM_SEEDS = 2**31
-# The longest schema or grammar read (a file named by mistake should not be read whole).
-MAX_CONSTRAINT_BYTES = 1 << 20
 
 
 def _choices(name: str, values: Sequence[str]) -> type[enum.Enum]:
@@ -78,6 +76,13 @@ def ranged(name: str, *flags: str, help: str, **kwargs) -> Any:
 def _check_logit_bias(values: list[str] | None) -> tuple[tuple[int, float], ...]:
     try:
         return tuple(parse_logit_bias(v) for v in values or ())
+    except ControlError as e:
+        raise typer.BadParameter(e.reason) from None
+
+
+def _check_stop(values: list[str] | None):
+    try:
+        return check_stop(values or ())
     except ControlError as e:
         raise typer.BadParameter(e.reason) from None
 
@@ -175,8 +180,8 @@ class Options:
         "max_tokens", "--max-tokens", "--max-new-tokens", "-n", rich_help_panel=STOPPING,
         help="Most tokens to generate, {range} (default: until a stop token or the context is full).")] = None
     stop: Annotated[list[str] | None, typer.Option(
-        "--stop", help="Stop when the text contains TEXT (repeatable); the stop string is not printed.",
-        metavar="TEXT", rich_help_panel=STOPPING)] = None
+        "--stop", callback=_check_stop, metavar="TEXT", rich_help_panel=STOPPING,
+        help="Stop when the text contains TEXT (repeatable); the stop string is not printed.")] = None
     max_time: Annotated[float | None, ranged(
         "max_time", "--max-time", rich_help_panel=STOPPING, metavar="SECONDS",
         help="Stop after this many seconds from the start of the request, prefill included (finish "

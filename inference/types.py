@@ -11,7 +11,7 @@ import enum
 import uuid
 from dataclasses import dataclass, field
 
-from llama_chat.ml.controls import BeamParams, ControlError, SamplingParams, check
+from llama_chat.ml.controls import BeamParams, ControlError, SamplingParams, check, check_stop
 from llama_chat.ml.grammars import Constraint
 from llama_chat.model.tokenizers.base import Tokenizer
 
@@ -87,7 +87,7 @@ class Request:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
-        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+        object.__setattr__(self, "stop", check_stop(s for s in self.stop if s))
         for name in ("max_tokens", "max_time"):
             if getattr(self, name) is not None:
                 check(name, getattr(self, name))

@@ -42,6 +42,7 @@ from typing import Protocol
 import torch
 
 from llama_chat.ml.controls import ControlError
+from llama_chat.ml.grammar_compile import compiled
 from llama_chat.ml.grammars import Constraint
 
 __all__ = ["Compiled", "Constraints", "GrammarMask", "TokenSource", "Vocabulary"]
@@ -127,19 +128,24 @@ class Compiled:
     and the mask of that first state (the same for every reply)."""
 
     def __init__(self, constraint: Constraint, vocabulary: Vocabulary) -> None:
-        import llguidance
-
         self.constraint = constraint
         self.vocabulary = vocabulary
         self.words = (vocabulary.size + 31) // 32
-        self._start = llguidance.LLMatcher(vocabulary.ll, constraint.grammar, log_level=0)
-        if self._start.is_error():
-            raise ControlError(constraint.kind, f"cannot be used with this model's vocabulary: "
-                                                f"{self._start.get_error().splitlines()[0]}")
         self.first_mask = torch.zeros(self.words, dtype=torch.int32)
-        self._start.unsafe_compute_mask_ptr(self.first_mask.data_ptr(), self.words * 4)
+        # The matcher is built by the same recursion as the grammar was (ml/grammar_compile.py).
+        self._start = compiled(len(constraint.grammar), self._first_state)
         if self._start.is_error():  # no token of the vocabulary starts what the grammar asks for
             raise ControlError(constraint.kind, "allows no token of this model's vocabulary")
+
+    def _first_state(self):
+        import llguidance
+
+        start = llguidance.LLMatcher(self.vocabulary.ll, self.constraint.grammar, log_level=0)
+        if start.is_error():
+            raise ControlError(self.constraint.kind, f"cannot be used with this model's vocabulary: "
+                                                     f"{start.get_error().splitlines()[0]}")
+        start.unsafe_compute_mask_ptr(self.first_mask.data_ptr(), self.words * 4)
+        return start
 
     def matcher(self):
         return self._start.deep_copy()

@@ -51,6 +51,20 @@ MAX_TOKENS = 2**24
 MAX_BATCH = 4096
 DEFAULT_TEMPERATURE = 0.8
 
+# Stop strings: every one is looked for in each job's new text after every token, so their number
+# and length are work per token that one request could make large for every other client.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 8192  # all of a request's stop strings together
+# Structured output (ml/grammars.py). A schema or grammar's text, and how long a chain of
+# references in it may be: the constraint engine compiles a chain of rules or $refs, each leading
+# to the next, by recursion on a native stack (ml/grammar_depth.py measures it). Its parser
+# cannot run a chain of 1,000 rules anyway (at the first token a row outgrows its limit of 2,000
+# items); a schema's chain counts each $ref and the object that holds it. Compiles hold about 30
+# bytes of memory per byte of text while they run; those running at once share a budget of text.
+MAX_CONSTRAINT_BYTES = 1 << 20
+MAX_GRAMMAR_DEPTH = 2500
+GRAMMAR_COMPILE_BUDGET_BYTES = 4 << 20
+
 # Every ranged setting: the command line's options, the keys of a --batch line and the chat's /set
 # are all checked here, by ``check`` (values) or ``parse`` (text), so they refuse the same values
 # with the same reason.
@@ -112,6 +126,20 @@ def parse(name: str, text: str):
     except ValueError:
         raise ControlError(name, f"must be {_kind_name(kind)}, got {text.strip()!r}") from None
     return check(name, value)
+
+
+def check_stop(strings) -> tuple[str, ...]:
+    """A request's stop strings as a tuple, within ``MAX_STOP_STRINGS`` and ``MAX_STOP_CHARS``;
+    ``ControlError`` otherwise."""
+    strings = tuple(strings)
+    if not all(isinstance(s, str) for s in strings):
+        raise ControlError("stop", "must be a string or a list of strings")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ControlError("stop", f"holds {len(strings)} strings, more than the limit of {MAX_STOP_STRINGS}")
+    chars = sum(map(len, strings))
+    if chars > MAX_STOP_CHARS:
+        raise ControlError("stop", f"strings hold {chars} characters together, more than the limit of {MAX_STOP_CHARS}")
+    return strings
 
 
 def temperature_for(temperature: float | None, num_beams: int) -> float:
@@ -245,6 +273,7 @@ class BeamParams:
         return self.num_beams > 1
 
 
-__all__ = ["BeamParams", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DTYPES", "EarlyStopping", "MAX_SEED",
-           "QUANTIZE_MODES", "RULES", "SamplingParams", "check", "check_early_stopping", "parse", "parse_logit_bias",
-           "temperature_for"]
+__all__ = ["BeamParams", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DTYPES", "EarlyStopping",
+           "GRAMMAR_COMPILE_BUDGET_BYTES", "MAX_CONSTRAINT_BYTES", "MAX_GRAMMAR_DEPTH", "MAX_SEED", "MAX_STOP_CHARS",
+           "MAX_STOP_STRINGS", "QUANTIZE_MODES", "RULES", "SamplingParams", "check", "check_early_stopping",
+           "check_stop", "parse", "parse_logit_bias", "temperature_for"]

@@ -20,7 +20,10 @@ The kinds, and what their text means:
   grammars users already have for llama.cpp work unchanged.
 
 Errors are ``ControlError`` with a one-line reason, named after the kind (``json_schema``,
-``regex``, ``grammar``), as every other control of the command line.
+``regex``, ``grammar``), as every other control of the command line. A text longer than
+``MAX_CONSTRAINT_BYTES``, or whose references chain deeper than ``MAX_GRAMMAR_DEPTH``
+(``ml/grammar_depth.py``), is refused before the engine sees it; the engine itself compiles on a
+deep stack within a memory budget (``ml/grammar_compile.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from llama_chat.ml.controls import ControlError
+from llama_chat.ml.controls import MAX_CONSTRAINT_BYTES, MAX_GRAMMAR_DEPTH, ControlError
+from llama_chat.ml.grammar_compile import compiled
+from llama_chat.ml.grammar_depth import grammar_depth, schema_depth
 
 # What a constraint may be; ``json`` is --format json.
 CONSTRAINT_KINDS = ("json_schema", "json", "regex", "grammar")
@@ -68,6 +73,7 @@ class Constraint:
             object.__setattr__(self, "source", ANY_JSON_OBJECT)
         elif not isinstance(self.source, str) or not self.source.strip():
             raise ControlError(self.kind, "must not be empty")
+        check_size(self.kind, self.source)
         object.__setattr__(self, "grammar", _compile(self.kind, self.source))
 
     @classmethod
@@ -107,11 +113,26 @@ def _dump(schema: Any) -> str:
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ControlError("json_schema", f"is not JSON ({e})") from None
+    except RecursionError:
+        raise ControlError("json_schema", "is nested too deeply") from None
+
+
+def check_size(kind: str, text: str) -> None:
+    """``ControlError`` for a schema or grammar text longer than ``MAX_CONSTRAINT_BYTES``."""
+    if len(text) > MAX_CONSTRAINT_BYTES // 4 and len(text.encode("utf-8", "surrogatepass")) > MAX_CONSTRAINT_BYTES:
+        raise ControlError(kind, f"is longer than {MAX_CONSTRAINT_BYTES} bytes")
+
+
+def _check_depth(kind: str, depth: int, what: str) -> None:
+    if depth > MAX_GRAMMAR_DEPTH:
+        raise ControlError(kind, f"is nested too deeply (a chain of {depth} {what}, each leading to the next; "
+                                 f"at most {MAX_GRAMMAR_DEPTH})")
 
 
 def _schema_text(source: Any) -> str:
     if not isinstance(source, str):
         raise ControlError("json_schema", f"must be JSON text, got {type(source).__name__}")
+    check_size("json_schema", source)
     try:
         schema = json.loads(source)
     except json.JSONDecodeError as e:
@@ -120,6 +141,7 @@ def _schema_text(source: Any) -> str:
         raise ControlError("json_schema", "is nested too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise ControlError("json_schema", f"must be a JSON object, got {type(schema).__name__}")
+    _check_depth("json_schema", schema_depth(schema), "subschemas and $refs")
     return _dump(schema)
 
 
@@ -133,6 +155,12 @@ def _llguidance():
 
 def _compile(kind: str, source: str) -> str:
     """llguidance's grammar for ``source``, checked; ``ControlError`` with the engine's reason."""
+    if kind == "grammar":
+        _check_depth(kind, grammar_depth(source), "rules")
+    return compiled(len(source), _compile_here, kind, source)
+
+
+def _compile_here(kind: str, source: str) -> str:
     llg = _llguidance()
     try:
         if kind in ("json_schema", "json"):
@@ -162,5 +190,5 @@ def one_line(message: str, kind: str) -> str:
                                                                                 "a pattern: ")
 
 
-__all__ = ["ANY_JSON_OBJECT", "CONSTRAINT_KINDS", "Constraint", "FORMATS", "JSON_WHITESPACE", "format_constraint",
-           "one_line"]
+__all__ = ["ANY_JSON_OBJECT", "CONSTRAINT_KINDS", "Constraint", "FORMATS", "JSON_WHITESPACE", "check_size",
+           "format_constraint", "one_line"]
