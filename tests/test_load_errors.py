@@ -156,7 +156,9 @@ def test_params_json_not_json(meta_dir):
 @pytest.mark.parametrize(("field", "value", "expect"), [
     ("num_hidden_layers", None, "config.json: missing field 'num_hidden_layers'"),
     ("model_type", "gpt2", "config.json: model_type 'gpt2' is not supported"),
-    ("sliding_window", 4096, "config.json: sliding_window 4096 is not supported"),
+    ("sliding_window", 0, "config.json: sliding_window must be a positive integer, found 0"),
+    ("partial_rotary_factor", 0.5, "config.json: partial_rotary_factor 0.5 is not supported"),
+    ("mlp_bias", True, "config.json: mlp_bias is true"),
     ("hidden_act", "gelu", "config.json: hidden_act 'gelu' is not supported"),
     ("num_attention_heads", 0, "config.json: n_heads must be positive"),
     ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "config.json: rope_scaling type 'yarn'"),

@@ -12,10 +12,12 @@ the loader's default on the CPU for the kinds ``ml/packed.py`` multiplies) or ex
 by row chunk straight into their final tensor (``Dequantized.realize``), so the peak beyond the
 model is one chunk.
 
-Rotary layout: llama.cpp's converter permutes Hugging Face's q/k rows back into Meta's
-interleaved order (its ``LlamaModel.permute``), which is the order our model uses, so GGUF
-q/k rows need no change. The parity test writes its GGUF files through that same permutation
-from a Hugging Face checkpoint, so a mistake here shows as different logits.
+Rotary layout: for ``llama`` files llama.cpp's converter permutes Hugging Face's q/k rows back
+into Meta's interleaved order (its ``LlamaModel.permute``), which is the order our model uses, so
+those q/k rows need no change. The other families' files keep the halves order that llama.cpp
+rotates as NEOX; their q/k rows (biases and head norms too) are put in pairs at load
+(``families.interleave_order``). The parity tests write GGUF files as the converter does from a
+Hugging Face checkpoint, so a mistake here shows as different logits.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from typing import Any
 
 import torch
 
-from llama_chat.ml.ops import RopeScaling, rope_frequencies
+from llama_chat.ml.ops import LinearRope, LongRope, RopeScaling, rope_frequencies
 from llama_chat.ml.packed import PACKED_TYPES, PackedWeight
 from llama_chat.model.args import MAX_SIZE, ModelArgs
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.families import GGUF_ARCHITECTURES, FAMILIES, Family, check_fused, interleave_order
 from llama_chat.model.formats.common import (
     Checkpoint,
     Deferred,
@@ -50,29 +53,21 @@ from llama_chat.ml.blocks import (
     supported_type_names,
 )
 
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = GGUF_ARCHITECTURES
 # Values dequantized at a time (4 Mi: 16 MiB as float32): bounds the temporaries of a large
 # embedding, and how much of the file is resident before its pages are given back.
 CHUNK_VALUES = 1 << 22
 
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
-_LAYER_NAMES = {
-    "attn_q.weight": "attention.wq.weight",
-    "attn_k.weight": "attention.wk.weight",
-    "attn_v.weight": "attention.wv.weight",
-    "attn_output.weight": "attention.wo.weight",
-    "ffn_gate.weight": "feed_forward.w1.weight",
-    "ffn_down.weight": "feed_forward.w2.weight",
-    "ffn_up.weight": "feed_forward.w3.weight",
-    "attn_norm.weight": "attention_norm.weight",
-    "ffn_norm.weight": "ffn_norm.weight",
-}
 _TOP_NAMES = {
     "token_embd.weight": "tok_embeddings.weight",
     "output_norm.weight": "norm.weight",
     "output.weight": "output.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE divisors, read into args.rope_scaling.
+LONG_FACTORS, SHORT_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
+_READ_INTO_ARGS = (ROPE_FREQS, LONG_FACTORS, SHORT_FACTORS)
 
 
 @dataclass(frozen=True)
@@ -175,9 +170,11 @@ def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> 
     """ModelArgs and Meta-named weights (views of the file mapping, or ``Dequantized``)."""
     name = contents.path.name
     arch = contents.architecture
-    if arch not in ARCHITECTURES:
-        raise ModelLoadError(f"{name}: architecture {arch!r:.60} is not supported (expected 'llama')")
-    args = _args(contents, tokenizer_vocab)
+    family = next((f for f in FAMILIES if f.gguf_arch == arch), None)
+    if family is None:
+        raise ModelLoadError(f"{name}: architecture {arch!r:.60} is not supported "
+                             f"(expected one of {', '.join(ARCHITECTURES)})")
+    args = _args(contents, tokenizer_vocab, family)
     for info in contents.tensors.values():
         tensor_format(info, name)  # a type not read here is named before sizes are compared
     # No file can be smaller than its model in the most compact type read here (Q2_K).
@@ -186,26 +183,69 @@ def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> 
         raise ModelLoadError(f"{name}: describes a model of {parameter_count(args):,} parameters, but the file "
                              f"holds only {contents.file_size:,} bytes")
     data = torch.from_file(str(contents.path), shared=False, size=contents.file_size, dtype=torch.uint8)
+    layer_names = dict(family.gguf_layer_names)
     state: dict[str, Weight] = {}
     for info in contents.tensors.values():
-        if info.name == ROPE_FREQS:
+        if info.name in _READ_INTO_ARGS:
             continue  # read into args.rope_scaling by _args
-        meta = meta_name(info.name)
+        meta = meta_name(info.name, layer_names)
         if meta is None:
             raise ModelLoadError(f"{name}: unexpected tensor {info.name!r:.80}")
-        if meta in state:  # "blk.1" and "blk.01" name the same layer
-            raise ModelLoadError(f"{name}: tensor {info.name!r:.80} names {meta!r} a second time")
-        state[meta] = tensor_view(data, info, name)
+        weight = tensor_view(data, info, name)
+        parts = check_fused(meta, info.shape[0], args, name) if len(info.shape) == 2 else None
+        pieces = [(meta, weight)] if parts is None else _split_rows(meta, weight, parts)
+        for piece_name, piece in pieces:
+            if piece_name in state:  # "blk.1" and "blk.01" name the same layer
+                raise ModelLoadError(f"{name}: tensor {info.name!r:.80} names {piece_name!r} a second time")
+            state[piece_name] = _in_pairs(piece_name, piece, args) if family.gguf_halves else piece
     return Checkpoint(args=args, state=state, origin={k: name for k in state}, files=(contents.path,))
 
 
-def meta_name(gguf_name: str) -> str | None:
+def meta_name(gguf_name: str, layer_names: Mapping[str, str]) -> str | None:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     m = _LAYER.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in layer_names:
+        return f"layers.{int(m.group(1))}.{layer_names[m.group(2)]}"
     return None
+
+
+def _split_rows(meta: str, weight: Weight, parts: tuple[tuple[str, int], ...]) -> list[tuple[str, Weight]]:
+    """A fused tensor's parts (Phi-3's q/k/v, gate/up), each a view of its rows in the file."""
+    layer = meta.split(".attention.")[0] if ".attention." in meta else meta.split(".feed_forward.")[0]
+    pieces, start = [], 0
+    for part, rows in parts:
+        pieces.append((f"{layer}.{part}", _rows(weight, start, start + rows)))
+        start += rows
+    return pieces
+
+
+def _rows(weight: Weight, start: int, end: int) -> Weight:
+    if isinstance(weight, Dequantized):
+        raw = weight.raw[start * weight.row_bytes:end * weight.row_bytes]
+        return Dequantized(raw, (end - start, *weight.shape[1:]), weight.fmt)
+    if isinstance(weight, Converted):
+        return Converted(weight.source[start:end])
+    return weight[start:end]
+
+
+def _in_pairs(meta: str, weight: Weight, args: ModelArgs) -> Weight:
+    """A NEOX file's q/k rows, biases and head norms in the pairs our rotary takes (a copy of
+    these few tensors; every other weight stays the file's mapping)."""
+    heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads,
+             "attention.bq": args.n_heads, "attention.bk": args.n_kv_heads,
+             "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}
+    n = next((n for suffix, n in heads.items() if meta.endswith("." + suffix)), None)
+    rows = weight.shape[0]
+    if n is None or rows % (2 * n):
+        return weight  # not rotated, or a shape the check names
+    order = interleave_order(rows, n)
+    if isinstance(weight, Dequantized):
+        raw = weight.raw.view(weight.rows, weight.row_bytes)[order].reshape(-1)
+        return Dequantized(raw, tuple(weight.shape), weight.fmt)
+    if isinstance(weight, Converted):
+        return Converted(weight.source[order])
+    return weight[order]
 
 
 def tensor_view(data: torch.Tensor, info: TensorInfo, file: str) -> Weight:
@@ -336,7 +376,7 @@ class Converted(Deferred):
         return []  # realize gave each chunk's pages back already
 
 
-def _args(contents: GGUFContents, tokenizer_vocab: int | None) -> ModelArgs:
+def _args(contents: GGUFContents, tokenizer_vocab: int | None, family: Family) -> ModelArgs:
     name = contents.path.name
     arch = contents.architecture
     embedding = contents.tensors.get("token_embd.weight")
@@ -358,6 +398,8 @@ def _args(contents: GGUFContents, tokenizer_vocab: int | None) -> ModelArgs:
             rope_theta=meta_float(contents, f"{arch}.rope.freq_base", 10000.0),
             max_seq_len=meta_int(contents, f"{arch}.context_length", 2048),
             tie_embeddings="output.weight" not in contents.tensors,
+            head_size=_head_size(contents, arch),
+            **_switches(contents, arch, family),
         )
     except ModelLoadError as e:
         raise config_error(name, e) from None
@@ -366,14 +408,85 @@ def _args(contents: GGUFContents, tokenizer_vocab: int | None) -> ModelArgs:
         raise ModelLoadError(f"{name}: metadata '{arch}.rope.dimension_count' is {rope_dims!r:.40}, expected the "
                              f"head dimension {args.head_dim} (partial rotary embeddings are not supported)")
     scaling_type = meta_str(contents, f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none") and meta_float(contents, f"{arch}.rope.scaling.factor", 1.0) != 1.0:
-        raise ModelLoadError(f"{name}: rope scaling {scaling_type!r:.40} is not supported")
-    scaling = _rope_scaling(contents, args)
+    factor = meta_float(contents, f"{arch}.rope.scaling.factor", 1.0)
+    scaling: RopeScaling | LinearRope | LongRope | None = None
+    if scaling_type == "linear" and factor != 1.0:
+        scaling = LinearRope(factor)
+    elif scaling_type not in (None, "none", "linear") and factor != 1.0:
+        raise ModelLoadError(f"{name}: rope scaling {scaling_type!r:.40} is not supported (expected linear)")
+    scaling = scaling or _rope_scaling(contents, args) or _long_rope(contents, args)
     if scaling is not None:
         from dataclasses import replace
 
-        args = replace(args, rope_scaling=scaling)
+        try:
+            args = replace(args, rope_scaling=scaling)
+        except ModelLoadError as e:
+            raise config_error(name, e) from None
     return args
+
+
+def _head_size(contents: GGUFContents, arch: str) -> int | None:
+    value = contents.metadata.get(f"{arch}.attention.key_length")
+    return None if value is None else meta_int(contents, f"{arch}.attention.key_length")
+
+
+# llama.cpp knows a Gemma's query scale by its size: the 27B models scale by dim / heads, the
+# others by the head width (their query_pre_attn_scalar, which the file does not keep).
+_WIDE_QUERY_SCALE = {("gemma2", 46), ("gemma3", 62)}
+
+
+def _switches(contents: GGUFContents, arch: str, family: Family) -> dict[str, Any]:
+    """The family's switches from the file's metadata, as llama.cpp reads them."""
+    switches: dict[str, Any] = {"family": family.name}
+    if family.name == "qwen2":
+        switches["qkv_bias"] = True
+    if family.name in ("qwen3", "gemma3"):
+        switches["qk_norm"] = True
+    if family.name.startswith("gemma"):
+        switches.update(activation="gelu_tanh", embedding_scale=True, post_norms=True)
+        n_layers = meta_int(contents, f"{arch}.block_count")
+        if (family.name, n_layers) in _WIDE_QUERY_SCALE:
+            dim, heads = meta_int(contents, f"{arch}.embedding_length"), meta_int(contents, f"{arch}.attention.head_count")
+            switches["query_scale"] = (dim / heads) ** -0.5
+        for ours, key in (("attention_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping")):
+            if contents.metadata.get(f"{arch}.{key}") is not None:
+                switches[ours] = meta_float(contents, f"{arch}.{key}")
+    window = contents.metadata.get(f"{arch}.attention.sliding_window")
+    if window is not None and family.name in ("gemma2", "gemma3", "phi3"):
+        n_layers = meta_int(contents, f"{arch}.block_count")
+        switches["sliding_window"] = meta_int(contents, f"{arch}.attention.sliding_window")
+        # llama.cpp's patterns: Gemma 2 every other layer from the first, Gemma 3 five of six.
+        pattern = {"gemma2": 2, "gemma3": 6}.get(family.name)
+        switches["window_layers"] = tuple(i for i in range(n_layers) if pattern is None or i % pattern < pattern - 1)
+    if family.name == "gemma3":
+        switches["local_rope_theta"] = 10000.0  # llama.cpp's, for every Gemma 3
+    return switches
+
+
+def _long_rope(contents: GGUFContents, args: ModelArgs) -> LongRope | None:
+    """Phi-3's LongRoPE from its two factor tensors and the scaling metadata."""
+    name, arch = contents.path.name, contents.architecture
+    infos = [contents.tensors.get(LONG_FACTORS), contents.tensors.get(SHORT_FACTORS)]
+    if infos == [None, None]:
+        return None
+    factors = []
+    for key, info in zip((LONG_FACTORS, SHORT_FACTORS), infos):
+        if info is None or info.shape != (args.head_dim // 2,) or info.ggml_type != 0:
+            raise ModelLoadError(f"{name}: tensor {key!r} must be F32 of shape ({args.head_dim // 2},)")
+        factors.append(_f32_values(contents, info))
+    original = meta_int(contents, f"{arch}.rope.scaling.original_context_length", args.max_seq_len)
+    attention = meta_float(contents, f"{arch}.rope.scaling.attn_factor", 1.0)
+    return LongRope(tuple(factors[1]), tuple(factors[0]), original, attention)
+
+
+def _f32_values(contents: GGUFContents, info: TensorInfo) -> list[float]:
+    with open(contents.path, "rb") as f:
+        f.seek(info.offset)
+        values = torch.frombuffer(bytearray(f.read(info.nbytes)), dtype=torch.float32)
+    if not torch.isfinite(values).all() or (values <= 0).any():
+        raise ModelLoadError(f"{contents.path.name}: tensor {info.name!r} holds values that are not positive "
+                             "finite numbers")
+    return values.tolist()
 
 
 def _rope_scaling(contents: GGUFContents, args: ModelArgs) -> RopeScaling | None:
@@ -390,11 +503,7 @@ def _rope_scaling(contents: GGUFContents, args: ModelArgs) -> RopeScaling | None
     if info.shape != (args.head_dim // 2,) or info.ggml_type != 0:
         raise ModelLoadError(f"{name}: tensor {ROPE_FREQS!r} must be F32 of shape ({args.head_dim // 2},), "
                              f"found shape {info.shape}")
-    with open(contents.path, "rb") as f:
-        f.seek(info.offset)
-        stored = torch.frombuffer(bytearray(f.read(info.nbytes)), dtype=torch.float32)
-    if not torch.isfinite(stored).all() or (stored <= 0).any():
-        raise ModelLoadError(f"{name}: tensor {ROPE_FREQS!r} holds values that are not positive finite numbers")
+    stored = torch.tensor(_f32_values(contents, info))
     if torch.all(stored == 1):
         return None
     scaling = RopeScaling(factor=float(stored.max()))
