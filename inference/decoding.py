@@ -41,7 +41,16 @@ from collections.abc import Sequence
 
 from llama_chat.inference.emoji_data import may_grow_emoji
 
-__all__ = ["StreamDecoder", "TextMaker"]
+__all__ = ["StreamDecoder", "TextMaker", "stop_cut"]
+
+
+def stop_cut(text: str, stops: Sequence[str]) -> int | None:
+    """Where a stop string ends ``text``: the start of the first stop string to be complete, as
+    OpenAI's API stops as soon as any is; of those complete at the same character, the longest.
+    None when ``text`` holds none. With stops ``c`` and ``ac ``, the text ``ac `` ends as ``a``:
+    ``c`` is complete one character before ``ac `` is."""
+    ends = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
+    return min(ends)[1] if ends else None
 
 
 def _sequence_length(lead: int) -> int:
@@ -143,12 +152,13 @@ class TextMaker:
 
     On top of ``StreamDecoder`` (whole characters, whole emoji) it drops the word-start space
     before a chat reply's first word (``strip_leading_space``) and applies stop strings: text is
-    matched across token boundaries, a match ends the text just before it (``stopped`` is then
-    true and everything after is ignored), and text is held back only while it could still be the
-    start of a stop string. It also counts how many of the latest tokens what is held comes from.
+    matched across token boundaries, the first stop string to be complete ends the text just
+    before it (``stopped`` is then true and everything after is ignored), and text is held back
+    only while it could still be the start of a stop string. It also counts how many of the
+    latest tokens what is held comes from.
 
     For any token stream, ``"".join(feed(d) for d in tokens) + finish()`` equals the decoder's
-    text without the stripped space, cut before the first occurrence of any stop string.
+    text without the stripped space, cut where ``stop_cut`` cuts it.
     """
 
     def __init__(self, stops: Sequence[str] = (), *, strip_leading_space: bool = False) -> None:
@@ -210,9 +220,9 @@ class TextMaker:
             self._committed += len(new)
             return new
         buf = self._stop_held + new if self._stop_held else new
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self._stop_held, self.stopped = buf[:min(hits)], "", True
+        cut = stop_cut(buf, self.stops)
+        if cut is not None:
+            out, self._stop_held, self.stopped = buf[:cut], "", True
         elif final:
             out, self._stop_held = buf, ""
         else:

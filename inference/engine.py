@@ -35,7 +35,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from llama_chat.inference.beam import BeamLimits, BeamProgress, BeamSearch
 from llama_chat.inference.cache_prefix import align_to_cached
-from llama_chat.inference.decoding import TextMaker
+from llama_chat.inference.decoding import TextMaker, stop_cut
 from llama_chat.inference.model_step import Decode, ModelStep, Sampler, StepOptions
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
@@ -386,9 +386,9 @@ class BeamRun:
             text = data.decode("utf-8", errors="replace")
             reason = beam.finish_reason
             # Stop strings cut each hypothesis after the search (they are not part of its score).
-            cuts = [text.find(s) for s in request.stop if s in text]
-            if cuts:
-                text, reason = text[:min(cuts)], GenerationState.STOP_STRING
+            cut = stop_cut(text, request.stop)
+            if cut is not None:
+                text, reason = text[:cut], GenerationState.STOP_STRING
             if request.chat_reply and getattr(engine.tokenizer, "strips_leading_space", False):
                 text = text.removeprefix(" ")
             beams.append(BeamText(text, beam.token_ids, beam.score, reason))

@@ -58,8 +58,18 @@ chunks = st.lists(st.binary(max_size=6) | st.sampled_from([b"ab", b"c", b" a", "
 stops = st.lists(st.text(alphabet="abc é", min_size=1, max_size=4), max_size=3)
 
 
+def cut_when_a_stop_string_is_complete(text: str, stop_strings: list[str]) -> str | None:
+    """OpenAI's rule, read character by character: at the first character that completes any
+    stop string, the text ends before that string (the longest, if several end there)."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stop_strings if text.endswith(s, 0, end)]
+        if done:
+            return text[:end - max(map(len, done))]
+    return None
+
+
 @given(chunks, stops, st.booleans())
-def test_text_is_the_decoded_text_cut_before_the_first_stop_string(data, stop_strings, strip):
+def test_text_is_the_decoded_text_cut_before_the_first_stop_string_to_be_complete(data, stop_strings, strip):
     maker = TextMaker(stop_strings, strip_leading_space=strip)
     out = "".join(maker.feed(d) for d in data) + maker.finish()
     joined = b"".join(data)
@@ -68,9 +78,20 @@ def test_text_is_the_decoded_text_cut_before_the_first_stop_string(data, stop_st
         if first is not None and data[first].startswith(b" "):
             joined = b"".join(data[:first]) + data[first][1:] + b"".join(data[first + 1:])
     full = joined.decode("utf-8", errors="replace")
-    hits = [i for i in (full.find(s) for s in stop_strings) if i >= 0]
-    assert out == (full[:min(hits)] if hits else full)
-    assert maker.stopped == bool(hits)
+    cut = cut_when_a_stop_string_is_complete(full, stop_strings)
+    assert out == (full if cut is None else cut)
+    assert maker.stopped == (cut is not None)
+
+
+@pytest.mark.parametrize(("tokens", "stop_strings", "text"), [
+    ([b"a", b"c", b" "], ["c", "ac "], "a"),  # "c" is complete before "ac " is
+    ([b"ac "], ["c", "ac "], "a"),  # the same in one token
+    ([b"xab"], ["b", "ab"], "x"),  # complete at the same character: the longer one cuts
+    ([b"abc"], ["abc", "zz"], ""),
+])
+def test_the_first_stop_string_to_be_complete_ends_the_text(tokens, stop_strings, text):
+    maker = TextMaker(stop_strings)
+    assert "".join(map(maker.feed, tokens)) + maker.finish() == text and maker.stopped
 
 
 def test_text_is_held_only_while_it_could_start_a_stop_string():
