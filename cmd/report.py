@@ -37,8 +37,12 @@ def finish_line(completion: Completion, seed: int | None) -> Text:
 
 
 def weights_text(weights: WeightsSummary) -> str:
-    """``weights: Q4_K_M, packed q4_k+q6_k (668.0 MB)``: the matrices' form and the bytes they take."""
-    return f"weights: {weights.format} ({human_size(weights.nbytes)})"
+    """``weights: Q4_K_M, packed q4_k+q6_k (668.0 MB)``: the matrices' form and the bytes they take;
+    for a model whose layer the CPU's one-call step does not compute, what it lacks."""
+    text = f"weights: {weights.format} ({human_size(weights.nbytes)})"
+    if weights.operator_gaps:
+        text += f"  step: the layers (the one-call step has no {', '.join(weights.operator_gaps)})"
+    return text
 
 
 def stats_line(completion: Completion, load_s: float | None = None, weights: WeightsSummary | None = None) -> Text:

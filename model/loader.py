@@ -77,6 +77,9 @@ class WeightsSummary:
 
     format: str
     nbytes: int
+    # What of the model the CPU operator's one-call step does not compute (``ModelArgs.llama_layout``):
+    # such a model's steps go through the layers, which ``--stats`` says.
+    operator_gaps: tuple[str, ...] = ()
 
 
 def weights_summary(loaded: LoadedModel) -> WeightsSummary:
@@ -100,7 +103,8 @@ def weights_summary(loaded: LoadedModel) -> WeightsSummary:
     for tensor in (*loaded.model.parameters(), *loaded.model.buffers()):
         key = (tensor.device, tensor.data_ptr())
         sizes[key] = max(sizes.get(key, 0), tensor.numel() * tensor.element_size())
-    return WeightsSummary(", ".join(parts), sum(sizes.values()))
+    gaps = tuple(loaded.args.llama_layout()) if loaded.device.type == "cpu" else ()
+    return WeightsSummary(", ".join(parts), sum(sizes.values()), gaps)
 
 
 def detect_layout(path: Path | str) -> str:

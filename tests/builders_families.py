@@ -114,7 +114,7 @@ def write_family_gguf(path: Path, hf, family: str, sp_model: Path, *, qtype: T =
     full = rope.get("full_attention", rope)
     writer.add_rope_freq_base(full["rope_theta"])
     writer.add_rope_dimension_count(head_dim)
-    writer.add_file_type(0 if qtype == T.F32 else 7)
+    writer.add_file_type({T.F32: 0, T.F16: 1}.get(qtype, 7))
     if family.startswith("gemma"):
         writer.add_sliding_window(c.sliding_window)
     if family == "gemma2":

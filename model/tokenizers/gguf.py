@@ -31,14 +31,12 @@ from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.gguf import GGUFContents, meta_str
 from llama_chat.model.tokenizers.gguf_pre import PRE_TOKENIZERS
 from llama_chat.model.tokenizers.hf import byte_level_decoder
-from llama_chat.model.tokenizers.sentencepiece import END_OF_TURN_PIECES, ModelProtoInfo, SentencePieceTokenizer
+from llama_chat.model.tokenizers.sentencepiece import STOP_NAMES, ModelProtoInfo, SentencePieceTokenizer
 from llama_chat.model.tokenizers.table import ByteTableTokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _PAD = re.compile(r"\[PAD\d+\]")
 # Control tokens that end a generation by their name, as llama.cpp's vocabulary code finds them.
-STOP_NAMES = END_OF_TURN_PIECES + ("<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "<EOT>",
-                                   "<｜end▁of▁sentence｜>", "<end_of_utterance>")
 MAX_TOKENS = 1 << 24
 
 

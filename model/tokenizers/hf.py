@@ -24,14 +24,13 @@ from tokenizers import Tokenizer as RawTokenizer
 
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.json_files import read_json
-from llama_chat.model.tokenizers.sentencepiece import END_OF_TURN_PIECES
+from llama_chat.model.tokenizers.sentencepiece import STOP_NAMES
 from llama_chat.model.tokenizers.specials import token_name
 from llama_chat.model.tokenizers.table import ByteTableTokenizer
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>")
-_EXTRA_STOP_NAMES = END_OF_TURN_PIECES + ("<|eom_id|>", "<|end_of_text|>")
 
 
 @cache
@@ -103,7 +102,7 @@ class HFTokenizer(ByteTableTokenizer):
         self._bos = self._find(token_name(self.config.get("bos_token")), _BOS_NAMES)
         self._eos = self._find(token_name(self.config.get("eos_token")), _EOS_NAMES)
         stops = {self._eos} if self._eos is not None else set()
-        stops.update(raw.token_to_id(name) for name in _EXTRA_STOP_NAMES if name in self._specials)
+        stops.update(raw.token_to_id(name) for name in STOP_NAMES if name in self._specials)
         stops.update(i for i in extra_stop_ids if 0 <= i < n)
         self._stops = frozenset(stops)
 

@@ -30,6 +30,10 @@ from llama_chat.model.tokenizers.table import ByteTableTokenizer
 # End-of-turn markers of chat fine-tunes that kept a SentencePiece vocabulary; whichever exist
 # as pieces stop generation along with ``</s>``.
 END_OF_TURN_PIECES = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>")
+# Every special token that ends a generation where a vocabulary has it (the families' ends of
+# text, turn and message: Llama 3's, Qwen's, Gemma's, Phi-3's, DeepSeek's, SmolLM's).
+STOP_NAMES = END_OF_TURN_PIECES + ("<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "<EOT>",
+                                   "<｜end▁of▁sentence｜>", "<end_of_utterance>")
 
 UNKNOWN_SURFACE = " \u2047 "  # what SentencePiece's decode writes for the unknown piece
 
