@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import select
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,3 +86,45 @@ def run_cli(*args: str, stdin: bytes | None = None, timeout: float = RUN_TIMEOUT
 def json_result(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr.decode()
     return json.loads(proc.stdout)
+
+
+def full_pipe() -> tuple[int, int, int]:
+    """A pipe already full of filler: ``(read_fd, write_fd, filler_bytes)``.
+
+    Given as the command's stdout, it blocks the command's first write of generated text, and
+    with it the event loop, until the test reads; signals sent meanwhile wait in the event loop's
+    wake-up channel, in order, and are handled when it runs again.
+    """
+    read_fd, write_fd = os.pipe()
+    flags = fcntl.fcntl(write_fd, fcntl.F_GETFL)
+    fcntl.fcntl(write_fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    filled = 0
+    for size in (4096, 1):  # pages first, then the last bytes one by one
+        while True:
+            try:
+                filled += os.write(write_fd, b"#" * size)
+            except BlockingIOError:
+                break
+    fcntl.fcntl(write_fd, fcntl.F_SETFL, flags)
+    return read_fd, write_fd, filled
+
+
+def finish(proc: subprocess.Popen, read_fd: int, filled: int) -> tuple[bytes, bytes]:
+    """Read stdout to its end (unblocking the command), wait for the exit; ``(text, stderr)``."""
+    chunks = []
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        assert time.monotonic() < deadline, "stdout did not end in time"
+        ready, _, _ = select.select([read_fd], [], [], 0.5)
+        if ready:
+            chunk = os.read(read_fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    os.close(read_fd)
+    err = proc.stderr.read()
+    proc.stderr.close()
+    proc.wait(timeout=RUN_TIMEOUT_S)
+    out = b"".join(chunks)
+    assert out[:filled] == b"#" * filled
+    return out[filled:], err

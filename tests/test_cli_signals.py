@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from cli_support import ANSI, build_tiny_model, cli_env, json_result, llama_chat_command, run_cli
+from cli_support import ANSI, build_tiny_model, cli_env, finish, full_pipe, json_result, llama_chat_command, run_cli
 from llama_chat.cmd import signals as cli_signals
 from llama_chat.cmd.batch import READ_AHEAD
 from llama_chat.cmd.sanitize import displayable
@@ -88,27 +88,6 @@ def signal_pending(proc: subprocess.Popen, signum: int) -> bool:
     return bool(pending & (1 << (signum - 1)))
 
 
-def full_pipe() -> tuple[int, int, int]:
-    """A pipe already full of filler: ``(read_fd, write_fd, filler_bytes)``.
-
-    Given as the command's stdout, it blocks the command's first write of generated text, and
-    with it the event loop, until the test reads; signals sent meanwhile wait in the event loop's
-    wake-up channel, in order, and are handled when it runs again.
-    """
-    read_fd, write_fd = os.pipe()
-    flags = fcntl.fcntl(write_fd, fcntl.F_GETFL)
-    fcntl.fcntl(write_fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
-    filled = 0
-    for size in (4096, 1):  # pages first, then the last bytes one by one
-        while True:
-            try:
-                filled += os.write(write_fd, b"#" * size)
-            except BlockingIOError:
-                break
-    fcntl.fcntl(write_fd, fcntl.F_SETFL, flags)
-    return read_fd, write_fd, filled
-
-
 def start_blocked_on_output(tiny, *args: str) -> tuple[subprocess.Popen, int, int]:
     """Start the command on a full stdout pipe and wait until it is blocked writing its first
     text; returns ``(process, read_fd, filler_bytes)``."""
@@ -122,27 +101,6 @@ def start_blocked_on_output(tiny, *args: str) -> tuple[subprocess.Popen, int, in
 def send_and_wait_taken(proc: subprocess.Popen, signum: int) -> None:
     proc.send_signal(signum)
     wait_until(lambda: not signal_pending(proc, signum), "the process took the signal")
-
-
-def finish(proc: subprocess.Popen, read_fd: int, filled: int) -> tuple[bytes, bytes]:
-    """Read stdout to its end (unblocking the command), wait for the exit; ``(text, stderr)``."""
-    chunks = []
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        assert time.monotonic() < deadline, "stdout did not end in time"
-        ready, _, _ = select.select([read_fd], [], [], 0.5)
-        if ready:
-            chunk = os.read(read_fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    os.close(read_fd)
-    err = proc.stderr.read()
-    proc.stderr.close()
-    proc.wait(timeout=WAIT_S)
-    out = b"".join(chunks)
-    assert out[:filled] == b"#" * filled
-    return out[filled:], err
 
 
 @needs_proc

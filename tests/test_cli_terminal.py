@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_support import build_tiny_model, cli_env, llama_chat_command
+from cli_support import build_tiny_model, cli_env, finish, full_pipe, llama_chat_command
 from llama_chat.cmd.sanitize import displayable, one_line
 from terminal_support import SGR, WAIT_S, Pty, held_bytes_model, screen
 
@@ -82,11 +82,16 @@ def test_sighup_and_sigquit_restore_the_cursor(held, signum, status):
 
 def test_sigint_at_any_moment_of_start_up_gives_130_and_no_traceback(tiny):
     def run(delay: float) -> tuple[float, int, bytes]:
+        # Onto a full pipe the run cannot write its first text, so however fast this machine it is
+        # still starting (or about to show that text) when the signal lands, never finished.
+        read_fd, write_fd, filled = full_pipe()
         proc = subprocess.Popen([*_real_command(), "-m", str(tiny.path), *LONG], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env())
+                                stdout=write_fd, stderr=subprocess.PIPE, env=cli_env())
+        os.close(write_fd)
         time.sleep(delay)
+        assert proc.poll() is None, (delay, proc.returncode, proc.stderr.read())
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=WAIT_S)
+        _, err = finish(proc, read_fd, filled)
         return delay, proc.returncode, err
 
     # From 0.3 s: before that the interpreter may still be starting (its site module and .pth

@@ -30,12 +30,17 @@ from serve_support import WAIT_S, start_server, stop_server, wait_for
 
 GREEDY = SamplingParams(temperature=0.0)
 KEY = "remote-test-key"
+CONTEXT = 16384
+# A reply that a test interrupts: so long (seconds of generating) that the server is still making
+# it when the interruption lands, however late a busy machine lets the client act.
+LONG_REPLY = CONTEXT - 512
+TOO_LONG = "x " * CONTEXT  # a prompt longer than the context
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tiny = build_tiny_model(tmp_path_factory.mktemp("remote"), max_seq_len=1024)
-    s = start_server(tiny.path, "--max-batch", "4", "--api-key", KEY)
+    tiny = build_tiny_model(tmp_path_factory.mktemp("remote"), max_seq_len=CONTEXT)
+    s = start_server(tiny.path, "--max-batch", "4", "--api-key", KEY, "-c", str(CONTEXT))
     yield s
     assert stop_server(s) == 0, s.log()
 
@@ -61,7 +66,7 @@ async def run(source: RemoteSource, request: Request):
 
 def test_connect_finds_the_model_and_names_what_is_wrong(server):
     model = connect(spec(server), api_key=KEY)
-    assert model.name == "tiny" and model.max_seq_len == 1024
+    assert model.name == "tiny" and model.max_seq_len == CONTEXT
     assert connect(spec(server) + "#tiny", api_key=KEY).name == "tiny"
     assert connect(spec(server), model="tiny", api_key=KEY).name == "tiny"
     with pytest.raises(RemoteRequestError, match="has no model 'nope'"):
@@ -104,7 +109,7 @@ def test_leaving_a_stream_early_cancels_the_job_on_the_server(server):
     cancelled = server.metrics(KEY)['llama_chat_requests_total{outcome="cancelled"}']
 
     async def take_three():
-        async with source.stream(text_request("An endless story", max_tokens=900)) as stream:
+        async with source.stream(text_request("An endless story", max_tokens=LONG_REPLY)) as stream:
             taken = 0
             async for _ in stream:
                 taken += 1
@@ -131,7 +136,7 @@ def test_many_requests_at_once_and_a_refused_one_fails_alone(server):
     async def main():
         async with source:
             async with anyio.create_task_group() as tg:
-                for i, prompt in enumerate(["The fox", "The dog", "x " * 2000, "The cat"]):
+                for i, prompt in enumerate(["The fox", "The dog", TOO_LONG, "The cat"]):
                     tg.start_soon(consume, i, source.submit(text_request(prompt, max_tokens=6)))
 
     anyio.run(main)
@@ -157,7 +162,7 @@ def test_the_command_runs_against_a_remote_model(server):
     expected = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
     assert plain.stdout.decode().rstrip("\n") == expected.choices[0].text
 
-    too_long = run_cli("-m", spec(server), "-p", "x " * 2000, "-n", "4", timeout=WAIT_S, OPENAI_API_KEY=KEY)
+    too_long = run_cli("-m", spec(server), "-p", TOO_LONG, "-n", "4", timeout=WAIT_S, OPENAI_API_KEY=KEY)
     err = too_long.stderr.decode()
     assert too_long.returncode == 2 and "the prompt is" in err and "Traceback" not in err, err
     unknown = run_cli("-m", spec(server) + "#nope", "-p", "hi", timeout=WAIT_S, OPENAI_API_KEY=KEY)
@@ -170,7 +175,7 @@ def test_a_batch_runs_against_a_remote_model(server, tmp_path):
     src = tmp_path / "jobs.jsonl"
     src.write_text("\n".join(json.dumps(job) for job in [
         {"prompt": "Tell me about the fox", "max_tokens": 6, "id": "fox"},
-        {"prompt": "x " * 2000, "max_tokens": 6, "id": "long"},
+        {"prompt": TOO_LONG, "max_tokens": 6, "id": "long"},
         {"prompt": "Tell me about the dog", "max_tokens": 5, "id": "dog", "top_k": 30},
     ]) + "\n")
     proc = run_cli("-m", spec(server), "--batch", str(src), "-t", "0", "--max-batch", "2", timeout=WAIT_S,
@@ -223,7 +228,7 @@ def test_the_chat_runs_against_a_remote_model(server, tmp_path):
 def test_ctrl_c_mid_reply_cancels_the_remote_job_and_the_chat_goes_on(server, tmp_path):
     child = chat_of_two_turns(server, tmp_path)
     cancelled = server.metrics(KEY)['llama_chat_requests_total{outcome="cancelled"}']
-    child.sendline("/set max_tokens 900")  # a reply far longer than it takes to interrupt it
+    child.sendline(f"/set max_tokens {LONG_REPLY}")
     child.expect_exact(">>> ")
     child.sendline("Tell me a long story")
     child.expect_exact("story\r\n")  # the echo of the message
