@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SDIST_PACKAGE = "llama-cpp-python"
-BUILD_TARGETS = ("llama-bench", "llama-quantize")
+BUILD_TARGETS = ("llama-bench", "llama-quantize", "llama-perplexity")
 # CPU only, tuned for this CPU, static, and none of the parts that need the network, a GPU
 # toolkit or a web UI: the two tools are all the benchmark runs.
 CMAKE_FLAGS = (

@@ -7,6 +7,9 @@ product itself. ``torch.ops.llama_chat_cpu.decode_step`` (``ml/cpu/decode.cpp``)
 each of several rows through every layer and the classifier in one parallel region instead, its
 threads spinning only while that token is computed. Two ways in:
 
+The operator computes a Llama's layer, and Qwen's parts of a head (``OPERATOR_PARTS``): a model of
+another family (``operator_gaps``) keeps the layers.
+
 * ``Transformer.forward`` hands it a forward when ``takes`` says so: one token of one row, on the
   CPU, without gradients, over a ``KVCache``, with fused projections whose weights the operator
   reads (float32, bfloat16, float16, int8 with per-row scales, or GGUF's packed blocks:
@@ -39,6 +42,14 @@ from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What of a family's layer the operator computes beyond a Llama's (``ModelArgs.llama_layout``'s
+# names): Qwen2's q/k/v biases, Qwen3's head norms and a head width other than dim / heads.
+OPERATOR_PARTS = ("qkv bias", "q/k norms", "head width")
+
+
+def operator_gaps(args) -> list[str]:
+    """What of the model ``args`` describes the operator does not compute: empty when it takes it."""
+    return [gap for gap in args.llama_layout() if gap not in OPERATOR_PARTS]
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -53,6 +64,7 @@ class DecodeWeights:
     final_norm: torch.Tensor
     output: torch.Tensor
     output_scales: torch.Tensor | None
+    head_parts: list[torch.Tensor | None] = field(default_factory=list)  # ``StepWeights.head_parts``
     decoders: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     packed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # ``packed_weights``, once made
 
@@ -63,7 +75,7 @@ class DecodeWeights:
         weights, output = self.packed_weights() if packed else (self.weights, self.output)
         return StepWeights(_embedding(model), weights, self.scales, self.norms, self.final_norm,
                            output, self.output_scales, model.rope_table(self.output.device), args.n_heads,
-                           args.n_kv_heads, args.norm_eps)
+                           args.n_kv_heads, args.norm_eps, self.head_parts)
 
     def packed_weights(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The weights and the classifier for the batched step (and a single stream's, below
@@ -157,8 +169,8 @@ def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None
 
 def supports(model: nn.Module) -> bool:
     """Whether ``model``'s one-token CPU steps will go to the operator (fused or not yet)."""
-    if not cpu_kernels.loaded() or model.args.llama_layout():
-        return False  # the operator computes a Llama's layer: other families take the layers
+    if not cpu_kernels.loaded() or operator_gaps(model.args):
+        return False  # the operator computes a Llama's (or Qwen's) layer: other families take the layers
     # Engines make the cache in the dtype of the first parameter (a norm, where the matrices are
     # a file's blocks or 16-bit values): one the step cannot read keeps the layers.
     first = next(model.parameters(), None)
@@ -252,7 +264,11 @@ def gather(model: nn.Module) -> DecodeWeights | None:
     weights: list[torch.Tensor] = []
     scales: list[torch.Tensor | None] = []
     norms: list[torch.Tensor] = []
+    head_parts: list[torch.Tensor | None] = []
     for layer in model.layers:
+        attention = layer.attention
+        norms_of_heads = [n.weight if n is not None else None for n in (attention.q_norm, attention.k_norm)]
+        head_parts += [_float_copy(t) for t in (attention.bqkv, *norms_of_heads)]
         for projection in _projections(layer):
             weight, scale = _weight(projection)
             weights.append(weight)
@@ -261,7 +277,11 @@ def gather(model: nn.Module) -> DecodeWeights | None:
                   layer.ffn_norm.weight.detach().float().contiguous()]
     output = _weight(model.output)
     return DecodeWeights(_key(model), weights, scales, norms, model.norm.weight.detach().float().contiguous(),
-                         output[0], output[1])
+                         output[0], output[1], head_parts=head_parts)
+
+
+def _float_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().float().contiguous()
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -272,7 +292,7 @@ def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 def _readable(model: nn.Module) -> bool:
     """Whether every tensor ``gather`` takes is one the operator reads."""
-    if model.args.llama_layout():
+    if operator_gaps(model.args):
         return False
     for layer in model.layers:
         if layer.attention.wqkv is None or layer.feed_forward.w13 is None:

@@ -103,7 +103,9 @@ def weights_summary(loaded: LoadedModel) -> WeightsSummary:
     for tensor in (*loaded.model.parameters(), *loaded.model.buffers()):
         key = (tensor.device, tensor.data_ptr())
         sizes[key] = max(sizes.get(key, 0), tensor.numel() * tensor.element_size())
-    gaps = tuple(loaded.args.llama_layout()) if loaded.device.type == "cpu" else ()
+    from llama_chat.model.cpu_decode import operator_gaps
+
+    gaps = tuple(operator_gaps(loaded.args)) if loaded.device.type == "cpu" else ()
     return WeightsSummary(", ".join(parts), sum(sizes.values()), gaps)
 
 

@@ -23,6 +23,7 @@ from builders_families import FAMILY_NAMES, WINDOW, hf_family_model, round_trip,
 from builders_gguf import T  # noqa: E402
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions  # noqa: E402
 from llama_chat.inference.types import Request  # noqa: E402
+from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
 from llama_chat.ml.sampling import SamplingParams  # noqa: E402
 from llama_chat.model import cpu_decode  # noqa: E402
 from llama_chat.model.errors import ModelLoadError  # noqa: E402
@@ -94,9 +95,28 @@ def test_hugging_face_checkpoint_gives_transformers_logits_and_greedy_tokens(
         got = loaded.model(prompt)
     assert (got - want).abs().max().item() <= 1e-4
     assert _greedy(loaded.model, prompt) == _hf_greedy(hf, prompt)
-    # A Llama's layer is what the CPU operator computes: every other family keeps the layers.
-    assert cpu_decode.supports(loaded.model) is False
-    assert loaded.args.llama_layout() != [] or family == "mistral"
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_the_cpu_operator_takes_qwens_layers_and_leaves_the_others_to_the_layers(
+        tmp_path_factory, sp_model_path, references, vocab, family):
+    """The one-call step computes a Llama's layer and Qwen's parts of a head (q/k/v biases, head
+    norms, a head width of its own); another family's steps go through the layers. Either way,
+    fused as an engine fuses them, the greedy tokens are transformers'."""
+    if not cpu_kernels.load():
+        pytest.skip(f"the CPU operator could not be built here: {cpu_kernels.failure()}")
+    hf = references[family]
+    loaded = load_model(_saved(hf, tmp_path_factory.mktemp(family) / "hf", sp_model_path), device="cpu",
+                        dtype="float32")
+    takes = family in ("qwen2", "qwen3")
+    assert cpu_decode.supports(loaded.model) is takes
+    assert (cpu_decode.operator_gaps(loaded.args) == []) is takes
+    loaded.model.fuse_projections()
+    prompt = _prompt(vocab, seed=4)
+    token = torch.tensor([[5]])
+    with torch.inference_mode():
+        assert cpu_decode.takes(loaded.model, token, KVCache.for_model(loaded.args, 1, max_seq_len=8)) is takes
+    assert _greedy(loaded.model, prompt) == _hf_greedy(hf, prompt)
 
 
 def _gguf_reference(family: str, vocab: int, seed: int):

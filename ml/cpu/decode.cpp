@@ -660,8 +660,21 @@ struct Layer {
   Matrix qkv, out, gate_up, down;
   const float* attention_norm = nullptr;
   const float* ffn_norm = nullptr;
+  // Qwen's parts of a head: the q/k/v biases (q_width + 2 kv_width) and the RMSNorm weights of
+  // each q and k head (head_dim); null where the model has none.
+  const float* qkv_bias = nullptr;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
   CacheView keys, values;
 };
+
+// A head's RMSNorm in place: float32 sums, as ops.rms_norm computes it.
+inline void normalize_head(float* x, const float* weight, int64_t head_dim, double eps) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < head_dim; ++i) squares += x[i] * x[i];
+  const float scale = 1.f / std::sqrt(squares / static_cast<float>(head_dim) + static_cast<float>(eps));
+  for (int64_t i = 0; i < head_dim; ++i) x[i] = x[i] * scale * weight[i];
+}
 
 const float* float_vector(const char* what, const at::Tensor& t, int64_t n) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n && t.device().is_cpu(),
@@ -678,7 +691,8 @@ const float* float_vector(const char* what, const at::Tensor& t, int64_t n) {
 // Per layer, in this order: the fused q/k/v, output, gate/up and down projections (`matrix_of`),
 // the attention and feed-forward norms, and the layer's keys and values (`cache_of`; a dense
 // cache's sequence is one page). Then the final norm, the classifier, and the rotary table:
-// float32 (positions, head_dim / 2, 2), the cosine and sine of each pair's angle.
+// float32 (positions, head_dim / 2, 2), the cosine and sine of each pair's angle. `head_parts`,
+// three a layer, each absent or float32: the q/k/v biases and the q and k heads' norm weights.
 struct StepModel : torch::CustomClassHolder {
   std::vector<at::Tensor> weights;
   c10::List<std::optional<at::Tensor>> scales;
@@ -687,6 +701,7 @@ struct StepModel : torch::CustomClassHolder {
   std::optional<at::Tensor> output_scales;
   at::Tensor rope;
   std::vector<at::Tensor> keys, values;
+  c10::List<std::optional<at::Tensor>> head_parts;
   int64_t n_layers = 0, dim = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, q_width = 0, kv_width = 0, ffn = 0;
   int64_t vocab = 0, page_size = 0, pages = 0;
   double eps = 0.0;
@@ -694,15 +709,18 @@ struct StepModel : torch::CustomClassHolder {
   StepModel(std::vector<at::Tensor> weights_, c10::List<std::optional<at::Tensor>> scales_,
             std::vector<at::Tensor> norms_, at::Tensor final_norm_, at::Tensor output_,
             std::optional<at::Tensor> output_scales_, at::Tensor rope_, int64_t n_heads_, int64_t n_kv_heads_,
-            double eps_, std::vector<at::Tensor> keys_, std::vector<at::Tensor> values_, int64_t page_size_)
+            double eps_, std::vector<at::Tensor> keys_, std::vector<at::Tensor> values_, int64_t page_size_,
+            c10::List<std::optional<at::Tensor>> head_parts_)
       : weights(std::move(weights_)), scales(std::move(scales_)), norms(std::move(norms_)),
         final_norm(std::move(final_norm_)), output(std::move(output_)), output_scales(std::move(output_scales_)),
-        rope(std::move(rope_)), keys(std::move(keys_)), values(std::move(values_)), n_heads(n_heads_),
+        rope(std::move(rope_)), keys(std::move(keys_)), values(std::move(values_)),
+        head_parts(std::move(head_parts_)), n_heads(n_heads_),
         n_kv_heads(n_kv_heads_), page_size(page_size_), eps(eps_) {
     n_layers = static_cast<int64_t>(keys.size());
     TORCH_CHECK(n_layers > 0 && values.size() == keys.size() && weights.size() == 4 * keys.size() &&
                     scales.size() == weights.size() && norms.size() == 2 * keys.size(),
                 "decode_step: per layer, four weights (and scales), two norms, keys and values");
+    TORCH_CHECK(head_parts.size() == 3 * keys.size(), "decode_step: per layer, three head parts (or none)");
     TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
                 "decode_step: ", n_heads, " heads do not group over ", n_kv_heads, " key/value heads");
     TORCH_CHECK(page_size > 0 && keys[0].dim() == 4, "decode_step: keys must be (kv_heads, pages, page_size, head_dim)");
@@ -735,6 +753,12 @@ struct StepModel : torch::CustomClassHolder {
       layer.down = matrix_of("w2", l, weights[w + 3], scales.get(w + 3), dim, ffn);
       layer.attention_norm = float_vector("an attention norm", norms[static_cast<size_t>(2 * l)], dim);
       layer.ffn_norm = float_vector("a feed-forward norm", norms[static_cast<size_t>(2 * l + 1)], dim);
+      const size_t p = static_cast<size_t>(3 * l);
+      const std::optional<at::Tensor> bias = head_parts.get(p), q_norm = head_parts.get(p + 1),
+                                      k_norm = head_parts.get(p + 2);
+      if (bias) layer.qkv_bias = float_vector("a q/k/v bias", *bias, q_width + 2 * kv_width);
+      if (q_norm) layer.q_norm = float_vector("a q head norm", *q_norm, head_dim);
+      if (k_norm) layer.k_norm = float_vector("a k head norm", *k_norm, head_dim);
       for (CacheView* view : {&layer.keys, &layer.values}) {
         const bool is_keys = view == &layer.keys;
         *view = cache_of(is_keys ? "keys" : "values", l, (is_keys ? keys : values)[static_cast<size_t>(l)],
@@ -901,6 +925,11 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
               range_products(layer.qkv, in, unit * head_dim, (unit + 1) * head_dim, head, head_dim);
               for (int64_t r = 0; r < rows; ++r) {
                 float* mine = head + r * head_dim;
+                if (layer.qkv_bias != nullptr)
+                  for (int64_t i = 0; i < head_dim; ++i) mine[i] += layer.qkv_bias[unit * head_dim + i];
+                if (unit < n_heads && layer.q_norm != nullptr) normalize_head(mine, layer.q_norm, head_dim, eps);
+                if (unit >= n_heads && unit < n_heads + n_kv_heads && layer.k_norm != nullptr)
+                  normalize_head(mine, layer.k_norm, head_dim, eps);
                 if (unit < n_heads + n_kv_heads) rotate(mine, rope_table + position[r] * head_dim, head_dim);
                 if (unit < n_heads)
                   std::memcpy(q.data() + r * q_width + unit * head_dim, mine, sizeof(float) * head_dim);
@@ -1014,7 +1043,8 @@ TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
   m.class_<StepModel>("StepModel")
       .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>, std::vector<at::Tensor>,
                        at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor, int64_t, int64_t, double,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t>());
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t,
+                       c10::List<std::optional<at::Tensor>>>());
   m.def(
       "decode_step(__torch__.torch.classes.llama_chat_cpu.StepModel model, Tensor hidden, Tensor positions, "
       "Tensor tables, Tensor(a!)? picks=None, int picks_below=0, Tensor? logit_rows=None) -> Tensor");

@@ -41,6 +41,9 @@ class StepWeights:
     n_heads: int
     n_kv_heads: int
     norm_eps: float
+    # Per layer, three: the q/k/v biases and the q and k heads' norm weights (float32), or None
+    # where the model has none (Llama's): Qwen2's and Qwen3's parts of a head.
+    head_parts: list[torch.Tensor | None]
 
     @property
     def classes(self) -> int:
@@ -57,7 +60,7 @@ class StepWeights:
         layer ``(kv_heads, pages, page_size, head_dim)``), checked once, for any number of steps."""
         return torch.classes.llama_chat_cpu.StepModel(
             self.weights, self.scales, self.norms, self.final_norm, self.output, self.output_scales, self.rope,
-            self.n_heads, self.n_kv_heads, self.norm_eps, keys, values, page_size)
+            self.n_heads, self.n_kv_heads, self.norm_eps, keys, values, page_size, self.head_parts)
 
 
 def _decode_step():
