@@ -6,10 +6,10 @@ written into the repository:
 1. llama.cpp: ``pip download`` the ``llama-cpp-python`` sdist and build ``llama-bench`` and
    ``llama-quantize`` from its ``vendor/llama.cpp`` with cmake, CPU only, ``-DGGML_NATIVE=ON``,
    Release (``llama_cpp_peer.py`` has the flags); reused when built.
-2. Checkpoints: for each shape, a Hugging Face Llama checkpoint with random weights
-   (``transformers``' own init, ``initializer_range`` 0.02, seed 0) saved as float16 safetensors,
-   with a 32000-piece byte-fallback SentencePiece ``tokenizer.model`` (trained on a small corpus,
-   then filled up to 32000 pieces with pieces no text ever merges into).
+2. Checkpoints: for each shape, a Hugging Face checkpoint of its family (Llama, Qwen2, Gemma 2)
+   with random weights (``transformers``' own init, ``initializer_range`` 0.02, seed 0) saved as
+   float16 safetensors, with a byte-fallback SentencePiece ``tokenizer.model`` of the shape's
+   vocabulary (trained on a small corpus, then filled up with pieces no text ever merges into).
 3. Files: llama.cpp's ``convert_hf_to_gguf.py`` (from the same tree, its own ``gguf-py`` first on
    ``PYTHONPATH``) writes F16 and Q8_0; ``llama-quantize`` makes Q4_0 and Q4_K_M from the F16 file.
 4. Runs, for ``--rounds`` rounds, each round every file in turn, llama.cpp then llama-chat on the
@@ -46,6 +46,7 @@ speed over it. The memory rule for llama-chat: peak RSS <= 1.1 x file size +
 KV cache (float32, CTX positions) + baseline.
 
     python benchmarks/bench_gguf.py --quick                           # 110m, 1 round
+    python benchmarks/bench_gguf.py --shapes qwen2.5-1.5b,gemma-2-2b --types q4_k_m
     python benchmarks/bench_gguf.py --shapes 110m --rounds 3
     python benchmarks/bench_gguf.py --shapes 1.1b,110m --types q8_0,q4_0 --cache /tmp/bench
     python benchmarks/bench_gguf.py --shapes 110m > run.txt; python benchmarks/bench_gguf.py --report run.txt
@@ -84,10 +85,17 @@ class Shape:
     hidden: int
     ctx: int
     tied: bool
+    family: str = "llama"
+    vocab: int = VOCAB
+    head_dim: int | None = None
 
     @property
     def kv_dim(self) -> int:
-        return self.n_kv_heads * self.dim // self.n_heads
+        return self.n_kv_heads * (self.head_dim or self.dim // self.n_heads)
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * (self.head_dim or self.dim // self.n_heads)
 
 
 SHAPES = {
@@ -95,6 +103,11 @@ SHAPES = {
                   tied=False),
     "110m": Shape("stories110M", dim=768, n_layers=12, n_heads=12, n_kv_heads=12, hidden=2048, ctx=1024,
                   tied=True),
+    # The families' sizes people run (contexts cut to the race's needs).
+    "qwen2.5-1.5b": Shape("Qwen2.5-1.5B", dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, hidden=8960, ctx=2048,
+                          tied=True, family="qwen2", vocab=151936),
+    "gemma-2-2b": Shape("Gemma-2-2B", dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, hidden=9216, ctx=2048,
+                        tied=True, family="gemma2", vocab=256000, head_dim=256),
 }
 # How each type is made: by the converter from the checkpoint, or by llama-quantize from F16.
 TYPES = {"f16": ("convert", "f16"), "q8_0": ("convert", "q8_0"), "q4_0": ("quantize", "Q4_0"),
@@ -132,8 +145,8 @@ def emit(**row) -> None:
 # -- the tokenizer, the checkpoints and the files ---------------------------------------------
 
 
-def write_tokenizer(path: Path) -> Path:
-    """A byte-fallback BPE SentencePiece model with exactly ``VOCAB`` pieces, written once."""
+def write_tokenizer(path: Path, vocab: int = VOCAB) -> Path:
+    """A byte-fallback BPE SentencePiece model with exactly ``vocab`` pieces, written once."""
     if path.is_file():
         return path
     import sentencepiece as spm
@@ -151,13 +164,13 @@ def write_tokenizer(path: Path) -> Path:
     model.ParseFromString(buf.getvalue())
     lowest = min(p.score for p in model.pieces)
     # Digits are split, so no text ever merges into these: they only give the vocabulary its size.
-    for i in range(VOCAB - len(model.pieces)):
+    for i in range(vocab - len(model.pieces)):
         piece = model.pieces.add()
         piece.piece, piece.score, piece.type = f"\u2581fill{i:05d}", lowest - 1 - i, pb.ModelProto.SentencePiece.NORMAL
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
     tmp.write_bytes(model.SerializeToString())
-    assert spm.SentencePieceProcessor(model_file=str(tmp)).vocab_size() == VOCAB
+    assert spm.SentencePieceProcessor(model_file=str(tmp)).vocab_size() == vocab
     tmp.replace(path)
     return path
 
@@ -167,16 +180,22 @@ def write_checkpoint(shape: Shape, out: Path, tokenizer: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     log(f"writing a random {shape.name}-shaped checkpoint to {out}")
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=shape.dim, intermediate_size=shape.hidden,
-                         num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
-                         num_key_value_heads=shape.n_kv_heads, max_position_embeddings=shape.ctx,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=shape.tied,
-                         initializer_range=0.02, bos_token_id=1, eos_token_id=2)
+    config_class, model_class, extra = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": shape.head_dim, "sliding_window": 4096,
+                                                        "query_pre_attn_scalar": shape.head_dim}),
+    }[shape.family]
+    config = getattr(transformers, config_class)(
+        vocab_size=shape.vocab, hidden_size=shape.dim, intermediate_size=shape.hidden,
+        num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads, num_key_value_heads=shape.n_kv_heads,
+        max_position_embeddings=shape.ctx, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=shape.tied,
+        initializer_range=0.02, bos_token_id=1, eos_token_id=2, **extra)
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.float16)
+    model = getattr(transformers, model_class)(config).to(torch.float16)
     tmp = out.with_name(out.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -424,7 +443,7 @@ def report(rows: list[dict], cache: Path) -> None:
         shape = SHAPES[key]
         kv_mb = 2 * shape.n_layers * shape.ctx * shape.kv_dim * 4 / 1e6
         print(f"\n#### {shape.name}-shaped (dim {shape.dim}, {shape.n_layers} layers, {shape.n_heads}/"
-              f"{shape.n_kv_heads} heads, ffn {shape.hidden}, vocab {VOCAB}, {'tied' if shape.tied else 'untied'}); "
+              f"{shape.n_kv_heads} heads, ffn {shape.hidden}, vocab {shape.vocab}, {'tied' if shape.tied else 'untied'}); "
               f"llama-chat KV cache {kv_mb:.0f} MB (ctx {shape.ctx}, float32)\n")
         print("| type | file MB | read/token MB | bound tok/s | decode llama.cpp | decode llama-chat | ratio "
               "| of bound cpp / chat | prefill llama.cpp | prefill llama-chat | ratio | peak RSS llama.cpp MB "
@@ -505,8 +524,8 @@ def check_disk(cache: Path, shapes: list[str], types: list[str]) -> None:
     need = 0
     for key in shapes:
         s = SHAPES[key]
-        params = s.n_layers * (2 * s.dim * s.dim + 2 * s.dim * s.kv_dim + 3 * s.dim * s.hidden)
-        params += VOCAB * s.dim * (1 if s.tied else 2)
+        params = s.n_layers * (2 * s.dim * s.q_dim + 2 * s.dim * s.kv_dim + 3 * s.dim * s.hidden)
+        params += s.vocab * s.dim * (1 if s.tied else 2)
         if not (cache / "models" / key / "hf" / "config.json").is_file():
             need += 2 * params
         for t in dict.fromkeys(["f16", *types]):
@@ -547,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     files: dict[tuple[str, str], Path] = {}
     try:
         for key in args.shape_keys:
-            hf_dir = write_checkpoint(SHAPES[key], cache / "models" / key / "hf", tokenizer)
+            vocab = SHAPES[key].vocab
+            own = tokenizer if vocab == VOCAB else write_tokenizer(cache / "tokenizer" / f"tokenizer-{vocab}.model", vocab)
+            hf_dir = write_checkpoint(SHAPES[key], cache / "models" / key / "hf", own)
             for ftype in args.type_keys:
                 files[key, ftype] = make_file(peer, cache, key, hf_dir, ftype, args.threads)
     except PeerError as e:
