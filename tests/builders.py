@@ -56,6 +56,17 @@ def train_sentencepiece(out_dir: Path, *, vocab_size: int = 400, lines: list[str
     return path
 
 
+# The start of a script that loads a build of the operator's products alone (kernels.cpp), in a
+# process whose environment is ``operator_variant_env``'s (tests/conftest.py): the first such
+# process builds it.
+OPERATOR_VARIANT_LOAD = """
+import sys, torch
+from llama_chat.ml.cpu import kernels
+kernels.SOURCES = (kernels.HERE / "kernels.cpp",)
+assert kernels.load(), kernels.failure()
+"""
+
+
 def tiny_args(vocab_size: int, **overrides) -> ModelArgs:
     fields = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab_size, hidden_dim=160,
                   max_seq_len=256)

@@ -58,6 +58,10 @@ def llama_chat_command() -> list[str]:
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("NO_COLOR", None)
+    # The size of the terminal under test is its own: COLUMNS and LINES (which parallel test
+    # workers set) would override it.
+    env.pop("COLUMNS", None)
+    env.pop("LINES", None)
     # OpenMP helpers that spin between the many tiny parallel regions of a tiny model make it run
     # 20x slower on a busy shared machine (60 against 1400 tok/s here); sleeping helpers keep the
     # suite quick. Nothing under test depends on it, and a CI can set its own value.

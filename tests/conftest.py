@@ -1,15 +1,24 @@
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
-import pytest
+# Before torch is imported: the suite's own process runs tiny models too, and its workers share
+# the cores with each other and with the commands under test. OpenMP helpers that spin between
+# the many small parallel regions would take those cores (see cli_support.cli_env).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 import sentencepiece as spm
 from hypothesis import HealthCheck, settings
 
-from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
+from builders import OPERATOR_VARIANT_LOAD, random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
 
 # Hypothesis profiles, picked with HYPOTHESIS_PROFILE (default: quick).
 #   quick: what every run and CI use; the decoder properties take a few seconds in all.
@@ -67,22 +76,38 @@ def pytorch_products(monkeypatch):
     monkeypatch.setitem(cpu_kernels._state, "loaded", False)
 
 
+def shared_tmp_dir(tmp_path_factory, name: str) -> Path:
+    """A directory of this run that every parallel worker sees (each worker's own temporary
+    directories lie under one common parent)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def operator_variant_env(tmp_path_factory):
     """The environment of a process that builds the operator's products (``kernels.cpp`` alone)
-    with instruction sets taken away, ``flags`` added to every compile (say ``-mno-avx512f``): the
-    first such process builds the library into a cache of the flags' own, the next ones load it.
-    Shared by the tests of each product's variants, so that each variant is built once a run."""
+    with instruction sets taken away, ``flags`` added to every compile (say ``-mno-avx512f``), into
+    a cache of the flags' own. Shared by the tests of each product's variants, and by parallel
+    workers: the first to ask for a variant builds it while the others wait, then all load it."""
     made: dict[str, dict[str, str]] = {}
 
     def env_for(flags: str) -> dict[str, str]:
         if flags not in made:
-            root = tmp_path_factory.mktemp("operator-variant")
+            root = shared_tmp_dir(tmp_path_factory, "operator-variant" + re.sub(r"[^\w]+", "-", flags))
             wrapper = root / "cxx"
-            compiler = shutil.which(os.environ.get("CXX") or "c++")
-            wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')
-            wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-            made[flags] = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(root / "kernels"))
+            env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(root / "kernels"))
+            with open(root / "lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not wrapper.exists():
+                    compiler = shutil.which(os.environ.get("CXX") or "c++")
+                    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')
+                    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+                    # A build that fails leaves its note for the test's own process to report.
+                    subprocess.run([sys.executable, "-c", OPERATOR_VARIANT_LOAD], env=env, capture_output=True,
+                                   timeout=900)
+            made[flags] = env
         return made[flags]
 
     return env_for

@@ -34,7 +34,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from builders import train_sentencepiece  # noqa: E402
+from builders import OPERATOR_VARIANT_LOAD, train_sentencepiece  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, hf_config, hf_llama, write_gguf  # noqa: E402
 from cli_support import cli_env, llama_chat_command, run_cli  # noqa: E402
 from llama_chat.ml import half, ops  # noqa: E402
@@ -244,11 +244,7 @@ def test_the_operator_multiplies_float16_weights_as_their_float32_conversion(cpu
 # A build of the operator's products alone (kernels.cpp) with instruction sets taken away, in a
 # process of its own: it writes each case's product on the float16 weights and on their float32
 # conversion: a decode step's rows read both as weight rows, in the same order of additions.
-_VARIANT_SCRIPT = """
-import sys, torch
-from llama_chat.ml.cpu import kernels
-kernels.SOURCES = (kernels.HERE / "kernels.cpp",)
-assert kernels.load(), kernels.failure()
+_VARIANT_SCRIPT = OPERATOR_VARIANT_LOAD + """
 cases = torch.load(sys.argv[1])
 torch.save([(kernels.matvec(x, w), kernels.matvec(x, w.float())) for x, w in cases], sys.argv[2])
 """

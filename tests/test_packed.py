@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from builders import OPERATOR_VARIANT_LOAD
 from llama_chat.ml import packed
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
@@ -192,11 +193,7 @@ def test_without_the_operator_a_product_is_the_dequantized_one(pytorch_products,
 
 # A build of the operator's products alone (kernels.cpp) with some instruction sets taken away,
 # in a process of its own: it writes each case's product for the test to check.
-_VARIANT_SCRIPT = """
-import sys, torch
-from llama_chat.ml.cpu import kernels
-kernels.SOURCES = (kernels.HERE / "kernels.cpp",)
-assert kernels.load(), kernels.failure()
+_VARIANT_SCRIPT = OPERATOR_VARIANT_LOAD + """
 cases = torch.load(sys.argv[1])
 torch.save([torch.ops.llama_chat_cpu.packed_product(x, data, kind) for kind, x, data in cases], sys.argv[2])
 """
