@@ -514,6 +514,7 @@ def tiny(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("cli_constraints"))
 
 
+@pytest.mark.slow
 def test_one_shot_command_takes_each_option(tiny, tmp_path):
     from cli_support import json_result, run_cli
 

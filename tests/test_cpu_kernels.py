@@ -113,6 +113,7 @@ def test_pytorchs_products_are_kept_when_the_kernels_are_not_loaded(pytorch_prod
 
 
 @needs_kernels
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_compiled_step_calls_the_kernels_and_decodes_the_eager_tokens(dtype, monkeypatch):
     """The operator has a shape rule, so a compiled step traces it as one call; inductor

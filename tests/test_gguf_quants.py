@@ -111,6 +111,7 @@ def _run_all(commands: list[list[str]]) -> list:
         return list(pool.map(lambda args: run_cli(*args), commands))
 
 
+@pytest.mark.slow
 def test_a_tiny_model_in_each_new_type_generates_through_the_command(tmp_path, sp_model, reference):
     paths = [write_gguf(tmp_path / f"{q.name}.gguf", reference.state_dict(), hf_config(reference), qtype=q,
                         sp_model=sp_model) for q in NEW_TYPES]

@@ -146,6 +146,7 @@ def test_a_compiler_named_with_escape_codes_is_shown_safely(tiny, tmp_path):
                      "using PyTorch's products"], err
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_falls_back_in_one_line_each(tiny, tmp_path):
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache directory should be")

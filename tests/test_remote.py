@@ -145,6 +145,7 @@ def test_many_requests_at_once_and_a_refused_one_fails_alone(server):
     assert source.stats.generated_tokens == 18 and source.stats.jobs_finished == 4
 
 
+@pytest.mark.slow
 def test_the_command_runs_against_a_remote_model(server):
     client = server.client(KEY)
     proc = run_cli("-m", spec(server), "-p", "Tell me about the fox", "-t", "0", "-n", "8", "--json",
