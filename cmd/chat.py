@@ -27,6 +27,7 @@ the chat with their usual statuses after the reply has been cut.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -55,6 +56,7 @@ from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Completion, GenerationState, Request, Timings
 from llama_chat.ml.safe_files import require_regular
 from llama_chat.model.chat_format import ChatFormat, Message
+from llama_chat.model.safe_input import NotText, check_text
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -177,9 +179,15 @@ def history_path() -> Path:
 
 
 class ChatInput:
-    """Lines from the terminal with readline editing; history in a file unless ``--no-history``."""
+    """Lines from the terminal with readline editing; history in a file unless ``--no-history``.
+
+    Bytes that are not UTF-8 (Latin-1 pasted in, a terminal not set to UTF-8) come in as lone
+    surrogates, one a byte, rather than ending the chat with a decoding error: ``message``'s
+    caller refuses such a message with a notice (``check_text``) and the chat goes on."""
 
     def __init__(self, *, history: bool) -> None:
+        if isinstance(sys.stdin, io.TextIOWrapper):
+            sys.stdin.reconfigure(errors="surrogateescape")  # input() decodes by these, at a terminal too
         self.history_file = history_path() if history else None
         try:
             import readline
@@ -504,6 +512,11 @@ def _chat(opts: Options, first: str | None, color: str, err: Console) -> int:
                     return exit_status.OK
                 continue
             if not text.strip():
+                continue
+            try:
+                check_text(text, "the message")
+            except NotText as e:
+                runner.say(f"{e}: not sent; type it again in UTF-8", style="bold")
                 continue
             if text.startswith("/") and not text.startswith("//"):
                 try:

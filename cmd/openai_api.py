@@ -28,7 +28,8 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs (a chat
 
 # OpenAI's error types by HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               414: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
                500: "server_error", 503: "server_error"}
 
 # Our finish reasons in OpenAI's words; a job cut off by the server's shutdown says so.
@@ -137,9 +138,16 @@ def parse_completion(body: dict[str, Any]) -> Generation:
         raise bad("suffix is not supported by this server", "suffix")
     common = _common(body, "max_tokens")
     best_of = body.get("best_of")
+    if best_of is not None and not _count(best_of, 1, MAX_CHOICES):
+        raise bad(f"best_of must be an integer in 1 <= best_of <= {MAX_CHOICES}, got {best_of!r}", "best_of")
     if best_of is not None and best_of != common["n"]:
         raise bad("best_of is not supported by this server (leave it out, or give n's value)", "best_of")
     return Generation(False, _prompts(body.get("prompt")), **common, logprobs=logprobs)
+
+
+def _count(value: Any, least: int, most: int) -> bool:
+    """Whether ``value`` is an integer (not a bool: JSON's true is not 1) in ``least..most``."""
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
 
 
 def _given(body: dict[str, Any], name: str) -> bool:
@@ -158,7 +166,7 @@ def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model")
     n = body.get("n", 1) if _given(body, "n") else 1
-    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES):
+    if not _count(n, 1, MAX_CHOICES):
         raise bad(f"n must be an integer in 1 <= n <= {MAX_CHOICES}, got {n!r}", "n")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
@@ -185,7 +193,7 @@ def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
 
 def _logprobs_count(body: dict[str, Any], name: str, most: int) -> int:
     value = body[name]
-    if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most):
+    if not _count(value, 0, most):
         raise bad(f"{name} must be an integer in 0 <= {name} <= {most}, got {value!r}", name)
     return value
 

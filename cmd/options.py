@@ -14,15 +14,15 @@ import re
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from functools import lru_cache
 from typing import Annotated, Any
 
 import typer
 
 from llama_chat.inference.types import Request, new_request_id
-from llama_chat.ml.controls import (COLOR_MODES, DEFAULT_TEMPERATURE, DTYPES, MAX_CONSTRAINT_BYTES, QUANTIZE_MODES,
-                                    RULES, BeamParams, ControlError, SamplingParams, check, check_early_stopping,
+from llama_chat.ml.controls import (COLOR_MODES, DEFAULT_TEMPERATURE, DTYPES, KEPT_CONSTRAINTS, MAX_CONSTRAINT_BYTES,
+                                    QUANTIZE_MODES, RULES, BeamParams, ControlError, SamplingParams, check, check_early_stopping,
                                     check_stop, parse_logit_bias, temperature_for)
+from llama_chat.ml.grammar_compile import KeptCompiles
 from llama_chat.ml.grammars import Constraint, format_constraint
 from llama_chat.model.chat_format import FORMAT_NAMES
 
@@ -132,12 +132,16 @@ def _check_constraint(name: str) -> Callable:
     return callback
 
 
-@lru_cache(maxsize=64)
 def make_constraint(name: str, text: str) -> Constraint | None:
-    """Constraint option ``name``'s ``Constraint`` from its text (made once per text)."""
+    """Constraint option ``name``'s ``Constraint`` from its text (made once per text while it is
+    kept: ``KeptCompiles``)."""
     if name == "format":
         return format_constraint(text)
-    return Constraint(name, text)
+    made = _made.get((name, text))
+    return made if made is not None else _made.put((name, text), Constraint(name, text), len(text))
+
+
+_made: KeptCompiles[Constraint] = KeptCompiles(KEPT_CONSTRAINTS)
 
 
 def _check_device(value: str) -> str:

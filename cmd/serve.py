@@ -34,6 +34,7 @@ from rich.console import Console
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.app import GroupedHelp
+from llama_chat.cmd.http_protocol import guarded_protocol
 from llama_chat.cmd.options import BATCH, Options, ranged
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.serve_app import Served, ServerState, build_app
@@ -49,6 +50,7 @@ DEFAULT_PORT = 8080
 DEFAULT_QUEUE_LIMIT = 64
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
+DEFAULT_READ_TIMEOUT_S = 30.0
 # uvicorn's own wait for the connections, beyond the grace the jobs get: room for the cancelled
 # ones to send their last chunk.
 CONNECTIONS_MARGIN_S = 5.0
@@ -79,6 +81,10 @@ class ServeOptions:
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", min=1, rich_help_panel=SERVER, metavar="BYTES",
         help="Largest request body; past it, 413.")] = DEFAULT_MAX_BODY_BYTES
+    read_timeout: Annotated[float, typer.Option(
+        "--read-timeout", min=0.001, rich_help_panel=SERVER, metavar="SECONDS",
+        help="How long a request's headers, and then its body, may take to arrive; past it, 408.")
+    ] = DEFAULT_READ_TIMEOUT_S
     shutdown_grace: Annotated[float, typer.Option(
         "--shutdown-grace", min=0.0, rich_help_panel=SERVER, metavar="SECONDS",
         help="On SIGTERM or Ctrl+C: how long running jobs may go on before they are cancelled.")
@@ -216,10 +222,12 @@ class _Server(uvicorn.Server):
 
 
 async def _serve(opts: ServeOptions, sock: socket.socket, log: ServerLog) -> int:
-    state = ServerState(api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, log=log.note)
+    state = ServerState(api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, log=log.note,
+                        read_timeout_s=opts.read_timeout)
     app = build_app(state, cors_origins=tuple(opts.cors_origin or ()))
-    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, server_header=False,
-                            ws="none", timeout_graceful_shutdown=int(opts.shutdown_grace + CONNECTIONS_MARGIN_S))
+    config = uvicorn.Config(app, http=guarded_protocol(opts.read_timeout), lifespan="off", log_config=None,
+                            access_log=False, server_header=False, ws="none",
+                            timeout_graceful_shutdown=int(opts.shutdown_grace + CONNECTIONS_MARGIN_S))
     uvicorn_log = logging.getLogger("uvicorn")
     uvicorn_log.handlers[:] = [_UvicornLog(log)]
     uvicorn_log.propagate = False

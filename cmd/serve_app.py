@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -28,17 +29,20 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
+from llama_chat.cmd.http_protocol import head_refusal
 from llama_chat.cmd.openai_api import (ApiError, Generation, LogprobsWriter, Reply, StreamEvents, bad, dumps, event,
                                        parse_chat, parse_completion, usage)
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
 from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError
 from llama_chat.ml.controls import MAX_SEED
+from llama_chat.ml.grammar_compile import Budget
+from llama_chat.model.safe_input import BadInput, NotText, json_problem, loads
 from llama_chat.model.tokenizers.base import encode_prompt
 
 if TYPE_CHECKING:
@@ -54,6 +58,14 @@ LOADING_RETRY_AFTER_S = 2
 # Where the response records what the log line and the outcome counter say of it.
 LOG_DETAIL = "llama_chat.detail"
 LOG_OUTCOME = "llama_chat.outcome"
+CLIENT_GONE = 499  # nginx's status for a client that closed its connection before the answer
+SHOWN_PATH_CHARS = 200
+# A request's body takes 20 to 30 times its size in memory while it is parsed and its schema
+# compiled; many large ones at once would add up. Those being prepared at once share this budget
+# (a small one fits beside the largest): the others wait their turn in their worker thread.
+PREPARING = Budget(4 << 20)
+# The rest of the body is left unread: the connection cannot carry another request.
+CLOSE = {"Connection": "close"}
 
 
 @dataclass(frozen=True)
@@ -75,9 +87,11 @@ class ServerState:
     """What the routes read: the phase (loading, ready, restarting after a failure, stopping), the
     model once loaded, limits."""
 
-    def __init__(self, *, api_key: str | None, max_body_bytes: int, log: Callable[[str], None] | None) -> None:
+    def __init__(self, *, api_key: str | None, max_body_bytes: int, log: Callable[[str], None] | None,
+                 read_timeout_s: float = math.inf) -> None:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.read_timeout_s = read_timeout_s  # for a request's body, once its headers are in
         self.log = log
         self.phase = "loading"
         self.served: Served | None = None
@@ -109,6 +123,11 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def shown_path(path: str) -> str:
+    """A request's path as a message or the log shows it: cut short past ``SHOWN_PATH_CHARS``."""
+    return path if len(path) <= SHOWN_PATH_CHARS else f"{path[:SHOWN_PATH_CHARS]}... ({len(path)} characters)"
+
+
 # -- routes ----------------------------------------------------------------------------------------
 
 
@@ -122,6 +141,9 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
             except ApiError as e:
                 request.scope[LOG_DETAIL] = e.message
                 return error_response(e)
+            except ClientDisconnect:  # gone while sending its body: nobody reads an answer
+                request.scope[LOG_OUTCOME], request.scope[LOG_DETAIL] = "cancelled", "(client went away)"
+                return Response(status_code=CLIENT_GONE)
         return run
 
     async def health(request: HttpRequest) -> Response:
@@ -150,9 +172,10 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
     async def http_error(request: HttpRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
-            e = ApiError(404, f"no such route: {request.method} {request.url.path}", code="not_found")
+            e = ApiError(404, f"no such route: {request.method} {shown_path(request.url.path)}", code="not_found")
         elif exc.status_code == 405:
-            e = ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+            e = ApiError(405, f"{request.method} is not allowed on {shown_path(request.url.path)}",
+                         code="method_not_allowed")
         else:
             e = ApiError(exc.status_code, str(exc.detail))
         return JSONResponse(e.body(), status_code=e.status, headers=dict(exc.headers or {}))
@@ -193,48 +216,64 @@ def _check_model(served: Served, name: str | None, *, param: str | None = "model
                        param=param, code="model_not_found")
 
 
-async def _read_json(state: ServerState, request: HttpRequest) -> dict[str, Any]:
+async def _read_body(state: ServerState, request: HttpRequest) -> bytes:
+    """The body's bytes, within the size and time limits."""
     limit = state.max_body_bytes
-    too_big = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    too_big = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                       headers=CLOSE)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_big
     body, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        body.append(chunk)
+    with anyio.move_on_after(state.read_timeout_s) as reading:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            body.append(chunk)
+    if reading.cancelled_caught:
+        raise ApiError(408, f"the request body did not arrive within {state.read_timeout_s:g} s",
+                       code="request_timeout", headers=CLOSE)
+    return b"".join(body)
+
+
+def _parse_body(data: bytes) -> dict[str, Any]:
+    """The body as a JSON object, read by the one strict reader (``model/safe_input.loads``: bounded
+    nesting and numbers, UTF-8 text without lone surrogates)."""
     try:
-        value = json.loads(b"".join(body))
-    except (ValueError, UnicodeDecodeError) as e:
+        value = loads(data)
+    except json.JSONDecodeError as e:
+        raise bad(f"the body is not valid JSON ({json_problem(e)})") from None
+    except NotText as e:
+        raise _not_text(e) from None
+    except BadInput as e:
         raise bad(f"the body is not valid JSON ({e})") from None
-    except RecursionError:
-        raise bad("the body is not valid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise bad("the body must be a JSON object")
     return value
 
 
+def _not_text(e: NotText) -> ApiError:
+    """A 400 that names the field holding a lone surrogate (or the object whose field name does)."""
+    reason = str(e).removeprefix("a string ")
+    if e.in_key:
+        where = f" in {e.path}" if e.path else ""
+        return bad(f"a field name{where} {reason}", e.path or None)
+    return bad(f"{e.path or 'the body'} {reason}", e.path or None)
+
+
 async def _generate(state: ServerState, request: HttpRequest,
                     parse: Callable[[dict[str, Any]], Generation]) -> Response | GenerationResponse:
     served = state.require_ready()
-    body = await _read_json(state, request)
-    # Checking the fields (a schema compiles) and tokenizing (a template renders) are CPU work:
-    # off the event loop, which streams every other client's tokens.
+    data = await _read_body(state, request)
+    # Parsing the body, checking the fields (a schema compiles) and tokenizing (a template renders)
+    # are CPU work: off the event loop, which streams every other client's tokens.
     reply_id = uuid.uuid4().hex[:24]
-    generation, requests, prompt_lens = await anyio.to_thread.run_sync(_prepare, served, body, parse, reply_id)
-    if len(requests) > served.serving.capacity:
-        raise bad(f"this request asks for {len(requests)} jobs (n per prompt); the server takes at most "
-                  f"{served.serving.capacity} at once", "n")
+    generation, requests, prompt_lens = await anyio.to_thread.run_sync(_prepare, served, data, parse, reply_id)
     try:
         choices = served.serving.submit(requests)
-    except PromptTooLong as e:
-        raise bad(str(e), generation.prompt_field, "context_length_exceeded") from None
-    except EmptyPrompt as e:
-        raise bad(str(e), generation.prompt_field) from None
     except RequestError as e:
-        raise bad(str(e)) from None
+        raise _refused(e, generation) from None
     except Overloaded as e:
         raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
     except NotAccepting as e:
@@ -244,11 +283,29 @@ async def _generate(state: ServerState, request: HttpRequest,
     return GenerationResponse(generation, reply, choices, prompt_lens, served.loaded.tokenizer.token_bytes)
 
 
-def _prepare(served: Served, body: dict[str, Any], parse: Callable[[dict[str, Any]], Generation], reply_id: str
+def _refused(e: RequestError, generation: Generation) -> ApiError:
+    if isinstance(e, PromptTooLong):
+        return bad(str(e), generation.prompt_field, "context_length_exceeded")
+    return bad(str(e), generation.prompt_field if isinstance(e, EmptyPrompt) else None)
+
+
+def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Generation], reply_id: str
              ) -> tuple[Generation, list[Request], list[int]]:
-    """The request's jobs: ``n`` per prompt, choice ``j`` seeded ``seed + j`` when a seed is given."""
-    generation = parse(body)
+    """The request's jobs from its body, within the budget of bodies being prepared at once."""
+    with PREPARING.held(len(data)):
+        return _jobs(served, parse(_parse_body(data)), reply_id)
+
+
+def _jobs(served: Served, generation: Generation, reply_id: str) -> tuple[Generation, list[Request], list[int]]:
+    """The request's jobs: ``n`` per prompt, choice ``j`` seeded ``seed + j`` when a seed is given.
+    Each prompt's first job is checked here, in a worker thread, where its constraint is compiled
+    against the vocabulary (kept for the others, and for the check at submission)."""
     _check_model(served, generation.model)
+    # From the request's shape, before any prompt is tokenized or any job built.
+    jobs = len(generation.prompts) * generation.n
+    if jobs > served.serving.capacity:
+        raise bad(f"this request asks for {jobs} jobs (n per prompt); the server takes at most "
+                  f"{served.serving.capacity} at once", "n")
     loaded = served.loaded
     vocab = served.serving.scheduler.model.args.vocab_size
     for token, _ in generation.settings.get("logit_bias", ()):
@@ -267,6 +324,11 @@ def _prepare(served: Served, body: dict[str, Any], parse: Callable[[dict[str, An
                                           request_id=f"{reply_id}-{p * generation.n + j}", **settings)
             if generation.logprobs is not None:
                 request = dataclasses.replace(request, logprobs=generation.logprobs)
+            if j == 0:
+                try:
+                    served.serving.scheduler.check(request)
+                except RequestError as e:
+                    raise _refused(e, generation) from None
             requests.append(request)
     return generation, requests, prompt_lens
 
@@ -457,15 +519,20 @@ class RequestLog:
             await send(message)
 
         failure = ""
+        refusal = head_refusal(scope)
         try:
-            await self.app(scope, receive, sending)
+            if refusal is not None:
+                scope[LOG_DETAIL] = refusal.message
+                await error_response(refusal)(scope, receive, sending)
+            else:
+                await self.app(scope, receive, sending)
         except Exception as e:  # noqa: BLE001 - one line in the log, a 500 to the client, the server goes on
             failure = f" error: {type(e).__name__}: {e}"
             if status is None:
                 body = ApiError(500, "internal error; see the server's log", code="internal_error").body()
                 await sending({"type": "http.response.start", "status": 500, "headers": JSON_HEADERS})
                 await send({"type": "http.response.body", "body": dumps(body)})
-        method, path = scope.get("method", ""), scope.get("path", "")
+        method, path = scope.get("method", ""), shown_path(scope.get("path", ""))
         if method == "POST" and path in GENERATION_PATHS:
             self.state.metrics.count(scope.get(LOG_OUTCOME) or _outcome_of(status))
         if self.state.log is not None:

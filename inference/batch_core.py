@@ -331,6 +331,10 @@ class BatchCore:
             if self.claims.get(key) is job:
                 del self.claims[key]
         job.claims = []
+        # Its processors go with its last step: the history and a schema's matchers (megabytes of
+        # native memory) refer to each other, and the cycle collector, blind to that memory, could
+        # leave them for long.
+        job.controls = job.history = job.constraint = None
         self.active.remove(job)
         self.counters.finished += 1
         if not job.finished:

@@ -29,7 +29,7 @@ import torch
 
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.paged_step import LoneRowStep
-from llama_chat.inference.types import TokenLogprobs
+from llama_chat.inference.types import DamagedScores, TokenLogprobs
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.sampling import sample
 from llama_chat.model import cpu_decode
@@ -96,9 +96,14 @@ def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.T
     uniform ``p``, as the one-request engine does, so a seeded job picks the same tokens batched
     or alone. A job that asks for logprobs (``Request.logprobs``) gets its token's on
     ``job.drawn_logprobs``, from its row's raw logits (``token_logprobs``); no other row pays.
+    Raises ``DamagedScores`` where a job's logits hold NaN or +inf (damaged weights, an overflow):
+    no token drawn from them means anything. (A lone greedy row's pick, made without its logits,
+    is not looked at: every job's first token comes through here.)
     """
     if picks is None:
         picks = cpu_kernels.argmax(logits[:, :sample_ids])
+    # NaN wins a maximum, and so does +inf: such a row's best score is not finite.
+    damaged = ~torch.isfinite(logits[:, :sample_ids].amax(dim=-1))
     for i, job in enumerate(jobs):
         if job is None or (job.controls is None and job.request.sampling.greedy):
             continue
@@ -111,7 +116,10 @@ def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.T
             last = len(job.tokens) - 1
             assert job.uniforms is not None
             picks[i] = sample(row, params, job.uniforms[last:last + 1])[0]
-    chosen = picks.tolist()  # the one value that crosses back to the host per step
+    # Marked -1, the damaged rows come back with the picks: still one transfer a step.
+    chosen = picks.masked_fill(damaged.to(picks.device), -1).tolist()
+    if any(token < 0 and job is not None for job, token in zip(jobs, chosen)):
+        raise DamagedScores()
     for i, (job, token) in enumerate(zip(jobs, chosen)):
         if job is None:
             continue

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llama_chat.inference.types import GenerationState, RequestError
+from llama_chat.inference.types import DamagedScores, GenerationState
 from llama_chat.ml.constraints import GrammarMask
 from llama_chat.ml.controls import BeamParams, SamplingParams
 from llama_chat.ml.processors import TokenHistory, make_logits_processors, make_warpers
@@ -165,7 +165,7 @@ class BeamSearch:
         if self.generator is not None:
             probabilities = torch.softmax(total, dim=-1)
             if not bool(torch.isfinite(probabilities).all()):  # multinomial would fail without saying why
-                raise RequestError("the model's scores are not numbers (NaN or infinite): its weights are damaged")
+                raise DamagedScores()
             candidates = torch.multinomial(probabilities, self.keep, replacement=False, generator=self.generator)
             scores = total[candidates]
         else:

@@ -315,6 +315,13 @@ class RequestError(ValueError):
     """A request the engine cannot run as given; the message is one line for the user."""
 
 
+class DamagedScores(RequestError):
+    """The model gave scores that are not numbers (NaN or infinite): nothing can be drawn from them."""
+
+    def __init__(self) -> None:
+        super().__init__("the model's scores are not numbers (NaN or infinite): its weights are damaged")
+
+
 class EmptyPrompt(RequestError):
     def __init__(self) -> None:
         super().__init__("the prompt is empty")

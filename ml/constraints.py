@@ -34,23 +34,20 @@ there, the reason is ``eos``.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
 
-from llama_chat.ml.controls import ControlError
-from llama_chat.ml.grammar_compile import compiled
+from llama_chat.ml.controls import KEPT_CONSTRAINTS, ControlError
+from llama_chat.ml.grammar_compile import KeptCompiles, compiled
 from llama_chat.ml.grammars import Constraint
 
 __all__ = ["Compiled", "Constraints", "GrammarMask", "TokenSource", "Vocabulary"]
 
 NEG_INF = float("-inf")
-# Compiled constraints kept per tokenizer: a --batch run may give every line its own schema, and
-# a constraint no longer kept is compiled again (a millisecond or so).
-KEPT_CONSTRAINTS = 64
 # What each byte of a mask adds to its 8 tokens' logits: 0 where its bit allows the token, -inf
 # where it does not. A lookup in this table and an addition cost less than torch's fill of the
 # vocabulary through a boolean mask, which does not vectorize.
@@ -128,22 +125,22 @@ class Compiled:
     and the mask of that first state (the same for every reply)."""
 
     def __init__(self, constraint: Constraint, vocabulary: Vocabulary) -> None:
-        self.constraint = constraint
+        self.kind = constraint.kind  # not the constraint itself: ``Constraints`` keeps this while it lives
         self.vocabulary = vocabulary
         self.words = (vocabulary.size + 31) // 32
         self.first_mask = torch.zeros(self.words, dtype=torch.int32)
         # The matcher is built by the same recursion as the grammar was (ml/grammar_compile.py).
-        self._start = compiled(len(constraint.grammar), self._first_state)
+        self._start = compiled(len(constraint.grammar), self._first_state, constraint.grammar)
         if self._start.is_error():  # no token of the vocabulary starts what the grammar asks for
-            raise ControlError(constraint.kind, "allows no token of this model's vocabulary")
+            raise ControlError(self.kind, "allows no token of this model's vocabulary")
 
-    def _first_state(self):
+    def _first_state(self, grammar: str):
         import llguidance
 
-        start = llguidance.LLMatcher(self.vocabulary.ll, self.constraint.grammar, log_level=0)
+        start = llguidance.LLMatcher(self.vocabulary.ll, grammar, log_level=0)
         if start.is_error():
-            raise ControlError(self.constraint.kind, f"cannot be used with this model's vocabulary: "
-                                                     f"{start.get_error().splitlines()[0]}")
+            raise ControlError(self.kind, f"cannot be used with this model's vocabulary: "
+                                          f"{start.get_error().splitlines()[0]}")
         start.unsafe_compute_mask_ptr(self.first_mask.data_ptr(), self.words * 4)
         return start
 
@@ -152,7 +149,9 @@ class Compiled:
 
 
 class Constraints:
-    """Constraints compiled against one tokenizer, each once (the latest ``KEPT_CONSTRAINTS``).
+    """Constraints compiled against one tokenizer, each once: while its ``Constraint`` lives (a
+    request in flight holds it), and the latest ``KEPT_CONSTRAINTS`` within
+    ``KEPT_CONSTRAINT_BYTES`` of text beyond that (``KeptCompiles``).
 
     The vocabulary is built at the first constraint, not before: a model that is never asked for
     structured output never pays for it. Safe to use from the event loop and the step thread.
@@ -162,7 +161,8 @@ class Constraints:
         self._tokenizer = tokenizer
         self._stop_ids = frozenset(stop_ids)
         self._vocabulary: Vocabulary | None = None
-        self._compiled: OrderedDict[Constraint, Compiled] = OrderedDict()
+        self._compiled: KeptCompiles[Compiled] = KeptCompiles(KEPT_CONSTRAINTS)
+        self._alive: weakref.WeakKeyDictionary[Constraint, Compiled] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     @property
@@ -177,16 +177,12 @@ class Constraints:
         spell it."""
         vocabulary = self.vocabulary
         with self._lock:
-            compiled = self._compiled.get(constraint)
-            if compiled is not None:
-                self._compiled.move_to_end(constraint)
-                return compiled
-        compiled = Compiled(constraint, vocabulary)
-        with self._lock:
-            self._compiled[constraint] = compiled
-            while len(self._compiled) > KEPT_CONSTRAINTS:
-                self._compiled.popitem(last=False)
-        return compiled
+            compiled = self._alive.get(constraint)
+        if compiled is None:
+            compiled = Compiled(constraint, vocabulary)
+            with self._lock:
+                self._alive[constraint] = compiled
+        return self._compiled.put(constraint, compiled, len(constraint.source))
 
     def processor(self, constraint: Constraint, *, extra_stop_ids: Iterable[int] = ()) -> GrammarMask:
         """A fresh processor for one request. ``extra_stop_ids``: the request's own end tokens

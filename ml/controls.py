@@ -64,6 +64,11 @@ MAX_STOP_CHARS = 8192  # all of a request's stop strings together
 MAX_CONSTRAINT_BYTES = 1 << 20
 MAX_GRAMMAR_DEPTH = 2500
 GRAMMAR_COMPILE_BUDGET_BYTES = 4 << 20
+# Compiled constraints kept for reuse, each cache at most this many, holding this much text: a
+# --batch run may give every line its own schema, and a constraint no longer kept is compiled
+# again (a millisecond or so for a small one). What is compiled holds about 25 bytes a byte of text.
+KEPT_CONSTRAINTS = 64
+KEPT_CONSTRAINT_BYTES = 4 << 20
 
 # Every ranged setting: the command line's options, the keys of a --batch line and the chat's /set
 # are all checked here, by ``check`` (values) or ``parse`` (text), so they refuse the same values
@@ -274,6 +279,7 @@ class BeamParams:
 
 
 __all__ = ["BeamParams", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DTYPES", "EarlyStopping",
-           "GRAMMAR_COMPILE_BUDGET_BYTES", "MAX_CONSTRAINT_BYTES", "MAX_GRAMMAR_DEPTH", "MAX_SEED", "MAX_STOP_CHARS",
-           "MAX_STOP_STRINGS", "QUANTIZE_MODES", "RULES", "SamplingParams", "check", "check_early_stopping",
-           "check_stop", "parse", "parse_logit_bias", "temperature_for"]
+           "GRAMMAR_COMPILE_BUDGET_BYTES", "KEPT_CONSTRAINTS", "KEPT_CONSTRAINT_BYTES", "MAX_CONSTRAINT_BYTES",
+           "MAX_GRAMMAR_DEPTH", "MAX_SEED", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "QUANTIZE_MODES", "RULES",
+           "SamplingParams", "check", "check_early_stopping", "check_stop", "parse", "parse_logit_bias",
+           "temperature_for"]

@@ -1,5 +1,5 @@
 """Where the constraint engine compiles: on a thread of its own with a deep stack, within a budget
-of memory shared by the compiles that run at once.
+of memory shared by the compiles that run at once; and how much of what it compiled is kept.
 
 * The engine recurses on the native stack of its caller (``ml/grammar_depth.py``): a worker
   thread's default stack (8 MiB) held chains of about 900 links of the worst shape, so each
@@ -9,16 +9,20 @@ of memory shared by the compiles that run at once.
   with large schemas at once (a server's clients) would add those up. So the text being compiled
   at once is bounded by ``GRAMMAR_COMPILE_BUDGET_BYTES``; a compile past it waits for others to
   end. No text is larger than the budget (``MAX_CONSTRAINT_BYTES``), so each runs in the end.
+* What is compiled holds as much for as long as it is kept (a large enum's matcher, 25 bytes a
+  byte of its text), so the caches of compiled constraints (``KeptCompiles``) are bounded by the
+  text they hold, ``KEPT_CONSTRAINT_BYTES``, as well as by a count.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
-from llama_chat.ml.controls import GRAMMAR_COMPILE_BUDGET_BYTES
+from llama_chat.ml.controls import GRAMMAR_COMPILE_BUDGET_BYTES, KEPT_CONSTRAINT_BYTES
 
 T = TypeVar("T")
 
@@ -27,24 +31,32 @@ T = TypeVar("T")
 STACK_BYTES = 64 << 20
 
 _stack_size_lock = threading.Lock()
-_budget = threading.Condition()
-_in_use = 0
 
 
-@contextmanager
-def compile_budget(size: int):
-    """Hold ``size`` bytes of the budget (at most all of it) while the block runs."""
-    global _in_use
-    size = max(1, min(size, GRAMMAR_COMPILE_BUDGET_BYTES))
-    with _budget:
-        _budget.wait_for(lambda: _in_use + size <= GRAMMAR_COMPILE_BUDGET_BYTES)
-        _in_use += size
-    try:
-        yield
-    finally:
-        with _budget:
-            _in_use -= size
-            _budget.notify_all()
+class Budget:
+    """Bytes shared by the threads that hold them: ``held(size)`` waits until ``size`` more fit in
+    ``total`` (a size past the total takes all of it), and gives them back when its block ends."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.in_use = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def held(self, size: int):
+        size = max(1, min(size, self.total))
+        with self._changed:
+            self._changed.wait_for(lambda: self.in_use + size <= self.total)
+            self.in_use += size
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.in_use -= size
+                self._changed.notify_all()
+
+
+COMPILING = Budget(GRAMMAR_COMPILE_BUDGET_BYTES)
 
 
 def on_deep_stack(call: Callable[..., T], *args: Any) -> T:
@@ -75,8 +87,43 @@ def on_deep_stack(call: Callable[..., T], *args: Any) -> T:
 
 def compiled(size: int, call: Callable[..., T], *args: Any) -> T:
     """``call(*args)``, a compile of ``size`` bytes of text: within the budget, on a deep stack."""
-    with compile_budget(size):
+    with COMPILING.held(size):
         return on_deep_stack(call, *args)
 
 
-__all__ = ["STACK_BYTES", "compile_budget", "compiled", "on_deep_stack"]
+class KeptCompiles(Generic[T]):
+    """The latest compiles, at most ``count`` of them holding at most ``size`` bytes of text
+    together (a compile larger than that alone is not kept). Safe from any thread."""
+
+    def __init__(self, count: int, size: int = KEPT_CONSTRAINT_BYTES) -> None:
+        self.count = count
+        self.size = size
+        self._kept: OrderedDict[Hashable, tuple[T, int]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> T | None:
+        with self._lock:
+            found = self._kept.get(key)
+            if found is None:
+                return None
+            self._kept.move_to_end(key)
+            return found[0]
+
+    def put(self, key: Hashable, value: T, size: int) -> T:
+        """Keep ``value`` (``size`` bytes of text) under ``key``, the oldest making room; ``value``."""
+        with self._lock:
+            if key in self._kept:
+                self._held -= self._kept.pop(key)[1]
+            if size <= self.size:
+                self._kept[key] = (value, size)
+                self._held += size
+            while self._kept and (len(self._kept) > self.count or self._held > self.size):
+                self._held -= self._kept.popitem(last=False)[1][1]
+        return value
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+__all__ = ["Budget", "COMPILING", "KeptCompiles", "STACK_BYTES", "compiled", "on_deep_stack"]

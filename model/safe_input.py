@@ -41,7 +41,16 @@ class BadInput(ValueError):
 
 
 class NotText(BadInput):
-    """A string that is not text: a lone surrogate, or (from the command line) bytes that are not UTF-8."""
+    """A string that is not text: a lone surrogate, or (from the command line) bytes that are not UTF-8.
+
+    From ``loads``: ``path`` is where the string is in the document (``messages[0].content``;
+    "" for the top level), and ``in_key`` says whether it is a field's name rather than a value.
+    """
+
+    def __init__(self, message: str, path: str = "", in_key: bool = False) -> None:
+        super().__init__(message)
+        self.path = path
+        self.in_key = in_key
 
 
 def surrogate_at(text: str) -> int | None:
@@ -89,19 +98,20 @@ def _depth(text: str) -> int:
     return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
 
 
-def _strings(value: Any) -> Iterator[str]:
-    """Every string in a parsed document, keys included (iterative: the depth is bounded anyway)."""
-    stack = [value]
+def _strings(value: Any) -> Iterator[tuple[str, str, bool]]:
+    """Every string in a parsed document, keys included, as ``(path, string, is_key)``; a key is
+    given before anything under it (iterative: the depth is bounded anyway)."""
+    stack = [("", value)]
     while stack:
-        item = stack.pop()
+        path, item = stack.pop()
         if isinstance(item, str):
-            yield item
+            yield path, item, False
         elif isinstance(item, dict):
             for key, inner in item.items():
-                yield key
-                stack.append(inner)
+                yield path, key, True
+                stack.append((f"{path}.{key}" if path else key, inner))
         elif isinstance(item, list):
-            stack.extend(item)
+            stack.extend((f"{path}[{i}]", inner) for i, inner in enumerate(item))
 
 
 def decode_utf8(data: bytes) -> str:
@@ -123,10 +133,10 @@ def loads(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if text.count("[") + text.count("{") > max_depth and _depth(text) > max_depth:
         raise BadInput(f"nested more than {max_depth} deep")
     if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
-        for s in _strings(value):
+        for path, s, is_key in _strings(value):
             at = surrogate_at(s)
             if at is not None:
-                raise NotText(f"a string holds a lone surrogate (U+{ord(s[at]):04X}), which is not text")
+                raise NotText(f"a string holds a lone surrogate (U+{ord(s[at]):04X}), which is not text", path, is_key)
     return value
 
 

@@ -397,16 +397,34 @@ def _build(target: Path) -> str | None:
 
 
 def _compile(argv: list[str]) -> subprocess.CompletedProcess:
-    """Run the compiler, its output captured, killed after ``BUILD_TIMEOUT_S``."""
+    """Run the compiler, its output captured; killed after ``BUILD_TIMEOUT_S``, or at once when
+    the wait ends otherwise (Ctrl+C).
+
+    A compiler is a driver that runs others (cc1plus, as, ld), and a wrapper in ``CXX`` may add
+    more: each holds the output pipes, and killing the driver alone left the wait for their end
+    running past any limit. So the compiler starts a process group of its own, and the whole group
+    is killed. (Being in its own group, it no longer gets the terminal's Ctrl+C itself.)"""
     with _signals_taken():
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                   process_group=0)
     try:
         out, err = process.communicate(timeout=BUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
+    except BaseException:
+        _kill_group(process)
         raise
     return subprocess.CompletedProcess(argv, process.returncode, out, err)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """Kill the compiler's process group (its leader not yet reaped, so the group id is its own)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is gone already
+    process.wait()
+    for pipe in (process.stdout, process.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 @contextlib.contextmanager
