@@ -7,8 +7,10 @@ product itself. ``torch.ops.llama_chat_cpu.decode_step`` (``ml/cpu/decode.cpp``)
 each of several rows through every layer and the classifier in one parallel region instead, its
 threads spinning only while that token is computed. Two ways in:
 
-The operator computes a Llama's layer, and Qwen's parts of a head (``OPERATOR_PARTS``): a model of
-another family (``operator_gaps``) keeps the layers.
+The operator computes a Llama's layer and the switches of the families (``OPERATOR_PARTS``): Qwen's
+parts of a head, Gemma's scaled embedding, GeGLU, output norms, windows, scores' scale and soft
+caps, and each layer's rotary table (``step_switches``). A model with a switch it lacks
+(``operator_gaps``) keeps the layers.
 
 * ``Transformer.forward`` hands it a forward when ``takes`` says so: one token of one row, on the
   CPU, without gradients, over a ``KVCache``, with fused projections whose weights the operator
@@ -36,20 +38,33 @@ from torch import nn
 from llama_chat.ml import half, packed, quantize
 from llama_chat.ml.cpu import decode
 from llama_chat.ml.cpu import kernels as cpu_kernels
-from llama_chat.ml.cpu.decode import PANEL, Decoder, StepWeights
+from llama_chat.ml.cpu.decode import PANEL, Decoder, StepWeights, Switches
 from llama_chat.model.formats.common import in_file_mapping, release_heap, release_pages
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What of a family's layer the operator computes beyond a Llama's (``ModelArgs.llama_layout``'s
-# names): Qwen2's q/k/v biases, Qwen3's head norms and a head width other than dim / heads.
-OPERATOR_PARTS = ("qkv bias", "q/k norms", "head width")
+# names): Qwen2's q/k/v biases, Qwen3's head norms and a head width other than dim / heads;
+# Gemma's GeGLU, scaled embedding, output norms, soft caps and attention rules (windows, scores'
+# scale); and any rotary table, which is only another table (``StepWeights.ropes``).
+OPERATOR_PARTS = ("qkv bias", "q/k norms", "head width", "gelu_tanh", "embedding scale", "post norms",
+                  "final soft cap", "attention rule", "local rotary base", "LongRoPE", "linear rotary scaling")
 
 
 def operator_gaps(args) -> list[str]:
     """What of the model ``args`` describes the operator does not compute: empty when it takes it."""
     return [gap for gap in args.llama_layout() if gap not in OPERATOR_PARTS]
+
+
+def step_switches(args) -> Switches:
+    """The family's switches as the step takes them, from the rules the layers follow
+    (``ModelArgs.attention_rule``: a window the context never passes is none)."""
+    shared = args.attention_rule(-1)  # the scale and cap of every layer, and no window
+    return Switches(windows=tuple(args.attention_rule(i).window or 0 for i in range(args.n_layers)),
+                    embedding_scale=args.dim ** 0.5 if args.embedding_scale else 1.0,
+                    gelu=args.activation == "gelu_tanh", query_scale=shared.scale,
+                    attention_cap=shared.softcap, final_cap=args.final_softcap)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -64,7 +79,7 @@ class DecodeWeights:
     final_norm: torch.Tensor
     output: torch.Tensor
     output_scales: torch.Tensor | None
-    head_parts: list[torch.Tensor | None] = field(default_factory=list)  # ``StepWeights.head_parts``
+    layer_parts: list[torch.Tensor | None] = field(default_factory=list)  # ``StepWeights.layer_parts``
     decoders: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     packed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # ``packed_weights``, once made
 
@@ -73,9 +88,10 @@ class DecodeWeights:
         ``packed_weights`` makes them."""
         args = model.args
         weights, output = self.packed_weights() if packed else (self.weights, self.output)
-        return StepWeights(_embedding(model), weights, self.scales, self.norms, self.final_norm,
-                           output, self.output_scales, model.rope_table(self.output.device), args.n_heads,
-                           args.n_kv_heads, args.norm_eps, self.head_parts)
+        ropes = [model.rope_table(self.output.device, local=args.local_rope(i)) for i in range(args.n_layers)]
+        return StepWeights(_embedding(model), weights, self.scales, self.norms, self.final_norm, output,
+                           self.output_scales, ropes, args.n_heads, args.n_kv_heads, args.norm_eps,
+                           self.layer_parts, step_switches(args))
 
     def packed_weights(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The weights and the classifier for the batched step (and a single stream's, below
@@ -170,7 +186,7 @@ def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None
 def supports(model: nn.Module) -> bool:
     """Whether ``model``'s one-token CPU steps will go to the operator (fused or not yet)."""
     if not cpu_kernels.loaded() or operator_gaps(model.args):
-        return False  # the operator computes a Llama's (or Qwen's) layer: other families take the layers
+        return False  # a family's switch the operator lacks: the layers compute it
     # Engines make the cache in the dtype of the first parameter (a norm, where the matrices are
     # a file's blocks or 16-bit values): one the step cannot read keeps the layers.
     first = next(model.parameters(), None)
@@ -264,11 +280,12 @@ def gather(model: nn.Module) -> DecodeWeights | None:
     weights: list[torch.Tensor] = []
     scales: list[torch.Tensor | None] = []
     norms: list[torch.Tensor] = []
-    head_parts: list[torch.Tensor | None] = []
+    layer_parts: list[torch.Tensor | None] = []
     for layer in model.layers:
         attention = layer.attention
-        norms_of_heads = [n.weight if n is not None else None for n in (attention.q_norm, attention.k_norm)]
-        head_parts += [_float_copy(t) for t in (attention.bqkv, *norms_of_heads)]
+        extra_norms = (attention.q_norm, attention.k_norm, layer.attention_post_norm, layer.ffn_post_norm)
+        layer_parts.append(_float_copy(attention.bqkv))
+        layer_parts += [_float_copy(n.weight) if n is not None else None for n in extra_norms]
         for projection in _projections(layer):
             weight, scale = _weight(projection)
             weights.append(weight)
@@ -277,7 +294,7 @@ def gather(model: nn.Module) -> DecodeWeights | None:
                   layer.ffn_norm.weight.detach().float().contiguous()]
     output = _weight(model.output)
     return DecodeWeights(_key(model), weights, scales, norms, model.norm.weight.detach().float().contiguous(),
-                         output[0], output[1], head_parts=head_parts)
+                         output[0], output[1], layer_parts=layer_parts)
 
 
 def _float_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:

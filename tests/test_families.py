@@ -28,6 +28,7 @@ from llama_chat.ml.sampling import SamplingParams  # noqa: E402
 from llama_chat.model import cpu_decode  # noqa: E402
 from llama_chat.model.errors import ModelLoadError  # noqa: E402
 from llama_chat.model.kv_cache import KVCache  # noqa: E402
+from llama_chat.model.paged_kv_cache import PagedKVCache  # noqa: E402
 from llama_chat.model.loader import load_model  # noqa: E402
 from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer  # noqa: E402
 
@@ -98,25 +99,55 @@ def test_hugging_face_checkpoint_gives_transformers_logits_and_greedy_tokens(
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_the_cpu_operator_takes_qwens_layers_and_leaves_the_others_to_the_layers(
+def test_the_cpu_operator_takes_every_familys_layers_and_gives_transformers_tokens(
         tmp_path_factory, sp_model_path, references, vocab, family):
-    """The one-call step computes a Llama's layer and Qwen's parts of a head (q/k/v biases, head
-    norms, a head width of its own); another family's steps go through the layers. Either way,
-    fused as an engine fuses them, the greedy tokens are transformers'."""
+    """The one-call step computes a Llama's layer and every family's switches (Qwen's parts of a
+    head, Gemma's GeGLU, scaled embedding, output norms, windows, scale and soft caps, each
+    layer's rotary table): fused as an engine fuses them, the greedy tokens are transformers'."""
     if not cpu_kernels.load():
         pytest.skip(f"the CPU operator could not be built here: {cpu_kernels.failure()}")
     hf = references[family]
     loaded = load_model(_saved(hf, tmp_path_factory.mktemp(family) / "hf", sp_model_path), device="cpu",
                         dtype="float32")
-    takes = family in ("qwen2", "qwen3")
-    assert cpu_decode.supports(loaded.model) is takes
-    assert (cpu_decode.operator_gaps(loaded.args) == []) is takes
+    assert cpu_decode.operator_gaps(loaded.args) == []
+    assert cpu_decode.supports(loaded.model)
     loaded.model.fuse_projections()
     prompt = _prompt(vocab, seed=4)
     token = torch.tensor([[5]])
     with torch.inference_mode():
-        assert cpu_decode.takes(loaded.model, token, KVCache.for_model(loaded.args, 1, max_seq_len=8)) is takes
+        assert cpu_decode.takes(loaded.model, token, KVCache.for_model(loaded.args, 1, max_seq_len=8))
     assert _greedy(loaded.model, prompt) == _hf_greedy(hf, prompt)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_the_operators_logits_are_the_layers_past_gemmas_windows(tmp_path, sp_model_path, vocab, family, monkeypatch):
+    """Every token of a prompt longer than the window, one step each through the dense cache's
+    ``Decoder`` and in chunks of rows through the paged ``RowsDecoder`` (pages out of order, the
+    windows starting inside them), against the layers: the same logits. Gemma 2's caps are set
+    low enough to bite."""
+    if not cpu_kernels.load():
+        pytest.skip(f"the CPU operator could not be built here: {cpu_kernels.failure()}")
+    caps = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0) if family == "gemma2" else {}
+    hf = hf_family_model(family, vocab, seed=7, **caps)
+    loaded = load_model(_saved(hf, tmp_path / "hf", sp_model_path), device="cpu", dtype="float32")
+    model = loaded.model
+    model.fuse_projections()
+    ids = _prompt(vocab, seed=8)[0].tolist()
+    page, chunk = 8, 6
+    dense = [KVCache.for_model(loaded.args, 1, max_seq_len=PROMPT_LEN) for _ in range(2)]
+    paged = PagedKVCache.for_model(loaded.args, num_pages=PROMPT_LEN // page + 1, page_size=page)
+    table = list(range(PROMPT_LEN // page, 0, -1))
+    with torch.inference_mode():
+        assert cpu_decode.takes(model, torch.tensor([[1]]), dense[0]) and cpu_decode.takes_rows(model, paged)
+        got = [model(torch.tensor([[t]]), torch.tensor([[p]]), dense[0])[0] for p, t in enumerate(ids)]
+        rows = cpu_decode.RowsDecoder(model, paged)
+        chunked = [rows(ids[p:p + chunk], list(range(p, min(p + chunk, PROMPT_LEN))), [table] * len(ids[p:p + chunk]))
+                   for p in range(0, PROMPT_LEN, chunk)]
+        monkeypatch.setattr(cpu_decode, "takes", lambda *args: False)
+        want = [model(torch.tensor([[t]]), torch.tensor([[p]]), dense[1])[0] for p, t in enumerate(ids)]
+    want = torch.cat(want)
+    assert (torch.cat(got) - want).abs().max().item() <= 1e-4
+    assert (torch.cat(chunked) - want).abs().max().item() <= 1e-4
 
 
 def _gguf_reference(family: str, vocab: int, seed: int):

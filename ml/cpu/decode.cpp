@@ -10,9 +10,11 @@
 // Per layer: rms norm (each thread into its own buffer: cheaper than another stage), q/k/v by
 // head (rotated and written into the cache as each head's rows are done), attention by row and
 // query head (in 512-bit vectors where it can: `attend_head`), the output projection added into
-// the residual, the SwiGLU's gate and up rows together with the activation, and its down
-// projection added into the residual. Then the final norm and
-// the classifier. Arithmetic is float32 throughout, whatever the weights' and cache's storage
+// the residual, the SwiGLU's (or GeGLU's) gate and up rows together with the activation, and its
+// down projection added into the residual. Then the final norm and the classifier. The switches
+// of the model families that change a layer's arithmetic are here too (`StepModel`): Qwen's
+// biases and head norms, Gemma's scaled embedding, output norms (a stage of their own: a norm
+// needs the whole row), windows, scores' scale and soft caps, and a rotary table per layer. Arithmetic is float32 throughout, whatever the weights' and cache's storage
 // type, and each output is one thread's sum in a fixed order: the result does not depend on the
 // number of threads.
 //
@@ -107,24 +109,47 @@ inline float exp_and_sum(float* v, int64_t n, float shift) {
   return total;
 }
 
-// gate[i] = silu(gate[i]) * up[i], SwiGLU's activation.
-inline void swiglu(float* gate, const float* up, int64_t n) {
+// GELU's tanh approximation written as a sigmoid, torch's constants (F.gelu(approximate="tanh")):
+// 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = beta (g + kappa g^3).
+constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kGeluKappa = 0.044715f;
+
+// gate[i] = act(gate[i]) * up[i], act(g) = g / (1 + e^(-z)): SwiGLU's z = g, GeGLU's z = 2u.
+template <bool Gelu>
+inline void gated(float* gate, const float* up, int64_t n) {
   int64_t i = 0;
 #ifdef LLAMA_CHAT_AVX2
   const __m256 one = _mm256_set1_ps(1.f);
+  auto minus_z = [](__m256 g) {
+    if constexpr (Gelu) {
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+      const __m256 u = _mm256_mul_ps(_mm256_set1_ps(kGeluBeta), _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), cube)));
+      return _mm256_mul_ps(u, _mm256_set1_ps(-2.f));
+    } else {
+      return _mm256_sub_ps(_mm256_setzero_ps(), g);
+    }
+  };
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp_of<Floats8>(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 e = exp_of<Floats8>(minus_z(g));
     _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
   }
   if (i < n) {  // the tail through the same e^x, so that where a range ends changes nothing
     float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, e[8];
     std::memcpy(g, gate + i, sizeof(float) * static_cast<size_t>(n - i));
-    _mm256_storeu_ps(e, exp_of<Floats8>(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(g))));
+    _mm256_storeu_ps(e, exp_of<Floats8>(minus_z(_mm256_loadu_ps(g))));
     for (int64_t t = 0; i < n; ++i, ++t) gate[i] = g[t] / (1.f + e[t]) * up[i];
   }
 #endif
-  for (; i < n; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  for (; i < n; ++i) {
+    const float g = gate[i];
+    const float z = Gelu ? 2.f * (kGeluBeta * (g + kGeluKappa * (g * g * g))) : g;
+    gate[i] = g / (1.f + std::exp(-z)) * up[i];
+  }
+}
+
+// v[i] = cap * tanh(v[i] / cap), Gemma 2's soft cap, as the layers compute it.
+inline void soft_cap(float* v, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) v[i] = std::tanh(v[i] / cap) * cap;
 }
 
 // A stage's work (heads, or weight rows), handed out to threads in ranges as they ask, and how
@@ -407,6 +432,20 @@ void range_products(const Matrix& m, const Inputs& in, int64_t first, int64_t st
   }
 }
 
+// 1 / sqrt(mean(x^2) + eps) of a row of `dim` values.
+inline float inverse_rms(const float* x, int64_t dim, double eps) {
+  // Eight sums in double, one per lane of eight inputs, added in a fixed order: one sum in a
+  // single chain waited on each addition, and every thread normalizes every row, 13 times a
+  // step of a stories15M-sized model.
+  double lanes[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  int64_t i = 0;
+  for (; i + 8 <= dim; i += 8)
+    for (int j = 0; j < 8; ++j) lanes[j] += static_cast<double>(x[i + j]) * x[i + j];
+  for (; i < dim; ++i) lanes[0] += static_cast<double>(x[i]) * x[i];
+  const double squares = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(dim) + eps));
+}
+
 // What one thread keeps to itself during a step.
 struct Scratch {
   std::vector<float> normed, head, scores, steps, chosen, inverses;
@@ -436,19 +475,7 @@ struct Scratch {
   // The rows of h normalized, as `m` reads them (written interleaved for panels: no second pass).
   Inputs normalized(const float* h, int64_t rows, const float* weight, int64_t dim, double eps, const Matrix& m) {
     inverses.resize(static_cast<size_t>(rows));
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* hr = h + r * dim;
-      // Eight sums in double, one per lane of eight inputs, added in a fixed order: one sum in a
-      // single chain waited on each addition, and every thread normalizes every row, 13 times a
-      // step of a stories15M-sized model.
-      double lanes[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-      int64_t i = 0;
-      for (; i + 8 <= dim; i += 8)
-        for (int j = 0; j < 8; ++j) lanes[j] += static_cast<double>(hr[i + j]) * hr[i + j];
-      for (; i < dim; ++i) lanes[0] += static_cast<double>(hr[i]) * hr[i];
-      const double squares = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-      inverses[static_cast<size_t>(r)] = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(dim) + eps));
-    }
+    for (int64_t r = 0; r < rows; ++r) inverses[static_cast<size_t>(r)] = inverse_rms(h + r * dim, dim, eps);
     if (m.panels && rows > 1) {
       // Input by input, its rows' values side by side: written row by row, 64 rows (a cache
       // line a value, 288 of them a row, 74 KB in all) went through L1 again and again.
@@ -489,19 +516,21 @@ struct CacheView {
       std::memcpy(static_cast<float*>(data) + offset(row, head, position), values, sizeof(float) * head_dim);
     }
   }
-  // scores[t] = q . key(t) * scale for positions t in [0, count), page by page.
-  void scores(int64_t row, int64_t head, int64_t count, const float* q, float scale, float* out) const {
-    if (bf16) scores_of(static_cast<const uint16_t*>(data), row, head, count, q, scale, out);
-    else scores_of(static_cast<const float*>(data), row, head, count, q, scale, out);
+  // scores[t] = q . key(t) * scale for positions t in [first, count), page by page.
+  void scores(int64_t row, int64_t head, int64_t first, int64_t count, const float* q, float scale,
+              float* out) const {
+    if (bf16) scores_of(static_cast<const uint16_t*>(data), row, head, first, count, q, scale, out);
+    else scores_of(static_cast<const float*>(data), row, head, first, count, q, scale, out);
   }
   // The first position of a row's page, of a float32 cache.
   const float* floats_of(int64_t row, int64_t head, int64_t page) const {
     return page_start(static_cast<const float*>(data), row, head, page);
   }
-  // out += weights[t] * value(t) for positions t in [0, count).
-  void weighted_sum(int64_t row, int64_t head, int64_t count, const float* weights, float* out) const {
-    if (bf16) weighted_sum_of(static_cast<const uint16_t*>(data), row, head, count, weights, out);
-    else weighted_sum_of(static_cast<const float*>(data), row, head, count, weights, out);
+  // out += weights[t] * value(t) for positions t in [first, count).
+  void weighted_sum(int64_t row, int64_t head, int64_t first, int64_t count, const float* weights,
+                    float* out) const {
+    if (bf16) weighted_sum_of(static_cast<const uint16_t*>(data), row, head, first, count, weights, out);
+    else weighted_sum_of(static_cast<const float*>(data), row, head, first, count, weights, out);
   }
 
  private:
@@ -510,20 +539,20 @@ struct CacheView {
     return base + head * head_stride + tables[row * width + page] * page_stride;
   }
   template <typename T>
-  void scores_of(const T* base, int64_t row, int64_t head, int64_t count, const float* q, float scale,
+  void scores_of(const T* base, int64_t row, int64_t head, int64_t first, int64_t count, const float* q, float scale,
                  float* out) const {
-    for (int64_t t = 0, page = 0; t < count; ++page) {
-      const T* slot = page_start(base, row, head, page);
-      const int64_t end = std::min(count, t + page_size);
+    for (int64_t t = first, page = first / page_size; t < count; ++page) {
+      const T* slot = page_start(base, row, head, page) + (t % page_size) * head_dim;
+      const int64_t end = std::min(count, (page + 1) * page_size);
       for (; t < end; ++t, slot += head_dim) out[t] = dot(q, slot, head_dim) * scale;
     }
   }
   template <typename T>
-  void weighted_sum_of(const T* base, int64_t row, int64_t head, int64_t count, const float* weights,
+  void weighted_sum_of(const T* base, int64_t row, int64_t head, int64_t first, int64_t count, const float* weights,
                        float* out) const {
-    for (int64_t t = 0, page = 0; t < count; ++page) {
-      const T* slot = page_start(base, row, head, page);
-      const int64_t end = std::min(count, t + page_size);
+    for (int64_t t = first, page = first / page_size; t < count; ++page) {
+      const T* slot = page_start(base, row, head, page) + (t % page_size) * head_dim;
+      const int64_t end = std::min(count, (page + 1) * page_size);
       // Four positions per pass over `out`: a quarter of its loads and stores.
       for (; t + 4 <= end; t += 4, slot += 4 * head_dim) {
         const float w0 = weights[t], w1 = weights[t + 1], w2 = weights[t + 2], w3 = weights[t + 3];
@@ -565,22 +594,23 @@ inline __m512 sums_of_16(__m512* v) {
 }
 
 // One query head of one row against a float32 cache whose heads are C vectors (head_dim 16 * C):
-// out = softmax(q . keys * scale) . values over positions [0, count). Scores are made sixteen
+// out = softmax(q . keys * scale) . values over positions [first, count), the scores soft-capped
+// where `cap` is above zero. Scores are made sixteen
 // positions at a time, each position's products summed across vectors together
 // (`sums_of_16`); the weighted sum keeps its head in registers, two positions at a time, and is
 // scaled by the softmax's sum once at the end: faster than a dot product and a sum across a
 // vector a position (`CacheView::scores`; docs/batching.md, "Attention in 512-bit vectors").
 template <int C>
-void attend_head(const CacheView& keys, const CacheView& values, int64_t row, int64_t head, int64_t count,
-                 const float* q, float scale, float* scores, float* out) {
+void attend_head(const CacheView& keys, const CacheView& values, int64_t row, int64_t head, int64_t first,
+                 int64_t count, const float* q, float scale, float cap, float* scores, float* out) {
   constexpr int64_t kHead = 16 * C;
   const int64_t page_size = keys.page_size;
   __m512 query[C];
   for (int c = 0; c < C; ++c) query[c] = _mm512_loadu_ps(q + 16 * c);
   __m512 largest = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0, page = 0; t < count; ++page) {
-    const float* slot = keys.floats_of(row, head, page);
-    for (int64_t end = std::min(count, t + page_size), n = 0; t < end; t += n, slot += n * kHead) {
+  for (int64_t t = first, page = first / page_size; t < count; ++page) {
+    const float* slot = keys.floats_of(row, head, page) + (t % page_size) * kHead;
+    for (int64_t end = std::min(count, (page + 1) * page_size), n = 0; t < end; t += n, slot += n * kHead) {
       n = std::min<int64_t>(16, end - t);
       __m512 v[16];
 #pragma GCC unroll 16
@@ -594,14 +624,18 @@ void attend_head(const CacheView& keys, const CacheView& values, int64_t row, in
         }
       }
       const __mmask16 taken = static_cast<__mmask16>((1u << n) - 1);
-      const __m512 block = _mm512_mul_ps(sums_of_16(v), _mm512_set1_ps(scale));
+      __m512 block = _mm512_mul_ps(sums_of_16(v), _mm512_set1_ps(scale));
       _mm512_mask_storeu_ps(scores + t, taken, block);
+      if (cap > 0.f) {
+        soft_cap(scores + t, n, cap);
+        block = _mm512_maskz_loadu_ps(taken, scores + t);
+      }
       largest = _mm512_mask_max_ps(largest, taken, largest, block);
     }
   }
   const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(largest));
   __m512 total = _mm512_setzero_ps();
-  for (int64_t t = 0; t < count; t += 16) {
+  for (int64_t t = first; t < count; t += 16) {
     const __mmask16 taken = static_cast<__mmask16>(count - t >= 16 ? 0xffff : (1u << (count - t)) - 1);
     const __m512 e = _mm512_maskz_mov_ps(taken, exp_of<Floats16>(_mm512_sub_ps(_mm512_maskz_loadu_ps(taken, scores + t), shift)));
     _mm512_mask_storeu_ps(scores + t, taken, e);
@@ -609,9 +643,9 @@ void attend_head(const CacheView& keys, const CacheView& values, int64_t row, in
   }
   __m512 even[C], odd[C];
   for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
-  for (int64_t t = 0, page = 0; t < count; ++page) {
-    const float* slot = values.floats_of(row, head, page);
-    const int64_t end = std::min(count, t + page_size);
+  for (int64_t t = first, page = first / page_size; t < count; ++page) {
+    const float* slot = values.floats_of(row, head, page) + (t % page_size) * kHead;
+    const int64_t end = std::min(count, (page + 1) * page_size);
     for (; t + 2 <= end; t += 2, slot += 2 * kHead) {
       const __m512 w0 = _mm512_set1_ps(scores[t]), w1 = _mm512_set1_ps(scores[t + 1]);
       for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(slot + 16 * c), even[c]);
@@ -661,10 +695,15 @@ struct Layer {
   const float* attention_norm = nullptr;
   const float* ffn_norm = nullptr;
   // Qwen's parts of a head: the q/k/v biases (q_width + 2 kv_width) and the RMSNorm weights of
-  // each q and k head (head_dim); null where the model has none.
+  // each q and k head (head_dim); Gemma's norms of the attention's and the feed-forward's
+  // outputs (dim); null where the model has none.
   const float* qkv_bias = nullptr;
   const float* q_norm = nullptr;
   const float* k_norm = nullptr;
+  const float* attention_post_norm = nullptr;
+  const float* ffn_post_norm = nullptr;
+  const float* rope = nullptr;  // the layer's rotary table (Gemma 3's windowed layers have their own)
+  int64_t window = 0;  // a query at p sees keys p - window + 1 .. p; 0: its whole past
   CacheView keys, values;
 };
 
@@ -689,38 +728,56 @@ const float* float_vector(const char* what, const at::Tensor& t, int64_t n) {
 // where it now is.
 //
 // Per layer, in this order: the fused q/k/v, output, gate/up and down projections (`matrix_of`),
-// the attention and feed-forward norms, and the layer's keys and values (`cache_of`; a dense
-// cache's sequence is one page). Then the final norm, the classifier, and the rotary table:
-// float32 (positions, head_dim / 2, 2), the cosine and sine of each pair's angle. `head_parts`,
-// three a layer, each absent or float32: the q/k/v biases and the q and k heads' norm weights.
+// the attention and feed-forward norms, its rotary table (float32 (positions, head_dim / 2, 2),
+// the cosine and sine of each pair's angle), and its keys and values (`cache_of`; a dense
+// cache's sequence is one page). Then the final norm and the classifier. `layer_parts`, five a
+// layer, each absent or float32: the q/k/v biases, the q and k heads' norm weights, and the
+// attention's and feed-forward's output norms.
+//
+// The family's switches (ml/cpu/decode.py's Switches): each layer's window (none, or 0: the
+// whole past), the embedding scale, GeGLU (tanh) in place of SwiGLU, the scores' scale (none:
+// 1 / sqrt(head_dim)), and the soft caps of the scores and the logits (none: no cap).
 struct StepModel : torch::CustomClassHolder {
   std::vector<at::Tensor> weights;
   c10::List<std::optional<at::Tensor>> scales;
   std::vector<at::Tensor> norms;
   at::Tensor final_norm, output;
   std::optional<at::Tensor> output_scales;
-  at::Tensor rope;
+  std::vector<at::Tensor> ropes;
   std::vector<at::Tensor> keys, values;
-  c10::List<std::optional<at::Tensor>> head_parts;
+  c10::List<std::optional<at::Tensor>> layer_parts;
+  std::vector<int64_t> windows;
   int64_t n_layers = 0, dim = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, q_width = 0, kv_width = 0, ffn = 0;
-  int64_t vocab = 0, page_size = 0, pages = 0;
+  int64_t vocab = 0, page_size = 0, pages = 0, positions = 0;
   double eps = 0.0;
+  float embedding_scale = 1.f, attention_scale = 0.f, attention_cap = 0.f, final_cap = 0.f;  // a cap of 0: none
+  bool gelu = false, post_norms = false;
 
   StepModel(std::vector<at::Tensor> weights_, c10::List<std::optional<at::Tensor>> scales_,
             std::vector<at::Tensor> norms_, at::Tensor final_norm_, at::Tensor output_,
-            std::optional<at::Tensor> output_scales_, at::Tensor rope_, int64_t n_heads_, int64_t n_kv_heads_,
-            double eps_, std::vector<at::Tensor> keys_, std::vector<at::Tensor> values_, int64_t page_size_,
-            c10::List<std::optional<at::Tensor>> head_parts_)
+            std::optional<at::Tensor> output_scales_, std::vector<at::Tensor> ropes_, int64_t n_heads_,
+            int64_t n_kv_heads_, double eps_, std::vector<at::Tensor> keys_, std::vector<at::Tensor> values_,
+            int64_t page_size_, c10::List<std::optional<at::Tensor>> layer_parts_, std::vector<int64_t> windows_,
+            double embedding_scale_, bool gelu_, std::optional<double> query_scale,
+            std::optional<double> attention_cap_, std::optional<double> final_cap_)
       : weights(std::move(weights_)), scales(std::move(scales_)), norms(std::move(norms_)),
         final_norm(std::move(final_norm_)), output(std::move(output_)), output_scales(std::move(output_scales_)),
-        rope(std::move(rope_)), keys(std::move(keys_)), values(std::move(values_)),
-        head_parts(std::move(head_parts_)), n_heads(n_heads_),
-        n_kv_heads(n_kv_heads_), page_size(page_size_), eps(eps_) {
+        ropes(std::move(ropes_)), keys(std::move(keys_)), values(std::move(values_)),
+        layer_parts(std::move(layer_parts_)), windows(std::move(windows_)), n_heads(n_heads_),
+        n_kv_heads(n_kv_heads_), page_size(page_size_), eps(eps_), embedding_scale(static_cast<float>(embedding_scale_)),
+        attention_cap(static_cast<float>(attention_cap_.value_or(0.0))),
+        final_cap(static_cast<float>(final_cap_.value_or(0.0))), gelu(gelu_) {
     n_layers = static_cast<int64_t>(keys.size());
     TORCH_CHECK(n_layers > 0 && values.size() == keys.size() && weights.size() == 4 * keys.size() &&
-                    scales.size() == weights.size() && norms.size() == 2 * keys.size(),
-                "decode_step: per layer, four weights (and scales), two norms, keys and values");
-    TORCH_CHECK(head_parts.size() == 3 * keys.size(), "decode_step: per layer, three head parts (or none)");
+                    scales.size() == weights.size() && norms.size() == 2 * keys.size() &&
+                    ropes.size() == keys.size(),
+                "decode_step: per layer, four weights (and scales), two norms, a rotary table, keys and values");
+    TORCH_CHECK(layer_parts.size() == 5 * keys.size(), "decode_step: per layer, five layer parts (or none)");
+    TORCH_CHECK(windows.empty() || windows.size() == keys.size(), "decode_step: a window per layer, or none");
+    for (const int64_t window : windows) TORCH_CHECK(window >= 0, "decode_step: a window of ", window, " keys");
+    TORCH_CHECK((!attention_cap_ || *attention_cap_ > 0.0) && (!final_cap_ || *final_cap_ > 0.0) &&
+                    (!query_scale || *query_scale > 0.0) && embedding_scale_ > 0.0,
+                "decode_step: soft caps and scales must be positive");
     TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
                 "decode_step: ", n_heads, " heads do not group over ", n_kv_heads, " key/value heads");
     TORCH_CHECK(page_size > 0 && keys[0].dim() == 4, "decode_step: keys must be (kv_heads, pages, page_size, head_dim)");
@@ -730,12 +787,16 @@ struct StepModel : torch::CustomClassHolder {
     TORCH_CHECK(head_dim % 2 == 0, "decode_step: odd head size ", head_dim);
     q_width = n_heads * head_dim;
     kv_width = n_kv_heads * head_dim;
+    attention_scale = query_scale ? static_cast<float>(*query_scale) : 1.f / std::sqrt(static_cast<float>(head_dim));
     // w2 is (dim, ffn), or its panels, or packed blocks of dim rows
     ffn = weights[3].scalar_type() == at::kByte ? packed_inputs(weights[3], scales.get(3), dim)
                                                 : weights[3].size(weights[3].dim() == 3 ? 1 : -1);
-    TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
-                    rope.size(1) == head_dim / 2 && rope.size(2) == 2,
-                "decode_step: the rotary table must be float32 (positions, ", head_dim / 2, ", 2)");
+    positions = ropes[0].dim() == 3 ? ropes[0].size(0) : 0;
+    for (const at::Tensor& rope : ropes)
+      TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
+                      rope.size(0) == positions && rope.size(1) == head_dim / 2 && rope.size(2) == 2,
+                  "decode_step: the rotary tables must be float32 (positions, ", head_dim / 2, ", 2), all as long");
+    post_norms = layer_parts.get(3).has_value();
     vocab = classifier().n;
     layers(nullptr, 0);  // checks every layer's tensors
   }
@@ -753,12 +814,22 @@ struct StepModel : torch::CustomClassHolder {
       layer.down = matrix_of("w2", l, weights[w + 3], scales.get(w + 3), dim, ffn);
       layer.attention_norm = float_vector("an attention norm", norms[static_cast<size_t>(2 * l)], dim);
       layer.ffn_norm = float_vector("a feed-forward norm", norms[static_cast<size_t>(2 * l + 1)], dim);
-      const size_t p = static_cast<size_t>(3 * l);
-      const std::optional<at::Tensor> bias = head_parts.get(p), q_norm = head_parts.get(p + 1),
-                                      k_norm = head_parts.get(p + 2);
+      const size_t p = static_cast<size_t>(5 * l);
+      const std::optional<at::Tensor> bias = layer_parts.get(p), q_norm = layer_parts.get(p + 1),
+                                      k_norm = layer_parts.get(p + 2), attention_post = layer_parts.get(p + 3),
+                                      ffn_post = layer_parts.get(p + 4);
       if (bias) layer.qkv_bias = float_vector("a q/k/v bias", *bias, q_width + 2 * kv_width);
       if (q_norm) layer.q_norm = float_vector("a q head norm", *q_norm, head_dim);
       if (k_norm) layer.k_norm = float_vector("a k head norm", *k_norm, head_dim);
+      // Every layer has both output norms, or none does: a step's stages are counted by it.
+      TORCH_CHECK(attention_post.has_value() == post_norms && ffn_post.has_value() == post_norms,
+                  "decode_step: layer ", l, (post_norms ? " lacks" : " has"), " output norms");
+      if (post_norms) {
+        layer.attention_post_norm = float_vector("an attention output norm", *attention_post, dim);
+        layer.ffn_post_norm = float_vector("a feed-forward output norm", *ffn_post, dim);
+      }
+      layer.rope = ropes[static_cast<size_t>(l)].data_ptr<float>();
+      layer.window = windows.empty() ? 0 : windows[static_cast<size_t>(l)];
       for (CacheView* view : {&layer.keys, &layer.values}) {
         const bool is_keys = view == &layer.keys;
         *view = cache_of(is_keys ? "keys" : "values", l, (is_keys ? keys : values)[static_cast<size_t>(l)],
@@ -813,9 +884,9 @@ StepInputs inputs_of(const StepModel& model, const at::Tensor& hidden, const at:
   const int64_t page_size = model.page_size;
   for (int64_t r = 0; r < in.rows; ++r) {
     const int64_t position = in.positions[r];
-    TORCH_CHECK(position >= 0 && position < model.rope.size(0) && position / page_size < in.width,
+    TORCH_CHECK(position >= 0 && position < model.positions && position / page_size < in.width,
                 "decode_step: position ", position, " of row ", r, " is past its cache (", in.width * page_size,
-                " slots) or the rotary table (", model.rope.size(0), ")");
+                " slots) or the rotary table (", model.positions, ")");
     for (int64_t i = 0; i <= position / page_size; ++i) {
       const int64_t page = in.tables[r * in.width + i];
       TORCH_CHECK(page >= 0 && page < model.pages, "decode_step: row ", r, " names page ", page, " of ", model.pages);
@@ -850,8 +921,8 @@ StepInputs inputs_of(const StepModel& model, const at::Tensor& hidden, const at:
 // Every row of `step` through every layer of `model`, and its logit rows' logits into out (logit rows,
 // vocab); every layer's keys and values of the tokens are written into the cache. Rows may be
 // consecutive tokens of one sequence (a prompt's chunk, with the same table): each layer writes
-// every row's keys and values before any row attends, and a row attends up to its own position.
-// A greedy pick is the first place of the largest logit below picks_below, a NaN counting as
+// every row's keys and values before any row attends, and a row attends up to its own position
+// (the last `window` positions of a windowed layer). A greedy pick is the first place of the largest logit below picks_below, a NaN counting as
 // largest (torch.argmax).
 void run_step(const StepModel& model, const StepInputs& step, float* out) {
   const int64_t rows = step.rows, dim = model.dim, n_heads = model.n_heads, n_kv_heads = model.n_kv_heads;
@@ -868,19 +939,24 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
   std::vector<Pick> thread_picks(picking ? static_cast<size_t>(std::max(threads, 1) * out_rows) : 0);
 
   std::vector<float> h(step.hidden, step.hidden + rows * dim);
+  if (model.embedding_scale != 1.f)
+    for (float& x : h) x *= model.embedding_scale;
+  // A sublayer's output before its norm joins the residual (post norms).
+  std::vector<float> sublayer(static_cast<size_t>(model.post_norms ? rows * dim : 0));
   std::vector<float> q(static_cast<size_t>(rows * q_width)), attended(static_cast<size_t>(rows * q_width)),
       activated(static_cast<size_t>(rows * ffn)), ups(static_cast<size_t>(rows * ffn)),
       activated_interleaved(static_cast<size_t>(rows > 1 ? rows * ffn : 0));
   // Whether a matrix reads its rows interleaved (panels.h). The attention's results and the
   // activations are written so by the threads that make them, each its own part.
   auto interleaves = [rows](const Matrix& m) { return m.panels != nullptr && rows > 1; };
-  const int64_t stages = 5 * model.n_layers + 1;
+  // Five stages a layer, two more with post norms (each normalizes whole rows), and the classifier.
+  const int64_t stages = (model.post_norms ? 7 : 5) * model.n_layers + 1;
   std::unique_ptr<Stage[]> stage_of(new Stage[static_cast<size_t>(stages)]);
   const int64_t group = n_heads / n_kv_heads;
-  const float attention_scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const float attention_scale = model.attention_scale, attention_cap = model.attention_cap;
   // A head's attention in 512-bit vectors, for float32 caches whose heads are whole vectors.
-  void (*attend_in_vectors)(const CacheView&, const CacheView&, int64_t, int64_t, int64_t, const float*, float,
-                            float*, float*) = nullptr;
+  void (*attend_in_vectors)(const CacheView&, const CacheView&, int64_t, int64_t, int64_t, int64_t, const float*,
+                            float, float, float*, float*) = nullptr;
 #ifdef __AVX512F__
   if (!layers[0].keys.bf16) {
     switch (head_dim) {
@@ -895,7 +971,6 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
   }
 #endif
   const int64_t widest = std::max({dim, ffn, q_width});
-  const float* rope_table = model.rope.data_ptr<float>();
 
   auto run = [&](int team, int thread) {
     std::vector<Pick> mine(picking ? static_cast<size_t>(out_rows) : 0);
@@ -908,11 +983,26 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
     Inputs in;
     Stage* stage = stage_of.get();
     // The rows of `m` against the rows of `input` (each `width` wide, as `m` reads them), added
-    // into the residual.
-    auto add_to_residual = [&](Stage& work, const Matrix& m, const float* input, int64_t width) {
-      run_stage(
-          work, dim, m.smallest(), m.align(), team, [&] { in = scratch.inputs(input, rows, width, m); },
-          [&](int64_t first, int64_t stop) { range_products<true>(m, in, first, stop, h.data() + first, dim); });
+    // into the residual; with a post norm, normalized first, a row at a time once all are made.
+    auto add_to_residual = [&](const Matrix& m, const float* input, int64_t width, const float* post_norm) {
+      const auto prepare = [&] { in = scratch.inputs(input, rows, width, m); };
+      if (post_norm == nullptr) {
+        run_stage(*stage++, dim, m.smallest(), m.align(), team, prepare, [&](int64_t first, int64_t stop) {
+          range_products<true>(m, in, first, stop, h.data() + first, dim);
+        });
+        return;
+      }
+      run_stage(*stage++, dim, m.smallest(), m.align(), team, prepare, [&](int64_t first, int64_t stop) {
+        range_products(m, in, first, stop, sublayer.data() + first, dim);
+      });
+      run_stage(*stage++, rows, 1, 1, team, [] {}, [&](int64_t first, int64_t stop) {
+        for (int64_t r = first; r < stop; ++r) {
+          const float* made = sublayer.data() + r * dim;
+          const float inverse = inverse_rms(made, dim, eps);
+          float* into = h.data() + r * dim;
+          for (int64_t i = 0; i < dim; ++i) into[i] += made[i] * inverse * post_norm[i];
+        }
+      });
     };
     for (const Layer& layer : layers) {
       const bool out_interleaved = interleaves(layer.out), down_interleaved = interleaves(layer.down);
@@ -930,7 +1020,7 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
                 if (unit < n_heads && layer.q_norm != nullptr) normalize_head(mine, layer.q_norm, head_dim, eps);
                 if (unit >= n_heads && unit < n_heads + n_kv_heads && layer.k_norm != nullptr)
                   normalize_head(mine, layer.k_norm, head_dim, eps);
-                if (unit < n_heads + n_kv_heads) rotate(mine, rope_table + position[r] * head_dim, head_dim);
+                if (unit < n_heads + n_kv_heads) rotate(mine, layer.rope + position[r] * head_dim, head_dim);
                 if (unit < n_heads)
                   std::memcpy(q.data() + r * q_width + unit * head_dim, mine, sizeof(float) * head_dim);
                 else if (unit < n_heads + n_kv_heads)
@@ -943,37 +1033,45 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
       run_stage(*stage++, rows * n_heads, 1, 1, team, [] {}, [&](int64_t first, int64_t stop) {
         for (int64_t unit = first; unit < stop; ++unit) {
           const int64_t r = unit / n_heads, head = unit % n_heads, kv = head / group, last = position[r];
+          const int64_t first_key = layer.window > 0 ? std::max<int64_t>(0, last - layer.window + 1) : 0;
           const float* query = q.data() + r * q_width + head * head_dim;
-          float* scores = scratch.scores.data();
+          float* scores = scratch.scores.data();  // by position: those before first_key unused
           float* result = out_interleaved ? scratch.head.data() : attended.data() + r * q_width + head * head_dim;
           if (attend_in_vectors != nullptr) {
-            attend_in_vectors(layer.keys, layer.values, r, kv, last + 1, query, attention_scale, scores, result);
+            attend_in_vectors(layer.keys, layer.values, r, kv, first_key, last + 1, query, attention_scale,
+                              attention_cap, scores, result);
           } else {
-            layer.keys.scores(r, kv, last + 1, query, attention_scale, scores);
-            const float largest = *std::max_element(scores, scores + last + 1);
-            const float inverse = 1.f / exp_and_sum(scores, last + 1, largest);
-            for (int64_t t = 0; t <= last; ++t) scores[t] *= inverse;
+            layer.keys.scores(r, kv, first_key, last + 1, query, attention_scale, scores);
+            if (attention_cap > 0.f) soft_cap(scores + first_key, last + 1 - first_key, attention_cap);
+            const float largest = *std::max_element(scores + first_key, scores + last + 1);
+            const float inverse = 1.f / exp_and_sum(scores + first_key, last + 1 - first_key, largest);
+            for (int64_t t = first_key; t <= last; ++t) scores[t] *= inverse;
             std::fill(result, result + head_dim, 0.f);
-            layer.values.weighted_sum(r, kv, last + 1, scores, result);
+            layer.values.weighted_sum(r, kv, first_key, last + 1, scores, result);
           }
           if (out_interleaved)
             for (int64_t i = 0; i < head_dim; ++i) attended[(head * head_dim + i) * rows + r] = result[i];
         }
       });
-      add_to_residual(*stage++, layer.out, attended.data(), q_width);
+      add_to_residual(layer.out, attended.data(), q_width, layer.attention_post_norm);
       run_stage(
           *stage++, ffn, std::max<int64_t>(1, layer.gate_up.smallest() / 2), layer.gate_up.align(), team,
           [&] { in = scratch.normalized(h.data(), rows, layer.ffn_norm, dim, eps, layer.gate_up); },
           [&](int64_t first, int64_t stop) {
             range_products(layer.gate_up, in, first, stop, activated.data() + first, ffn);
             range_products(layer.gate_up, in, ffn + first, ffn + stop, ups.data() + first, ffn);
-            for (int64_t r = 0; r < rows; ++r)
-              swiglu(activated.data() + r * ffn + first, ups.data() + r * ffn + first, stop - first);
+            for (int64_t r = 0; r < rows; ++r) {
+              float* gate = activated.data() + r * ffn + first;
+              const float* up = ups.data() + r * ffn + first;
+              if (model.gelu) gated<true>(gate, up, stop - first);
+              else gated<false>(gate, up, stop - first);
+            }
             if (down_interleaved)
               for (int64_t j = first; j < stop; ++j)
                 for (int64_t r = 0; r < rows; ++r) activated_interleaved[j * rows + r] = activated[r * ffn + j];
           });
-      add_to_residual(*stage++, layer.down, down_interleaved ? activated_interleaved.data() : activated.data(), ffn);
+      add_to_residual(layer.down, down_interleaved ? activated_interleaved.data() : activated.data(), ffn,
+                      layer.ffn_post_norm);
     }
     if (out_rows == 0) return;  // a prompt's chunk that needs no logits
     run_stage(
@@ -991,6 +1089,8 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
         },
         [&](int64_t first, int64_t stop) {
           range_products(classifier, in, first, stop, out + first, vocab);
+          if (model.final_cap > 0.f)
+            for (int64_t r = 0; r < out_rows; ++r) soft_cap(out + r * vocab + first, stop - first, model.final_cap);
           // Picked here, from the logits this thread has just written and still holds in its
           // cache: picked on the calling thread afterwards, half of them came from the other
           // core's.
@@ -1042,9 +1142,10 @@ at::Tensor decode_step(const c10::intrusive_ptr<StepModel>& model, const at::Ten
 TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
   m.class_<StepModel>("StepModel")
       .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>, std::vector<at::Tensor>,
-                       at::Tensor, at::Tensor, std::optional<at::Tensor>, at::Tensor, int64_t, int64_t, double,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t,
-                       c10::List<std::optional<at::Tensor>>>());
+                       at::Tensor, at::Tensor, std::optional<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
+                       double, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t,
+                       c10::List<std::optional<at::Tensor>>, std::vector<int64_t>, double, bool,
+                       std::optional<double>, std::optional<double>, std::optional<double>>());
   m.def(
       "decode_step(__torch__.torch.classes.llama_chat_cpu.StepModel model, Tensor hidden, Tensor positions, "
       "Tensor tables, Tensor(a!)? picks=None, int picks_below=0, Tensor? logit_rows=None) -> Tensor");

@@ -2,7 +2,8 @@
 layer and the classifier in one call of ``torch.ops.llama_chat_cpu.decode_step``.
 
 What the step reads of a model comes in as ``StepWeights``, laid out by the model's side
-(``model/cpu_decode.py`` gathers them from a model's modules and packs the panels). Here are the
+(``model/cpu_decode.py`` gathers them from a model's modules and packs the panels), with the
+family's ``Switches`` (Gemma's embedding scale, GeGLU, windows, scores' scale and soft caps). Here are the
 objects that call the operator with them, everything but the tokens and positions prepared once:
 ``Decoder`` for the one sequence of a dense cache, ``RowsDecoder`` for rows over a paged cache.
 Greedy picks can be made inside the step (``Decoder.pick``, ``RowsDecoder.with_picks``), by the
@@ -23,12 +24,28 @@ PANEL = 16
 
 
 @dataclass(frozen=True)
+class Switches:
+    """What of a model family's arithmetic the step does beyond a Llama's layer, besides the
+    tensors of ``StepWeights.layer_parts``; the defaults are Llama's."""
+
+    windows: tuple[int, ...] = ()  # per layer, the keys a query sees (its last ones); 0: its whole past
+    embedding_scale: float = 1.0  # the embedding rows' factor, rounded to float32 (Gemma: sqrt(dim))
+    gelu: bool = False  # GeGLU with tanh-approximated GELU in place of SwiGLU
+    query_scale: float | None = None  # the scores' scale; None: 1 / sqrt(head_dim)
+    attention_cap: float | None = None  # scores capped by cap * tanh(s / cap)
+    final_cap: float | None = None  # the logits capped likewise, before any greedy pick
+
+
+LLAMA = Switches()
+
+
+@dataclass(frozen=True)
 class StepWeights:
     """What the step reads of one model besides the tokens and the cache. Per layer, in this order,
     the fused q/k/v, output, gate/up and down projections: each an (n, k) float32, bfloat16,
     float16 or int8 matrix (int8 with float32 scales per output), or float32 panels
     (ceil(n / 16), k, 16), or packed blocks;
-    then its attention and feed-forward norms, float32."""
+    then its attention and feed-forward norms, float32, and its rotary table."""
 
     embedding: torch.Tensor | PackedWeight  # float rows, or blocks expanded a row at a time as read
     weights: list[torch.Tensor]
@@ -37,13 +54,17 @@ class StepWeights:
     final_norm: torch.Tensor
     output: torch.Tensor
     output_scales: torch.Tensor | None
-    rope: torch.Tensor  # float32 (positions, head_dim / 2, 2): cos and sin of each pair's angle
+    # Per layer, float32 (positions, head_dim / 2, 2): cos and sin of each pair's angle (Gemma 3's
+    # windowed layers have a table of their own).
+    ropes: list[torch.Tensor]
     n_heads: int
     n_kv_heads: int
     norm_eps: float
-    # Per layer, three: the q/k/v biases and the q and k heads' norm weights (float32), or None
-    # where the model has none (Llama's): Qwen2's and Qwen3's parts of a head.
-    head_parts: list[torch.Tensor | None]
+    # Per layer, five: the q/k/v biases, the q and k heads' norm weights (Qwen2's and Qwen3's
+    # parts of a head), and the norms of the attention's and the feed-forward's outputs (Gemma's),
+    # float32, or None where the model has none (Llama's).
+    layer_parts: list[torch.Tensor | None]
+    switches: Switches = LLAMA
 
     @property
     def classes(self) -> int:
@@ -58,9 +79,11 @@ class StepWeights:
     def over(self, keys: list[torch.Tensor], values: list[torch.Tensor], page_size: int) -> torch.ScriptObject:
         """The operator's ``StepModel`` of these weights over a cache of these keys and values (per
         layer ``(kv_heads, pages, page_size, head_dim)``), checked once, for any number of steps."""
+        s = self.switches
         return torch.classes.llama_chat_cpu.StepModel(
-            self.weights, self.scales, self.norms, self.final_norm, self.output, self.output_scales, self.rope,
-            self.n_heads, self.n_kv_heads, self.norm_eps, keys, values, page_size, self.head_parts)
+            self.weights, self.scales, self.norms, self.final_norm, self.output, self.output_scales, self.ropes,
+            self.n_heads, self.n_kv_heads, self.norm_eps, keys, values, page_size, self.layer_parts,
+            list(s.windows), s.embedding_scale, s.gelu, s.query_scale, s.attention_cap, s.final_cap)
 
 
 def _decode_step():
