@@ -28,6 +28,8 @@ from llama_chat.cmd.openai_api import ApiError, dumps
 
 # h11's own bound on a request's line and headers, which uvicorn keeps unless told otherwise.
 DEFAULT_MAX_HEAD_BYTES = 16 * 1024
+# A refused request may leave bytes unread: its connection cannot carry another one.
+CLOSE = {"Connection": "close"}
 
 
 def head_refusal(scope: dict) -> ApiError | None:
@@ -35,10 +37,11 @@ def head_refusal(scope: dict) -> ApiError | None:
     (the same bound as h11's, for a head that came whole), else None."""
     target = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
     if target > DEFAULT_MAX_HEAD_BYTES:
-        return ApiError(414, f"the request line is longer than {DEFAULT_MAX_HEAD_BYTES} bytes", code="uri_too_long")
+        return ApiError(414, f"the request line is longer than {DEFAULT_MAX_HEAD_BYTES} bytes", code="uri_too_long",
+                        headers=CLOSE)
     if sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ())) > DEFAULT_MAX_HEAD_BYTES:
         return ApiError(431, f"the request's headers are larger than {DEFAULT_MAX_HEAD_BYTES} bytes",
-                        code="headers_too_large")
+                        code="headers_too_large", headers=CLOSE)
     return None
 
 
@@ -129,4 +132,4 @@ def guarded_protocol(header_timeout_s: float) -> type[GuardedProtocol]:
     return type("GuardedProtocol", (GuardedProtocol,), {"header_timeout_s": header_timeout_s})
 
 
-__all__ = ["DEFAULT_MAX_HEAD_BYTES", "GuardedProtocol", "guarded_protocol", "head_refusal", "reject"]
+__all__ = ["CLOSE", "DEFAULT_MAX_HEAD_BYTES", "GuardedProtocol", "guarded_protocol", "head_refusal", "reject"]

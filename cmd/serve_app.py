@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
-from llama_chat.cmd.http_protocol import head_refusal
+from llama_chat.cmd.http_protocol import CLOSE, head_refusal
 from llama_chat.cmd.openai_api import (ApiError, Generation, LogprobsWriter, Reply, StreamEvents, bad, dumps, event,
                                        parse_chat, parse_completion, usage)
 from llama_chat.cmd.sanitize import one_line
@@ -64,8 +64,6 @@ SHOWN_PATH_CHARS = 200
 # compiled; many large ones at once would add up. Those being prepared at once share this budget
 # (a small one fits beside the largest): the others wait their turn in their worker thread.
 PREPARING = Budget(4 << 20)
-# The rest of the body is left unread: the connection cannot carry another request.
-CLOSE = {"Connection": "close"}
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from llama_chat.inference.jobs import Job
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.types import DamagedScores, TokenLogprobs
 from llama_chat.ml.cpu import kernels as cpu_kernels
-from llama_chat.ml.sampling import sample
+from llama_chat.ml.sampling import finite_best, sample
 from llama_chat.model import cpu_decode
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedBatch, PagedKVCache
 from llama_chat.model.transformer import Transformer
@@ -102,8 +102,7 @@ def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.T
     """
     if picks is None:
         picks = cpu_kernels.argmax(logits[:, :sample_ids])
-    # NaN wins a maximum, and so does +inf: such a row's best score is not finite.
-    damaged = ~torch.isfinite(logits[:, :sample_ids].amax(dim=-1))
+    damaged = ~finite_best(logits[:, :sample_ids])
     for i, job in enumerate(jobs):
         if job is None or (job.controls is None and job.request.sampling.greedy):
             continue

@@ -23,7 +23,8 @@ import torch
 from llama_chat.inference.decode_step import StaticStep, StaticStepOptions, compile_failure_text
 from llama_chat.ml.processors import Sampler as Controls
 from llama_chat.ml.processors import LogitsProcessor, TokenHistory, make_sampler
-from llama_chat.ml.sampling import SamplingMode, SamplingParams, draw_uniforms, sample
+from llama_chat.inference.types import DamagedScores
+from llama_chat.ml.sampling import SamplingMode, SamplingParams, draw_uniforms, finite_best, sample
 from llama_chat.model import cpu_decode
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
@@ -181,6 +182,15 @@ class ModelStep:
         return EagerDecode(self, list(tail), start, params, uniforms, sampler)
 
 
+def first_scores_finite(logits: torch.Tensor) -> None:
+    """``DamagedScores`` when the scores of a request's first token are not numbers (damaged
+    weights): the error is said once, instead of a reply drawn from them. Looked at for the first
+    token only, where the prompt's logits are on hand anyway; later steps stay free of the check's
+    wait for the device."""
+    if not bool(finite_best(logits).all()):
+        raise DamagedScores()
+
+
 class Decode:
     """One request's decode loop: each ``next_token`` call returns the next sampled token id."""
 
@@ -197,11 +207,15 @@ class EagerDecode(Decode):
                  uniforms: torch.Tensor, sampler: Sampler) -> None:
         self.step, self.rows, self.pos = step, [tail], start
         self.params, self.uniforms, self.sampler = params, uniforms, sampler
+        self.first = True
 
     def next_token(self) -> int:
         with torch.inference_mode():
             fed = len(self.rows[0])
             logits = self.step.forward(self.rows, [self.pos])[:, :self.step.sample_ids]
+            if self.first:
+                first_scores_finite(logits)
+                self.first = False
             token = self._draw(logits, self.pos + fed - 1)
         self.pos += fed
         self.rows = [[token]]
@@ -275,6 +289,7 @@ class StaticDecode(Decode):
             if self.tail:
                 static.begin(self.params, self.uniforms)
                 logits = self.step.forward([self.tail], [self.start])
+                first_scores_finite(logits[:, :self.step.sample_ids])
                 self.next_position = self.start + len(self.tail)
                 static.load(logits, self.next_position)
                 self.tail = []

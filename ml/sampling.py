@@ -17,7 +17,7 @@ from llama_chat.ml.cpu import kernels as cpu_kernels
 # The settings live in a module without torch, so the command line can check them instantly.
 from llama_chat.ml.controls import SamplingParams
 
-__all__ = ["SamplingMode", "SamplingParams", "apply_top_p", "draw_uniforms", "sample", "sample_in_graph"]
+__all__ = ["SamplingMode", "SamplingParams", "apply_top_p", "draw_uniforms", "finite_best", "sample", "sample_in_graph"]
 
 
 # Candidate pool sizes tried before sorting the whole vocabulary: a top-k of a few hundred costs a
@@ -93,6 +93,12 @@ def draw_uniforms(count: int, seed: int, device: torch.device | str = "cpu") -> 
     """
     generator = torch.Generator().manual_seed(seed)
     return torch.rand(count, dtype=torch.float64, generator=generator).to(device)
+
+
+def finite_best(logits: torch.Tensor) -> torch.Tensor:
+    """``(rows,)`` bool: whether each row's best score is finite. NaN wins a maximum, and so does
+    +inf: a row without one holds neither, and a draw from it means something."""
+    return torch.isfinite(logits.amax(dim=-1))
 
 
 def sample(
