@@ -7,6 +7,8 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # Before torch is imported: the suite's own process runs tiny models too, and its workers share
@@ -30,6 +32,18 @@ _BUSY_MACHINE_SAFE = {"deadline": None, "suppress_health_check": [HealthCheck.to
 settings.register_profile("quick", max_examples=300, **_BUSY_MACHINE_SAFE)
 settings.register_profile("long", max_examples=10_000, **_BUSY_MACHINE_SAFE)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
+
+
+@contextmanager
+def shared_and_locked(tmp_path_factory, name: str) -> Iterator[Path]:
+    """A directory of this run that every parallel worker sees (each worker's own temporary
+    directories lie under one common parent), held by one worker at a time."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    path.mkdir(exist_ok=True)
+    with open(path / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield path
 
 
 @pytest.fixture(scope="session")
@@ -58,14 +72,18 @@ def tiny_meta_dir(tmp_path_factory, sp_model_path, sp_vocab_size) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpu_kernels_loaded():
+def cpu_kernels_loaded(tmp_path_factory):
     """Our CPU products (``ml/cpu_kernels.py``), built or loaded once, so that every test runs the
-    decode products users get; ``LLAMA_CHAT_CPU_KERNELS=0`` runs the suite on PyTorch's instead."""
+    decode products users get; ``LLAMA_CHAT_CPU_KERNELS=0`` runs the suite on PyTorch's instead.
+    Where they are not built yet, one parallel worker builds them while the others wait."""
     from llama_chat.ml.cpu import kernels as cpu_kernels
 
     # Without a compiler they stay unbuilt and the suite runs on PyTorch's products;
     # tests/test_cpu_kernels.py checks the build wherever there is one.
-    return cpu_kernels.enabled() and cpu_kernels.load()
+    if not cpu_kernels.enabled():
+        return False
+    with shared_and_locked(tmp_path_factory, "cpu-kernels"):
+        return cpu_kernels.load()
 
 
 @pytest.fixture
@@ -74,15 +92,6 @@ def pytorch_products(monkeypatch):
     from llama_chat.ml.cpu import kernels as cpu_kernels
 
     monkeypatch.setitem(cpu_kernels._state, "loaded", False)
-
-
-def shared_tmp_dir(tmp_path_factory, name: str) -> Path:
-    """A directory of this run that every parallel worker sees (each worker's own temporary
-    directories lie under one common parent)."""
-    base = tmp_path_factory.getbasetemp()
-    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
-    path.mkdir(exist_ok=True)
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -95,11 +104,9 @@ def operator_variant_env(tmp_path_factory):
 
     def env_for(flags: str) -> dict[str, str]:
         if flags not in made:
-            root = shared_tmp_dir(tmp_path_factory, "operator-variant" + re.sub(r"[^\w]+", "-", flags))
-            wrapper = root / "cxx"
-            env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(root / "kernels"))
-            with open(root / "lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            with shared_and_locked(tmp_path_factory, "operator-variant" + re.sub(r"\W+", "-", flags)) as root:
+                wrapper = root / "cxx"
+                env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(root / "kernels"))
                 if not wrapper.exists():
                     compiler = shutil.which(os.environ.get("CXX") or "c++")
                     wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')
