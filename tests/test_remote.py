@@ -303,6 +303,7 @@ def assert_one_line_and_fails(proc, *expected: str) -> None:
     err = proc.stderr.decode()
     assert proc.returncode != 0, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "Error" not in err, err  # said in words, not by a class name
     for text in expected:
         assert text in err, err
 
