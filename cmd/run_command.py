@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.load_progress import load_progress
@@ -93,13 +94,16 @@ SLOW_NOTICE_S = 1.0
 
 @contextmanager
 def slow_notice(err: Console, status: str, line: str, *, quiet: bool) -> Iterator[None]:
-    """A spinner saying ``status`` on a terminal; elsewhere one line, ``line``, if the block takes
-    more than ``SLOW_NOTICE_S``; nothing when ``quiet`` (``--json``)."""
+    """A spinner saying ``status`` on a terminal, with the time so far (a first build takes a
+    minute or more); elsewhere one line, ``line``, if the block takes more than ``SLOW_NOTICE_S``;
+    nothing when ``quiet`` (``--json``)."""
     if quiet:
         yield
         return
     if err.is_terminal:
-        with err.status(status, spinner="dots"):
+        with Progress(SpinnerColumn("dots"), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                      transient=True) as progress:
+            progress.add_task(status, total=None)
             yield
         return
     timer = threading.Timer(SLOW_NOTICE_S, lambda: err.print(f"llama-chat: {line}", markup=False, highlight=False,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 
 from cli_support import build_tiny_model, cli_env, llama_chat_command
 from llama_chat.ml.cpu import kernels as cpu_kernels
+from terminal_support import Pty
 
 TIMEOUT = 600  # a child on a busy two-core machine, compiling the decode step among them
 
@@ -184,6 +186,17 @@ def test_a_compiler_that_hangs_is_announced_and_ctrl_c_ends_the_wait(tiny, tmp_p
             proc.kill()
     assert proc.returncode == 130, err.decode()
     assert b"Traceback" not in err
+
+
+def test_on_a_terminal_the_wait_for_a_build_shows_the_time_so_far(tiny, tmp_path):
+    hang = tmp_path / "hang-cc"
+    hang.write_text("#!/bin/sh\nexec sleep 600\n")
+    hang.chmod(0o755)
+    term = Pty("-m", str(tiny.path), "-p", "hello", "-n", "4", "--quantize", "int8", CXX=str(hang),
+               LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "k"))
+    term.read_until(lambda: re.search(rb"building CPU kernels \(first run only\).*0:00:0[1-9]", term.shown))
+    term.type(b"\x03")
+    assert term.finish() == 130
 
 
 def test_the_compiler_takes_signals_when_started_from_a_thread_that_blocks_them():
