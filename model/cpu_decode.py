@@ -44,6 +44,7 @@ from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # What of a family's layer the operator computes beyond a Llama's (``ModelArgs.llama_layout``'s
 # names): Qwen2's q/k/v biases, Qwen3's head norms and a head width other than dim / heads;
 # Gemma's GeGLU, scaled embedding, output norms, soft caps and attention rules (windows, scores'
@@ -65,7 +66,6 @@ def step_switches(args) -> Switches:
                     embedding_scale=args.dim ** 0.5 if args.embedding_scale else 1.0,
                     gelu=args.activation == "gelu_tanh", query_scale=shared.scale,
                     attention_cap=shared.softcap, final_cap=args.final_softcap)
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass

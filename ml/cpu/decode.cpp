@@ -14,7 +14,8 @@
 // down projection added into the residual. Then the final norm and the classifier. The switches
 // of the model families that change a layer's arithmetic are here too (`StepModel`): Qwen's
 // biases and head norms, Gemma's scaled embedding, output norms (a stage of their own: a norm
-// needs the whole row), windows, scores' scale and soft caps, and a rotary table per layer. Arithmetic is float32 throughout, whatever the weights' and cache's storage
+// needs the whole row), windows, scores' scale and soft caps, and a rotary table per layer.
+// Arithmetic is float32 throughout, whatever the weights' and cache's storage
 // type, and each output is one thread's sum in a fixed order: the result does not depend on the
 // number of threads.
 //
@@ -122,7 +123,8 @@ inline void gated(float* gate, const float* up, int64_t n) {
   auto minus_z = [](__m256 g) {
     if constexpr (Gelu) {
       const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
-      const __m256 u = _mm256_mul_ps(_mm256_set1_ps(kGeluBeta), _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), cube)));
+      const __m256 inner = _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kGeluKappa), cube));
+      const __m256 u = _mm256_mul_ps(_mm256_set1_ps(kGeluBeta), inner);
       return _mm256_mul_ps(u, _mm256_set1_ps(-2.f));
     } else {
       return _mm256_sub_ps(_mm256_setzero_ps(), g);
@@ -161,7 +163,8 @@ inline __m256 tanh_of(__m256 y) {
   __m256 p = _mm256_set1_ps(kTaylor[0]);
   for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, squared, _mm256_set1_ps(kTaylor[i]));
   const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, squared), a, a);
-  const __m256 large = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(exp_of<Floats8>(_mm256_add_ps(a, a)), one)));
+  const __m256 e = exp_of<Floats8>(_mm256_add_ps(a, a));
+  const __m256 large = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
   const __m256 t = _mm256_blendv_ps(large, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.55f), _CMP_LT_OQ));
   return _mm256_blendv_ps(_mm256_or_ps(t, _mm256_and_ps(y, sign)), y, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
 }
@@ -797,7 +800,8 @@ struct StepModel : torch::CustomClassHolder {
         final_norm(std::move(final_norm_)), output(std::move(output_)), output_scales(std::move(output_scales_)),
         ropes(std::move(ropes_)), keys(std::move(keys_)), values(std::move(values_)),
         layer_parts(std::move(layer_parts_)), windows(std::move(windows_)), n_heads(n_heads_),
-        n_kv_heads(n_kv_heads_), page_size(page_size_), eps(eps_), embedding_scale(static_cast<float>(embedding_scale_)),
+        n_kv_heads(n_kv_heads_), page_size(page_size_), eps(eps_),
+        embedding_scale(static_cast<float>(embedding_scale_)),
         attention_cap(static_cast<float>(attention_cap_.value_or(0.0))),
         final_cap(static_cast<float>(final_cap_.value_or(0.0))), gelu(gelu_) {
     n_layers = static_cast<int64_t>(keys.size());

@@ -3,10 +3,10 @@ layer and the classifier in one call of ``torch.ops.llama_chat_cpu.decode_step``
 
 What the step reads of a model comes in as ``StepWeights``, laid out by the model's side
 (``model/cpu_decode.py`` gathers them from a model's modules and packs the panels), with the
-family's ``Switches`` (Gemma's embedding scale, GeGLU, windows, scores' scale and soft caps). Here are the
-objects that call the operator with them, everything but the tokens and positions prepared once:
-``Decoder`` for the one sequence of a dense cache, ``RowsDecoder`` for rows over a paged cache.
-Greedy picks can be made inside the step (``Decoder.pick``, ``RowsDecoder.with_picks``), by the
+family's ``Switches`` (Gemma's embedding scale, GeGLU, windows, scores' scale and soft caps).
+Here are the objects that call the operator with them, everything but the tokens and positions
+prepared once: ``Decoder`` for the one sequence of a dense cache, ``RowsDecoder`` for rows over a
+paged cache. Greedy picks can be made inside the step (``Decoder.pick``, ``RowsDecoder.with_picks``), by the
 threads that write the logits.
 """
 
