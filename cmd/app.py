@@ -18,6 +18,7 @@ _loading = deferred_signals(exit_now=True)
 _loading.__enter__()
 with deferred_signals(exit_now=True):
     import os
+    import re
     import sys
     import traceback
     import inspect
@@ -81,11 +82,24 @@ class GroupedHelp(typer.core.TyperCommand):
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is not None:
-                sections.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+                names, text = record
+                sections.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(
+                    (_TYPER_PLACEHOLDER.sub(_placeholder, names), text))
         for title, rows in sections.items():
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
+
+
+# typer's placeholder for an option that names none of its own (as MODEL or FILE): <int>, <str>,
+# <int range>, <a|b|c>. --help shows one style instead: a capital letter or word, or the choices.
+_TYPER_PLACEHOLDER = re.compile(r"<([^<>]+)>")
+_PLACEHOLDERS = {"int": "N", "float": "X", "str": "TEXT"}
+
+
+def _placeholder(typer_own: re.Match) -> str:
+    label = typer_own.group(1)
+    return _PLACEHOLDERS.get(label.split()[0], label)
 
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,

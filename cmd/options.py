@@ -172,7 +172,7 @@ class Options:
         help="With -m openai:URL: the server's API key (default: $OPENAI_API_KEY).")] = None
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None
     file: Annotated[str | None, typer.Option(
-        "--file", "-f", help="Read the prompt from this file ('-': stdin); stdin is then not read otherwise.")] = None
+        "--file", "-f", metavar="FILE", help="Read the prompt from this file ('-': stdin); stdin is then not read otherwise.")] = None
     no_stdin: Annotated[bool, typer.Option(
         "--no-stdin", help="Do not read stdin, even when it is a pipe.")] = False
     chat: Annotated[bool, typer.Option(
@@ -265,7 +265,7 @@ class Options:
         help="How many of the best beams to return, at most num-beams (all of them under --json; "
              "the best one on a terminal).")] = _BEAMS.num_return
     device: Annotated[str, typer.Option(
-        "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps.")] = "auto"
+        "--device", callback=_check_device, metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps.")] = "auto"
     dtype: Annotated[DType, typer.Option(
         "--dtype", help="Weights dtype; auto: float32 on cpu, bfloat16 on cuda, float16 on mps (a quantized GGUF "
                         "file's blocks kept as they are on cpu; a dtype given expands them).")] = DType("auto")

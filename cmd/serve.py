@@ -63,7 +63,7 @@ SERVER = "Server"
 class ServeOptions:
     model: _OPTION["model"] = None
     host: Annotated[str, typer.Option(
-        "--host", rich_help_panel=SERVER,
+        "--host", rich_help_panel=SERVER, metavar="ADDR",
         help="Address to listen on; 0.0.0.0 (or ::) listens on every interface.")] = "127.0.0.1"
     port: Annotated[int, typer.Option(
         "--port", min=0, max=65535, rich_help_panel=SERVER,

@@ -216,3 +216,7 @@ def test_version_and_help():
     for option in ("--model", "--prompt", "--system", "--max-tokens", "--temperature", "--top-p", "--seed",
                    "--device", "--dtype", "--template", "--json", "--stats", "--color", "--version"):
         assert option.encode() in helped.stdout
+    # One style of placeholder (-n N, --prompt TEXT, --color auto|always|never), not typer's <int>.
+    for shown in (helped, run_cli("serve", "--help")):
+        assert shown.returncode == 0 and re.search(rb"--[\w-]+ N ", shown.stdout)
+        assert not re.search(rb"--[\w-]+ <", shown.stdout), shown.stdout.decode()
