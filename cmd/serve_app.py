@@ -41,7 +41,6 @@ from llama_chat.cmd.sanitize import one_line
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
 from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError
 from llama_chat.ml.controls import MAX_SEED
-from llama_chat.ml.grammar_compile import Budget
 from llama_chat.model.safe_input import BadInput, NotText, json_problem, loads
 from llama_chat.model.tokenizers.base import encode_prompt
 
@@ -61,9 +60,10 @@ LOG_OUTCOME = "llama_chat.outcome"
 CLIENT_GONE = 499  # nginx's status for a client that closed its connection before the answer
 SHOWN_PATH_CHARS = 200
 # A request's body takes 20 to 30 times its size in memory while it is parsed and its schema
-# compiled; many large ones at once would add up. Those being prepared at once share this budget
-# (a small one fits beside the largest): the others wait their turn in their worker thread.
-PREPARING = Budget(4 << 20)
+# compiled. Large ones are prepared a few at a time, in few threads (each thread's allocations
+# keep an arena of memory of their own), while small ones go on beside them.
+LARGE_BODY_BYTES = 64 * 1024
+LARGE_BODIES_AT_ONCE = 2
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ class ServerState:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s  # for a request's body, once its headers are in
+        self.large_bodies = anyio.CapacityLimiter(LARGE_BODIES_AT_ONCE)
         self.log = log
         self.phase = "loading"
         self.served: Served | None = None
@@ -267,7 +268,9 @@ async def _generate(state: ServerState, request: HttpRequest,
     # Parsing the body, checking the fields (a schema compiles) and tokenizing (a template renders)
     # are CPU work: off the event loop, which streams every other client's tokens.
     reply_id = uuid.uuid4().hex[:24]
-    generation, requests, prompt_lens = await anyio.to_thread.run_sync(_prepare, served, data, parse, reply_id)
+    limiter = state.large_bodies if len(data) > LARGE_BODY_BYTES else None
+    generation, requests, prompt_lens = await anyio.to_thread.run_sync(_prepare, served, data, parse, reply_id,
+                                                                       limiter=limiter)
     try:
         choices = served.serving.submit(requests)
     except RequestError as e:
@@ -289,15 +292,11 @@ def _refused(e: RequestError, generation: Generation) -> ApiError:
 
 def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Generation], reply_id: str
              ) -> tuple[Generation, list[Request], list[int]]:
-    """The request's jobs from its body, within the budget of bodies being prepared at once."""
-    with PREPARING.held(len(data)):
-        return _jobs(served, parse(_parse_body(data)), reply_id)
-
-
-def _jobs(served: Served, generation: Generation, reply_id: str) -> tuple[Generation, list[Request], list[int]]:
-    """The request's jobs: ``n`` per prompt, choice ``j`` seeded ``seed + j`` when a seed is given.
-    Each prompt's first job is checked here, in a worker thread, where its constraint is compiled
-    against the vocabulary (kept for the others, and for the check at submission)."""
+    """The request's jobs from its body: ``n`` per prompt, choice ``j`` seeded ``seed + j`` when a
+    seed is given. Each prompt's first job is checked here, in a worker thread, where its
+    constraint is compiled against the vocabulary (kept for the others, and for the check at
+    submission)."""
+    generation = parse(_parse_body(data))
     _check_model(served, generation.model)
     # From the request's shape, before any prompt is tokenized or any job built.
     jobs = len(generation.prompts) * generation.n
