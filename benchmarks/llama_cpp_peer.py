@@ -42,6 +42,10 @@ CMAKE_FLAGS = (
     "-DGGML_CUDA=OFF",
     "-DGGML_VULKAN=OFF",
     "-DGGML_METAL=OFF",
+    # ggml's AMX matrix products crash (SIGSEGV) on Intel Xeons whose VM does not grant the AMX
+    # tile state; the explicit -mno flags win over -march=native's.
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
 )
 BUILD_STAMP = "build-info.json"
 
