@@ -198,7 +198,7 @@ def family_files(peer, cache: Path, threads: int) -> list[Path]:
             if not (hf_dir / "config.json").is_file():
                 tokenizer = REPO / "model" / "default_model"
                 fields = dict(vocab_size=32000, rms_norm_eps=1e-6, max_position_embeddings=4096,
-                              bos_token_id=1, eos_token_id=2, **shape)
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape)
                 config = config_class(**fields)
                 torch.manual_seed(0)
                 model = model_class(config).eval()

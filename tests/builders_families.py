@@ -117,6 +117,8 @@ def write_family_gguf(path: Path, hf, family: str, sp_model: Path, *, qtype: T =
     writer.add_file_type({T.F32: 0, T.F16: 1}.get(qtype, 7))
     if family.startswith("gemma"):
         writer.add_sliding_window(c.sliding_window)
+    if family == "phi3":  # the converter writes 0 for a config without a window
+        writer.add_sliding_window(c.sliding_window or 0)
     if family == "gemma2":
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
         writer.add_final_logit_softcapping(c.final_logit_softcapping)

@@ -452,7 +452,8 @@ def _switches(contents: GGUFContents, arch: str, family: Family) -> dict[str, An
             if contents.metadata.get(f"{arch}.{key}") is not None:
                 switches[ours] = meta_float(contents, f"{arch}.{key}")
     window = contents.metadata.get(f"{arch}.attention.sliding_window")
-    if window is not None and family.name in ("gemma2", "gemma3", "phi3"):
+    # llama.cpp's converter writes 0 for a Phi-3 config without a window: none, as llama.cpp reads it.
+    if window is not None and window != 0 and family.name in ("gemma2", "gemma3", "phi3"):
         n_layers = meta_int(contents, f"{arch}.block_count")
         switches["sliding_window"] = meta_int(contents, f"{arch}.attention.sliding_window")
         # llama.cpp's patterns: Gemma 2 every other layer from the first, Gemma 3 five of six.
