@@ -197,7 +197,6 @@ def execute(opts: Options) -> int:
         _error(err, str(e))
         return exit_status.USAGE
     except Exception as e:  # noqa: BLE001 - the last line of defence: one line, or a traceback on request
-        from llama_chat.inference.remote import RemoteError
         from llama_chat.inference.types import RequestError, sole_exception
         from llama_chat.model.errors import ModelLoadError
 
@@ -210,10 +209,9 @@ def execute(opts: Options) -> int:
         if isinstance(e, (ModelLoadError, RequestError)):
             _error(err, " ".join(str(e).split("\n")))
             return exit_status.USAGE
-        message = str(e).splitlines()[0] if str(e) else ""
-        if not isinstance(e, RemoteError):  # a server's failure is said in words; others by their kind too
-            message = f"{type(e).__name__}{': ' + message if message else ''}"
-        _error(err, message)
+        from llama_chat.cmd.report import failure_line
+
+        _error(err, failure_line(e))
         return exit_status.FAILURE
 
 

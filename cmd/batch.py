@@ -36,11 +36,12 @@ from llama_chat.cmd import exit_status
 from llama_chat.cmd.batch_input import BadLine, BatchReader, JobLine
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.prompt import prompt_ids
+from llama_chat.cmd.report import failure_line
 from llama_chat.cmd.run_command import load, silence_stdout, warm_up
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import StopRequest, install_sync_handlers, watch_signals
 from llama_chat.inference.jobs import JobStream
-from llama_chat.inference.remote import RemoteError, RemoteModel, RemoteSource
+from llama_chat.inference.remote import RemoteModel, RemoteSource
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions, SchedulerStats
 from llama_chat.inference.types import Completion, GenerationState, Request, RequestError, sole_exception
 
@@ -164,10 +165,9 @@ class ReadyJob:
 
 
 def _problem(e: Exception) -> str:
-    if isinstance(e, (UsageProblem, RequestError, RemoteError, ValueError)):
+    if isinstance(e, (UsageProblem, RequestError, ValueError)):
         return str(e)
-    first = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}{': ' + first if first else ''}"
+    return failure_line(e)
 
 
 class JobMaker:

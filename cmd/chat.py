@@ -46,7 +46,7 @@ from llama_chat.cmd.conversation_file import (SAVE_FORMAT, ConversationError, Tu
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.render import make_renderer
-from llama_chat.cmd.report import seed_to_report, weights_text
+from llama_chat.cmd.report import failure_line, seed_to_report, weights_text
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers, interruptible_prompt, no_control_echo
 from llama_chat.cmd.sanitize import displayable
@@ -319,7 +319,7 @@ class ChatRunner:
 
                 traceback.print_exc()
             chat.turns.pop()  # the user message stays unanswered: take it back
-            self.say(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", style="bold")
+            self.say(f"error: {failure_line(e)}", style="bold")
             return
         finally:
             install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default

@@ -19,6 +19,17 @@ def _fmt(value: float | None, unit: str, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f} {unit}"
 
 
+def failure_line(e: BaseException) -> str:
+    """The one line an unexpected failure is told in: a remote server's in its own words, any other
+    with its kind first (a bare "division by zero" would say too little)."""
+    from llama_chat.inference.remote import RemoteError
+
+    message = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, RemoteError):
+        return message
+    return f"{type(e).__name__}{': ' + message if message else ''}"
+
+
 def seed_to_report(seed: int, *, given: int | None, temperature: float) -> int | None:
     """The seed worth telling: the one the user gave, or the one drawn for a sampled run; None for
     a greedy run nobody seeded, whose tokens no seed changes."""

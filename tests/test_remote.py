@@ -324,3 +324,13 @@ def test_a_server_that_stalls_mid_stream_is_one_line_and_a_failure():
         proc = run_cli("-m", f"openai:{url}", "-p", "hi", timeout=WAIT_S, LLAMA_CHAT_REMOTE_READ_TIMEOUT_S="2")
     assert_one_line_and_fails(proc, "the server sent nothing for 2 s")
 
+
+
+def test_a_failure_is_one_line_a_servers_in_its_own_words_others_by_their_kind():
+    """The rule the command, its batch records and the chat share (``report.failure_line``)."""
+    from llama_chat.cmd.report import failure_line
+
+    assert failure_line(RemoteError("the server answered 500: the model fell over\nmore")) == (
+        "the server answered 500: the model fell over")
+    assert failure_line(ZeroDivisionError("division by zero")) == "ZeroDivisionError: division by zero"
+    assert failure_line(KeyError()) == "KeyError"
