@@ -86,7 +86,8 @@ Commands:
   /save FILE          write the conversation to FILE as JSON
   /load FILE          read a conversation written by /save
   /retry              generate the last reply again
-Input: \"\"\" on a line of its own starts and ends a message of several lines.
+Input: \"\"\" on a line of its own starts and ends a message of several lines; a message that
+starts with / is typed with two (//etc/hosts is sent as /etc/hosts).
 Ctrl+C stops a reply (it stays in the conversation, marked as interrupted)."""
 
 

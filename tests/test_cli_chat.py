@@ -344,3 +344,9 @@ def test_a_stop_string_split_across_tokens_stops_and_is_not_printed(tiny):
     assert proc.returncode == 0
     assert proc.stdout.decode() == text[:text.find(stop)] + "\n"  # a pipe's output ends its line
     assert b"finish: stop_string" in proc.stderr
+
+
+def test_the_help_says_how_to_send_a_message_that_starts_with_a_slash():
+    from llama_chat.cmd.chat import HELP
+
+    assert "//etc/hosts is sent as /etc/hosts" in " ".join(HELP.split())
