@@ -171,10 +171,15 @@ def _compile_here(kind: str, source: str) -> str:
             grammar = llg.grammar_from("grammar", source)
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
     except (ValueError, TypeError, RecursionError) as e:
-        raise ControlError(kind, f"is not valid: {one_line(str(e), kind)}") from None
+        raise ControlError(kind, _not_valid(one_line(str(e), kind))) from None
     if failed:
-        raise ControlError(kind, f"is not valid: {one_line(messages[0], kind)}")
+        raise ControlError(kind, _not_valid(one_line(messages[0], kind)))
     return grammar
+
+
+def _not_valid(reason: str) -> str:
+    """The engine's reason, said once: "invalid regex ..." needs no "is not valid" before it."""
+    return reason if reason.lower().startswith("invalid") else f"is not valid: {reason}"
 
 
 def one_line(message: str, kind: str) -> str:

@@ -541,7 +541,7 @@ def test_one_shot_command_takes_each_option(tiny, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--json-schema", "{bad"], "Invalid value for '--json-schema': is not valid JSON"),
     (["--json-schema", '{"type": "foo"}'], "Invalid type: foo"),
-    (["--regex", "a("], "Invalid value for '--regex': is not valid: invalid regex \"a(\": unclosed group"),
+    (["--regex", "a("], "Invalid value for '--regex': invalid regex \"a(\": unclosed group"),
     (["--grammar", "/no/such/file"], "Invalid value for '--grammar': cannot read '/no/such/file'"),
     (["--format", "yaml"], "Invalid value for '--format': must be one of json, none, got 'yaml'"),
     (["--format", "json", "--regex", "a+"], "structured output takes one of --json-schema, --format json, --regex "
