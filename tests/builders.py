@@ -130,3 +130,21 @@ def separate_greedy_choices(hf, seed: int, scale) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * scale(p))
     hf.generation_config.eos_token_id = None  # always generate all the tokens asked for
     hf.generation_config.pad_token_id = 0
+
+
+def cached_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    """``n`` greedy ids after ``prompt`` (``(1, seq)``): prefilled once, then one token per forward
+    through the layers' KV cache, as the parity tests decode."""
+    from llama_chat.model.kv_cache import KVCache
+
+    cache = KVCache.for_model(model.args, 1, max_seq_len=prompt.shape[1] + n)
+    pos = prompt.shape[1]
+    with torch.inference_mode():
+        logits = model(prompt, torch.arange(pos).unsqueeze(0), cache, last_only=True)
+        out: list[int] = []
+        for _ in range(n):
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            logits = model(torch.tensor([[token]]), torch.tensor([[pos]]), cache)
+            pos += 1
+    return out

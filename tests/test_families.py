@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from builders import cached_greedy  # noqa: E402
 from builders_families import FAMILY_NAMES, WINDOW, hf_family_model, round_trip, write_family_gguf  # noqa: E402
 from builders_gguf import T  # noqa: E402
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions  # noqa: E402
@@ -61,21 +62,6 @@ def _hf_greedy(hf, prompt: torch.Tensor, n: int = NEW_TOKENS) -> list[int]:
     return out[0, prompt.shape[1]:].tolist()
 
 
-def _greedy(model, prompt: torch.Tensor, n: int = NEW_TOKENS) -> list[int]:
-    """Prefill once, then one token per forward through the layers' KV cache."""
-    cache = KVCache.for_model(model.args, 1, max_seq_len=prompt.shape[1] + n)
-    pos = prompt.shape[1]
-    with torch.inference_mode():
-        logits = model(prompt, torch.arange(pos).unsqueeze(0), cache, last_only=True)
-        out: list[int] = []
-        for _ in range(n):
-            token = int(logits[0, -1].argmax())
-            out.append(token)
-            logits = model(torch.tensor([[token]]), torch.tensor([[pos]]), cache)
-            pos += 1
-    return out
-
-
 def _saved(hf, out: Path, sp_model_path: Path) -> Path:
     if not out.exists():
         hf.save_pretrained(out)
@@ -95,7 +81,7 @@ def test_hugging_face_checkpoint_gives_transformers_logits_and_greedy_tokens(
         want = hf(prompt).logits.float()
         got = loaded.model(prompt)
     assert (got - want).abs().max().item() <= 1e-4
-    assert _greedy(loaded.model, prompt) == _hf_greedy(hf, prompt)
+    assert cached_greedy(loaded.model, prompt, NEW_TOKENS) == _hf_greedy(hf, prompt)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -116,7 +102,7 @@ def test_the_cpu_operator_takes_every_familys_layers_and_gives_transformers_toke
     token = torch.tensor([[5]])
     with torch.inference_mode():
         assert cpu_decode.takes(loaded.model, token, KVCache.for_model(loaded.args, 1, max_seq_len=8))
-    assert _greedy(loaded.model, prompt) == _hf_greedy(hf, prompt)
+    assert cached_greedy(loaded.model, prompt, NEW_TOKENS) == _hf_greedy(hf, prompt)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
@@ -172,7 +158,7 @@ def test_gguf_file_as_the_converter_writes_it_gives_transformers_tokens(tmp_path
         got, want = got[:, :WINDOW], want[:, :WINDOW]
     assert (got - want).abs().max().item() <= 1e-4
     if family != "mistral":
-        assert _greedy(loaded.model, prompt) == _hf_greedy(hf, prompt)
+        assert cached_greedy(loaded.model, prompt, NEW_TOKENS) == _hf_greedy(hf, prompt)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3"])

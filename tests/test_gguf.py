@@ -18,11 +18,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from builders import train_sentencepiece, weights_only_int8  # noqa: E402
+from builders import cached_greedy, train_sentencepiece, weights_only_int8  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, hf_config, hf_llama, hf_with_file_weights, write_gguf  # noqa: E402
 from tokenizer_builders import CORPUS, train_llama_sentencepiece, write_tiktoken_file  # noqa: E402
 from llama_chat.model.errors import ModelLoadError  # noqa: E402
-from llama_chat.model.kv_cache import KVCache  # noqa: E402
 from llama_chat.model.loader import detect_layout, load_model  # noqa: E402
 from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer  # noqa: E402
 from llama_chat.model.tokenizers.tiktoken import TiktokenTokenizer  # noqa: E402
@@ -60,19 +59,6 @@ HOLD_OUT = [
     " ",
     "x" * 300,
 ]
-
-
-def _greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
-    cache = KVCache.for_model(model.args, 1, max_seq_len=prompt.shape[1] + n)
-    pos = prompt.shape[1]
-    logits = model(prompt, torch.arange(pos).unsqueeze(0), cache, last_only=True)
-    out: list[int] = []
-    for _ in range(n):
-        token = int(logits[0, -1].argmax())
-        out.append(token)
-        logits = model(torch.tensor([[token]]), torch.tensor([[pos]]), cache)
-        pos += 1
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +113,7 @@ def test_f32_and_f16_files_match_the_hf_checkpoint(tmp_path, sp_model, name, qty
             assert rel <= RELATIVE_TOLERANCE[T.F16]
         hf_tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                 max_new_tokens=NEW_TOKENS)[0, PROMPT_LEN:].tolist()
-        ours = _greedy(loaded.model, prompt, NEW_TOKENS)
+        ours = cached_greedy(loaded.model, prompt, NEW_TOKENS)
     assert ours == hf_tokens
 
 

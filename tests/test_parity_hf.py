@@ -15,11 +15,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from builders import separate_greedy_choices, train_sentencepiece  # noqa: E402
+from builders import cached_greedy, separate_greedy_choices, train_sentencepiece  # noqa: E402
 from llama_chat.inference.engine import Engine, EngineOptions  # noqa: E402
 from llama_chat.inference.model_step import ModelStep, StepOptions  # noqa: E402
 from llama_chat.ml.sampling import SamplingParams  # noqa: E402
-from llama_chat.model.kv_cache import KVCache  # noqa: E402
 from llama_chat.model.loader import DEFAULT_MAX_SEQ_LEN, load_model  # noqa: E402
 
 PROMPT_LEN = 64
@@ -63,20 +62,6 @@ def _hf_model(tokenizer_vocab: int, spec: dict, seed: int):
     return hf.eval()
 
 
-def _greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
-    """Prefill once, then one token per forward through our KV cache."""
-    cache = KVCache.for_model(model.args, 1, max_seq_len=prompt.shape[1] + n)
-    pos = prompt.shape[1]
-    logits = model(prompt, torch.arange(pos).unsqueeze(0), cache, last_only=True)
-    out: list[int] = []
-    for _ in range(n):
-        token = int(logits[0, -1].argmax())
-        out.append(token)
-        logits = model(torch.tensor([[token]]), torch.tensor([[pos]]), cache)
-        pos += 1
-    return out
-
-
 # Every config from one safetensors file; one of them also from shards through the index.
 CASES = [(name, False) for name in CONFIGS] + [("gqa-tied", True)]
 
@@ -110,7 +95,7 @@ def test_logits_and_greedy_tokens_match_transformers(tmp_path, tokenizer_model, 
 
         hf_tokens = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                 max_new_tokens=NEW_TOKENS)[0, PROMPT_LEN:].tolist()
-        ours = _greedy(loaded.model, prompt, NEW_TOKENS)
+        ours = cached_greedy(loaded.model, prompt, NEW_TOKENS)
     assert len(hf_tokens) == NEW_TOKENS
     assert ours == hf_tokens
 
