@@ -283,6 +283,15 @@ def interleave_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def rotated_heads(name: str, args: ModelArgs) -> int | None:
+    """For a tensor whose rows the rotary reads in pairs (the q and k projections, their biases
+    and head norms), how many heads its rows split into; None for any other tensor."""
+    heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads,
+             "attention.bq": args.n_heads, "attention.bk": args.n_kv_heads,
+             "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}
+    return next((n for suffix, n in heads.items() if name.endswith("." + suffix)), None)
+
+
 def interleave_order(rows: int, n_heads: int) -> torch.Tensor:
     """The row indices ``interleave_rows`` takes: ``w[order]`` is the reordered ``w``."""
     return interleave_rows(torch.arange(rows), n_heads)

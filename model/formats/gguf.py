@@ -35,7 +35,7 @@ from llama_chat.ml.ops import LinearRope, LongRope, RopeScaling, rope_frequencie
 from llama_chat.ml.packed import PACKED_TYPES, PackedWeight
 from llama_chat.model.args import MAX_SIZE, ModelArgs
 from llama_chat.model.errors import ModelLoadError
-from llama_chat.model.families import GGUF_ARCHITECTURES, FAMILIES, Family, check_fused, interleave_order
+from llama_chat.model.families import GGUF_ARCHITECTURES, FAMILIES, Family, check_fused, interleave_order, rotated_heads
 from llama_chat.model.formats.common import (
     Checkpoint,
     Deferred,
@@ -232,10 +232,7 @@ def _rows(weight: Weight, start: int, end: int) -> Weight:
 def _in_pairs(meta: str, weight: Weight, args: ModelArgs) -> Weight:
     """A NEOX file's q/k rows, biases and head norms in the pairs our rotary takes (a copy of
     these few tensors; every other weight stays the file's mapping)."""
-    heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads,
-             "attention.bq": args.n_heads, "attention.bk": args.n_kv_heads,
-             "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}
-    n = next((n for suffix, n in heads.items() if meta.endswith("." + suffix)), None)
+    n = rotated_heads(meta, args)
     rows = weight.shape[0]
     if n is None or rows % (2 * n):
         return weight  # not rotated, or a shape the check names

@@ -17,7 +17,7 @@ from llama_chat.model.formats.common import (
     torch_load,
     unreadable,
 )
-from llama_chat.model.families import Family, check_fused, hf_args, interleave_rows
+from llama_chat.model.families import Family, check_fused, hf_args, interleave_rows, rotated_heads
 from llama_chat.model.formats.json_files import read_json
 from llama_chat.model.errors import ModelLoadError
 
@@ -80,16 +80,12 @@ def meta_name(hf_name: str, layer_names: dict[str, str]) -> str | None:
 def _as_ours(name: str, tensor: torch.Tensor, args: ModelArgs, norm_shift: bool, file: str) -> Weight:
     """A tensor as the model reads it: q/k rows (and their biases and head norms) in pairs, and a
     Gemma norm's ``w`` as ``1 + w`` in float32 (Gemma computes the sum in float32)."""
-    # The q/k rows are reordered as they are copied to the target (see hf_to_interleaved).
-    if name.endswith("attention.wq.weight"):
-        return _permuted(tensor, args.n_heads, file, name)
-    if name.endswith("attention.wk.weight"):
-        return _permuted(tensor, args.n_kv_heads, file, name)
-    heads = {"attention.bq": args.n_heads, "attention.bk": args.n_kv_heads,
-             "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}
-    for suffix, n in heads.items():
-        if name.endswith(suffix) and tensor.dim() == 1 and tensor.shape[0] % (2 * n) == 0:
-            tensor = interleave_rows(tensor, n)
+    heads = rotated_heads(name, args)
+    if heads is not None and tensor.dim() == 2:
+        # Reordered as they are copied to the target (see hf_to_interleaved).
+        return _permuted(tensor, heads, file, name)
+    if heads is not None and tensor.dim() == 1 and tensor.shape[0] % (2 * heads) == 0:
+        tensor = interleave_rows(tensor, heads)
     if norm_shift and name.endswith("norm.weight"):
         tensor = tensor.float() + 1
     return tensor
