@@ -136,6 +136,11 @@ class ProgressBar:
             self.file.flush()
             self.shown = False
 
+    def input_ended(self, stats: SchedulerStats) -> None:
+        """The total is known: said at once, not at the next tick (a short batch may end first)."""
+        self.all_read = True
+        self.draw(stats)
+
     def draw(self, stats: SchedulerStats) -> None:
         width = 24
         filled = width * self.done // max(1, self.read) if self.all_read else 0
@@ -280,7 +285,7 @@ async def _run_all(run: BatchRun) -> None:
                 return
             if not items:
                 if run.progress is not None:
-                    run.progress.all_read = True
+                    run.progress.input_ended(run.scheduler.stats)
                 return
             for item in items:
                 await run.window.acquire()
