@@ -44,6 +44,7 @@ from llama_chat.inference.jobs import JobStream
 from llama_chat.inference.remote import RemoteModel, RemoteSource
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions, SchedulerStats
 from llama_chat.inference.types import Completion, GenerationState, Request, RequestError, sole_exception
+from llama_chat.model.memory_budget import gigabytes
 
 if TYPE_CHECKING:
     from llama_chat.cmd.options import Options
@@ -324,7 +325,8 @@ def stats_text(stats: SchedulerStats, elapsed: float) -> str:
     return (f"batch: {stats.jobs_finished} jobs; prompt tokens: {stats.prefill_tokens} prefilled, "
             f"{stats.cached_tokens} from cached pages; generated {stats.generated_tokens} tokens in {elapsed:.2f} s "
             f"({stats.generated_tokens / max(elapsed, 1e-9):.1f} tok/s); pages: {stats.pages_peak} peak of "
-            f"{stats.pages_total} ({stats.page_size} tokens each), {stats.evictions} evicted")
+            f"{stats.pages_total} ({stats.page_size} tokens each), {stats.evictions} evicted; KV memory: "
+            f"{gigabytes(stats.kv_resident_bytes)} resident of {gigabytes(stats.kv_reserved_bytes)} reserved")
 
 
 def plural(count: int, noun: str) -> str:

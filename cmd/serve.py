@@ -57,6 +57,8 @@ CONNECTIONS_MARGIN_S = 5.0
 LISTEN_BACKLOG = 2048
 RESTART_PAUSE_S = 0.5  # after the scheduler failed: not a busy loop if it fails again at once
 SERVER = "Server"
+# The paged cache's most bytes by default where the machine's free memory cannot be read.
+POOL_BYTES_UNKNOWN = 4 * 2**30
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,8 @@ class ServeOptions:
         "max_batch", "--max-batch", rich_help_panel=BATCH, help="Most jobs generating at once.")] = 16
     cache_tokens: Annotated[int | None, ranged(
         "cache_tokens", "--cache-tokens", rich_help_panel=BATCH,
-        help="Size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536 and 4 GiB; "
-             "at least one context).")] = None
+        help="Size of the paged KV cache in tokens (default: --max-batch contexts, within half the memory "
+             "free once the model is loaded; at least one context). Pages take memory only where written.")] = None
     ctx_size: _OPTION["ctx_size"] = None
     device: _OPTION["device"] = "auto"
     dtype: _OPTION["dtype"] = "auto"
@@ -295,15 +297,30 @@ async def _load(opts: ServeOptions, log: ServerLog, stop: anyio.Event):
     return result[0] if result else None
 
 
+def pool_tokens(token_bytes: int, context: int, max_batch: int, available: int | None) -> int:
+    """The paged cache's tokens when ``--cache-tokens`` is not given: every batch slot at the
+    full context, within half the memory the machine has left once the weights are loaded
+    (``available``; None: unknown, and then ``POOL_BYTES_UNKNOWN``), but always one whole context.
+
+    The pool is reserved, not touched: it takes memory only where jobs write (page_table.py), so
+    this is the most it may take, not what it takes at rest.
+    """
+    budget = POOL_BYTES_UNKNOWN if available is None else available // 2
+    return max(context, min(max_batch * context, budget // token_bytes))
+
+
 def _load_model(opts: ServeOptions):
     from llama_chat.cmd.run_command import load, warm_up
+    from llama_chat.model.memory_budget import available_bytes, kv_token_bytes
     from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 
     options = opts.options()
     err = Console(stderr=True, highlight=False, quiet=opts.quiet)
     loaded = load(options, err)
+    cache_tokens = opts.cache_tokens or pool_tokens(kv_token_bytes(loaded.model), loaded.model.args.max_seq_len,
+                                                    opts.max_batch, available_bytes())
     scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
-        max_batch=opts.max_batch, cache_tokens=opts.cache_tokens, quantize=options.quantize,
+        max_batch=opts.max_batch, cache_tokens=cache_tokens, quantize=options.quantize,
         compile=bool(opts.compile)))
     warm_up(scheduler, options.sampling(), err, quiet=opts.quiet)
     return loaded, scheduler
@@ -322,7 +339,8 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
                 state.ready(served)
                 if first:
                     log.note(f"ready: model {loaded.name!r} ({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')}), "
-                             f"context {scheduler.max_seq_len} tokens, batch of {opts.max_batch}, queue of {opts.queue_limit}")
+                             f"context {scheduler.max_seq_len} tokens, batch of {opts.max_batch}, queue of {opts.queue_limit}; "
+                             f"{_pool_text(scheduler)}")
                 await stop.wait()
                 state.phase = "stopping"
                 server.should_exit = True  # no new connections; uvicorn waits for the open ones
@@ -344,6 +362,15 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
             if stop.is_set():
                 return exit_status.FAILURE
             await anyio.sleep(RESTART_PAUSE_S)
+
+
+def _pool_text(scheduler) -> str:
+    """The KV pool as the ready line says it: its tokens, their type and the most it may take."""
+    from llama_chat.model.memory_budget import gigabytes
+
+    stats, cache = scheduler.stats, scheduler.core.cache
+    return (f"KV cache of {stats.pages_total * stats.page_size} tokens, {cache.type_name}, "
+            f"up to {gigabytes(stats.kv_reserved_bytes)} (resident where written)")
 
 
 __all__ = ["ServeOptions", "listen", "run_serve", "serve_app"]

@@ -150,7 +150,8 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
         return JSONResponse({"status": "ok" if status == 200 else state.phase}, status_code=status)
 
     async def metrics(request: HttpRequest) -> Response:
-        text = state.metrics.exposition(state.snapshot())
+        snapshot = state.snapshot()
+        text = state.metrics.exposition(snapshot) + _kv_memory_lines(snapshot.stats)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def models(request: HttpRequest) -> Response:
@@ -193,6 +194,19 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
                                      allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["Authorization", "Content-Type"]))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: http_error})
+
+
+def _kv_memory_lines(stats) -> str:
+    """The KV pool's memory: resident where written, up to what it reserved (page_table.py)."""
+    if stats is None:
+        return ""
+    lines = []
+    for name, help, value in (
+            ("llama_chat_kv_resident_bytes", "Bytes of KV cache pages written and not given back to the system.",
+             stats.kv_resident_bytes),
+            ("llama_chat_kv_reserved_bytes", "The most bytes the KV cache's pages may take.", stats.kv_reserved_bytes)):
+        lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {value}"]
+    return "\n".join(lines) + "\n"
 
 
 def _authorize(state: ServerState, request: HttpRequest) -> None:

@@ -70,7 +70,7 @@ class BatchCore:
         self.device = device
         self.cache = PagedKVCache.for_model(model.args, settings.num_pages, settings.page_size,
                                             device=device, dtype=dtype)
-        self.pages = PageTable(settings.num_pages)
+        self.pages = PageTable(settings.num_pages, self.cache)
         self._serials = itertools.count(1)
         self.token_bytes = token_bytes
         self.sample_ids = sample_ids

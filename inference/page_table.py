@@ -12,6 +12,12 @@ A page is in one of three states:
 
 ``allocate`` takes free pages first, then evicts cached pages, oldest first; both count as
 ``available``.
+
+A page is also resident or not: the pool's memory is reserved, and a page takes memory once
+written. Free pages that were written are handed out first. When written pages that nobody holds
+pass the pool's ``keep_pages`` (twice that while jobs run, the keep itself once none does), the
+oldest of them, free ones first and then cached ones, are given back to the system
+(``PagedKVCache.return_pages``): memory falls back after a burst of jobs.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE
 
@@ -44,11 +51,27 @@ def page_keys(tokens: Sequence[int], page_size: int, *, start: int = 0,
     return keys
 
 
+class PagePool(Protocol):
+    """Where the pages' memory is (``PagedKVCache``)."""
+
+    @property
+    def keep_pages(self) -> int: ...
+
+    def return_pages(self, pages: list[int]) -> list[int]: ...
+
+
 class PageTable:
     """Reference counts, the prefix index and the free and cached lists of one page pool."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, pool: PagePool | None = None) -> None:
         self.num_pages = num_pages
+        self.pool = pool
+        # Pages written since the pool was made or last gave them back; the scratch page is
+        # written by every padding token.
+        self.written = bytearray(num_pages)
+        self.written[SCRATCH_PAGE] = 1
+        self.resident = 1
+        self.returned = 0  # pages given back to the system so far
         self.refs = [0] * num_pages
         self.key_of: list[PageKey | None] = [None] * num_pages
         self.by_key: dict[PageKey, int] = {}
@@ -101,6 +124,7 @@ class PageTable:
                 self._forget(page)
                 self.evictions += 1
             self.refs[page] = 1
+            self._write(page)
             pages.append(page)
         return pages
 
@@ -115,6 +139,7 @@ class PageTable:
                 self.free = [p for p in self.free if p not in taken]
                 for page in run:
                     self.refs[page] = 1
+                    self._write(page)
                 return run
         return None
 
@@ -138,6 +163,7 @@ class PageTable:
                 self.cached[page] = None
             else:
                 self.free.append(page)
+        self._give_back()
 
     def register(self, page: int, key: PageKey) -> None:
         """Record that ``page`` (full, referenced) holds the prefix ``key``. A prefix already held
@@ -145,6 +171,42 @@ class PageTable:
         if key not in self.by_key and self.key_of[page] is None:
             self.by_key[key] = page
             self.key_of[page] = key
+
+    @property
+    def unheld_resident(self) -> int:
+        """Written pages nobody holds: free ones not given back, and cached ones."""
+        return self.resident - 1 - self.in_use
+
+    def _write(self, page: int) -> None:
+        if not self.written[page]:
+            self.written[page] = 1
+            self.resident += 1
+
+    def _give_back(self) -> None:
+        """Give the oldest unheld written pages back to the system, down to the pool's keep,
+        once they pass it (twice over while jobs hold pages, so that a long burst does not pay
+        for it at every job's end)."""
+        if self.pool is None:
+            return
+        keep, unheld = self.pool.keep_pages, self.unheld_resident
+        if unheld <= (keep if self.in_use == 0 else 2 * keep):
+            return
+        # Oldest first: free pages deepest in the list (the last ones are taken first), then
+        # cached ones least recently released.
+        candidates = [p for p in self.free if self.written[p]][:unheld - keep]
+        evicted = list(self.cached)[:max(0, unheld - keep - len(candidates))]
+        for page in evicted:
+            del self.cached[page]
+            self._forget(page)
+            self.evictions += 1
+        returned = set(self.pool.return_pages(sorted(candidates + evicted)))
+        for page in returned:
+            self.written[page] = 0
+        self.resident -= len(returned)
+        self.returned += len(returned)
+        # Pages given back go to the bottom of the free list, below every written one.
+        kept = [p for p in self.free if p not in returned] + [p for p in evicted if p not in returned]
+        self.free = sorted(returned, reverse=True) + kept
 
     def _forget(self, page: int) -> None:
         key = self.key_of[page]

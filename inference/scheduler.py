@@ -104,6 +104,8 @@ class SchedulerStats:
     pages_peak: int
     evictions: int
     compactions: int = 0  # jobs running alone moved onto consecutive pages (batch_core._compact)
+    kv_resident_bytes: int = 0  # the cache's pages written and not given back (page_table.py)
+    kv_reserved_bytes: int = 0  # the most the cache's pages may take
 
     @property
     def pages_available(self) -> int:
@@ -296,7 +298,9 @@ class Scheduler:
         c, pages = self.core.counters, self.core.pages
         return SchedulerStats(c.submitted, c.finished, c.prefill_tokens, c.cached_tokens, c.generated_tokens,
                               c.steps, c.mixed_steps, self.page_size, pages.usable, len(pages.free),
-                              len(pages.cached), pages.in_use, c.pages_peak, pages.evictions, c.compactions)
+                              len(pages.cached), pages.in_use, c.pages_peak, pages.evictions, c.compactions,
+                              pages.resident * self.core.cache.page_bytes,
+                              self.core.cache.num_pages * self.core.cache.page_bytes)
 
     # -- the producer ----------------------------------------------------------------------------
 

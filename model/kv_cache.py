@@ -8,19 +8,28 @@ import mmap
 import torch
 
 
-def zeros(shape: tuple[int, ...], *, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of zeros that, on the CPU, takes memory only where it is written.
+def mapped_zeros(shape: tuple[int, ...], *, device: torch.device | str,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A tensor of zeros that, on the CPU, takes memory only where it is written, and its mapping
+    (None where it has none: another device, nothing to map).
 
     A cache is made for the whole context and a conversation seldom fills it. ``torch.zeros``
     writes every page; a fresh private anonymous mapping reads as zeros and is resident page by
     page as positions are written (like mlx-lm's cache, which grows as the positions come). Reading
     an unwritten page (a static step attends over the whole cache) maps the kernel's zero page.
+    The mapping lets a paged cache give written pages back (``PagedKVCache.return_pages``).
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):
-        return torch.zeros(shape, device=device, dtype=dtype)
+        return torch.zeros(shape, device=device, dtype=dtype), None
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     # The tensor holds the mapping: it is unmapped when the last view of it goes.
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape), mapping
+
+
+def zeros(shape: tuple[int, ...], *, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """``mapped_zeros``' tensor."""
+    return mapped_zeros(shape, device=device, dtype=dtype)[0]
 
 
 class KVCache:

@@ -18,11 +18,13 @@ Which pages belong to whom, and which are shared, is decided above this module (
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
 
 from llama_chat.ml import ops
+from llama_chat.model.kv_cache import mapped_zeros
 
 # Page 0 is never handed to a sequence: padding tokens write their keys there and padded block
 # table entries point at it, so a static-shaped step never needs a branch for "no page".
@@ -30,6 +32,21 @@ SCRATCH_PAGE = 0
 # The most memory the mirrors of gathered pages may take, all layers (``PagedKVCache.mirror``);
 # past it, rows' pages are gathered into one buffer shared by the layers, every layer of every step.
 MIRROR_MAX_BYTES = 512 * 2**20
+# Written pages that no job holds, kept resident for the next jobs (reused before any other):
+# past this, the oldest are given back to the system (``PageTable``), so that memory falls back
+# after a burst while a chat's next turn still finds its prefix and its pages.
+KEEP_UNHELD_BYTES = 64 * 2**20
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Sorted page ids as runs of consecutive ones, ``[(first, stop), ...]``."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], page + 1)
+        else:
+            runs.append((page, page + 1))
+    return runs
 
 
 @dataclass(frozen=True)
@@ -80,8 +97,11 @@ class PagedKVCache:
         if num_pages < 2:
             raise ValueError("a paged cache needs at least two pages (one is scratch)")
         shape = (n_kv_heads, num_pages, page_size, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        # Reserved, not touched: a page is resident once written (``kv_cache.mapped_zeros``).
+        made = [mapped_zeros(shape, device=device, dtype=dtype) for _ in range(2 * n_layers)]
+        self.keys = [t for t, _ in made[0::2]]
+        self.values = [t for t, _ in made[1::2]]
+        self._mappings = [m for _, m in made if m is not None]
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = torch.device(device)
@@ -93,6 +113,59 @@ class PagedKVCache:
     def for_model(cls, args, num_pages: int, page_size: int, *, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> PagedKVCache:
         return cls(args.n_layers, num_pages, page_size, args.n_kv_heads, args.head_dim, device=device, dtype=dtype)
+
+    @property
+    def type_name(self) -> str:
+        """What a page holds, as the ready line and the stats say it."""
+        return str(self.keys[0].dtype).removeprefix("torch.")
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page takes, keys and values of every layer."""
+        t = self.keys[0]
+        return 2 * len(self.keys) * t.shape[0] * t[:, 0].numel() * t.element_size()
+
+    @property
+    def keep_pages(self) -> int:
+        """Unheld written pages kept resident (``KEEP_UNHELD_BYTES``); the rest go back."""
+        return KEEP_UNHELD_BYTES // self.page_bytes
+
+    def return_pages(self, pages: list[int]) -> list[int]:
+        """Give the memory of ``pages`` (free: nobody reads them) back to the system; the pages
+        whose every byte went back, which read as zeros from then on, and take memory again
+        when written. The rest stay resident.
+
+        Memory goes back in whole pages of the system (4 KiB), and a page of the pool is one
+        slice of each head's keys and values: a few kilobytes, so it goes back with its
+        neighbours, in runs of consecutive pages; one alone may not. Where the cache has no
+        mapping (another device), nothing goes back.
+        """
+        if not self._mappings or not pages:
+            return []
+        t = self.keys[0]
+        head_bytes, page_bytes = t.stride(0) * t.element_size(), t.stride(1) * t.element_size()
+        system = mmap.PAGESIZE
+        returned: list[int] = []
+        for first, stop in _runs(sorted(pages)):
+            spans, low, high = [], first, stop  # the pages covered in every head
+            for head in range(t.shape[0]):
+                start = head * head_bytes + first * page_bytes
+                end = head * head_bytes + stop * page_bytes
+                start, end = -(-start // system) * system, end // system * system
+                if end <= start:
+                    low, high = stop, stop
+                    break
+                spans.append((start, end - start))
+                low = max(low, -(-(start - head * head_bytes) // page_bytes))
+                high = min(high, (end - head * head_bytes) // page_bytes)
+            for mapping in self._mappings:
+                for start, length in spans:
+                    mapping.madvise(mmap.MADV_DONTNEED, start, length)
+            returned.extend(range(low, high))
+        if returned:
+            self._gathered = None
+            self.drop_mirrors()
+        return returned
 
     def gather_buffers(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two tensors of ``pages`` pages for gathered keys and values, reused while the count
