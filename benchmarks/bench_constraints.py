@@ -55,7 +55,7 @@ from llama_chat.ml.constraints import Constraints, GrammarMask  # noqa: E402
 from llama_chat.ml.controls import SamplingParams  # noqa: E402
 from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
 from llama_chat.ml.grammars import Constraint  # noqa: E402
-from llama_chat.ml.processors import TokenHistory, make_sampler  # noqa: E402
+from llama_chat.ml.processors import TokenHistory, make_controls  # noqa: E402
 from llama_chat.ml.sampling import sample  # noqa: E402
 from llama_chat.model.args import ModelArgs  # noqa: E402
 from llama_chat.model.tokenizers.hf import HFTokenizer  # noqa: E402
@@ -163,9 +163,9 @@ STEP_KINDS = ("operator's pick", "eager step with a processor", "eager step with
 def paired_steps(engine: Engine, prompt: list[int], steps: int) -> dict[str, list[float]]:
     """Seconds of each kind of decode step, in turns at every position of a constrained decode."""
     step, vocab = engine.step, engine.tokenizer.vocab_size
-    schema_sampler = make_sampler(GREEDY, eos_ids=engine.stop_ids,
+    schema_sampler = make_controls(GREEDY, eos_ids=engine.stop_ids,
                                   constraint=engine.constraints.processor(Constraint.json_schema(SCHEMA)))
-    bias_sampler = make_sampler(SamplingParams(temperature=0.0, logit_bias=((5, -1.0),)), eos_ids=engine.stop_ids)
+    bias_sampler = make_controls(SamplingParams(temperature=0.0, logit_bias=((5, -1.0),)), eos_ids=engine.stop_ids)
     schema_history = TokenHistory([prompt], vocab_size=vocab)
     bias_history = TokenHistory([prompt], vocab_size=vocab)
     times: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}

@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from llama_chat.inference.engine import Engine, EngineOptions  # noqa: E402
 from llama_chat.inference.types import Request  # noqa: E402
 from llama_chat.ml.controls import SamplingParams  # noqa: E402
-from llama_chat.ml.processors import TokenHistory, make_sampler  # noqa: E402
+from llama_chat.ml.processors import TokenHistory, make_controls  # noqa: E402
 from llama_chat.model.args import ModelArgs  # noqa: E402
 from llama_chat.model.kv_cache import KVCache  # noqa: E402
 from llama_chat.model.transformer import Transformer  # noqa: E402
@@ -105,7 +105,7 @@ def decode_rates(engine: Engine, prompt: tuple[int, ...], new: int, rounds: int)
 
 def paired_steps(model: Transformer, setting: str, steps: int, prompt_len: int) -> dict[str, float]:
     """Median seconds of a decode step without and with ``setting``'s processors, measured in turns."""
-    sampler = make_sampler(SETTINGS[setting], eos_ids=(EOS,))
+    sampler = make_controls(SETTINGS[setting], eos_ids=(EOS,))
     g = torch.Generator().manual_seed(3)
     prompt = [1] + torch.randint(3, VOCAB, (prompt_len - 1,), generator=g).tolist()
     history = TokenHistory([prompt], vocab_size=VOCAB, window=SETTINGS[setting].repeat_last_n)
@@ -152,7 +152,7 @@ def processor_cost(model: Transformer, history_len: int, calls: int) -> dict[str
     logits = torch.randn(1, VOCAB, generator=g) * 3
     out = {}
     for name in ("penalties", "all-processors", "nucleus+warpers+penalties"):
-        sampler = make_sampler(SETTINGS[name], eos_ids=(EOS,))
+        sampler = make_controls(SETTINGS[name], eos_ids=(EOS,))
         history = TokenHistory([torch.randint(3, VOCAB, (history_len,), generator=g).tolist()], vocab_size=VOCAB,
                                window=SETTINGS[name].repeat_last_n)
         sampler.prepare(history, logits)  # builds the counts and the n-gram index

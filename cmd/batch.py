@@ -34,6 +34,7 @@ from rich.console import Console
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.batch_input import BadLine, BatchReader, JobLine
+from llama_chat.cmd.generation_source import many_jobs
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.prompt import prompt_ids
 from llama_chat.cmd.report import failure_line
@@ -41,8 +42,7 @@ from llama_chat.cmd.run_command import load, silence_stdout, warm_up
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import StopRequest, install_sync_handlers, watch_signals
 from llama_chat.inference.jobs import JobStream
-from llama_chat.inference.remote import RemoteModel, RemoteSource
-from llama_chat.inference.scheduler import Scheduler, SchedulerOptions, SchedulerStats
+from llama_chat.inference.scheduler import Scheduler, SchedulerStats
 from llama_chat.inference.types import Completion, GenerationState, Request, RequestError, sole_exception
 from llama_chat.model.memory_budget import gigabytes
 
@@ -335,13 +335,7 @@ def plural(count: int, noun: str) -> str:
 
 def run_batch(opts: Options, reader: BatchReader, color: str, err: Console) -> int:
     loaded = load(opts, err)
-    if isinstance(loaded, RemoteModel):  # -m openai:URL: the server batches, --max-batch requests at a time
-        scheduler = RemoteSource(loaded, max_batch=opts.max_batch)
-    else:
-        # A lone job's compiled step only with --compile: in a batch, jobs rarely run alone.
-        scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
-            max_batch=opts.max_batch, cache_tokens=opts.cache_tokens, quantize=opts.quantize,
-            compile=bool(opts.compile)))
+    scheduler = many_jobs(loaded, opts, max_batch=opts.max_batch, cache_tokens=opts.cache_tokens)
     warm_up(scheduler, opts.sampling(), err, quiet=False)
 
     progress = ProgressBar(err) if err.is_terminal else None

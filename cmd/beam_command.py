@@ -9,33 +9,33 @@ import anyio
 from rich.console import Console
 
 from llama_chat.cmd import exit_status
+from llama_chat.cmd.generation_source import Source
 from llama_chat.cmd.one_shot import BeamOutcome, run_beams
 from llama_chat.cmd.render import beam_progress_text
 from llama_chat.cmd.report import beam_finish_line, beam_json_object, beam_stats_line
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.beam import BeamProgress
-from llama_chat.inference.engine import Engine
 from llama_chat.inference.types import Request
 
 
-def search(engine: Engine, request: Request, err: Console, *, quiet: bool = False) -> BeamOutcome:
+def search(source: Source, request: Request, err: Console, *, quiet: bool = False) -> BeamOutcome:
     """Run the search with a progress line on stderr when it is a terminal (and not ``quiet``)."""
     if quiet or not err.is_terminal:
-        return anyio.run(run_beams, engine, request, None)
+        return anyio.run(run_beams, source, request, None)
     with err.status(beam_progress_text(0, 0, request.beams.num_beams, 0.0), spinner="dots") as status:
         def show(progress: BeamProgress) -> None:
             status.update(beam_progress_text(progress.step, progress.finished, progress.num_beams,
                                              progress.elapsed_s))
 
-        return anyio.run(run_beams, engine, request, show)
+        return anyio.run(run_beams, source, request, show)
 
 
-def run_beam_command(engine: Engine, request: Request, err: Console, *, json: bool, stats: bool, seed: int,
+def run_beam_command(source: Source, request: Request, err: Console, *, json: bool, stats: bool, seed: int,
                      model: str) -> int:
     """Search, print and report; the exit status."""
     try:
-        outcome = search(engine, request, err, quiet=json)
+        outcome = search(source, request, err, quiet=json)
     finally:
         install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
     done = outcome.completion

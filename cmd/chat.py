@@ -15,8 +15,9 @@ far there and prefills only the tokens after it (the new user message, not the w
 as any job of ``--batch`` that starts with the same tokens would. A reply running alone on
 consecutive pages takes the compiled step where the one-prompt engine would compile
 (``inference/paged_step.py``). On CUDA the chat keeps the one-prompt engine, whose CUDA graph
-needs its dense cache at fixed addresses; it reuses the longest common prefix the same way. Beam
-search always runs on the engine (``Chat.beam_engine``).
+needs its dense cache at fixed addresses; it reuses the longest common prefix the same way
+(``generation_source.py`` chooses). Beam search runs beside either, with a cache of its own
+(``inference/beam.py``).
 
 Signals: at the prompt (outside the event loop) Ctrl+C raises ``KeyboardInterrupt``: on an empty
 line it ends the chat (exit 0), on a line with text it discards the text. During a reply the
@@ -50,9 +51,8 @@ from llama_chat.cmd.report import failure_line, seed_to_report, weights_text
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers, interruptible_prompt, no_control_echo
 from llama_chat.cmd.sanitize import displayable
-from llama_chat.inference.engine import Engine, EngineOptions
-from llama_chat.inference.remote import RemoteModel, RemoteSource
-from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+from llama_chat.cmd.generation_source import Source, single_stream
+from llama_chat.inference.scheduler import Scheduler
 from llama_chat.inference.types import Completion, GenerationState, Request, Timings
 from llama_chat.ml.safe_files import require_regular
 from llama_chat.model.chat_format import ChatFormat, Message
@@ -71,9 +71,6 @@ FENCE = '"""'
 REPLY_ROOM = 256
 HISTORY_LENGTH = 1000
 MAX_HISTORY_BYTES = 16 << 20
-# Token slots per page of the chat's cache: the last, partly filled page of a turn is prefilled
-# again by the next one, so pages are smaller than --batch's.
-CHAT_PAGE_SIZE = 8
 
 HELP = f"""\
 Commands:
@@ -98,24 +95,13 @@ Ctrl+C stops a reply (it stays in the conversation, marked as interrupted)."""
 class Chat:
     """The conversation and its settings; ``dialog_ids`` fits it into the context."""
 
-    backend: Engine | Scheduler  # what runs the replies (see the module's docstring)
+    backend: Source  # what runs the replies (see the module's docstring)
     chat_format: ChatFormat
     settings: Settings
     system: str | None = None
     turns: list[Turn] = field(default_factory=list)
     last: Completion | None = None
     last_seed: int | None = None
-    _beam_engine: Engine | None = None
-
-    def beam_engine(self) -> Engine:
-        """The one-prompt engine for beam search: the backend itself, or one made on first use
-        for the same model (its dense cache is only allocated then)."""
-        if isinstance(self.backend, Engine):
-            return self.backend
-        if self._beam_engine is None:
-            b = self.backend
-            self._beam_engine = Engine(b.model, b.tokenizer, options=EngineOptions(compile=False), name=b.name)
-        return self._beam_engine
 
     def messages(self) -> list[Message]:
         head = [Message("system", self.system)] if self.system else []
@@ -343,7 +329,7 @@ class ChatRunner:
         """A reply by beam search, which is not streamed: a progress line, then the best beam."""
         from llama_chat.cmd.beam_command import search
 
-        found = search(self.chat.beam_engine(), request, self.err)
+        found = search(self.chat.backend, request, self.err)
         best = found.completion.best
         text = best.text if best is not None else ""
         renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)  # wrapped as a streamed reply
@@ -457,22 +443,6 @@ class ChatRunner:
         self.say(f"loaded {len(turns)} messages from {path}")
 
 
-def make_chat_backend(loaded, opts: Options) -> Engine | Scheduler | RemoteSource:
-    """The scheduler, one job at a time, with a page table for one whole conversation; on CUDA the
-    one-prompt engine, whose decode step is a CUDA graph over its dense cache; a remote model's
-    server (``-m openai:URL``)."""
-    from llama_chat.cmd.run_command import make_engine
-
-    if isinstance(loaded, RemoteModel):
-        return make_engine(loaded, opts)
-    model = loaded.model
-    if next(model.parameters()).device.type == "cuda":
-        return make_engine(loaded, opts)
-    return Scheduler.from_loaded(loaded, SchedulerOptions(
-        max_batch=1, page_size=CHAT_PAGE_SIZE, cache_tokens=model.args.max_seq_len,
-        quantize=getattr(opts, "quantize", "none"), compile=opts.compile))
-
-
 def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
     """Load the model and chat until /exit, Ctrl+D or Ctrl+C at an empty prompt; the exit status."""
     with no_control_echo():  # a Ctrl+C leaves no ^C on the screen (cmd/signals.py)
@@ -486,7 +456,7 @@ def _chat(opts: Options, first: str | None, color: str, err: Console) -> int:
     if loaded.chat_format is None:
         raise UsageProblem(f"cannot chat with {loaded.name}: it has no chat format (a plain completion model); "
                            f"choose one with --template llama2|llama3|hf, or pass a prompt with -p")
-    backend = make_chat_backend(loaded, opts)
+    backend = single_stream(loaded, opts)
     settings = Settings(opts)
     chat = Chat(backend, loaded.chat_format, settings, system=opts.system)
     runner = ChatRunner(chat, opts, color, err, loaded.name, weights=getattr(loaded, "weights", None))

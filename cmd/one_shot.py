@@ -6,7 +6,7 @@
     ├── watch_signals      first SIGINT/SIGTERM/SIGHUP cancels `scope`; a second exits at once
     ├── watch_reader       stdout a pipe: its reader leaving cancels `scope` (even mid-prefill)
     └── scope
-        └── engine.stream  producer task: forward steps in a worker thread -> bounded channel
+        └── source.stream  producer task: forward steps in a worker thread -> bounded channel
             consumer        (this function's body): Response (text made in inference/) -> renderer
 
 Whatever ends the stream (a stop token or string, the budget, a signal, a closed stdout, an
@@ -27,12 +27,14 @@ from functools import partial
 
 import anyio
 
+from llama_chat.cmd.generation_source import Source
 from llama_chat.cmd.render import OutputClosed, Renderer, suspend_hooks
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.signals import StopRequest, watch_signals
 from llama_chat.inference.beam import BeamProgress
-from llama_chat.inference.engine import Engine, Generation
-from llama_chat.inference.types import BeamCompletion, Completion, Request, Response, sole_exception
+from llama_chat.inference.decoding import TextMaker
+from llama_chat.inference.text_stream import TextStream
+from llama_chat.inference.types import BeamCompletion, Completion, Request, Response, Tally, sole_exception
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ async def watch_reader(fd: int, scope: anyio.CancelScope, view: TextView) -> Non
         await anyio.sleep(READER_POLL_S)
 
 
-async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | None, *,
+async def run_one_shot(source: Source, request: Request, renderer: Renderer | None, *,
                        output_fd: int | None = None) -> Outcome:
     """Generate ``request``, rendering as it goes (``renderer`` None: collect only, for ``--json``).
 
@@ -84,7 +86,7 @@ async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | No
     stop = StopRequest()
     on_suspend, on_resume = suspend_hooks(renderer)
     pipe = watched_pipe(output_fd)
-    generation: Generation | None = None
+    generation: TextStream | None = None
     try:
         try:
             async with anyio.create_task_group() as tg:
@@ -96,7 +98,7 @@ async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | No
                     tg.start_soon(watch_reader, pipe, scope, view)
                 with scope:
                     view.start()
-                    async with engine.stream(request) as generation:
+                    async with source.stream(request) as generation:
                         async for response in generation:
                             view.show(response, more=generation.ready() > 0)
                 tg.cancel_scope.cancel()  # generation is over: stop listening for signals here
@@ -106,7 +108,7 @@ async def run_one_shot(engine: Engine, request: Request, renderer: Renderer | No
                 raise error from None
             view.output_closed = True  # not a failure: nobody is reading any more
         if generation is None:  # stopped before the stream began (a signal during the check)
-            generation = Generation(engine, request, 0)
+            generation = TextStream(request, TextMaker(request.stop), Tally(request.request_id, len(request.prompt_ids)))
         # A stream that ends without a finishing event (a signal, a closed stdout) is cancelled:
         # the whole characters still held are shown, the bytes of a cut-off character dropped.
         view.show_text(generation.cut_off())
@@ -155,7 +157,7 @@ class BeamOutcome:
     signum: int | None  # the signal that stopped the search, if one did
 
 
-async def run_beams(engine: Engine, request: Request,
+async def run_beams(source: Source, request: Request,
                     on_progress: Callable[[BeamProgress], None] | None = None) -> BeamOutcome:
     """Beam search for ``request`` with the signal watcher beside it; ``on_progress`` after each step.
 
@@ -168,7 +170,7 @@ async def run_beams(engine: Engine, request: Request,
         scope = anyio.CancelScope()
         await tg.start(watch_signals, scope, stop)
         with scope:
-            async with engine.beams(request) as run:
+            async with source.beams(request) as run:
                 async for progress in run:
                     if on_progress is not None:
                         on_progress(progress)

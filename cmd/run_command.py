@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from llama_chat.cmd import exit_status
+from llama_chat.cmd.generation_source import single_stream
 from llama_chat.cmd.load_progress import load_progress
 from llama_chat.cmd.memory_check import check_memory
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
@@ -30,8 +31,7 @@ from llama_chat.cmd.report import print_summary, seed_to_report, write_json
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.cmd.startup import silence_stdout
-from llama_chat.inference.engine import Engine, EngineOptions
-from llama_chat.inference.remote import RemoteModel, RemoteSource, connect, is_remote
+from llama_chat.inference.remote import RemoteModel, connect, is_remote
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.user_cache import cache_problem
 from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
@@ -39,6 +39,7 @@ from llama_chat.model.stores import resolve_model
 
 if TYPE_CHECKING:
     from llama_chat.cmd.options import Options
+    from llama_chat.inference.engine import Engine
     from llama_chat.inference.scheduler import Scheduler
     from llama_chat.ml.sampling import SamplingParams
 
@@ -116,31 +117,24 @@ def slow_notice(err: Console, status: str, line: str, *, quiet: bool) -> Iterato
         timer.cancel()
 
 
-def make_engine(loaded: LoadedModel | RemoteModel, opts: Options) -> Engine | RemoteSource:
-    if isinstance(loaded, RemoteModel):
-        return RemoteSource(loaded)
-    return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile,
-                                                            quantize=getattr(opts, "quantize", "none")))
-
-
-def warm_up(engine: Engine | Scheduler, sampling: SamplingParams, err: Console, *, quiet: bool) -> None:
+def warm_up(source: Engine | Scheduler, sampling: SamplingParams, err: Console, *, quiet: bool) -> None:
     """Compile and capture the decode step before the prompt is timed, saying so on a terminal.
 
     A compile that fails is reported in one line and decoding goes on without it.
     """
-    if engine.compiles:
-        with slow_notice(err, f"compiling for {engine.device.type} (first run only)",
-                         f"compiling the decode step for {engine.device.type} (the first run takes longest)",
+    if source.compiles:
+        with slow_notice(err, f"compiling for {source.device.type} (first run only)",
+                         f"compiling the decode step for {source.device.type} (the first run takes longest)",
                          quiet=quiet):
-            engine.warm_up(sampling)
+            source.warm_up(sampling)
         problem = cache_problem("torch-compile")
         if problem and not quiet:
             err.print(f"llama-chat: compiled steps are kept for this run only ({one_line(problem)})",
                       markup=False, highlight=False, soft_wrap=True)
     else:
-        engine.warm_up(sampling)
-    if engine.compile_failure and not quiet:
-        err.print(f"llama-chat: could not compile the decode step ({engine.compile_failure}); "
+        source.warm_up(sampling)
+    if source.compile_failure and not quiet:
+        err.print(f"llama-chat: could not compile the decode step ({source.compile_failure}); "
                   f"decoding without compiling", markup=False, highlight=False)
 
 
@@ -160,19 +154,19 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     # A chat reply is not a continuation of the prompt text: no leading word-start space.
     request = opts.request(ids, chat_reply=loaded.chat_format is not None)
     seed = request.seed
-    engine = make_engine(loaded, opts)
-    engine.check(request)  # a prompt longer than the context is bad input, found before any work
-    warm_up(engine, request.sampling, err, quiet=opts.json)
+    source = single_stream(loaded, opts)
+    source.check(request)  # a prompt longer than the context is bad input, found before any work
+    warm_up(source, request.sampling, err, quiet=opts.json)
     load_s = time.perf_counter() - started  # --stats: the wait before the prompt's timings begin
     if request.beams.enabled:
         from llama_chat.cmd.beam_command import run_beam_command
 
-        return run_beam_command(engine, request, err, json=opts.json, stats=opts.stats, seed=seed, model=loaded.name)
+        return run_beam_command(source, request, err, json=opts.json, stats=opts.stats, seed=seed, model=loaded.name)
 
     stdout_tty = sys.stdout.isatty()
     renderer = None if opts.json else make_renderer(stdout_tty, color, sys.stdout)
     try:
-        outcome: Outcome = anyio.run(partial(run_one_shot, output_fd=_fileno(sys.stdout)), engine, request, renderer)
+        outcome: Outcome = anyio.run(partial(run_one_shot, output_fd=_fileno(sys.stdout)), source, request, renderer)
     finally:
         install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
 

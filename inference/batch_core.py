@@ -32,7 +32,7 @@ from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
 from llama_chat.ml.constraints import Constraints
-from llama_chat.ml.processors import TokenHistory, make_sampler
+from llama_chat.ml.processors import TokenHistory, make_controls
 from llama_chat.ml.sampling import draw_uniforms
 from llama_chat.model.paged_kv_cache import PagedKVCache
 from llama_chat.model.transformer import Transformer
@@ -198,7 +198,7 @@ class BatchCore:
                 job.constraint = self.constraints.processor(job.request.constraint,
                                                             extra_stop_ids=job.request.stop_ids)
             if not params.plain or job.constraint is not None:  # penalties, top-k, a schema ...: the processors
-                job.controls = make_sampler(params, eos_ids=job.stop_ids, constraint=job.constraint)
+                job.controls = make_controls(params, eos_ids=job.stop_ids, constraint=job.constraint)
                 job.history = TokenHistory([list(prompt)], vocab_size=self.sample_ids or self.model.args.vocab_size,
                                            device=self.device, window=params.repeat_last_n)
             self.counters.cached_tokens += job.cached_tokens

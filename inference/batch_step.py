@@ -31,7 +31,7 @@ from llama_chat.inference.jobs import Job
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.types import DamagedScores, TokenLogprobs
 from llama_chat.ml.cpu import kernels as cpu_kernels
-from llama_chat.ml.sampling import finite_best, sample
+from llama_chat.ml.sampling import choose, finite_best
 from llama_chat.model import cpu_decode
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedBatch, PagedKVCache
 from llama_chat.model.transformer import Transformer
@@ -106,15 +106,10 @@ def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.T
     for i, job in enumerate(jobs):
         if job is None or (job.controls is None and job.request.sampling.greedy):
             continue
-        row, params = logits[i:i + 1, :sample_ids], job.request.sampling
-        if job.controls is not None:
-            row, params = job.controls.prepare(job.history, row)
-        if params.greedy:
-            picks[i] = row.argmax(dim=-1)[0]
-        else:
-            last = len(job.tokens) - 1
-            assert job.uniforms is not None
-            picks[i] = sample(row, params, job.uniforms[last:last + 1])[0]
+        last = len(job.tokens) - 1
+        uniform = None if job.uniforms is None else job.uniforms[last:last + 1]
+        picks[i] = choose(logits[i:i + 1, :sample_ids], job.request.sampling, uniform, controls=job.controls,
+                          history=job.history)[0]
     # Marked -1, the damaged rows come back with the picks: still one transfer a step.
     chosen = picks.masked_fill(damaged.to(picks.device), -1).tolist()
     if any(token < 0 and job is not None for job, token in zip(jobs, chosen)):

@@ -13,19 +13,25 @@ scored at its current length, cannot beat the worst finished one; ``"never"`` wh
 at the longest length allowed (with a positive length penalty).
 
 ``BeamSearch`` is blocking: ``prefill`` a chunk at a time, then ``step`` until it returns False,
-each call one forward, so that the engine runs them in its worker thread and a cancel lands
-between two of them. ``result`` gives the best ``num_return`` hypotheses.
+each call one forward. ``beam_run`` drives it in a step worker thread of its own, so a cancel
+lands between two calls; it needs only a ``BeamModel`` (what the scheduler or the engine serving
+the request knows of its model), and its cache is its own, one row per beam: the caller's pages
+or cache and what it records as cached are left as they were. ``result`` gives the best
+``num_return`` hypotheses.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import torch
 
-from llama_chat.inference.types import DamagedScores, GenerationState
+from llama_chat.inference.decoding import stop_cut
+from llama_chat.inference.step_worker import StepWorker
+from llama_chat.inference.types import BeamCompletion, BeamText, DamagedScores, GenerationState, Request
 from llama_chat.ml.constraints import GrammarMask
 from llama_chat.ml.controls import BeamParams, SamplingParams
 from llama_chat.ml.processors import TokenHistory, make_logits_processors, make_warpers
@@ -247,4 +253,79 @@ class BeamSearch:
         self.improvable = self.improvable and best_possible > float(self.finished_scores.min())
 
 
-__all__ = ["Beam", "BeamLimits", "BeamProgress", "BeamSearch"]
+@dataclass(frozen=True)
+class BeamModel:
+    """What a beam search needs of the scheduler or engine whose model it runs."""
+
+    model: Transformer
+    max_seq_len: int
+    vocab: int  # ids below this are candidates
+    device: torch.device
+    dtype: torch.dtype
+    stop_ids: frozenset[int]
+    token_bytes: Callable[[int], bytes]  # b"" for stop tokens
+    strips_leading_space: bool  # the tokenizer's word-start space, taken off a chat reply
+    prefill_chunk: Callable[[], int]  # prompt tokens per prefill call, asked before each
+    constraint_for: Callable[[Request], GrammarMask | None]  # the request's structured output, if any
+    report_every_s: float = 0.02
+
+
+@asynccontextmanager
+async def beam_run(source: BeamModel, request: Request) -> AsyncIterator[BeamRun]:
+    """``async with beam_run(source, req) as run: async for progress in run: ...``, then
+    ``run.completion()``: beam search (``request.beams``), not streamed, one forward per call in
+    a step worker thread of its own."""
+    async with StepWorker(report_every_s=source.report_every_s) as worker:
+        yield BeamRun(source, request, worker)
+
+
+class BeamRun:
+    """One beam search: iterate for ``BeamProgress`` after each step; ``completion`` at the end
+    (or after a cancel: the best hypotheses so far, the unfinished ones ``cancelled``)."""
+
+    def __init__(self, source: BeamModel, request: Request, worker: StepWorker) -> None:
+        self.source, self.request, self.worker = source, request, worker
+        room = source.max_seq_len - len(request.prompt_ids)
+        budget = request.max_tokens
+        limits = BeamLimits(min(budget, room) if budget is not None else room,
+                            GenerationState.MAX_TOKENS if budget is not None and budget <= room
+                            else GenerationState.CONTEXT_FULL,
+                            time.perf_counter(), request.max_time)
+        self.search = BeamSearch(source.model, request.prompt_ids, request.sampling, request.beams, limits=limits,
+                                 stop_ids=source.stop_ids, seed=request.seed, vocab=source.vocab,
+                                 device=source.device, dtype=source.dtype, constraint=source.constraint_for(request))
+        self._prefilled = False
+
+    def __aiter__(self) -> BeamRun:
+        return self
+
+    async def __anext__(self) -> BeamProgress:
+        search, worker = self.search, self.worker
+        while not self._prefilled:
+            more = await worker.result(worker.submit(search.prefill, self.source.prefill_chunk()))
+            self._prefilled = not more
+        if search.done:
+            raise StopAsyncIteration
+        await worker.result(worker.submit(search.step))
+        return search.progress()
+
+    def completion(self) -> BeamCompletion:
+        source, request = self.source, self.request
+        beams = []
+        for beam in self.search.result():
+            data = b"".join(source.token_bytes(t) for t in beam.token_ids)
+            text = data.decode("utf-8", errors="replace")
+            reason = beam.finish_reason
+            # Stop strings cut each hypothesis after the search (they are not part of its score).
+            cut = stop_cut(text, request.stop)
+            if cut is not None:
+                text, reason = text[:cut], GenerationState.STOP_STRING
+            if request.chat_reply and source.strips_leading_space:
+                text = text.removeprefix(" ")
+            beams.append(BeamText(text, beam.token_ids, beam.score, reason))
+        progress = self.search.progress()
+        return BeamCompletion(request.request_id, tuple(beams), len(request.prompt_ids), progress.step,
+                              progress.elapsed_s)
+
+
+__all__ = ["Beam", "BeamLimits", "BeamModel", "BeamProgress", "BeamRun", "BeamSearch", "beam_run"]

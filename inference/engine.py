@@ -33,20 +33,20 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from llama_chat.inference.beam import BeamLimits, BeamProgress, BeamSearch
+from llama_chat.inference.beam import BeamModel, BeamRun, beam_run
 from llama_chat.inference.cache_prefix import align_to_cached
-from llama_chat.inference.decoding import TextMaker, stop_cut
-from llama_chat.inference.model_step import Decode, ModelStep, Sampler, StepOptions
+from llama_chat.inference.decoding import TextMaker
+from llama_chat.inference.model_step import Decode, ModelStep, StepOptions
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.text_stream import TextStream
-from llama_chat.inference.types import (BeamCompletion, BeamText, Completion, EngineBusy, GenerationState, Request,
+from llama_chat.inference.types import (Completion, EngineBusy, GenerationState, Request,
                                         Tally, TokenEvent, check_constraint, check_request, sole_exception,
                                         state_after, stop_ids_of)
 from llama_chat.ml.constraints import Constraints, GrammarMask
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
-from llama_chat.ml.sampling import SamplingParams, sample
+from llama_chat.ml.sampling import Draw, SamplingParams, sample
 from llama_chat.model import cpu_decode
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.transformer import Transformer
@@ -81,7 +81,7 @@ class Engine:
     """Owns a model (with its KV cache) and a tokenizer; serves one request at a time."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, *, options: EngineOptions = EngineOptions(),
-                 sampler: Sampler = sample, name: str = "") -> None:
+                 draw: Draw = sample, name: str = "") -> None:
         first = next(model.parameters())
         parameters = sum(p.numel() for p in model.parameters())
         quantized = apply_quantization(model, options.quantize)
@@ -96,7 +96,7 @@ class Engine:
         self.name = name
         self.stop_ids = stop_ids_of(tokenizer)
         self.constraints = Constraints(tokenizer, self.stop_ids)  # requests' structured output
-        self._sampler = sampler
+        self._draw = draw  # the sampler's last stage (tests record it)
         self._busy = False
         self._cached: tuple[int, ...] = ()
         self._record_of = ""  # the request that last wrote the cache
@@ -295,19 +295,20 @@ class Engine:
     @asynccontextmanager
     async def beams(self, request: Request) -> AsyncIterator[BeamRun]:
         """``async with engine.beams(req) as run: async for progress in run: ...``, then
-        ``run.completion()``: beam search (``request.beams``), not streamed, one forward per
-        step in the worker thread, so a cancel lands between two steps.
-
-        The search has a KV cache of its own, one row per beam: the engine's cache and what it
-        records as cached are left as they were.
-        """
+        ``run.completion()``: beam search (``beam.beam_run``) with its own cache and thread; the
+        engine's cache and what it records as cached are left as they were."""
         self.check(request)
         if self._busy:
             raise EngineBusy("this engine is already generating")
         self._busy = True
         try:
-            async with StepWorker(report_every_s=self.options.report_every_s) as worker:
-                yield BeamRun(self, request, worker)
+            step = self.step
+            source = BeamModel(step.model, step.max_seq_len, step.sample_ids or step.vocab_size, step.device,
+                               step.dtype, frozenset(self.stop_ids), self.token_bytes,
+                               bool(getattr(self.tokenizer, "strips_leading_space", False)),
+                               lambda: self.prefill_chunk, self.constraint_for, self.options.report_every_s)
+            async with beam_run(source, request) as run:
+                yield run
         finally:
             self._busy = False
 
@@ -339,62 +340,6 @@ class Generation(TextStream):
     def _taken(self) -> None:
         self.delivered += 1
 
-    def completion(self) -> Completion:
-        if not self._done:  # a stream left early: what was held still belongs to the text
-            self.cut_off()
-        return self.tally.completion(self.text)
-
-
-class BeamRun:
-    """One beam search: iterate for ``BeamProgress`` after each step; ``completion`` at the end
-    (or after a cancel: the best hypotheses so far, the unfinished ones ``cancelled``)."""
-
-    def __init__(self, engine: Engine, request: Request, worker: StepWorker) -> None:
-        self.engine, self.request, self.worker = engine, request, worker
-        step = engine.step
-        prompt = len(request.prompt_ids)
-        room = step.max_seq_len - prompt
-        budget = request.max_tokens
-        limits = BeamLimits(min(budget, room) if budget is not None else room,
-                            GenerationState.MAX_TOKENS if budget is not None and budget <= room
-                            else GenerationState.CONTEXT_FULL,
-                            time.perf_counter(), request.max_time)
-        self.search = BeamSearch(step.model, request.prompt_ids, request.sampling, request.beams, limits=limits,
-                                 stop_ids=engine.stop_ids, seed=request.seed,
-                                 vocab=step.sample_ids or step.vocab_size, device=step.device, dtype=step.dtype,
-                                 constraint=engine.constraint_for(request))
-        self._prefilled = False
-
-    def __aiter__(self) -> BeamRun:
-        return self
-
-    async def __anext__(self) -> BeamProgress:
-        search, worker = self.search, self.worker
-        while not self._prefilled:
-            more = await worker.result(worker.submit(search.prefill, self.engine.prefill_chunk))
-            self._prefilled = not more
-        if search.done:
-            raise StopAsyncIteration
-        await worker.result(worker.submit(search.step))
-        return search.progress()
-
-    def completion(self) -> BeamCompletion:
-        engine, request = self.engine, self.request
-        beams = []
-        for beam in self.search.result():
-            data = b"".join(engine.token_bytes(t) for t in beam.token_ids)
-            text = data.decode("utf-8", errors="replace")
-            reason = beam.finish_reason
-            # Stop strings cut each hypothesis after the search (they are not part of its score).
-            cut = stop_cut(text, request.stop)
-            if cut is not None:
-                text, reason = text[:cut], GenerationState.STOP_STRING
-            if request.chat_reply and getattr(engine.tokenizer, "strips_leading_space", False):
-                text = text.removeprefix(" ")
-            beams.append(BeamText(text, beam.token_ids, beam.score, reason))
-        progress = self.search.progress()
-        return BeamCompletion(request.request_id, tuple(beams), len(request.prompt_ids), progress.step,
-                              progress.elapsed_s)
 
 
 class _DecodeRun:
@@ -421,7 +366,7 @@ class _DecodeRun:
         if self.decode is None:
             self.constraint = engine.constraint_for(self.request)
             self.decode = engine.step.decode(self.rows[0], self.pos, self.request.sampling, self.request.seed,
-                                             engine._sampler, prompt=self.request.prompt_ids,
+                                             engine._draw, prompt=self.request.prompt_ids,
                                              stop_ids=engine.stop_ids, constraint=self.constraint)
         token = self.decode.next_token()
         # Each call fed the tokens not yet fed: the prompt's tail first, then the token before.

@@ -21,7 +21,7 @@ from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import (Completion, GenerationState, Request, Response, Tally, TokenEvent,
                                         TokenLogprobs)
 from llama_chat.ml.constraints import GrammarMask
-from llama_chat.ml.processors import Sampler, TokenHistory
+from llama_chat.ml.processors import Controls, TokenHistory
 
 
 @dataclass(eq=False)
@@ -45,7 +45,7 @@ class Job:
     produced: int = 0  # events made
     finished: bool = False
     uniforms: torch.Tensor | None = None
-    controls: Sampler | None = None  # the logits processors, for settings beyond temperature and top-p
+    controls: Controls | None = None  # the logits processors, for settings beyond temperature and top-p
     history: TokenHistory | None = None  # what the processors read: the job's tokens so far
     constraint: GrammarMask | None = None  # the request's structured output, one of its processors
     final_state: GenerationState | None = None  # how it ended when no event said so (a cancel)
@@ -104,9 +104,8 @@ class JobStream(TextStream):
         return super().cut_off()
 
     def completion(self) -> Completion:
-        self.cut_off()
         self.tally.cached_tokens = self.job.cached_tokens
-        return self.tally.completion(self.text)
+        return super().completion()
 
     def _respond(self, event: TokenEvent) -> Response:
         if event.logprobs is not None and event.token_id not in self.job.stop_ids:

@@ -9,28 +9,24 @@ request by ``ModelStep.decode``:
 
 - ``StaticDecode``: the compiled-shape step of ``decode_step.py`` (its sampler in the graph);
 - ``PickedDecode``: plain greedy tokens picked inside our CPU operator's call (``model/cpu_decode.py``);
-- ``ControlledDecode``: logits, then the processors over the token history, then the draw;
-- ``EagerDecode``: logits, then the sampler.
+- ``EagerDecode``: logits, then ``sampling.choose`` (the controls over the token history, if any;
+  then the draw).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from llama_chat.inference.decode_step import StaticStep, StaticStepOptions, compile_failure_text
-from llama_chat.ml.processors import Sampler as Controls
-from llama_chat.ml.processors import LogitsProcessor, TokenHistory, make_sampler
 from llama_chat.inference.types import DamagedScores
-from llama_chat.ml.sampling import SamplingMode, SamplingParams, draw_uniforms, finite_best, sample
+from llama_chat.ml.processors import Controls, LogitsProcessor, TokenHistory, make_controls
+from llama_chat.ml.sampling import Draw, SamplingMode, SamplingParams, choose, draw_uniforms, finite_best, sample
 from llama_chat.model import cpu_decode
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
-
-# (logits (batch, vocab), settings, randomness: one float64 uniform per row) -> (batch,) token ids
-Sampler = Callable[[torch.Tensor, SamplingParams, torch.Tensor], torch.Tensor]
 
 # Below this many parameters a compile costs more time than it ever saves (docs/benchmarks.md,
 # "CPU decode against llama2.c and transformers").
@@ -157,7 +153,7 @@ class ModelStep:
             return self.model(tokens, positions, self.cache, last_only=True)[:, -1, :]
 
     def decode(self, tail: Sequence[int], start: int, params: SamplingParams, seed: int,
-               sampler: Sampler = sample, *, prompt: Sequence[int] = (), stop_ids: Iterable[int] = (),
+               draw: Draw = sample, *, prompt: Sequence[int] = (), stop_ids: Iterable[int] = (),
                constraint: LogitsProcessor | None = None) -> Decode:
         """A request's decode loop, from the last prompt chunk ``tail`` that begins at ``start``.
 
@@ -170,16 +166,16 @@ class ModelStep:
         # The compiled step samples in-graph with temperature and top-p only; the other controls
         # read the token history on the host, so they take the eager step.
         plain = params.plain and constraint is None
-        if self.static is not None and sampler is sample and plain and self.prepare_static(params):
+        if self.static is not None and draw is sample and plain and self.prepare_static(params):
             return StaticDecode(self, self.static, list(tail), start, params, uniforms)
         if not plain:
             history = TokenHistory([list(prompt) or list(tail)], vocab_size=self.sample_ids or self.vocab_size,
                                    device=self.device, window=params.repeat_last_n)
-            return ControlledDecode(self, list(tail), start, params, uniforms, sampler,
-                                    make_sampler(params, eos_ids=stop_ids, constraint=constraint), history)
-        if self.one_call is not None and sampler is sample and params.greedy:
-            return PickedDecode(self, list(tail), start, params, uniforms, sampler)
-        return EagerDecode(self, list(tail), start, params, uniforms, sampler)
+            return EagerDecode(self, list(tail), start, params, uniforms, draw,
+                               make_controls(params, eos_ids=stop_ids, constraint=constraint), history)
+        if self.one_call is not None and draw is sample and params.greedy:
+            return PickedDecode(self, list(tail), start, params, uniforms, draw)
+        return EagerDecode(self, list(tail), start, params, uniforms, draw)
 
 
 def first_scores_finite(logits: torch.Tensor) -> None:
@@ -201,12 +197,16 @@ class Decode:
 
 
 class EagerDecode(Decode):
-    """A forward over the tokens not yet fed, then the sampler, each step."""
+    """A forward over the tokens not yet fed, then ``sampling.choose`` (the request's controls,
+    if it has any beyond temperature and top-p, over its token history; then the draw), each
+    step."""
 
     def __init__(self, step: ModelStep, tail: list[int], start: int, params: SamplingParams,
-                 uniforms: torch.Tensor, sampler: Sampler) -> None:
+                 uniforms: torch.Tensor, draw: Draw, controls: Controls | None = None,
+                 history: TokenHistory | None = None) -> None:
         self.step, self.rows, self.pos = step, [tail], start
-        self.params, self.uniforms, self.sampler = params, uniforms, sampler
+        self.params, self.uniforms, self.draw = params, uniforms, draw
+        self.controls, self.history = controls, history
         self.first = True
 
     def next_token(self) -> int:
@@ -216,33 +216,15 @@ class EagerDecode(Decode):
             if self.first:
                 first_scores_finite(logits)
                 self.first = False
-            token = self._draw(logits, self.pos + fed - 1)
+            # The token after position ``last`` is drawn with uniform ``last``, as the scheduler
+            # draws it: a seeded request picks the same tokens on either.
+            last = self.pos + fed - 1
+            token = int(choose(logits, self.params, self.uniforms[last:last + 1], controls=self.controls,
+                               history=self.history, draw=self.draw)[0])
+            if self.history is not None:
+                self.history.append([token])
         self.pos += fed
         self.rows = [[token]]
-        return token
-
-    def _draw(self, logits: torch.Tensor, last: int) -> int:
-        return self._sample(logits, self.params, last)
-
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, last: int) -> int:
-        """The token after position ``last``, drawn with uniform ``last`` (as the scheduler draws
-        it: a seeded request picks the same tokens on either)."""
-        return int(self.sampler(logits, params, self.uniforms[last:last + 1])[0])
-
-
-class ControlledDecode(EagerDecode):
-    """``EagerDecode`` with the processors and any warper but temperature and top-p (penalties,
-    top-k, min-p, ...), which read the request's token history; then the draw."""
-
-    def __init__(self, step: ModelStep, tail: list[int], start: int, params: SamplingParams,
-                 uniforms: torch.Tensor, sampler: Sampler, controls: Controls, history: TokenHistory) -> None:
-        super().__init__(step, tail, start, params, uniforms, sampler)
-        self.controls, self.history = controls, history
-
-    def _draw(self, logits: torch.Tensor, last: int) -> int:
-        logits, params = self.controls.prepare(self.history, logits)
-        token = self._sample(logits, params, last)
-        self.history.append([token])
         return token
 
 
@@ -254,8 +236,8 @@ class PickedDecode(EagerDecode):
     picks_in_step = True
 
     def __init__(self, step: ModelStep, tail: list[int], start: int, params: SamplingParams,
-                 uniforms: torch.Tensor, sampler: Sampler) -> None:
-        super().__init__(step, tail, start, params, uniforms, sampler)
+                 uniforms: torch.Tensor, draw: Draw) -> None:
+        super().__init__(step, tail, start, params, uniforms, draw)
         assert step.one_call is not None
         self._pick = step.one_call.pick
 

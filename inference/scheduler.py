@@ -33,6 +33,7 @@ import anyio
 import torch
 
 from llama_chat.inference.batch_core import BatchCore, CoreSettings, StepResult
+from llama_chat.inference.beam import BeamModel, BeamRun, beam_run
 from llama_chat.inference.cache_prefix import align_to_cached
 from llama_chat.inference.jobs import Job, JobStream
 from llama_chat.inference.model_step import StepOptions
@@ -41,7 +42,7 @@ from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (GenerationState, Request, RequestError, TokenEvent, check_constraint,
                                         check_request, sole_exception, stop_ids_of)
-from llama_chat.ml.constraints import Constraints
+from llama_chat.ml.constraints import Constraints, GrammarMask
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams
@@ -154,6 +155,7 @@ class Scheduler:
         self.options = options
         self.name = name
         self.stop_ids = stop_ids_of(tokenizer)
+        self._dtype = dtype  # the model's: a beam search's own cache is kept in it
         self._strip = bool(getattr(tokenizer, "strips_leading_space", False))
         vocab = getattr(tokenizer, "vocab_size", None)
         sample_ids = vocab if vocab is not None and vocab < model.args.vocab_size else None
@@ -253,6 +255,29 @@ class Scheduler:
         job = self._jobs.get(request_id)
         if job is not None:
             self._cancel(job)
+    @asynccontextmanager
+    async def beams(self, request: Request) -> AsyncIterator[BeamRun]:
+        """``async with scheduler.beams(req) as run: async for progress in run: ...``, then
+        ``run.completion()``: beam search (``beam.beam_run``) over this scheduler's model, with a
+        cache and a thread of its own; the pages and what they hold are left as they were."""
+        self.check(request)
+        core = self.core
+        source = BeamModel(self.model, self.max_seq_len, core.sample_ids or self.model.args.vocab_size, core.device,
+                           self._dtype, frozenset(self.stop_ids), self._token_bytes,
+                           self._strip, self._prefill_chunk, self._constraint_for, self.options.report_every_s)
+        async with beam_run(source, request) as run:
+            yield run
+
+    def _prefill_chunk(self) -> int:
+        sizer = self.core.sizer
+        return self.core.settings.prefill_chunk if sizer is None else sizer.next_size()
+
+    def _constraint_for(self, request: Request) -> GrammarMask | None:
+        if request.constraint is None:
+            return None
+        assert self.core.constraints is not None
+        return self.core.constraints.processor(request.constraint, extra_stop_ids=request.stop_ids)
+
 
     @property
     def compiles(self) -> bool:
@@ -313,7 +338,7 @@ class Scheduler:
             self._notify()
 
     async def _run(self) -> None:
-        failed = True
+        state = GenerationState.CANCELLED  # how jobs still open end: the scheduler was closed
         try:
             async with StepWorker(report_every_s=self.options.report_every_s, scope=torch.inference_mode) as worker:
                 while True:
@@ -322,11 +347,14 @@ class Scheduler:
                     await wake.wait()  # set by a submit, a cancel or a consumer taking an event
                     if self._wake is wake:
                         self._wake = anyio.Event()
-            failed = False
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException:
+            state = GenerationState.ERROR
+            raise
         finally:
-            # Cancelled with the scheduler, or failed: every job still open ends here, and, the
-            # step thread being gone, its pages go back to the pool from here.
-            state = GenerationState.CANCELLED if not failed else GenerationState.ERROR
+            # Closed (cancelled with the scheduler) or failed: every job still open ends here,
+            # and, the step thread being gone, its pages go back to the pool from here.
             self.core.abandon(state)
             for job in list(self._jobs.values()):
                 if job.final_state is None:

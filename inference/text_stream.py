@@ -12,7 +12,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from llama_chat.inference.decoding import TextMaker
-from llama_chat.inference.types import GenerationState, Request, Response, Tally, TokenEvent
+from llama_chat.inference.types import Completion, GenerationState, Request, Response, Tally, TokenEvent
 
 
 class TextStream:
@@ -59,6 +59,11 @@ class TextStream:
         if self._done or self._receive is None:
             return 0
         return self._receive.statistics().current_buffer_used
+
+    def completion(self) -> Completion:
+        """The whole result; a stream left early keeps what was held (``cut_off``)."""
+        self.cut_off()
+        return self.tally.completion(self.text)
 
     def cut_off(self) -> str:
         """After the stream was stopped from outside (a cancel, the producer failed): the whole

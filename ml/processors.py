@@ -2,15 +2,15 @@
 
 A processor is a callable ``(history, logits) -> logits``: ``history`` is a ``TokenHistory``
 (each row's token ids so far, prompt included, plus what the penalties derive from them), and
-``logits`` is ``(rows, vocab)`` float. Processors may write into ``logits``; ``Sampler`` hands them
+``logits`` is ``(rows, vocab)`` float. Processors may write into ``logits``; ``Controls`` hands them
 its own copy. The order is transformers' (``GenerationMixin._get_logits_processor``): logit bias,
 repetition penalty (then presence and frequency penalties, which transformers lacks), no-repeat
 n-gram, minimum new tokens; then, when sampling, the warpers: temperature, top-k, top-p, min-p,
 typical-p.
 
-``make_sampler(params, eos_ids=...)`` checks nothing more (``SamplingParams`` validated itself)
-and returns a ``Sampler``: call it with the history, the logits and one uniform per row to get one
-token id per row. The batching scheduler keeps one ``TokenHistory`` for its running rows, calls
+``make_controls(params, eos_ids=...)`` checks nothing more (``SamplingParams`` validated itself)
+and returns a ``Controls``, which ``sampling.choose`` applies before its draw (calling it does the
+same: the history, the logits and one uniform per row give one token id per row). The batching scheduler keeps one ``TokenHistory`` for its running rows, calls
 ``history.append`` with each step's tokens and ``history.reorder`` when rows leave or are copied.
 
 What penalties read is kept up to date one token at a time (each row's count of every id in its
@@ -31,11 +31,11 @@ from typing import Protocol
 import torch
 
 from llama_chat.ml.controls import SamplingParams
-from llama_chat.ml.sampling import apply_top_p, sample
+from llama_chat.ml.sampling import apply_top_p, choose
 
 __all__ = ["FrequencyPresencePenalty", "HistoryFollower", "LogitBias", "LogitsProcessor", "MinNewTokens", "MinP",
-           "NoRepeatNGram", "Penalties", "RepetitionPenalty", "Sampler", "Temperature", "TokenHistory", "TopK", "TopP",
-           "TypicalP", "make_logits_processors", "make_sampler", "make_warpers"]
+           "NoRepeatNGram", "Penalties", "RepetitionPenalty", "Controls", "Temperature", "TokenHistory", "TopK", "TopP",
+           "TypicalP", "make_controls", "make_logits_processors", "make_warpers"]
 
 NEG_INF = float("-inf")
 
@@ -474,7 +474,7 @@ _DRAW_ONLY = SamplingParams(temperature=1.0, top_p=1.0)
 
 
 @dataclass(frozen=True)
-class Sampler:
+class Controls:
     """Processors, warpers and the draw for one set of settings, over any number of rows."""
 
     params: SamplingParams
@@ -523,14 +523,14 @@ class Sampler:
 
     def __call__(self, history: TokenHistory, logits: torch.Tensor,
                  randomness: torch.Generator | torch.Tensor | None = None) -> torch.Tensor:
-        """One token id per row. ``randomness``: one float64 uniform per row (or a generator)."""
-        ready, params = self.prepare(history, logits)
-        return sample(ready, params, randomness)
+        """One token id per row (``sampling.choose``). ``randomness``: one float64 uniform per row
+        (or a generator)."""
+        return choose(logits, self.params, randomness, controls=self, history=history)
 
 
-def make_sampler(params: SamplingParams, *, eos_ids: Iterable[int] = (),
-                 constraint: LogitsProcessor | None = None) -> Sampler:
-    """A ``Sampler`` for ``params``; ``eos_ids`` are what ``min_new_tokens`` holds back;
+def make_controls(params: SamplingParams, *, eos_ids: Iterable[int] = (),
+                  constraint: LogitsProcessor | None = None) -> Controls:
+    """The ``Controls`` of ``params``; ``eos_ids`` are what ``min_new_tokens`` holds back;
     ``constraint``: a request's structured output (``make_logits_processors``)."""
-    return Sampler(params, make_logits_processors(params, eos_ids=eos_ids, constraint=constraint),
+    return Controls(params, make_logits_processors(params, eos_ids=eos_ids, constraint=constraint),
                    make_warpers(params))

@@ -1,15 +1,19 @@
 """Next-token sampling for a batch of rows: temperature, nucleus (top-p), seeded draw.
 
+``choose`` is the one sampler every generation path calls for a token it draws on the host (the
+scheduler's rows, the engine's eager steps): a request's controls, then ``sample``.
 ``sample`` is a short pipeline: scale, filter, draw. The other controls of ``SamplingParams``
 (top-k, min-p, typical-p, penalties, n-grams, logit bias) are Hugging Face's logits processors in
-``ml/processors.py``; they run before ``sample``, which then only draws. Every step works on a
-whole ``(batch, vocab)`` tensor at once.
+``ml/processors.py`` (``Controls``); they run before ``sample``, which then only draws. Every step
+works on a whole ``(batch, vocab)`` tensor at once. ``sample_in_graph`` is the same draw for a
+compiled step, and the one draw that is not the host's.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -17,7 +21,11 @@ from llama_chat.ml.cpu import kernels as cpu_kernels
 # The settings live in a module without torch, so the command line can check them instantly.
 from llama_chat.ml.controls import SamplingParams
 
-__all__ = ["SamplingMode", "SamplingParams", "apply_top_p", "draw_uniforms", "finite_best", "sample", "sample_in_graph"]
+if TYPE_CHECKING:
+    from llama_chat.ml.processors import Controls, TokenHistory
+
+__all__ = ["Draw", "SamplingMode", "SamplingParams", "apply_top_p", "choose", "draw_uniforms", "finite_best", "sample",
+           "sample_in_graph"]
 
 
 # Candidate pool sizes tried before sorting the whole vocabulary: a top-k of a few hundred costs a
@@ -126,6 +134,24 @@ def sample(
         nucleus = _nucleus(scaled, params.top_p)
         return nucleus.ids.gather(-1, _draw(nucleus.weights, uniform)[:, None]).squeeze(-1)
     return _draw(torch.softmax(scaled, dim=-1), uniform)
+
+
+# (logits (rows, vocab), settings, randomness) -> (rows,) token ids: ``sample``'s signature, the
+# draw ``choose`` ends with (tests put a recording draw there).
+Draw = Callable[[torch.Tensor, SamplingParams, "torch.Generator | torch.Tensor | None"], torch.Tensor]
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, randomness: torch.Generator | torch.Tensor | None,
+           *, controls: Controls | None = None, history: TokenHistory | None = None, draw: Draw = sample) -> torch.Tensor:
+    """The one sampler: ``(rows, vocab)`` logits -> ``(rows,)`` token ids.
+
+    ``controls`` (the request's processors and warpers, over each row's ``history``) prepare the
+    logits and say what is left to draw with; then ``draw`` (``sample``) picks, one uniform per
+    row from ``randomness``. The caller appends the picks to the history once it keeps them.
+    """
+    if controls is not None:
+        logits, params = controls.prepare(history, logits)
+    return draw(logits, params, randomness)
 
 
 class SamplingMode(str, enum.Enum):

@@ -13,6 +13,7 @@ from builders import random_model, tiny_args, train_sentencepiece
 from builders_formats import hf_config, hf_state
 from llama_chat.inference.beam import BeamLimits, BeamSearch
 from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import GenerationState, Request, stop_ids_of
 from llama_chat.ml.controls import BeamParams, SamplingParams
 from llama_chat.model.kv_cache import KVCache
@@ -195,6 +196,39 @@ def test_engine_beams_returns_scored_hypotheses_and_leaves_its_cache_alone(engin
     assert all(b.finish_reason is GenerationState.MAX_TOKENS and len(b.token_ids) == 6 for b in done.beams)
     assert len({b.token_ids for b in done.beams}) == 3
     assert engine.cached_ids == cached and first.token_ids
+
+
+def test_scheduler_beams_are_the_engines_and_leave_its_pages_alone(engine_pair, tokenizer):
+    """One driver (``beam.beam_run``) behind both sources: the same hypotheses and scores, and
+    the scheduler's page table keeps what the last job left."""
+    model, _ = engine_pair
+    prompt = tuple(tokenizer.encode("once upon a time", bos=True))
+    request = Request(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=6,
+                      beams=BeamParams(num_beams=4, num_return=3))
+    scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, page_size=4, cache_tokens=128))
+
+    async def run():
+        async with scheduler.stream(Request(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=5)) as s:
+            async for _ in s:
+                pass
+        before = scheduler.cached_ids, scheduler.stats.pages_cached
+        async with scheduler.beams(request) as beams:
+            async for _ in beams:
+                pass
+        return before, beams.completion()
+
+    before, done = anyio.run(run)
+
+    async def on_engine():
+        async with Engine(model, tokenizer).beams(request) as beams:
+            async for _ in beams:
+                pass
+        return beams.completion()
+
+    want = anyio.run(on_engine)
+    assert [(b.token_ids, b.score, b.finish_reason) for b in done.beams] == \
+        [(b.token_ids, b.score, b.finish_reason) for b in want.beams]
+    assert (scheduler.cached_ids, scheduler.stats.pages_cached) == before and before[1] > 0
 
 
 def test_max_time_ends_with_its_own_reason(engine_pair, tokenizer):

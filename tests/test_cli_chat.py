@@ -17,7 +17,7 @@ import torch
 
 from builders import random_model, tiny_args, write_meta_checkpoint
 from cli_support import build_tiny_model, cli_env, llama_chat_command, run_cli
-from llama_chat.cmd.chat import CHAT_PAGE_SIZE
+from llama_chat.cmd.generation_source import SINGLE_STREAM_PAGE_SIZE as CHAT_PAGE_SIZE
 from llama_chat.model.tokenizers.tiktoken import NUM_SPECIAL_TOKENS, read_ranks
 from terminal_support import Pty, held_bytes_model, save_and_leave, screen
 from thread_masks import blocked_signals, threads_taking_signals

@@ -31,7 +31,7 @@ from llama_chat.inference.types import GenerationState, Request, RequestError, c
 from llama_chat.ml.constraints import Constraints, GrammarMask, Vocabulary
 from llama_chat.ml.controls import BeamParams, ControlError, SamplingParams
 from llama_chat.ml.grammars import Constraint, format_constraint
-from llama_chat.ml.processors import TokenHistory, make_sampler
+from llama_chat.ml.processors import TokenHistory, make_controls
 from llama_chat.model.loader import load_model
 from llama_chat.model.stores import default_model_dir
 from llama_chat.model.tokenizers.loading import load_tokenizer
@@ -325,7 +325,7 @@ def test_logits_wider_than_the_vocabulary_lose_the_extra_ids(constraints, tokeni
 
 def test_the_constraint_comes_after_the_other_processors(constraints, tokenizer):
     mask = constraints.processor(Constraint.regex("[0-9]+"))
-    sampler = make_sampler(SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias=((5, 50.0),)),
+    sampler = make_controls(SamplingParams(temperature=0.0, repetition_penalty=1.3, logit_bias=((5, 50.0),)),
                            eos_ids=(2,), constraint=mask)
     assert sampler.processors[-1] is mask
     history = TokenHistory([[1, 3]], vocab_size=tokenizer.vocab_size)

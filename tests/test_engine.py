@@ -127,7 +127,7 @@ async def collect(engine, request) -> list[TokenEvent]:
 
 def test_events_arrive_in_order_and_match_a_cacheless_greedy_run(model, tokenizer):
     rec = Recorder(stop_ids=tokenizer.stop_ids)
-    engine = Engine(model, tokenizer, sampler=rec, options=EngineOptions(prefill_chunk=3))
+    engine = Engine(model, tokenizer, draw=rec, options=EngineOptions(prefill_chunk=3))
     req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=20)
     events = anyio.run(collect, engine, req)
     assert [e.index for e in events] == list(range(20))
@@ -142,7 +142,7 @@ def test_events_arrive_in_order_and_match_a_cacheless_greedy_run(model, tokenize
 
 
 def test_generate_is_the_same_path(model, tokenizer):
-    engine = Engine(model, tokenizer, sampler=Recorder(stop_ids=tokenizer.stop_ids))
+    engine = Engine(model, tokenizer, draw=Recorder(stop_ids=tokenizer.stop_ids))
     req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=12)
     done = engine.generate(req)
     assert done.finish_reason is GenerationState.MAX_TOKENS
@@ -153,7 +153,7 @@ def test_generate_is_the_same_path(model, tokenizer):
 
 
 def test_seeded_sampling_is_reproducible(model, tokenizer):
-    engine = Engine(model, tokenizer, sampler=Recorder(stop_ids=tokenizer.stop_ids))
+    engine = Engine(model, tokenizer, draw=Recorder(stop_ids=tokenizer.stop_ids))
     hot = SamplingParams(temperature=1.5, top_p=0.95)
     runs = [engine.generate(Request(prompt(tokenizer), sampling=hot, seed=s, max_tokens=16)).token_ids
             for s in (7, 7, 8)]
@@ -162,7 +162,7 @@ def test_seeded_sampling_is_reproducible(model, tokenizer):
 
 def test_stop_token_ends_with_eos_and_prints_nothing(model, tokenizer):
     eos = tokenizer.eos_id
-    engine = Engine(model, tokenizer, sampler=Recorder(force=lambda n: eos if n == 4 else 100))
+    engine = Engine(model, tokenizer, draw=Recorder(force=lambda n: eos if n == 4 else 100))
     done = engine.generate(Request(prompt(tokenizer), sampling=GREEDY))
     assert done.finish_reason is GenerationState.EOS
     assert done.token_ids[-1] == eos and len(done.token_ids) == 4
@@ -170,7 +170,7 @@ def test_stop_token_ends_with_eos_and_prints_nothing(model, tokenizer):
 
 
 def test_context_full(model, tokenizer):
-    engine = Engine(model, tokenizer, sampler=Recorder(force=lambda n: 100))
+    engine = Engine(model, tokenizer, draw=Recorder(force=lambda n: 100))
     ids = (1,) + (100,) * 119
     done = engine.generate(Request(ids, sampling=GREEDY))
     assert done.finish_reason is GenerationState.CONTEXT_FULL
@@ -189,7 +189,7 @@ def test_every_declared_end_marker_stops():
 
 def test_bad_requests_fail_before_any_work(model, tokenizer):
     rec = Recorder()
-    engine = Engine(model, tokenizer, sampler=rec)
+    engine = Engine(model, tokenizer, draw=rec)
     with pytest.raises(EmptyPrompt):
         engine.generate(Request(()))
     with pytest.raises(PromptTooLong):
@@ -200,7 +200,7 @@ def test_bad_requests_fail_before_any_work(model, tokenizer):
 def test_bounded_channel_holds_a_slow_consumer_back(model, tokenizer):
     rec = Recorder(stop_ids=tokenizer.stop_ids)
     size, total = 2, 30
-    engine = Engine(model, tokenizer, sampler=rec, options=EngineOptions(buffer_size=size))
+    engine = Engine(model, tokenizer, draw=rec, options=EngineOptions(buffer_size=size))
     req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=total)
     seen = []
 
@@ -224,7 +224,7 @@ def test_bounded_channel_holds_a_slow_consumer_back(model, tokenizer):
 def test_cancel_stops_the_producer_within_one_step(model, tokenizer):
     # The fourth step is held while it runs, so the cancel provably lands during it.
     rec = Recorder(stop_ids=tokenizer.stop_ids, hold_at=4)
-    engine = Engine(model, tokenizer, sampler=rec)
+    engine = Engine(model, tokenizer, draw=rec)
     req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=100)
     result = {}
 
@@ -305,7 +305,7 @@ def test_cancel_during_prefill_waits_for_one_chunk(model, tokenizer):
 
 def test_forward_error_reaches_the_caller_as_itself_once(model, tokenizer):
     rec = Recorder(stop_ids=tokenizer.stop_ids, fail_at=3)
-    engine = Engine(model, tokenizer, sampler=rec)
+    engine = Engine(model, tokenizer, draw=rec)
     req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=50)
     received = []
 
@@ -325,7 +325,7 @@ def test_forward_error_reaches_the_caller_as_itself_once(model, tokenizer):
 
 def test_consumer_leaving_early_stops_the_producer(model, tokenizer):
     rec = Recorder(stop_ids=tokenizer.stop_ids)
-    engine = Engine(model, tokenizer, sampler=rec, options=EngineOptions(buffer_size=1))
+    engine = Engine(model, tokenizer, draw=rec, options=EngineOptions(buffer_size=1))
     req = Request(prompt(tokenizer), sampling=GREEDY, max_tokens=100)
 
     async def main():

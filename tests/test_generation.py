@@ -133,7 +133,7 @@ def test_a_chat_reply_drops_the_word_start_space(model, tokenizer):
         spell.calls += 1
         return torch.tensor([words[(spell.calls - 1) % len(words)]])
 
-    engine = Engine(model, tokenizer, sampler=spell)
+    engine = Engine(model, tokenizer, draw=spell)
     spell.calls = 0
     plain = engine.generate(Request(ids(tokenizer), sampling=GREEDY, max_tokens=len(words)))
     spell.calls = 0

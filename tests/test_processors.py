@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from llama_chat.ml.controls import ControlError, SamplingParams, parse_logit_bias
 from llama_chat.ml.processors import (FrequencyPresencePenalty, LogitBias, MinNewTokens, MinP, NoRepeatNGram,
                                       RepetitionPenalty, Temperature, TokenHistory, TopK, TopP, TypicalP,
-                                      make_sampler)
+                                      make_controls)
 from llama_chat.ml.sampling import draw_uniforms
 
 VOCAB = 300
@@ -95,7 +95,7 @@ def test_the_whole_chain_matches_transformers_in_its_order():
         hf.TemperatureLogitsWarper(0.9), hf.TopKLogitsWarper(50), hf.TopPLogitsWarper(0.9),
         hf.MinPLogitsWarper(0.02), hf.TypicalLogitsWarper(0.95)])
     want = chain(ids, logits.clone())
-    sampler = make_sampler(params, eos_ids=[2])
+    sampler = make_controls(params, eos_ids=[2])
     history = TokenHistory(ids.tolist(), vocab_size=VOCAB, prompt_lengths=[30] * 4)
     got, draw_params = sampler.prepare(history, logits)
     assert_same_logits(got, want)
@@ -251,20 +251,20 @@ def test_add_rows_joins_new_sequences_below():
 
 def test_same_seed_same_tokens_and_greedy_takes_the_processed_argmax():
     params = SamplingParams(temperature=0.9, top_k=40, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5)
-    sampler = make_sampler(params)
+    sampler = make_controls(params)
     logits = random_logits(3, seed=4)
     ids = random_ids(3, 20, seed=4)
     a = sampler(history_of(ids), logits, draw_uniforms(3, seed=11))
     b = sampler(history_of(ids), logits, draw_uniforms(3, seed=11))
     assert torch.equal(a, b)
-    greedy = make_sampler(SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    greedy = make_controls(SamplingParams(temperature=0.0, repetition_penalty=1.2))
     want = RepetitionPenalty(1.2)(history_of(ids), logits.clone()).argmax(-1)
     assert torch.equal(greedy(history_of(ids), logits, draw_uniforms(3, seed=11)), want)
 
 
 def test_sampled_ids_stay_inside_what_the_warpers_keep():
     params = SamplingParams(temperature=1.3, top_k=5, typical_p=0.9)
-    sampler = make_sampler(params)
+    sampler = make_controls(params)
     logits = random_logits(64, seed=9)
     allowed = torch.isfinite(TypicalP(0.9)(None, TopK(5)(None, logits / 1.3)))
     chosen = sampler(history_of(random_ids(64, 4)), logits, draw_uniforms(64, seed=3))
@@ -274,7 +274,7 @@ def test_sampled_ids_stay_inside_what_the_warpers_keep():
 def test_the_processors_do_not_change_the_callers_logits():
     logits = random_logits(2)
     before = logits.clone()
-    sampler = make_sampler(SamplingParams(temperature=0, repetition_penalty=1.5, no_repeat_ngram_size=2,
+    sampler = make_controls(SamplingParams(temperature=0, repetition_penalty=1.5, no_repeat_ngram_size=2,
                                           frequency_penalty=1.0, logit_bias=((3, 1.0),)))
     sampler(history_of(random_ids(2, 10)), logits, None)
     assert torch.equal(logits, before)
@@ -321,7 +321,7 @@ def test_bad_logit_bias_is_one_line(text):
 @pytest.mark.parametrize("k", [5, 40])
 def test_warpers_after_top_k_on_its_candidates_equal_the_full_path(k):
     params = SamplingParams(temperature=0.7, top_k=k, top_p=0.9, min_p=0.02, typical_p=0.9)
-    sampler = make_sampler(params)
+    sampler = make_controls(params)
     logits = random_logits(3, vocab=4000, seed=k)
     out = logits / 0.7
     for warper in sampler.warpers[1:]:

@@ -1,0 +1,50 @@
+"""Where a command's requests run: chosen here, once, for every command.
+
+- A remote model (``-m openai:URL``): its server, behind ``RemoteSource``.
+- A local model: the scheduler (``inference/scheduler.py``), the one generation core. A prompt
+  or a chat is a one-job batch whose pages hold one whole context; ``--batch`` and ``serve`` run
+  many jobs at once. The step's fast paths (the operator's pick, its rows, the compiled lone
+  step) are its backends, chosen per step in ``inference/batch_step.py``.
+- The one exception: one stream at a time on CUDA keeps the engine (``inference/engine.py``),
+  whose decode step is replayed as a CUDA graph over its dense cache. The scheduler's steps are
+  not graphed yet, and that path stays as it is until a GPU measures the two side by side.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.remote import RemoteModel, RemoteSource
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+
+if TYPE_CHECKING:
+    from llama_chat.model.loader import LoadedModel
+
+# Token slots per page for one stream: the last, partly filled page of a chat's turn is prefilled
+# again by the next one, so pages are smaller than a batch's (SchedulerOptions.page_size).
+SINGLE_STREAM_PAGE_SIZE = 8
+
+Source = Scheduler | Engine | RemoteSource
+
+
+def single_stream(loaded: LoadedModel | RemoteModel, opts) -> Source:
+    """The source of a one-shot prompt or a chat: one request at a time."""
+    if isinstance(loaded, RemoteModel):
+        return RemoteSource(loaded)
+    quantize = getattr(opts, "quantize", "none")
+    if loaded.device.type == "cuda":
+        return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile, quantize=quantize))
+    return Scheduler.from_loaded(loaded, SchedulerOptions(
+        max_batch=1, page_size=SINGLE_STREAM_PAGE_SIZE, cache_tokens=loaded.model.args.max_seq_len,
+        quantize=quantize, compile=opts.compile))
+
+
+def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_tokens: int | None) -> Scheduler | RemoteSource:
+    """The source of ``--batch`` and ``serve``: up to ``max_batch`` jobs at once. A lone job takes
+    the compiled step only with ``--compile``: in a batch, jobs rarely run alone."""
+    if isinstance(loaded, RemoteModel):  # the server batches, max_batch requests at a time
+        return RemoteSource(loaded, max_batch=max_batch)
+    return Scheduler.from_loaded(loaded, SchedulerOptions(
+        max_batch=max_batch, cache_tokens=cache_tokens, quantize=getattr(opts, "quantize", "none"),
+        compile=bool(opts.compile)))
