@@ -37,7 +37,7 @@ def single_stream(loaded: LoadedModel | RemoteModel, opts) -> Source:
         return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile, quantize=quantize))
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=1, page_size=SINGLE_STREAM_PAGE_SIZE, cache_tokens=loaded.model.args.max_seq_len,
-        quantize=quantize, compile=opts.compile))
+        quantize=quantize, compile=opts.compile, cache_type=getattr(opts, "cache_type", None)))
 
 
 def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_tokens: int | None) -> Scheduler | RemoteSource:
@@ -47,4 +47,4 @@ def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_
         return RemoteSource(loaded, max_batch=max_batch)
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=max_batch, cache_tokens=cache_tokens, quantize=getattr(opts, "quantize", "none"),
-        compile=bool(opts.compile)))
+        compile=bool(opts.compile), cache_type=getattr(opts, "cache_type", None)))

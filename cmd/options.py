@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from llama_chat.inference.types import Request, new_request_id
-from llama_chat.ml.controls import (COLOR_MODES, DEFAULT_TEMPERATURE, DTYPES, KEPT_CONSTRAINTS, MAX_CONSTRAINT_BYTES,
+from llama_chat.ml.controls import (CACHE_TYPES, COLOR_MODES, DEFAULT_TEMPERATURE, DTYPES, KEPT_CONSTRAINTS, MAX_CONSTRAINT_BYTES,
                                     QUANTIZE_MODES, RULES, BeamParams, ControlError, SamplingParams, check, check_early_stopping,
                                     check_stop, parse_logit_bias, temperature_for)
 from llama_chat.ml.grammar_compile import KeptCompiles
@@ -38,6 +38,7 @@ def _choices(name: str, values: Sequence[str]) -> type[enum.Enum]:
 Template = _choices("Template", FORMAT_NAMES)
 DType = _choices("DType", DTYPES)
 Quantize = _choices("Quantize", QUANTIZE_MODES)
+CacheType = _choices("CacheType", CACHE_TYPES)
 ColorMode = _choices("ColorMode", COLOR_MODES)
 
 _SAMPLING = SamplingParams()
@@ -278,6 +279,11 @@ class Options:
         "--quantize", help="Weights, made at load time: none; int8 (weight-only, one scale per output row, "
                            "about a quarter of float32's bytes); q8_0 or q4_0 (llama.cpp's blocks of 32 "
                            "values, about 0.27 and 0.14 of float32's bytes).")] = Quantize("none")
+    cache_type: Annotated[CacheType, typer.Option(
+        "--cache-type",
+        help="The KV cache's keys and values: f32, f16 or bf16; q8_0 or q4_0 (llama.cpp's blocks of 32 "
+             "values, about 0.53 and 0.28 of f16's bytes, read by the CPU kernels; q4_0 keys are "
+             "Hadamard-rotated); auto: f16 on cpu, the weights' dtype on cuda and mps.")] = CacheType("auto")
     template: Annotated[Template, typer.Option(
         "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template("auto")
     json: Annotated[bool, typer.Option(
@@ -304,7 +310,7 @@ class Options:
 
     def __post_init__(self) -> None:
         # Code below the command line sees plain strings and tuples, not typer's enums and lists.
-        for name in ("dtype", "template", "color", "quantize"):
+        for name in ("dtype", "template", "color", "quantize", "cache_type"):
             value = getattr(self, name)
             if isinstance(value, enum.Enum):
                 object.__setattr__(self, name, value.value)
@@ -353,4 +359,4 @@ class Options:
 
 
 __all__ = ["BATCH", "BEAMS", "CONSTRAINT_OPTIONS", "PENALTIES", "SAMPLING", "STOPPING", "STRUCTURED", "ColorMode",
-           "DType", "Options", "Quantize", "Template", "constraint_text", "make_constraint"]
+           "CacheType", "DType", "Options", "Quantize", "Template", "constraint_text", "make_constraint"]

@@ -104,6 +104,7 @@ class ServeOptions:
     dtype: _OPTION["dtype"] = "auto"
     compile: _OPTION["compile"] = None
     quantize: _OPTION["quantize"] = "none"
+    cache_type: _OPTION["cache_type"] = "auto"
     template: _OPTION["template"] = "auto"
     debug: _OPTION["debug"] = False
 
@@ -311,17 +312,25 @@ def pool_tokens(token_bytes: int, context: int, max_batch: int, available: int |
 
 def _load_model(opts: ServeOptions):
     from llama_chat.cmd.run_command import load, warm_up
-    from llama_chat.model.memory_budget import available_bytes, kv_token_bytes
     from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+    from llama_chat.model.errors import ModelLoadError
+    from llama_chat.model.kv_types import for_device
+    from llama_chat.model.memory_budget import available_bytes
 
     options = opts.options()
     err = Console(stderr=True, highlight=False, quiet=opts.quiet)
     loaded = load(options, err)
-    cache_tokens = opts.cache_tokens or pool_tokens(kv_token_bytes(loaded.model), loaded.model.args.max_seq_len,
-                                                    opts.max_batch, available_bytes())
+    a = loaded.model.args
+    try:
+        kv_type = for_device(opts.cache_type, loaded.device, loaded.dtype)
+        kv_type.check(a.head_dim)
+    except ValueError as e:  # a type this device or this model's heads cannot keep: one line
+        raise ModelLoadError(str(e)) from None
+    token_bytes = 2 * a.n_layers * a.n_kv_heads * kv_type.token_bytes(a.head_dim)
+    cache_tokens = opts.cache_tokens or pool_tokens(token_bytes, a.max_seq_len, opts.max_batch, available_bytes())
     scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=opts.max_batch, cache_tokens=cache_tokens, quantize=options.quantize,
-        compile=bool(opts.compile)))
+        compile=bool(opts.compile), cache_type=kv_type.name))
     warm_up(scheduler, options.sampling(), err, quiet=opts.quiet)
     return loaded, scheduler
 

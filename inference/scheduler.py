@@ -48,6 +48,7 @@ from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model import cpu_decode
 from llama_chat.model.tokenizers.base import Tokenizer
+from llama_chat.model.kv_types import for_device
 from llama_chat.model.transformer import Transformer
 
 DEFAULT_MAX_BATCH = 16
@@ -76,6 +77,7 @@ class SchedulerOptions:
     max_seq_len: int | None = None  # each job's context; None: the model's
     report_every_s: float = 0.02
     quantize: str = "none"  # "int8": weight-only int8 projections (ml/quantize.py), made here
+    cache_type: str | None = None  # the KV pages' type (model/kv_types.py); None: the model's dtype
     # Compile the step of a sequence running alone (inference/paged_step.py), on the CPU: None
     # where the one-prompt engine would compile (StepOptions.for_device), as for a chat.
     compile: bool | None = False
@@ -133,7 +135,9 @@ class Scheduler:
         cuda = device.type == "cuda"
         max_seq_len = min(options.max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
         a = model.args
-        token_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * first.element_size()
+        kv_type = for_device(options.cache_type, device, dtype)
+        kv_type.check(a.head_dim)
+        token_bytes = 2 * a.n_layers * a.n_kv_heads * kv_type.token_bytes(a.head_dim)
         cache_tokens = options.cache_tokens or max(max_seq_len, min(
             options.max_batch * max_seq_len, DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CACHE_BYTES_CAP // token_bytes))
         page_size = options.page_size
@@ -159,14 +163,15 @@ class Scheduler:
         self._strip = bool(getattr(tokenizer, "strips_leading_space", False))
         vocab = getattr(tokenizer, "vocab_size", None)
         sample_ids = vocab if vocab is not None and vocab < model.args.vocab_size else None
-        self.core = BatchCore(model, settings, device=device, dtype=dtype, token_bytes=tokenizer.token_bytes,
+        self.core = BatchCore(model, settings, device=device, dtype=kv_type, token_bytes=tokenizer.token_bytes,
                               sample_ids=sample_ids)
         self.core.sizer = sizer
         self.core.constraints = Constraints(tokenizer, self.stop_ids)
         one_call = device.type == "cpu" and cpu_decode.supports(model)
         step = StepOptions.for_device(device, parameters, options.compile, quantized=quantized, dtype=dtype,
                                       one_call=one_call)
-        if step.compile and not settings.static_shapes:
+        # The compiled step reads the pages as they are: a type read converted keeps the packed forward.
+        if step.compile and not settings.static_shapes and self.core.cache.reads_as(dtype):
             self.core.lone_step = LoneRowStep(model, self.core.cache, row_products=step.row_products,
                                               backend=step.backend)
         self._jobs: dict[str, Job] = {}

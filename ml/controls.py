@@ -103,6 +103,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # int8: one scale per output row; q8_0 and q4_0: llama.cpp's blocks of 32 values (ml/packed.py).
 QUANTIZE_MODES = ("none", "int8", "q8_0", "q4_0")
 COLOR_MODES = ("auto", "always", "never")
+# The KV cache's keys and values (model/kv_types.py), named as llama.cpp's -ctk: auto is f16 on the
+# CPU (llama.cpp's default) and the model's dtype elsewhere; q8_0 and q4_0 are blocks of 32 values
+# with one float16 scale, read by the CPU operator.
+CACHE_TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q4_0")
 
 
 def _kind_name(kind: type) -> str:
@@ -278,7 +282,7 @@ class BeamParams:
         return self.num_beams > 1
 
 
-__all__ = ["BeamParams", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DTYPES", "EarlyStopping",
+__all__ = ["BeamParams", "CACHE_TYPES", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DTYPES", "EarlyStopping",
            "GRAMMAR_COMPILE_BUDGET_BYTES", "KEPT_CONSTRAINTS", "KEPT_CONSTRAINT_BYTES", "MAX_CONSTRAINT_BYTES",
            "MAX_GRAMMAR_DEPTH", "MAX_SEED", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "QUANTIZE_MODES", "RULES",
            "SamplingParams", "check", "check_early_stopping", "check_stop", "parse", "parse_logit_bias",

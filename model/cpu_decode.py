@@ -44,7 +44,11 @@ from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# The cache types the operator reads (model/kv_types.py): floats, and q8_0 and q4_0 blocks as bytes.
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+# The models whose engines' caches (in their first parameter's dtype) it reads: a float16 model's
+# norms are not the float32 the step takes.
+MODEL_DTYPES = (torch.float32, torch.bfloat16)
 # What of a family's layer the operator computes beyond a Llama's (``ModelArgs.llama_layout``'s
 # names): Qwen2's q/k/v biases, Qwen3's head norms and a head width other than dim / heads;
 # Gemma's GeGLU, scaled embedding, output norms, soft caps and attention rules (windows, scores'
@@ -190,7 +194,7 @@ def supports(model: nn.Module) -> bool:
     # Engines make the cache in the dtype of the first parameter (a norm, where the matrices are
     # a file's blocks or 16-bit values): one the step cannot read keeps the layers.
     first = next(model.parameters(), None)
-    if first is None or first.dtype not in CACHE_DTYPES:
+    if first is None or first.dtype not in MODEL_DTYPES:
         return False
     for layer in model.layers:
         attention, ffn = layer.attention, layer.feed_forward
@@ -327,7 +331,8 @@ def takes(model: nn.Module, tokens: torch.Tensor, cache) -> bool:
     if not (tokens.shape == (1, 1) and tokens.device.type == "cpu" and type(cache) is KVCache
             and not torch.is_grad_enabled() and cpu_kernels.loaded()):
         return False
-    return _weights_of(model) is not None and cache.keys[0].dtype in CACHE_DTYPES
+    # A float16 dense cache is a float16 model's, whose norms the step cannot take.
+    return _weights_of(model) is not None and cache.keys[0].dtype in CACHE_DTYPES and cache.keys[0].dtype != torch.float16
 
 
 @dataclass

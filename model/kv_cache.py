@@ -7,6 +7,8 @@ import mmap
 
 import torch
 
+from llama_chat.model.kv_types import KVType, of_dtype
+
 
 def mapped_zeros(shape: tuple[int, ...], *, device: torch.device | str,
                  dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
@@ -33,23 +35,29 @@ def zeros(shape: tuple[int, ...], *, device: torch.device | str, dtype: torch.dt
 
 
 class KVCache:
-    """Keys and values for every layer, shaped ``(rows, kv_heads, max_seq_len, head_dim)``.
+    """Keys and values for every layer, shaped ``(rows, kv_heads, max_seq_len, row)``: a row is a
+    position's ``head_dim`` values as its type keeps them (``kv_types``; ``dtype`` may name a float
+    type by its torch dtype).
 
     Row ``b`` of a forward batch writes its keys at the positions it is given, so sequences of
     different lengths share one cache; reads return the first ``kv_len`` positions, enough for the
-    furthest row, and the model's mask keeps each row to its own past.
+    furthest row, and the model's mask keeps each row to its own past. A type other than the
+    model's own is read converted, those positions only; the CPU operator reads it in place.
     """
 
     def __init__(self, n_layers: int, rows: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
-                 *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        shape = (rows, n_kv_heads, max_seq_len, head_dim)
-        self.keys = [zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+                 *, device: torch.device | str = "cpu", dtype: torch.dtype | KVType = torch.float32) -> None:
+        self.kv_type = dtype if isinstance(dtype, KVType) else of_dtype(dtype)
+        self.kv_type.check(head_dim)
+        shape = (rows, n_kv_heads, max_seq_len, self.kv_type.row_size(head_dim))
+        storage = self.kv_type.storage
+        self.keys = [zeros(shape, device=device, dtype=storage) for _ in range(n_layers)]
+        self.values = [zeros(shape, device=device, dtype=storage) for _ in range(n_layers)]
         self.max_seq_len = max_seq_len
 
     @classmethod
     def for_model(cls, args, rows: int = 1, *, max_seq_len: int | None = None,
-                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> KVCache:
+                  device: torch.device | str = "cpu", dtype: torch.dtype | KVType = torch.float32) -> KVCache:
         return cls(args.n_layers, rows, args.n_kv_heads, max_seq_len or args.max_seq_len,
                    args.head_dim, device=device, dtype=dtype)
 
@@ -58,6 +66,7 @@ class KVCache:
         """A cache whose keys and values are the given tensors (views of another store)."""
         cache = cls.__new__(cls)
         cache.keys, cache.values = tensors
+        cache.kv_type = of_dtype(cache.keys[0].dtype)
         cache.max_seq_len = cache.keys[0].shape[2]
         return cache
 
@@ -91,6 +100,17 @@ class KVCache:
         """
         batch, seq = positions.shape
         cache_k, cache_v = self.keys[layer], self.values[layer]
+        kind = self.kv_type
+        if kind.quantized or kind.storage != k.dtype:
+            stored_k, stored_v = self._store(cache_k, cache_v, kind.store(k, keys=True), kind.store(v, keys=False),
+                                             positions, contiguous_from, kv_len)
+            return (kind.load(stored_k, k.dtype, keys=True), kind.load(stored_v, v.dtype, keys=False))
+        return self._store(cache_k, cache_v, k, v, positions, contiguous_from, kv_len)
+
+    def _store(self, cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor, contiguous_from: int | None,
+               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, seq = positions.shape
         if contiguous_from is not None:
             cache_k[:batch, :, contiguous_from:contiguous_from + seq] = k
             cache_v[:batch, :, contiguous_from:contiguous_from + seq] = v

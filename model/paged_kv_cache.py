@@ -25,6 +25,7 @@ import torch
 
 from llama_chat.ml import ops
 from llama_chat.model.kv_cache import mapped_zeros
+from llama_chat.model.kv_types import KVType, of_dtype
 
 # Page 0 is never handed to a sequence: padding tokens write their keys there and padded block
 # table entries point at it, so a static-shaped step never needs a branch for "no page".
@@ -85,7 +86,9 @@ class PagedBatch:
 
 
 class PagedKVCache:
-    """Per layer, keys and values shaped ``(kv_heads, num_pages, page_size, head_dim)``.
+    """Per layer, keys and values shaped ``(kv_heads, num_pages, page_size, row)``: a row is a
+    token's ``head_dim`` values as its type keeps them (``kv_types``; ``dtype`` may name a float
+    type by its torch dtype), ``head_dim`` of them for a float type.
 
     Pages are the second dimension so that a sequence's pages, selected in table order, are
     already its keys in position order: ``(kv_heads, width * page_size, head_dim)`` with no
@@ -93,10 +96,14 @@ class PagedKVCache:
     """
 
     def __init__(self, n_layers: int, num_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
-                 *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 *, device: torch.device | str = "cpu", dtype: torch.dtype | KVType = torch.float32) -> None:
         if num_pages < 2:
             raise ValueError("a paged cache needs at least two pages (one is scratch)")
-        shape = (n_kv_heads, num_pages, page_size, head_dim)
+        self.kv_type = dtype if isinstance(dtype, KVType) else of_dtype(dtype)
+        self.kv_type.check(head_dim)
+        self.head_dim = head_dim
+        dtype = self.kv_type.storage
+        shape = (n_kv_heads, num_pages, page_size, self.kv_type.row_size(head_dim))
         # Reserved, not touched: a page is resident once written (``kv_cache.mapped_zeros``).
         made = [mapped_zeros(shape, device=device, dtype=dtype) for _ in range(2 * n_layers)]
         self.keys = [t for t, _ in made[0::2]]
@@ -111,13 +118,13 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, args, num_pages: int, page_size: int, *, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> PagedKVCache:
+                  dtype: torch.dtype | KVType = torch.float32) -> PagedKVCache:
         return cls(args.n_layers, num_pages, page_size, args.n_kv_heads, args.head_dim, device=device, dtype=dtype)
 
     @property
     def type_name(self) -> str:
         """What a page holds, as the ready line and the stats say it."""
-        return str(self.keys[0].dtype).removeprefix("torch.")
+        return self.kv_type.name
 
     @property
     def page_bytes(self) -> int:
@@ -166,6 +173,11 @@ class PagedKVCache:
             self._gathered = None
             self.drop_mirrors()
         return returned
+
+    def reads_as(self, dtype: torch.dtype) -> bool:
+        """Whether its pages are attended as they are by a model computing in ``dtype``; else
+        each step reads the pages it needs converted (``PagedView``)."""
+        return not self.kv_type.quantized and self.kv_type.storage == dtype
 
     def gather_buffers(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two tensors of ``pages`` pages for gathered keys and values, reused while the count
@@ -258,6 +270,12 @@ class PagedView:
     def __init__(self, cache: PagedKVCache, batch: PagedBatch) -> None:
         self.cache = cache
         self.batch = batch
+        # What attention reads: the batch's own pages, or (a type read converted) its pages
+        # gathered into a small pool of their own, numbered anew (``_read_pages``).
+        self._runs = batch.runs
+        self._first_page = batch.single_first_page
+        self._single_key = batch.single_key
+        self._read: torch.Tensor | None = None
         page_size = cache.page_size
         self._single_pages: torch.Tensor | None = None
         self._single_mask: torch.Tensor | None = None
@@ -291,11 +309,18 @@ class PagedView:
         """
         cache, batch = self.cache, self.batch
         store_k, store_v = cache.keys[layer], cache.values[layer]
-        kv_heads, num_pages, page_size, head_dim = store_k.shape
-        flat_k = store_k.view(kv_heads, num_pages * page_size, head_dim)
-        flat_v = store_v.view(kv_heads, num_pages * page_size, head_dim)
-        flat_k.index_copy_(1, batch.slots, k[0])
-        flat_v.index_copy_(1, batch.slots, v[0])
+        kv_heads, num_pages, page_size, row = store_k.shape
+        flat_k = store_k.view(kv_heads, num_pages * page_size, row)
+        flat_v = store_v.view(kv_heads, num_pages * page_size, row)
+        if cache.reads_as(q.dtype):
+            flat_k.index_copy_(1, batch.slots, k[0])
+            flat_v.index_copy_(1, batch.slots, v[0])
+        else:
+            kind = cache.kv_type
+            flat_k.index_copy_(1, batch.slots, kind.store(k[0], keys=True))
+            flat_v.index_copy_(1, batch.slots, kind.store(v[0], keys=False))
+            store_k, store_v = self._read_pages(store_k, store_v, q.dtype)
+        head_dim = q.shape[-1]
         if not rule.plain:
             return self._attend_ruled(store_k, store_v, q, rule)
 
@@ -303,17 +328,19 @@ class PagedView:
         if batch.singles:
             n = batch.singles
             pages = self._single_pages
-            first_page = batch.single_first_page
+            first_page = self._first_page
             if first_page is not None:  # one row over consecutive pages: a view, no copy
                 last_page = first_page + pages.numel()
                 keys = store_k[:, first_page:last_page].reshape(kv_heads, -1, head_dim).unsqueeze(0)
                 values = store_v[:, first_page:last_page].reshape(kv_heads, -1, head_dim).unsqueeze(0)
             elif self._single_mask is not None and q.device.type == "cpu":
                 mirrored = None
-                if batch.single_key is not None:
-                    mirrored = cache.mirror(layer, batch.single_key, pages, batch.single_mirror_slots,
+                if self._single_key is not None:
+                    mirrored = cache.mirror(layer, self._single_key, pages, batch.single_mirror_slots,
                                             k[0, :, :n], v[0, :, :n])
-                if mirrored is None:
+                if self._read is not None:
+                    mirrored = (store_k.index_select(1, pages), store_v.index_select(1, pages))
+                elif mirrored is None:
                     mirrored = cache.gather_buffers(pages.numel())
                     torch.index_select(store_k, 1, pages, out=mirrored[0])
                     torch.index_select(store_v, 1, pages, out=mirrored[1])
@@ -329,12 +356,29 @@ class PagedView:
                 queries = q[0, :, :n].transpose(0, 1).unsqueeze(2)  # (n, heads, 1, dim)
                 out = ops.attention(queries, keys, values, self._single_mask)  # (n, heads, 1, dim)
                 parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))  # (1, heads, n, dim)
-        for (first, length, table, start), mask in zip(batch.runs, self._run_masks):
+        for (first, length, table, start), mask in zip(self._runs, self._run_masks):
             end = start + length  # the keys this run reads: its sequence's, up to its last token
             keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
             values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
             parts.append(ops.attention(q[:, :, first:first + length], keys, values, mask, causal=mask is None))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def _read_pages(self, store_k: torch.Tensor, store_v: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages this step reads of a layer, converted to ``dtype``, as a pool of their own
+        ``(kv_heads, pages read, page_size, head_dim)``; the first call renumbers the step's
+        tables into it, once for every layer. Only the pages read are converted, never the pool."""
+        if self._read is None:
+            tables = [t for t in (self._single_pages, *(run[2] for run in self.batch.runs)) if t is not None]
+            self._read = torch.unique(torch.cat(tables))  # sorted
+            if self._single_pages is not None:
+                self._single_pages = torch.searchsorted(self._read, self._single_pages)
+            self._runs = tuple((first, length, torch.searchsorted(self._read, table), start)
+                               for first, length, table, start in self.batch.runs)
+            self._first_page = self._single_key = None
+        kind = self.cache.kv_type
+        return (kind.load(store_k.index_select(1, self._read), dtype, keys=True),
+                kind.load(store_v.index_select(1, self._read), dtype, keys=False))
 
     def _attend_ruled(self, store_k: torch.Tensor, store_v: torch.Tensor, q: torch.Tensor,
                       rule: ops.AttentionRule) -> torch.Tensor:
@@ -353,7 +397,7 @@ class PagedView:
             seen = ops.visible_keys(batch.positions[:n].view(n, 1), torch.arange(width, device=q.device), rule.window)
             out = ops.ruled_attention(q[0, :, :n].transpose(0, 1).unsqueeze(2), keys, values, seen, rule)
             parts.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))
-        for first, length, table, start in batch.runs:
+        for first, length, table, start in self._runs:
             end = start + length
             keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
             values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]

@@ -25,6 +25,7 @@
 #include "panels.h"
 #include "pick.h"
 #include "vectors.h"
+#include "kv_rows.h"
 
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -46,14 +47,6 @@
 namespace {
 
 using namespace llama_chat_cpu;
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -484,7 +477,7 @@ inline float inverse_rms(const float* x, int64_t dim, double eps) {
 
 // What one thread keeps to itself during a step.
 struct Scratch {
-  std::vector<float> normed, head, scores, steps, chosen, inverses;
+  std::vector<float> normed, head, scores, steps, chosen, inverses, turned;
   std::vector<int16_t> rounded;
   RoundedBlocks blocks;
 
@@ -531,63 +524,68 @@ struct Scratch {
   }
 };
 
-// A layer's keys or values in pages, (kv_heads, pages, page_size, head_dim), float32 or bfloat16,
-// each row of a step finding its positions through its block table. A dense cache is one page.
+// A layer's keys or values in pages, (kv_heads, pages, page_size, row): each position's row its
+// head_dim values as float32, bfloat16, float16, q8_0 or q4_0 (kv_rows.h), each row of a step
+// finding its positions through its block table. A dense cache is one page. Strides in bytes.
 struct CacheView {
-  void* data = nullptr;
-  bool bf16 = false;
-  int64_t page_size = 0, head_dim = 0, head_stride = 0, page_stride = 0;
+  uint8_t* data = nullptr;
+  KV kind = KV::F32;
+  bool rotated = false;  // Hadamard-rotated rows (q4_0 keys): the query is rotated to read them
+  int64_t page_size = 0, head_dim = 0, row_bytes = 0, head_stride = 0, page_stride = 0;
   const int64_t* tables = nullptr;
   int64_t width = 0;  // table entries per row
 
-  int64_t offset(int64_t row, int64_t head, int64_t position) const {
+  uint8_t* slot(int64_t row, int64_t head, int64_t position) const {
     const int64_t page = tables[row * width + position / page_size];
-    return head * head_stride + page * page_stride + (position % page_size) * head_dim;
+    return data + head * head_stride + page * page_stride + (position % page_size) * row_bytes;
+  }
+  // The first position of a row's page.
+  const uint8_t* page_start(int64_t row, int64_t head, int64_t page) const {
+    return data + head * head_stride + tables[row * width + page] * page_stride;
   }
   void store(int64_t row, int64_t head, int64_t position, const float* values) const {
-    if (bf16) {
-      uint16_t* out = static_cast<uint16_t*>(data) + offset(row, head, position);
-      for (int64_t i = 0; i < head_dim; ++i) out[i] = float_to_bf16(values[i]);
+    if (rotated) {
+      float turned[kMaxRotated];
+      std::memcpy(turned, values, sizeof(float) * head_dim);
+      hadamard(turned, head_dim);
+      kv_store_row(kind, turned, head_dim, slot(row, head, position));
     } else {
-      std::memcpy(static_cast<float*>(data) + offset(row, head, position), values, sizeof(float) * head_dim);
+      kv_store_row(kind, values, head_dim, slot(row, head, position));
     }
   }
-  // scores[t] = q . key(t) * scale for positions t in [first, count), page by page.
+  // scores[t] = q . key(t) * scale for positions t in [first, count), page by page (q rotated
+  // already where the keys are).
   void scores(int64_t row, int64_t head, int64_t first, int64_t count, const float* q, float scale,
               float* out) const {
-    if (bf16) scores_of(static_cast<const uint16_t*>(data), row, head, first, count, q, scale, out);
-    else scores_of(static_cast<const float*>(data), row, head, first, count, q, scale, out);
-  }
-  // The first position of a row's page, of a float32 cache.
-  const float* floats_of(int64_t row, int64_t head, int64_t page) const {
-    return page_start(static_cast<const float*>(data), row, head, page);
+    for (int64_t t = first, page = first / page_size; t < count; ++page) {
+      const uint8_t* at = page_start(row, head, page) + (t % page_size) * row_bytes;
+      const int64_t end = std::min(count, (page + 1) * page_size);
+      for (; t < end; ++t, at += row_bytes) out[t] = kv_dot(kind, q, at, head_dim) * scale;
+    }
   }
   // out += weights[t] * value(t) for positions t in [first, count).
   void weighted_sum(int64_t row, int64_t head, int64_t first, int64_t count, const float* weights,
                     float* out) const {
-    if (bf16) weighted_sum_of(static_cast<const uint16_t*>(data), row, head, first, count, weights, out);
-    else weighted_sum_of(static_cast<const float*>(data), row, head, first, count, weights, out);
+    switch (kind) {
+      case KV::F32: return weighted_sum_of<float>(row, head, first, count, weights, out);
+      case KV::BF16: return weighted_sum_of<uint16_t>(row, head, first, count, weights, out);
+      case KV::F16: return weighted_sum_of<F16>(row, head, first, count, weights, out);
+      default:
+        for (int64_t t = first, page = first / page_size; t < count; ++page) {
+          const uint8_t* at = page_start(row, head, page) + (t % page_size) * row_bytes;
+          const int64_t end = std::min(count, (page + 1) * page_size);
+          for (; t < end; ++t, at += row_bytes) kv_add(kind, weights[t], at, head_dim, out);
+        }
+    }
   }
+  static constexpr int64_t kMaxRotated = 1024;
 
  private:
   template <typename T>
-  const T* page_start(const T* base, int64_t row, int64_t head, int64_t page) const {
-    return base + head * head_stride + tables[row * width + page] * page_stride;
-  }
-  template <typename T>
-  void scores_of(const T* base, int64_t row, int64_t head, int64_t first, int64_t count, const float* q, float scale,
-                 float* out) const {
-    for (int64_t t = first, page = first / page_size; t < count; ++page) {
-      const T* slot = page_start(base, row, head, page) + (t % page_size) * head_dim;
-      const int64_t end = std::min(count, (page + 1) * page_size);
-      for (; t < end; ++t, slot += head_dim) out[t] = dot(q, slot, head_dim) * scale;
-    }
-  }
-  template <typename T>
-  void weighted_sum_of(const T* base, int64_t row, int64_t head, int64_t first, int64_t count, const float* weights,
+  void weighted_sum_of(int64_t row, int64_t head, int64_t first, int64_t count, const float* weights,
                        float* out) const {
     for (int64_t t = first, page = first / page_size; t < count; ++page) {
-      const T* slot = page_start(base, row, head, page) + (t % page_size) * head_dim;
+      const T* slot = reinterpret_cast<const T*>(page_start(row, head, page)) + (t % page_size) * head_dim;
       const int64_t end = std::min(count, (page + 1) * page_size);
       // Four positions per pass over `out`: a quarter of its loads and stores.
       for (; t + 4 <= end; t += 4, slot += 4 * head_dim) {
@@ -629,31 +627,31 @@ inline __m512 sums_of_16(__m512* v) {
   return v[0];
 }
 
-// One query head of one row against a float32 cache whose heads are C vectors (head_dim 16 * C):
+// One query head of one row against a cache whose heads are C vectors (head_dim 16 * C), its rows
+// of kind Kind read a vector at a time (kv_load16):
 // out = softmax(q . keys * scale) . values over positions [first, count), the scores soft-capped
 // where `cap` is above zero. Scores are made sixteen
 // positions at a time, each position's products summed across vectors together
 // (`sums_of_16`); the weighted sum keeps its head in registers, two positions at a time, and is
 // scaled by the softmax's sum once at the end: faster than a dot product and a sum across a
 // vector a position (`CacheView::scores`; docs/batching.md, "Attention in 512-bit vectors").
-template <int C>
+template <int C, KV Kind>
 void attend_head(const CacheView& keys, const CacheView& values, int64_t row, int64_t head, int64_t first,
                  int64_t count, const float* q, float scale, float cap, float* scores, float* out) {
-  constexpr int64_t kHead = 16 * C;
-  const int64_t page_size = keys.page_size;
+  const int64_t page_size = keys.page_size, kRow = keys.row_bytes;
   __m512 query[C];
   for (int c = 0; c < C; ++c) query[c] = _mm512_loadu_ps(q + 16 * c);
   __m512 largest = _mm512_set1_ps(-INFINITY);
   for (int64_t t = first, page = first / page_size; t < count; ++page) {
-    const float* slot = keys.floats_of(row, head, page) + (t % page_size) * kHead;
-    for (int64_t end = std::min(count, (page + 1) * page_size), n = 0; t < end; t += n, slot += n * kHead) {
+    const uint8_t* slot = keys.page_start(row, head, page) + (t % page_size) * kRow;
+    for (int64_t end = std::min(count, (page + 1) * page_size), n = 0; t < end; t += n, slot += n * kRow) {
       n = std::min<int64_t>(16, end - t);
       __m512 v[16];
 #pragma GCC unroll 16
       for (int u = 0; u < 16; ++u) {
         if (u < n) {
-          __m512 a = _mm512_mul_ps(query[0], _mm512_loadu_ps(slot + u * kHead));
-          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(slot + u * kHead + 16 * c), a);
+          __m512 a = _mm512_mul_ps(query[0], kv_load16<Kind>(slot + u * kRow, 0));
+          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(query[c], kv_load16<Kind>(slot + u * kRow, c), a);
           v[u] = a;
         } else {
           v[u] = _mm512_setzero_ps();
@@ -680,39 +678,87 @@ void attend_head(const CacheView& keys, const CacheView& values, int64_t row, in
   __m512 even[C], odd[C];
   for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
   for (int64_t t = first, page = first / page_size; t < count; ++page) {
-    const float* slot = values.floats_of(row, head, page) + (t % page_size) * kHead;
+    const uint8_t* slot = values.page_start(row, head, page) + (t % page_size) * kRow;
     const int64_t end = std::min(count, (page + 1) * page_size);
-    for (; t + 2 <= end; t += 2, slot += 2 * kHead) {
+    for (; t + 2 <= end; t += 2, slot += 2 * kRow) {
       const __m512 w0 = _mm512_set1_ps(scores[t]), w1 = _mm512_set1_ps(scores[t + 1]);
-      for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(slot + 16 * c), even[c]);
-      for (int c = 0; c < C; ++c) odd[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(slot + kHead + 16 * c), odd[c]);
+      for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(w0, kv_load16<Kind>(slot, c), even[c]);
+      for (int c = 0; c < C; ++c) odd[c] = _mm512_fmadd_ps(w1, kv_load16<Kind>(slot + kRow, c), odd[c]);
     }
     if (t < end) {
       const __m512 w0 = _mm512_set1_ps(scores[t]);
-      for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(slot + 16 * c), even[c]);
+      for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(w0, kv_load16<Kind>(slot, c), even[c]);
       ++t;
     }
   }
   const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inverse));
 }
+
+template <KV Kind>
+auto vector_attention_of(int64_t head_dim) -> decltype(&attend_head<1, Kind>) {
+  // Blocks are two vectors each: their heads are a whole number of blocks.
+  constexpr bool blocks = Kind == KV::Q8_0 || Kind == KV::Q4_0;
+  switch (head_dim) {
+    case 16: return blocks ? nullptr : attend_head<1, Kind>;
+    case 32: return attend_head<2, Kind>;
+    case 48: return blocks ? nullptr : attend_head<3, Kind>;
+    case 64: return attend_head<4, Kind>;
+    case 96: return attend_head<6, Kind>;
+    case 128: return attend_head<8, Kind>;
+    default: return nullptr;
+  }
+}
+
+// The 512-bit attention of heads of `head_dim` over rows of `kind`, or nullptr: no such vectors.
+inline auto vector_attention(KV kind, int64_t head_dim) -> decltype(&attend_head<1, KV::F32>) {
+  switch (kind) {
+    case KV::F32: return vector_attention_of<KV::F32>(head_dim);
+    case KV::BF16: return vector_attention_of<KV::BF16>(head_dim);
+    case KV::F16: return vector_attention_of<KV::F16>(head_dim);
+    case KV::Q8_0: return vector_attention_of<KV::Q8_0>(head_dim);
+    case KV::Q4_0: return vector_attention_of<KV::Q4_0>(head_dim);
+  }
+  return nullptr;
+}
 #endif
+
+// The kind of a cache's rows: its dtype, and for bytes, the blocks' row length.
+KV kind_of(const at::Tensor& t, int64_t head_dim) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return KV::F32;
+    case at::kBFloat16: return KV::BF16;
+    case at::kHalf: return KV::F16;
+    case at::kByte:
+      if (head_dim % kKVBlock == 0 && t.size(-1) == kv_row_bytes(KV::Q8_0, head_dim)) return KV::Q8_0;
+      if (head_dim % kKVBlock == 0 && t.size(-1) == kv_row_bytes(KV::Q4_0, head_dim)) return KV::Q4_0;
+      break;
+    default: break;
+  }
+  TORCH_CHECK(false, "decode_step: a cache of ", t.scalar_type(), " rows of ", t.size(-1), " for heads of ", head_dim);
+  return KV::F32;
+}
 
 CacheView cache_of(const char* what, int64_t layer, const at::Tensor& t, int64_t kv_heads, int64_t head_dim,
                    int64_t page_size) {
   TORCH_CHECK(t.dim() == 4 && t.device().is_cpu() && t.size(0) == kv_heads && t.size(2) == page_size &&
-                  t.size(3) == head_dim && t.stride(3) == 1 && t.stride(2) == head_dim,
-              "decode_step: the ", what, " of layer ", layer, " must be a (", kv_heads, ", pages, ", page_size, ", ",
-              head_dim, ") CPU tensor with contiguous pages");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "decode_step: the ", what,
-              " cache has type ", t.scalar_type());
+                  t.stride(3) == 1 && t.stride(2) == t.size(3),
+              "decode_step: the ", what, " of layer ", layer, " must be a (", kv_heads, ", pages, ", page_size,
+              ", row) CPU tensor with contiguous pages");
   CacheView view;
-  view.data = t.data_ptr();
-  view.bf16 = t.scalar_type() == at::kBFloat16;
+  view.kind = kind_of(t, head_dim);
+  view.data = static_cast<uint8_t*>(t.data_ptr());
   view.page_size = page_size;
   view.head_dim = head_dim;
-  view.head_stride = t.stride(0);
-  view.page_stride = t.stride(1);
+  view.row_bytes = kv_row_bytes(view.kind, head_dim);
+  TORCH_CHECK(t.size(3) * t.element_size() == view.row_bytes, "decode_step: the ", what, " of layer ", layer,
+              " have rows of ", t.size(3), " for heads of ", head_dim);
+  // As model/kv_types.py: q4_0 keys are rotated where the head's size is a power of two.
+  view.rotated = view.kind == KV::Q4_0 && std::strcmp(what, "keys") == 0 && kv_power_of_two(head_dim);
+  TORCH_CHECK(!view.rotated || head_dim <= CacheView::kMaxRotated, "decode_step: heads of ", head_dim,
+              " are too long to rotate");
+  view.head_stride = t.stride(0) * t.element_size();
+  view.page_stride = t.stride(1) * t.element_size();
   return view;
 }
 
@@ -819,7 +865,8 @@ struct StepModel : torch::CustomClassHolder {
                 "decode_step: ", n_heads, " heads do not group over ", n_kv_heads, " key/value heads");
     TORCH_CHECK(page_size > 0 && keys[0].dim() == 4, "decode_step: keys must be (kv_heads, pages, page_size, head_dim)");
     dim = final_norm.numel();
-    head_dim = keys[0].size(-1);
+    // A row of blocks does not say its head's size: the rotary table does (checked below).
+    head_dim = keys[0].scalar_type() == at::kByte && ropes[0].dim() == 3 ? 2 * ropes[0].size(1) : keys[0].size(-1);
     pages = keys[0].size(1);
     TORCH_CHECK(head_dim % 2 == 0, "decode_step: odd head size ", head_dim);
     q_width = n_heads * head_dim;
@@ -991,22 +1038,15 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
   std::unique_ptr<Stage[]> stage_of(new Stage[static_cast<size_t>(stages)]);
   const int64_t group = n_heads / n_kv_heads;
   const float attention_scale = model.attention_scale, attention_cap = model.attention_cap;
-  // A head's attention in 512-bit vectors, for float32 caches whose heads are whole vectors.
-  void (*attend_in_vectors)(const CacheView&, const CacheView&, int64_t, int64_t, int64_t, int64_t, const float*,
-                            float, float, float*, float*) = nullptr;
+  // A head's attention in 512-bit vectors, for caches whose heads are whole vectors.
+  using Attend = void (*)(const CacheView&, const CacheView&, int64_t, int64_t, int64_t, int64_t, const float*,
+                          float, float, float*, float*);
+  Attend attend_in_vectors = nullptr;
+  TORCH_CHECK(layers[0].keys.kind == layers[0].values.kind, "decode_step: keys and values of one kind");
 #ifdef __AVX512F__
-  if (!layers[0].keys.bf16) {
-    switch (head_dim) {
-      case 16: attend_in_vectors = attend_head<1>; break;
-      case 32: attend_in_vectors = attend_head<2>; break;
-      case 48: attend_in_vectors = attend_head<3>; break;
-      case 64: attend_in_vectors = attend_head<4>; break;
-      case 96: attend_in_vectors = attend_head<6>; break;
-      case 128: attend_in_vectors = attend_head<8>; break;
-      default: break;
-    }
-  }
+  attend_in_vectors = vector_attention(layers[0].keys.kind, head_dim);
 #endif
+  const bool rotated_keys = layers[0].keys.rotated;
   const int64_t widest = std::max({dim, ffn, q_width});
 
   auto run = [&](int team, int thread) {
@@ -1014,6 +1054,7 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
     Scratch scratch;
     scratch.normed.resize(static_cast<size_t>(rows * dim));
     scratch.head.resize(static_cast<size_t>(rows * head_dim));
+    scratch.turned.resize(static_cast<size_t>(head_dim));
     scratch.scores.resize(static_cast<size_t>(step.furthest + 1));
     scratch.rounded.resize(static_cast<size_t>(rows * widest));
     scratch.steps.resize(static_cast<size_t>(rows));
@@ -1072,6 +1113,12 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
           const int64_t r = unit / n_heads, head = unit % n_heads, kv = head / group, last = position[r];
           const int64_t first_key = layer.window > 0 ? std::max<int64_t>(0, last - layer.window + 1) : 0;
           const float* query = q.data() + r * q_width + head * head_dim;
+          if (rotated_keys) {  // the keys are stored rotated: so is the query they meet
+            float* turned = scratch.turned.data();
+            std::memcpy(turned, query, sizeof(float) * head_dim);
+            hadamard(turned, head_dim);
+            query = turned;
+          }
           float* scores = scratch.scores.data();  // by position: those before first_key unused
           float* result = out_interleaved ? scratch.head.data() : attended.data() + r * q_width + head * head_dim;
           if (attend_in_vectors != nullptr) {

@@ -1,0 +1,149 @@
+"""What a KV cache keeps a key or value row as: float32, 16-bit floats, or llama.cpp's q8_0 and
+q4_0 blocks of 32 values with one float16 scale (``--cache-type``, named as llama.cpp's ``-ctk``).
+
+A row of ``head_dim`` values is stored as ``row_size(head_dim)`` elements of ``storage`` (bytes,
+for the blocks), so a cache keeps its shape ``(..., positions, row)`` whatever the type and a
+position's row stays one contiguous run that the CPU operator reads in place (``ml/cpu/decode.cpp``,
+``CacheView``, which lays the blocks out the same way). ``store`` and ``load`` are the torch
+side: the model's own forward writes through the first and reads through the second.
+
+q4_0 keys are rotated first by a fixed orthonormal Hadamard transform (a head whose size is a
+power of two): a key's few outlier values, which would set a block's scale and leave the others
+two or three levels, are spread over the whole head. Scores do not change, for q . k = Hq . Hk;
+``load`` turns the keys back, and the operator turns the query instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from llama_chat.ml.controls import CACHE_TYPES
+
+BLOCK = 32  # values per block of q8_0 and q4_0, as llama.cpp's
+
+
+@dataclass(frozen=True)
+class KVType:
+    name: str  # as --cache-type says it
+    storage: torch.dtype
+    block_bytes: int = 0  # bytes of a block of BLOCK values; 0: a float type, a value an element
+    rotate_keys: bool = False  # Hadamard-rotated keys (where the head's size is a power of two)
+
+    @property
+    def quantized(self) -> bool:
+        return self.block_bytes > 0
+
+    def row_size(self, head_dim: int) -> int:
+        """Elements of ``storage`` a row of ``head_dim`` values takes."""
+        return head_dim // BLOCK * self.block_bytes if self.quantized else head_dim
+
+    def token_bytes(self, head_dim: int) -> int:
+        """Bytes of one head's row."""
+        return self.row_size(head_dim) * self.storage.itemsize
+
+    def check(self, head_dim: int) -> None:
+        """``ValueError`` (one line) where rows of ``head_dim`` values cannot be kept as this type."""
+        if self.quantized and head_dim % BLOCK:
+            raise ValueError(f"--cache-type {self.name} needs a head size that is a multiple of {BLOCK}, "
+                             f"and this model's is {head_dim}")
+
+    def rotates(self, keys: bool, head_dim: int) -> bool:
+        return keys and self.rotate_keys and head_dim & (head_dim - 1) == 0
+
+    def store(self, x: torch.Tensor, *, keys: bool) -> torch.Tensor:
+        """Rows ``(..., head_dim)`` as stored rows ``(..., row_size)``."""
+        if not self.quantized:
+            return x.to(self.storage)
+        x = x.float()
+        if self.rotates(keys, x.shape[-1]):
+            x = hadamard(x)
+        blocks = x.reshape(*x.shape[:-1], -1, BLOCK)
+        return (_q8_0(blocks) if self.name == "q8_0" else _q4_0(blocks)).reshape(*x.shape[:-1], -1)
+
+    def load(self, stored: torch.Tensor, dtype: torch.dtype, *, keys: bool) -> torch.Tensor:
+        """Stored rows ``(..., row_size)`` as values ``(..., head_dim)`` of ``dtype``."""
+        if not self.quantized:
+            return stored.to(dtype)
+        blocks = stored.reshape(*stored.shape[:-1], -1, self.block_bytes)
+        scale = blocks[..., :2].contiguous().view(torch.float16).float()
+        if self.name == "q8_0":
+            values = blocks[..., 2:].contiguous().view(torch.int8).float()
+        else:
+            packed = blocks[..., 2:].to(torch.int16)
+            values = (torch.cat((packed & 15, packed >> 4), dim=-1) - 8).float()
+        x = (values * scale).reshape(*stored.shape[:-1], -1)
+        if self.rotates(keys, x.shape[-1]):
+            x = hadamard(x)
+        return x.to(dtype)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's quantize_row_q8_0: scale = the largest magnitude / 127, values rounded."""
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    values = torch.round(blocks * inverse).clamp(-127, 127).to(torch.int8)
+    return torch.cat((scale.half().view(torch.uint8), values.view(torch.uint8)), dim=-1)
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's quantize_row_q4_0: scale = the value of the largest magnitude / -8, values
+    ``x / scale + 8`` cut to 0..15; byte j holds value j (low half) and value j + 16 (high)."""
+    largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
+    scale = largest / -8
+    inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
+    values = (blocks * inverse + 8.5).to(torch.int16).clamp(0, 15)
+    half = BLOCK // 2
+    packed = (values[..., :half] | (values[..., half:] << 4)).to(torch.uint8)
+    return torch.cat((scale.half().view(torch.uint8), packed), dim=-1)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``(..., n)``, n a power of two) times the orthonormal Sylvester Hadamard matrix
+    (symmetric, its own inverse), by the fast transform: log2(n) rounds of sums and differences."""
+    n = x.shape[-1]
+    shape = x.shape
+    h = 1
+    while h < n:
+        pairs = x.reshape(-1, n // (2 * h), 2, h)
+        x = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        h *= 2
+    return (x.reshape(shape) * (1 / math.sqrt(n))).to(x.dtype)
+
+
+TYPES = {
+    "f32": KVType("f32", torch.float32),
+    "f16": KVType("f16", torch.float16),
+    "bf16": KVType("bf16", torch.bfloat16),
+    "q8_0": KVType("q8_0", torch.uint8, block_bytes=2 + BLOCK),
+    "q4_0": KVType("q4_0", torch.uint8, block_bytes=2 + BLOCK // 2, rotate_keys=True),
+}
+_OF_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+assert set(TYPES) | {"auto"} == set(CACHE_TYPES)
+
+
+def for_device(name: str | None, device: torch.device | str, model_dtype: torch.dtype) -> KVType:
+    """The type ``--cache-type name`` means here. auto: float16 on the CPU, as llama.cpp's;
+    elsewhere the model's own dtype (bfloat16 on CUDA). None (a library caller that names none):
+    the model's own dtype, whose cache gives the model's own logits. Blocks are read by the CPU
+    operator only: ``ValueError`` (one line) for them on another device."""
+    cpu = torch.device(device).type == "cpu"
+    if name is None or (name == "auto" and not cpu):
+        return TYPES[_OF_DTYPE.get(model_dtype, "f32")]
+    if name == "auto":
+        return TYPES["f16"]
+    kind = TYPES[name]
+    if kind.quantized and not cpu:
+        raise ValueError(f"--cache-type {name} is read on the CPU only; on {torch.device(device).type}, "
+                         "use f32, f16 or bf16")
+    return kind
+
+
+def of_dtype(dtype: torch.dtype) -> KVType:
+    """The float type a tensor of ``dtype`` holds (a cache made with a dtype, not a type)."""
+    return TYPES[_OF_DTYPE[dtype]]
+
+
+__all__ = ["BLOCK", "KVType", "TYPES", "for_device", "hadamard", "of_dtype"]

@@ -1,0 +1,144 @@
+"""KV cache types: rows stored as 16-bit floats or llama.cpp's q8_0 and q4_0 blocks, and read back."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from llama_chat.model import kv_types
+from llama_chat.model.kv_types import TYPES, for_device, hadamard
+
+
+def rows(n: int = 12, dim: int = 64, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    x[:, 5] *= 20  # an outlier channel, as real keys have
+    return x
+
+
+@pytest.mark.parametrize("name, qtype", [("q8_0", gguf.GGMLQuantizationType.Q8_0),
+                                         ("q4_0", gguf.GGMLQuantizationType.Q4_0)])
+def test_blocks_are_llama_cpps_to_the_byte(name, qtype):
+    x = rows()
+    stored = TYPES[name].store(x, keys=False)
+    assert stored.dtype == torch.uint8 and stored.shape == (12, TYPES[name].row_size(64))
+    reference = gguf.quants.quantize(x.numpy(), qtype)
+    # Ties may round apart (torch rounds half to even), nowhere else.
+    assert (stored.numpy() != reference).mean() < 0.01
+    back = TYPES[name].load(stored, torch.float32, keys=False)
+    expected = np.asarray(gguf.quants.dequantize(stored.numpy(), qtype), dtype=np.float32)
+    assert torch.equal(back, torch.from_numpy(expected).view(12, 64))
+
+
+@pytest.mark.parametrize("name, error", [("f32", 0.0), ("f16", 1e-3), ("bf16", 8e-3), ("q8_0", 2e-2),
+                                         ("q4_0", 0.2)])
+def test_round_trips_lose_at_most_what_the_type_allows(name, error):
+    x = rows()
+    back = TYPES[name].load(TYPES[name].store(x, keys=True), torch.float32, keys=True)
+    relative = ((back - x).norm(dim=-1) / x.norm(dim=-1)).max()
+    assert relative <= error + 1e-7
+    if name != "f32":
+        assert relative > 0
+
+
+def test_rotating_q4_0_keys_spreads_an_outlier_and_keeps_scores():
+    x, q = rows(), torch.randn(64)
+    assert torch.allclose(hadamard(hadamard(x)), x, atol=1e-5)  # its own inverse
+    assert torch.allclose(hadamard(x) @ hadamard(q), x @ q, atol=1e-4)
+    rotated = TYPES["q4_0"]
+    plain = kv_types.KVType("q4_0", torch.uint8, block_bytes=18)
+    err = {t: (t.load(t.store(x, keys=True), torch.float32, keys=True) @ q - x @ q).abs().mean()
+           for t in (rotated, plain)}
+    assert err[rotated] < err[plain]
+    # Values are never rotated, nor keys of a head whose size is not a power of two.
+    assert torch.equal(rotated.store(x, keys=False), plain.store(x, keys=False))
+    odd = rows(dim=96)
+    assert torch.equal(rotated.store(odd, keys=True), plain.store(odd, keys=True))
+
+
+def test_a_zero_block_stays_zero():
+    for name in ("q8_0", "q4_0"):
+        back = TYPES[name].load(TYPES[name].store(torch.zeros(2, 64), keys=True), torch.float32, keys=True)
+        assert torch.equal(back, torch.zeros(2, 64))
+
+
+def test_the_default_is_f16_on_the_cpu_and_the_models_dtype_elsewhere():
+    assert for_device("auto", "cpu", torch.float32).name == "f16"
+    assert for_device("auto", "cuda", torch.bfloat16).name == "bf16"
+    assert for_device(None, "cpu", torch.float32).name == "f32"  # a library caller's: the model's own
+    assert for_device("f32", "cpu", torch.float32).name == "f32"
+    with pytest.raises(ValueError, match="q8_0 is read on the CPU only"):
+        for_device("q8_0", "cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        TYPES["q4_0"].check(48)
+
+
+def paged_step(model, cache, seqs, pages, parts):
+    """One forward over ``cache``: each part ``(sequence, first, stop)`` a run of a prompt or, one
+    token long, a decode row."""
+    from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedBatch
+
+    size = cache.page_size
+    tokens, positions, slots, singles, runs = [], [], [], [], []
+    for i, lo, hi in parts:
+        first = len(tokens)
+        for pos in range(lo, hi):
+            tokens.append(seqs[i][pos])
+            positions.append(pos)
+            slots.append(pages[i][pos // size] * size + pos % size)
+        if hi - lo == 1:
+            singles.append(i)
+        else:
+            runs.append((first, hi - lo, torch.tensor(pages[i][:-(-hi // size)]), lo))
+    width = max((len(pages[i]) for i in singles), default=1)
+    tables = torch.tensor([pages[i] + [SCRATCH_PAGE] * (width - len(pages[i])) for i in singles]) if singles else None
+    batch = PagedBatch(torch.tensor(slots), torch.tensor(positions), len(singles), tables, tuple(runs))
+    with torch.inference_mode():
+        return model(torch.tensor([tokens]), torch.tensor([positions]), cache.view(batch))[0]
+
+
+@pytest.mark.parametrize("name, error", [("f16", 3e-3), ("bf16", 2e-2), ("q8_0", 6e-2), ("q4_0", 0.8)])
+def test_the_models_forward_over_pages_of_each_type_is_near_float32_and_alone_as_batched(name, error):
+    """Two sequences prefilled into pages of the type, then a step of two decode rows and the
+    same rows one at a time: each row's logits are the same batched or alone, and near the
+    float32 cache's."""
+    from builders import random_model, tiny_args
+    from llama_chat.model.paged_kv_cache import PagedKVCache
+
+    model = random_model(tiny_args(300, dim=128, n_heads=4, n_kv_heads=2), seed=3)  # heads of 32
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (13, 9)]
+    pages = [[7, 2, 15, 4], [9, 3, 11]]
+    out = {}
+    for kind in ("f32", name):
+        cache = PagedKVCache.for_model(model.args, num_pages=20, page_size=4, dtype=TYPES[kind])
+        paged_step(model, cache, seqs, pages, [(0, 0, 12), (1, 0, 8)])
+        both = paged_step(model, cache, seqs, pages, [(0, 12, 13), (1, 8, 9)])
+        alone = [paged_step(model, cache, seqs, pages, [(0, 12, 13)]),
+                 paged_step(model, cache, seqs, pages, [(1, 8, 9)])]
+        torch.testing.assert_close(both, torch.cat(alone), rtol=0, atol=1e-5)
+        out[kind] = both
+    assert cache.keys[0].dtype == TYPES[name].storage
+    spread = (out[name] - out["f32"]).norm() / out["f32"].norm()
+    assert 0 < spread <= error
+
+
+@pytest.mark.parametrize("name", ["f16", "q8_0", "q4_0"])
+def test_the_single_stream_cache_keeps_each_type_and_its_model_decodes_near_float32(name):
+    from builders import random_model, tiny_args
+    from llama_chat.model.kv_cache import KVCache
+
+    model = random_model(tiny_args(300, dim=128, n_heads=4, n_kv_heads=2), seed=4)
+    tokens = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for kind in ("f32", name):
+        cache = KVCache.for_model(model.args, 1, max_seq_len=32, dtype=TYPES[kind])
+        assert cache.keys[0].dtype == TYPES[kind].storage
+        assert cache.keys[0].shape[-1] == TYPES[kind].row_size(32)
+        with torch.inference_mode():
+            model(tokens[:, :11], torch.arange(11).view(1, -1), cache)
+            out[kind] = model(tokens[:, 11:], torch.tensor([[11]]), cache)[0, -1]
+    spread = (out[name] - out["f32"]).norm() / out["f32"].norm()
+    assert 0 < spread < {"f16": 3e-3, "q8_0": 6e-2, "q4_0": 0.8}[name]

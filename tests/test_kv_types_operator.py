@@ -1,0 +1,94 @@
+"""The CPU operator over pages of each KV cache type: it writes the rows the model's forward would
+(``kv_types``) and reads them in place, with the same logits as the forward over the same pages."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from builders import random_model, tiny_args
+from llama_chat.ml.cpu import kernels as cpu_kernels
+from llama_chat.model import cpu_decode
+from llama_chat.model.kv_types import TYPES
+from llama_chat.model.paged_kv_cache import PagedBatch, PagedKVCache
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels")
+
+PAGE = 4
+TABLES = [[3, 7, 1, 10], [5, 2, 11, 12], [6, 4, 8, 9]]
+LENGTHS = [10, 6, 15]
+# One step of each type, relative to a value (floats) or to a block's largest value (blocks).
+STEP = {"f16": 2**-10, "bf16": 2**-7, "q8_0": 1 / 100, "q4_0": 1 / 6}
+
+
+@pytest.fixture(autouse=True)
+def _loaded(cpu_kernels_loaded):
+    assert cpu_kernels_loaded, cpu_kernels.failure()
+
+
+def model_with_heads(head_dim: int, seed: int = 6) -> torch.nn.Module:
+    model = random_model(tiny_args(97, dim=2 * head_dim, n_heads=2, n_kv_heads=1, hidden_dim=96), seed=seed)
+    model.fuse_projections()
+    return model
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(6)
+    return [torch.randint(0, 97, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def prefill_by_operator(model, cache) -> None:
+    for table, prompt in zip(TABLES, prompts()):
+        for position, token in enumerate(prompt[:-1]):
+            cpu_decode.forward_rows(model, [token], [position], [table], cache)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96])  # 512-bit vectors or not; 96 is not rotated
+@pytest.mark.parametrize("name", ["f16", "bf16", "q8_0", "q4_0"])
+def test_the_operator_reads_and_writes_pages_as_the_models_forward_does(name, head_dim):
+    model = model_with_heads(head_dim)
+    kind = TYPES[name]
+    caches = [PagedKVCache.for_model(model.args, num_pages=13, page_size=PAGE, dtype=kind) for _ in range(2)]
+    with torch.inference_mode():
+        prefill_by_operator(model, caches[0])
+        assert cpu_decode.takes_rows(model, caches[0])
+        tokens = [p[-1] for p in prompts()]
+        positions = [n - 1 for n in LENGTHS]
+        got = cpu_decode.forward_rows(model, tokens, positions, TABLES, caches[0])
+        # The same rows alone: equal to the bit, whatever else is in the step.
+        alone = torch.cat([cpu_decode.forward_rows(model, [t], [p], [table], caches[0])
+                           for t, p, table in zip(tokens, positions, TABLES)])
+        assert torch.equal(got, alone)
+        # The model's forward, over pages the operator wrote up to the last token.
+        prefill_by_operator(model, caches[1])
+        want = []
+        for table, token, position in zip(TABLES, tokens, positions):
+            slot = table[position // PAGE] * PAGE + position % PAGE
+            batch = PagedBatch(torch.tensor([slot]), torch.tensor([position]), 1,
+                               torch.tensor([table[:position // PAGE + 1]]), (), position + 1)
+            want.append(model(torch.tensor([[token]]), torch.tensor([[position]]), caches[1].view(batch),
+                              logits_at=torch.tensor([0]))[0])
+    assert torch.allclose(got, torch.cat(want), atol=2e-4, rtol=0), (got - torch.cat(want)).abs().max()
+    for layer in range(model.args.n_layers):
+        for ours, theirs, keys in ((caches[0].keys[layer], caches[1].keys[layer], True),
+                                   (caches[0].values[layer], caches[1].values[layer], False)):
+            # The last token's keys and values are computed by each in its own order of sums:
+            # stored, they may round a step of the type apart, nowhere more.
+            a, b = kind.load(ours, torch.float32, keys=keys), kind.load(theirs, torch.float32, keys=keys)
+            assert torch.allclose(a, b, rtol=STEP[name], atol=STEP[name] * float(b.abs().max())), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("name, error", [("f16", 3e-3), ("bf16", 3e-2), ("q8_0", 5e-2), ("q4_0", 0.8)])
+def test_the_operators_logits_over_each_type_are_near_its_logits_over_float32(name, error):
+    model = model_with_heads(64, seed=8)
+    out = {}
+    with torch.inference_mode():
+        for kind in ("f32", name):
+            cache = PagedKVCache.for_model(model.args, num_pages=13, page_size=PAGE, dtype=TYPES[kind])
+            prefill_by_operator(model, cache)
+            out[kind] = cpu_decode.forward_rows(model, [p[-1] for p in prompts()], [n - 1 for n in LENGTHS],
+                                                TABLES, cache)
+    spread = (out[name] - out["f32"]).norm() / out["f32"].norm()
+    assert 0 < spread <= error
