@@ -19,6 +19,10 @@ from typing import Any
 
 from llama_chat.cmd.batch_input import SAMPLING_KEYS, SETTING_KEYS, setting
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS
+from llama_chat.inference.tool_calls import (ToolCall, ToolChoice, ToolError, ToolRequest, check_results, check_tools,
+                                             make_tool)
+from llama_chat.inference.tool_formats import called_tool
+from llama_chat.inference.tool_stream import Delta
 from llama_chat.inference.types import MAX_TOP_LOGPROBS, Completion, GenerationState, TokenLogprobs
 from llama_chat.ml.controls import ControlError, SamplingParams
 from llama_chat.model.chat_format import Message
@@ -32,7 +36,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                414: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
                500: "server_error", 503: "server_error"}
 
-# Our finish reasons in OpenAI's words; a job cut off by the server's shutdown says so.
+# Our finish reasons in OpenAI's words, and only its words: a job cut off by the server's shutdown
+# was cut short, as one that ran out of tokens is; one that failed is answered with an error.
 FINISH_REASONS = {
     GenerationState.EOS: "stop",
     GenerationState.STOP_STRING: "stop",
@@ -40,24 +45,26 @@ FINISH_REASONS = {
     GenerationState.MAX_TOKENS: "length",
     GenerationState.CONTEXT_FULL: "length",
     GenerationState.MAX_TIME: "length",
-    GenerationState.CANCELLED: "cancelled",
-    GenerationState.ERROR: "error",
+    GenerationState.CANCELLED: "length",
+    GenerationState.ERROR: "stop",
 }
+# The states in which a reply that made calls ended because it was done with them.
+CALLS_DONE = (GenerationState.EOS, GenerationState.STOP_STRING, GenerationState.STOP_GRAMMAR)
 
 # Fields whose OpenAI name is the option's own name; the body's max_tokens is also the option's.
 OPENAI_SETTINGS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias")
 # The command line's other controls, taken as extra fields under their own names.
 EXTRA_SETTINGS = tuple(name for name in SETTING_KEYS if name not in (*OPENAI_SETTINGS, "max_tokens"))
 # OpenAI fields that change nothing here (they are about billing, storage, or other services).
-IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities",
+IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "modalities",
            "prediction", "audio", "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier",
-           "tool_choice", "function_call")
+           "function_call")
 COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "logprobs", *OPENAI_SETTINGS, *EXTRA_SETTINGS,
           *IGNORED)
 CHAT_FIELDS = frozenset((*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                         "functions"))
+                         "functions", "tool_choice", "parallel_tool_calls"))
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt", "echo", "best_of", "suffix"))
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class ApiError(Exception):
@@ -98,6 +105,7 @@ class Generation:
     include_usage: bool = False
     settings: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None  # None: none asked; else how many alternatives per token
+    tools: ToolRequest | None = None  # a chat's tools, where it offers some
 
     @property
     def prompt_field(self) -> str:
@@ -114,19 +122,57 @@ def parse_chat(body: dict[str, Any]) -> Generation:
         logprobs = _logprobs_count(body, "top_logprobs", MAX_TOP_LOGPROBS) if _given(body, "top_logprobs") else 0
     elif _given(body, "top_logprobs"):
         raise bad("top_logprobs needs logprobs to be true", "top_logprobs")
-    for name in ("tools", "functions"):
-        if _given(body, name) and body[name] != []:
-            raise bad(f"{name} are not supported by this server", name)
-    messages = _messages(body.get("messages"))
+    if _given(body, "functions") and body["functions"] != []:
+        raise bad("functions are not supported by this server: send tools", "functions")
+    try:
+        messages = _messages(body.get("messages"))
+        tools = _tools(body)
+        check_results(messages)
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
     limit = "max_completion_tokens" if _given(body, "max_completion_tokens") else "max_tokens"
     common = _common(body, limit)
     form = _response_format(body)
+    constraints = [name for name in CONSTRAINT_OPTIONS if name in common["settings"]]
     if form:
-        if any(name in common["settings"] for name in CONSTRAINT_OPTIONS):
+        if constraints:
             raise bad(f"response_format and {', '.join(CONSTRAINT_OPTIONS)} constrain the reply: one at a time",
                       "response_format")
         common["settings"].update(form)
-    return Generation(True, (messages,), **common, logprobs=logprobs)
+    if tools is not None and tools.active and (form or constraints):
+        raise bad("tools and response_format (or a grammar) both constrain the reply: one at a time", "tools")
+    return Generation(True, (messages,), **common, logprobs=logprobs, tools=tools)
+
+
+def _tools(body: dict[str, Any]) -> ToolRequest | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked (``ToolError``)."""
+    value = body.get("tools")
+    if value is not None and not isinstance(value, list):
+        raise ToolError("tools must be a list of tools", "tools")
+    tools = []
+    for i, item in enumerate(value or ()):
+        where = f"tools[{i}]"
+        function = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(item, dict) or item.get("type") != "function" or not isinstance(function, dict):
+            raise ToolError(f'{where} must be {{"type": "function", "function": {{"name": ...}}}}', where)
+        tools.append(make_tool(function.get("name"), function.get("description"), function.get("parameters"),
+                               f"{where}.function", function))
+    choice = _tool_choice(body.get("tool_choice"), bool(tools))
+    parallel = _flag(body, "parallel_tool_calls") if _given(body, "parallel_tool_calls") else True
+    check_tools(tools, choice)
+    return ToolRequest(tuple(tools), choice, parallel) if tools else None
+
+
+def _tool_choice(value: Any, offered: bool) -> ToolChoice:
+    if value is None:
+        return ToolChoice("auto" if offered else "none")
+    if isinstance(value, str):
+        return ToolChoice(value)
+    function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ToolError('tool_choice must be auto, none, required or {"type": "function", "function": {"name": ...}}',
+                        "tool_choice")
+    return ToolChoice("function", function["name"])
 
 
 def parse_completion(body: dict[str, Any]) -> Generation:
@@ -218,8 +264,32 @@ def _messages(value: Any) -> tuple[Message, ...]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
-        out.append(Message(CHAT_ROLES[role], _content(message.get("content"), role, f"{where}.content")))
+        content = _content(message.get("content"), role, f"{where}.content")
+        calls = _message_calls(message.get("tool_calls"), where) if role == "assistant" else ()
+        call_id = message.get("tool_call_id") if role == "tool" else None
+        if role == "tool" and (not isinstance(call_id, str) or not call_id):
+            raise bad(f"{where}.tool_call_id must name the call this result answers", f"{where}.tool_call_id")
+        out.append(Message(CHAT_ROLES[role], content, calls, call_id))
     return tuple(out)
+
+
+def _message_calls(value: Any, where: str) -> tuple:
+    """An assistant message's ``tool_calls``, with their arguments parsed for the template."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    calls = []
+    for j, call in enumerate(value):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(call.get("id"), str) or not call["id"]:
+            raise bad(f'{at} must be {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": ...}}}}',
+                      at)
+        calls.append(called_tool(call["id"], function["name"], function.get("arguments", "{}"),
+                                 f"{at}.function.arguments"))
+    return tuple(calls)
 
 
 def _content(value: Any, role: str, where: str) -> str:
@@ -285,8 +355,42 @@ def _response_format(body: dict[str, Any]) -> dict[str, str]:
 # -- what is sent back -----------------------------------------------------------------------------
 
 
-def finish_reason(state: GenerationState) -> str:
-    return FINISH_REASONS.get(state, state.value)
+def finish_reason(state: GenerationState, called: bool = False) -> str:
+    """OpenAI's finish reason; ``called``: the reply made tool calls."""
+    if called and state in CALLS_DONE:
+        return "tool_calls"
+    return FINISH_REASONS.get(state, "stop")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """A chat choice's reply read for tool calls: its content (None when it is only calls)."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def tool_call_deltas(deltas: Sequence[Delta]) -> list[dict[str, Any]]:
+    """A stream's ``delta.tool_calls`` for the call pieces of ``deltas``: a call's id, type and
+    name once, at its start, then its arguments in pieces (those of one call run together)."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if d.index is None:
+            continue
+        if d.id is not None:
+            out.append({"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}})
+        elif out and out[-1]["index"] == d.index:
+            out[-1]["function"]["arguments"] += d.arguments
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
 
 
 def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -340,27 +444,34 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, completions: list[Completion], usage_object: dict[str, Any],
-              logprobs: Sequence[dict[str, Any] | None] | None = None) -> dict[str, Any]:
-        """``logprobs``: each choice's (``LogprobsWriter``), when they were asked for."""
+              logprobs: Sequence[dict[str, Any] | None] | None = None,
+              messages: Sequence[ChatMessage] | None = None) -> dict[str, Any]:
+        """``logprobs``: each choice's (``LogprobsWriter``), when they were asked for;
+        ``messages``: each chat choice's reply read for tool calls, where tools were offered."""
         logprobs = logprobs or [None] * len(completions)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                        "finish_reason": finish_reason(c.finish_reason)}
-                       for i, (c, lp) in enumerate(zip(completions, logprobs))]
+            messages = messages or [ChatMessage(c.text) for c in completions]
+            choices = [{"index": i, "message": m.as_dict(), "logprobs": lp,
+                        "finish_reason": finish_reason(c.finish_reason, bool(m.tool_calls))}
+                       for i, (c, lp, m) in enumerate(zip(completions, logprobs, messages))]
             return {**self._head("chat.completion"), "choices": choices, "usage": usage_object}
         choices = [{"index": i, "text": c.text, "logprobs": lp, "finish_reason": finish_reason(c.finish_reason)}
                    for i, (c, lp) in enumerate(zip(completions, logprobs))]
         return {**self._head("text_completion"), "choices": choices, "usage": usage_object}
 
     def chunk(self, index: int, text: str, *, state: GenerationState | None = None,
-              first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+              first: bool = False, logprobs: dict[str, Any] | None = None,
+              tool_calls: list[dict[str, Any]] | None = None, called: bool = False) -> dict[str, Any]:
         """A stream's piece of choice ``index``: ``text``, and its finish reason on its last chunk.
-        A chat's first chunk names the role. ``logprobs``: those of the tokens the piece took."""
-        reason = None if state is None else finish_reason(state)
+        A chat's first chunk names the role. ``logprobs``: those of the tokens the piece took.
+        ``tool_calls``: the piece's ``delta.tool_calls``; ``called``: the choice made calls."""
+        reason = None if state is None else finish_reason(state, called)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if text and not first:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
@@ -409,5 +520,6 @@ class StreamEvents:
         return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
-__all__ = ["ApiError", "Generation", "LogprobsWriter", "MAX_CHOICES", "MAX_COMPLETION_LOGPROBS", "Reply",
-           "StreamEvents", "bad", "dumps", "event", "finish_reason", "parse_chat", "parse_completion", "usage"]
+__all__ = ["ApiError", "ChatMessage", "Generation", "LogprobsWriter", "MAX_CHOICES", "MAX_COMPLETION_LOGPROBS", "Reply",
+           "StreamEvents", "bad", "dumps", "event", "finish_reason", "parse_chat", "parse_completion", "tool_call_deltas",
+           "usage"]

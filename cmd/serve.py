@@ -42,6 +42,7 @@ from llama_chat.cmd.signals import hard_exit, install_sync_handlers
 from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
 from llama_chat.inference.remote import is_remote
 from llama_chat.inference.serving import Serving
+from llama_chat.inference.tool_formats import FORMAT_NAMES, resolve_format
 from llama_chat.inference.types import sole_exception
 
 # The options of the model and its batching, defined once in options.py.
@@ -59,6 +60,12 @@ RESTART_PAUSE_S = 0.5  # after the scheduler failed: not a busy loop if it fails
 SERVER = "Server"
 # The paged cache's most bytes by default where the machine's free memory cannot be read.
 POOL_BYTES_UNKNOWN = 4 * 2**30
+
+
+def _tool_format(value: str) -> str:
+    if value not in FORMAT_NAMES:
+        raise typer.BadParameter(f"expected one of {', '.join(FORMAT_NAMES)}; got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,10 @@ class ServeOptions:
     quantize: _OPTION["quantize"] = "none"
     cache_type: _OPTION["cache_type"] = "auto"
     template: _OPTION["template"] = "auto"
+    tool_format: Annotated[str, typer.Option(
+        "--tool-format", callback=_tool_format, rich_help_panel=SERVER, metavar="FORMAT",
+        help="How the model writes tool calls: auto (told from its chat template), hermes (<tool_call>), "
+             "llama3_json, mistral ([TOOL_CALLS]), generic (JSON described in the system message).")] = "auto"
     debug: _OPTION["debug"] = False
 
     def options(self) -> Options:
@@ -340,7 +351,8 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
     loaded, scheduler = model
     serving = Serving(scheduler, queue_limit=opts.queue_limit, metrics=state.metrics)
     names = frozenset({loaded.name, *([opts.model] if opts.model else [])})
-    served = Served(loaded, serving, opts.options(), names, int(time.time()))
+    tool_format = resolve_format(opts.tool_format, getattr(loaded.chat_format, "template", None))
+    served = Served(loaded, serving, opts.options(), names, int(time.time()), tool_format)
     while True:
         try:
             async with scheduler:
@@ -348,7 +360,8 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
                 state.ready(served)
                 if first:
                     log.note(f"ready: model {loaded.name!r} ({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')}), "
-                             f"context {scheduler.max_seq_len} tokens, batch of {opts.max_batch}, queue of {opts.queue_limit}; "
+                             f"context {scheduler.max_seq_len} tokens, batch of {opts.max_batch}, queue of {opts.queue_limit}, "
+                             f"tool calls {tool_format.name}; "
                              f"{_pool_text(scheduler)}")
                 await stop.wait()
                 state.phase = "stopping"

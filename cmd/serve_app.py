@@ -35,12 +35,17 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
 from llama_chat.cmd.http_protocol import CLOSE, head_refusal
-from llama_chat.cmd.openai_api import (ApiError, Generation, LogprobsWriter, Reply, StreamEvents, bad, dumps, event,
-                                       parse_chat, parse_completion, usage)
+from llama_chat.cmd.openai_api import (ApiError, ChatMessage, Generation, LogprobsWriter, Reply, StreamEvents, bad,
+                                       dumps, event, parse_chat, parse_completion, tool_call_deltas, usage)
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
+from llama_chat.inference.tool_calls import call_id
+from llama_chat.inference.tool_formats import FORMATS, ToolFormat, prepare_dialog, tool_grammar
+from llama_chat.inference.tool_stream import ToolStream
 from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError
-from llama_chat.ml.controls import MAX_SEED
+from llama_chat.ml.controls import MAX_SEED, ControlError
+from llama_chat.ml.grammar_compile import KeptCompiles
+from llama_chat.ml.grammars import Constraint
 from llama_chat.model.safe_input import BadInput, NotText, json_problem, loads
 from llama_chat.model.tokenizers.base import encode_prompt
 
@@ -73,8 +78,9 @@ class Served:
     loaded: LoadedModel
     serving: Serving
     opts: Options  # the command's options: the base of every request (``Options.request``)
-    names: frozenset[str]  # what a request's ``model`` may say; ``loaded.name`` is the one listed
+    names: frozenset[str]  # the names it answers to; ``loaded.name`` is the one listed and reported
     created: int
+    tool_format: ToolFormat = FORMATS["generic"]  # how its replies write tool calls (--tool-format)
 
     @property
     def model_id(self) -> str:
@@ -223,8 +229,11 @@ def _model_object(served: Served) -> dict[str, Any]:
             "context_length": served.serving.scheduler.max_seq_len}
 
 
-def _check_model(served: Served, name: str | None, *, param: str | None = "model") -> None:
-    if name is not None and name not in served.names:
+def _check_model(served: Served, name: str | None, *, param: str | None = "model", any_name: bool = False) -> None:
+    """A name the server does not have is refused where it asks about a model (/v1/models/NAME);
+    a generation request that names another (many clients send their own default, such as
+    gpt-4o-mini) is answered by the one model served, whose name the response reports."""
+    if name is not None and name not in served.names and not any_name:
         raise ApiError(404, f"the model {name!r} does not exist; this server has {served.model_id!r}",
                        param=param, code="model_not_found")
 
@@ -295,7 +304,8 @@ async def _generate(state: ServerState, request: HttpRequest,
         raise ApiError(503, str(e), code="shutting_down") from None
     reply = Reply(generation.chat, f"{'chatcmpl' if generation.chat else 'cmpl'}-{reply_id}", served.model_id,
                   int(time.time()))
-    return GenerationResponse(generation, reply, choices, prompt_lens, served.loaded.tokenizer.token_bytes)
+    return GenerationResponse(generation, reply, choices, prompt_lens, served.loaded.tokenizer.token_bytes,
+                              served.tool_format)
 
 
 def _refused(e: RequestError, generation: Generation) -> ApiError:
@@ -311,7 +321,7 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
     constraint is compiled against the vocabulary (kept for the others, and for the check at
     submission)."""
     generation = parse(_parse_body(data))
-    _check_model(served, generation.model)
+    _check_model(served, generation.model, any_name=True)
     # From the request's shape, before any prompt is tokenized or any job built.
     jobs = len(generation.prompts) * generation.n
     if jobs > served.serving.capacity:
@@ -322,6 +332,7 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
     for token, _ in generation.settings.get("logit_bias", ()):
         if token >= vocab:
             raise bad(f"logit_bias: token id {token} is outside the vocabulary (0 to {vocab - 1})", "logit_bias")
+    constraint = tool_constraint(served, generation)
     requests, prompt_lens = [], []
     for p, prompt in enumerate(generation.prompts):
         ids = _prompt_ids(served, generation, prompt)
@@ -335,6 +346,8 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
                                           request_id=f"{reply_id}-{p * generation.n + j}", **settings)
             if generation.logprobs is not None:
                 request = dataclasses.replace(request, logprobs=generation.logprobs)
+            if constraint is not None:
+                request = dataclasses.replace(request, constraint=constraint)
             if j == 0:
                 try:
                     served.serving.scheduler.check(request)
@@ -350,8 +363,12 @@ def _prompt_ids(served: Served, generation: Generation, prompt) -> list[int]:
         if loaded.chat_format is None:
             raise bad("this model has no chat template: use /v1/completions, or start the server with "
                       "--template llama2|llama3|hf", "messages")
+        messages, tools = prepare_dialog(served.tool_format, prompt, generation.tools)
         try:
-            ids = loaded.chat_format.encode_dialog(list(prompt), add_generation_prompt=True)
+            if tools:
+                ids = loaded.chat_format.encode_dialog(messages, add_generation_prompt=True, tools=tools)
+            else:
+                ids = loaded.chat_format.encode_dialog(messages, add_generation_prompt=True)
         except ValueError as e:  # roles out of order for the format, a template that failed
             raise bad(one_line(str(e)), "messages") from None
         # A conversation's next turn finds the pages of its previous one, the reply's included,
@@ -365,6 +382,25 @@ def _prompt_ids(served: Served, generation: Generation, prompt) -> list[int]:
     return list(prompt)
 
 
+_grammars: KeptCompiles[Constraint] = KeptCompiles(8)  # a client sends the same tools with every turn
+
+
+def tool_constraint(served: Served, generation: Generation) -> Constraint | None:
+    """The grammar of a reply that may call the request's tools (None: no tools, or choice none)."""
+    if generation.tools is None or not generation.tools.active:
+        return None
+    tools = generation.tools
+    key = (served.tool_format, json.dumps([[t.name, t.parameters] for t in tools.tools]), tools.choice, tools.parallel)
+    made = _grammars.get(key)
+    if made is None:
+        try:
+            made = tool_grammar(served.tool_format, generation.tools, served.loaded.tokenizer.special_tokens)
+        except ControlError as e:
+            raise bad(f"tools: {e.reason}", "tools") from None
+        made = _grammars.put(key, made, len(made.source))
+    return made
+
+
 # -- one request's jobs, sent back -----------------------------------------------------------------
 
 
@@ -374,8 +410,12 @@ class GenerationResponse:
     waits for the client to go away and cancels them if it does, during the prefill too."""
 
     def __init__(self, generation: Generation, reply: Reply, choices: list[Choice], prompt_lens: list[int],
-                 token_bytes: Callable[[int], bytes]) -> None:
+                 token_bytes: Callable[[int], bytes], tool_format: ToolFormat = FORMATS["generic"]) -> None:
         self.generation = generation
+        # Each choice's reader of tool calls, where the request offers tools the reply may call.
+        calls = generation.tools is not None and generation.tools.active
+        style = tool_format.id_style
+        self.readers = [ToolStream(tool_format, lambda: call_id(style)) for _ in choices] if calls else None
         self.reply = reply
         self.choices = choices
         self.prompt_lens = prompt_lens
@@ -428,7 +468,13 @@ class GenerationResponse:
         else:
             logprobs = None if self.logprobs is None else [
                 writer.render(choice.take_logprobs()) for writer, choice in zip(self.logprobs, self.choices)]
-            status, body = 200, self.reply.whole(completions, self._usage(), logprobs)
+            messages = None
+            if self.readers is not None:
+                for reader, c in zip(self.readers, completions):
+                    reader.feed(c.text)
+                    reader.finish()
+                messages = [ChatMessage(r.text(), tuple(r.tool_calls())) for r in self.readers]
+            status, body = 200, self.reply.whole(completions, self._usage(), logprobs, messages)
         self._finished = True
         await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": dumps(body)})
@@ -451,15 +497,40 @@ class GenerationResponse:
         if self.reply.chat:
             await self._send(send, event(self.reply.chunk(index, "", first=True)))
         sent = 0
+        reader = None if self.readers is None else self.readers[index]
         async for text in choice.pieces():
+            sent += len(text)
+            if reader is not None:
+                await self._send_read(send, choice, reader.feed(text))
+                continue
             logprobs = self._logprobs_of(choice)
             await self._send(send, self.events.text(index, text) if logprobs is None
                              else event(self.reply.chunk(index, text, logprobs=logprobs)))
-            sent += len(text)
         completion = choice.completion()
+        if reader is not None:
+            await self._send_read(send, choice, reader.feed(completion.text[sent:]) + reader.finish())
+            await self._send(send, event(self.reply.chunk(index, "", state=completion.finish_reason,
+                                                          logprobs=self._logprobs_of(choice),
+                                                          called=bool(reader.calls))))
+            return
         # A cancel keeps the whole characters that were still held back.
         await self._send(send, event(self.reply.chunk(index, completion.text[sent:], state=completion.finish_reason,
                                                       logprobs=self._logprobs_of(choice))))
+
+    async def _send_read(self, send: Send, choice: Choice, deltas: list) -> None:
+        """A piece of a reply read for tool calls: its content, then its calls' pieces, each in a
+        chunk of its own (the logprobs of its tokens on the first); nothing while all is held back."""
+        text = "".join(d.content for d in deltas)
+        calls = tool_call_deltas(deltas)
+        if not text and not calls:
+            return
+        index = choice.index
+        logprobs = self._logprobs_of(choice)
+        if text:
+            await self._send(send, event(self.reply.chunk(index, text, logprobs=logprobs)))
+            logprobs = None
+        if calls:
+            await self._send(send, event(self.reply.chunk(index, "", logprobs=logprobs, tool_calls=calls)))
 
     def _logprobs_of(self, choice: Choice) -> dict[str, Any] | None:
         """The logprobs of the tokens ``choice`` took since its last chunk, where they were asked

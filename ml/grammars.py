@@ -48,6 +48,11 @@ ANY_JSON_OBJECT = '{"type":"object"}'
 # until its token budget is spent.
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})"
 _JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+# An integer without bounds has at most this many digits (llama.cpp's bound): the engine's own
+# rule lets a model write digits until its token budget is spent, and the JSON never closes.
+MAX_INTEGER_DIGITS = 16
+_INTEGER_BOUND = 10**MAX_INTEGER_DIGITS - 1
+_VALUES = ("enum", "const", "default", "examples")  # keys whose values are data, not subschemas
 _POSITION = re.compile(r"^at (\d+)\((\d+)\): ")
 
 
@@ -145,6 +150,23 @@ def _schema_text(source: Any) -> str:
     return _dump(schema)
 
 
+def bounded_schema(schema: Any) -> Any:
+    """``schema`` with every integer that lacks a bound given one (``MAX_INTEGER_DIGITS``), so that
+    a reply held to it can always end; the rest as it is."""
+    if isinstance(schema, list):
+        return [bounded_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _VALUES else bounded_schema(v)) for k, v in schema.items()}
+    kind = schema.get("type")
+    if kind == "integer" or isinstance(kind, list) and "integer" in kind:
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = -_INTEGER_BOUND
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = _INTEGER_BOUND
+    return out
+
+
 def _llguidance():
     try:
         import llguidance
@@ -163,7 +185,10 @@ def _compile(kind: str, source: str) -> str:
 def _compile_here(kind: str, source: str) -> str:
     llg = _llguidance()
     try:
-        if kind in ("json_schema", "json"):
+        if kind == "json_schema":
+            grammar = llg.LLMatcher.grammar_from_json_schema(_dump(bounded_schema(json.loads(source))),
+                                                             defaults=_JSON_OPTIONS)
+        elif kind == "json":
             grammar = llg.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)
         elif kind == "regex":
             grammar = llg.LLMatcher.grammar_from_lark(f"start: /{llg.regex_to_lark(source, 'dws')}/")
@@ -195,5 +220,6 @@ def one_line(message: str, kind: str) -> str:
                                                                                 "a pattern: ")
 
 
-__all__ = ["ANY_JSON_OBJECT", "CONSTRAINT_KINDS", "Constraint", "FORMATS", "JSON_WHITESPACE", "check_size",
+__all__ = ["ANY_JSON_OBJECT", "CONSTRAINT_KINDS", "Constraint", "FORMATS", "JSON_WHITESPACE", "MAX_INTEGER_DIGITS",
+           "bounded_schema", "check_size",
            "format_constraint", "one_line"]

@@ -28,9 +28,33 @@ from llama_chat.model.tokenizers.specials import split_on_specials, token_name
 
 
 @dataclass(frozen=True)
+class CalledTool:
+    """A tool call an assistant message made, as a chat template reads it: ``arguments`` is the
+    parsed JSON value (templates write it with ``tojson``), not the text a client sent."""
+
+    id: str
+    name: str
+    arguments: Any
+
+
+@dataclass(frozen=True)
 class Message:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    tool_calls: tuple[CalledTool, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as Hugging Face's ``apply_chat_template`` takes it: OpenAI's shape, with
+        ``tool_calls`` and ``tool_call_id`` only where there are some (templates test
+        ``'tool_calls' in message``)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatFormat(Protocol):
@@ -188,23 +212,31 @@ class HFTemplateChatFormat:
             raise ChatTemplateError(f"chat_template: cannot compile it ({type(exc).__name__}: {exc})") from None
         env.install_joins(self._template)
         self._env = env
+        self.template = template  # its text: tool-call formats are told from it
         self.tokenizer = tokenizer
         names = {i: name for name, i in tokenizer.special_tokens.items()}
         self.bos_token = bos_token if bos_token is not None else names.get(tokenizer.bos_id, "")
         self.eos_token = eos_token if eos_token is not None else names.get(tokenizer.eos_id, "")
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
-        """The template's text; ``ChatTemplateError`` (a ValueError) when the template fails."""
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+               tools: Sequence[dict] | None = None) -> str:
+        """The template's text; ``ChatTemplateError`` (a ValueError) when the template fails.
+        ``tools``: OpenAI's tool objects, passed to the template as ``tools`` when there are any."""
         from llama_chat.model.template_sandbox import TemplateLimitError, iter_limit, render_bounded
 
-        limit = iter_limit(m.content for m in messages)
+        dicts = [m.as_dict() for m in messages]
+        sized = [m.content for m in messages]
+        if tools or any(m.tool_calls for m in messages):
+            sized.append(json.dumps([tools, [d.get("tool_calls") for d in dicts]], ensure_ascii=False))
+        extra = {"tools": list(tools)} if tools else {}
         try:
             return render_bounded(
-                self._env, self._template, limit,
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                self._env, self._template, iter_limit(iter(sized)),
+                messages=dicts,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 add_generation_prompt=add_generation_prompt,
+                **extra,
             )
         except TemplateLimitError as exc:
             raise ChatTemplateError(f"chat template: {exc}") from None
@@ -218,8 +250,9 @@ class HFTemplateChatFormat:
             detail = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
             raise ChatTemplateError(f"chat template: {detail}") from None
 
-    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
-        text = self.render(messages, add_generation_prompt=add_generation_prompt)
+    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                      tools: Sequence[dict] | None = None) -> list[int]:
+        text = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         ids = encode_allowing_special(self.tokenizer, text)
         tok = self.tokenizer
         if getattr(tok, "add_bos", True) and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
