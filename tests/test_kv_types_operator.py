@@ -45,7 +45,7 @@ def prefill_by_operator(model, cache) -> None:
             cpu_decode.forward_rows(model, [token], [position], [table], cache)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 96])  # 512-bit vectors or not; 96 is not rotated
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 256])  # 512-bit vectors of each size; 96 is not rotated
 @pytest.mark.parametrize("name", ["f16", "bf16", "q8_0", "q4_0"])
 def test_the_operator_reads_and_writes_pages_as_the_models_forward_does(name, head_dim):
     model = model_with_heads(head_dim)

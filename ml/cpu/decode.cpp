@@ -706,6 +706,7 @@ auto vector_attention_of(int64_t head_dim) -> decltype(&attend_head<1, Kind>) {
     case 64: return attend_head<4, Kind>;
     case 96: return attend_head<6, Kind>;
     case 128: return attend_head<8, Kind>;
+    case 256: return attend_head<16, Kind>;  // Gemma's
     default: return nullptr;
   }
 }
