@@ -1,14 +1,18 @@
-"""The HTTP side of ``llama-chat serve``: OpenAI's routes on Starlette, over ``inference/serving.py``.
+"""The HTTP side of ``llama-chat serve``: OpenAI's routes and Anthropic's Messages API on Starlette,
+over ``inference/serving.py``.
 
 ::
 
     RequestLog          one line per request on stderr, outcomes counted; no traceback ever
     └── CORS            only with --cors-origin
-        └── routes      /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions
+        └── routes      /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions,
+                        /v1/messages
             └── GenerationResponse   the jobs of one request, streamed as server-sent events or
                                      sent whole; a client that goes away cancels them
+                MessagesResponse     the same, as Anthropic's message and events
 
-Every refusal is an OpenAI error object with a 4xx status (``openai_api.ApiError``). The model
+Every refusal is an OpenAI error object with a 4xx status (``openai_api.ApiError``), and
+Anthropic's error object on /v1/messages. The model
 may still be loading: the routes then answer 503, and /health says so.
 """
 
@@ -34,6 +38,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
+from llama_chat.cmd.anthropic_api import MessageReply, error_body, matched_stop, parse_messages, sse
 from llama_chat.cmd.http_protocol import CLOSE, head_refusal
 from llama_chat.cmd.openai_api import (ApiError, ChatMessage, Generation, LogprobsWriter, Reply, StreamEvents, bad,
                                        dumps, event, parse_chat, parse_completion, tool_call_deltas, usage)
@@ -41,7 +46,7 @@ from llama_chat.cmd.sanitize import one_line
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
 from llama_chat.inference.tool_calls import call_id
 from llama_chat.inference.tool_formats import FORMATS, ToolFormat, prepare_dialog, tool_grammar
-from llama_chat.inference.tool_stream import ToolStream
+from llama_chat.inference.tool_stream import Delta, ToolStream
 from llama_chat.inference.types import EmptyPrompt, GenerationState, PromptTooLong, Request, RequestError
 from llama_chat.ml.controls import MAX_SEED, ControlError
 from llama_chat.ml.grammar_compile import KeptCompiles
@@ -54,7 +59,7 @@ if TYPE_CHECKING:
     from llama_chat.inference.serving import Choice, Serving
     from llama_chat.model.loader import LoadedModel
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -137,7 +142,8 @@ def shown_path(path: str) -> str:
 
 
 def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGIApp:
-    def endpoint(handler: Callable[[HttpRequest], Awaitable[Response]], *, public: bool = False):
+    def endpoint(handler: Callable[[HttpRequest], Awaitable[Response]], *, public: bool = False,
+                 anthropic: bool = False):
         async def run(request: HttpRequest) -> Response:
             try:
                 if not public:
@@ -145,6 +151,8 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
                 return await handler(request)
             except ApiError as e:
                 request.scope[LOG_DETAIL] = e.message
+                if anthropic:
+                    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
                 return error_response(e)
             except ClientDisconnect:  # gone while sending its body: nobody reads an answer
                 request.scope[LOG_OUTCOME], request.scope[LOG_DETAIL] = "cancelled", "(client went away)"
@@ -175,6 +183,9 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
     async def completions(request: HttpRequest) -> Response:
         return await _generate(state, request, parse_completion)
 
+    async def messages(request: HttpRequest) -> Response:
+        return await _generate(state, request, parse_messages, MessagesResponse)
+
     async def http_error(request: HttpRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
@@ -193,12 +204,14 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
         Route("/v1/models/{name:path}", endpoint(model), methods=["GET"]),
         Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
+        Route("/v1/messages", endpoint(messages, anthropic=True), methods=["POST"]),
     ]
     middleware = [Middleware(RequestLog, state=state)]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type"]))
+                                     allow_headers=["Authorization", "Content-Type", "X-Api-Key",
+                                                    "Anthropic-Version"]))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: http_error})
 
 
@@ -216,11 +229,14 @@ def _kv_memory_lines(stats) -> str:
 
 
 def _authorize(state: ServerState, request: HttpRequest) -> None:
+    """The key in ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key`` (Anthropic's)."""
     if state.api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-        raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
+    if scheme.lower() != "bearer":
+        token = request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+        raise ApiError(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -284,8 +300,8 @@ def _not_text(e: NotText) -> ApiError:
     return bad(f"{e.path or 'the body'} {reason}", e.path or None)
 
 
-async def _generate(state: ServerState, request: HttpRequest,
-                    parse: Callable[[dict[str, Any]], Generation]) -> Response | GenerationResponse:
+async def _generate(state: ServerState, request: HttpRequest, parse: Callable[[dict[str, Any]], Generation],
+                    respond: type[GenerationResponse] | None = None) -> Response | GenerationResponse:
     served = state.require_ready()
     data = await _read_body(state, request)
     # Parsing the body, checking the fields (a schema compiles) and tokenizing (a template renders)
@@ -304,8 +320,8 @@ async def _generate(state: ServerState, request: HttpRequest,
         raise ApiError(503, str(e), code="shutting_down") from None
     reply = Reply(generation.chat, f"{'chatcmpl' if generation.chat else 'cmpl'}-{reply_id}", served.model_id,
                   int(time.time()))
-    return GenerationResponse(generation, reply, choices, prompt_lens, served.loaded.tokenizer.token_bytes,
-                              served.tool_format)
+    return (respond or GenerationResponse)(generation, reply, choices, prompt_lens, served.loaded.tokenizer.token_bytes,
+                                           served.tool_format)
 
 
 def _refused(e: RequestError, generation: Generation) -> ApiError:
@@ -409,12 +425,14 @@ class GenerationResponse:
     (``data: {chunk}`` ... ``data: [DONE]``) or as one JSON object at the end. A task beside them
     waits for the client to go away and cancels them if it does, during the prefill too."""
 
+    ID_STYLE = "openai"  # of tool calls, where the format leaves it to the API
+
     def __init__(self, generation: Generation, reply: Reply, choices: list[Choice], prompt_lens: list[int],
                  token_bytes: Callable[[int], bytes], tool_format: ToolFormat = FORMATS["generic"]) -> None:
         self.generation = generation
         # Each choice's reader of tool calls, where the request offers tools the reply may call.
         calls = generation.tools is not None and generation.tools.active
-        style = tool_format.id_style
+        style = tool_format.id_style if tool_format.id_style != "openai" else self.ID_STYLE
         self.readers = [ToolStream(tool_format, lambda: call_id(style)) for _ in choices] if calls else None
         self.reply = reply
         self.choices = choices
@@ -572,6 +590,71 @@ class GenerationResponse:
                   f"completion={u['completion_tokens']} finish={','.join(reasons)}"
                   + (" (client went away)" if self.disconnected else ""))
         return outcome, detail
+
+
+class MessagesResponse(GenerationResponse):
+    """The same jobs sent back as Anthropic's Messages API: one ``message``, or its events. The
+    chat's one choice is read for tool calls where tools were offered, and as plain text else."""
+
+    ID_STYLE = "anthropic"
+
+    def __init__(self, generation: Generation, reply: Reply, choices: list[Choice], prompt_lens: list[int],
+                 token_bytes: Callable[[int], bytes], tool_format: ToolFormat = FORMATS["generic"]) -> None:
+        super().__init__(generation, reply, choices, prompt_lens, token_bytes, tool_format)
+        self.message = MessageReply(f"msg_{reply.id.removeprefix('chatcmpl-')}", reply.model, prompt_lens[0])
+        self.token_bytes = token_bytes
+
+    def _stop(self, completion) -> str | None:
+        """The stop sequence that ended it: in the text of its tokens past the reply's text."""
+        if completion.finish_reason is not GenerationState.STOP_STRING:
+            return None
+        whole = b"".join(self.token_bytes(t) for t in completion.token_ids).decode("utf-8", errors="replace")
+        return matched_stop(self.generation.settings.get("stop", ()), whole[len(completion.text):])
+
+    def _read(self, text: str, final: bool = False) -> list:
+        reader = None if self.readers is None else self.readers[0]
+        if reader is None:
+            return [Delta(content=text)] if text else []
+        return reader.feed(text) + (reader.finish() if final else [])
+
+    async def _whole(self, send: Send) -> None:
+        choice = self.choices[0]
+        async for _ in choice.pieces():
+            pass
+        completion = choice.completion()
+        if completion.finish_reason is GenerationState.ERROR:
+            status, body = 500, error_body(ApiError(500, "generation failed; see the server's log"))
+        else:
+            self._read(completion.text, final=True)
+            reader = None if self.readers is None else self.readers[0]
+            text = completion.text if reader is None else reader.text()
+            calls = () if reader is None else reader.tool_calls()
+            status, body = 200, self.message.whole(text, calls, completion.finish_reason, completion.completion_tokens,
+                                                   self._stop(completion))
+        self._finished = True
+        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+        await send({"type": "http.response.body", "body": dumps(body)})
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        await self._send(send, self.message.start())
+        choice, sent = self.choices[0], 0
+        async for text in choice.pieces():
+            sent += len(text)
+            events = self.message.pieces(self._read(text))
+            if events:
+                await self._send(send, events)
+        completion = choice.completion()
+        if completion.finish_reason is GenerationState.ERROR:
+            body = error_body(ApiError(500, "generation failed; see the server's log"))
+            await self._send(send, sse("error", body))
+        else:
+            tail = self.message.pieces(self._read(completion.text[sent:], final=True))
+            called = self.readers is not None and bool(self.readers[0].calls)
+            await self._send(send, tail + self.message.end(completion.finish_reason, called,
+                                                           completion.completion_tokens, self._stop(completion)))
+        self._finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 # -- the log line and the outcome of every request ---------------------------------------------------
