@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -52,8 +52,13 @@ PREFIX = "openai:"
 DIALOG = 256  # the id that starts a dialog: after it, the messages as JSON bytes
 CARRIER_VOCAB = 257
 # The context when the server does not say (llama-chat serve says context_length, vLLM
-# max_model_len): the server refuses a prompt that does not fit.
+# max_model_len, llama-server n_ctx in its /props): the server refuses a prompt that does not fit,
+# and a dialog is then sent again without its oldest turns (``trimmed``).
 UNKNOWN_CONTEXT = 1 << 20
+# What servers say of a prompt longer than their context: OpenAI's and vLLM's code, llama-server's
+# error type, and the words of those that say it in the message alone.
+CONTEXT_EXCEEDED = ("context_length_exceeded", "exceed_context_size_error", "exceeds the available context",
+                    "maximum context length", "context length", "too many tokens")
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # between two pieces of a stream: a long queue or a long prefill on the server
 READ_TIMEOUT_ENV = "LLAMA_CHAT_REMOTE_READ_TIMEOUT_S"  # seconds of silence before a stream is given up
@@ -191,9 +196,48 @@ def connect(spec: str, *, model: str | None = None, api_key: str | None = None, 
     elif name not in listed:
         raise RemoteRequestError(f"{parsed.base_url} has no model {name!r} (it has {', '.join(sorted(listed))})")
     info = listed.get(name) or {}
-    context = info.get("context_length") or info.get("max_model_len") or UNKNOWN_CONTEXT
-    return RemoteModel(RemoteSpec(parsed.base_url, name), name, api_key, int(context),
+    context = info.get("context_length") or info.get("max_model_len") or _props_context(parsed.base_url, headers,
+                                                                                         timeout_s)
+    return RemoteModel(RemoteSpec(parsed.base_url, name), name, api_key, int(context or UNKNOWN_CONTEXT),
                        chat_format=None if template == "none" else DialogCarrier())
+
+
+def _props_context(base_url: str, headers: dict[str, str], timeout_s: float) -> int | None:
+    """llama-server's context, from its ``/props`` at the root (``n_ctx``, or in
+    ``default_generation_settings``); None from a server without it."""
+    root = base_url.removesuffix("/").removesuffix("/v1")
+    try:
+        response = httpx.get(f"{root}/props", headers=headers, timeout=timeout_s)
+        props = response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(props, dict):
+        return None
+    settings = props.get("default_generation_settings")
+    for value in (props.get("n_ctx"), settings.get("n_ctx") if isinstance(settings, dict) else None):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def context_exceeded(status: int, body: bytes) -> bool:
+    """Whether a server's refusal says the prompt is longer than its context."""
+    text = body[:4096].decode("utf-8", errors="replace").lower()
+    return status in (400, 413) and any(sign in text for sign in CONTEXT_EXCEEDED)
+
+
+def trimmed(ids: Sequence[int]) -> list[int] | None:
+    """A dialog without its oldest turn: the first message after the system's (and the replies
+    that answer it, up to the next user message); None when only the last user message is left."""
+    if not ids or ids[0] != DIALOG:
+        return None
+    messages = prompt_of(ids)
+    head = 1 if messages and messages[0].get("role") == "system" else 0
+    later = [i for i in range(head + 1, len(messages)) if messages[i].get("role") == "user"]
+    if not later:
+        return None
+    kept = messages[:head] + messages[later[0]:]
+    return [DIALOG, *json.dumps(kept, ensure_ascii=False).encode("utf-8")]
 
 
 def read_timeout_s() -> float:
@@ -473,7 +517,14 @@ class RemoteSource:
         state: GenerationState | None = None
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
-                raise _error_of(url, response.status_code, await response.aread())
+                refusal = await response.aread()
+                shorter = trimmed(request.prompt_ids) if context_exceeded(response.status_code, refusal) else None
+                if shorter is None:
+                    raise _error_of(url, response.status_code, refusal)
+                # A server that did not say its context said it now: the dialog goes again
+                # without its oldest turn, until it fits or only its last question is left.
+                await self._exchange(client, replace(request, prompt_ids=tuple(shorter)), stream, send)
+                return
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue  # blank lines between events, comments, other fields
@@ -512,4 +563,5 @@ def _read_usage(usage: Any, into: _Usage) -> None:
 
 
 __all__ = ["DialogCarrier", "RemoteCompletion", "RemoteError", "RemoteModel", "RemoteRequestError", "RemoteSource",
-           "RemoteSpec", "RemoteStream", "TextCarrier", "connect", "is_remote", "prompt_of", "request_body"]
+           "RemoteSpec", "RemoteStream", "TextCarrier", "connect", "context_exceeded", "is_remote", "prompt_of",
+           "request_body", "trimmed"]
