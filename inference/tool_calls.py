@@ -11,6 +11,7 @@ that answers no call.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -28,6 +29,7 @@ CHOICES = ("auto", "none", "required", "function")
 # A tool without parameters takes none: an empty object, so its call can always end.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 ID_ALPHABET = string.ascii_letters + string.digits
+KEPT_SCHEMA_CHARS = 16 * 1024  # schemas up to this long have their check kept (``_kept_problem``)
 
 
 class ToolError(ValueError):
@@ -115,9 +117,26 @@ def check_schema(tool: Tool, where: str) -> None:
     """Refuse a schema the constraint engine cannot take, naming the tool and the engine's reason
     (which says the part of the schema)."""
     try:
-        Constraint.json_schema(tool.parameters)
+        text = json.dumps(tool.parameters, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise ToolError(f"tool {tool.name!r}: its parameters schema is not JSON", f"{where}.parameters") from None
+    reason = _kept_problem(text) if len(text) <= KEPT_SCHEMA_CHARS else _schema_problem(text)
+    if reason is not None:
+        raise ToolError(f"tool {tool.name!r}: its parameters schema {reason}", f"{where}.parameters")
+
+
+def _schema_problem(text: str) -> str | None:
+    """What the engine says of a schema, None when it takes it."""
+    try:
+        Constraint.json_schema(text)
     except ControlError as e:
-        raise ToolError(f"tool {tool.name!r}: its parameters schema {e.reason}", f"{where}.parameters") from None
+        return e.reason
+    return None
+
+
+# A client sends the same tools with every turn of a conversation: the answers for schemas of a
+# usual size are kept.
+_kept_problem = functools.lru_cache(maxsize=256)(_schema_problem)
 
 
 def check_tools(tools: Sequence[Tool], choice: ToolChoice, param: str = "tools") -> None:
