@@ -17,13 +17,13 @@ ones). Measured, per config and dtype (float32; bfloat16 for the Python systems;
 * prefill tok/s and time to first token of a 128-token prompt (llama2.c feeds a prompt one token
   at a time, at its decode speed, so it has no prefill figure);
 * peak RSS of the process (``os.wait4``);
-* llama-chat through ``Engine.generate`` (the step thread and channel the command uses), with
-  ``EngineOptions(compile=False)`` and ``compile=True`` (the compiled static step; its warm-up,
-  with a cold compile cache, is reported apart and done before timing), in float32, bfloat16 and
-  ``--quantize int8`` (on float32 weights);
-* for reference, where llama-chat's step is our one-call CPU operator, the same step in a bare
-  loop in that process ("operator alone": the step, a greedy pick, the token fed back), so that
-  what the engine costs around it shows as the difference between the two rows;
+* llama-chat through what the command runs a prompt on (``generation_source.single_stream``: a
+  one-job batch of the scheduler, its step thread and channel), eager and with ``--compile``
+  (the compiled lone step; its warm-up, with a cold compile cache, is reported apart and done
+  before timing), in float32, bfloat16 and ``--quantize int8`` (on float32 weights);
+* for reference, where llama-chat's step is our one-call CPU operator, the same step over a
+  dense cache in a bare loop in that process ("operator alone": the step, a greedy pick, the
+  token fed back), so that what the scheduler costs around it shows as the difference;
 * the machine's read bandwidth (a float32 sum over 512 MiB, median of 7); the bound is that over
   the bytes of weights read per token, and "of bound" is a system's decode speed over it;
 * for the float32 configs with ``run.c``, ``--pairs`` back-to-back pairs of one llama-chat decode
@@ -263,7 +263,9 @@ def long_prompt(c: dict) -> tuple[int, ...]:
 
 
 def llama_chat_worker(args, c: dict) -> dict:
-    from llama_chat.inference.engine import Engine, EngineOptions
+    from types import SimpleNamespace
+
+    from llama_chat.cmd.generation_source import single_stream
     from llama_chat.inference.types import Request
     from llama_chat.ml.sampling import SamplingParams
     from llama_chat.model.loader import load_model
@@ -272,33 +274,37 @@ def llama_chat_worker(args, c: dict) -> dict:
     t = time.perf_counter()
     loaded = load_model(args.path, device="cpu", dtype=args.dtype, max_seq_len=c["seq"])
     load_s = time.perf_counter() - t
-    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=args.compile, quantize=args.quantize))
+    # What the command runs a prompt on (a one-job batch of the scheduler, on the CPU).
+    source = single_stream(loaded, SimpleNamespace(compile=args.compile, quantize=args.quantize))
     t = time.perf_counter()
-    engine.warm_up(greedy)
-    engine.generate(Request((BOS,), sampling=greedy, max_tokens=16))
-    engine.generate(Request(long_prompt(c), sampling=greedy, max_tokens=2))
+    source.warm_up(greedy)
+    source.generate(Request((BOS,), sampling=greedy, max_tokens=16))
+    source.generate(Request(long_prompt(c), sampling=greedy, max_tokens=2))
     warm_s = time.perf_counter() - t
     decode, tokens = [], []
     for _ in range(args.runs):
-        done = engine.generate(Request((BOS,), sampling=greedy, max_tokens=args.new))
+        done = source.generate(Request((BOS,), sampling=greedy, max_tokens=args.new))
         assert len(done.token_ids) == args.new, done.finish_reason
         decode.append(done.timings.decode_tok_s)
         tokens = list(done.token_ids)
     prefill, ttft = [], []
     for _ in range(args.runs):
-        done = engine.generate(Request(long_prompt(c), sampling=greedy, max_tokens=1))
+        done = source.generate(Request(long_prompt(c), sampling=greedy, max_tokens=1))
         prefill.append(done.timings.prefill_tok_s)
         ttft.append(done.timings.ttft_s)
     return dict(decode=spread(decode), prefill=spread(prefill), ttft=spread(ttft), load_s=load_s,
-                warm_up_s=warm_s, compiled=engine.compiles, tokens=tokens, operator_alone=operator_alone(engine, args))
+                warm_up_s=warm_s, compiled=source.compiles, tokens=tokens,
+                operator_alone=None if source.compiles else operator_alone(loaded.model, args))
 
 
-def operator_alone(engine, args) -> dict | None:
-    """Decode tok/s of the engine's one-call step in a bare loop on this thread (the step with its
-    greedy pick, the next token fed back): what the step thread, the channel and the Python around
-    each token cost is the difference from the engine's row."""
-    one_call = engine.step.one_call
-    if one_call is None or engine.compiles:
+def operator_alone(model, args) -> dict | None:
+    """Decode tok/s of the operator's one-call step over a dense cache in a bare loop on this
+    thread (the step with its greedy pick, the next token fed back): what the scheduler, its step
+    thread, the channel and the Python around each token cost is the difference from the row."""
+    from llama_chat.inference.model_step import ModelStep
+
+    one_call = ModelStep(model).one_call
+    if one_call is None:
         return None
     rates = []
     with torch.inference_mode():
@@ -356,7 +362,7 @@ def cpu_name() -> str:
 
 
 def add_operator_alone(found: dict, name: str) -> None:
-    """The engine row's bare loop of its one-call step, as a row of its own (no target reads it)."""
+    """The llama-chat row's bare loop of its one-call step, as a row of its own (no target reads it)."""
     alone = found[name].pop("operator_alone", None)
     if alone:
         found[f"{name}: operator alone"] = dict(decode=alone, rss_mb=found[name].get("rss_mb", 0.0))
@@ -383,7 +389,7 @@ def measure_config(key: str, c: dict, args, bins: dict, envs: dict) -> list[dict
                 found[name] = python_system("llama_chat", key, hf_dir, dtype, args, envs["python"], compile)
                 add_operator_alone(found, name)
             found["HF generate"] = python_system("hf", key, hf_dir, dtype, args, envs["python"])
-        else:  # float32 weights quantized when the engine is made, as --quantize int8 does
+        else:  # float32 weights quantized when the scheduler is made, as --quantize int8 does
             for name, compile in (("llama-chat", False), ("llama-chat compiled", True)):
                 if compile and not c.get("compiled", True):
                     continue

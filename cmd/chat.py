@@ -50,6 +50,7 @@ from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.report import failure_line, seed_to_report, weights_text
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers, interruptible_prompt, no_control_echo
+from llama_chat.cmd.typeahead import Typed, held_typing
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.generation_source import Source, single_stream
 from llama_chat.inference.scheduler import Scheduler
@@ -191,17 +192,26 @@ class ChatInput:
                 except OSError:  # missing, a FIFO or a device, unreadable: the chat starts without it
                     pass
 
-    def line(self, prompt: str) -> str:
-        """One line; ``EOFError`` on Ctrl+D, ``KeyboardInterrupt`` on Ctrl+C."""
-        with interruptible_prompt():
-            return input(prompt)
+    def line(self, prompt: str, text: str = "") -> str:
+        """One line, starting as ``text`` (editable); ``EOFError`` on Ctrl+D, ``KeyboardInterrupt``
+        on Ctrl+C."""
+        readline = self.readline
+        if text and readline is not None:
+            readline.set_startup_hook(lambda: readline.insert_text(text))
+        try:
+            with interruptible_prompt():
+                return input(prompt)
+        finally:
+            if text and readline is not None:
+                readline.set_startup_hook(None)
 
     def current_text(self) -> str:
         return self.readline.get_line_buffer() if self.readline is not None else ""
 
-    def message(self) -> str:
-        """One message: a line, or the lines between two \"\"\" fences."""
-        first = self.line(PROMPT)
+    def message(self, typed: str = "") -> str:
+        """One message: a line, or the lines between two \"\"\" fences. ``typed``: text typed during
+        the reply (``typeahead.held_typing``), shown as the prompt's text."""
+        first = self.line(PROMPT, typed)
         if not first.lstrip().startswith(FENCE):
             self._save()
             return first
@@ -263,6 +273,7 @@ class ChatRunner:
         self.err = err
         self.name = name
         self.weights = weights  # the model's weights as they are when /stats asks
+        self.typed = ""  # what was typed during the last reply, for the next prompt
 
     # -- output
 
@@ -290,12 +301,14 @@ class ChatRunner:
         ids = chat.backend.align_to_cache(ids)
         request = chat.settings.request(ids, chat_reply=True, reuse_cache=True)
         seed = request.seed
+        typed = Typed()
         try:
-            if request.beams.enabled:
-                outcome: Outcome = self.beam_reply(request)
-            else:
-                renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)
-                outcome = anyio.run(run_one_shot, chat.backend, request, renderer)
+            with held_typing() as typed:  # keys pressed meanwhile stay out of the reply
+                if request.beams.enabled:
+                    outcome: Outcome = self.beam_reply(request)
+                else:
+                    renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)
+                    outcome = anyio.run(run_one_shot, chat.backend, request, renderer)
         except KeyboardInterrupt:  # Ctrl+C just before the event loop took the signal over
             chat.turns.append(Turn("assistant", "", interrupted=True))
             self.say("(interrupted)")
@@ -310,6 +323,7 @@ class ChatRunner:
             return
         finally:
             install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
+            self.typed = typed.text
         done = outcome.completion
         chat.last = done
         chat.last_seed = seed_to_report(seed, given=chat.settings.options.seed,
@@ -471,7 +485,8 @@ def _chat(opts: Options, first: str | None, color: str, err: Console) -> int:
             runner.reply()
         while True:
             try:
-                text = reader.message()
+                typed, runner.typed = runner.typed, ""
+                text = reader.message(typed)
             except EOFError:  # Ctrl+D
                 sys.stdout.write("\n")
                 return exit_status.OK

@@ -40,7 +40,7 @@ from llama_chat.inference.model_step import StepOptions
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
-from llama_chat.inference.types import (GenerationState, Request, RequestError, TokenEvent, check_constraint,
+from llama_chat.inference.types import (Completion, GenerationState, Request, RequestError, TokenEvent, check_constraint,
                                         check_request, sole_exception, stop_ids_of)
 from llama_chat.ml.constraints import Constraints, GrammarMask
 from llama_chat.ml.cpu import kernels as cpu_kernels
@@ -155,11 +155,11 @@ class Scheduler:
             max_seq_len=max_seq_len,
         )
         self.model = model
+        self._dtype = dtype  # the model's: a beam search's own cache is kept in it
         self.tokenizer = tokenizer
         self.options = options
         self.name = name
         self.stop_ids = stop_ids_of(tokenizer)
-        self._dtype = dtype  # the model's: a beam search's own cache is kept in it
         self._strip = bool(getattr(tokenizer, "strips_leading_space", False))
         vocab = getattr(tokenizer, "vocab_size", None)
         sample_ids = vocab if vocab is not None and vocab < model.args.vocab_size else None
@@ -221,6 +221,17 @@ class Scheduler:
             async with self.submit(request) as stream:
                 yield stream
 
+    async def complete(self, request: Request) -> Completion:
+        """Run ``request`` to the end, as a one-job batch, and return its whole result."""
+        async with self.stream(request) as stream:
+            async for _ in stream:
+                pass
+        return stream.completion()
+
+    def generate(self, request: Request) -> Completion:
+        """The blocking form of ``complete``, for scripts and tests."""
+        return anyio.run(self.complete, request)
+
     @property
     def max_seq_len(self) -> int:
         return self.core.settings.max_seq_len
@@ -255,11 +266,6 @@ class Scheduler:
         return JobStream(job, receive, strip_leading_space=request.chat_reply and self._strip,
                          on_receive=self._notify, on_cancel=self._cancel)
 
-    def cancel(self, request_id: str) -> None:
-        """Stop one job (no error if it has already finished)."""
-        job = self._jobs.get(request_id)
-        if job is not None:
-            self._cancel(job)
     @asynccontextmanager
     async def beams(self, request: Request) -> AsyncIterator[BeamRun]:
         """``async with scheduler.beams(req) as run: async for progress in run: ...``, then
@@ -283,6 +289,11 @@ class Scheduler:
         assert self.core.constraints is not None
         return self.core.constraints.processor(request.constraint, extra_stop_ids=request.stop_ids)
 
+    def cancel(self, request_id: str) -> None:
+        """Stop one job (no error if it has already finished)."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            self._cancel(job)
 
     @property
     def compiles(self) -> bool:

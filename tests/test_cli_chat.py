@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import termios
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -127,6 +130,47 @@ def test_ctrl_c_mid_reply_keeps_the_partial_reply_and_ctrl_c_at_the_prompt_leave
     assert not (tmp_path / "llama-chat").exists()  # --no-history
 
 
+def stop_mid_reply(child, wait_s: float = WAIT_S) -> None:
+    """SIGSTOP the chat while a reply holds the keys typed (``cmd/typeahead.py``: no echo, and no
+    flush on Ctrl+C, which readline's own mode at the prompt does not ask for). The
+    pseudo-terminal's modes are the same seen from either end."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        os.kill(child.pid, signal.SIGSTOP)
+        local = termios.tcgetattr(child.child_fd)[3]
+        if local & termios.NOFLSH and not local & termios.ECHO:
+            return
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.001)
+    raise AssertionError("no reply held the terminal's echo off")
+
+
+def test_keys_typed_during_a_reply_stay_out_of_it_and_become_the_next_prompts_text(tiny, tmp_path):
+    child = spawn("-m", str(tiny.path), "--template", "llama2", "-t", "0", "-n", "2000", "--no-history",
+                  tmp_path=tmp_path)
+    child.sendline("Once upon a time")
+    stop_mid_reply(child)  # so that the keys surely land mid-reply (the terminal takes them meanwhile)
+    child.send("ZQX\x7fY\rmore")  # a typo erased, an Enter: neither may send anything yet
+    child.sendintr()  # and a Ctrl+C, which must keep what was typed
+    time.sleep(0.5)
+    os.kill(child.pid, signal.SIGCONT)
+    child.expect_exact("interrupted")
+    child.expect_exact(">>> ZQY more")  # offered, editable, as the next message
+    reply_screen = child.before
+    child.send("\x7f" * 5 + "\r")  # edited, then sent
+    child.expect_exact("finish: ")  # the second reply
+    child.expect_exact(">>> ")
+    child.sendline("/save " + str(tmp_path / "c.json"))
+    child.expect_exact(">>> ")
+    child.sendintr()
+    child.expect(pexpect.EOF)
+    child.close()
+    messages = json.loads((tmp_path / "c.json").read_text())["messages"]
+    assert [m["role"] for m in messages[:3]] == ["user", "assistant", "user"]
+    assert messages[2]["content"] == "ZQY"
+    assert "ZQ" not in messages[1]["content"] and "ZQ" not in reply_screen
+
+
 def test_llama3_chat_reuses_its_cache_and_ctrl_c_keeps_the_partial_reply(llama3, tmp_path):
     child = spawn("-m", str(llama3), "-t", "0", "-n", "12", "--no-history", tmp_path=tmp_path)
     counts = []
@@ -195,10 +239,15 @@ def test_ctrl_c_pressed_again_and_again_leaves_no_markers_and_no_echo(held, tmp_
     asked = len(term.shown)
     term.read_until(lambda: "é".encode() in term.shown[asked:] and term.shown[asked:].count(b".") >= 3)
     for pressed in range(1, presses + 1):
+        before = len(term.shown)
         term.type(b"\x03")
-        # The next press once the terminal has taken this one (echoed it), so that the two are
-        # two signals; a chat that has left takes no more.
-        term.read_until(lambda: echoes(term.shown[asked:]) >= pressed or term.proc.poll() is not None)
+        # The next press once the chat has taken this one (its notice, its exit, or at the prompt
+        # the terminal's echo; a reply holds the echo off), so that the two are two signals.
+        try:
+            term.read_until(lambda: echoes(term.shown[asked:]) >= pressed or b"interrupted" in term.shown[before:]
+                            or term.proc.poll() is not None, timeout=2)
+        except AssertionError:
+            pass  # taken without a sign: should the signals merge, the chat is at its prompt (below)
     # The second Ctrl+C ends the chat: in the reply at once (130), at the prompt (0), or in between
     # (130). Should the signals have merged into one, the chat is at its prompt: Ctrl+D leaves.
     term.read_until(lambda: term.proc.poll() is not None or term.shown.rstrip().endswith(b">>>"))
@@ -212,10 +261,11 @@ def test_ctrl_c_pressed_again_and_again_leaves_no_markers_and_no_echo(held, tmp_
     assert status in (0, 130), term.shown
     assert lines[lines.index(">>> draft") + 1] == ">>> hi"
     assert lines[lines.index(">>> hi") + 1] == "é", lines  # no markers, no ^C
-    # A press that lands after the chat has said it is leaving finds the terminal given back as it
-    # was (^C echoed again): what the screen must keep clean is the chat's own part.
-    chat_part = lines[:next((i for i, line in enumerate(lines) if line.startswith("finish:")), len(lines))]
-    assert not any("^C" in line for line in chat_part), lines
+    # A press that lands after the chat has left (after its finish line, or after its last prompt
+    # when it leaves from there) finds the terminal given back as it was (^C echoed again): what
+    # the screen must keep clean is the chat's own part.
+    last = max(i for i, line in enumerate(lines) if line.startswith((">>>", "finish:")))
+    assert not any("^C" in line for line in lines[:last + 1]), lines
     assert cursor_visible and b"Traceback" not in term.shown
 
 
