@@ -4,8 +4,9 @@ read into the same ``Generation`` the OpenAI routes make, and the objects and ev
 A body's ``system``, ``messages`` (text, ``tool_use`` and ``tool_result`` blocks), ``tools`` and
 ``tool_choice`` become the chat's messages and ``ToolRequest``; ``max_tokens``, ``temperature``,
 ``top_p``, ``top_k`` and ``stop_sequences`` are the command line's controls, checked by the one
-checker every surface uses (its other controls, ``seed`` among them, are taken under their names). The reply is one ``message`` whose content is a text block and the
-calls' ``tool_use`` blocks, or, streamed, its events (``message_start``, a
+checker every surface uses (its other controls, ``seed`` among them, are taken under their
+names). The reply is one ``message`` whose content is a text block and the calls' ``tool_use``
+blocks, or, streamed, its events (``message_start``, a
 ``content_block_start``/``_delta``/``_stop`` run per block, ``message_delta`` with the stop reason
 and usage, ``message_stop``). Refusals are Anthropic's error object. Nothing here knows the model
 or HTTP: ``serve_app.py`` does.
