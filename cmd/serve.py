@@ -42,6 +42,7 @@ from llama_chat.cmd.signals import hard_exit, install_sync_handlers
 from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
 from llama_chat.inference.remote import is_remote
 from llama_chat.inference.serving import Serving
+from llama_chat.ml.controls import DEFAULT_MAX_BATCH
 from llama_chat.inference.tool_formats import FORMAT_NAMES, resolve_format
 from llama_chat.inference.types import sole_exception
 
@@ -100,8 +101,7 @@ class ServeOptions:
     ] = DEFAULT_SHUTDOWN_GRACE_S
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", rich_help_panel=SERVER, help="Log errors only, not every request.")] = False
-    max_batch: Annotated[int, ranged(
-        "max_batch", "--max-batch", rich_help_panel=BATCH, help="Most jobs generating at once.")] = 16
+    max_batch: _OPTION["max_batch"] = DEFAULT_MAX_BATCH
     cache_tokens: Annotated[int | None, ranged(
         "cache_tokens", "--cache-tokens", rich_help_panel=BATCH,
         help="Size of the paged KV cache in tokens (default: --max-batch contexts, within half the memory "
@@ -351,7 +351,10 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
     loaded, scheduler = model
     serving = Serving(scheduler, queue_limit=opts.queue_limit, metrics=state.metrics)
     names = frozenset({loaded.name, *([opts.model] if opts.model else [])})
-    tool_format = resolve_format(opts.tool_format, getattr(loaded.chat_format, "template", None))
+    # A chat format without a Jinja template (llama2, llama3) cannot show tools: the generic format
+    # describes them in the system message.
+    template = getattr(loaded.chat_format, "template", None)
+    tool_format = resolve_format(opts.tool_format if template is not None else "generic", template)
     served = Served(loaded, serving, opts.options(), names, int(time.time()), tool_format)
     while True:
         try:

@@ -53,6 +53,27 @@ def test_each_real_template_is_told_by_its_markers(family):
     assert detect_format(None) == "generic"
 
 
+def test_the_generic_format_shows_tools_calls_and_results_to_any_template():
+    """Any template can render the generic format's dialog: system, user and assistant text only."""
+    from llama_chat.inference.tool_formats import prepare_dialog, resolve_format
+
+    tools = tuple(make_tool(t["function"]["name"], None, t["function"].get("parameters"), "t", t["function"])
+                  for t in TOOLS)
+    messages, offered = prepare_dialog(FORMATS["generic"], _round_trip_messages("c1", {"city": "Paris"}),
+                                       ToolRequest(tools))
+    assert offered is None and [m.role for m in messages] == ["system", "user", "assistant", "user"]
+    assert all(t["function"]["name"] in messages[0].content for t in TOOLS)
+    assert json.loads(messages[2].content) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
+    assert json.loads(messages[3].content)["tool_response"]["id"] == "c1"
+    assert not any(m.tool_calls or m.tool_call_id for m in messages)
+    native, offered = prepare_dialog(FORMATS["hermes"], messages, ToolRequest(tools, ToolChoice("none")))
+    assert native == messages and offered is None  # choice none: no tools offered to the template
+    assert resolve_format("mistral", template_text("hermes")).name == "mistral"  # --tool-format wins
+    assert resolve_format("auto", template_text("hermes")).name == "hermes"
+    with pytest.raises(ValueError, match="unknown tool format"):
+        resolve_format("xml", None)
+
+
 def test_finish_reasons_on_the_wire_are_openai_values_only():
     openai_values = {"stop", "length", "tool_calls", "content_filter", "function_call"}
     assert {finish_reason(state) for state in GenerationState if state.finished} <= openai_values
