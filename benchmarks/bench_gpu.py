@@ -225,7 +225,7 @@ def bf16_check(loaded, engine, prompt, device, logits: bool) -> dict:
 
 def command_run(path: str, dtype: str, args, env: dict) -> None:
     """The installed command in a new process: its wall time with a warm compile cache."""
-    launcher = "import sys; from llama_chat.cmd.app import main; sys.argv[0] = 'llama-chat'; main()"
+    launcher = "import sys; from llama_chat.cmd.main import main; sys.argv[0] = 'llama-chat'; main()"
     cmd = [sys.executable, "-c", launcher, "-m", path, "-p", "w300 w301 w302 w303", "-n", "64",
            "-t", "0", "--json", "--template", "none", "--dtype", dtype, "-c", str(args.ctx)]
     if args.compile is not None:

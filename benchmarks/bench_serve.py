@@ -79,7 +79,7 @@ class Stream:
 
 def llama_chat() -> list[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "llama-chat")
-    return [exe] if os.path.isfile(exe) else [sys.executable, "-c", "from llama_chat.cmd.app import main; main()"]
+    return [exe] if os.path.isfile(exe) else [sys.executable, "-c", "from llama_chat.cmd.main import main; main()"]
 
 
 def child_env() -> dict[str, str]:

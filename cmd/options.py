@@ -19,9 +19,11 @@ from typing import Annotated, Any
 import typer
 
 from llama_chat.inference.types import Request, new_request_id
-from llama_chat.ml.controls import (CACHE_TYPES, COLOR_MODES, DEFAULT_TEMPERATURE, DTYPES, KEPT_CONSTRAINTS, MAX_CONSTRAINT_BYTES,
-                                    QUANTIZE_MODES, RULES, BeamParams, ControlError, SamplingParams, check, check_early_stopping,
-                                    check_stop, parse_logit_bias, temperature_for)
+from llama_chat.ml.controls import (CACHE_TYPES, COLOR_MODES, COMPILE_MIN_PARAMETERS, DEFAULT_CACHE_BYTES_CAP,
+                                    DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, DEFAULT_TEMPERATURE,
+                                    DTYPES, KEPT_CONSTRAINTS, MAX_CONSTRAINT_BYTES, QUANTIZE_MODES, RULES, BeamParams,
+                                    ControlError, SamplingParams, check, check_early_stopping, check_stop,
+                                    parse_logit_bias, temperature_for)
 from llama_chat.ml.grammar_compile import KeptCompiles
 from llama_chat.ml.grammars import Constraint, format_constraint
 from llama_chat.model.chat_format import FORMAT_NAMES
@@ -194,7 +196,7 @@ class Options:
     ctx_size: Annotated[int | None, ranged(
         "ctx_size", "--ctx-size", "-c",
         help="Context length in tokens, at most the model's; 0: the model's full context (default: the "
-             "model's, at most 4096).")] = None
+             f"model's, at most {DEFAULT_CONTEXT}).")] = None
     temperature: Annotated[float | None, ranged(
         "temperature", "--temperature", "-t", rich_help_panel=SAMPLING,
         help=f"Sampling temperature, {{range}}; 0 means greedy (default: {DEFAULT_TEMPERATURE}, and 0 with "
@@ -272,7 +274,7 @@ class Options:
                         "file's blocks kept as they are on cpu; a dtype given expands them).")] = DType("auto")
     compile: Annotated[bool | None, typer.Option(
         "--compile/--no-compile",
-        help="Compile the decode step (default: for models of 50M parameters or more, on CUDA, and on the "
+        help=f"Compile the decode step (default: for models of {COMPILE_MIN_PARAMETERS // 10**6}M parameters or more, on CUDA, and on the "
              "CPU in float32 where llama-chat's CPU kernels are not built; int8 only when asked). The first run compiles (a C++ compiler is needed on the CPU; without one the "
              "step runs uncompiled); later runs reuse the on-disk cache.")] = None
     quantize: Annotated[Quantize, typer.Option(
@@ -301,10 +303,11 @@ class Options:
     ordered: Annotated[bool, typer.Option(
         "--ordered", rich_help_panel=BATCH, help="--batch: write the results in input order.")] = False
     max_batch: Annotated[int, ranged(
-        "max_batch", "--max-batch", rich_help_panel=BATCH, help="--batch: most jobs generating at once.")] = 16
+        "max_batch", "--max-batch", rich_help_panel=BATCH, help="Most jobs generating at once.")] = DEFAULT_MAX_BATCH
     cache_tokens: Annotated[int | None, ranged(
         "cache_tokens", "--cache-tokens", rich_help_panel=BATCH,
-        help="--batch: size of the paged KV cache in tokens (default: --max-batch contexts, at most 65536 and 4 GiB; "
+        help=f"--batch: size of the paged KV cache in tokens (default: --max-batch contexts, at most "
+             f"{DEFAULT_CACHE_TOKENS_CAP} and {DEFAULT_CACHE_BYTES_CAP >> 30} GiB; "
              "at least one context).")] = None
     debug: Annotated[bool, typer.Option("--debug", help="Show a traceback on failure.")] = False
 

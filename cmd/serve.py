@@ -15,7 +15,6 @@ Requests and the server's state are logged one line each on stderr (``--quiet``:
 
 from __future__ import annotations
 
-import inspect
 import ipaddress
 import logging
 import signal
@@ -33,13 +32,13 @@ from anyio.abc import TaskStatus
 from rich.console import Console
 
 from llama_chat.cmd import exit_status
-from llama_chat.cmd.app import GroupedHelp
 from llama_chat.cmd.http_protocol import guarded_protocol
 from llama_chat.cmd.options import BATCH, Options, ranged
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.serve_app import Served, ServerState, build_app
 from llama_chat.cmd.signals import hard_exit, install_sync_handlers
 from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
+from llama_chat.cmd.typer_command import GroupedHelp, command, new_app
 from llama_chat.inference.remote import is_remote
 from llama_chat.inference.serving import Serving
 from llama_chat.ml.controls import DEFAULT_MAX_BATCH
@@ -126,23 +125,13 @@ class ServeOptions:
                           if f.name in Options.__dataclass_fields__ and f.name != "api_key"})
 
 
-def _command(**kwargs) -> None:
-    raise typer.Exit(run_serve(ServeOptions(**kwargs)))
-
-
-def _signature() -> inspect.Signature:
-    hints = get_type_hints(ServeOptions, include_extras=True)
-    return inspect.Signature([inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                                                annotation=hints[f.name]) for f in fields(ServeOptions)])
-
-
-_command.__signature__ = _signature()
-serve_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-                        context_settings={"help_option_names": ["-h", "--help"]})
+serve_app = new_app()
 serve_app.command(
     name="serve", cls=GroupedHelp,
-    help="Serve a model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models), many "
-         "requests at once on the batching scheduler; /health and /metrics (Prometheus) beside them.")(_command)
+    help="Serve a model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) and "
+         "Anthropic's Messages API (/v1/messages), many requests at once on the batching scheduler; "
+         "/health and /metrics (Prometheus) beside them.")(
+        command(ServeOptions, lambda opts: run_serve(opts)))
 
 
 # -- the log ---------------------------------------------------------------------------------------

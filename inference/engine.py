@@ -279,7 +279,7 @@ class Engine:
                 self._cached = self._cached[:len(request.prompt_ids) + delivered()]
 
     @asynccontextmanager
-    async def stream(self, request: Request) -> AsyncIterator[Generation]:
+    async def stream(self, request: Request) -> AsyncIterator[EngineStream]:
         """``async with engine.stream(req) as gen: async for response in gen: ...``
 
         Each ``Response`` carries the text its token commits and what is held back. After the
@@ -287,7 +287,7 @@ class Engine:
         error), ``gen.cut_off()`` first gives the whole characters that were still held.
         """
         reused = self.reusable(request)
-        generation = Generation(self, request, reused)
+        generation = EngineStream(self, request, reused)
         async with self._events(request, lambda: generation.delivered) as receive:
             generation._receive = receive
             yield generation
@@ -324,7 +324,7 @@ class Engine:
         return anyio.run(self.complete, request)
 
 
-class Generation(TextStream):
+class EngineStream(TextStream):
     """One request's responses: token events made into text as the consumer takes them."""
 
     def __init__(self, engine: Engine, request: Request, cached_tokens: int) -> None:
@@ -382,5 +382,5 @@ class _DecodeRun:
         return event
 
 
-__all__ = ["DEFAULT_BUFFER_SIZE", "DEFAULT_LOOKAHEAD", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineOptions", "Generation",
+__all__ = ["DEFAULT_BUFFER_SIZE", "DEFAULT_LOOKAHEAD", "DEFAULT_PREFILL_CHUNK", "Engine", "EngineOptions", "EngineStream",
            "GenerationState"]

@@ -22,15 +22,13 @@ import torch
 
 from llama_chat.inference.decode_step import StaticStep, StaticStepOptions, compile_failure_text
 from llama_chat.inference.types import DamagedScores
+from llama_chat.ml.controls import COMPILE_MIN_PARAMETERS
 from llama_chat.ml.processors import Controls, LogitsProcessor, TokenHistory, make_controls
 from llama_chat.ml.sampling import Draw, SamplingMode, SamplingParams, choose, draw_uniforms, finite_best, sample
 from llama_chat.model import cpu_decode
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
 
-# Below this many parameters a compile costs more time than it ever saves (docs/benchmarks.md,
-# "CPU decode against llama2.c and transformers").
-COMPILE_MIN_PARAMETERS = 50_000_000
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import (Completion, EmptyPrompt, GenerationState, Request, RequestError, Tally,
                                         Timings, TokenEvent)
-from llama_chat.ml.controls import SamplingParams
+from llama_chat.ml.controls import DEFAULT_MAX_BATCH, SamplingParams
 from llama_chat.model.chat_format import Message
 
 PREFIX = "openai:"
@@ -63,7 +63,6 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # between two pieces of a stream: a long queue or a long prefill on the server
 READ_TIMEOUT_ENV = "LLAMA_CHAT_REMOTE_READ_TIMEOUT_S"  # seconds of silence before a stream is given up
 BUFFER = 8  # events waiting for the consumer; a slow one slows the reading of the connection
-DEFAULT_MAX_BATCH = 16
 NO_ID = -1  # a piece of text from the server: its token ids are not known here
 
 FINISH_REASONS = {"stop": GenerationState.EOS, "length": GenerationState.MAX_TOKENS,

@@ -43,6 +43,7 @@ from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (Completion, GenerationState, Request, RequestError, TokenEvent, check_constraint,
                                         check_request, sole_exception, stop_ids_of)
 from llama_chat.ml.constraints import Constraints, GrammarMask
+from llama_chat.ml.controls import DEFAULT_CACHE_BYTES_CAP, DEFAULT_CACHE_TOKENS_CAP, DEFAULT_MAX_BATCH
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams
@@ -51,13 +52,7 @@ from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.kv_types import for_device
 from llama_chat.model.transformer import Transformer
 
-DEFAULT_MAX_BATCH = 16
 DEFAULT_PAGE_SIZE = 16
-# Without --cache-tokens: room for every batch slot at the full context, up to this many tokens
-# (a TinyLlama-sized model in bfloat16 keeps 22 KB per token: 1.4 GB) and this many bytes (a 7B
-# model in float16 keeps 0.5 MB per token), but always one whole context.
-DEFAULT_CACHE_TOKENS_CAP = 65536
-DEFAULT_CACHE_BYTES_CAP = 4 * 2**30
 
 
 @dataclass(frozen=True)

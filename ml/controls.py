@@ -50,6 +50,19 @@ MAX_SEED = 2**64 - 1
 MAX_TOKENS = 2**24
 MAX_BATCH = 4096
 DEFAULT_TEMPERATURE = 0.8
+# Defaults the command line's help states, defined here (no torch) and used where they act.
+# A checkpoint's context is cut to this unless -c says otherwise (model/loader.py): a 128k-token
+# context would cost its KV cache gigabytes before the first token.
+DEFAULT_CONTEXT = 4096
+DEFAULT_MAX_BATCH = 16  # jobs generating at once: --batch, serve, a remote server's requests
+# Without --cache-tokens, a paged cache holds every batch slot at the full context, up to this
+# many tokens (a TinyLlama-sized model in bfloat16 keeps 22 KB per token: 1.4 GB) and this many
+# bytes (a 7B model in float16 keeps 0.5 MB per token), but always one whole context.
+DEFAULT_CACHE_TOKENS_CAP = 65536
+DEFAULT_CACHE_BYTES_CAP = 4 * 2**30
+# Below this many parameters a compile costs more time than it ever saves (docs/benchmarks.md,
+# "CPU decode against llama2.c and transformers").
+COMPILE_MIN_PARAMETERS = 50_000_000
 
 # Stop strings: every one is looked for in each job's new text after every token, so their number
 # and length are work per token that one request could make large for every other client.

@@ -42,7 +42,7 @@ GGUF = "gguf"
 
 # Without an explicit max_seq_len the context is the checkpoint's, capped here: Llama 3.1 says
 # 131072, whose KV cache alone would be 16 GiB for an 8B model. Ask for more with max_seq_len.
-DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_MAX_SEQ_LEN = controls.DEFAULT_CONTEXT
 
 # Projections whose outputs the model concatenates (``Transformer.fuse_projections``): kept as the
 # file's only all together and in one form (blocks, or 16-bit values of one dtype), since a fused

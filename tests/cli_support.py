@@ -51,7 +51,7 @@ def llama_chat_command() -> list[str]:
     (an older install elsewhere would be tested instead, with other dependencies)."""
     exe = Path(sys.executable).parent / "llama-chat"
     if not exe.is_file():  # not installed as a script: the same entry point through Python
-        return [sys.executable, "-c", "from llama_chat.cmd.app import main; main()"]
+        return [sys.executable, "-c", "from llama_chat.cmd.main import main; main()"]
     return [str(exe)]
 
 

@@ -24,6 +24,7 @@ from builders import random_model, tiny_args, write_meta_checkpoint
 from builders_formats import write_hf_checkpoint, write_meta_shards
 from cli_support import cli_env, llama_chat_command
 from llama_chat.cmd import app as cli_app
+from llama_chat.cmd import main as cli_main
 
 ESC = "\x1b]0;pwned\x07\x1b[2J\x1b[31m"
 TIMEOUT = 120  # generous: a busy two-core machine; a case that hangs or eats memory fails here
@@ -212,8 +213,8 @@ def test_bad_input_is_one_safe_line_and_exit_2(cases, case, capsys):
     capsys.readouterr()
     try:
         status = cli_app.app(args=[*args, "--no-stdin"], prog_name="llama-chat", standalone_mode=False)
-    except cli_app._ClickException as e:  # what main() does with a usage error
-        status = cli_app._usage_error(e)
+    except cli_main.ClickException as e:  # what main() does with a usage error
+        status = cli_main.usage_error(e)
     out, err = capsys.readouterr()
     _check(status, err, expect)
     assert out == ""

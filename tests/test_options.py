@@ -10,6 +10,7 @@ import typer
 
 from cli_support import build_tiny_model, run_cli
 from llama_chat.cmd import app as cli
+from llama_chat.cmd.main import ClickException
 from llama_chat.cmd.batch_input import SETTING_KEYS, BadLine, JobLine, parse_line
 from llama_chat.cmd.chat_settings import SETTING_NAMES, Settings, apply_setting
 from llama_chat.cmd.options import Options
@@ -51,7 +52,7 @@ def command_line_error(*args: str) -> str | None:
     """What the command line says of ``args`` (parsed and checked, nothing run); None: accepted."""
     try:
         COMMAND.make_context("llama-chat", list(args))
-    except cli._ClickException as e:
+    except ClickException as e:
         return e.format_message()
     return None
 
