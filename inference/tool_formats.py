@@ -10,8 +10,8 @@ format         a reply with calls                                    chosen when
 =============  ====================================================  =====================================
 hermes         any text, then ``<tool_call>\\nCALL\\n</tool_call>``     ``<tool_call>`` (Qwen 2.5/3, QwQ,
                per call, one line apart                              Hermes 2/3, DeepSeek-R1 Qwen distills)
-llama3_json    ``<|python_tag|>``? ``CALL``, one call, ended by      ``<|python_tag|>``, or ``"parameters"``
-               ``<|eot_id|>`` or ``<|eom_id|>``                       with ``{"name"`` (Llama 3.1, 3.2, 3.3)
+llama3_json    ``CALL``, one call, as bare JSON (as the template      ``<|python_tag|>``, or ``"parameters"``
+               writes it), ended by ``<|eot_id|>`` or ``<|eom_id|>``  with ``{"name"`` (Llama 3.1, 3.2, 3.3)
 mistral        ``[TOOL_CALLS][CALL, CALL]`` (the ids, 9 letters and   ``[TOOL_CALLS]`` (Mistral, Nemo,
                digits, are the server's)                              Small, Devstral)
 generic        ``{"tool_calls": [CALL, ...]}`` or                      anything else: the tools are described
@@ -19,11 +19,11 @@ generic        ``{"tool_calls": [CALL, ...]}`` or                      anything 
 =============  ====================================================  =====================================
 
 The grammar (llguidance's Lark, with each tool's ``parameters`` inlined as ``%json``) is lazy for
-``auto``: the text runs free until the call's trigger (``<tool_call>``, the ``<|python_tag|>`` or
-``[TOOL_CALLS]`` token, or a reply's first ``{`` or ``[``), and from there it holds the call to a
-listed name and that tool's schema. For ``required`` and a named function it holds the reply from
-its first token. A reply that does not start a call may not start with the character a call
-starts with, so that text and calls are always told apart the same way (``tool_stream.py``).
+``auto``: the text runs free until the call's trigger (``<tool_call>``, or a reply's first ``{``
+or ``[``), and from there it holds the call to a listed name and that tool's schema. For
+``required`` and a named function it holds the reply from its first token (Mistral's from its
+``[TOOL_CALLS]`` token). A reply that does not start a call may not start with the character a
+call starts with, so that text and calls are always told apart the same way (``tool_stream.py``).
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llama_chat.inference.tool_calls import Tool, ToolRequest, arguments_value
-from llama_chat.ml.grammars import Constraint, bounded_schema
+from llama_chat.ml.grammars import SCHEMA_VALUE_KEYS, Constraint, bounded_schema
 from llama_chat.model.chat_format import CalledTool, Message
 
 FORMAT_NAMES = ("auto", "hermes", "llama3_json", "mistral", "generic")
+# Keys of a schema whose value maps names to subschemas.
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # The spacing of every call, as json.dumps writes it: no room for endless whitespace.
 CALL_JSON = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
@@ -110,7 +112,14 @@ def _closed(schema: Any) -> Any:
         return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in ("enum", "const", "default", "examples") else _closed(v)) for k, v in schema.items()}
+    out = {}
+    for key, value in schema.items():
+        if key in SCHEMA_VALUE_KEYS:
+            out[key] = value
+        elif key in SCHEMA_MAPS and isinstance(value, dict):  # names to subschemas (a property may be "type")
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
+        else:
+            out[key] = _closed(value)
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
         out["additionalProperties"] = False
     return out

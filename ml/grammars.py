@@ -52,7 +52,7 @@ _JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 # rule lets a model write digits until its token budget is spent, and the JSON never closes.
 MAX_INTEGER_DIGITS = 16
 _INTEGER_BOUND = 10**MAX_INTEGER_DIGITS - 1
-_VALUES = ("enum", "const", "default", "examples")  # keys whose values are data, not subschemas
+SCHEMA_VALUE_KEYS = ("enum", "const", "default", "examples")  # keys whose values are data, not subschemas
 _POSITION = re.compile(r"^at (\d+)\((\d+)\): ")
 
 
@@ -157,7 +157,7 @@ def bounded_schema(schema: Any) -> Any:
         return [bounded_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _VALUES else bounded_schema(v)) for k, v in schema.items()}
+    out = {k: (v if k in SCHEMA_VALUE_KEYS else bounded_schema(v)) for k, v in schema.items()}
     kind = schema.get("type")
     if kind == "integer" or isinstance(kind, list) and "integer" in kind:
         if "minimum" not in schema and "exclusiveMinimum" not in schema:
@@ -221,5 +221,5 @@ def one_line(message: str, kind: str) -> str:
 
 
 __all__ = ["ANY_JSON_OBJECT", "CONSTRAINT_KINDS", "Constraint", "FORMATS", "JSON_WHITESPACE", "MAX_INTEGER_DIGITS",
-           "bounded_schema", "check_size",
+           "SCHEMA_VALUE_KEYS", "bounded_schema", "check_size",
            "format_constraint", "one_line"]
