@@ -358,9 +358,9 @@ class StepBackends:
         """In the step thread (in inference mode: the operator's check reads it)."""
         packed = PackedForward(model, cache, settings, device=device, sample_ids=sample_ids)
         compiled = None if lone_step is None or settings.static_shapes else CompiledLone(lone_step, packed)
-        if device.type != "cpu" or settings.static_shapes or not cpu_decode.takes_rows(model, cache):
+        decoder = None if device.type != "cpu" or settings.static_shapes else cpu_decode.operator_for(model, cache)
+        if decoder is None:
             return cls(packed, None, None, None, compiled, False, settings.step_tokens)
-        decoder = cpu_decode.RowsDecoder(model, cache)
         as_rows = prompts_as_rows(settings, decoder)
         step_tokens = settings.step_tokens
         if as_rows:

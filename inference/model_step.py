@@ -113,10 +113,9 @@ class ModelStep:
         model.fuse_projections()
         # One token of the one row through our one-call CPU step, with no model call around it.
         self.one_call: cpu_decode.Decoder | None = None
-        with torch.inference_mode():
-            if rows == 1 and cpu_decode.takes(model, torch.zeros(1, 1, dtype=torch.long, device=self.device),
-                                              self.cache):
-                self.one_call = cpu_decode.decoder(model, self.cache)
+        if rows == 1:
+            with torch.inference_mode():
+                self.one_call = cpu_decode.operator_for(model, self.cache)
         if options.static:
             self.static = StaticStep(model, self.cache, self.device, static_options, sample_ids=self.sample_ids)
 

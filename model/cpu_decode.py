@@ -369,6 +369,17 @@ def decoder(model: nn.Module, cache: KVCache) -> Decoder:
     return made
 
 
+def operator_for(model: nn.Module, cache: KVCache | PagedKVCache) -> Decoder | RowsDecoder | None:
+    """The one place the CPU operator is chosen: its decoder of ``model`` over ``cache`` (over a
+    dense cache's row 0, one token a call; over a paged cache, rows of tokens through their block
+    tables), or None where it does not take them (no kernels built, not the CPU, weights or a
+    cache type it cannot read). The model's own forward never calls it. In inference mode."""
+    if isinstance(cache, PagedKVCache):
+        return RowsDecoder(model, cache) if takes_rows(model, cache) else None
+    one = torch.zeros(1, 1, dtype=torch.long, device=cache.keys[0].device)
+    return decoder(model, cache) if takes(model, one, cache) else None
+
+
 def takes_rows(model: nn.Module, cache) -> bool:
     """Whether ``forward_rows`` can run one-token rows of ``model`` over the paged ``cache``."""
     return (isinstance(cache, PagedKVCache) and cache.device.type == "cpu" and cpu_kernels.loaded()

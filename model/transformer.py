@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_chat.ml import half, ops, packed, quantize
-from llama_chat.model import cpu_decode, interrupt
+from llama_chat.model import interrupt
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.formats.common import release_pages
 from llama_chat.model.kv_cache import KVCache
@@ -297,8 +297,6 @@ class Transformer(nn.Module):
         """
         batch, seq = tokens.shape
         device = tokens.device
-        if positions is not None and not static and cpu_decode.takes(self, tokens, cache):
-            return cpu_decode.forward(self, tokens, positions, cache)  # one token, one call
         if positions is None:
             positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
         if getattr(cache, "paged", False):

@@ -132,9 +132,22 @@ def separate_greedy_choices(hf, seed: int, scale) -> None:
     hf.generation_config.pad_token_id = 0
 
 
+def decode_one(model, token: int, position: int, cache) -> torch.Tensor:
+    """``(1, 1, vocab)`` logits of one token at ``position`` over a dense ``cache``: through the CPU
+    operator where it takes the model and the cache (``cpu_decode.takes``, as a generation step
+    chooses it), else through the model's layers. Patching ``takes`` to False compares the two."""
+    from llama_chat.model import cpu_decode
+
+    tokens, positions = torch.tensor([[token]]), torch.tensor([[position]])
+    if cpu_decode.takes(model, tokens, cache):
+        return cpu_decode.forward(model, tokens, positions, cache)
+    return model(tokens, positions, cache)
+
+
 def cached_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
-    """``n`` greedy ids after ``prompt`` (``(1, seq)``): prefilled once, then one token per forward
-    through the layers' KV cache, as the parity tests decode."""
+    """``n`` greedy ids after ``prompt`` (``(1, seq)``): prefilled once, then one token per step
+    over a dense KV cache (``decode_one``: the operator where it takes the model), as the parity
+    tests decode."""
     from llama_chat.model.kv_cache import KVCache
 
     cache = KVCache.for_model(model.args, 1, max_seq_len=prompt.shape[1] + n)
@@ -145,6 +158,6 @@ def cached_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
         for _ in range(n):
             token = int(logits[0, -1].argmax())
             out.append(token)
-            logits = model(torch.tensor([[token]]), torch.tensor([[pos]]), cache)
+            logits = decode_one(model, token, pos, cache)
             pos += 1
     return out

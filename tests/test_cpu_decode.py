@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import random_model, tiny_args
+from builders import decode_one, random_model, tiny_args
 from llama_chat.inference.model_step import ModelStep, StepOptions
 from llama_chat.ml import quantize
 from llama_chat.ml.cpu import kernels as cpu_kernels
@@ -54,8 +54,7 @@ def _steps(model, cache_dtype, prompt, tokens, monkeypatch, one_call: bool):
             if not one_call:
                 _layer_by_layer(patch)
             for i, token in enumerate(tokens):
-                position = torch.tensor([[len(prompt) + i]])
-                out.append(model(torch.tensor([[token]]), position, cache).float())
+                out.append(decode_one(model, token, len(prompt) + i, cache).float())
     return torch.cat(out), cache
 
 
@@ -96,14 +95,9 @@ def test_any_shape_matches_the_layers(dim_heads, hidden, layers, prompt, seed):
     with torch.inference_mode():
         for cache in caches:
             model(ids[:, :prompt], torch.arange(prompt).unsqueeze(0), cache)
-        last, position = ids[:, prompt:], torch.tensor([[prompt]])
-        got = model(last, position, caches[0])
-        original = cpu_decode.takes
-        cpu_decode.takes = lambda *args: False
-        try:
-            want = model(last, position, caches[1])
-        finally:
-            cpu_decode.takes = original
+        assert cpu_decode.takes(model, ids[:, prompt:], caches[0])
+        got = decode_one(model, int(ids[0, prompt]), prompt, caches[0])
+        want = model(ids[:, prompt:], torch.tensor([[prompt]]), caches[1])  # the layers
     assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
 
 
@@ -174,12 +168,12 @@ def test_the_step_follows_a_cast_of_the_model():
     model = _model("float32")
     with torch.inference_mode():
         cache = KVCache.for_model(model.args, 1)
-        model(torch.tensor([[1]]), torch.tensor([[0]]), cache)
+        decode_one(model, 1, 0, cache)
         model.to(torch.bfloat16)
         cache = KVCache.for_model(model.args, 1, dtype=torch.bfloat16)
         assert cpu_decode.takes(model, torch.tensor([[1]]), cache)
         assert model._cpu_decode.weights[0].dtype == torch.bfloat16
-        assert model(torch.tensor([[1]]), torch.tensor([[0]]), cache).dtype == torch.float32
+        assert decode_one(model, 1, 0, cache).dtype == torch.float32
 
 
 def _large(**overrides) -> torch.nn.Module:
@@ -283,7 +277,7 @@ def test_a_step_of_rows_picks_each_rows_argmax(rows):
 def test_a_position_past_the_cache_is_an_error():
     model = _model("float32", max_seq_len=8)
     with torch.inference_mode(), pytest.raises(IndexError, match="past the cache length 8"):
-        model(torch.tensor([[1]]), torch.tensor([[8]]), KVCache.for_model(model.args, 1))
+        decode_one(model, 1, 8, KVCache.for_model(model.args, 1))
 
 
 def test_the_engine_decodes_without_compiling_where_the_operator_reads_the_model():

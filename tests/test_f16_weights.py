@@ -34,7 +34,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from builders import OPERATOR_VARIANT_LOAD, train_sentencepiece  # noqa: E402
+from builders import OPERATOR_VARIANT_LOAD, decode_one, train_sentencepiece  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, hf_config, hf_llama, write_gguf  # noqa: E402
 from cli_support import cli_env, llama_chat_command, run_cli  # noqa: E402
 from llama_chat.ml import half, ops  # noqa: E402
@@ -347,7 +347,7 @@ def _greedy(model, prompt: torch.Tensor, n: int) -> tuple[list[int], torch.Tenso
         for _ in range(n):
             steps.append(logits.float())
             ids.append(int(logits.argmax()))
-            logits = model(torch.tensor([[ids[-1]]]), torch.tensor([[pos]]), cache)[0, -1]
+            logits = decode_one(model, ids[-1], pos, cache)[0, -1]
             pos += 1
     return ids, torch.stack(steps)
 

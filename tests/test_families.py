@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from builders import cached_greedy  # noqa: E402
+from builders import cached_greedy, decode_one  # noqa: E402
 from builders_families import FAMILY_NAMES, WINDOW, hf_family_model, round_trip, write_family_gguf  # noqa: E402
 from builders_gguf import T  # noqa: E402
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions  # noqa: E402
@@ -125,7 +125,7 @@ def test_the_operators_logits_are_the_layers_past_gemmas_windows(tmp_path, sp_mo
     table = list(range(PROMPT_LEN // page, 0, -1))
     with torch.inference_mode():
         assert cpu_decode.takes(model, torch.tensor([[1]]), dense[0]) and cpu_decode.takes_rows(model, paged)
-        got = [model(torch.tensor([[t]]), torch.tensor([[p]]), dense[0])[0] for p, t in enumerate(ids)]
+        got = [decode_one(model, t, p, dense[0])[0] for p, t in enumerate(ids)]
         rows = cpu_decode.RowsDecoder(model, paged)
         chunked = [rows(ids[p:p + chunk], list(range(p, min(p + chunk, PROMPT_LEN))), [table] * len(ids[p:p + chunk]))
                    for p in range(0, PROMPT_LEN, chunk)]
@@ -187,7 +187,7 @@ def test_q8_0_file_on_packed_blocks_gives_the_tokens_of_its_own_weights(tmp_path
             if float(top[0] - top[1]) >= NEAR_TIE:
                 compared += 1
                 assert int(logits.argmax()) == token, step
-            logits = loaded.model(torch.tensor([[token]]), torch.tensor([[PROMPT_LEN + step]]), cache)[0, -1]
+            logits = decode_one(loaded.model, token, PROMPT_LEN + step, cache)[0, -1]
     assert compared >= 8
 
 

@@ -20,7 +20,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint  # noqa: E402
+from builders import decode_one, random_model, tiny_args, train_sentencepiece, write_meta_checkpoint  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, hf_config, hf_llama, write_gguf  # noqa: E402
 from cli_support import run_cli  # noqa: E402
 from llama_chat.ml.packed import PackedEmbedding, PackedLinear, pack  # noqa: E402
@@ -112,7 +112,7 @@ def _steps(model, prompt: torch.Tensor, n: int, ids: list[int]):
         logits = model(prompt, torch.arange(pos).unsqueeze(0), cache, last_only=True)
         for step in range(n):
             yield logits[0, -1]
-            logits = model(torch.tensor([[ids[step]]]), torch.tensor([[pos]]), cache)
+            logits = decode_one(model, ids[step], pos, cache)
             pos += 1
 
 

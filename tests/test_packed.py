@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from builders import OPERATOR_VARIANT_LOAD
+from builders import OPERATOR_VARIANT_LOAD, decode_one
 from llama_chat.ml import packed
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
@@ -274,7 +274,7 @@ def _greedy(model, prompt: list[int], count: int) -> tuple[list[int], torch.Tens
         for position in range(len(prompt), len(prompt) + count):
             steps.append(logits.float())
             ids.append(int(logits.argmax()))
-            logits = model(torch.tensor([[ids[-1]]]), torch.tensor([[position]]), cache)[0, -1]
+            logits = decode_one(model, ids[-1], position, cache)[0, -1]
     return ids, torch.stack(steps)
 
 

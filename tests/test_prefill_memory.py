@@ -18,7 +18,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from builders import random_model, tiny_args, train_sentencepiece  # noqa: E402
+from builders import decode_one, random_model, tiny_args, train_sentencepiece  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, write_gguf  # noqa: E402
 from llama_chat.inference.model_step import ModelStep  # noqa: E402
 from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
@@ -150,7 +150,7 @@ def _greedy(model: Transformer, prompt: torch.Tensor, n: int) -> list[int]:
         logits = model(prompt, torch.arange(pos).unsqueeze(0), cache, last_only=True)
         for _ in range(n):
             ids.append(int(logits[0, -1].argmax()))
-            logits = model(torch.tensor([[ids[-1]]]), torch.tensor([[pos]]), cache)
+            logits = decode_one(model, ids[-1], pos, cache)
             pos += 1
     return ids
 
