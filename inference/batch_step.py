@@ -234,7 +234,7 @@ class OperatorRows:
 
     wants_consecutive = False
 
-    def __init__(self, decoder: cpu_decode.RowsDecoder, cache: PagedKVCache, settings: CoreSettings,
+    def __init__(self, decoder: cpu_decode.PagedDecoder, cache: PagedKVCache, settings: CoreSettings,
                  sample_ids: int | None) -> None:
         self.decoder = decoder
         self.cache = cache
@@ -295,7 +295,7 @@ class LoneGreedy:
 
     wants_consecutive = False
 
-    def __init__(self, decoder: cpu_decode.RowsDecoder, cache: PagedKVCache, settings: CoreSettings,
+    def __init__(self, decoder: cpu_decode.PagedDecoder, cache: PagedKVCache, settings: CoreSettings,
                  sample_ids: int | None) -> None:
         self.pick = decoder.pick
         self.cache = cache
@@ -333,7 +333,7 @@ class CompiledLone:
         return self.packed.run(plan)
 
 
-def prompts_as_rows(settings: CoreSettings, decoder: cpu_decode.RowsDecoder) -> bool:
+def prompts_as_rows(settings: CoreSettings, decoder: cpu_decode.PagedDecoder) -> bool:
     """Whether prompt chunks go to the operator as rows, beside the decodes: where a batch's
     steps read panels (a chat's scheduler of one job keeps the model's forward, and builds no
     panels for it); docs/batching.md, "Inside one step"."""

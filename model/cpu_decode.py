@@ -24,7 +24,7 @@ The tensors the operator reads are gathered once per model and kept: the norms a
 everything else as the model's own tensors, whose weights are first moved into one block of
 2 MiB pages (``gather``); float32 weights are also packed as panels for steps of several rows
 (``DecodeWeights.packed_weights``). The decoders that call the operator with them
-(``Decoder``, ``RowsDecoder``) are ``ml/cpu/decode.py``'s.
+(``Decoder``, and ``RowsDecoder`` under ``PagedDecoder``) are ``ml/cpu/decode.py``'s.
 """
 
 from __future__ import annotations
@@ -369,13 +369,13 @@ def decoder(model: nn.Module, cache: KVCache) -> Decoder:
     return made
 
 
-def operator_for(model: nn.Module, cache: KVCache | PagedKVCache) -> Decoder | RowsDecoder | None:
+def operator_for(model: nn.Module, cache: KVCache | PagedKVCache) -> Decoder | PagedDecoder | None:
     """The one place the CPU operator is chosen: its decoder of ``model`` over ``cache`` (over a
     dense cache's row 0, one token a call; over a paged cache, rows of tokens through their block
     tables), or None where it does not take them (no kernels built, not the CPU, weights or a
     cache type it cannot read). The model's own forward never calls it. In inference mode."""
     if isinstance(cache, PagedKVCache):
-        return RowsDecoder(model, cache) if takes_rows(model, cache) else None
+        return PagedDecoder(model, cache) if takes_rows(model, cache) else None
     one = torch.zeros(1, 1, dtype=torch.long, device=cache.keys[0].device)
     return decoder(model, cache) if takes(model, one, cache) else None
 
@@ -387,7 +387,7 @@ def takes_rows(model: nn.Module, cache) -> bool:
             and _weights_of(model) is not None)
 
 
-class RowsDecoder(decode.RowsDecoder):
+class PagedDecoder(decode.RowsDecoder):
     """``decode.RowsDecoder`` of ``model`` over the paged ``cache``: a row alone reads what a single
     stream reads (``DecodeWeights.packs_for``); steps of several rows read panels, with which a
     tile of rows takes a batch's classifier faster than weight rows one at a time
@@ -407,5 +407,5 @@ class RowsDecoder(decode.RowsDecoder):
 
 def forward_rows(model: nn.Module, tokens: list[int], positions: list[int], tables: list[list[int]],
                  cache: PagedKVCache) -> torch.Tensor:
-    """``RowsDecoder(model, cache)(tokens, positions, tables)``, for one step."""
-    return RowsDecoder(model, cache)(tokens, positions, tables)
+    """``PagedDecoder(model, cache)(tokens, positions, tables)``, for one step."""
+    return PagedDecoder(model, cache)(tokens, positions, tables)

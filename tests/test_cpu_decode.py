@@ -267,7 +267,7 @@ def test_a_step_of_rows_picks_each_rows_argmax(rows):
     tokens = torch.randint(0, 4096, (rows,), generator=g).tolist()
     cache = PagedKVCache.for_model(model.args, num_pages=rows + 1, page_size=4)
     with torch.inference_mode():
-        decoder = cpu_decode.RowsDecoder(model, cache)
+        decoder = cpu_decode.PagedDecoder(model, cache)
         logits, picks = decoder.with_picks(tokens, [2] * rows, [[r] for r in range(rows)], below=3000)
         assert torch.equal(picks, logits[:, :3000].argmax(dim=-1))
         logits, picks = decoder.with_picks(tokens, [2] * rows, [[r] for r in range(rows)])
@@ -337,7 +337,7 @@ def test_rows_of_prompt_chunks_write_the_keys_of_one_row_at_a_time_and_give_thei
         tokens = prompts[0] + prompts[1] + prompts[2][-1:]
         positions = list(range(11)) + list(range(7)) + [4]
         rows_tables = [tables[0]] * 11 + [tables[1]] * 7 + [tables[2]]
-        decoder = cpu_decode.RowsDecoder(model, caches[0])
+        decoder = cpu_decode.PagedDecoder(model, caches[0])
         got, picks = decoder.with_picks(tokens, positions, rows_tables, sampled=[10, 17, 18])
         want = []
         for prompt, table in zip(prompts[:2], tables[:2]):
@@ -393,7 +393,7 @@ def _rows_logits(model, tokens: list[int], packed: bool) -> torch.Tensor:
     cache = PagedKVCache.for_model(model.args, num_pages=len(tokens) + 1, page_size=4)
     with torch.inference_mode():
         if packed:
-            decoder = cpu_decode.RowsDecoder(model, cache)
+            decoder = cpu_decode.PagedDecoder(model, cache)
         else:
             rows = cpu_decode._weights_of(model).step_weights(model)
             decoder = RowsDecoder(rows, lambda: rows, cache.keys, cache.values, cache.page_size)
@@ -454,13 +454,13 @@ def test_a_kept_decoder_fills_its_inputs_right_as_rows_and_tables_change():
     caches = [PagedKVCache.for_model(model.args, num_pages=32, page_size=4) for _ in range(2)]
     g = torch.Generator().manual_seed(9)
     with torch.inference_mode():
-        kept = cpu_decode.RowsDecoder(model, caches[0])
+        kept = cpu_decode.PagedDecoder(model, caches[0])
         for rows, width in shapes:
             tokens = torch.randint(0, 97, (rows,), generator=g).tolist()
             positions = torch.randint(0, 4 * width, (rows,), generator=g).tolist()
             tables = [torch.randperm(32, generator=g)[:width].tolist() for _ in range(rows)]
             logits, picks = kept.with_picks(tokens, positions, tables)
-            fresh, fresh_picks = cpu_decode.RowsDecoder(model, caches[1]).with_picks(tokens, positions, tables)
+            fresh, fresh_picks = cpu_decode.PagedDecoder(model, caches[1]).with_picks(tokens, positions, tables)
             assert torch.equal(logits, fresh) and torch.equal(picks, fresh_picks)
         for wrong in ([1, -2], [97, 1], [-1]):
             with pytest.raises(IndexError, match="outside the vocabulary"):
@@ -478,16 +478,16 @@ def test_a_single_stream_takes_the_panels_only_while_the_copy_is_small(monkeypat
         return cpu_decode.decoder(model, dense).weights
 
     with torch.inference_mode():
-        assert cpu_decode.RowsDecoder(model, paged).weights_for(rows=3).packed
-        assert cpu_decode.RowsDecoder(model, paged).weights_for(rows=1).packed
+        assert cpu_decode.PagedDecoder(model, paged).weights_for(rows=3).packed
+        assert cpu_decode.PagedDecoder(model, paged).weights_for(rows=1).packed
         assert single_stream().packed
         monkeypatch.setattr(cpu_decode, "PANELS_ALONE_AT_MOST", found.panel_bytes() - 1)
-        assert cpu_decode.RowsDecoder(model, paged).weights_for(rows=3).packed
-        assert not cpu_decode.RowsDecoder(model, paged).weights_for(rows=1).packed
+        assert cpu_decode.PagedDecoder(model, paged).weights_for(rows=3).packed
+        assert not cpu_decode.PagedDecoder(model, paged).weights_for(rows=1).packed
         assert not single_stream().packed
         # bfloat16 weights: float32 panels for several rows, their own rows for one
         model.to(torch.bfloat16)
-        halves = cpu_decode.RowsDecoder(model, paged)
+        halves = cpu_decode.PagedDecoder(model, paged)
         several, lone = halves.weights_for(rows=3), halves.weights_for(rows=1)
         assert several.packed and several.weights[0].dtype == torch.float32
         assert not lone.packed and lone.weights[0].dtype == torch.bfloat16
@@ -501,7 +501,7 @@ def test_steps_of_one_row_make_no_packed_copy_the_single_stream_does_not_take(mo
     found = cpu_decode._weights_of(model)
     cache = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
     with torch.inference_mode():
-        decoder = cpu_decode.RowsDecoder(model, cache)
+        decoder = cpu_decode.PagedDecoder(model, cache)
         decoder([5], [0], [[0]])
         assert found.packed is None
         decoder([5, 6], [1, 0], [[0], [1]])

@@ -108,7 +108,7 @@ def test_the_cpu_operator_takes_every_familys_layers_and_gives_transformers_toke
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_the_operators_logits_are_the_layers_past_gemmas_windows(tmp_path, sp_model_path, vocab, family, monkeypatch):
     """Every token of a prompt longer than the window, one step each through the dense cache's
-    ``Decoder`` and in chunks of rows through the paged ``RowsDecoder`` (pages out of order, the
+    ``Decoder`` and in chunks of rows through the paged ``PagedDecoder`` (pages out of order, the
     windows starting inside them), against the layers: the same logits. Gemma 2's caps are set
     low enough to bite."""
     if not cpu_kernels.load():
@@ -126,7 +126,7 @@ def test_the_operators_logits_are_the_layers_past_gemmas_windows(tmp_path, sp_mo
     with torch.inference_mode():
         assert cpu_decode.takes(model, torch.tensor([[1]]), dense[0]) and cpu_decode.takes_rows(model, paged)
         got = [decode_one(model, t, p, dense[0])[0] for p, t in enumerate(ids)]
-        rows = cpu_decode.RowsDecoder(model, paged)
+        rows = cpu_decode.PagedDecoder(model, paged)
         chunked = [rows(ids[p:p + chunk], list(range(p, min(p + chunk, PROMPT_LEN))), [table] * len(ids[p:p + chunk]))
                    for p in range(0, PROMPT_LEN, chunk)]
         monkeypatch.setattr(cpu_decode, "takes", lambda *args: False)

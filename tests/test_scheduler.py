@@ -486,13 +486,13 @@ def test_prompt_chunks_go_to_the_one_call_step_as_rows_with_the_forwards_tokens(
     requests = [Request(random_prompt(g, n, vocab), sampling=GREEDY, max_tokens=12, request_id=f"p{n}")
                 for n in (3, 30, 75, 140)]
     steps = []
-    with_picks = cpu_decode.RowsDecoder.with_picks
+    with_picks = cpu_decode.PagedDecoder.with_picks
 
     def spy(self, tokens, positions, tables, below=None, sampled=None):
         steps.append((len(tokens), len(sampled) if sampled is not None else len(tokens)))
         return with_picks(self, tokens, positions, tables, below, sampled)
 
-    monkeypatch.setattr(cpu_decode.RowsDecoder, "with_picks", spy)
+    monkeypatch.setattr(cpu_decode.PagedDecoder, "with_picks", spy)
     as_rows, stats = batched(model, tokenizer, requests, max_batch=4, page_size=16)
     if not steps:
         pytest.skip("the one-call CPU step is not loaded here")
