@@ -2,14 +2,13 @@
 
 Both runs use the same model in the same process and generate the same greedy tokens:
 
-* bare: the engine's own decode step (``ModelStep.decode``) called in a plain loop on the main
-  thread, the fast path the pipeline then runs on: where our CPU operator reads the model, its
-  one-call step with the greedy pick made inside it; under ``--compile``, the compiled static step.
-  (Until the pick moved into the step the bare loop was ``model(...)``, ``argmax``, ``int()``; that
-  loop is now slower than the pipeline, so it no longer tells what the pipeline costs);
-* pipeline: what ``llama-chat`` runs, ``run_one_shot``: the producer task feeding the step thread
-  one call per forward, the bounded channel, the signal watcher, the StreamDecoder, and the plain
-  renderer writing every token to a pipe read by a ``cat`` child process.
+* bare: a decode step over a dense cache (``ModelStep.decode``) called in a plain loop on the
+  main thread: where our CPU operator reads the model, its one-call step with the greedy pick made
+  inside it; under ``--compile``, the compiled static step;
+* pipeline: what ``llama-chat -p`` runs, ``run_one_shot`` over a one-job batch of the scheduler
+  (its pages, its step thread fed a few steps ahead, the job's bounded channel), the signal
+  watcher, the StreamDecoder, and the plain renderer writing every token to a pipe read by a
+  ``cat`` child process. The difference is what the one generation core costs around a step.
 
 Rounds alternate bare and pipeline so that drift in machine load hits both alike; the medians and
 the median of the per-round ratios are printed. The default model has the shape of llama2.c's
@@ -40,7 +39,8 @@ import torch
 
 from llama_chat.cmd.one_shot import run_one_shot
 from llama_chat.cmd.render import PlainRenderer
-from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.model_step import ModelStep, StepOptions
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.args import ModelArgs
@@ -85,22 +85,22 @@ def build_model(args: ModelArgs, seed: int = 0) -> Transformer:
     return model.eval()
 
 
-def bare_step_loop(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
-    """The engine's own decode step (the compiled one under --compile) called in a plain loop."""
+def bare_step_loop(step: ModelStep, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """A dense cache's decode step (the compiled one under --compile) called in a plain loop."""
     start = time.perf_counter()
     with torch.inference_mode():
-        decode = engine.step.decode(prompt, 0, SamplingParams(temperature=0.0), 0)
+        decode = step.decode(prompt, 0, SamplingParams(temperature=0.0), 0)
         out = [decode.next_token() for _ in range(n)]
     return time.perf_counter() - start, out
 
 
-def pipeline(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
+def pipeline(source: Scheduler, prompt: list[int], n: int) -> tuple[float, list[int]]:
     sink = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     stream = io.TextIOWrapper(sink.stdin, encoding="utf-8", errors="replace", write_through=False)
     request = Request(tuple(prompt), sampling=SamplingParams(temperature=0.0), max_tokens=n)
     try:
         start = time.perf_counter()
-        outcome = anyio.run(run_one_shot, engine, request, PlainRenderer(stream))
+        outcome = anyio.run(run_one_shot, source, request, PlainRenderer(stream))
         elapsed = time.perf_counter() - start
     finally:
         stream.close()
@@ -129,10 +129,15 @@ def main() -> None:
     args = ModelArgs(dim=opts.dim, n_layers=opts.layers, n_heads=opts.heads, vocab_size=opts.vocab,
                      hidden_dim=opts.hidden, max_seq_len=opts.context)
     model = build_model(args)
-    engine = Engine(model, SyntheticTokenizer(opts.vocab), options=EngineOptions(compile=opts.compile))
+    # As the command makes them (cmd/generation_source.py), the pages in float32 as the dense
+    # cache is, so that both make the same tokens.
+    source = Scheduler(model, SyntheticTokenizer(opts.vocab), SchedulerOptions(
+        max_batch=1, page_size=8, cache_tokens=opts.context, compile=opts.compile, cache_type="f32"))
+    source.warm_up(SamplingParams(temperature=0.0))
+    step = ModelStep(model, options=StepOptions(static=opts.compile, compile=opts.compile, row_products=opts.compile))
     if opts.compile:
-        engine.warm_up(SamplingParams(temperature=0.0))
-    bare = partial(bare_step_loop, engine)
+        step.prepare_static(SamplingParams(temperature=0.0))
+    bare = partial(bare_step_loop, step)
     prompt = [1] + [259 + (i * 7919) % (opts.vocab - 259) for i in range(opts.prompt_tokens - 1)]
     n = opts.tokens
     assert len(prompt) + n <= opts.context, "prompt plus tokens must fit the context"
@@ -142,18 +147,18 @@ def main() -> None:
           f"{n} generated; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
     # Warm up both paths (allocator, thread pool, first-call dispatch), and check they agree.
     _, bare_ids = bare(prompt, n)
-    _, pipe_ids = pipeline(engine, prompt, n)
+    _, pipe_ids = pipeline(source, prompt, n)
     assert bare_ids == pipe_ids, "the pipeline and the bare loop generated different tokens"
 
     bare_rates, pipe_rates, ratios = [], [], []
     for r in range(opts.rounds):
         # Alternate which goes first, so a trend in machine load does not favour either.
         if r % 2:
-            pipe_s, _ = pipeline(engine, prompt, n)
+            pipe_s, _ = pipeline(source, prompt, n)
             bare_s, _ = bare(prompt, n)
         else:
             bare_s, _ = bare(prompt, n)
-            pipe_s, _ = pipeline(engine, prompt, n)
+            pipe_s, _ = pipeline(source, prompt, n)
         bare_rates.append(n / bare_s)
         pipe_rates.append(n / pipe_s)
         ratios.append(bare_s / pipe_s)
@@ -163,7 +168,7 @@ def main() -> None:
           f"tok/s, pipeline/bare {statistics.median(ratios):.3f}")
     print(f"best:   bare {max(bare_rates):.1f} tok/s, pipeline {max(pipe_rates):.1f} tok/s, "
           f"pipeline/bare {max(pipe_rates) / max(bare_rates):.3f}")
-    forward_ms, gap_ms = step_gaps(engine, prompt, n)
+    forward_ms, gap_ms = step_gaps(source, prompt, n)
     print(f"pipeline per token: forward + sample in the worker {forward_ms:.3f} ms, between two forwards "
           f"{gap_ms:.3f} ms (thread hand-offs, event, channel; medians)")
     idle_ms = anyio.run(handoff_ms, forward_ms / 1e3)
@@ -187,29 +192,24 @@ async def handoff_ms(sleep_s: float, calls: int = 200) -> float:
     return statistics.median(marks[i + 1][0] - marks[i][1] for i in range(len(marks) - 1)) * 1e3
 
 
-def step_gaps(engine: Engine, prompt: list[int], n: int) -> tuple[float, float]:
-    """Median time inside each worker call and between consecutive calls, in one pipeline run."""
+def step_gaps(source: Scheduler, prompt: list[int], n: int) -> tuple[float, float]:
+    """Median time inside each step of the scheduler's thread and between consecutive steps, in
+    one pipeline run."""
     marks: list[tuple[float, float]] = []
-    make_decode = engine.step.decode
+    core = source.core
+    step = core.step
 
-    def timed_decode(*args, **kwargs):
-        decode = make_decode(*args, **kwargs)
-        next_token = decode.next_token
+    def timed():
+        begin = time.perf_counter()
+        result = step()
+        marks.append((begin, time.perf_counter()))
+        return result
 
-        def timed():
-            begin = time.perf_counter()
-            token = next_token()
-            marks.append((begin, time.perf_counter()))
-            return token
-
-        decode.next_token = timed
-        return decode
-
-    engine.step.decode = timed_decode
+    core.step = timed
     try:
-        pipeline(engine, prompt, n)
+        pipeline(source, prompt, n)
     finally:
-        del engine.step.decode
+        del core.step
     inside = [end - begin for begin, end in marks[1:]]
     between = [marks[i + 1][0] - marks[i][1] for i in range(1, len(marks) - 1)]
     return statistics.median(inside) * 1e3, statistics.median(between) * 1e3
