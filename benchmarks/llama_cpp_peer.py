@@ -25,16 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SDIST_PACKAGE = "llama-cpp-python"
-BUILD_TARGETS = ("llama-bench", "llama-quantize", "llama-perplexity")
+BUILD_TARGETS = ("llama-bench", "llama-quantize", "llama-perplexity", "llama-server")
 # CPU only, tuned for this CPU, static, and none of the parts that need the network, a GPU
-# toolkit or a web UI: the two tools are all the benchmark runs.
+# toolkit or a web UI: the tools are all the benchmarks run (llama-server for the memory of a
+# server under load: bench_kv_memory.py).
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
@@ -138,7 +139,7 @@ def ensure_llama_cpp(cache: Path, *, jobs: int = 2, log=print) -> LlamaCpp:
     bench, quantize = build / "bin" / "llama-bench", build / "bin" / "llama-quantize"
     stamp = build / BUILD_STAMP
     built_now = False
-    if not (bench.is_file() and quantize.is_file() and stamp.is_file()):
+    if not (all((build / "bin" / target).is_file() for target in BUILD_TARGETS) and stamp.is_file()):
         if shutil.which("cmake") is None:
             raise PeerError("cmake is not installed (apt-get install cmake g++)")
         log(f"building llama.cpp {_version_of(sdist)} ({', '.join(BUILD_TARGETS)}) in {build}; "
