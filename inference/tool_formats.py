@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llama_chat.inference.tool_calls import Tool, ToolRequest, arguments_value
+from llama_chat.ml.controls import ControlError
 from llama_chat.ml.grammars import SCHEMA_VALUE_KEYS, Constraint, bounded_schema
 from llama_chat.model.chat_format import CalledTool, Message
 
@@ -100,11 +101,12 @@ def resolve_format(name: str, template: str | None) -> ToolFormat:
     return FORMATS[detect_format(template) if name == "auto" else name]
 
 
-def call_schema(tool: Tool) -> dict[str, Any]:
+def call_schema(tool: Tool, *, bounded: bool = True) -> dict[str, Any]:
     """The schema a call's arguments are held to: the tool's own, where an object with listed
     properties takes no others unless it says so (llama.cpp's reading: a small model would
-    otherwise invent keys without end), numbers bounded in length, and json.dumps' spacing."""
-    return {**_closed(bounded_schema(tool.parameters)), "x-guidance": CALL_JSON}
+    otherwise invent keys without end), integers bounded in length, and json.dumps' spacing."""
+    schema = bounded_schema(tool.parameters) if bounded else tool.parameters
+    return {**_closed(schema), "x-guidance": CALL_JSON}
 
 
 def _closed(schema: Any) -> Any:
@@ -139,13 +141,23 @@ def _seq(*items: str) -> str:
 
 def tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: Mapping[str, int]) -> Constraint:
     """The constraint of a reply under ``request``; ``specials``: the tokenizer's special tokens
-    (the trigger token, where the vocabulary has it). ``ControlError`` where the engine refuses."""
+    (the trigger token, where the vocabulary has it). ``ControlError`` where the engine refuses.
+    Tools whose bounded integers are more than the engine takes at one place keep its own
+    integers, as a schema does (``ml/grammars.py``)."""
+    try:
+        return _tool_grammar(fmt, request, specials, bounded=True)
+    except ControlError:
+        return _tool_grammar(fmt, request, specials, bounded=False)
+
+
+def _tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: Mapping[str, int], *, bounded: bool
+                  ) -> Constraint:
     tools = request.offered()
     parallel = request.parallel and fmt.parallel and request.choice.mode != "function"
     rules = [f"call: {' | '.join(f'call{i}' for i in range(len(tools)))}"]
     for i, tool in enumerate(tools):
         rules.append(f'call{i}: {_q(fmt.head(tool.name))} args{i} "}}"')
-        rules.append(f"args{i}: %json {json.dumps(call_schema(tool))}")
+        rules.append(f"args{i}: %json {json.dumps(call_schema(tool, bounded=bounded))}")
     more = f"({_seq(_q(fmt.sep + fmt.open), 'call', _q(fmt.close))})*" if parallel else ""
     # The engine's masks let every special token through where one is an alternative to text, so
     # the trigger token is written only where the call is the one way on (required, a function).

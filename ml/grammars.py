@@ -186,8 +186,7 @@ def _compile_here(kind: str, source: str) -> str:
     llg = _llguidance()
     try:
         if kind == "json_schema":
-            grammar = llg.LLMatcher.grammar_from_json_schema(_dump(bounded_schema(json.loads(source))),
-                                                             defaults=_JSON_OPTIONS)
+            grammar = _schema_grammar(llg, source)
         elif kind == "json":
             grammar = llg.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)
         elif kind == "regex":
@@ -199,6 +198,16 @@ def _compile_here(kind: str, source: str) -> str:
         raise ControlError(kind, _not_valid(one_line(str(e), kind))) from None
     if failed:
         raise ControlError(kind, _not_valid(one_line(messages[0], kind)))
+    return grammar
+
+
+def _schema_grammar(llg, source: str) -> str:
+    """The engine's grammar of a schema with its integers bounded (``bounded_schema``); where that
+    is more than the engine takes at one place (a thousand integer alternatives in a chain), the
+    schema as it is."""
+    grammar = llg.LLMatcher.grammar_from_json_schema(_dump(bounded_schema(json.loads(source))), defaults=_JSON_OPTIONS)
+    if llg.LLMatcher.validate_grammar_with_warnings(grammar)[0]:
+        return llg.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)
     return grammar
 
 
