@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.remote import RemoteModel, RemoteSource
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+from llama_chat.inference.speculative import Speculation
 
 if TYPE_CHECKING:
     from llama_chat.model.loader import LoadedModel
@@ -37,7 +38,15 @@ def single_stream(loaded: LoadedModel | RemoteModel, opts) -> Source:
         return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile, quantize=quantize))
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=1, page_size=SINGLE_STREAM_PAGE_SIZE, cache_tokens=loaded.model.args.max_seq_len,
+        speculation=speculation(opts),
         quantize=quantize, compile=opts.compile, cache_type=getattr(opts, "cache_type", None)))
+
+
+def speculation(opts) -> Speculation | None:
+    """Prompt-lookup drafts where ``--lookup on`` asks for them."""
+    if getattr(opts, "lookup", "off") != "on":
+        return None
+    return Speculation(draft_max=opts.draft_max)
 
 
 def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_tokens: int | None) -> Scheduler | RemoteSource:
@@ -47,4 +56,5 @@ def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_
         return RemoteSource(loaded, max_batch=max_batch)
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=max_batch, cache_tokens=cache_tokens, quantize=getattr(opts, "quantize", "none"),
+        speculation=speculation(opts),
         compile=bool(opts.compile), cache_type=getattr(opts, "cache_type", None)))

@@ -20,10 +20,11 @@ import typer
 
 from llama_chat.inference.types import Request, new_request_id
 from llama_chat.ml.controls import (CACHE_TYPES, COLOR_MODES, COMPILE_MIN_PARAMETERS, DEFAULT_CACHE_BYTES_CAP,
-                                    DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CONTEXT, DEFAULT_MAX_BATCH, DEFAULT_TEMPERATURE,
-                                    DTYPES, KEPT_CONSTRAINTS, MAX_CONSTRAINT_BYTES, QUANTIZE_MODES, RULES, BeamParams,
-                                    ControlError, SamplingParams, check, check_early_stopping, check_stop,
-                                    parse_logit_bias, temperature_for)
+                                    DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CONTEXT, DEFAULT_DRAFT_MAX, DEFAULT_MAX_BATCH,
+                                    DEFAULT_TEMPERATURE, DTYPES, KEPT_CONSTRAINTS, LOOKUP_MODES,
+                                    MAX_CONSTRAINT_BYTES, QUANTIZE_MODES, RULES, BeamParams, ControlError,
+                                    SamplingParams, check, check_early_stopping, check_stop, parse_logit_bias,
+                                    temperature_for)
 from llama_chat.ml.grammar_compile import KeptCompiles
 from llama_chat.ml.grammars import Constraint, format_constraint
 from llama_chat.model.chat_format import FORMAT_NAMES
@@ -41,6 +42,7 @@ Template = _choices("Template", FORMAT_NAMES)
 DType = _choices("DType", DTYPES)
 Quantize = _choices("Quantize", QUANTIZE_MODES)
 CacheType = _choices("CacheType", CACHE_TYPES)
+Lookup = _choices("Lookup", LOOKUP_MODES)
 ColorMode = _choices("ColorMode", COLOR_MODES)
 
 _SAMPLING = SamplingParams()
@@ -286,6 +288,13 @@ class Options:
         help="The KV cache's keys and values: f32, f16 or bf16; q8_0 or q4_0 (llama.cpp's blocks of 32 "
              "values, about 0.53 and 0.28 of f16's bytes, read by the CPU kernels; q4_0 keys are "
              "Hadamard-rotated); auto: f16 on cpu, the weights' dtype on cuda and mps.")] = CacheType("auto")
+    lookup: Annotated[Lookup, typer.Option(
+        "--lookup", help="Speculative decoding by prompt lookup: a step also feeds the tokens that followed the "
+                         "reply's last few tokens where they appeared before, and keeps those the model "
+                         "agrees with; the reply is the same, faster where it repeats its input (on the CPU, "
+                         "while few jobs run).")] = Lookup("off")
+    draft_max: Annotated[int, ranged(
+        "draft_max", "--draft-max", help="--lookup: most tokens drafted for one job in one step, {range}.")] = DEFAULT_DRAFT_MAX
     template: Annotated[Template, typer.Option(
         "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template("auto")
     json: Annotated[bool, typer.Option(
@@ -313,7 +322,7 @@ class Options:
 
     def __post_init__(self) -> None:
         # Code below the command line sees plain strings and tuples, not typer's enums and lists.
-        for name in ("dtype", "template", "color", "quantize", "cache_type"):
+        for name in ("dtype", "template", "color", "quantize", "cache_type", "lookup"):
             value = getattr(self, name)
             if isinstance(value, enum.Enum):
                 object.__setattr__(self, name, value.value)

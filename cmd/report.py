@@ -65,9 +65,17 @@ def stats_line(completion: Completion, load_s: float | None = None, weights: Wei
     return Text(
         f"tokens: {completion.prompt_tokens} prompt, {completion.completion_tokens} generated  "
         f"{load}ttft: {_fmt(t.ttft_s, 's', 3)}  prefill: {_fmt(t.prefill_tok_s, 'tok/s')}  "
-        f"decode: {_fmt(t.decode_tok_s, 'tok/s')}" + (f"  {weights_text(weights)}" if weights is not None else ""),
+        f"decode: {_fmt(t.decode_tok_s, 'tok/s')}" + _drafts_text(completion)
+        + (f"  {weights_text(weights)}" if weights is not None else ""),
         style="dim",
     )
+
+
+def _drafts_text(completion: Completion) -> str:
+    if completion.speculation is None:
+        return ""
+    drafted, accepted = completion.speculation
+    return f"  drafts: {accepted} of {drafted} tokens kept"
 
 
 def print_summary(err: Console, completion: Completion, seed: int | None, *, stats: bool,
@@ -88,6 +96,8 @@ def json_object(completion: Completion, *, seed: int | None, model: str) -> dict
         "seed": seed,
         "model": model,
         "timings": completion.timings.as_dict(),
+        **({} if completion.speculation is None else
+           {"speculation": dict(zip(("drafted_tokens", "accepted_tokens"), completion.speculation))}),
     }
 
 

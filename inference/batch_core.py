@@ -30,6 +30,7 @@ from llama_chat.inference.jobs import Job
 from llama_chat.inference.page_table import PageTable, page_keys
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
+from llama_chat.inference.speculative import Lookup, Speculation
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
 from llama_chat.ml.constraints import Constraints
 from llama_chat.ml.processors import TokenHistory, make_controls
@@ -51,6 +52,8 @@ class Counters:
     generated_tokens: int = 0
     steps: int = 0
     mixed_steps: int = 0  # steps with both decodes and prompt chunks
+    drafted_tokens: int = 0  # tokens drafted by prompt lookup and verified (speculative.py)
+    accepted_tokens: int = 0  # of those, the ones kept
     pages_peak: int = 0
     compactions: int = 0  # lone sequences moved onto consecutive pages
 
@@ -86,6 +89,7 @@ class BatchCore:
         self._backends: StepBackends | None = None
         self.sizer: PrefillSizer | None = None  # prompt chunks sized by time, if set (else prefill_chunk)
         self.constraints: Constraints | None = None  # compiles the jobs' structured output (set by the scheduler)
+        self.speculation: Speculation | None = None  # prompt lookup (speculative.py), if the scheduler drafts
 
     @property
     def lone_step(self) -> LoneRowStep | None:
@@ -125,8 +129,8 @@ class BatchCore:
         if backends is None:
             backends = self._backends = StepBackends.make(self.model, self.cache, self.settings, device=self.device,
                                                           sample_ids=self.sample_ids, lone_step=self._lone_step)
-        plan = self._plan(backends.step_tokens)
-        if not plan.rows and not plan.runs:
+        plan = self._plan(backends.step_tokens, backends.verifies_drafts)
+        if not plan.rows and not plan.runs and not plan.drafts:
             return StepResult(released=tuple(released), idle=True)
         backend = backends.choose(plan)
         if backend.wants_consecutive and len(plan.rows) == 1 and not plan.runs and not self.settings.static_shapes:
@@ -191,6 +195,11 @@ class BatchCore:
             for key in job.claims:
                 self.claims[key] = job
             params = job.request.sampling
+            # Prompt lookup where it keeps the reply the same: not under a grammar (its matchers
+            # follow the history one token at a time), nor where each token's logprobs are asked.
+            if (self.speculation is not None and job.request.speculate and job.request.constraint is None
+                    and job.request.logprobs is None):
+                job.lookup = Lookup(self.speculation.draft_max)
             if not params.greedy:
                 job.uniforms = draw_uniforms(self.settings.max_seq_len, job.request.seed)
             if job.request.constraint is not None:
@@ -207,14 +216,19 @@ class BatchCore:
         self.counters.pages_peak = max(self.counters.pages_peak, self.pages.in_use)
         return dropped
 
-    def _plan(self, step_tokens: int) -> StepPlan:
-        """Every job decoding with room in its channel gets a row; then prompts fill what is left
-        of ``step_tokens`` in chunks."""
+    def _plan(self, step_tokens: int, drafts_allowed: bool = False) -> StepPlan:
+        """Every job decoding with room in its channel gets a row, or its last token and a draft
+        where it has one (``_drafts``); then prompts fill what is left of ``step_tokens`` in
+        chunks."""
         s = self.settings
         rows = [job for job in self.active
                 if len(job.tokens) - job.fed == 1 and job.produced - job.received < s.buffer_size]
-        if len(rows) == len(self.active):  # the common step: every job decoding, no prompt to chunk
-            return StepPlan(rows, [], True)
+        drafts = self._drafts(rows) if drafts_allowed and self.speculation is not None else []
+        if drafts:
+            drafting = {id(job) for job, _ in drafts}
+            rows = [job for job in rows if id(job) not in drafting]
+        if len(rows) + len(drafts) == len(self.active):  # every job decoding, no prompt to chunk
+            return StepPlan(rows, [], not drafts, drafts)
         decodes = len(rows)
         runs: list[tuple[Job, int]] = []
         budget = step_tokens - decodes
@@ -231,7 +245,29 @@ class BatchCore:
             else:
                 runs.append((job, n))
             budget -= n
-        return StepPlan(rows, runs, not runs and len(rows) == decodes)
+        return StepPlan(rows, runs, not runs and not drafts and len(rows) == decodes, drafts)
+
+    def _drafts(self, decoding: list[Job]) -> list[tuple[Job, list[int]]]:
+        """Prompt-lookup drafts (``speculative.Lookup``) of the decoding jobs that have one, while
+        few jobs run; a draft never runs past what the job may write. (A job's channel holds
+        ``draft_max + 1`` events beyond ``buffer_size``, the most a draft's step can add to one
+        that had room for a row: ``Scheduler.submit``.)"""
+        assert self.speculation is not None
+        if len(self.active) > self.speculation.most_jobs:
+            return []
+        drafts = []
+        for job in decoding:
+            if job.lookup is None:
+                continue
+            written = self.reserved_len(job.prompt_len, job.request.max_tokens)
+            room = written - job.fed - 1
+            if job.request.max_tokens is not None:
+                room = min(room, job.prompt_len + job.request.max_tokens - len(job.tokens))
+            draft = job.lookup.draft(job.tokens, room)
+            if draft:
+                job.lookup.pending = len(draft)
+                drafts.append((job, draft))
+        return drafts
 
     def _advance(self, plan: StepPlan) -> None:
         """What the plan fed is now in the pages: count it, and give full pages their prefix keys."""
@@ -249,27 +285,39 @@ class BatchCore:
             self._register(job)
 
     def _record(self, sampled) -> tuple[list[tuple[Job, TokenEvent]], list[Job]]:
-        """The events of ``(job, token)`` pairs (jobs None skipped), and the jobs they finished."""
+        """The events of ``(job, token)`` pairs (jobs None skipped; a job that fed a draft has the
+        tuple of the tokens it keeps), and the jobs they finished."""
         s, c = self.settings, self.counters
         events: list[tuple[Job, TokenEvent]] = []
         finished: list[Job] = []
         now = time.perf_counter()
-        for job, token in sampled:
+        for job, drawn in sampled:
             if job is None:
                 continue
-            index = len(job.tokens) - job.prompt_len
-            job.tokens.append(token)
-            state = state_after(token, index=index, request=job.request, stop_ids=job.stop_ids,
-                                max_seq_len=s.max_seq_len, elapsed_s=now - job.admitted,
-                                grammar_done=job.constraint is not None and job.constraint.stopped(0))
-            data = b"" if token in job.stop_ids else self.token_bytes(token)
-            events.append((job, TokenEvent(job.request_id, index, token, data, state, now - job.submitted,
-                                           job.drawn_logprobs)))
-            job.produced += 1
-            c.generated_tokens += 1
-            if state.finished:
-                job.finished = True
-                finished.append(job)
+            kept = drawn if isinstance(drawn, tuple) else (drawn,)
+            for token in kept:
+                index = len(job.tokens) - job.prompt_len
+                job.tokens.append(token)
+                state = state_after(token, index=index, request=job.request, stop_ids=job.stop_ids,
+                                    max_seq_len=s.max_seq_len, elapsed_s=now - job.admitted,
+                                    grammar_done=job.constraint is not None and job.constraint.stopped(0))
+                data = b"" if token in job.stop_ids else self.token_bytes(token)
+                events.append((job, TokenEvent(job.request_id, index, token, data, state, now - job.submitted,
+                                               job.drawn_logprobs)))
+                job.produced += 1
+                c.generated_tokens += 1
+                if isinstance(drawn, tuple):
+                    job.fed += 1  # the token before this one, fed in the draft's row, holds its keys
+                if state.finished:
+                    job.finished = True
+                    finished.append(job)
+                    break
+            if isinstance(drawn, tuple):
+                self._register(job)
+                accepted = len(kept) - 1  # the last token kept is the draw where the draft ended
+                job.lookup.taken(job.lookup.pending, accepted)
+                c.drafted_tokens += job.lookup.pending
+                c.accepted_tokens += accepted
         return events, finished
 
     def _compact(self, job: Job) -> bool:

@@ -22,7 +22,7 @@ Nothing here decides who runs or which pages they hold, nor counts what ran: the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -45,11 +45,14 @@ ONE_CALL_PROMPT_ROWS = 32
 @dataclass(slots=True)
 class StepPlan:
     """What one step feeds: ``rows``, jobs feeding one token (the decodes, then any prompt cut to
-    one token by the step's budget), and ``runs``, prompt chunks of several tokens."""
+    one token by the step's budget), ``runs``, prompt chunks of several tokens, and ``drafts``,
+    jobs feeding their last token and a draft of the next ones (``speculative.py``), every one of
+    those rows drawn from."""
 
     rows: list[Job]
     runs: list[tuple[Job, int]]
     decodes_only: bool  # no runs, and every row feeds its job's last token: each row draws one
+    drafts: list[tuple[Job, list[int]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,9 @@ class CoreSettings:
     max_seq_len: int
 
 
-# The jobs whose rows drew a token (None: a padding row) and the tokens, in the same order.
-Drawn = tuple[Sequence[Job | None], list[int]]
+# The jobs whose rows drew a token (None: a padding row) and the tokens, in the same order; a job
+# that fed a draft has the tuple of the tokens it keeps (``verify``).
+Drawn = tuple[Sequence[Job | None], list[int | tuple[int, ...]]]
 
 
 class Backend(Protocol):
@@ -133,6 +137,37 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
         values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
         pairs = tuple(zip(ids.tolist(), values.tolist()))
     return TokenLogprobs(float(logprobs[token]), pairs)
+
+
+def verify(logits: torch.Tensor, picks: torch.Tensor | None, job: Job, draft: list[int],
+           sample_ids: int | None) -> tuple[int, ...]:
+    """What a job keeps of its ``draft``: ``logits`` are its rows' (its last token's, then each
+    drafted token's), ``picks`` their greedy picks where the step made them. Row ``i`` is drawn
+    from as the job's next token would be without a draft (the one sampler, the uniform of its
+    position, the controls over the history so far); the draft is kept while it agrees, and the
+    token drawn where it first does not (or after its end) is kept too."""
+    start = len(job.tokens) - 1  # the position of the job's last token, row 0
+    params = job.request.sampling
+    plain_greedy = job.controls is None and params.greedy
+    if plain_greedy and picks is None:
+        picks = cpu_kernels.argmax(logits[:, :sample_ids])
+    damaged = ~finite_best(logits[:, :sample_ids])
+    kept: list[int] = []
+    for i in range(len(draft) + 1):
+        if bool(damaged[i]):
+            raise DamagedScores()
+        if plain_greedy:
+            token = int(picks[i])
+        else:
+            uniform = None if job.uniforms is None else job.uniforms[start + i:start + i + 1]
+            token = int(choose(logits[i:i + 1, :sample_ids], params, uniform, controls=job.controls,
+                               history=job.history)[0])
+        if job.history is not None:
+            job.history.append([token])
+        kept.append(token)
+        if i == len(draft) or token != draft[i]:
+            break
+    return tuple(kept)
 
 
 class PackedForward:
@@ -245,7 +280,14 @@ class OperatorRows:
         self.cache.drop_mirrors()  # rows fed past the packed forward's mirror
         tokens, positions, tables, sampled, jobs = self._layout(plan)
         logits, picks = self.decoder.with_picks(tokens, positions, tables, self.sample_ids, sampled)
-        return jobs, sample_rows(logits, jobs, picks, self.sample_ids) if jobs else []
+        drawn: list[int | tuple[int, ...]] = sample_rows(logits[:len(jobs)], jobs, picks[:len(jobs)],
+                                                         self.sample_ids) if jobs else []
+        at = len(jobs)
+        for job, draft in plan.drafts:
+            n = len(draft) + 1
+            drawn.append(verify(logits[at:at + n], picks[at:at + n], job, draft, self.sample_ids))
+            at += n
+        return [*jobs, *(job for job, _ in plan.drafts)], drawn
 
     def _layout(self, plan: StepPlan) -> tuple[list[int], list[int], list[list[int]], list[int] | None,
                                                list[Job]]:
@@ -253,7 +295,7 @@ class OperatorRows:
         their jobs."""
         size = self.page_size
         feeds = [(job, 1) for job in plan.rows] + plan.runs
-        width = max((job.fed + n - 1) // size + 1 for job, n in feeds)
+        width = max((job.fed + n - 1) // size + 1 for job, n in feeds + [(job, len(d) + 1) for job, d in plan.drafts])
         tokens: list[int] = []
         positions: list[int] = []
         tables: list[list[int]] = []
@@ -268,6 +310,14 @@ class OperatorRows:
             if start + n == len(job.tokens):
                 sampled.append(len(tokens) - 1)
                 jobs.append(job)
+        # Drafts last, every row of each drawn from: after the rows above, in ``run``'s order.
+        for job, draft in plan.drafts:
+            start, n = job.fed, len(draft) + 1
+            used = job.pages[:(start + n - 1) // size + 1]
+            sampled += range(len(tokens), len(tokens) + n)
+            tokens += [job.tokens[start], *draft]
+            positions += range(start, start + n)
+            tables += [used + [SCRATCH_PAGE] * (width - len(used))] * n
         return tokens, positions, tables, sampled, jobs
 
 
@@ -369,9 +419,17 @@ class StepBackends:
                    OperatorDecodes(decoder, cache, settings, sample_ids), LoneGreedy(decoder, cache, settings, sample_ids),
                    compiled, as_rows, step_tokens)
 
+    @property
+    def verifies_drafts(self) -> bool:
+        """Whether a step may feed drafts: the operator's rows draw from every row of one alike,
+        alone or beside others, as a job's steps one at a time would."""
+        return self.rows is not None
+
     def choose(self, plan: StepPlan) -> Backend:
         """The backend of a step of ``plan`` (a plan with at least one row or run)."""
         rows = plan.rows
+        if plan.drafts:  # made only where the operator's rows are (``verifies_drafts``)
+            return self.rows
         if plan.runs:
             return self.rows if self.prompts_as_rows else self.packed
         if self.rows is not None:

@@ -9,7 +9,7 @@ the job's token events made into text responses, as ``Engine.stream`` does for o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 import torch
@@ -17,6 +17,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.page_table import PageKey
+from llama_chat.inference.speculative import Lookup
 from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import (Completion, GenerationState, Request, Response, Tally, TokenEvent,
                                         TokenLogprobs)
@@ -50,6 +51,7 @@ class Job:
     constraint: GrammarMask | None = None  # the request's structured output, one of its processors
     final_state: GenerationState | None = None  # how it ended when no event said so (a cancel)
     drawn_logprobs: TokenLogprobs | None = None  # of the token just drawn, when the request asks
+    lookup: Lookup | None = None  # its prompt-lookup drafts (speculative.py), where the scheduler drafts
     # -- the event loop's end of the job: set once its pages are back in the pool --
     released: anyio.Event = field(default_factory=anyio.Event)
 
@@ -105,7 +107,9 @@ class JobStream(TextStream):
 
     def completion(self) -> Completion:
         self.tally.cached_tokens = self.job.cached_tokens
-        return super().completion()
+        done = super().completion()
+        lookup = self.job.lookup
+        return done if lookup is None else replace(done, speculation=(lookup.drafted, lookup.accepted))
 
     def _respond(self, event: TokenEvent) -> Response:
         if event.logprobs is not None and event.token_id not in self.job.stop_ids:

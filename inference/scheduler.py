@@ -39,6 +39,7 @@ from llama_chat.inference.jobs import Job, JobStream
 from llama_chat.inference.model_step import StepOptions
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
+from llama_chat.inference.speculative import Speculation
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (Completion, GenerationState, Request, RequestError, TokenEvent, check_constraint,
                                         check_request, sole_exception, stop_ids_of)
@@ -73,6 +74,8 @@ class SchedulerOptions:
     report_every_s: float = 0.02
     quantize: str = "none"  # "int8": weight-only int8 projections (ml/quantize.py), made here
     cache_type: str | None = None  # the KV pages' type (model/kv_types.py); None: the model's dtype
+    # Prompt-lookup drafts verified in one step (inference/speculative.py); None: no drafts.
+    speculation: Speculation | None = None
     # Compile the step of a sequence running alone (inference/paged_step.py), on the CPU: None
     # where the one-prompt engine would compile (StepOptions.for_device), as for a chat.
     compile: bool | None = False
@@ -102,6 +105,8 @@ class SchedulerStats:
     pages_peak: int
     evictions: int
     compactions: int = 0  # jobs running alone moved onto consecutive pages (batch_core._compact)
+    drafted_tokens: int = 0  # tokens drafted by prompt lookup and verified
+    accepted_tokens: int = 0  # of those, the ones kept
     kv_resident_bytes: int = 0  # the cache's pages written and not given back (page_table.py)
     kv_reserved_bytes: int = 0  # the most the cache's pages may take
 
@@ -162,6 +167,7 @@ class Scheduler:
                               sample_ids=sample_ids)
         self.core.sizer = sizer
         self.core.constraints = Constraints(tokenizer, self.stop_ids)
+        self.core.speculation = options.speculation
         one_call = device.type == "cpu" and cpu_decode.supports(model)
         step = StepOptions.for_device(device, parameters, options.compile, quantized=quantized, dtype=dtype,
                                       one_call=one_call)
@@ -251,7 +257,9 @@ class Scheduler:
         self.check(request)
         if request.request_id in self._jobs:
             raise RequestError(f"a job with id {request.request_id!r} is already running")
-        send, receive = anyio.create_memory_object_stream[TokenEvent](self.options.buffer_size)
+        speculation = self.options.speculation
+        extra = 0 if speculation is None else speculation.draft_max + 1  # a draft's step: batch_core._drafts
+        send, receive = anyio.create_memory_object_stream[TokenEvent](self.options.buffer_size + extra)
         stop_ids = self.stop_ids | frozenset(request.stop_ids)
         job = Job(request, time.perf_counter(), send, stop_ids)
         self._jobs[request.request_id] = job
@@ -335,6 +343,7 @@ class Scheduler:
         return SchedulerStats(c.submitted, c.finished, c.prefill_tokens, c.cached_tokens, c.generated_tokens,
                               c.steps, c.mixed_steps, self.page_size, pages.usable, len(pages.free),
                               len(pages.cached), pages.in_use, c.pages_peak, pages.evictions, c.compactions,
+                              c.drafted_tokens, c.accepted_tokens,
                               pages.resident * self.core.cache.page_bytes,
                               self.core.cache.num_pages * self.core.cache.page_bytes)
 

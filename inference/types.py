@@ -68,6 +68,8 @@ class Request:
     ``ml/grammars.py``); it ends, ``stop_grammar``, where the constraint is complete.
     ``logprobs``: None, none reported; 0 to ``MAX_TOP_LOGPROBS``, each token event carries the
     token's log-probability and that many of the most likely alternatives (``TokenLogprobs``).
+    ``speculate``: where the scheduler drafts by prompt lookup (``speculative.py``), whether this
+    request's steps may (the reply is the same either way; only its speed differs).
     """
 
     prompt_ids: tuple[int, ...]
@@ -83,6 +85,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()  # token ids that end this request, besides the tokenizer's
     constraint: Constraint | None = None
     logprobs: int | None = None
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
@@ -177,6 +180,8 @@ class Completion:
     prompt_tokens: int
     timings: Timings
     cached_tokens: int = 0  # prompt tokens whose KV entries were kept from the request before
+    # Where the request's steps drafted by prompt lookup: (tokens drafted, tokens of them kept).
+    speculation: tuple[int, int] | None = None
 
     @property
     def completion_tokens(self) -> int:

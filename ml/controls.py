@@ -50,6 +50,8 @@ MAX_SEED = 2**64 - 1
 MAX_TOKENS = 2**24
 MAX_BATCH = 4096
 DEFAULT_TEMPERATURE = 0.8
+MAX_DRAFT = 64  # tokens drafted for a job in one step: a step's rows, each drawn from
+DEFAULT_DRAFT_MAX = 8
 # Defaults the command line's help states, defined here (no torch) and used where they act.
 # A checkpoint's context is cut to this unless -c says otherwise (model/loader.py): a 128k-token
 # context would cost its KV cache gigabytes before the first token.
@@ -108,6 +110,7 @@ RULES: dict[str, Rule] = {
                      f"0 (the model's full context) or a positive number up to {MAX_TOKENS}"),
     "max_batch": Rule(int, lambda v: 1 <= v <= MAX_BATCH, f"an integer in 1 <= n <= {MAX_BATCH}"),
     "cache_tokens": Rule(int, lambda v: 1 <= v <= MAX_TOKENS, f"an integer in 1 <= n <= {MAX_TOKENS}"),
+    "draft_max": Rule(int, lambda v: 1 <= v <= MAX_DRAFT, f"an integer in 1 <= n <= {MAX_DRAFT}"),
 }
 
 # The choices of the command line's options that are not ranges. The chat formats' names are
@@ -120,6 +123,8 @@ COLOR_MODES = ("auto", "always", "never")
 # CPU (llama.cpp's default) and the model's dtype elsewhere; q8_0 and q4_0 are blocks of 32 values
 # with one float16 scale, read by the CPU operator.
 CACHE_TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q4_0")
+# Speculative decoding by prompt lookup (inference/speculative.py): drafts from the tokens so far.
+LOOKUP_MODES = ("off", "on")
 
 
 def _kind_name(kind: type) -> str:

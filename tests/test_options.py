@@ -31,6 +31,7 @@ EDGES = {
     "no_repeat_ngram_size": (-1, 0),
     "min_new_tokens": (-1, 0),
     "num_beams": (65, 64),
+    "draft_max": (65, 64),
     "length_penalty": (10.01, 10.0),
     "num_return": (0, 1),
     "max_time": (0.0, 0.01),

@@ -1,0 +1,203 @@
+"""Speculative decoding by prompt lookup (``inference/speculative.py``): the reply is the reply
+without it, token for token, greedy and seeded sampling alike, whether drafts are taken whole, in
+part or not at all, and where a job stops in the middle of a draft."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from builders import endless_model
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+from llama_chat.inference.speculative import PAUSES, Lookup, Speculation
+from llama_chat.inference.types import Request
+from llama_chat.ml.sampling import SamplingParams
+
+VOCAB = 96
+EOS = 2
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class Bytes:
+    """Just enough of a tokenizer for the scheduler: ids as letters."""
+
+    vocab_size = VOCAB
+    eos_id = EOS
+    stop_ids = frozenset({EOS})
+    special_tokens: dict[str, int] = {}
+    strips_leading_space = False
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([97 + token_id % 26])
+
+
+@pytest.fixture(scope="module")
+def model(cpu_kernels_loaded):
+    """A random model: its replies rarely repeat, so most drafts are refused, and its logits
+    depend on the whole context, so a key written at a wrong place would change its draws."""
+    if not cpu_kernels_loaded:
+        pytest.skip("drafts are verified by the CPU operator, which is not built here")
+    return endless_model(VOCAB, seed=11, eos=EOS, max_seq_len=512)
+
+
+@pytest.fixture(scope="module")
+def walker(cpu_kernels_loaded):
+    """A random model whose layers add little to each token's embedding: its next token is mostly
+    a function of its last one, so its replies fall into loops that the lookup drafts well,
+    while the context still moves its logits."""
+    if not cpu_kernels_loaded:
+        pytest.skip("drafts are verified by the CPU operator, which is not built here")
+    model = endless_model(VOCAB, seed=11, eos=EOS, max_seq_len=512)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.wo.weight.mul_(0.02)
+            layer.feed_forward.w2.weight.mul_(0.02)
+    return model
+
+
+def prompts(count: int, seed: int) -> list[tuple[int, ...]]:
+    """Half repeat a short phrase (drafts from the prompt itself), half are random (drafts only
+    once the reply repeats, or never)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        if i % 2:
+            phrase = torch.randint(3, VOCAB, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+            out.append(tuple([1] + phrase * 4))
+        else:
+            out.append(tuple([1] + torch.randint(3, VOCAB, (int(torch.randint(3, 24, (1,), generator=g)),),
+                                                 generator=g).tolist()))
+    return out
+
+
+def replies(model, requests: list[Request], speculation: Speculation | None, *, max_batch: int = 1):
+    """Each request's token ids and finish reason, ``max_batch`` jobs at a time; and the stats."""
+    scheduler = Scheduler(model, Bytes(), SchedulerOptions(max_batch=max_batch, page_size=8, cache_tokens=2048,
+                                                           speculation=speculation, cache_type="f32"))
+
+    async def main():
+        out = {}
+
+        async def one(request):
+            async with scheduler.submit(request) as stream:
+                async for _ in stream:
+                    pass
+            done = stream.completion()
+            out[request.request_id] = (done.token_ids, done.finish_reason)
+
+        async with scheduler:
+            for start in range(0, len(requests), max_batch):
+                async with anyio.create_task_group() as tg:
+                    for request in requests[start:start + max_batch]:
+                        tg.start_soon(one, request)
+        return out
+
+    return anyio.run(main), scheduler.stats
+
+
+def requests_of(sampling: SamplingParams, count: int = 100, seed: int = 0) -> list[Request]:
+    """Budgets from 1 to 60 tokens: many end in the middle of a draft."""
+    return [Request(p, sampling=sampling, max_tokens=1 + (i * 7) % 60, seed=1000 + i, request_id=f"r{i}")
+            for i, p in enumerate(prompts(count, seed))]
+
+
+@pytest.mark.parametrize("kind", ["walker", "model"])
+def test_greedy_replies_are_the_same_with_drafts_taken_whole_in_part_and_not_at_all(kind, request):
+    model = request.getfixturevalue(kind)
+    requests = requests_of(GREEDY)
+    want, plain = replies(model, requests, None)
+    got, stats = replies(model, requests, Speculation(draft_max=8))
+    assert got == want
+    assert plain.drafted_tokens == 0
+    # The test is only as good as its drafts: many taken, many refused.
+    taken = 300 if kind == "walker" else 30
+    assert stats.accepted_tokens > taken and stats.drafted_tokens - stats.accepted_tokens > 100, stats
+    assert stats.steps < plain.steps
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.9, top_p=0.9),
+    SamplingParams(temperature=0.8, top_k=5, repetition_penalty=1.2, presence_penalty=0.3),
+], ids=["temperature", "top-p", "controls"])
+def test_seeded_sampling_is_the_same_token_for_token(model, sampling):
+    """Each position's token is drawn with that position's uniform from logits that do not
+    depend on the draft: the draws are the draws without one, so the outputs are equal (and so
+    are their distributions)."""
+    requests = requests_of(sampling, count=40, seed=3)
+    want, _ = replies(model, requests, None)
+    got, stats = replies(model, requests, Speculation(draft_max=6))
+    assert got == want
+    assert stats.drafted_tokens > 0
+
+
+def test_several_jobs_at_once_and_a_stop_token_inside_a_draft(walker):
+    model = walker
+    requests = requests_of(GREEDY, count=24, seed=5)
+    # A stop token that the repeating replies reach: found inside drafts taken whole.
+    stopping = [Request(r.prompt_ids, sampling=GREEDY, max_tokens=60, stop_ids=(r.prompt_ids[2],),
+                        request_id=r.request_id + "s") for r in requests]
+    want, _ = replies(model, requests + stopping, None, max_batch=4)
+    got, stats = replies(model, requests + stopping, Speculation(draft_max=8, most_jobs=4), max_batch=4)
+    assert got == want and stats.accepted_tokens > 0
+    assert any(reason.value == "eos" for _, reason in want.values())
+
+
+def test_a_request_may_decline_and_many_jobs_do_not_draft(model):
+    requests = [Request(r.prompt_ids, sampling=GREEDY, max_tokens=40, request_id=r.request_id)
+                for r in requests_of(GREEDY, count=6)]
+    declining = [Request(r.prompt_ids, sampling=GREEDY, max_tokens=40, speculate=False, request_id=r.request_id)
+                 for r in requests]
+    _, stats = replies(model, declining, Speculation())
+    assert stats.drafted_tokens == 0
+    # Six jobs in step from the first to the last token: never as few as two running.
+    _, stats = replies(model, requests, Speculation(most_jobs=2), max_batch=6)
+    assert stats.drafted_tokens == 0
+
+
+def test_the_next_turn_finds_the_pages_a_speculating_turn_left(walker):
+    model = walker
+    """Pages are registered under their tokens' keys only once every slot holds a kept token:
+    the next request on the same prefix (a chat's next turn) reuses them and replies the same."""
+    first = Request(prompts(2, 7)[1], sampling=GREEDY, max_tokens=50, request_id="a")
+    outs = {}
+    for name, speculation in (("plain", None), ("drafts", Speculation(draft_max=8))):
+        scheduler = Scheduler(model, Bytes(), SchedulerOptions(max_batch=1, page_size=8, cache_tokens=1024,
+                                                               speculation=speculation, cache_type="f32"))
+        done = scheduler.generate(first)
+        second = Request(first.prompt_ids + done.token_ids + (5, 6, 7), sampling=GREEDY, max_tokens=40,
+                         request_id="b")
+        again = scheduler.generate(second)
+        outs[name] = (done.token_ids, again.token_ids, scheduler.stats.cached_tokens)
+    assert outs["drafts"] == outs["plain"] and outs["plain"][2] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.integers(1, 12))
+def test_a_draft_is_what_followed_the_tails_latest_earlier_occurrence(tokens, room):
+    lookup = Lookup(draft_max=12)
+    lookup.size = 12
+    draft = lookup.draft(tokens, room)
+    assert len(draft) <= room
+    if draft:
+        # Some n-gram of the tail occurred before, and the draft is what came right after it.
+        assert any(tokens[at - n:at] == tokens[-n:] and tokens[at:at + len(draft)] == draft
+                   for n in (3, 2, 1) for at in range(n, len(tokens)) if len(tokens) > n)
+    else:
+        assert all(tokens[at - 1:at] != tokens[-1:] for at in range(1, len(tokens)))
+
+
+def test_the_draft_length_follows_what_is_taken():
+    lookup = Lookup(draft_max=8)
+    tokens = [1, 2, 3, 4, 1, 2, 3]
+    assert lookup.draft(tokens, 10) == [4, 1, 2, 3]  # draft_max // 2 at first
+    lookup.taken(4, 4)
+    assert lookup.size == 6
+    lookup.taken(6, 2)
+    assert lookup.size == 3
+    lookup.taken(3, 0)  # nothing taken: a pause before the next draft
+    assert [lookup.draft(tokens, 10) for _ in range(PAUSES[1])] == [[]] * PAUSES[1]
+    assert lookup.draft(tokens, 10) == [4]
