@@ -10,8 +10,8 @@ format         a reply with calls                                    chosen when
 =============  ====================================================  =====================================
 hermes         any text, then ``<tool_call>\\nCALL\\n</tool_call>``     ``<tool_call>`` (Qwen 2.5/3, QwQ,
                per call, one line apart                              Hermes 2/3, DeepSeek-R1 Qwen distills)
-llama3_json    ``CALL``, one call, as bare JSON (as the template      ``<|python_tag|>``, or ``"parameters"``
-               writes it), ended by ``<|eot_id|>`` or ``<|eom_id|>``  with ``{"name"`` (Llama 3.1, 3.2, 3.3)
+llama3_json    ``<|python_tag|>``? ``CALL``, one call, ended by      ``<|python_tag|>``, or ``"parameters"``
+               ``<|eot_id|>`` or ``<|eom_id|>``                       with ``{"name"`` (Llama 3.1, 3.2, 3.3)
 mistral        ``[TOOL_CALLS][CALL, CALL]`` (the ids, 9 letters and   ``[TOOL_CALLS]`` (Mistral, Nemo,
                digits, are the server's)                              Small, Devstral)
 generic        ``{"tool_calls": [CALL, ...]}`` or                      anything else: the tools are described
@@ -19,11 +19,12 @@ generic        ``{"tool_calls": [CALL, ...]}`` or                      anything 
 =============  ====================================================  =====================================
 
 The grammar (llguidance's Lark, with each tool's ``parameters`` inlined as ``%json``) is lazy for
-``auto``: the text runs free until the call's trigger (``<tool_call>``, or a reply's first ``{``
-or ``[``), and from there it holds the call to a listed name and that tool's schema. For
-``required`` and a named function it holds the reply from its first token (Mistral's from its
-``[TOOL_CALLS]`` token). A reply that does not start a call may not start with the character a
-call starts with, so that text and calls are always told apart the same way (``tool_stream.py``).
+``auto``: the text runs free until the call's trigger (``<tool_call>``, the ``<|python_tag|>`` or
+``[TOOL_CALLS]`` token, or a reply's first ``{`` or ``[``), and from there it holds the call to a
+listed name and that tool's schema. For ``required`` and a named function it holds the reply from
+its first token. The trigger tokens spell no text, so a reply that does not start a call may not
+start with the character a call starts with: text and calls are always told apart the same way
+(``tool_stream.py``).
 """
 
 from __future__ import annotations
@@ -71,9 +72,7 @@ class ToolFormat:
 
 FORMATS = {
     "hermes": ToolFormat("hermes", open="<tool_call>\n", close="\n</tool_call>", sep="\n", text_before=True),
-    # Llama 3.1's template writes a custom tool's call without <|python_tag|> (that is for its
-    # built-in tools), so the call is bare JSON here too.
-    "llama3_json": ToolFormat("llama3_json", args_key="parameters", parallel=False),
+    "llama3_json": ToolFormat("llama3_json", args_key="parameters", token="<|python_tag|>", parallel=False),
     "mistral": ToolFormat("mistral", start="[", sep=", ", end="]", token="[TOOL_CALLS]", id_style="mistral"),
     "generic": ToolFormat("generic", start='{"tool_calls": [', sep=", ", end="]}"),
 }
@@ -159,8 +158,7 @@ def _tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: Mapping[str, 
         rules.append(f'call{i}: {_q(fmt.head(tool.name))} args{i} "}}"')
         rules.append(f"args{i}: %json {json.dumps(call_schema(tool, bounded=bounded))}")
     more = f"({_seq(_q(fmt.sep + fmt.open), 'call', _q(fmt.close))})*" if parallel else ""
-    # The engine's masks let every special token through where one is an alternative to text, so
-    # the trigger token is written only where the call is the one way on (required, a function).
+    # Named by id: a control token spells no text (ml/constraints.py keeps the masks to the named).
     token = f"<[{specials[fmt.token]}]>" if fmt.token and fmt.token in specials else ""
     free = request.choice.mode == "auto"
     if fmt.name == "hermes" and free:
@@ -170,7 +168,9 @@ def _tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: Mapping[str, 
         start = f"TEXT | before {_seq(_q(fmt.open.removeprefix(trigger)), 'call', _q(fmt.close), more)}"
     else:
         calls = _seq(_q(fmt.start), _q(fmt.open), "call", _q(fmt.close), more, _q(fmt.end))
-        start = _seq("" if free else token, calls)
+        if token and fmt.name == "llama3_json":
+            token += "?"  # Llama 3.1 writes a custom tool's call bare, 3.2 at times after the tag
+        start = _seq(token, calls)
         if free and fmt.name == "generic":
             rules += [f'text: {_q(GENERIC_TEXT)} string "}}"', 'string: %json {"type": "string"}']
             start += " | text"

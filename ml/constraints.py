@@ -33,6 +33,7 @@ there, the reason is ``eos``.
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -120,6 +121,42 @@ class _Described:
         return out
 
 
+# A grammar's reference to tokens by id: ``<[128010]>``, ``<[5-9,12]>`` (llguidance's Lark).
+_TOKEN_IDS = re.compile(r"<\[([0-9,\- ]+)\]>")
+
+
+def _named_silent_tokens(constraint: Constraint, vocabulary: Vocabulary, words: int
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where a grammar names tokens by id: the bits a mask may keep (every token but those that
+    spell nothing, control tokens and the byte 0xFF, that the grammar does not name), and the bits
+    of the end tokens, which a row takes back where its grammar accepts. Where a named token is
+    one way on and text another, the engine's mask lets every such token through, the end tokens
+    too, and the first of them a model took would break the matcher or end the reply early. None
+    for a constraint that names no token (its masks never do that)."""
+    found = _TOKEN_IDS.findall(constraint.source) if constraint.kind == "grammar" else []
+    if not found:
+        return None
+    named: set[int] = set()
+    for group in found:
+        for part in group.replace(" ", "").split(","):
+            first, _, last = part.partition("-")
+            if first.isdigit() and (not last or last.isdigit()):
+                named.update(range(int(first), int(last or first) + 1))
+    keep = torch.ones(words * 32, dtype=torch.bool)
+    for i, token in enumerate(vocabulary.tokens):
+        if (not token or token[:1] == b"\xff") and i not in named:
+            keep[i] = False
+    stops = torch.zeros(words * 32, dtype=torch.bool)
+    stops[list(vocabulary.stop_ids)] = True
+    return _packed(keep), _packed(stops)
+
+
+def _packed(bits: torch.Tensor) -> torch.Tensor:
+    """One bit a token into int32 words, token ``32w + b`` at bit ``b`` of word ``w``."""
+    words = (bits.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 class Compiled:
     """One constraint against one vocabulary: a matcher in its first state, copied for every row,
     and the mask of that first state (the same for every reply)."""
@@ -129,6 +166,7 @@ class Compiled:
         self.vocabulary = vocabulary
         self.words = (vocabulary.size + 31) // 32
         self.first_mask = torch.zeros(self.words, dtype=torch.int32)
+        self.keep = _named_silent_tokens(constraint, vocabulary, self.words)  # (keep, end tokens) or None
         # The matcher is built by the same recursion as the grammar was (ml/grammar_compile.py).
         self._start = compiled(len(constraint.grammar), self._first_state, constraint.grammar)
         if self._start.is_error():  # no token of the vocabulary starts what the grammar asks for
@@ -141,8 +179,19 @@ class Compiled:
         if start.is_error():
             raise ControlError(self.kind, f"cannot be used with this model's vocabulary: "
                                           f"{start.get_error().splitlines()[0]}")
-        start.unsafe_compute_mask_ptr(self.first_mask.data_ptr(), self.words * 4)
+        self.fill_mask(start, self.first_mask)
         return start
+
+    def fill_mask(self, matcher, words: torch.Tensor) -> None:
+        """``matcher``'s mask in its present state into ``words`` (int32, a bit a token)."""
+        matcher.unsafe_compute_mask_ptr(words.data_ptr(), self.words * 4)
+        if self.keep is not None:
+            keep, stops = self.keep
+            # In the buffer's own inference mode (the background thread is in neither).
+            with torch.inference_mode(torch.is_inference(words)):
+                words &= keep
+                if matcher.is_accepting():
+                    words |= stops
 
     def matcher(self):
         return self._start.deep_copy()
@@ -328,9 +377,8 @@ class GrammarMask:
     def _compute(self) -> None:
         """Each row's mask for the matcher's present state (in the step thread, or in the
         background while the step's forward runs)."""
-        nbytes = self.compiled.words * 4
         for r, matcher in enumerate(self.matchers):
-            matcher.unsafe_compute_mask_ptr(self._words[r].data_ptr(), nbytes)
+            self.compiled.fill_mask(matcher, self._words[r])
         accepting = [r for r, m in enumerate(self.matchers) if m.is_accepting()] if self.extra_stop_ids.numel() else []
         self._unpack(accepting)
         self._current = True

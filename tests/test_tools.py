@@ -13,6 +13,7 @@ import random
 import jsonschema
 import openai
 import pytest
+import torch
 
 from llama_chat.cmd.openai_api import FINISH_REASONS, finish_reason
 from llama_chat.inference.tool_calls import NO_PARAMETERS, ToolChoice, ToolRequest, call_id, make_tool
@@ -98,22 +99,36 @@ def test_an_integer_without_bounds_ends_within_16_digits(tmp_path):
     assert taken == MAX_INTEGER_DIGITS
 
 
-def _random_reply(compiled: Compiled, tok, rng: random.Random, budget: int = 300, opener: bytes = b""
+def test_a_named_control_token_beside_text_lets_no_other_one_through(tmp_path):
+    """The engine's own mask lets every control token (and the end tokens) through where a named
+    one is an alternative to text; the mask keeps only the named one, and the end tokens where
+    the grammar accepts."""
+    from tool_builders import write_tokenizer
+    write_tokenizer(tmp_path, "llama3_json")
+    tok = load_tokenizer(tmp_path)
+    tag = tok.special_tokens["<|python_tag|>"]
+    silent = {i for i in range(tok.vocab_size) if not tok.token_bytes(i) or tok.token_bytes(i)[:1] == b"\xff"}
+    for grammar, accepting in ((f'start: <[{tag}]> "x" | "y"', False), (f'start: <[{tag}]>? "x" | ""', True)):
+        compiled = Compiled(Constraint.of_grammar(grammar), Vocabulary.of(tok, tok.stop_ids))
+        bits = (compiled.first_mask.view(-1, 1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = set(bits.flatten()[:tok.vocab_size].nonzero().flatten().tolist())
+        assert allowed & silent == {tag} | (set(tok.stop_ids) if accepting else set()), grammar
+
+
+def _random_reply(compiled: Compiled, tok, rng: random.Random, budget: int = 300, opener: frozenset[int] = frozenset()
                   ) -> tuple[str, bool]:
     """A reply of tokens drawn at random among those the grammar allows, and whether it ended
-    within ``budget``; the first token among those that start with ``opener`` where there are
-    some (a call, which random text seldom starts)."""
-    import torch
-
+    within ``budget``; the first token among ``opener`` where the grammar allows some (a call's
+    start, which random text seldom takes)."""
     matcher = compiled.matcher()
     mask = torch.zeros(compiled.words, dtype=torch.int32)
     stops = set(compiled.vocabulary.stop_ids)
     out = []
     for _ in range(budget):
-        matcher.unsafe_compute_mask_ptr(mask.data_ptr(), compiled.words * 4)
+        compiled.fill_mask(matcher, mask)
         bits = (mask.view(-1, 1) >> torch.arange(32, dtype=torch.int32)) & 1
         allowed = bits.flatten()[:compiled.vocabulary.size].nonzero().flatten().tolist()
-        opening = [t for t in allowed if opener and not out and tok.token_bytes(t).startswith(opener)]
+        opening = [t for t in allowed if not out and t in opener]
         token = rng.choice(opening or allowed)
         if token in stops:
             break
@@ -139,11 +154,13 @@ def test_any_reply_the_grammar_allows_reads_the_same_in_any_pieces(tmp_path, fam
     tools = tuple(make_tool(t["function"]["name"], None, t["function"].get("parameters"), "t") for t in TOOLS)
     grammar = tool_grammar(fmt, ToolRequest(tools, ToolChoice(mode)), tok.special_tokens)
     compiled = Compiled(grammar, Vocabulary.of(tok, tok.stop_ids))
+    start = {"hermes": b"<tool_call>", "llama3_json": b"{", "mistral": b"[", "generic": b"{"}[family]
+    openers = frozenset(i for i in range(tok.vocab_size) if tok.token_bytes(i).startswith(start)) | {
+        tok.special_tokens[name] for name in ("[TOOL_CALLS]", "<|python_tag|>") if name in tok.special_tokens}
     calls_seen = 0
     for seed in range(40):
         rng = random.Random(seed)
-        opener = {"hermes": b"<tool_call>", "llama3_json": b"{", "mistral": b"[", "generic": b"{"}[family]
-        text, ended = _random_reply(compiled, tok, rng, opener=opener if seed % 2 else b"")
+        text, ended = _random_reply(compiled, tok, rng, opener=openers if seed % 2 else frozenset())
         whole = ToolStream(fmt, call_id)
         whole.feed(text)
         whole.finish()
