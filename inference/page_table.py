@@ -199,11 +199,15 @@ class PageTable:
             del self.cached[page]
             self._forget(page)
             self.evictions += 1
-        returned = set(self.pool.return_pages(sorted(candidates + evicted)))
-        for page in returned:
+        # Free pages given back before go along: they join the runs, whose ends, partly in a
+        # system page shared with a neighbour, cannot go back alone.
+        fillers = [p for p in self.free if not self.written[p]]
+        returned = set(self.pool.return_pages(sorted(candidates + evicted + fillers)))
+        gone = [p for p in returned if self.written[p]]
+        for page in gone:
             self.written[page] = 0
-        self.resident -= len(returned)
-        self.returned += len(returned)
+        self.resident -= len(gone)
+        self.returned += len(gone)
         # Pages given back go to the bottom of the free list, below every written one.
         kept = [p for p in self.free if p not in returned] + [p for p in evicted if p not in returned]
         self.free = sorted(returned, reverse=True) + kept

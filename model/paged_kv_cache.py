@@ -103,11 +103,17 @@ class PagedKVCache:
         self.kv_type.check(head_dim)
         self.head_dim = head_dim
         dtype = self.kv_type.storage
-        shape = (n_kv_heads, num_pages, page_size, self.kv_type.row_size(head_dim))
+        row = self.kv_type.row_size(head_dim)
+        # Pages past ``num_pages`` that are never handed out (nor touched) make each head's run of
+        # pages a whole number of system pages: every head's pages then line up with the
+        # system's alike, and a run given back frees the same pages in each (``return_pages``).
+        head_page = page_size * row * dtype.itemsize
+        step = mmap.PAGESIZE // math.gcd(head_page, mmap.PAGESIZE) if torch.device(device).type == "cpu" else 1
+        shape = (n_kv_heads, -(-num_pages // step) * step, page_size, row)  # seen as num_pages pages
         # Reserved, not touched: a page is resident once written (``kv_cache.mapped_zeros``).
         made = [mapped_zeros(shape, device=device, dtype=dtype) for _ in range(2 * n_layers)]
-        self.keys = [t for t, _ in made[0::2]]
-        self.values = [t for t, _ in made[1::2]]
+        self.keys = [t[:, :num_pages] for t, _ in made[0::2]]
+        self.values = [t[:, :num_pages] for t, _ in made[1::2]]
         self._mappings = [m for _, m in made if m is not None]
         self.num_pages = num_pages
         self.page_size = page_size

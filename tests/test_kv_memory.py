@@ -7,7 +7,6 @@ import mmap
 from pathlib import Path
 
 import pytest
-import torch
 
 from llama_chat.inference.page_table import PageTable
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedKVCache
@@ -45,7 +44,8 @@ def test_written_pages_are_reused_first_and_the_oldest_unheld_go_back_once_none_
     table.release(b)
     assert pool.asked == []  # 5 unheld while a job runs: not past twice the keep
     table.release(c)  # nothing held: 7 unheld down to the keep, the oldest released first
-    assert pool.asked == [sorted(again + [b[1]])]  # a block table is released last page first
+    # A block table is released last page first; pages never written go along (runs' fillers).
+    assert pool.asked == [sorted(again + [b[1]] + [8, 9, 10, 11])]
     assert table.unheld_resident == 3 and table.resident == 4 and table.returned == 4
     assert sorted(p for p in range(12) if table.written[p]) == sorted([SCRATCH_PAGE, b[0], *c])
     # Given-back pages are taken after every written one.
@@ -60,7 +60,7 @@ def test_cached_pages_go_back_after_free_ones_and_lose_their_prefix():
         table.register(page, key)
     table.release(spare)
     table.release(kept)  # 3 unheld, keep 1: the free page, then the oldest cached (the prefix's tail)
-    assert pool.asked == [sorted([spare[0], kept[1]])]
+    assert pool.asked == [sorted([spare[0], kept[1], 4, 5, 6, 7])]
     assert table.lookup([b"k1", b"k2"]) == [kept[0]] and list(table.cached) == [kept[0]]
 
 
@@ -114,3 +114,64 @@ def test_the_serve_pool_fills_the_batch_within_half_the_free_memory_but_holds_a_
     assert pool_tokens(1000, 2048, 16, 20 * 10**6) == 10**4  # half of 20 MB, at 1 KB a token
     assert pool_tokens(1000, 2048, 16, 10**5) == 2048  # never less than one context
     assert pool_tokens(1000, 2048, 16, None) == min(16 * 2048, POOL_BYTES_UNKNOWN // 1000)
+
+
+def scheduler_jobs(model, tokenizer, prompts, **options):
+    """Each prompt a greedy job, all at once: their tokens, and the stats before and after."""
+    import anyio
+
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+    from llama_chat.inference.types import Request
+    from llama_chat.ml.sampling import SamplingParams
+
+    async def main():
+        async with Scheduler(model, tokenizer, SchedulerOptions(**options)) as scheduler:
+            streams = [scheduler.submit(Request(p, sampling=SamplingParams(temperature=0.0), max_tokens=6))
+                       for p in prompts]
+            out = {}
+            async with anyio.create_task_group() as tg:
+                async def consume(i, stream):
+                    async for _ in stream:
+                        pass
+                    out[i] = stream.completion().token_ids
+                for i, stream in enumerate(streams):
+                    tg.start_soon(consume, i, stream)
+            for stream in streams:
+                await scheduler.wait_released(stream)
+            return [out[i] for i in range(len(streams))], scheduler.stats
+
+    return anyio.run(main)
+
+
+def test_a_scheduler_of_q8_0_pages_gives_each_job_its_tokens_alone_and_gives_pages_back(sp_model_path, monkeypatch):
+    import torch
+
+    from builders import random_model, tiny_args
+    from llama_chat.model import paged_kv_cache
+    from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
+
+    tokenizer = SentencePieceTokenizer(sp_model_path)
+    model = random_model(tiny_args(tokenizer.vocab_size, dim=128, n_heads=4, n_kv_heads=2, max_seq_len=512), seed=2)
+    g = torch.Generator().manual_seed(3)
+    prompts = [[1] + torch.randint(3, tokenizer.vocab_size, (200 + 90 * i,), generator=g).tolist() for i in range(3)]
+    monkeypatch.setattr(paged_kv_cache, "KEEP_UNHELD_BYTES", 0)  # give every page back at the end
+    together, stats = scheduler_jobs(model, tokenizer, prompts, cache_type="q8_0", page_size=64)
+    alone = [scheduler_jobs(model, tokenizer, [p], cache_type="q8_0", page_size=64)[0][0] for p in prompts]
+    assert together == alone
+    page_bytes = stats.kv_reserved_bytes // (stats.pages_total + 1)
+    # Some 16 pages were written; a page of a head is 2,176 bytes here, so the system's pages
+    # cover runs of them: all went back but the scratch page and those at a run's two ends.
+    assert stats.pages_peak >= 14
+    assert page_bytes <= stats.kv_resident_bytes <= 3 * page_bytes
+
+
+def test_a_cache_type_the_models_heads_cannot_take_is_one_line(sp_model_path):
+    from builders import random_model, tiny_args
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+    from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
+
+    tokenizer = SentencePieceTokenizer(sp_model_path)
+    model = random_model(tiny_args(tokenizer.vocab_size), seed=2)  # heads of 16
+    with pytest.raises(ValueError, match=r"^--cache-type q4_0 needs a head size that is a multiple of 32, "
+                                         r"and this model's is 16$"):
+        Scheduler(model, tokenizer, SchedulerOptions(cache_type="q4_0"))
