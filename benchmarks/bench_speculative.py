@@ -1,0 +1,232 @@
+"""Speculative decoding by prompt lookup (``--lookup on``) against decoding without it, and
+llama.cpp's own n-gram speculation on the same file, measured in the same run.
+
+    python benchmarks/bench_speculative.py FILE.gguf [--tokens 160] [--rounds 3] [--threads 2]
+
+Greedy, on tasks whose answer repeats its input (repeat a passage word for word, change one word
+throughout a passage, add a docstring to a given function) and on open-ended ones (a story, an
+explanation), and the open-ended ones again sampled (temperature 0.8, a fixed seed: a small model's
+greedy story soon repeats itself, a sampled one much less), each as a one-turn chat in the file's
+own template:
+
+* llama-chat, one job: decode tok/s (the tokens after the first over their time) with and without
+  lookup, alternating rounds in one process; the replies must be equal token for token. Also the
+  share of drafted tokens kept;
+* llama-chat, 16 jobs of the same tasks at once (``--batch``'s shape), all tokens over the wall
+  time, with and without lookup (it steps aside above four jobs: the ratio should be 1.0);
+* llama.cpp's ``llama-server`` (the build of ``llama_cpp_peer.py``) on the same file and token ids,
+  one slot, with ``--spec-type ngram-simple`` and without, its own ``predicted_per_second``.
+
+Targets: at least 1.8x on the repeating tasks at one job; no more than 3 % slower on the
+open-ended ones and at 16 jobs; ahead of llama.cpp's speculative speed on the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import anyio
+import torch
+
+import llama_cpp_peer as peer_mod
+from bench_kv_memory import free_port, wait_ready
+
+CACHE = Path.home() / ".cache" / "llama-chat-bench"
+
+PASSAGE = ("The first commands a new user types are the ones that decide whether a tool is kept. A runner "
+           "that starts at once, prints its answer as it is made, and stops cleanly on Ctrl+C earns trust; "
+           "one that hangs, prints a traceback or loses half the reply does not. That is why every path in "
+           "this program is tested as a user would meet it, with a real terminal, real signals and a real "
+           "server, and why a bad input gets one clear line instead of a wall of text.")
+CODE = '''def pages_for(tokens, page_size):
+    full, rest = divmod(tokens, page_size)
+    return full + (1 if rest else 0)
+
+
+def reserved(prompt_len, max_tokens, context):
+    total = context if max_tokens is None else prompt_len + max_tokens
+    return min(total, context)
+'''
+TASKS = {
+    "repeat": ("grounded", f"Repeat the following text exactly, word for word:\n\n{PASSAGE}"),
+    "edit": ("grounded", f"Rewrite the following text, replacing the word 'user' with 'reader' everywhere, and "
+                         f"change nothing else:\n\n{PASSAGE}"),
+    "code": ("grounded", f"Add a one-line docstring to each of these Python functions and return the whole "
+                         f"code:\n\n{CODE}"),
+    "story": ("open", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+    "explain": ("open", "Explain in a few paragraphs why the sky is blue, for a curious ten-year-old."),
+    "story t=0.8": ("open, sampled", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+    "explain t=0.8": ("open, sampled", "Explain in a few paragraphs why the sky is blue, for a curious ten-year-old."),
+}
+SAMPLED = 0.8
+SEED = 7
+
+
+def sampling_of(name: str):
+    from llama_chat.ml.sampling import SamplingParams
+
+    return SamplingParams(temperature=SAMPLED if "t=" in name else 0.0)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return f"{model}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+
+
+def source(loaded, lookup: bool, jobs: int):
+    from llama_chat.cmd.generation_source import many_jobs, single_stream
+
+    opts = SimpleNamespace(compile=False, quantize="none", cache_type="auto", lookup="on" if lookup else "off",
+                           draft_max=8)
+    return single_stream(loaded, opts) if jobs == 1 else many_jobs(loaded, opts, max_batch=jobs, cache_tokens=None)
+
+
+def one_job(scheduler, ids: list[int], tokens: int, sampling):
+    from llama_chat.inference.types import Request
+
+    return scheduler.generate(Request(tuple(ids), sampling=sampling, max_tokens=tokens, seed=SEED))
+
+
+def together(scheduler, prompts: list[list[int]], tokens: int) -> tuple[float, list[tuple[int, ...]]]:
+    from llama_chat.inference.types import Request
+    from llama_chat.ml.sampling import SamplingParams
+
+    async def main():
+        out = {}
+
+        async def one(i, ids):
+            request = Request(tuple(ids), sampling=SamplingParams(temperature=0.0), max_tokens=tokens,
+                              request_id=f"j{i}")
+            async with scheduler.submit(request) as stream:
+                async for _ in stream:
+                    pass
+            out[i] = stream.completion().token_ids
+
+        async with scheduler:
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for i, ids in enumerate(prompts):
+                    tg.start_soon(one, i, ids)
+            return time.perf_counter() - start, [out[i] for i in range(len(prompts))]
+
+    return anyio.run(main)
+
+
+def llama_server_rates(server: Path, path: Path, prompts: dict[str, list[int]], tokens: int, threads: int,
+                       spec: bool, rounds: int) -> dict[str, float]:
+    """llama-server's own decode rate for each prompt (token ids, as ours), median of ``rounds``."""
+    port = free_port()
+    cmd = [str(server), "-m", str(path), "--port", str(port), "-np", "1", "-c", "4096", "-t", str(threads),
+           "--no-webui", "--temp", "0"]
+    if spec:
+        cmd += ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(port, proc)
+        rates: dict[str, list[float]] = {name: [] for name in prompts}
+        for _ in range(rounds):
+            for name, ids in prompts.items():
+                body = json.dumps({"prompt": ids, "n_predict": tokens, "temperature": SAMPLED if "t=" in name else 0,
+                                   "seed": SEED, "cache_prompt": False, "ignore_eos": True}).encode()
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=3600) as r:
+                    rates[name].append(json.load(r)["timings"]["predicted_per_second"])
+        return {name: statistics.median(v) for name, v in rates.items()}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="a GGUF file (llama.cpp reads the same)")
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    torch.set_num_threads(args.threads)
+
+    from llama_chat.cmd.prompt import prompt_ids
+    from llama_chat.ml.cpu import kernels
+    from llama_chat.model.loader import load_model
+
+    loaded = load_model(args.model, device="cpu")
+    kernels.prepare(loaded.model)
+    kernels.load()
+    prompts = {name: prompt_ids(text, system=None, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
+               for name, (_, text) in TASKS.items()}
+    plain, drafting = source(loaded, False, 1), source(loaded, True, 1)
+    rates: dict[str, dict[str, list[float]]] = {name: {"off": [], "on": []} for name in TASKS}
+    kept: dict[str, tuple[int, int]] = {}
+    for r in range(args.rounds + 1):  # the first round warms up (panels, caches) and is not counted
+        for name, ids in prompts.items():
+            order = (("off", plain), ("on", drafting)) if r % 2 else (("on", drafting), ("off", plain))
+            replies = {}
+            for mode, scheduler in order:
+                done = one_job(scheduler, ids, args.tokens, sampling_of(name))
+                replies[mode] = done.token_ids
+                if r:
+                    rates[name][mode].append(done.timings.decode_tok_s)
+                if mode == "on" and done.speculation is not None:
+                    kept[name] = done.speculation
+            assert replies["on"] == replies["off"], f"{name}: the replies differ with lookup"
+            log(f"round {r} {name}: " + "  ".join(f"{m} {rates[name][m][-1]:.1f}" for m in ("off", "on") if rates[name][m]))
+
+    server = None if args.no_llama_cpp else peer_mod.ensure_llama_cpp(CACHE, log=log).bench.parent / "llama-server"
+    cpp = {}
+    if server is not None and server.exists():
+        ids = {name: list(p) for name, p in prompts.items()}
+        cpp = {"off": llama_server_rates(server, Path(args.model), ids, args.tokens, args.threads, False, args.rounds),
+               "on": llama_server_rates(server, Path(args.model), ids, args.tokens, args.threads, True, args.rounds)}
+
+    print(f"\nPrompt lookup, {Path(args.model).name}, {args.tokens} tokens, medians of {args.rounds} "
+          f"rounds; {machine()}\n")
+    print("| task | kind | llama-chat off | on | on / off | drafts kept | llama.cpp off | ngram-simple | "
+          "its ratio | ours on / its ngram |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (kind, _) in TASKS.items():
+        off, on = statistics.median(rates[name]["off"]), statistics.median(rates[name]["on"])
+        drafted, accepted = kept.get(name, (0, 0))
+        share = f"{accepted}/{drafted}" if drafted else "-"
+        c_off, c_on = cpp.get("off", {}).get(name), cpp.get("on", {}).get(name)
+        cells = [f"{c_off:.1f}" if c_off else "-", f"{c_on:.1f}" if c_on else "-",
+                 f"{c_on / c_off:.2f}x" if c_on and c_off else "-", f"**{on / c_on:.2f}x**" if c_on else "-"]
+        print(f"| {name} | {kind} | {off:.1f} | {on:.1f} | **{on / off:.2f}x** | {share} | " + " | ".join(cells) + " |")
+
+    batch = [list(prompts[name]) for name in TASKS for _ in range(-(-args.jobs // len(TASKS)))][:args.jobs]
+    walls = {"off": [], "on": []}
+    batched = {"off": source(loaded, False, args.jobs), "on": source(loaded, True, args.jobs)}
+    for r in range(args.rounds):
+        outs = {}
+        for mode in (("off", "on") if r % 2 else ("on", "off")):
+            wall, outs[mode] = together(batched[mode], batch, args.tokens)
+            walls[mode].append(sum(len(t) for t in outs[mode]) / wall)
+        assert outs["on"] == outs["off"], "the batch's replies differ with lookup"
+    off, on = statistics.median(walls["off"]), statistics.median(walls["on"])
+    print(f"\n{args.jobs} jobs at once: {off:.1f} tok/s without lookup, {on:.1f} with: **{on / off:.2f}x**")
+
+
+if __name__ == "__main__":
+    main()
