@@ -235,8 +235,9 @@ def test_a_smollm_style_file_chats_and_a_bad_name_is_exit_2(tmp_path):
                       chat_template=CHATML)
     bad = write_gguf(tmp_path / "bad.gguf", hf.state_dict(), hf_config(hf), qtype=T.Q4_1,
                      bpe=bpe | {"pre": "\x1b[31mnope"}, chat_template=CHATML)
-    commands = [["-m", str(p), "-p", "Hello there, 12 foxes!", "-n", "5", "-t", "0", "--json", "--no-stdin"]
-                for p in (good, bad)]
+    # A float32 cache: the tokens are compared with transformers' float32 generate.
+    commands = [["-m", str(p), "-p", "Hello there, 12 foxes!", "-n", "5", "-t", "0", "--json", "--no-stdin",
+                 "--cache-type", "f32"] for p in (good, bad)]
     with ThreadPoolExecutor(2) as pool:
         ok, refused = pool.map(lambda args: run_cli(*args), commands)
     assert ok.returncode == 0, ok.stderr.decode()
