@@ -199,19 +199,16 @@ def memory(args, peer) -> None:
     for model in args.model:
         shape = shape_of(model, args.cache_type, args.conversations, args.tokens)
         name = "shipped" if model == "default" else Path(model).name
-        runs = {}
-        port = free_port()
-        runs["llama-chat"] = measure_server(
-            [ours, "serve", "-m", model, "--port", str(port), "--max-batch", str(SLOTS), "-c", str(shape.context),
-             "--cache-type", args.cache_type, "--quiet"], port, shape.texts)
+        at_rest, servers = shape.weights + 300e6, [("llama-chat", [
+            ours, "serve", "-m", model, "--max-batch", str(SLOTS), "-c", str(shape.context), "--cache-type",
+            args.cache_type, "--quiet", "--port"])]
         if model != "default":  # llama.cpp reads GGUF files only
+            servers.append(("llama-server", [
+                str(server), "-m", model, "-np", str(SLOTS), "-c", str(SLOTS * shape.context), "-ctk", args.cache_type,
+                "-ctv", args.cache_type, "-fa", "on", "-t", str(args.threads), "--no-webui", "--port"]))
+        for who, command in servers:  # each row as soon as it is measured
             port = free_port()
-            runs["llama-server"] = measure_server(
-                [str(server), "-m", model, "--port", str(port), "-np", str(SLOTS), "-c", str(SLOTS * shape.context),
-                 "-ctk", args.cache_type, "-ctv", args.cache_type, "-fa", "on", "-t", str(args.threads),
-                 "--no-webui"], port, shape.texts)
-        for who, run in runs.items():
-            at_rest = shape.weights + 300e6
+            run = measure_server([*command, str(port)], port, shape.texts)
             loaded = shape.weights + run.held * shape.token_bytes
             grown = (run.peak - run.idle) / (run.held * shape.token_bytes)
             print(f"| {name} | {who} | {mb(run.idle)} | {run.idle / at_rest:.2f} | {mb(run.peak)} | {run.held} | "
