@@ -47,7 +47,7 @@ from llama_chat.cmd.conversation_file import (SAVE_FORMAT, ConversationError, Tu
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
 from llama_chat.cmd.render import make_renderer
-from llama_chat.cmd.report import failure_line, seed_to_report, weights_text
+from llama_chat.cmd.report import drafts_text, failure_line, seed_to_report, weights_text
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers, interruptible_prompt, no_control_echo
 from llama_chat.cmd.typeahead import Typed, held_typing
@@ -371,7 +371,7 @@ class ChatRunner:
         return (f"prompt: {done.prompt_tokens} tokens ({done.cached_tokens} from the cache, "
                 f"{done.prefilled_tokens} prefilled)  reply: {done.completion_tokens} tokens, "
                 f"{done.finish_reason.value}  ttft: {fmt(t.ttft_s, 's', 3)}  prefill: {fmt(t.prefill_tok_s, 'tok/s')}  "
-                f"decode: {fmt(t.decode_tok_s, 'tok/s')}  context: {used}/{self.chat.backend.max_seq_len}"
+                f"decode: {fmt(t.decode_tok_s, 'tok/s')}{drafts_text(done)}  context: {used}/{self.chat.backend.max_seq_len}"
                 f"{seed}{self.pages_text()}" + (f"  {weights_text(self.weights())}" if self.weights else ""))
 
     def pages_text(self) -> str:

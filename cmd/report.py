@@ -65,13 +65,14 @@ def stats_line(completion: Completion, load_s: float | None = None, weights: Wei
     return Text(
         f"tokens: {completion.prompt_tokens} prompt, {completion.completion_tokens} generated  "
         f"{load}ttft: {_fmt(t.ttft_s, 's', 3)}  prefill: {_fmt(t.prefill_tok_s, 'tok/s')}  "
-        f"decode: {_fmt(t.decode_tok_s, 'tok/s')}" + _drafts_text(completion)
+        f"decode: {_fmt(t.decode_tok_s, 'tok/s')}" + drafts_text(completion)
         + (f"  {weights_text(weights)}" if weights is not None else ""),
         style="dim",
     )
 
 
-def _drafts_text(completion: Completion) -> str:
+def drafts_text(completion: Completion) -> str:
+    """What prompt lookup drafted and kept for a reply (speculative decoding), or nothing."""
     if completion.speculation is None:
         return ""
     drafted, accepted = completion.speculation

@@ -201,3 +201,27 @@ def test_the_draft_length_follows_what_is_taken():
     lookup.taken(3, 0)  # nothing taken: a pause before the next draft
     assert [lookup.draft(tokens, 10) for _ in range(PAUSES[1])] == [[]] * PAUSES[1]
     assert lookup.draft(tokens, 10) == [4]
+
+
+def test_the_command_drafts_with_lookup_on_and_says_how_many_were_kept(cpu_kernels_loaded, tmp_path):
+    """Through the installed command: the same reply with and without ``--lookup on``, and what
+    was drafted and kept in ``--json`` and in ``--stats``. (bfloat16 weights: the CPU kernels
+    take them whatever the model's size, and drafts need them.)"""
+    if not cpu_kernels_loaded:
+        pytest.skip("drafts are verified by the CPU operator, which is not built here")
+    import json
+
+    from cli_support import build_tiny_model, run_cli
+
+    tiny = build_tiny_model(tmp_path)
+    common = ("-m", str(tiny.path), "--dtype", "bfloat16", "-t", "0", "-n", "80", "--template", "none",
+              "-p", "one two three four one two three four one two three four one two")
+    off = run_cli(*common, "--json")
+    on = run_cli(*common, "--json", "--lookup", "on")
+    assert off.returncode == 0 and on.returncode == 0, on.stderr
+    plain, drafted = json.loads(off.stdout), json.loads(on.stdout)
+    assert drafted["token_ids"] == plain["token_ids"] and "speculation" not in plain
+    assert drafted["speculation"]["drafted_tokens"] > 0, drafted
+    stats = run_cli(*common, "--stats", "--lookup", "on")
+    assert f"drafts: {drafted['speculation']['accepted_tokens']} of {drafted['speculation']['drafted_tokens']} " \
+           f"tokens kept" in stats.stderr.decode()
