@@ -39,7 +39,16 @@ def single_stream(loaded: LoadedModel | RemoteModel, opts) -> Source:
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=1, page_size=SINGLE_STREAM_PAGE_SIZE, cache_tokens=loaded.model.args.max_seq_len,
         speculation=speculation(opts),
-        quantize=quantize, compile=opts.compile, cache_type=getattr(opts, "cache_type", None)))
+        quantize=quantize, compile=opts.compile, cache_type=cache_type(opts)))
+
+
+def cache_type(opts) -> str | None:
+    """The pages' type: ``--cache-type``'s, except that ``auto`` with ``--compile`` keeps the
+    model's dtype, which the compiled step reads as it is (a 16-bit page would leave it out)."""
+    chosen = getattr(opts, "cache_type", None)
+    if chosen in (None, "auto") and getattr(opts, "compile", None):
+        return None
+    return chosen
 
 
 def speculation(opts) -> Speculation | None:
@@ -57,4 +66,4 @@ def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=max_batch, cache_tokens=cache_tokens, quantize=getattr(opts, "quantize", "none"),
         speculation=speculation(opts),
-        compile=bool(opts.compile), cache_type=getattr(opts, "cache_type", None)))
+        compile=bool(opts.compile), cache_type=cache_type(opts)))

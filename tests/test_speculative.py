@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builders import endless_model
+from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.speculative import PAUSES, Lookup, Speculation
 from llama_chat.inference.types import Request
@@ -146,16 +147,25 @@ def test_several_jobs_at_once_and_a_stop_token_inside_a_draft(walker):
     assert any(reason.value == "eos" for _, reason in want.values())
 
 
-def test_a_request_may_decline_and_many_jobs_do_not_draft(model):
+def test_a_request_may_decline_and_many_jobs_do_not_draft(model, monkeypatch):
     requests = [Request(r.prompt_ids, sampling=GREEDY, max_tokens=40, request_id=r.request_id)
                 for r in requests_of(GREEDY, count=6)]
     declining = [Request(r.prompt_ids, sampling=GREEDY, max_tokens=40, speculate=False, request_id=r.request_id)
                  for r in requests]
     _, stats = replies(model, declining, Speculation())
     assert stats.drafted_tokens == 0
-    # Six jobs in step from the first to the last token: never as few as two running.
-    _, stats = replies(model, requests, Speculation(most_jobs=2), max_batch=6)
-    assert stats.drafted_tokens == 0
+    seen = []
+    drafts = BatchCore._drafts
+
+    def recorded(core, decoding):
+        made = drafts(core, decoding)
+        seen.append((len(core.active), len(made)))
+        return made
+
+    monkeypatch.setattr(BatchCore, "_drafts", recorded)
+    replies(model, requests, Speculation(most_jobs=2), max_batch=6)
+    assert any(running > 2 for running, _ in seen)
+    assert all(made == 0 for running, made in seen if running > 2), seen
 
 
 def test_the_next_turn_finds_the_pages_a_speculating_turn_left(walker):
