@@ -23,12 +23,10 @@ from llama_chat.inference.tool_calls import (ToolCall, ToolChoice, ToolError, To
                                              make_tool)
 from llama_chat.inference.tool_formats import called_tool
 from llama_chat.inference.tool_stream import Delta
-from llama_chat.inference.types import MAX_TOP_LOGPROBS, Completion, GenerationState, TokenLogprobs
-from llama_chat.ml.controls import ControlError, SamplingParams
+from llama_chat.inference.types import Completion, GenerationState, TokenLogprobs
+from llama_chat.ml.controls import ControlError, SamplingParams, check
 from llama_chat.model.chat_format import Message
 
-MAX_CHOICES = 128  # OpenAI's own bound on n
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs (a chat's top_logprobs: MAX_TOP_LOGPROBS)
 
 # OpenAI's error types by HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -119,7 +117,7 @@ def parse_chat(body: dict[str, Any]) -> Generation:
     _known(body, CHAT_FIELDS)
     logprobs = None
     if _flag(body, "logprobs"):
-        logprobs = _logprobs_count(body, "top_logprobs", MAX_TOP_LOGPROBS) if _given(body, "top_logprobs") else 0
+        logprobs = _ranged(body, "top_logprobs") if _given(body, "top_logprobs") else 0
     elif _given(body, "top_logprobs"):
         raise bad("top_logprobs needs logprobs to be true", "top_logprobs")
     if _given(body, "functions") and body["functions"] != []:
@@ -177,23 +175,16 @@ def _tool_choice(value: Any, offered: bool) -> ToolChoice:
 
 def parse_completion(body: dict[str, Any]) -> Generation:
     _known(body, COMPLETION_FIELDS)
-    logprobs = _logprobs_count(body, "logprobs", MAX_COMPLETION_LOGPROBS) if _given(body, "logprobs") else None
+    logprobs = _ranged(body, "logprobs") if _given(body, "logprobs") else None
     if body.get("echo"):
         raise bad("echo is not supported by this server", "echo")
     if _given(body, "suffix"):
         raise bad("suffix is not supported by this server", "suffix")
     common = _common(body, "max_tokens")
-    best_of = body.get("best_of")
-    if best_of is not None and not _count(best_of, 1, MAX_CHOICES):
-        raise bad(f"best_of must be an integer in 1 <= best_of <= {MAX_CHOICES}, got {best_of!r}", "best_of")
+    best_of = _ranged(body, "best_of") if body.get("best_of") is not None else None
     if best_of is not None and best_of != common["n"]:
         raise bad("best_of is not supported by this server (leave it out, or give n's value)", "best_of")
     return Generation(False, _prompts(body.get("prompt")), **common, logprobs=logprobs)
-
-
-def _count(value: Any, least: int, most: int) -> bool:
-    """Whether ``value`` is an integer (not a bool: JSON's true is not 1) in ``least..most``."""
-    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
 
 
 def _given(body: dict[str, Any], name: str) -> bool:
@@ -211,9 +202,7 @@ def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model")
-    n = body.get("n", 1) if _given(body, "n") else 1
-    if not _count(n, 1, MAX_CHOICES):
-        raise bad(f"n must be an integer in 1 <= n <= {MAX_CHOICES}, got {n!r}", "n")
+    n = _ranged(body, "n") if _given(body, "n") else 1
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -237,11 +226,12 @@ def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
     return {"model": model, "n": n, "stream": stream, "include_usage": include_usage, "settings": settings}
 
 
-def _logprobs_count(body: dict[str, Any], name: str, most: int) -> int:
-    value = body[name]
-    if not _count(value, 0, most):
-        raise bad(f"{name} must be an integer in 0 <= {name} <= {most}, got {value!r}", name)
-    return value
+def _ranged(body: dict[str, Any], name: str) -> int:
+    """``body[name]`` checked by its rule in the options table (``controls.SERVER_RULES``)."""
+    try:
+        return check(name, body[name])
+    except ControlError as e:
+        raise bad(str(e), name) from None
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -520,6 +510,6 @@ class StreamEvents:
         return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
-__all__ = ["ApiError", "ChatMessage", "Generation", "LogprobsWriter", "MAX_CHOICES", "MAX_COMPLETION_LOGPROBS", "Reply",
+__all__ = ["ApiError", "ChatMessage", "Generation", "LogprobsWriter", "Reply",
            "StreamEvents", "bad", "dumps", "event", "finish_reason", "parse_chat", "parse_completion", "tool_call_deltas",
            "usage"]

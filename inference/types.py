@@ -11,7 +11,7 @@ import enum
 import uuid
 from dataclasses import dataclass, field
 
-from llama_chat.ml.controls import BeamParams, ControlError, SamplingParams, check, check_stop
+from llama_chat.ml.controls import MAX_TOP_LOGPROBS, BeamParams, ControlError, SamplingParams, check, check_stop
 from llama_chat.ml.grammars import Constraint
 from llama_chat.model.tokenizers.base import Tokenizer
 
@@ -41,7 +41,6 @@ class GenerationState(str, enum.Enum):
 
 # -- requests ------------------------------------------------------------------------------------
 
-MAX_TOP_LOGPROBS = 20  # most alternatives a token's logprobs list (OpenAI's and vLLM's bound)
 
 
 def new_request_id() -> str:

@@ -131,15 +131,33 @@ def _kind_name(kind: type) -> str:
     return "an integer" if kind is int else "a number"
 
 
+# The server's ranges that are not settings (cmd/openai_api.py), OpenAI's own bounds: how many
+# choices a request asks for, and how many alternatives a token's logprobs list.
+MAX_CHOICES = 128
+MAX_TOP_LOGPROBS = 20  # a chat's top_logprobs (vLLM's bound too)
+MAX_COMPLETION_LOGPROBS = 5  # a completion's logprobs
+SERVER_RULES: dict[str, Rule] = {
+    "n": Rule(int, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in 1 <= n <= {MAX_CHOICES}"),
+    "best_of": Rule(int, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in 1 <= best_of <= {MAX_CHOICES}"),
+    "top_logprobs": Rule(int, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                         f"an integer in 0 <= top_logprobs <= {MAX_TOP_LOGPROBS}"),
+    "logprobs": Rule(int, lambda v: 0 <= v <= MAX_COMPLETION_LOGPROBS,
+                     f"an integer in 0 <= logprobs <= {MAX_COMPLETION_LOGPROBS}"),
+}
+
+
 def check(name: str, value):
-    """``value`` if setting ``name`` allows it, else ``ControlError`` ("must be ..., got ...").
+    """``value`` if setting ``name`` (or the server's field ``name``: ``SERVER_RULES``) allows it,
+    else ``ControlError`` ("must be ..., got ...").
 
     An integer given for a float setting comes back as a float."""
-    rule = RULES[name]
+    rule = RULES[name] if name in RULES else SERVER_RULES[name]
     if rule.kind is float and _integer(value):
         value = float(value)
     if not (_integer(value) if rule.kind is int else isinstance(value, float)):
-        raise ControlError(name, f"must be {_kind_name(rule.kind)}, got {value!r}")
+        # "an integer in 1 <= n <= 128" says the kind too: then the whole rule, else the kind.
+        expected = rule.allowed if rule.allowed.startswith(_kind_name(rule.kind)) else _kind_name(rule.kind)
+        raise ControlError(name, f"must be {expected}, got {value!r}")
     if not rule.test(value):
         raise ControlError(name, f"must be {rule.allowed}, got {value}")
     return value

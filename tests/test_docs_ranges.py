@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_chat.ml.controls import RULES
+from llama_chat.ml.controls import RULES, SERVER_RULES
 
 USAGE = Path(__file__).resolve().parent.parent / "docs" / "usage.md"
 # Hugging Face names in the docs' table whose rule has another name.
@@ -70,3 +70,23 @@ def test_the_documented_range_is_the_rules(name):
     for probe, allowed in cases:
         probe = rule.kind(probe) if rule.kind is int else probe
         assert rule.test(probe) is allowed, f"{name}: docs say {text!r}; the rule says {rule.test(probe)} for {probe}"
+
+
+SERVER_DOCS = {
+    # (file, a pattern whose two groups are the documented least and most, the rule)
+    "top_logprobs": (r"`top_logprobs`[^0-9`]*\(?(\d+) to (\d+)", ("usage.md", "serve.md")),
+    "logprobs": (r"completion's `logprobs` \((\d+) to (\d+)\)", ("usage.md", "serve.md")),
+    "n": (r"\| `n` \| choices per prompt, (\d+) to (\d+)", ("serve.md",)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SERVER_DOCS))
+def test_the_servers_documented_ranges_are_its_rules(name):
+    pattern, files = SERVER_DOCS[name]
+    rule = SERVER_RULES[name]
+    for file in files:
+        found = re.search(pattern, (USAGE.parent / file).read_text())
+        assert found, f"{file} does not give {name}'s range"
+        least, most = map(int, found.groups())
+        assert rule.test(least) and rule.test(most) and not rule.test(least - 1) and not rule.test(most + 1), \
+            f"{file}: {name} {least} to {most}; the rule allows {rule.allowed}"
