@@ -131,6 +131,10 @@ class ServingMetrics:
                [f"llama_chat_prompt_tokens_cached_total {s.cached_tokens}"])
         metric("llama_chat_generated_tokens_total", "counter", "Tokens generated.",
                [f"llama_chat_generated_tokens_total {s.generated_tokens}"])
+        metric("llama_chat_drafted_tokens_total", "counter", "Tokens drafted by prompt lookup (--lookup on) and verified.",
+               [f"llama_chat_drafted_tokens_total {s.drafted_tokens}"])
+        metric("llama_chat_accepted_tokens_total", "counter", "Drafted tokens that were kept.",
+               [f"llama_chat_accepted_tokens_total {s.accepted_tokens}"])
         metric("llama_chat_prefix_cache_hit_ratio", "gauge", "Cached prompt tokens over all prompt tokens.",
                [f"llama_chat_prefix_cache_hit_ratio {s.cached_tokens / prompt if prompt else 0.0!r}"])
         metric("llama_chat_kv_pages_used", "gauge", "KV cache pages in some job's block table.",
