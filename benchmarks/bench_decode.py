@@ -372,13 +372,19 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def measure_config(key: str, c: dict, args, bins: dict, envs: dict) -> list[dict]:
+def prepare_weights(key: str, c: dict, args, bins: dict) -> str:
+    """The config's checkpoints in ``--work`` (written once); their folder."""
     work = os.path.join(args.work, key)
     if not os.path.exists(os.path.join(work, "done")):
         t = time.perf_counter()
         write_weights(c, work, bool(bins) and c.get("llama2c", True))
         open(os.path.join(work, "done"), "w").close()
         emit(system="write_weights", config=key, s=time.perf_counter() - t)
+    return work
+
+
+def measure_config(key: str, c: dict, args, bins: dict, envs: dict) -> list[dict]:
+    work = prepare_weights(key, c, args, bins)
     hf_dir, rows = os.path.join(work, "hf"), []
     for dtype in c.get("dtypes", DTYPES):
         found = {}
@@ -536,6 +542,8 @@ def main() -> None:
     ap.add_argument("--llama2c", default=PEERS, help="the folder with llama2.c's build.sh")
     ap.add_argument("--pairs", type=int, default=5,
                     help="back-to-back pairs of llama-chat and run.c float32 decode per config (0: none)")
+    ap.add_argument("--pairs-only", action="store_true",
+                    help="only the back-to-back pairs with run.c (a quick A/B of two trees)")
     ap.add_argument("--out", default=None, help="write every row as JSON here")
     ap.add_argument("--worker", choices=("llama_chat", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -573,7 +581,10 @@ def main() -> None:
          read_bandwidth_gbs=bandwidth)
     rows, pairs = [], []
     for key in keys:
-        rows += measure_config(key, CONFIGS[key], args, bins, envs)
+        if args.pairs_only:
+            prepare_weights(key, CONFIGS[key], args, bins)
+        else:
+            rows += measure_config(key, CONFIGS[key], args, bins, envs)
         if bins and args.pairs > 0 and CONFIGS[key].get("llama2c", True) and "float32" in CONFIGS[key].get("dtypes", DTYPES):
             found = paired_with_run_c(key, args, bins, envs)
             if found is not None:
