@@ -7,7 +7,7 @@ Greedy, on tasks whose answer repeats its input (repeat a passage word for word,
 throughout a passage, add a docstring to a given function) and on open-ended ones (a story, an
 explanation), and the open-ended ones again sampled (temperature 0.8, a fixed seed: a small model's
 greedy story soon repeats itself, a sampled one much less), each as a one-turn chat in the file's
-own template:
+own template, or as plain text where the file has none (a base model):
 
 * llama-chat, one job: decode tok/s (the tokens after the first over their time) with and without
   lookup, alternating rounds in one process; the replies must be equal token for token. Also the
