@@ -19,14 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llama_chat.cmd.batch_input import SAMPLING_KEYS, SETTING_KEYS, setting
-from llama_chat.cmd.openai_api import ApiError, Generation, bad
+from llama_chat.cmd.batch_input import SETTING_KEYS
+from llama_chat.cmd.openai_api import ApiError, Generation, bad, read_settings
 from llama_chat.inference.tool_calls import (ToolCall, ToolChoice, ToolError, ToolRequest, check_results, check_tools,
                                              make_tool)
 from llama_chat.inference.tool_formats import called_tool
 from llama_chat.inference.tool_stream import Delta
 from llama_chat.inference.types import GenerationState
-from llama_chat.ml.controls import ControlError, SamplingParams
 from llama_chat.model.chat_format import Message
 
 # Anthropic's error types by HTTP status.
@@ -81,25 +80,7 @@ def parse_messages(body: dict[str, Any]) -> Generation:
     except ToolError as e:
         raise bad(str(e), e.param) from None
     return Generation(True, (messages,), model=model, stream=bool(stream), include_usage=True,
-                      settings=_settings(body), tools=tools)
-
-
-def _settings(body: dict[str, Any]) -> dict[str, Any]:
-    settings = {}
-    for source, name in SETTINGS.items():
-        if body.get(source) is None:
-            continue
-        try:
-            settings[name] = setting(name, body[source])
-        except ControlError as e:
-            raise bad(f"{source} {e.reason}", source) from None
-        except (ValueError, TypeError) as e:
-            raise bad(str(e).replace(f"'{name}'", source), source) from None
-    try:
-        SamplingParams(**{k: v for k, v in settings.items() if k in SAMPLING_KEYS})
-    except ControlError as e:
-        raise bad(str(e), e.name) from None
-    return settings
+                      settings=read_settings(body, SETTINGS.items()), tools=tools)
 
 
 def _text_of(value: Any, where: str) -> str:

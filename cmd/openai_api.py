@@ -208,8 +208,16 @@ def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
     if options is not None and not isinstance(options, dict):
         raise bad("stream_options must be an object", "stream_options")
     include_usage = bool(options and options.get("include_usage"))
-    settings = {}
     fields = [(limit_field, "max_tokens"), *((name, name) for name in (*OPENAI_SETTINGS, *EXTRA_SETTINGS))]
+    return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
+            "settings": read_settings(body, fields)}
+
+
+def read_settings(body: dict[str, Any], fields) -> dict[str, Any]:
+    """The generation settings of ``body``: each ``(field, setting)`` of ``fields`` given, checked
+    by the setting's rule and named by the field in an error; then all of them together, as the
+    job will use them (one may constrain another). Both APIs' bodies are read here."""
+    settings = {}
     for source, name in fields:
         if not _given(body, source):
             continue
@@ -219,11 +227,11 @@ def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
             raise bad(f"{source} {e.reason}", source) from None
         except (ValueError, TypeError) as e:
             raise bad(str(e).replace(f"'{name}'", source), source) from None
-    try:  # every control together, as the job will use them (one may constrain another)
+    try:
         SamplingParams(**{k: v for k, v in settings.items() if k in SAMPLING_KEYS})
     except ControlError as e:
         raise bad(str(e), e.name) from None
-    return {"model": model, "n": n, "stream": stream, "include_usage": include_usage, "settings": settings}
+    return settings
 
 
 def _ranged(body: dict[str, Any], name: str) -> int:
