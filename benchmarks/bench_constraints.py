@@ -217,12 +217,12 @@ def paired_summary(times: dict[str, list[float]]) -> list[dict]:
              "speed_ratio_p10": p10(base) / p10(values)} for kind, values in times.items()]
 
 
-def mask_cost(constraints: Constraints, steps: int) -> dict[str, float]:
-    """Microseconds per token of the processor alone (its call, and its matcher's advance) along a
-    greedy walk of random logits, with each mask computed when asked."""
-    schema = Constraint.json_schema(SCHEMA)
+def mask_walk(constraints: Constraints, constraint: Constraint, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of the processor alone per token (its call, and its matcher's advance) along a
+    greedy walk of random logits, with each mask computed when asked; the walk ends early where
+    the constraint is complete."""
     logits = torch.randn(steps, VOCAB, generator=torch.Generator().manual_seed(5)) * 3
-    mask = GrammarMask(constraints.compile(schema), ahead=False)
+    mask = GrammarMask(constraints.compile(constraint), ahead=False)
     history = TokenHistory([[1]], vocab_size=VOCAB)
     calls, advances = [], []
     for i in range(steps):
@@ -232,6 +232,14 @@ def mask_cost(constraints: Constraints, steps: int) -> dict[str, float]:
         history.append([int(row.argmax())])
         calls.append(middle - start)
         advances.append(time.perf_counter() - middle)
+        if mask.stopped(0):
+            break
+    return calls, advances
+
+
+def mask_cost(constraints: Constraints, steps: int) -> dict[str, float]:
+    """Microseconds per token of the processor alone, for ``SCHEMA`` (``mask_walk``)."""
+    calls, advances = mask_walk(constraints, Constraint.json_schema(SCHEMA), steps)
     return {"mask (call), median": statistics.median(calls) * 1e6, "mask (call), mean": statistics.mean(calls) * 1e6,
             "advance, median": statistics.median(advances) * 1e6}
 

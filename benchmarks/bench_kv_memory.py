@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 import llama_cpp_peer as peer_mod
+from bench_serve import stop
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path.home() / ".cache" / "llama-chat-bench"
@@ -181,11 +182,7 @@ def measure_server(command: list[str], port: int, texts: list[str]) -> MemoryRun
         time.sleep(SETTLE_S)
         return MemoryRun(idle, peak, rss(proc.pid), sum(held), seconds)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def memory(args, peer) -> None:

@@ -40,6 +40,7 @@ import torch
 
 import llama_cpp_peer as peer_mod
 from bench_kv_memory import free_port, wait_ready
+from bench_serve import stop
 
 CACHE = Path.home() / ".cache" / "llama-chat-bench"
 
@@ -149,11 +150,7 @@ def llama_server_rates(server: Path, path: Path, prompts: dict[str, list[int]], 
                     rates[name].append(json.load(r)["timings"]["predicted_per_second"])
         return {name: statistics.median(v) for name, v in rates.items()}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def main() -> None:

@@ -40,14 +40,13 @@ from pathlib import Path  # noqa: E402
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from bench_constraints import SCHEMA, VOCAB, train_vocabulary  # noqa: E402
+from bench_constraints import SCHEMA, VOCAB, mask_walk, train_vocabulary  # noqa: E402
 from bench_serve import start_server, stop  # noqa: E402
 from llama_chat.inference.tool_calls import ToolChoice, ToolRequest, make_tool  # noqa: E402
 from llama_chat.inference.tool_formats import FORMATS, tool_grammar  # noqa: E402
 from llama_chat.inference.types import stop_ids_of  # noqa: E402
-from llama_chat.ml.constraints import Constraints, GrammarMask  # noqa: E402
+from llama_chat.ml.constraints import Constraints  # noqa: E402
 from llama_chat.ml.grammars import Constraint  # noqa: E402
-from llama_chat.ml.processors import TokenHistory  # noqa: E402
 from llama_chat.model.chat_format import HFTemplateChatFormat, Message  # noqa: E402
 from llama_chat.model.tokenizers.hf import HFTokenizer  # noqa: E402
 
@@ -100,21 +99,8 @@ def write_model(folder: Path, vocabulary: Path) -> Path:
 
 
 def mask_cost(constraints: Constraints, constraint: Constraint, steps: int) -> dict[str, float]:
-    """Microseconds per token of the processor alone along a greedy walk of random logits (the
-    walk of ``bench_constraints.mask_cost``)."""
-    logits = torch.randn(steps, VOCAB, generator=torch.Generator().manual_seed(5)) * 3
-    mask = GrammarMask(constraints.compile(constraint), ahead=False)
-    history = TokenHistory([[1]], vocab_size=VOCAB)
-    calls, advances = [], []
-    for i in range(steps):
-        start = time.perf_counter()
-        row = mask(history, logits[i:i + 1].clone())
-        middle = time.perf_counter()
-        history.append([int(row.argmax())])
-        calls.append(middle - start)
-        advances.append(time.perf_counter() - middle)
-        if mask.stopped(0):
-            break
+    """Microseconds per token of the processor alone (``bench_constraints.mask_walk``)."""
+    calls, advances = mask_walk(constraints, constraint, steps)
     return {"tokens": len(calls), "mask_us": statistics.median(calls) * 1e6,
             "advance_us": statistics.median(advances) * 1e6}
 
