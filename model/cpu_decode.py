@@ -30,6 +30,7 @@ everything else as the model's own tensors, whose weights are first moved into o
 from __future__ import annotations
 
 import weakref
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,7 @@ from torch import nn
 from llama_chat.ml import half, packed, quantize
 from llama_chat.ml.cpu import decode
 from llama_chat.ml.cpu import kernels as cpu_kernels
-from llama_chat.ml.cpu.decode import PANEL, Decoder, StepWeights, Switches
+from llama_chat.ml.cpu.decode import PANEL, Decoder, LayerWeights, Projection, StepWeights, Switches
 from llama_chat.model.formats.common import in_file_mapping, release_heap, release_pages
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache
@@ -77,28 +78,27 @@ class DecodeWeights:
     """The operator's view of one model: what it reads besides the token and the cache."""
 
     key: tuple
-    weights: list[torch.Tensor]
-    scales: list[torch.Tensor | None]
-    norms: list[torch.Tensor]
+    layers: list[LayerWeights]
     final_norm: torch.Tensor
-    output: torch.Tensor
-    output_scales: torch.Tensor | None
-    layer_parts: list[torch.Tensor | None] = field(default_factory=list)  # ``StepWeights.layer_parts``
+    output: Projection
     decoders: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
-    packed: tuple[list[torch.Tensor], torch.Tensor] | None = None  # ``packed_weights``, once made
+    packed: tuple[list[LayerWeights], Projection] | None = None  # ``packed_weights``, once made
+    made: dict[bool, StepWeights] = field(default_factory=dict)  # ``step_weights``, by ``packed``
 
     def step_weights(self, model: nn.Module, packed: bool = False) -> StepWeights:
-        """What the operator reads of ``model``; with ``packed``, float32 weights as panels where
-        ``packed_weights`` makes them."""
-        args = model.args
-        weights, output = self.packed_weights() if packed else (self.weights, self.output)
-        ropes = [model.rope_table(self.output.device, local=args.local_rope(i)) for i in range(args.n_layers)]
-        return StepWeights(_embedding(model), weights, self.scales, self.norms, self.final_norm, output,
-                           self.output_scales, ropes, args.n_heads, args.n_kv_heads, args.norm_eps,
-                           self.layer_parts, step_switches(args))
+        """What the operator reads of ``model`` (made once); with ``packed``, float32 weights as
+        panels where ``packed_weights`` makes them."""
+        found = self.made.get(packed)
+        if found is None:
+            args = model.args
+            layers, output = self.packed_weights() if packed else (self.layers, self.output)
+            ropes = [model.rope_table(self.final_norm.device, local=args.local_rope(i)) for i in range(args.n_layers)]
+            found = self.made[packed] = StepWeights(_embedding(model), layers, self.final_norm, output, ropes,
+                                                    args.n_heads, args.n_kv_heads, args.norm_eps, step_switches(args))
+        return found
 
-    def packed_weights(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The weights and the classifier for the batched step (and a single stream's, below
+    def packed_weights(self) -> tuple[list[LayerWeights], Projection]:
+        """The layers and the classifier for the batched step (and a single stream's, below
         ``PANELS_ALONE_AT_MOST``): float32 ones packed as panels of 16 outputs (``ml/cpu/panels.h``),
         a second copy, made once; the classifier only when its outputs are a multiple of 16, and
         nothing when the copy would pass ``PANELS_AT_MOST``."""
@@ -106,16 +106,23 @@ class DecodeWeights:
             chosen = self._packable()
             slots = [_panel_bytes(w) for w in chosen]
             if not chosen or sum(slots) > PANELS_AT_MOST:
-                self.packed = (self.weights, self.output)
+                self.packed = (self.layers, self.output)
                 return self.packed
             block = cpu_kernels.large_pages_block(sum(slots))
             if block is None:
                 block = torch.empty(sum(slots), dtype=torch.uint8)
             made, offset = {}, 0
             for weight, slot in zip(chosen, slots):
-                made[id(weight)] = _pack(weight, block[offset:offset + slot])
+                made[id(weight)] = Projection(_pack(weight, block[offset:offset + slot]))
                 offset += slot
-            self.packed = ([made.get(id(w), w) for w in self.weights], made.get(id(self.output), self.output))
+
+            def panels(projection: Projection) -> Projection:
+                return made.get(id(projection.weight), projection)
+
+            layers = [dataclasses.replace(layer, qkv=panels(layer.qkv), out=panels(layer.out),
+                                          gate_up=panels(layer.gate_up), down=panels(layer.down))
+                      for layer in self.layers]
+            self.packed = (layers, panels(self.output))
         return self.packed
 
     def panel_bytes(self) -> int:
@@ -129,10 +136,11 @@ class DecodeWeights:
         of bfloat16 weights are twice the bytes)."""
         if not alone:
             return True
-        return self.weights[0].dtype == torch.float32 and self.panel_bytes() <= PANELS_ALONE_AT_MOST
+        return self.layers[0].qkv.weight.dtype == torch.float32 and self.panel_bytes() <= PANELS_ALONE_AT_MOST
 
     def _packable(self) -> list[torch.Tensor]:
-        return [w for w in (*self.weights, self.output) if _packable(w, w is self.output)]
+        weights = [p.weight for layer in self.layers for p in layer.projections()] + [self.output.weight]
+        return [w for w in weights if _packable(w, w is self.output.weight)]
 
 
 # The packed copy of a model's float32 weights is made only up to this size: a 110M-parameter
@@ -175,39 +183,29 @@ def _embedding(model: nn.Module) -> torch.Tensor | packed.PackedWeight:
     return layer.packed if isinstance(layer, packed.PackedEmbedding) else layer.weight
 
 
-def _weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _weight(layer: nn.Module) -> Projection | None:
     """What the operator reads of a projection: its weight and scales (None for float weights),
-    or packed blocks and their layout (``packed.step_layout``) in the scales' place."""
+    or packed blocks and their layout (``packed.step_layout``) in the scales' place; None where it
+    cannot read it (a bias, another dtype, another device, not contiguous)."""
     if isinstance(layer, packed.PACKED_LAYERS):
-        return packed.step_layout(layer)
-    if isinstance(layer, quantize.Int8Linear):
-        return layer.weight, layer.scales
-    if type(layer) in (nn.Linear, half.HalfLinear) and layer.bias is None and layer.weight.dtype in WEIGHT_DTYPES:
-        return layer.weight, None
-    return None
+        found = Projection(*packed.step_layout(layer))
+    elif isinstance(layer, quantize.Int8Linear):
+        found = Projection(layer.weight, layer.scales)
+    elif type(layer) in (nn.Linear, half.HalfLinear) and layer.bias is None and layer.weight.dtype in WEIGHT_DTYPES:
+        found = Projection(layer.weight)
+    else:
+        return None
+    return found if found.weight.device.type == "cpu" and found.weight.is_contiguous() else None
 
 
 def supports(model: nn.Module) -> bool:
     """Whether ``model``'s one-token CPU steps will go to the operator (fused or not yet)."""
-    if not cpu_kernels.loaded() or operator_gaps(model.args):
-        return False  # a family's switch the operator lacks: the layers compute it
+    if not cpu_kernels.loaded():
+        return False
     # Engines make the cache in the dtype of the first parameter (a norm, where the matrices are
     # a file's blocks or 16-bit values): one the step cannot read keeps the layers.
     first = next(model.parameters(), None)
-    if first is None or first.dtype not in MODEL_DTYPES:
-        return False
-    for layer in model.layers:
-        attention, ffn = layer.attention, layer.feed_forward
-        parts = ([attention.wqkv] if attention.wqkv is not None else [attention.wq, attention.wk, attention.wv])
-        parts += [attention.wo] + ([ffn.w13] if ffn.w13 is not None else [ffn.w1, ffn.w3]) + [ffn.w2]
-        for part in parts:
-            found = _weight(part)
-            if found is None or found[0].device.type != "cpu":
-                return False
-        if len({_tensor(p).dtype for p in parts}) > 1 and not all(isinstance(p, quantize.Int8Linear) for p in parts):
-            return False  # fusing needs one dtype (packed layers of several kinds fuse: ``packed.fuse``)
-    found = _weight(model.output)
-    return found is not None and found[0].device.type == "cpu"
+    return first is not None and first.dtype in MODEL_DTYPES and _readable(model, fused=False)
 
 
 def _tensor(layer: nn.Module) -> torch.Tensor:
@@ -281,28 +279,24 @@ def gather(model: nn.Module) -> DecodeWeights | None:
         return None
     _to_large_pages([p for layer in model.layers for p in _projections(layer)] + [model.output])
     model.tie_weights()  # a tied packed embedding reads the moved classifier's blocks
-    weights: list[torch.Tensor] = []
-    scales: list[torch.Tensor | None] = []
-    norms: list[torch.Tensor] = []
-    layer_parts: list[torch.Tensor | None] = []
+    layers = []
     for layer in model.layers:
         attention = layer.attention
-        extra_norms = (attention.q_norm, attention.k_norm, layer.attention_post_norm, layer.ffn_post_norm)
-        layer_parts.append(_float_copy(attention.bqkv))
-        layer_parts += [_float_copy(n.weight) if n is not None else None for n in extra_norms]
-        for projection in _projections(layer):
-            weight, scale = _weight(projection)
-            weights.append(weight)
-            scales.append(scale)
-        norms += [layer.attention_norm.weight.detach().float().contiguous(),
-                  layer.ffn_norm.weight.detach().float().contiguous()]
-    output = _weight(model.output)
-    return DecodeWeights(_key(model), weights, scales, norms, model.norm.weight.detach().float().contiguous(),
-                         output[0], output[1], layer_parts=layer_parts)
+        qkv, out, gate_up, down = (_weight(p) for p in _projections(layer))
+        layers.append(LayerWeights(
+            qkv, out, gate_up, down, _float_copy(layer.attention_norm.weight), _float_copy(layer.ffn_norm.weight),
+            qkv_bias=_float_copy(attention.bqkv), q_norm=_norm_copy(attention.q_norm),
+            k_norm=_norm_copy(attention.k_norm), attention_post_norm=_norm_copy(layer.attention_post_norm),
+            ffn_post_norm=_norm_copy(layer.ffn_post_norm)))
+    return DecodeWeights(_key(model), layers, _float_copy(model.norm.weight), _weight(model.output))
 
 
 def _float_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach().float().contiguous()
+
+
+def _norm_copy(norm: nn.Module | None) -> torch.Tensor | None:
+    return None if norm is None else _float_copy(norm.weight)
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
@@ -311,19 +305,26 @@ def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
     return attention.wqkv, attention.wo, ffn.w13, ffn.w2
 
 
-def _readable(model: nn.Module) -> bool:
-    """Whether every tensor ``gather`` takes is one the operator reads."""
+def _readable(model: nn.Module, fused: bool = True) -> bool:
+    """Whether every projection ``gather`` takes is one the operator reads (``_weight``); with
+    ``fused`` false, of a model whose projections are not fused yet, whether they will be."""
     if operator_gaps(model.args):
-        return False
+        return False  # a family's switch the operator lacks: the layers compute it
     for layer in model.layers:
-        if layer.attention.wqkv is None or layer.feed_forward.w13 is None:
-            return False
-        for projection in _projections(layer):
-            found = _weight(projection)
-            if found is None or found[0].device.type != "cpu" or not found[0].is_contiguous():
+        attention, ffn = layer.attention, layer.feed_forward
+        if fused:
+            parts = _projections(layer)
+            if None in parts:
                 return False
-    output = _weight(model.output)
-    return output is not None and output[0].is_contiguous()
+        else:
+            parts = ([attention.wqkv] if attention.wqkv is not None else [attention.wq, attention.wk, attention.wv])
+            parts += [attention.wo] + ([ffn.w13] if ffn.w13 is not None else [ffn.w1, ffn.w3]) + [ffn.w2]
+            # Fusing needs one dtype (packed layers of several kinds fuse: ``packed.fuse``).
+            if len({_tensor(p).dtype for p in parts}) > 1 and not all(isinstance(p, quantize.Int8Linear) for p in parts):
+                return False
+        if any(_weight(part) is None for part in parts):
+            return False
+    return _weight(model.output) is not None
 
 
 def takes(model: nn.Module, tokens: torch.Tensor, cache) -> bool:

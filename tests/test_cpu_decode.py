@@ -172,7 +172,7 @@ def test_the_step_follows_a_cast_of_the_model():
         model.to(torch.bfloat16)
         cache = KVCache.for_model(model.args, 1, dtype=torch.bfloat16)
         assert cpu_decode.takes(model, torch.tensor([[1]]), cache)
-        assert model._cpu_decode.weights[0].dtype == torch.bfloat16
+        assert model._cpu_decode.layers[0].qkv.weight.dtype == torch.bfloat16
         assert decode_one(model, 1, 0, cache).dtype == torch.float32
 
 
@@ -201,7 +201,7 @@ def test_the_weights_move_onto_large_pages_with_their_values_and_ties(monkeypatc
         assert block.data_ptr() % cpu_kernels.LARGE_PAGE == 0
     assert all(torch.equal(a, b) for a, b in zip(moved, before))
     assert model.tok_embeddings.weight is model.output.weight
-    assert model._cpu_decode.output.data_ptr() == model.output.weight.data_ptr()
+    assert model._cpu_decode.output.weight.data_ptr() == model.output.weight.data_ptr()
     got, _ = _steps(model, torch.float32, prompt, tokens, monkeypatch, one_call=True)
     assert torch.allclose(got, want, atol=1e-4, rtol=0)
 
@@ -414,27 +414,30 @@ def test_packed_weights_give_the_logits_of_weight_rows(rows, vocab, dim_heads, h
     model.fuse_projections()
     tokens = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(seed)).tolist()
     packed = _rows_logits(model, tokens, packed=True)
-    weights, output = cpu_decode._weights_of(model).packed_weights()
-    assert all(w.dim() == 3 for w in weights) and output.dim() == (3 if vocab % 16 == 0 else 2)
+    layers, output = cpu_decode._weights_of(model).packed_weights()
+    assert all(p.panels for layer in layers for p in layer.projections())
+    assert output.weight.dim() == (3 if vocab % 16 == 0 else 2)
     torch.testing.assert_close(packed, _rows_logits(model, tokens, packed=False), atol=1e-4, rtol=1e-4)
 
 
 def test_weights_are_packed_once_within_the_limit_and_never_int8(monkeypatch):
     model = _model("float32", vocab_size=128)
     found = cpu_decode._weights_of(model)
-    weights, output = found.packed_weights()
-    assert found.packed_weights()[0] is weights
-    for w, packed in zip(found.weights, weights):
-        n, k = w.shape
-        assert packed.shape == (-(-n // 16), k, 16)
-        assert torch.equal(packed.transpose(1, 2).reshape(-1, k)[:n], w)
-    assert torch.equal(output.transpose(1, 2).reshape(-1, model.args.dim), found.output)
+    layers, output = found.packed_weights()
+    assert found.packed_weights()[0] is layers
+    for layer, packed_layer in zip(found.layers, layers):
+        for rows, packed in zip(layer.projections(), packed_layer.projections()):
+            n, k = rows.weight.shape
+            assert packed.weight.shape == (-(-n // 16), k, 16)
+            assert torch.equal(packed.weight.transpose(1, 2).reshape(-1, k)[:n], rows.weight)
+    assert torch.equal(output.weight.transpose(1, 2).reshape(-1, model.args.dim), found.output.weight)
     monkeypatch.setattr(cpu_decode, "PANELS_AT_MOST", 1000)
     small = cpu_decode._weights_of(_model("float32", seed=1))
-    weights, output = small.packed_weights()
-    assert weights is small.weights and output is small.output
+    layers, output = small.packed_weights()
+    assert layers is small.layers and output is small.output
     quantized = _model("int8")
-    assert all(w.dim() == 2 for w in cpu_decode._weights_of(quantized).packed_weights()[0])
+    quantized_layers = cpu_decode._weights_of(quantized).packed_weights()[0]
+    assert not any(p.panels for layer in quantized_layers for p in layer.projections())
 
 
 def test_a_row_past_its_pages_is_an_error():
@@ -489,8 +492,8 @@ def test_a_single_stream_takes_the_panels_only_while_the_copy_is_small(monkeypat
         model.to(torch.bfloat16)
         halves = cpu_decode.PagedDecoder(model, paged)
         several, lone = halves.weights_for(rows=3), halves.weights_for(rows=1)
-        assert several.packed and several.weights[0].dtype == torch.float32
-        assert not lone.packed and lone.weights[0].dtype == torch.bfloat16
+        assert several.packed and several.layers[0].qkv.weight.dtype == torch.float32
+        assert not lone.packed and lone.layers[0].qkv.weight.dtype == torch.bfloat16
 
 
 def test_steps_of_one_row_make_no_packed_copy_the_single_stream_does_not_take(monkeypatch):
@@ -505,7 +508,7 @@ def test_steps_of_one_row_make_no_packed_copy_the_single_stream_does_not_take(mo
         decoder([5], [0], [[0]])
         assert found.packed is None
         decoder([5, 6], [1, 0], [[0], [1]])
-        assert found.packed is not None and found.packed[1].dim() == 3
+        assert found.packed is not None and found.packed[1].panels
 
 
 def test_the_step_model_is_checked_when_made():
@@ -518,9 +521,18 @@ def test_the_step_model_is_checked_when_made():
     cache = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
     assert RowsDecoder(weights, lambda: weights, cache.keys, cache.values, cache.page_size)([1], [0], [[0]]).shape == (
         1, 97)
-    short = dataclasses.replace(weights, norms=weights.norms[:-1])
-    with pytest.raises(RuntimeError, match="four weights .and scales., two norms"):
-        RowsDecoder(short, lambda: short, cache.keys, cache.values, cache.page_size)
-    skewed = dataclasses.replace(weights, weights=[weights.weights[1], *weights.weights[1:]])
-    with pytest.raises(RuntimeError, match="wqkv of layer 0 is"):
+    layers = weights.layers
+    skewed = dataclasses.replace(weights, layers=[dataclasses.replace(layers[0], qkv=layers[0].out), *layers[1:]])
+    with pytest.raises(RuntimeError, match="qkv of layer 0 is"):
         RowsDecoder(skewed, lambda: skewed, cache.keys, cache.values, cache.page_size)
+    unnormed = dataclasses.replace(layers[-1], ffn_norm=layers[-1].ffn_norm[:-1])
+    short = dataclasses.replace(weights, layers=[*layers[:-1], unnormed])
+    with pytest.raises(RuntimeError, match=f"ffn_norm of layer {len(layers) - 1} must be"):
+        RowsDecoder(short, lambda: short, cache.keys, cache.values, cache.page_size)
+    # The step reads a layer's parts by name: one it does not know is refused, not ignored.
+    with pytest.raises(RuntimeError, match="layer 0 has a part named 'qkv_bais'"):
+        torch.classes.llama_chat_cpu.StepModel(
+            [{**layers[0].tensors(), "qkv_bais": layers[0].attention_norm, "rope": weights.ropes[0],
+              "keys": cache.keys[0], "values": cache.values[0]}],
+            {"norm": weights.final_norm, "output": weights.output.weight},
+            {"heads": 2.0, "kv_heads": 2.0, "eps": 1e-5, "page_size": 4.0}, [])

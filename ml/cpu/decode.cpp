@@ -33,9 +33,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -773,23 +775,6 @@ inline void rotate(float* x, const float* cos_sin, int64_t head_dim) {
   }
 }
 
-struct Layer {
-  Matrix qkv, out, gate_up, down;
-  const float* attention_norm = nullptr;
-  const float* ffn_norm = nullptr;
-  // Qwen's parts of a head: the q/k/v biases (q_width + 2 kv_width) and the RMSNorm weights of
-  // each q and k head (head_dim); Gemma's norms of the attention's and the feed-forward's
-  // outputs (dim); null where the model has none.
-  const float* qkv_bias = nullptr;
-  const float* q_norm = nullptr;
-  const float* k_norm = nullptr;
-  const float* attention_post_norm = nullptr;
-  const float* ffn_post_norm = nullptr;
-  const float* rope = nullptr;  // the layer's rotary table (Gemma 3's windowed layers have their own)
-  int64_t window = 0;  // a query at p sees keys p - window + 1 .. p; 0: its whole past
-  CacheView keys, values;
-};
-
 // A head's RMSNorm in place: float32 sums, as ops.rms_norm computes it.
 inline void normalize_head(float* x, const float* weight, int64_t head_dim, double eps) {
   float squares = 0.f;
@@ -798,90 +783,175 @@ inline void normalize_head(float* x, const float* weight, int64_t head_dim, doub
   for (int64_t i = 0; i < head_dim; ++i) x[i] = x[i] * scale * weight[i];
 }
 
-const float* float_vector(const char* what, const at::Tensor& t, int64_t n) {
+const float* float_vector(const char* what, int64_t layer, const at::Tensor& t, int64_t n) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n && t.device().is_cpu(),
-              "decode_step: ", what, " must be ", n, " contiguous float32 values");
+              "decode_step: the ", what, " of layer ", layer, " must be ", n, " contiguous float32 values");
   return t.data_ptr<float>();
+}
+
+const float* float_vector_or_none(const char* what, int64_t layer, const std::optional<at::Tensor>& t, int64_t n) {
+  return t ? float_vector(what, layer, *t, n) : nullptr;
+}
+
+using Named = c10::Dict<std::string, at::Tensor>;
+
+// One layer's tensors, read by name from ml/cpu/decode.py's `LayerWeights.tensors()` (with the
+// layer's rotary table, keys and values added): the one record of a layer that both sides share.
+//
+// The four products (each an (n, k) float32, bfloat16, float16 or int8 matrix, float32 panels,
+// or packed blocks: `matrix_of`), each with its `.scales` where it has them (int8's per output;
+// packed blocks' (kind, rows) layout); the attention's and feed-forward's norms; the family's
+// parts of a layer where it has them (Qwen's q/k/v biases and q and k heads' norms, Gemma's
+// norms of the attention's and feed-forward's outputs), float32; the rotary table, float32
+// (positions, head_dim / 2, 2), the cosine and sine of each pair's angle; and the keys and values
+// (`cache_of`; a dense cache's sequence is one page).
+struct LayerTensors {
+  at::Tensor qkv, out, gate_up, down;
+  std::optional<at::Tensor> qkv_scales, out_scales, gate_up_scales, down_scales;
+  at::Tensor attention_norm, ffn_norm, rope, keys, values;
+  std::optional<at::Tensor> qkv_bias, q_norm, k_norm, attention_post_norm, ffn_post_norm;
+
+  LayerTensors(const Named& named, int64_t layer) {
+    static const std::vector<std::string> kNames = {
+        "qkv", "qkv.scales", "out", "out.scales", "gate_up", "gate_up.scales", "down", "down.scales",
+        "attention_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm", "attention_post_norm", "ffn_post_norm",
+        "rope", "keys", "values"};
+    for (const auto& entry : named)
+      TORCH_CHECK(std::find(kNames.begin(), kNames.end(), entry.key()) != kNames.end(), "decode_step: layer ", layer,
+                  " has a part named '", entry.key(), "' that no step reads");
+    const auto required = [&](const char* name) {
+      const auto found = named.find(name);
+      TORCH_CHECK(found != named.end(), "decode_step: layer ", layer, " lacks its ", name);
+      return found->value();
+    };
+    const auto optional = [&](const char* name) -> std::optional<at::Tensor> {
+      const auto found = named.find(name);
+      if (found == named.end()) return std::nullopt;
+      return found->value();
+    };
+    qkv = required("qkv"), out = required("out"), gate_up = required("gate_up"), down = required("down");
+    qkv_scales = optional("qkv.scales"), out_scales = optional("out.scales");
+    gate_up_scales = optional("gate_up.scales"), down_scales = optional("down.scales");
+    attention_norm = required("attention_norm"), ffn_norm = required("ffn_norm");
+    rope = required("rope"), keys = required("keys"), values = required("values");
+    qkv_bias = optional("qkv_bias"), q_norm = optional("q_norm"), k_norm = optional("k_norm");
+    attention_post_norm = optional("attention_post_norm"), ffn_post_norm = optional("ffn_post_norm");
+  }
+};
+
+// A layer as a step reads it: its products laid out (`Matrix`), its vectors as pointers, its
+// cache as views through the step's block tables. Null pointers: parts the model has none of.
+struct Layer {
+  Matrix qkv, out, gate_up, down;
+  const float* attention_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  const float* qkv_bias = nullptr;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  const float* attention_post_norm = nullptr;
+  const float* ffn_post_norm = nullptr;
+  const float* rope = nullptr;
+  int64_t window = 0;  // a query at p sees keys p - window + 1 .. p; 0: its whole past
+  CacheView keys, values;
+};
+
+// The model's shape and the family's switches, by name (ml/cpu/decode.py's `StepWeights.over`):
+// heads, kv_heads, eps, page_size, and where the family sets them embedding_scale (Gemma:
+// sqrt(dim)), gelu (1: GeGLU with tanh in place of SwiGLU), query_scale (the scores' scale;
+// absent: 1 / sqrt(head_dim)), attention_cap and final_cap (soft caps of the scores and the
+// logits; absent: none).
+using Numbers = c10::Dict<std::string, double>;
+
+double number(const Numbers& numbers, const char* name, std::optional<double> otherwise = std::nullopt) {
+  const auto found = numbers.find(name);
+  if (found != numbers.end()) return found->value();
+  TORCH_CHECK(otherwise.has_value(), "decode_step: the model's ", name, " is not given");
+  return *otherwise;
+}
+
+int64_t whole_number(const Numbers& numbers, const char* name) {
+  const double value = number(numbers, name);
+  TORCH_CHECK(value == std::floor(value) && value > 0, "decode_step: ", name, " must be a positive whole number, not ",
+              value);
+  return static_cast<int64_t>(value);
 }
 
 // What a step reads besides its inputs: one model's weights and shape, and the cache its steps
 // write (torch.classes.llama_chat_cpu.StepModel). The Python side (ml/cpu/decode.py) makes one per
-// model and cache, once; it is checked when made. It holds the tensors and a step lays them out
+// model and cache, once; it is checked when made. It holds the tensors, and a step lays them out
 // from where they are then (`layers`), so a weight whose storage was replaced in place is read
 // where it now is.
-//
-// Per layer, in this order: the fused q/k/v, output, gate/up and down projections (`matrix_of`),
-// the attention and feed-forward norms, its rotary table (float32 (positions, head_dim / 2, 2),
-// the cosine and sine of each pair's angle), and its keys and values (`cache_of`; a dense
-// cache's sequence is one page). Then the final norm and the classifier. `layer_parts`, five a
-// layer, each absent or float32: the q/k/v biases, the q and k heads' norm weights, and the
-// attention's and feed-forward's output norms.
-//
-// The family's switches (ml/cpu/decode.py's Switches): each layer's window (none, or 0: the
-// whole past), the embedding scale, GeGLU (tanh) in place of SwiGLU, the scores' scale (none:
-// 1 / sqrt(head_dim)), and the soft caps of the scores and the logits (none: no cap).
 struct StepModel : torch::CustomClassHolder {
-  std::vector<at::Tensor> weights;
-  c10::List<std::optional<at::Tensor>> scales;
-  std::vector<at::Tensor> norms;
+  std::vector<LayerTensors> tensors;
+  std::vector<int64_t> windows;  // per layer, or none
   at::Tensor final_norm, output;
   std::optional<at::Tensor> output_scales;
-  std::vector<at::Tensor> ropes;
-  std::vector<at::Tensor> keys, values;
-  c10::List<std::optional<at::Tensor>> layer_parts;
-  std::vector<int64_t> windows;
   int64_t n_layers = 0, dim = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, q_width = 0, kv_width = 0, ffn = 0;
   int64_t vocab = 0, page_size = 0, pages = 0, positions = 0;
   double eps = 0.0;
   float embedding_scale = 1.f, attention_scale = 0.f, attention_cap = 0.f, final_cap = 0.f;  // a cap of 0: none
   bool gelu = false, post_norms = false;
 
-  StepModel(std::vector<at::Tensor> weights_, c10::List<std::optional<at::Tensor>> scales_,
-            std::vector<at::Tensor> norms_, at::Tensor final_norm_, at::Tensor output_,
-            std::optional<at::Tensor> output_scales_, std::vector<at::Tensor> ropes_, int64_t n_heads_,
-            int64_t n_kv_heads_, double eps_, std::vector<at::Tensor> keys_, std::vector<at::Tensor> values_,
-            int64_t page_size_, c10::List<std::optional<at::Tensor>> layer_parts_, std::vector<int64_t> windows_,
-            double embedding_scale_, bool gelu_, std::optional<double> query_scale,
-            std::optional<double> attention_cap_, std::optional<double> final_cap_)
-      : weights(std::move(weights_)), scales(std::move(scales_)), norms(std::move(norms_)),
-        final_norm(std::move(final_norm_)), output(std::move(output_)), output_scales(std::move(output_scales_)),
-        ropes(std::move(ropes_)), keys(std::move(keys_)), values(std::move(values_)),
-        layer_parts(std::move(layer_parts_)), windows(std::move(windows_)), n_heads(n_heads_),
-        n_kv_heads(n_kv_heads_), page_size(page_size_), eps(eps_),
-        embedding_scale(static_cast<float>(embedding_scale_)),
-        attention_cap(static_cast<float>(attention_cap_.value_or(0.0))),
-        final_cap(static_cast<float>(final_cap_.value_or(0.0))), gelu(gelu_) {
-    n_layers = static_cast<int64_t>(keys.size());
-    TORCH_CHECK(n_layers > 0 && values.size() == keys.size() && weights.size() == 4 * keys.size() &&
-                    scales.size() == weights.size() && norms.size() == 2 * keys.size() &&
-                    ropes.size() == keys.size(),
-                "decode_step: per layer, four weights (and scales), two norms, a rotary table, keys and values");
-    TORCH_CHECK(layer_parts.size() == 5 * keys.size(), "decode_step: per layer, five layer parts (or none)");
-    TORCH_CHECK(windows.empty() || windows.size() == keys.size(), "decode_step: a window per layer, or none");
+  // `layers`: each layer's named tensors; `top`: the final `norm`, the classifier's `output` and
+  // its `output.scales` where it has them; `numbers`: as `Numbers` says; `windows`: each layer's
+  // window (0: its whole past), or none.
+  StepModel(std::vector<Named> layers_, Named top, Numbers numbers, std::vector<int64_t> windows_)
+      : windows(std::move(windows_)) {
+    n_layers = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(n_layers > 0, "decode_step: a model of no layers");
+    for (int64_t l = 0; l < n_layers; ++l) tensors.emplace_back(layers_[static_cast<size_t>(l)], l);
+    TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == n_layers,
+                "decode_step: a window per layer, or none");
     for (const int64_t window : windows) TORCH_CHECK(window >= 0, "decode_step: a window of ", window, " keys");
-    TORCH_CHECK((!attention_cap_ || *attention_cap_ > 0.0) && (!final_cap_ || *final_cap_ > 0.0) &&
-                    (!query_scale || *query_scale > 0.0) && embedding_scale_ > 0.0,
+    for (const auto& entry : top)
+      TORCH_CHECK(entry.key() == "norm" || entry.key() == "output" || entry.key() == "output.scales",
+                  "decode_step: the model has a part named '", entry.key(), "' that no step reads");
+    TORCH_CHECK(top.contains("norm") && top.contains("output"), "decode_step: the final norm and the classifier");
+    final_norm = top.at("norm");
+    output = top.at("output");
+    if (top.contains("output.scales")) output_scales = top.at("output.scales");
+
+    n_heads = whole_number(numbers, "heads");
+    n_kv_heads = whole_number(numbers, "kv_heads");
+    page_size = whole_number(numbers, "page_size");
+    eps = number(numbers, "eps");
+    embedding_scale = static_cast<float>(number(numbers, "embedding_scale", 1.0));
+    gelu = number(numbers, "gelu", 0.0) != 0.0;
+    attention_cap = static_cast<float>(number(numbers, "attention_cap", 0.0));
+    final_cap = static_cast<float>(number(numbers, "final_cap", 0.0));
+    const double query_scale = number(numbers, "query_scale", 0.0);
+    TORCH_CHECK(attention_cap >= 0.f && final_cap >= 0.f && query_scale >= 0.0 && embedding_scale > 0.f &&
+                    (!numbers.contains("attention_cap") || attention_cap > 0.f) &&
+                    (!numbers.contains("final_cap") || final_cap > 0.f) &&
+                    (!numbers.contains("query_scale") || query_scale > 0.0),
                 "decode_step: soft caps and scales must be positive");
-    TORCH_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-                "decode_step: ", n_heads, " heads do not group over ", n_kv_heads, " key/value heads");
-    TORCH_CHECK(page_size > 0 && keys[0].dim() == 4, "decode_step: keys must be (kv_heads, pages, page_size, head_dim)");
+    TORCH_CHECK(n_heads % n_kv_heads == 0, "decode_step: ", n_heads, " heads do not group over ", n_kv_heads,
+                " key/value heads");
+
+    const LayerTensors& first = tensors[0];
+    TORCH_CHECK(first.keys.dim() == 4, "decode_step: keys must be (kv_heads, pages, page_size, head_dim)");
     dim = final_norm.numel();
     // A row of blocks does not say its head's size: the rotary table does (checked below).
-    head_dim = keys[0].scalar_type() == at::kByte && ropes[0].dim() == 3 ? 2 * ropes[0].size(1) : keys[0].size(-1);
-    pages = keys[0].size(1);
+    head_dim = first.keys.scalar_type() == at::kByte && first.rope.dim() == 3 ? 2 * first.rope.size(1)
+                                                                               : first.keys.size(-1);
+    pages = first.keys.size(1);
     TORCH_CHECK(head_dim % 2 == 0, "decode_step: odd head size ", head_dim);
     q_width = n_heads * head_dim;
     kv_width = n_kv_heads * head_dim;
-    attention_scale = query_scale ? static_cast<float>(*query_scale) : 1.f / std::sqrt(static_cast<float>(head_dim));
-    // w2 is (dim, ffn), or its panels, or packed blocks of dim rows
-    ffn = weights[3].scalar_type() == at::kByte ? packed_inputs(weights[3], scales.get(3), dim)
-                                                : weights[3].size(weights[3].dim() == 3 ? 1 : -1);
-    positions = ropes[0].dim() == 3 ? ropes[0].size(0) : 0;
-    for (const at::Tensor& rope : ropes)
+    attention_scale = query_scale > 0.0 ? static_cast<float>(query_scale) : 1.f / std::sqrt(static_cast<float>(head_dim));
+    // down is (dim, ffn), or its panels, or packed blocks of dim rows
+    const at::Tensor& down = first.down;
+    ffn = down.scalar_type() == at::kByte ? packed_inputs(down, first.down_scales, dim)
+                                          : down.size(down.dim() == 3 ? 1 : -1);
+    positions = first.rope.dim() == 3 ? first.rope.size(0) : 0;
+    for (int64_t l = 0; l < n_layers; ++l) {
+      const at::Tensor& rope = tensors[static_cast<size_t>(l)].rope;
       TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
                       rope.size(0) == positions && rope.size(1) == head_dim / 2 && rope.size(2) == 2,
-                  "decode_step: the rotary tables must be float32 (positions, ", head_dim / 2, ", 2), all as long");
-    post_norms = layer_parts.get(3).has_value();
+                  "decode_step: the rotary table of layer ", l, " must be float32 (", positions, ", ", head_dim / 2,
+                  ", 2), as long as the first layer's");
+    }
+    post_norms = first.attention_post_norm.has_value();
     vocab = classifier().n;
     layers(nullptr, 0);  // checks every layer's tensors
   }
@@ -891,34 +961,27 @@ struct StepModel : torch::CustomClassHolder {
   std::vector<Layer> layers(const int64_t* tables, int64_t width) const {
     std::vector<Layer> laid(static_cast<size_t>(n_layers));
     for (int64_t l = 0; l < n_layers; ++l) {
+      const LayerTensors& t = tensors[static_cast<size_t>(l)];
       Layer& layer = laid[static_cast<size_t>(l)];
-      const size_t w = static_cast<size_t>(4 * l);
-      layer.qkv = matrix_of("wqkv", l, weights[w], scales.get(w), q_width + 2 * kv_width, dim);
-      layer.out = matrix_of("wo", l, weights[w + 1], scales.get(w + 1), dim, q_width);
-      layer.gate_up = matrix_of("w13", l, weights[w + 2], scales.get(w + 2), 2 * ffn, dim);
-      layer.down = matrix_of("w2", l, weights[w + 3], scales.get(w + 3), dim, ffn);
-      layer.attention_norm = float_vector("an attention norm", norms[static_cast<size_t>(2 * l)], dim);
-      layer.ffn_norm = float_vector("a feed-forward norm", norms[static_cast<size_t>(2 * l + 1)], dim);
-      const size_t p = static_cast<size_t>(5 * l);
-      const std::optional<at::Tensor> bias = layer_parts.get(p), q_norm = layer_parts.get(p + 1),
-                                      k_norm = layer_parts.get(p + 2), attention_post = layer_parts.get(p + 3),
-                                      ffn_post = layer_parts.get(p + 4);
-      if (bias) layer.qkv_bias = float_vector("a q/k/v bias", *bias, q_width + 2 * kv_width);
-      if (q_norm) layer.q_norm = float_vector("a q head norm", *q_norm, head_dim);
-      if (k_norm) layer.k_norm = float_vector("a k head norm", *k_norm, head_dim);
+      layer.qkv = matrix_of("qkv", l, t.qkv, t.qkv_scales, q_width + 2 * kv_width, dim);
+      layer.out = matrix_of("out", l, t.out, t.out_scales, dim, q_width);
+      layer.gate_up = matrix_of("gate_up", l, t.gate_up, t.gate_up_scales, 2 * ffn, dim);
+      layer.down = matrix_of("down", l, t.down, t.down_scales, dim, ffn);
+      layer.attention_norm = float_vector("attention_norm", l, t.attention_norm, dim);
+      layer.ffn_norm = float_vector("ffn_norm", l, t.ffn_norm, dim);
+      layer.qkv_bias = float_vector_or_none("qkv_bias", l, t.qkv_bias, q_width + 2 * kv_width);
+      layer.q_norm = float_vector_or_none("q_norm", l, t.q_norm, head_dim);
+      layer.k_norm = float_vector_or_none("k_norm", l, t.k_norm, head_dim);
       // Every layer has both output norms, or none does: a step's stages are counted by it.
-      TORCH_CHECK(attention_post.has_value() == post_norms && ffn_post.has_value() == post_norms,
+      TORCH_CHECK(t.attention_post_norm.has_value() == post_norms && t.ffn_post_norm.has_value() == post_norms,
                   "decode_step: layer ", l, (post_norms ? " lacks" : " has"), " output norms");
-      if (post_norms) {
-        layer.attention_post_norm = float_vector("an attention output norm", *attention_post, dim);
-        layer.ffn_post_norm = float_vector("a feed-forward output norm", *ffn_post, dim);
-      }
-      layer.rope = ropes[static_cast<size_t>(l)].data_ptr<float>();
+      layer.attention_post_norm = float_vector_or_none("attention_post_norm", l, t.attention_post_norm, dim);
+      layer.ffn_post_norm = float_vector_or_none("ffn_post_norm", l, t.ffn_post_norm, dim);
+      layer.rope = t.rope.data_ptr<float>();
       layer.window = windows.empty() ? 0 : windows[static_cast<size_t>(l)];
+      layer.keys = cache_of("keys", l, t.keys, n_kv_heads, head_dim, page_size);
+      layer.values = cache_of("values", l, t.values, n_kv_heads, head_dim, page_size);
       for (CacheView* view : {&layer.keys, &layer.values}) {
-        const bool is_keys = view == &layer.keys;
-        *view = cache_of(is_keys ? "keys" : "values", l, (is_keys ? keys : values)[static_cast<size_t>(l)],
-                         n_kv_heads, head_dim, page_size);
         view->tables = tables;
         view->width = width;
       }
@@ -1003,190 +1066,266 @@ StepInputs inputs_of(const StepModel& model, const at::Tensor& hidden, const at:
   return in;
 }
 
-// Every row of `step` through every layer of `model`, and its logit rows' logits into out (logit rows,
-// vocab); every layer's keys and values of the tokens are written into the cache. Rows may be
-// consecutive tokens of one sequence (a prompt's chunk, with the same table): each layer writes
-// every row's keys and values before any row attends, and a row attends up to its own position
-// (the last `window` positions of a windowed layer). A greedy pick is the first place of the largest logit below picks_below, a NaN counting as
-// largest (torch.argmax).
-void run_step(const StepModel& model, const StepInputs& step, float* out) {
-  const int64_t rows = step.rows, dim = model.dim, n_heads = model.n_heads, n_kv_heads = model.n_kv_heads;
-  const int64_t head_dim = model.head_dim, q_width = model.q_width, ffn = model.ffn, vocab = model.vocab;
-  const int64_t out_rows = static_cast<int64_t>(step.logit_rows.size()), picks_below = step.picks_below;
-  const int64_t* position = step.positions;
-  const double eps = model.eps;
-  const std::vector<Layer> layers = model.layers(step.tables, step.width);
-  const Matrix classifier = model.classifier();
-  const float* final_weight = model.final_norm.data_ptr<float>();
-  const bool picking = step.picks != nullptr;
-  const int threads = at::get_num_threads();
-  // Each thread's greedy picks, of the classifier's ranges it took; combined after the region.
-  std::vector<Pick> thread_picks(picking ? static_cast<size_t>(std::max(threads, 1) * out_rows) : 0);
+// A head's attention in 512-bit vectors, for caches whose heads are whole vectors (`attend_head`).
+using Attend = void (*)(const CacheView&, const CacheView&, int64_t, int64_t, int64_t, int64_t, const float*, float,
+                        float, float*, float*);
 
-  std::vector<float> h(step.hidden, step.hidden + rows * dim);
-  if (model.embedding_scale != 1.f)
-    for (float& x : h) x *= model.embedding_scale;
-  // A sublayer's output before its norm joins the residual (post norms).
-  std::vector<float> sublayer(static_cast<size_t>(model.post_norms ? rows * dim : 0));
-  std::vector<float> q(static_cast<size_t>(rows * q_width)), attended(static_cast<size_t>(rows * q_width)),
-      activated(static_cast<size_t>(rows * ffn)), ups(static_cast<size_t>(rows * ffn)),
-      activated_interleaved(static_cast<size_t>(rows > 1 ? rows * ffn : 0));
+// What every thread of a step shares: its model and inputs, the residual, the buffers one stage
+// hands to the next, and the stages' counters.
+struct SharedStep {
+  const StepModel& model;
+  const StepInputs& step;
+  float* logits;
+  std::vector<float> h;
+  std::vector<float> sublayer;  // a sublayer's output before its norm joins the residual (post norms)
+  std::vector<float> q, attended, activated, ups, activated_interleaved;
+  std::unique_ptr<Stage[]> stages;
+  std::vector<Pick> thread_picks;  // each thread's greedy picks of its classifier ranges
+  Attend attend_in_vectors = nullptr;
+  bool rotated_keys = false;
+
+  SharedStep(const StepModel& m, const StepInputs& s, const std::vector<Layer>& layers, float* out, int threads)
+      : model(m), step(s), logits(out), h(s.hidden, s.hidden + s.rows * m.dim) {
+    const int64_t rows = s.rows;
+    if (m.embedding_scale != 1.f)
+      for (float& x : h) x *= m.embedding_scale;
+    sublayer.resize(static_cast<size_t>(m.post_norms ? rows * m.dim : 0));
+    q.resize(static_cast<size_t>(rows * m.q_width));
+    attended.resize(static_cast<size_t>(rows * m.q_width));
+    activated.resize(static_cast<size_t>(rows * m.ffn));
+    ups.resize(static_cast<size_t>(rows * m.ffn));
+    activated_interleaved.resize(static_cast<size_t>(rows > 1 ? rows * m.ffn : 0));
+    // Five stages a layer, two more with post norms (each normalizes whole rows), and the classifier.
+    stages.reset(new Stage[static_cast<size_t>((m.post_norms ? 7 : 5) * m.n_layers + 1)]);
+    if (s.picks != nullptr) thread_picks.resize(static_cast<size_t>(threads) * s.logit_rows.size());
+    TORCH_CHECK(layers[0].keys.kind == layers[0].values.kind, "decode_step: keys and values of one kind");
+#ifdef __AVX512F__
+    attend_in_vectors = vector_attention(layers[0].keys.kind, m.head_dim);
+#endif
+    rotated_keys = layers[0].keys.rotated;
+  }
+
   // Whether a matrix reads its rows interleaved (panels.h). The attention's results and the
   // activations are written so by the threads that make them, each its own part.
-  auto interleaves = [rows](const Matrix& m) { return m.panels != nullptr && rows > 1; };
-  // Five stages a layer, two more with post norms (each normalizes whole rows), and the classifier.
-  const int64_t stages = (model.post_norms ? 7 : 5) * model.n_layers + 1;
-  std::unique_ptr<Stage[]> stage_of(new Stage[static_cast<size_t>(stages)]);
-  const int64_t group = n_heads / n_kv_heads;
-  const float attention_scale = model.attention_scale, attention_cap = model.attention_cap;
-  // A head's attention in 512-bit vectors, for caches whose heads are whole vectors.
-  using Attend = void (*)(const CacheView&, const CacheView&, int64_t, int64_t, int64_t, int64_t, const float*,
-                          float, float, float*, float*);
-  Attend attend_in_vectors = nullptr;
-  TORCH_CHECK(layers[0].keys.kind == layers[0].values.kind, "decode_step: keys and values of one kind");
-#ifdef __AVX512F__
-  attend_in_vectors = vector_attention(layers[0].keys.kind, head_dim);
-#endif
-  const bool rotated_keys = layers[0].keys.rotated;
-  const int64_t widest = std::max({dim, ffn, q_width});
+  bool interleaves(const Matrix& m) const { return m.panels != nullptr && step.rows > 1; }
+};
 
-  auto run = [&](int team, int thread) {
-    std::vector<Pick> mine(picking ? static_cast<size_t>(out_rows) : 0);
-    Scratch scratch;
-    scratch.normed.resize(static_cast<size_t>(rows * dim));
-    scratch.head.resize(static_cast<size_t>(rows * head_dim));
-    scratch.turned.resize(static_cast<size_t>(head_dim));
-    scratch.scores.resize(static_cast<size_t>(step.furthest + 1));
-    scratch.rounded.resize(static_cast<size_t>(rows * widest));
-    scratch.steps.resize(static_cast<size_t>(rows));
-    Inputs in;
-    Stage* stage = stage_of.get();
-    // The rows of `m` against the rows of `input` (each `width` wide, as `m` reads them), added
-    // into the residual; with a post norm, normalized first, a row at a time once all are made.
-    auto add_to_residual = [&](const Matrix& m, const float* input, int64_t width, const float* post_norm) {
-      const auto prepare = [&] { in = scratch.inputs(input, rows, width, m); };
-      if (post_norm == nullptr) {
-        run_stage(*stage++, dim, m.smallest(), m.align(), team, prepare, [&](int64_t first, int64_t stop) {
-          range_products<true>(m, in, first, stop, h.data() + first, dim);
-        });
-        return;
-      }
-      run_stage(*stage++, dim, m.smallest(), m.align(), team, prepare, [&](int64_t first, int64_t stop) {
-        range_products(m, in, first, stop, sublayer.data() + first, dim);
-      });
-      run_stage(*stage++, rows, 1, 1, team, [] {}, [&](int64_t first, int64_t stop) {
-        for (int64_t r = first; r < stop; ++r) {
-          const float* made = sublayer.data() + r * dim;
-          const float inverse = inverse_rms(made, dim, eps);
-          float* into = h.data() + r * dim;
-          for (int64_t i = 0; i < dim; ++i) into[i] += made[i] * inverse * post_norm[i];
-        }
-      });
-    };
-    for (const Layer& layer : layers) {
-      const bool out_interleaved = interleaves(layer.out), down_interleaved = interleaves(layer.down);
-      run_stage(
-          *stage++, n_heads + 2 * n_kv_heads, 1, 1, team,
-          [&] { in = scratch.normalized(h.data(), rows, layer.attention_norm, dim, eps, layer.qkv); },
-          [&](int64_t first, int64_t stop) {
-            for (int64_t unit = first; unit < stop; ++unit) {
-              float* head = scratch.head.data();  // (rows, head_dim)
-              range_products(layer.qkv, in, unit * head_dim, (unit + 1) * head_dim, head, head_dim);
-              for (int64_t r = 0; r < rows; ++r) {
-                float* mine = head + r * head_dim;
-                if (layer.qkv_bias != nullptr)
-                  for (int64_t i = 0; i < head_dim; ++i) mine[i] += layer.qkv_bias[unit * head_dim + i];
-                if (unit < n_heads && layer.q_norm != nullptr) normalize_head(mine, layer.q_norm, head_dim, eps);
-                if (unit >= n_heads && unit < n_heads + n_kv_heads && layer.k_norm != nullptr)
-                  normalize_head(mine, layer.k_norm, head_dim, eps);
-                if (unit < n_heads + n_kv_heads) rotate(mine, layer.rope + position[r] * head_dim, head_dim);
-                if (unit < n_heads)
-                  std::memcpy(q.data() + r * q_width + unit * head_dim, mine, sizeof(float) * head_dim);
-                else if (unit < n_heads + n_kv_heads)
-                  layer.keys.store(r, unit - n_heads, position[r], mine);
-                else
-                  layer.values.store(r, unit - n_heads - n_kv_heads, position[r], mine);
-              }
-            }
-          });
-      run_stage(*stage++, rows * n_heads, 1, 1, team, [] {}, [&](int64_t first, int64_t stop) {
-        for (int64_t unit = first; unit < stop; ++unit) {
-          const int64_t r = unit / n_heads, head = unit % n_heads, kv = head / group, last = position[r];
-          const int64_t first_key = layer.window > 0 ? std::max<int64_t>(0, last - layer.window + 1) : 0;
-          const float* query = q.data() + r * q_width + head * head_dim;
-          if (rotated_keys) {  // the keys are stored rotated: so is the query they meet
-            float* turned = scratch.turned.data();
-            std::memcpy(turned, query, sizeof(float) * head_dim);
-            hadamard(turned, head_dim);
-            query = turned;
-          }
-          float* scores = scratch.scores.data();  // by position: those before first_key unused
-          float* result = out_interleaved ? scratch.head.data() : attended.data() + r * q_width + head * head_dim;
-          if (attend_in_vectors != nullptr) {
-            attend_in_vectors(layer.keys, layer.values, r, kv, first_key, last + 1, query, attention_scale,
-                              attention_cap, scores, result);
-          } else {
-            layer.keys.scores(r, kv, first_key, last + 1, query, attention_scale, scores);
-            if (attention_cap > 0.f) soft_cap(scores + first_key, last + 1 - first_key, attention_cap);
-            const float largest = *std::max_element(scores + first_key, scores + last + 1);
-            const float inverse = 1.f / exp_and_sum(scores + first_key, last + 1 - first_key, largest);
-            for (int64_t t = first_key; t <= last; ++t) scores[t] *= inverse;
-            std::fill(result, result + head_dim, 0.f);
-            layer.values.weighted_sum(r, kv, first_key, last + 1, scores, result);
-          }
-          if (out_interleaved)
-            for (int64_t i = 0; i < head_dim; ++i) attended[(head * head_dim + i) * rows + r] = result[i];
-        }
-      });
-      add_to_residual(layer.out, attended.data(), q_width, layer.attention_post_norm);
-      run_stage(
-          *stage++, ffn, std::max<int64_t>(1, layer.gate_up.smallest() / 2), layer.gate_up.align(), team,
-          [&] { in = scratch.normalized(h.data(), rows, layer.ffn_norm, dim, eps, layer.gate_up); },
-          [&](int64_t first, int64_t stop) {
-            range_products(layer.gate_up, in, first, stop, activated.data() + first, ffn);
-            range_products(layer.gate_up, in, ffn + first, ffn + stop, ups.data() + first, ffn);
-            for (int64_t r = 0; r < rows; ++r) {
-              float* gate = activated.data() + r * ffn + first;
-              const float* up = ups.data() + r * ffn + first;
-              if (model.gelu) gated<true>(gate, up, stop - first);
-              else gated<false>(gate, up, stop - first);
-            }
-            if (down_interleaved)
-              for (int64_t j = first; j < stop; ++j)
-                for (int64_t r = 0; r < rows; ++r) activated_interleaved[j * rows + r] = activated[r * ffn + j];
-          });
-      add_to_residual(layer.down, down_interleaved ? activated_interleaved.data() : activated.data(), ffn,
-                      layer.ffn_post_norm);
-    }
-    if (out_rows == 0) return;  // a prompt's chunk that needs no logits
+// One thread's part of a step: the stages in the order every thread meets them, each taking
+// ranges of its work as they come (`run_stage`) and returning when all of it is done.
+class StepThread {
+ public:
+  StepThread(SharedStep& shared, int team, int thread) : s_(shared), team_(team), thread_(thread) {
+    const StepModel& m = s_.model;
+    const int64_t rows = s_.step.rows;
+    scratch_.normed.resize(static_cast<size_t>(rows * m.dim));
+    scratch_.head.resize(static_cast<size_t>(rows * m.head_dim));
+    scratch_.turned.resize(static_cast<size_t>(m.head_dim));
+    scratch_.scores.resize(static_cast<size_t>(s_.step.furthest + 1));
+    scratch_.rounded.resize(static_cast<size_t>(rows * std::max({m.dim, m.ffn, m.q_width})));
+    scratch_.steps.resize(static_cast<size_t>(rows));
+    picks_.resize(s_.step.picks != nullptr ? s_.step.logit_rows.size() : 0);
+    stage_ = s_.stages.get();
+  }
+
+  // The attention's norm, then q, k and v by head: biased, heads normalized and rotated where the
+  // family does so, q kept for the attention, k and v written into the cache.
+  void qkv(const Layer& layer) {
+    const StepModel& m = s_.model;
+    const int64_t rows = s_.step.rows, head_dim = m.head_dim, n_heads = m.n_heads, n_kv_heads = m.n_kv_heads;
+    const int64_t* position = s_.step.positions;
     run_stage(
-        *stage, vocab, classifier.smallest(), classifier.align(), team,
-        [&] {
-          const float* final_rows = h.data();
-          if (step.some_rows) {  // the chosen rows, gathered
-            scratch.chosen.resize(static_cast<size_t>(out_rows * dim));
-            for (int64_t i = 0; i < out_rows; ++i)
-              std::memcpy(scratch.chosen.data() + i * dim, h.data() + step.logit_rows[static_cast<size_t>(i)] * dim,
-                          sizeof(float) * static_cast<size_t>(dim));
-            final_rows = scratch.chosen.data();
+        *stage_++, n_heads + 2 * n_kv_heads, 1, 1, team_,
+        [&] { in_ = scratch_.normalized(s_.h.data(), rows, layer.attention_norm, m.dim, m.eps, layer.qkv); },
+        [&](int64_t first, int64_t stop) {
+          for (int64_t unit = first; unit < stop; ++unit) {
+            float* head = scratch_.head.data();  // (rows, head_dim)
+            range_products(layer.qkv, in_, unit * head_dim, (unit + 1) * head_dim, head, head_dim);
+            for (int64_t r = 0; r < rows; ++r) {
+              float* mine = head + r * head_dim;
+              if (layer.qkv_bias != nullptr)
+                for (int64_t i = 0; i < head_dim; ++i) mine[i] += layer.qkv_bias[unit * head_dim + i];
+              if (unit < n_heads && layer.q_norm != nullptr) normalize_head(mine, layer.q_norm, head_dim, m.eps);
+              if (unit >= n_heads && unit < n_heads + n_kv_heads && layer.k_norm != nullptr)
+                normalize_head(mine, layer.k_norm, head_dim, m.eps);
+              if (unit < n_heads + n_kv_heads) rotate(mine, layer.rope + position[r] * head_dim, head_dim);
+              if (unit < n_heads)
+                std::memcpy(s_.q.data() + r * m.q_width + unit * head_dim, mine, sizeof(float) * head_dim);
+              else if (unit < n_heads + n_kv_heads)
+                layer.keys.store(r, unit - n_heads, position[r], mine);
+              else
+                layer.values.store(r, unit - n_heads - n_kv_heads, position[r], mine);
+            }
           }
-          in = scratch.normalized(final_rows, out_rows, final_weight, dim, eps, classifier);
+        });
+  }
+
+  // Each row's query heads over the keys it sees (its past, or its window's last ones), by row and
+  // head: the scores scaled, capped where the family caps them, softmaxed, and the values summed.
+  void attention(const Layer& layer) {
+    const StepModel& m = s_.model;
+    const int64_t n_heads = m.n_heads, head_dim = m.head_dim, group = m.n_heads / m.n_kv_heads;
+    const int64_t rows = s_.step.rows;
+    const bool interleaved = s_.interleaves(layer.out);
+    run_stage(*stage_++, rows * n_heads, 1, 1, team_, [] {}, [&](int64_t first, int64_t stop) {
+      for (int64_t unit = first; unit < stop; ++unit) {
+        const int64_t r = unit / n_heads, head = unit % n_heads, kv = head / group, last = s_.step.positions[r];
+        const int64_t first_key = layer.window > 0 ? std::max<int64_t>(0, last - layer.window + 1) : 0;
+        const float* query = s_.q.data() + r * m.q_width + head * head_dim;
+        if (s_.rotated_keys) {  // the keys are stored rotated: so is the query they meet
+          float* turned = scratch_.turned.data();
+          std::memcpy(turned, query, sizeof(float) * head_dim);
+          hadamard(turned, head_dim);
+          query = turned;
+        }
+        float* scores = scratch_.scores.data();  // by position: those before first_key unused
+        float* result = interleaved ? scratch_.head.data() : s_.attended.data() + r * m.q_width + head * head_dim;
+        if (s_.attend_in_vectors != nullptr) {
+          s_.attend_in_vectors(layer.keys, layer.values, r, kv, first_key, last + 1, query, m.attention_scale,
+                               m.attention_cap, scores, result);
+        } else {
+          layer.keys.scores(r, kv, first_key, last + 1, query, m.attention_scale, scores);
+          if (m.attention_cap > 0.f) soft_cap(scores + first_key, last + 1 - first_key, m.attention_cap);
+          const float largest = *std::max_element(scores + first_key, scores + last + 1);
+          const float inverse = 1.f / exp_and_sum(scores + first_key, last + 1 - first_key, largest);
+          for (int64_t t = first_key; t <= last; ++t) scores[t] *= inverse;
+          std::fill(result, result + head_dim, 0.f);
+          layer.values.weighted_sum(r, kv, first_key, last + 1, scores, result);
+        }
+        if (interleaved)
+          for (int64_t i = 0; i < head_dim; ++i) s_.attended[(head * head_dim + i) * rows + r] = result[i];
+      }
+    });
+  }
+
+  // The rows of `m` against the rows of `input` (each `width` wide, as `m` reads them), added into
+  // the residual; with a post norm, normalized first, a row at a time once all are made.
+  void add_to_residual(const Matrix& m, const float* input, int64_t width, const float* post_norm) {
+    const int64_t rows = s_.step.rows, dim = s_.model.dim;
+    const auto prepare = [&] { in_ = scratch_.inputs(input, rows, width, m); };
+    if (post_norm == nullptr) {
+      run_stage(*stage_++, dim, m.smallest(), m.align(), team_, prepare, [&](int64_t first, int64_t stop) {
+        range_products<true>(m, in_, first, stop, s_.h.data() + first, dim);
+      });
+      return;
+    }
+    run_stage(*stage_++, dim, m.smallest(), m.align(), team_, prepare, [&](int64_t first, int64_t stop) {
+      range_products(m, in_, first, stop, s_.sublayer.data() + first, dim);
+    });
+    run_stage(*stage_++, rows, 1, 1, team_, [] {}, [&](int64_t first, int64_t stop) {
+      for (int64_t r = first; r < stop; ++r) {
+        const float* made = s_.sublayer.data() + r * dim;
+        const float inverse = inverse_rms(made, dim, s_.model.eps);
+        float* into = s_.h.data() + r * dim;
+        for (int64_t i = 0; i < dim; ++i) into[i] += made[i] * inverse * post_norm[i];
+      }
+    });
+  }
+
+  // The attention's output: its product with `out` added into the residual.
+  void attention_output(const Layer& layer) {
+    add_to_residual(layer.out, s_.attended.data(), s_.model.q_width, layer.attention_post_norm);
+  }
+
+  // The feed-forward's norm, then its gate and up rows together with the activation (SwiGLU, or
+  // GeGLU), written interleaved where the down product reads panels.
+  void gate_up(const Layer& layer) {
+    const StepModel& m = s_.model;
+    const int64_t rows = s_.step.rows, ffn = m.ffn;
+    const bool interleaved = s_.interleaves(layer.down);
+    run_stage(
+        *stage_++, ffn, std::max<int64_t>(1, layer.gate_up.smallest() / 2), layer.gate_up.align(), team_,
+        [&] { in_ = scratch_.normalized(s_.h.data(), rows, layer.ffn_norm, m.dim, m.eps, layer.gate_up); },
+        [&](int64_t first, int64_t stop) {
+          range_products(layer.gate_up, in_, first, stop, s_.activated.data() + first, ffn);
+          range_products(layer.gate_up, in_, ffn + first, ffn + stop, s_.ups.data() + first, ffn);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* gate = s_.activated.data() + r * ffn + first;
+            const float* up = s_.ups.data() + r * ffn + first;
+            if (m.gelu) gated<true>(gate, up, stop - first);
+            else gated<false>(gate, up, stop - first);
+          }
+          if (interleaved)
+            for (int64_t j = first; j < stop; ++j)
+              for (int64_t r = 0; r < rows; ++r) s_.activated_interleaved[j * rows + r] = s_.activated[r * ffn + j];
+        });
+  }
+
+  // The activations' product with `down` added into the residual.
+  void down(const Layer& layer) {
+    const bool interleaved = s_.interleaves(layer.down);
+    add_to_residual(layer.down, interleaved ? s_.activated_interleaved.data() : s_.activated.data(), s_.model.ffn,
+                    layer.ffn_post_norm);
+  }
+
+  // The final norm of the logit rows and the classifier, soft-capped where the family caps it;
+  // each thread's greedy picks of the ranges it wrote.
+  void classifier(const Matrix& classifier) {
+    const StepModel& m = s_.model;
+    const StepInputs& step = s_.step;
+    const int64_t out_rows = static_cast<int64_t>(step.logit_rows.size()), vocab = m.vocab, dim = m.dim;
+    if (out_rows == 0) return;  // a prompt's chunk that needs no logits
+    float* out = s_.logits;
+    run_stage(
+        *stage_, vocab, classifier.smallest(), classifier.align(), team_,
+        [&] {
+          const float* final_rows = s_.h.data();
+          if (step.some_rows) {  // the chosen rows, gathered
+            scratch_.chosen.resize(static_cast<size_t>(out_rows * dim));
+            for (int64_t i = 0; i < out_rows; ++i)
+              std::memcpy(scratch_.chosen.data() + i * dim, s_.h.data() + step.logit_rows[static_cast<size_t>(i)] * dim,
+                          sizeof(float) * static_cast<size_t>(dim));
+            final_rows = scratch_.chosen.data();
+          }
+          in_ = scratch_.normalized(final_rows, out_rows, m.final_norm.data_ptr<float>(), dim, m.eps, classifier);
         },
         [&](int64_t first, int64_t stop) {
-          range_products(classifier, in, first, stop, out + first, vocab);
-          if (model.final_cap > 0.f)
-            for (int64_t r = 0; r < out_rows; ++r) soft_cap(out + r * vocab + first, stop - first, model.final_cap);
+          range_products(classifier, in_, first, stop, out + first, vocab);
+          if (m.final_cap > 0.f)
+            for (int64_t r = 0; r < out_rows; ++r) soft_cap(out + r * vocab + first, stop - first, m.final_cap);
           // Picked here, from the logits this thread has just written and still holds in its
           // cache: picked on the calling thread afterwards, half of them came from the other
           // core's.
-          if (picking && first < picks_below) {
+          if (step.picks != nullptr && first < step.picks_below) {
             for (int64_t r = 0; r < out_rows; ++r) {
-              const Pick found = pick_of(out + r * vocab + first, std::min(stop, picks_below) - first, first);
-              if (better(found, mine[static_cast<size_t>(r)])) mine[static_cast<size_t>(r)] = found;
+              const Pick found = pick_of(out + r * vocab + first, std::min(stop, step.picks_below) - first, first);
+              if (better(found, picks_[static_cast<size_t>(r)])) picks_[static_cast<size_t>(r)] = found;
             }
           }
         });
-    if (picking) std::copy(mine.begin(), mine.end(), thread_picks.begin() + thread * out_rows);
+    if (step.picks != nullptr) std::copy(picks_.begin(), picks_.end(), s_.thread_picks.begin() + thread_ * out_rows);
+  }
+
+ private:
+  SharedStep& s_;
+  const int team_, thread_;
+  Scratch scratch_;
+  Inputs in_;
+  Stage* stage_ = nullptr;
+  std::vector<Pick> picks_;
+};
+
+// Every row of `step` through every layer of `model`, and its logit rows' logits into out (logit
+// rows, vocab); every layer's keys and values of the tokens are written into the cache. Rows may
+// be consecutive tokens of one sequence (a prompt's chunk, with the same table): each layer writes
+// every row's keys and values before any row attends, and a row attends up to its own position
+// (the last `window` positions of a windowed layer). A greedy pick is the first place of the
+// largest logit below picks_below, a NaN counting as largest (torch.argmax).
+void run_step(const StepModel& model, const StepInputs& step, float* out) {
+  const std::vector<Layer> layers = model.layers(step.tables, step.width);
+  const Matrix classifier = model.classifier();
+  const int threads = std::max(at::get_num_threads(), 1);
+  SharedStep shared(model, step, layers, out, threads);
+
+  auto run = [&](int team, int thread) {
+    StepThread mine(shared, team, thread);
+    for (const Layer& layer : layers) {
+      mine.qkv(layer);
+      mine.attention(layer);
+      mine.attention_output(layer);
+      mine.gate_up(layer);
+      mine.down(layer);
+    }
+    mine.classifier(classifier);
   };
 
 #ifdef _OPENMP
@@ -1199,11 +1338,12 @@ void run_step(const StepModel& model, const StepInputs& step, float* out) {
 #else
   run(1, 0);
 #endif
-  if (picking) {
+  if (step.picks != nullptr) {
+    const int64_t out_rows = static_cast<int64_t>(step.logit_rows.size());
     for (int64_t r = 0; r < out_rows; ++r) {
       Pick best;
-      for (int t = 0; t < std::max(threads, 1); ++t) {
-        const Pick& found = thread_picks[static_cast<size_t>(t * out_rows + r)];
+      for (int t = 0; t < threads; ++t) {
+        const Pick& found = shared.thread_picks[static_cast<size_t>(t * out_rows + r)];
         if (better(found, best)) best = found;
       }
       step.picks[r] = best.index;
@@ -1226,11 +1366,7 @@ at::Tensor decode_step(const c10::intrusive_ptr<StepModel>& model, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
   m.class_<StepModel>("StepModel")
-      .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>, std::vector<at::Tensor>,
-                       at::Tensor, at::Tensor, std::optional<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
-                       double, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t,
-                       c10::List<std::optional<at::Tensor>>, std::vector<int64_t>, double, bool,
-                       std::optional<double>, std::optional<double>, std::optional<double>>());
+      .def(torch::init<std::vector<Named>, Named, Numbers, std::vector<int64_t>>());
   m.def(
       "decode_step(__torch__.torch.classes.llama_chat_cpu.StepModel model, Tensor hidden, Tensor positions, "
       "Tensor tables, Tensor(a!)? picks=None, int picks_below=0, Tensor? logit_rows=None) -> Tensor");

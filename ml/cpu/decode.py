@@ -1,7 +1,8 @@
 """Calls of the one-call decode step (``decode.cpp``): a token of each of several rows through every
 layer and the classifier in one call of ``torch.ops.llama_chat_cpu.decode_step``.
 
-What the step reads of a model comes in as ``StepWeights``, laid out by the model's side
+What the step reads of a model comes in as ``StepWeights`` (one ``LayerWeights`` record a layer,
+which the C++ side reads by name), laid out by the model's side
 (``model/cpu_decode.py`` gathers them from a model's modules and packs the panels), with the
 family's ``Switches`` (Gemma's embedding scale, GeGLU, windows, scores' scale and soft caps).
 Here are the objects that call the operator with them, everything but the tokens and positions
@@ -13,7 +14,7 @@ threads that write the logits.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -26,7 +27,7 @@ PANEL = 16
 @dataclass(frozen=True)
 class Switches:
     """What of a model family's arithmetic the step does beyond a Llama's layer, besides the
-    tensors of ``StepWeights.layer_parts``; the defaults are Llama's."""
+    family's parts of a layer (``LayerWeights``); the defaults are Llama's."""
 
     windows: tuple[int, ...] = ()  # per layer, the keys a query sees (its last ones); 0: its whole past
     embedding_scale: float = 1.0  # the embedding rows' factor, rounded to float32 (Gemma: sqrt(dim))
@@ -40,50 +41,102 @@ LLAMA = Switches()
 
 
 @dataclass(frozen=True)
+class Projection:
+    """A product's weight as the step reads it: an (n, k) float32, bfloat16, float16 or int8
+    matrix (int8 with float32 ``scales`` per output), float32 panels (ceil(n / 16), k, 16), or
+    packed blocks (uint8) with their (kind, rows) layout in the scales' place
+    (``packed.step_layout``)."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+
+    @property
+    def panels(self) -> bool:
+        return self.weight.dim() == 3
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer as the step reads it: the one record of a layer, which ``decode.cpp`` reads by
+    these names (``LayerTensors``). The four products in the operator's order, the attention's and
+    feed-forward's norms (float32), and the family's parts of a layer, float32, or None where the
+    model has none (Llama's): Qwen2's q/k/v biases, the q and k heads' norm weights (Qwen3's and
+    Gemma 3's), and the norms of the attention's and feed-forward's outputs (Gemma's)."""
+
+    qkv: Projection
+    out: Projection
+    gate_up: Projection
+    down: Projection
+    attention_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attention_post_norm: torch.Tensor | None = None
+    ffn_post_norm: torch.Tensor | None = None
+
+    def projections(self) -> tuple[Projection, Projection, Projection, Projection]:
+        return self.qkv, self.out, self.gate_up, self.down
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by the operator's names: a product's scales as ``<name>.scales``; parts the
+        model has none of left out."""
+        named: dict[str, torch.Tensor] = {}
+        for part in fields(self):
+            value = getattr(self, part.name)
+            if isinstance(value, Projection):
+                named[part.name] = value.weight
+                if value.scales is not None:
+                    named[f"{part.name}.scales"] = value.scales
+            elif value is not None:
+                named[part.name] = value
+        return named
+
+
+@dataclass(frozen=True)
 class StepWeights:
-    """What the step reads of one model besides the tokens and the cache. Per layer, in this order,
-    the fused q/k/v, output, gate/up and down projections: each an (n, k) float32, bfloat16,
-    float16 or int8 matrix (int8 with float32 scales per output), or float32 panels
-    (ceil(n / 16), k, 16), or packed blocks;
-    then its attention and feed-forward norms, float32, and its rotary table."""
+    """What the step reads of one model besides the tokens and the cache: its layers, the final
+    norm (float32) and the classifier, with each layer's rotary table and the family's switches."""
 
     embedding: torch.Tensor | PackedWeight  # float rows, or blocks expanded a row at a time as read
-    weights: list[torch.Tensor]
-    scales: list[torch.Tensor | None]
-    norms: list[torch.Tensor]
+    layers: list[LayerWeights]
     final_norm: torch.Tensor
-    output: torch.Tensor
-    output_scales: torch.Tensor | None
+    output: Projection
     # Per layer, float32 (positions, head_dim / 2, 2): cos and sin of each pair's angle (Gemma 3's
     # windowed layers have a table of their own).
     ropes: list[torch.Tensor]
     n_heads: int
     n_kv_heads: int
     norm_eps: float
-    # Per layer, five: the q/k/v biases, the q and k heads' norm weights (Qwen2's and Qwen3's
-    # parts of a head), and the norms of the attention's and the feed-forward's outputs (Gemma's),
-    # float32, or None where the model has none (Llama's).
-    layer_parts: list[torch.Tensor | None]
     switches: Switches = LLAMA
 
     @property
     def classes(self) -> int:
         """Logits per row: a classifier given as panels has whole ones."""
-        return self.output.shape[0] * PANEL if self.output.dim() == 3 else self.output.shape[0]
+        weight = self.output.weight
+        return weight.shape[0] * PANEL if weight.dim() == 3 else weight.shape[0]
 
     @property
     def packed(self) -> bool:
         """Whether every weight and the classifier are panels."""
-        return all(w.dim() == 3 for w in self.weights) and self.output.dim() == 3
+        return all(p.panels for layer in self.layers for p in layer.projections()) and self.output.panels
 
     def over(self, keys: list[torch.Tensor], values: list[torch.Tensor], page_size: int) -> torch.ScriptObject:
         """The operator's ``StepModel`` of these weights over a cache of these keys and values (per
         layer ``(kv_heads, pages, page_size, head_dim)``), checked once, for any number of steps."""
+        layers = [{**layer.tensors(), "rope": rope, "keys": k, "values": v}
+                  for layer, rope, k, v in zip(self.layers, self.ropes, keys, values, strict=True)]
+        top = {"norm": self.final_norm, "output": self.output.weight}
+        if self.output.scales is not None:
+            top["output.scales"] = self.output.scales
         s = self.switches
-        return torch.classes.llama_chat_cpu.StepModel(
-            self.weights, self.scales, self.norms, self.final_norm, self.output, self.output_scales, self.ropes,
-            self.n_heads, self.n_kv_heads, self.norm_eps, keys, values, page_size, self.layer_parts,
-            list(s.windows), s.embedding_scale, s.gelu, s.query_scale, s.attention_cap, s.final_cap)
+        numbers = {"heads": float(self.n_heads), "kv_heads": float(self.n_kv_heads), "eps": float(self.norm_eps),
+                   "page_size": float(page_size), "embedding_scale": float(s.embedding_scale),
+                   "gelu": float(s.gelu)}
+        for name in ("query_scale", "attention_cap", "final_cap"):
+            if getattr(s, name) is not None:
+                numbers[name] = float(getattr(s, name))
+        return torch.classes.llama_chat_cpu.StepModel(layers, top, numbers, list(s.windows))
 
 
 def _decode_step():
