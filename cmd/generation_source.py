@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 # Token slots per page for one stream: the last, partly filled page of a chat's turn is prefilled
 # again by the next one, so pages are smaller than a batch's (SchedulerOptions.page_size).
 SINGLE_STREAM_PAGE_SIZE = 8
+# Events one stream's producer may run ahead of its reader: a small model's job alone makes
+# several tokens per step call (``BatchCore._lone_steps``), and a channel of a batch's size made
+# it wait for the reader every few tokens.
+SINGLE_STREAM_BUFFER = 64
 
 Source = Scheduler | Engine | RemoteSource
 
@@ -37,7 +41,8 @@ def single_stream(loaded: LoadedModel | RemoteModel, opts) -> Source:
     if loaded.device.type == "cuda":
         return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile, quantize=quantize))
     return Scheduler.from_loaded(loaded, SchedulerOptions(
-        max_batch=1, page_size=SINGLE_STREAM_PAGE_SIZE, cache_tokens=loaded.model.args.max_seq_len,
+        max_batch=1, page_size=SINGLE_STREAM_PAGE_SIZE, buffer_size=SINGLE_STREAM_BUFFER,
+        cache_tokens=loaded.model.args.max_seq_len,
         speculation=speculation(opts),
         quantize=quantize, compile=opts.compile, cache_type=cache_type(opts)))
 

@@ -40,6 +40,9 @@ from llama_chat.model.transformer import Transformer
 
 __all__ = ["BatchCore", "CoreSettings", "Counters", "StepResult"]
 
+# Most time one step call spends on the tokens of a job decoding greedily alone (``_lone_steps``).
+LONE_STEPS_S = 0.01
+
 
 @dataclass
 class Counters:
@@ -138,15 +141,37 @@ class BatchCore:
             job = plan.rows[0]
             if not consecutive(job.pages):
                 self._compact(job)
-        start = time.perf_counter()
-        jobs, tokens = backend.run(plan)
-        if plan.runs and self.sizer is not None:
-            self.sizer.record(sum(n for _, n in plan.runs), time.perf_counter() - start)
-        self._advance(plan)
-        events, finished = self._record(zip(jobs, tokens))
+        if backend is backends.lone_greedy:
+            events, finished = self._lone_steps(plan, backend)
+        else:
+            start = time.perf_counter()
+            jobs, tokens = backend.run(plan)
+            if plan.runs and self.sizer is not None:
+                self.sizer.record(sum(n for _, n in plan.runs), time.perf_counter() - start)
+            self._advance(plan)
+            events, finished = self._record(zip(jobs, tokens))
         for job in finished:
             self._release(job)
         return StepResult(tuple(events), tuple(released + finished))
+
+    def _lone_steps(self, plan: StepPlan, backend) -> tuple[list[tuple[Job, TokenEvent]], list[Job]]:
+        """A job decoding greedily alone: its tokens, one step after another, for up to
+        ``LONE_STEPS_S``, while nothing else asks for a step (a job arriving, a cancel, a draft to
+        make, a full channel). The Python between two of a small model's steps, and the hand-off
+        of each to the step thread, were a visible share of its token (docs/batching.md, "A job
+        alone"); a reader cannot see 10 ms."""
+        job = plan.rows[0]
+        events: list[tuple[Job, TokenEvent]] = []
+        until = time.perf_counter() + LONE_STEPS_S
+        room = self.settings.buffer_size
+        while True:
+            jobs, tokens = backend.run(plan)
+            self._advance(plan)
+            made, finished = self._record(zip(jobs, tokens))
+            events += made
+            if (finished or job.cancelled or self.incoming or job.lookup is not None
+                    or job.produced - job.received >= room or time.perf_counter() >= until):
+                return events, finished
 
     def _admit(self) -> list[Job]:
         if not self.incoming and not self.waiting:  # most steps: nothing to admit

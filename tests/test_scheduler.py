@@ -589,3 +589,42 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits_at_each_step(model, t
             if request.sampling.greedy:
                 assert reported.logprob >= reported.top[0][1] - 1e-6
             ids.append(token)
+
+
+def test_a_lone_greedy_job_makes_several_tokens_a_step_call_and_yields_to_a_new_job(model, tokenizer, monkeypatch):
+    # A job decoding greedily alone runs step after step inside one call of the step thread
+    # (BatchCore._lone_steps): the same tokens as a call a token; and a job that arrives meanwhile
+    # is admitted at once, not after the budget (here far longer than the whole test).
+    from llama_chat.inference import batch_core
+
+    g = torch.Generator().manual_seed(4)
+    first = Request(random_prompt(g, 10, tokenizer.vocab_size), sampling=GREEDY, max_tokens=300, request_id="a")
+    second = Request(random_prompt(g, 6, tokenizer.vocab_size), sampling=GREEDY, max_tokens=4, request_id="b")
+    calls = []
+    step = batch_core.BatchCore.step
+    monkeypatch.setattr(batch_core.BatchCore, "step", lambda self: calls.append(1) or step(self))
+
+    async def run(budget: float):
+        monkeypatch.setattr(batch_core, "LONE_STEPS_S", budget)
+        calls.clear()
+        scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=2, buffer_size=64))
+        alone = await scheduler.complete(first)
+        alone_calls = len(calls)
+        order = []
+
+        async def consume(stream, then=None):
+            async for _ in stream:
+                if then is not None:
+                    then()
+                    then = None
+            order.append(stream.request_id)
+
+        async with scheduler, anyio.create_task_group() as tg:
+            tg.start_soon(consume, scheduler.submit(first), lambda: tg.start_soon(consume, scheduler.submit(second)))
+        return alone, alone_calls, order
+
+    one_a_call, calls_each, _ = anyio.run(run, 0.0)
+    many, calls_lone, order = anyio.run(run, 3600.0)
+    assert many.token_ids == one_a_call.token_ids and len(many.token_ids) == 300
+    assert calls_lone * 4 < calls_each
+    assert order == ["b", "a"]  # the second job finished while the first, alone before it, still ran
