@@ -144,6 +144,32 @@ PANELS_AT_MOST = 1 << 30
 PANELS_ALONE_AT_MOST = 1 << 28
 
 
+def rows_copy_bytes(model: nn.Module) -> int:
+    """The bytes of the float32 panels that steps of several rows of ``model`` make and a lone
+    row's steps do not read (``DecodeWeights.packs_for``): 0 for packed blocks and int8, for
+    float32 weights a single stream packs anyway, and past ``PANELS_AT_MOST`` (no copy is made).
+    What a single stream's drafted steps would add to its memory (``--lookup auto``)."""
+    found: list[tuple[torch.Tensor, bool]] = []
+    for layer in model.layers:
+        attention, ffn = layer.attention, layer.feed_forward
+        # Fused or not yet (a fused layer has no parts of its own left).
+        parts = [getattr(attention, n, None) for n in ("wqkv", "wq", "wk", "wv", "wo")]
+        parts += [getattr(ffn, n, None) for n in ("w13", "w1", "w3", "w2")]
+        for part in parts:
+            weight = None if part is None else _weight(part)
+            if weight is not None:
+                found.append((weight[0], False))
+    output = _weight(model.output)
+    if output is not None:
+        found.append((output[0], True))
+    packable = [w for w, classifier in found if _packable(w, classifier)]
+    total = sum(_panel_bytes(w) for w in packable)
+    if total > PANELS_AT_MOST:
+        return 0
+    alone = found and found[0][0].dtype == torch.float32 and total <= PANELS_ALONE_AT_MOST
+    return 0 if alone else total
+
+
 def _packable(weight: torch.Tensor, classifier: bool) -> bool:
     # The operator takes a packed classifier's size from its panels: whole ones only.
     return weight.dtype in WEIGHT_DTYPES and not (classifier and weight.shape[0] % PANEL)
