@@ -90,10 +90,15 @@ class BatchCore:
         self._backends: StepBackends | None = None
         self.sizer: PrefillSizer | None = None  # prompt chunks sized by time, if set (else prefill_chunk)
         self.constraints: Constraints | None = None  # compiles the jobs' structured output (set by the scheduler)
-        self.speculation: Speculation | None = None  # prompt lookup or a draft model (speculative.py), if the scheduler drafts
+        self.speculation: Speculation | None = None  # how the scheduler drafts, if it does (speculative.py)
         # The draft model's pages and steps, made at its first draft, in the step thread (False:
         # its operator does not take it, and it never drafts).
         self._draft_runner: DraftRunner | None | bool = None
+
+    @property
+    def draft_runner(self) -> DraftRunner | None:
+        """The draft model's pages and steps, once a job has drafted with it."""
+        return self._draft_runner or None
 
     @property
     def lone_step(self) -> LoneRowStep | None:

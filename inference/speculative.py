@@ -47,10 +47,11 @@ class Speculation:
 @dataclass
 class Pace:
     """How long a drafter's next draft is, for one job: it grows by two while drafts are kept
-    whole, shrinks to what was kept, and after a draft of which nothing was kept the job waits
-    ``PAUSES`` steps, longer each time."""
+    whole, shrinks to what was kept, and after a draft of which less than ``keep_share`` was kept
+    (0: nothing) the job waits ``PAUSES`` steps, longer each time."""
 
     draft_max: int
+    keep_share: float = 0.0
     size: int = 0  # the next draft's length (0: draft_max // 2 at the first)
     pause: int = 0  # steps left without drafting
     pause_level: int = 0
@@ -76,7 +77,7 @@ class Pace:
             self.pause_level = 0
         else:
             self.size = max(1, accepted + 1)
-            if accepted == 0:
+            if accepted == 0 or accepted < self.keep_share * drafted:
                 self.pause_level = min(self.pause_level + 1, len(PAUSES) - 1)
                 self.pause = PAUSES[self.pause_level]
             else:
@@ -132,6 +133,9 @@ class ModelDraft(Pace):
     past what the job kept are rolled back as the job's own are, by counting: ``rollback`` cuts
     ``written`` to what agrees with the job's tokens, and the keys past it are written again."""
 
+    # A guess costs a step of the draft model, kept or not (a lookup draft costs nothing to
+    # make): drafts of which fewer than half are kept pause the job, as a refused one does.
+    keep_share: float = 0.5
     pages: list[int] = field(default_factory=list)
     written: list[int] = field(default_factory=list)
     agreed: int = 0  # a prefix of ``written`` known to be the job's own tokens (which never change)

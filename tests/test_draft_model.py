@@ -130,7 +130,7 @@ def test_greedy_replies_are_the_same_whether_the_draft_model_guesses_well_or_not
         assert stats.steps < plain.stats.steps
     else:
         assert refused > 50 and stats.accepted_tokens < refused, stats
-    runner = drafted.core._draft_runner
+    runner = drafted.core.draft_runner
     assert runner and runner.pages.in_use == 0  # every job gave its draft pages back
 
 
@@ -157,7 +157,7 @@ def test_four_jobs_at_once_with_lookup_beside_the_draft_model_and_stop_tokens_in
     got, drafted = run(target, requests + stopping, drafting(close, lookup=True, most_jobs=4), max_batch=4)
     assert got == want and drafted.stats.accepted_tokens > 0
     assert any(reason.value == "eos" for _, reason in want.values())
-    assert drafted.core._draft_runner.pages.in_use == 0
+    assert drafted.core.draft_runner.pages.in_use == 0
 
 
 def test_a_request_may_decline_the_draft_model_or_ask_shorter_drafts(target, close, monkeypatch):
