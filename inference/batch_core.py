@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_chat.inference.batch_step import CoreSettings, StepBackends, StepPlan, consecutive
-from llama_chat.inference.draft_model import DraftRunner
+from llama_chat.inference.draft_model import DraftRunner, keep_share
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.page_table import PageTable, page_keys
 from llama_chat.inference.paged_step import LoneRowStep
@@ -94,6 +94,7 @@ class BatchCore:
         # The draft model's pages and steps, made at its first draft, in the step thread (False:
         # its operator does not take it, and it never drafts).
         self._draft_runner: DraftRunner | None | bool = None
+        self._keep_share: float | None = None  # of a draft model's drafts (``draft_model.keep_share``)
 
     @property
     def draft_runner(self) -> DraftRunner | None:
@@ -264,7 +265,9 @@ class BatchCore:
         if s.lookup if request.lookup is None else request.lookup:
             job.lookup = Lookup(most)
         if s.draft is not None and request.draft_model is not False:
-            job.model_draft = ModelDraft(most)
+            if self._keep_share is None:
+                self._keep_share = keep_share(s.draft, self.model)
+            job.model_draft = ModelDraft(most, keep_share=self._keep_share)
 
     def _drafts(self, decoding: list[Job]) -> list[tuple[Job, list[int]]]:
         """The drafts of the decoding jobs that have one, while few jobs run: prompt lookup's

@@ -24,6 +24,27 @@ from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedKVCache
 # Most rows of tokens the draft model has not seen in one call of its operator: a long prompt is
 # caught up in a few calls, each as long as a few decode steps (as the target's prompt chunks).
 CATCH_UP_ROWS = 64
+# What a row verified beside the step's own adds to the step, as a share of a step (its share of
+# the products' arithmetic: the weights are read once for all rows).
+VERIFIED_ROW_SHARE = 0.15
+# A job goes on drafting after drafts of which at least this share was kept, at most.
+KEEP_SHARE_MOST = 0.9
+
+
+def keep_share(draft, model) -> float:
+    """The share of a draft the job must keep for the draft to have paid for itself: each guess
+    costs a step of the draft model (its weights' bytes over the model's, a decode step reading
+    every weight once) and a verified row; each kept token saves a step of the model
+    (``Pace.keep_share``)."""
+    return min(KEEP_SHARE_MOST, weight_bytes(draft) / weight_bytes(model) + VERIFIED_ROW_SHARE)
+
+
+def weight_bytes(model) -> int:
+    """The bytes of a model's tensors, each storage once (a tied embedding is the classifier)."""
+    sizes: dict[int, int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        sizes[tensor.data_ptr()] = max(sizes.get(tensor.data_ptr(), 0), tensor.numel() * tensor.element_size())
+    return sum(sizes.values())
 
 
 class DraftRunner:
@@ -124,4 +145,4 @@ class DraftRunner:
         return picks[:len(sampled)].tolist()
 
 
-__all__ = ["CATCH_UP_ROWS", "DraftRunner"]
+__all__ = ["CATCH_UP_ROWS", "DraftRunner", "keep_share", "weight_bytes"]

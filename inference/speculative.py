@@ -134,7 +134,8 @@ class ModelDraft(Pace):
     ``written`` to what agrees with the job's tokens, and the keys past it are written again."""
 
     # A guess costs a step of the draft model, kept or not (a lookup draft costs nothing to
-    # make): drafts of which fewer than half are kept pause the job, as a refused one does.
+    # make): drafts that did not pay for their guesses pause the job, as a refused one does
+    # (the share: ``draft_model.keep_share``, from the two models' sizes).
     keep_share: float = 0.5
     pages: list[int] = field(default_factory=list)
     written: list[int] = field(default_factory=list)
