@@ -17,7 +17,7 @@ import torch
 from builders import endless_model, random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
 from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
-from llama_chat.inference.speculative import ModelDraft, Speculation
+from llama_chat.inference.speculative import PAUSES, ModelDraft, Speculation
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 
@@ -186,6 +186,21 @@ def test_the_draft_pages_roll_back_to_what_the_job_kept():
     draft.written += [9, 7]
     draft.rollback([1, 2, 3, 9, 7, 7])
     assert draft.written == [1, 2, 3, 9, 7]
+
+
+def test_a_draft_models_drafts_must_pay_for_their_guesses():
+    from llama_chat.inference.draft_model import KEEP_SHARE_MOST, VERIFIED_ROW_SHARE, keep_share
+
+    pace = ModelDraft(draft_max=8, keep_share=0.5)
+    pace.size = 4
+    pace.taken(4, 2)  # half kept: it goes on
+    assert pace.pause == 0 and pace.size == 3
+    pace.taken(3, 1)  # a third: it pauses, as after a draft refused whole
+    assert pace.pause == PAUSES[1]
+    big = random_model(tiny_args(VOCAB, dim=128, hidden_dim=320))
+    small = random_model(tiny_args(VOCAB, n_layers=1, dim=32, hidden_dim=64))
+    assert VERIFIED_ROW_SHARE < keep_share(small, big) < 0.5
+    assert keep_share(big, small) == KEEP_SHARE_MOST
 
 
 def test_lookup_auto_is_on_except_where_a_single_stream_would_copy_16_bit_weights():
