@@ -1,7 +1,8 @@
-"""Speculative decoding by prompt lookup (``--lookup on``) against decoding without it, and
-llama.cpp's own n-gram speculation on the same file, measured in the same run.
+"""Speculative decoding by prompt lookup (``--lookup on``) and by a draft model (``--draft``)
+against decoding without it, and llama.cpp's own n-gram and draft-model speculation on the same
+files, measured in the same run.
 
-    python benchmarks/bench_speculative.py FILE.gguf [--tokens 160] [--rounds 3] [--threads 2]
+    python benchmarks/bench_speculative.py FILE.gguf [--draft DRAFT.gguf] [--tokens 160] [--rounds 3]
 
 Greedy, on tasks whose answer repeats its input (repeat a passage word for word, change one word
 throughout a passage, add a docstring to a given function) and on open-ended ones (a story, an
@@ -9,13 +10,15 @@ explanation), and the open-ended ones again sampled (temperature 0.8, a fixed se
 greedy story soon repeats itself, a sampled one much less), each as a one-turn chat in the file's
 own template, or as plain text where the file has none (a base model):
 
-* llama-chat, one job: decode tok/s (the tokens after the first over their time) with and without
-  lookup, alternating rounds in one process; the replies must be equal token for token. Also the
-  share of drafted tokens kept;
+* llama-chat, one job: decode tok/s (the tokens after the first over their time) without drafts,
+  with lookup, and (``--draft``) with the draft model alone (lookup off), in rounds that rotate
+  their order, in one process; the replies must be equal token for token. Also the share of
+  drafted tokens kept;
 * llama-chat, 16 jobs of the same tasks at once (``--batch``'s shape), all tokens over the wall
-  time, with and without lookup (it steps aside above four jobs: the ratio should be 1.0);
-* llama.cpp's ``llama-server`` (the build of ``llama_cpp_peer.py``) on the same file and token ids,
-  one slot, with ``--spec-type ngram-simple`` and without, its own ``predicted_per_second``.
+  time, in the same modes (drafting steps aside above four jobs: the ratios should be 1.0);
+* llama.cpp's ``llama-server`` (the build of ``llama_cpp_peer.py``) on the same files and token
+  ids, one slot, without speculation, with ``--spec-type ngram-simple``, and with ``-md DRAFT``,
+  drafts of at most 8 tokens, its own ``predicted_per_second``.
 
 Targets: at least 1.8x on the repeating tasks at one job; no more than 3 % slower on the
 open-ended ones and at 16 jobs; ahead of llama.cpp's speculative speed on the same file.
@@ -89,11 +92,13 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
 
 
-def source(loaded, lookup: bool, jobs: int):
+def source(loaded, mode: str, jobs: int, draft: str | None = None):
+    """A scheduler of ``jobs`` jobs in ``mode``: off (no drafts), on (lookup), draft (the draft
+    model, lookup off)."""
     from llama_chat.cmd.generation_source import many_jobs, single_stream
 
-    opts = SimpleNamespace(compile=False, quantize="none", cache_type="auto", lookup="on" if lookup else "off",
-                           draft_max=8)
+    opts = SimpleNamespace(compile=False, quantize="none", cache_type="auto", lookup="on" if mode == "on" else "off",
+                           draft=draft if mode == "draft" else None, draft_max=8, dtype="auto", ctx_size=None)
     return single_stream(loaded, opts) if jobs == 1 else many_jobs(loaded, opts, max_batch=jobs, cache_tokens=None)
 
 
@@ -129,13 +134,16 @@ def together(scheduler, prompts: list[list[int]], tokens: int) -> tuple[float, l
 
 
 def llama_server_rates(server: Path, path: Path, prompts: dict[str, list[int]], tokens: int, threads: int,
-                       spec: bool, rounds: int) -> dict[str, float]:
-    """llama-server's own decode rate for each prompt (token ids, as ours), median of ``rounds``."""
+                       spec: str, rounds: int, draft: str | None = None) -> dict[str, float]:
+    """llama-server's own decode rate for each prompt (token ids, as ours), median of ``rounds``;
+    ``spec``: off, on (``ngram-simple``) or draft (``-md draft``)."""
     port = free_port()
     cmd = [str(server), "-m", str(path), "--port", str(port), "-np", "1", "-c", "4096", "-t", str(threads),
            "--no-webui", "--temp", "0"]
-    if spec:
+    if spec == "on":
         cmd += ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"]
+    elif spec == "draft":
+        cmd += ["-md", str(draft), "--spec-draft-n-max", "8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(port, proc)
@@ -156,6 +164,7 @@ def llama_server_rates(server: Path, path: Path, prompts: dict[str, list[int]], 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a GGUF file (llama.cpp reads the same)")
+    ap.add_argument("--draft", help="a GGUF file of the same vocabulary: the draft model")
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -174,29 +183,29 @@ def main() -> None:
     kernels.load()
     prompts = {name: prompt_ids(text, system=None, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
                for name, (_, text) in TASKS.items()}
-    plain, drafting = source(loaded, False, 1), source(loaded, True, 1)
-    rates: dict[str, dict[str, list[float]]] = {name: {"off": [], "on": []} for name in TASKS}
-    kept: dict[str, tuple[int, int]] = {}
+    modes = ("off", "on", "draft") if args.draft else ("off", "on")
+    schedulers = {mode: source(loaded, mode, 1, args.draft) for mode in modes}
+    rates: dict[str, dict[str, list[float]]] = {name: {m: [] for m in modes} for name in TASKS}
+    kept: dict[str, dict[str, tuple[int, int]]] = {m: {} for m in modes}
     for r in range(args.rounds + 1):  # the first round warms up (panels, caches) and is not counted
         for name, ids in prompts.items():
-            order = (("off", plain), ("on", drafting)) if r % 2 else (("on", drafting), ("off", plain))
             replies = {}
-            for mode, scheduler in order:
-                done = one_job(scheduler, ids, args.tokens, sampling_of(name))
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+                done = one_job(schedulers[mode], ids, args.tokens, sampling_of(name))
                 replies[mode] = done.token_ids
                 if r:
                     rates[name][mode].append(done.timings.decode_tok_s)
-                if mode == "on" and done.speculation is not None:
-                    kept[name] = done.speculation
-            assert replies["on"] == replies["off"], f"{name}: the replies differ with lookup"
-            log(f"round {r} {name}: " + "  ".join(f"{m} {rates[name][m][-1]:.1f}" for m in ("off", "on") if rates[name][m]))
+                if done.speculation is not None:
+                    kept[mode][name] = done.speculation
+            assert all(replies[m] == replies["off"] for m in modes), f"{name}: the replies differ with drafts"
+            log(f"round {r} {name}: " + "  ".join(f"{m} {rates[name][m][-1]:.1f}" for m in modes if rates[name][m]))
 
     server = None if args.no_llama_cpp else peer_mod.ensure_llama_cpp(CACHE, log=log).bench.parent / "llama-server"
     cpp = {}
     if server is not None and server.exists():
         ids = {name: list(p) for name, p in prompts.items()}
-        cpp = {"off": llama_server_rates(server, Path(args.model), ids, args.tokens, args.threads, False, args.rounds),
-               "on": llama_server_rates(server, Path(args.model), ids, args.tokens, args.threads, True, args.rounds)}
+        cpp = {mode: llama_server_rates(server, Path(args.model), ids, args.tokens, args.threads, mode, args.rounds,
+                                        args.draft) for mode in modes}
 
     print(f"\nPrompt lookup, {Path(args.model).name}, {args.tokens} tokens, medians of {args.rounds} "
           f"rounds; {machine()}\n")
@@ -205,24 +214,42 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, (kind, _) in TASKS.items():
         off, on = statistics.median(rates[name]["off"]), statistics.median(rates[name]["on"])
-        drafted, accepted = kept.get(name, (0, 0))
+        drafted, accepted = kept["on"].get(name, (0, 0))
         share = f"{accepted}/{drafted}" if drafted else "-"
         c_off, c_on = cpp.get("off", {}).get(name), cpp.get("on", {}).get(name)
         cells = [f"{c_off:.1f}" if c_off else "-", f"{c_on:.1f}" if c_on else "-",
                  f"{c_on / c_off:.2f}x" if c_on and c_off else "-", f"**{on / c_on:.2f}x**" if c_on else "-"]
         print(f"| {name} | {kind} | {off:.1f} | {on:.1f} | **{on / off:.2f}x** | {share} | " + " | ".join(cells) + " |")
 
+    if args.draft:
+        print(f"\nA draft model, {Path(args.draft).name} for {Path(args.model).name}, lookup off:\n")
+        print("| task | kind | llama-chat off | draft | draft / off | drafts kept | llama.cpp off | -md | "
+              "its ratio | ours draft / its draft |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, (kind, _) in TASKS.items():
+            off, on = statistics.median(rates[name]["off"]), statistics.median(rates[name]["draft"])
+            drafted, accepted = kept["draft"].get(name, (0, 0))
+            share = f"{accepted}/{drafted}" if drafted else "-"
+            c_off, c_on = cpp.get("off", {}).get(name), cpp.get("draft", {}).get(name)
+            cells = [f"{c_off:.1f}" if c_off else "-", f"{c_on:.1f}" if c_on else "-",
+                     f"{c_on / c_off:.2f}x" if c_on and c_off else "-", f"**{on / c_on:.2f}x**" if c_on else "-"]
+            print(f"| {name} | {kind} | {off:.1f} | {on:.1f} | **{on / off:.2f}x** | {share} | "
+                  + " | ".join(cells) + " |")
+
     batch = [list(prompts[name]) for name in TASKS for _ in range(-(-args.jobs // len(TASKS)))][:args.jobs]
-    walls = {"off": [], "on": []}
-    batched = {"off": source(loaded, False, args.jobs), "on": source(loaded, True, args.jobs)}
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    batched = {mode: source(loaded, mode, args.jobs, args.draft) for mode in modes}
     for r in range(args.rounds):
         outs = {}
-        for mode in (("off", "on") if r % 2 else ("on", "off")):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             wall, outs[mode] = together(batched[mode], batch, args.tokens)
             walls[mode].append(sum(len(t) for t in outs[mode]) / wall)
-        assert outs["on"] == outs["off"], "the batch's replies differ with lookup"
-    off, on = statistics.median(walls["off"]), statistics.median(walls["on"])
-    print(f"\n{args.jobs} jobs at once: {off:.1f} tok/s without lookup, {on:.1f} with: **{on / off:.2f}x**")
+        assert all(outs[m] == outs["off"] for m in modes), "the batch's replies differ with drafts"
+    off = statistics.median(walls["off"])
+    print(f"\n{args.jobs} jobs at once: {off:.1f} tok/s without drafts; "
+          + "; ".join(f"{statistics.median(walls[m]):.1f} with {'lookup' if m == 'on' else 'the draft model'}: "
+                      f"**{statistics.median(walls[m]) / off:.2f}x**" for m in modes if m != "off")
+          + f"; load {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

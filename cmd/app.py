@@ -105,6 +105,11 @@ def check_usage(opts: Options) -> None:
 
         if not is_remote(opts.model):
             raise UsageProblem("--remote-model and --api-key go with -m openai:URL (a model on a server)")
+    if opts.draft is not None:
+        from llama_chat.inference.remote import is_remote
+
+        if is_remote(opts.model) or is_remote(opts.draft):
+            raise UsageProblem("--draft takes a model loaded here, beside a model loaded here (not openai:URL)")
     try:
         opts.beams()
         opts.constraint()

@@ -8,6 +8,10 @@
 - The one exception: one stream at a time on CUDA keeps the engine (``inference/engine.py``),
   whose decode step is replayed as a CUDA graph over its dense cache. The scheduler's steps are
   not graphed yet, and that path stays as it is until a GPU measures the two side by side.
+
+Speculative decoding (``inference/speculative.py``) is chosen here too: prompt lookup as
+``--lookup`` says, and a draft model (``--draft``), loaded here beside the model and refused
+unless it has the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from llama_chat.inference.speculative import Speculation
 
 if TYPE_CHECKING:
     from llama_chat.model.loader import LoadedModel
+    from llama_chat.model.tokenizers.base import Tokenizer
 
 # Token slots per page for one stream: the last, partly filled page of a chat's turn is prefilled
 # again by the next one, so pages are smaller than a batch's (SchedulerOptions.page_size).
 SINGLE_STREAM_PAGE_SIZE = 8
 # Events one stream's producer may run ahead of its reader: a small model's job alone makes
-# several tokens per step call (``BatchCore._lone_steps``), and a channel of a batch's size made
+# several tokens per step call (``BatchCore._alone_again``), and a channel of a batch's size made
 # it wait for the reader every few tokens.
 SINGLE_STREAM_BUFFER = 64
 
@@ -34,7 +39,8 @@ Source = Scheduler | Engine | RemoteSource
 
 
 def single_stream(loaded: LoadedModel | RemoteModel, opts) -> Source:
-    """The source of a one-shot prompt or a chat: one request at a time."""
+    """The source of a one-shot prompt or a chat: one request at a time (a draft model, if
+    ``--draft`` names one, is loaded here)."""
     if isinstance(loaded, RemoteModel):
         return RemoteSource(loaded)
     quantize = getattr(opts, "quantize", "none")
@@ -43,7 +49,7 @@ def single_stream(loaded: LoadedModel | RemoteModel, opts) -> Source:
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=1, page_size=SINGLE_STREAM_PAGE_SIZE, buffer_size=SINGLE_STREAM_BUFFER,
         cache_tokens=loaded.model.args.max_seq_len,
-        speculation=speculation(opts),
+        speculation=speculation(opts, loaded, jobs=1),
         quantize=quantize, compile=opts.compile, cache_type=cache_type(opts)))
 
 
@@ -56,11 +62,59 @@ def cache_type(opts) -> str | None:
     return chosen
 
 
-def speculation(opts) -> Speculation | None:
-    """Prompt-lookup drafts where ``--lookup on`` asks for them."""
-    if getattr(opts, "lookup", "off") != "on":
+def speculation(opts, loaded: LoadedModel, *, jobs: int, server: bool = False) -> Speculation | None:
+    """How a scheduler of up to ``jobs`` jobs drafts: prompt lookup as ``--lookup`` says
+    (``lookup_on``), and ``--draft``'s model. None where nothing drafts; a server always has one,
+    for a request may ask for lookup (``openai_api.read_settings``)."""
+    lookup = lookup_on(getattr(opts, "lookup", "off"), loaded.model, jobs)
+    draft = load_draft(opts, loaded)
+    if not lookup and draft is None and not server:
         return None
-    return Speculation(draft_max=opts.draft_max)
+    return Speculation(draft_max=opts.draft_max, lookup=lookup, draft=draft)
+
+
+def lookup_on(mode: str, model, jobs: int) -> bool:
+    """``--lookup``: on, off, or auto: on, except for a single stream whose drafted steps would
+    make a float32 copy of its weights that its own steps never read (16-bit weights, up to
+    ``cpu_decode.PANELS_AT_MOST``); a batch's steps of several rows make it anyway."""
+    if mode != "auto":
+        return mode == "on"
+    from llama_chat.model import cpu_decode
+
+    return jobs > 1 or cpu_decode.rows_copy_bytes(model) == 0
+
+
+def load_draft(opts, loaded: LoadedModel):
+    """``--draft``'s model (a ``Transformer``), loaded as the model was (device, dtype,
+    context, quantization), or None. ``ModelLoadError`` (one line, exit status 2) where it cannot
+    be loaded or its vocabulary is not the model's."""
+    name = getattr(opts, "draft", None)
+    if name is None:
+        return None
+    from llama_chat.model.errors import ModelLoadError
+    from llama_chat.model.loader import load_model
+    from llama_chat.model.stores import resolve_model
+
+    resolved = resolve_model(str(name), download=False, progress=False)
+    draft = load_model(resolved.path, device=loaded.device, dtype=getattr(opts, "dtype", "auto"),
+                       max_seq_len=getattr(opts, "ctx_size", None), chat_format="none",
+                       quantize=getattr(opts, "quantize", "none"))
+    difference = vocabulary_difference(loaded.tokenizer, draft.tokenizer)
+    if difference is not None:
+        raise ModelLoadError(f"the draft model {resolved.path} does not share the vocabulary of "
+                             f"{loaded.path}: {difference}")
+    return draft.model
+
+
+def vocabulary_difference(model: Tokenizer, draft: Tokenizer) -> str | None:
+    """What differs between two tokenizers' vocabularies (their sizes, or the first id whose bytes
+    differ), or None: a draft is made of ids, and the model reads them as its own."""
+    if model.vocab_size != draft.vocab_size:
+        return f"{draft.vocab_size} tokens against {model.vocab_size}"
+    for token in range(model.vocab_size):
+        if model.token_bytes(token) != draft.token_bytes(token):
+            return f"token {token} is {draft.token_bytes(token)!r} in the draft, {model.token_bytes(token)!r} in the model"
+    return None
 
 
 def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_tokens: int | None) -> Scheduler | RemoteSource:
@@ -70,5 +124,5 @@ def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_
         return RemoteSource(loaded, max_batch=max_batch)
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=max_batch, cache_tokens=cache_tokens, quantize=getattr(opts, "quantize", "none"),
-        speculation=speculation(opts),
+        speculation=speculation(opts, loaded, jobs=max_batch),
         compile=bool(opts.compile), cache_type=cache_type(opts)))

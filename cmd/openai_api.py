@@ -57,8 +57,12 @@ EXTRA_SETTINGS = tuple(name for name in SETTING_KEYS if name not in (*OPENAI_SET
 IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "modalities",
            "prediction", "audio", "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier",
            "function_call")
+# Speculative decoding for one request, under the options table's rules (``controls.SERVER_RULES``,
+# ``RULES``), and the ``Request`` field each sets: prompt lookup, the server's draft model, and the
+# most tokens drafted in one step. The reply is the same whatever they say; only its speed differs.
+SPECULATION_FIELDS = {"lookup": "lookup", "draft": "draft_model", "draft_max": "draft_max"}
 COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "logprobs", *OPENAI_SETTINGS, *EXTRA_SETTINGS,
-          *IGNORED)
+          *SPECULATION_FIELDS, *IGNORED)
 CHAT_FIELDS = frozenset((*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                          "functions", "tool_choice", "parallel_tool_calls"))
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt", "echo", "best_of", "suffix"))
@@ -104,6 +108,7 @@ class Generation:
     settings: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None  # None: none asked; else how many alternatives per token
     tools: ToolRequest | None = None  # a chat's tools, where it offers some
+    speculation: dict[str, Any] = field(default_factory=dict)  # ``Request`` fields (``SPECULATION_FIELDS``)
 
     @property
     def prompt_field(self) -> str:
@@ -210,7 +215,17 @@ def _common(body: dict[str, Any], limit_field: str) -> dict[str, Any]:
     include_usage = bool(options and options.get("include_usage"))
     fields = [(limit_field, "max_tokens"), *((name, name) for name in (*OPENAI_SETTINGS, *EXTRA_SETTINGS))]
     return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
-            "settings": read_settings(body, fields)}
+            "settings": read_settings(body, fields), "speculation": _speculation(body)}
+
+
+def _speculation(body: dict[str, Any]) -> dict[str, Any]:
+    """The request's speculative decoding fields, checked, as ``Request`` fields."""
+    out: dict[str, Any] = {}
+    for name, attribute in SPECULATION_FIELDS.items():
+        if _given(body, name):
+            value = _ranged(body, name)
+            out[attribute] = value == "on" if isinstance(value, str) else value
+    return out
 
 
 def read_settings(body: dict[str, Any], fields) -> dict[str, Any]:

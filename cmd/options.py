@@ -20,7 +20,8 @@ import typer
 
 from llama_chat.inference.types import Request, new_request_id
 from llama_chat.ml.controls import (CACHE_TYPES, COLOR_MODES, COMPILE_MIN_PARAMETERS, DEFAULT_CACHE_BYTES_CAP,
-                                    DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CONTEXT, DEFAULT_DRAFT_MAX, DEFAULT_MAX_BATCH,
+                                    DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CONTEXT, DEFAULT_DRAFT_MAX, DEFAULT_LOOKUP,
+                                    DEFAULT_MAX_BATCH,
                                     DEFAULT_TEMPERATURE, DTYPES, KEPT_CONSTRAINTS, LOOKUP_MODES,
                                     MAX_CONSTRAINT_BYTES, QUANTIZE_MODES, RULES, BeamParams, ControlError,
                                     SamplingParams, check, check_early_stopping, check_stop, parse_logit_bias,
@@ -292,9 +293,16 @@ class Options:
         "--lookup", help="Speculative decoding by prompt lookup: a step also feeds the tokens that followed the "
                          "reply's last few tokens where they appeared before, and keeps those the model "
                          "agrees with; the reply is the same, faster where it repeats its input (on the CPU, "
-                         "while few jobs run).")] = Lookup("off")
+                         "while few jobs run). auto: on, except for one stream of 16-bit weights, whose "
+                         "drafted steps would first make a float32 copy of them.")] = Lookup(DEFAULT_LOOKUP)
+    draft: Annotated[str | None, typer.Option(
+        "--draft", metavar="MODEL",
+        help="Speculative decoding with a draft model (named as -m is): a smaller model with the same "
+             "vocabulary guesses the next tokens, where prompt lookup has none, and the model keeps those "
+             "it agrees with; the reply is the same (on the CPU, while few jobs run).")] = None
     draft_max: Annotated[int, ranged(
-        "draft_max", "--draft-max", help="--lookup: most tokens drafted for one job in one step, {range}.")] = DEFAULT_DRAFT_MAX
+        "draft_max", "--draft-max", help="--lookup, --draft: most tokens drafted for one job in one step, "
+                                         "{range}.")] = DEFAULT_DRAFT_MAX
     template: Annotated[Template, typer.Option(
         "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template("auto")
     json: Annotated[bool, typer.Option(

@@ -72,7 +72,7 @@ def stats_line(completion: Completion, load_s: float | None = None, weights: Wei
 
 
 def drafts_text(completion: Completion) -> str:
-    """What prompt lookup drafted and kept for a reply (speculative decoding), or nothing."""
+    """What prompt lookup or the draft model drafted and kept for a reply (speculative decoding), or nothing."""
     if completion.speculation is None:
         return ""
     drafted, accepted = completion.speculation

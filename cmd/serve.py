@@ -41,7 +41,7 @@ from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
 from llama_chat.cmd.typer_command import GroupedHelp, command, new_app
 from llama_chat.inference.remote import is_remote
 from llama_chat.inference.serving import Serving
-from llama_chat.ml.controls import DEFAULT_DRAFT_MAX, DEFAULT_MAX_BATCH
+from llama_chat.ml.controls import DEFAULT_DRAFT_MAX, DEFAULT_LOOKUP, DEFAULT_MAX_BATCH
 from llama_chat.inference.tool_formats import FORMAT_NAMES, resolve_format
 from llama_chat.inference.types import sole_exception
 
@@ -111,7 +111,8 @@ class ServeOptions:
     compile: _OPTION["compile"] = None
     quantize: _OPTION["quantize"] = "none"
     cache_type: _OPTION["cache_type"] = "auto"
-    lookup: _OPTION["lookup"] = "off"
+    lookup: _OPTION["lookup"] = DEFAULT_LOOKUP
+    draft: _OPTION["draft"] = None
     draft_max: _OPTION["draft_max"] = DEFAULT_DRAFT_MAX
     template: _OPTION["template"] = "auto"
     tool_format: Annotated[str, typer.Option(
@@ -333,7 +334,8 @@ def _load_model(opts: ServeOptions):
     cache_tokens = opts.cache_tokens or pool_tokens(token_bytes, a.max_seq_len, opts.max_batch, available_bytes())
     scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=opts.max_batch, cache_tokens=cache_tokens, quantize=options.quantize,
-        compile=bool(opts.compile), cache_type=kv_type.name, speculation=speculation(options)))
+        compile=bool(opts.compile), cache_type=kv_type.name,
+        speculation=speculation(options, loaded, jobs=opts.max_batch, server=True)))
     warm_up(scheduler, options.sampling(), err, quiet=opts.quiet)
     return loaded, scheduler
 

@@ -348,6 +348,9 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
     for token, _ in generation.settings.get("logit_bias", ()):
         if token >= vocab:
             raise bad(f"logit_bias: token id {token} is outside the vocabulary (0 to {vocab - 1})", "logit_bias")
+    speculation = served.serving.scheduler.options.speculation
+    if generation.speculation.get("draft_model") and (speculation is None or speculation.draft is None):
+        raise bad("draft: this server has no draft model (start it with --draft MODEL)", "draft")
     constraint = tool_constraint(served, generation)
     requests, prompt_lens = [], []
     for p, prompt in enumerate(generation.prompts):
@@ -362,6 +365,8 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
                                           request_id=f"{reply_id}-{p * generation.n + j}", **settings)
             if generation.logprobs is not None:
                 request = dataclasses.replace(request, logprobs=generation.logprobs)
+            if generation.speculation:
+                request = dataclasses.replace(request, **generation.speculation)
             if constraint is not None:
                 request = dataclasses.replace(request, constraint=constraint)
             if j == 0:

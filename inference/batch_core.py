@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from llama_chat.inference.batch_step import CoreSettings, StepBackends, StepPlan, consecutive
+from llama_chat.inference.draft_model import DraftRunner, keep_share
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.page_table import PageTable, page_keys
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
-from llama_chat.inference.speculative import Lookup, Speculation
+from llama_chat.inference.speculative import Lookup, ModelDraft, Speculation
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
 from llama_chat.ml.constraints import Constraints
 from llama_chat.ml.processors import TokenHistory, make_controls
@@ -40,7 +41,7 @@ from llama_chat.model.transformer import Transformer
 
 __all__ = ["BatchCore", "CoreSettings", "Counters", "StepResult"]
 
-# Most time one step call spends on the tokens of a job decoding greedily alone (``_lone_steps``).
+# Most time one step call spends on the steps of a job decoding alone (``BatchCore._alone_again``).
 LONE_STEPS_S = 0.01
 
 
@@ -55,7 +56,7 @@ class Counters:
     generated_tokens: int = 0
     steps: int = 0
     mixed_steps: int = 0  # steps with both decodes and prompt chunks
-    drafted_tokens: int = 0  # tokens drafted by prompt lookup and verified (speculative.py)
+    drafted_tokens: int = 0  # tokens drafted by prompt lookup or the draft model and verified (speculative.py)
     accepted_tokens: int = 0  # of those, the ones kept
     pages_peak: int = 0
     compactions: int = 0  # lone sequences moved onto consecutive pages
@@ -92,7 +93,16 @@ class BatchCore:
         self._backends: StepBackends | None = None
         self.sizer: PrefillSizer | None = None  # prompt chunks sized by time, if set (else prefill_chunk)
         self.constraints: Constraints | None = None  # compiles the jobs' structured output (set by the scheduler)
-        self.speculation: Speculation | None = None  # prompt lookup (speculative.py), if the scheduler drafts
+        self.speculation: Speculation | None = None  # how the scheduler drafts, if it does (speculative.py)
+        # The draft model's pages and steps, made at its first draft, in the step thread (False:
+        # its operator does not take it, and it never drafts).
+        self._draft_runner: DraftRunner | None | bool = None
+        self._keep_share: float | None = None  # of a draft model's drafts (``draft_model.keep_share``)
+
+    @property
+    def draft_runner(self) -> DraftRunner | None:
+        """The draft model's pages and steps, once a job has drafted with it."""
+        return self._draft_runner or None
 
     @property
     def lone_step(self) -> LoneRowStep | None:
@@ -132,46 +142,45 @@ class BatchCore:
         if backends is None:
             backends = self._backends = StepBackends.make(self.model, self.cache, self.settings, device=self.device,
                                                           sample_ids=self.sample_ids, lone_step=self._lone_step)
-        plan = self._plan(backends.step_tokens, backends.verifies_drafts)
-        if not plan.rows and not plan.runs and not plan.drafts:
-            return StepResult(released=tuple(released), idle=True)
-        backend = backends.choose(plan)
-        if backend.wants_consecutive and len(plan.rows) == 1 and not plan.runs and not self.settings.static_shapes:
-            # Alone in this step and, with no prompt being prefilled, likely in the next ones.
-            job = plan.rows[0]
-            if not consecutive(job.pages):
-                self._compact(job)
-        if backend is backends.lone_greedy:
-            events, finished = self._lone_steps(plan, backend)
-        else:
+        events: list[tuple[Job, TokenEvent]] = []
+        finished: list[Job] = []
+        until = time.perf_counter() + LONE_STEPS_S
+        while True:
+            plan = self._plan(backends.step_tokens, backends.verifies_drafts)
+            if not plan.rows and not plan.runs and not plan.drafts:
+                return StepResult(tuple(events), tuple(released + finished), idle=not events)
+            backend = backends.choose(plan)
+            if (backend.wants_consecutive and len(plan.rows) == 1 and not plan.runs
+                    and not self.settings.static_shapes):
+                # Alone in this step and, with no prompt being prefilled, likely in the next ones.
+                job = plan.rows[0]
+                if not consecutive(job.pages):
+                    self._compact(job)
             start = time.perf_counter()
             jobs, tokens = backend.run(plan)
             if plan.runs and self.sizer is not None:
                 self.sizer.record(sum(n for _, n in plan.runs), time.perf_counter() - start)
             self._advance(plan)
-            events, finished = self._record(zip(jobs, tokens))
-        for job in finished:
-            self._release(job)
-        return StepResult(tuple(events), tuple(released + finished))
-
-    def _lone_steps(self, plan: StepPlan, backend) -> tuple[list[tuple[Job, TokenEvent]], list[Job]]:
-        """A job decoding greedily alone: its tokens, one step after another, for up to
-        ``LONE_STEPS_S``, while nothing else asks for a step (a job arriving, a cancel, a draft to
-        make, a full channel). The Python between two of a small model's steps, and the hand-off
-        of each to the step thread, were a visible share of its token (docs/batching.md, "A job
-        alone"); a reader cannot see 10 ms."""
-        job = plan.rows[0]
-        events: list[tuple[Job, TokenEvent]] = []
-        until = time.perf_counter() + LONE_STEPS_S
-        room = self.settings.buffer_size
-        while True:
-            jobs, tokens = backend.run(plan)
-            self._advance(plan)
-            made, finished = self._record(zip(jobs, tokens))
+            made, done = self._record(zip(jobs, tokens))
             events += made
-            if (finished or job.cancelled or self.incoming or job.lookup is not None
-                    or job.produced - job.received >= room or time.perf_counter() >= until):
-                return events, finished
+            for job in done:
+                self._release(job)
+            finished += done
+            if not self._alone_again(plan, backend is backends.lone_greedy or backend is backends.rows, until):
+                return StepResult(tuple(events), tuple(released + finished))
+
+    def _alone_again(self, plan: StepPlan, operator: bool, until: float) -> bool:
+        """Whether this call goes on to the next step of a job decoding alone on the CPU
+        operator (greedy, sampled or drafting), for up to ``LONE_STEPS_S``, while nothing else asks
+        for a step: a job arriving, a cancel, a full channel. The Python between two of a small
+        model's steps, and the hand-off of each to the step thread and of its result to the event
+        loop, were a visible share of its token (docs/batching.md, "A job alone"); a reader cannot
+        see 10 ms, and a step longer than that is one a call as before."""
+        if not operator or plan.runs or len(self.active) != 1 or self.incoming or self.waiting:
+            return False
+        job = self.active[0]
+        return (not job.cancelled and job.produced - job.received < self.settings.buffer_size
+                and time.perf_counter() < until)
 
     def _admit(self) -> list[Job]:
         if not self.incoming and not self.waiting:  # most steps: nothing to admit
@@ -220,11 +229,7 @@ class BatchCore:
             for key in job.claims:
                 self.claims[key] = job
             params = job.request.sampling
-            # Prompt lookup where it keeps the reply the same: not under a grammar (its matchers
-            # follow the history one token at a time), nor where each token's logprobs are asked.
-            if (self.speculation is not None and job.request.speculate and job.request.constraint is None
-                    and job.request.logprobs is None):
-                job.lookup = Lookup(self.speculation.draft_max)
+            self._drafters(job)
             if not params.greedy:
                 job.uniforms = draw_uniforms(self.settings.max_seq_len, job.request.seed)
             if job.request.constraint is not None:
@@ -272,27 +277,76 @@ class BatchCore:
             budget -= n
         return StepPlan(rows, runs, not runs and not drafts and len(rows) == decodes, drafts)
 
+    def _drafters(self, job: Job) -> None:
+        """A new job's drafters, where drafts keep the reply the same: not under a grammar (its
+        matchers follow the history one token at a time), nor where each token's logprobs are
+        asked. Prompt lookup as the request or the scheduler says; the draft model where there is
+        one and the request does not decline it."""
+        s, request = self.speculation, job.request
+        if s is None or not request.speculate or request.constraint is not None or request.logprobs is not None:
+            return
+        most = request.draft_max or s.draft_max
+        if s.lookup if request.lookup is None else request.lookup:
+            job.lookup = Lookup(most)
+        if s.draft is not None and request.draft_model is not False:
+            if self._keep_share is None:
+                self._keep_share = keep_share(s.draft, self.model)
+            job.model_draft = ModelDraft(most, keep_share=self._keep_share)
+
     def _drafts(self, decoding: list[Job]) -> list[tuple[Job, list[int]]]:
-        """Prompt-lookup drafts (``speculative.Lookup``) of the decoding jobs that have one, while
-        few jobs run; a draft never runs past what the job may write. (A job's channel holds
-        ``draft_max + 1`` events beyond ``buffer_size``, the most a draft's step can add to one
-        that had room for a row: ``Scheduler.submit``.)"""
+        """The drafts of the decoding jobs that have one, while few jobs run: prompt lookup's
+        (``speculative.Lookup``) where it finds one, else the draft model's (``_model_drafts``);
+        a draft never runs past what the job may write. (A job's channel holds ``draft_max + 1``
+        events beyond ``buffer_size``, the most a draft's step can add to one that had room for a
+        row: ``Scheduler.submit``.)"""
         assert self.speculation is not None
         if len(self.active) > self.speculation.most_jobs:
             return []
         drafts = []
+        asks: list[tuple[Job, int]] = []
         for job in decoding:
-            if job.lookup is None:
+            if job.lookup is None and job.model_draft is None:
                 continue
             written = self.reserved_len(job.prompt_len, job.request.max_tokens)
             room = written - job.fed - 1
             if job.request.max_tokens is not None:
                 room = min(room, job.prompt_len + job.request.max_tokens - len(job.tokens))
-            draft = job.lookup.draft(job.tokens, room)
+            draft = job.lookup.draft(job.tokens, room) if job.lookup is not None else []
             if draft:
                 job.lookup.pending = len(draft)
+                job.drafting = job.lookup
                 drafts.append((job, draft))
-        return drafts
+            elif job.model_draft is not None:
+                runner = self._runner()
+                if runner is None:
+                    continue
+                # The draft model writes up to the position before its last guess.
+                want = job.model_draft.want(min(room, runner.max_seq_len - len(job.tokens) + 1))
+                if want and runner.place(job.model_draft, written):
+                    asks.append((job, want))
+        return drafts + self._model_drafts(asks)
+
+    def _model_drafts(self, asks: list[tuple[Job, int]]) -> list[tuple[Job, list[int]]]:
+        """The draft model's guesses for ``(job, length)``, all jobs' steps together."""
+        if not asks:
+            return []
+        runner = self._runner()
+        assert runner is not None
+        guesses = runner.drafts([(job.model_draft, job.tokens, want) for job, want in asks])
+        for (job, _), guess in zip(asks, guesses):
+            job.model_draft.pending = len(guess)
+            job.drafting = job.model_draft
+        return [(job, guess) for (job, _), guess in zip(asks, guesses)]
+
+    def _runner(self) -> DraftRunner | None:
+        """The draft model's runner, made at its first use (in the step thread)."""
+        if self._draft_runner is None:
+            assert self.speculation is not None and self.speculation.draft is not None
+            made = DraftRunner.make(self.speculation.draft, num_pages=self.settings.num_pages,
+                                    page_size=self.settings.page_size, kv_type=self.cache.kv_type,
+                                    sample_ids=self.sample_ids)
+            self._draft_runner = False if made is None else made
+        return self._draft_runner or None
 
     def _advance(self, plan: StepPlan) -> None:
         """What the plan fed is now in the pages: count it, and give full pages their prefix keys."""
@@ -340,8 +394,9 @@ class BatchCore:
             if isinstance(drawn, tuple):
                 self._register(job)
                 accepted = len(kept) - 1  # the last token kept is the draw where the draft ended
-                job.lookup.taken(job.lookup.pending, accepted)
-                c.drafted_tokens += job.lookup.pending
+                pace = job.drafting
+                pace.taken(pace.pending, accepted)
+                c.drafted_tokens += pace.pending
                 c.accepted_tokens += accepted
         return events, finished
 
@@ -404,6 +459,8 @@ class BatchCore:
             if self.claims.get(key) is job:
                 del self.claims[key]
         job.claims = []
+        if job.model_draft is not None and job.model_draft.pages and self._draft_runner:
+            self._draft_runner.release(job.model_draft)
         # Its processors go with its last step: the history and a schema's matchers (megabytes of
         # native memory) refer to each other, and the cycle collector, blind to that memory, could
         # leave them for long.

@@ -17,7 +17,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.page_table import PageKey
-from llama_chat.inference.speculative import Lookup
+from llama_chat.inference.speculative import Lookup, ModelDraft, Pace
 from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import (Completion, GenerationState, Request, Response, Tally, TokenEvent,
                                         TokenLogprobs)
@@ -52,6 +52,8 @@ class Job:
     final_state: GenerationState | None = None  # how it ended when no event said so (a cancel)
     drawn_logprobs: TokenLogprobs | None = None  # of the token just drawn, when the request asks
     lookup: Lookup | None = None  # its prompt-lookup drafts (speculative.py), where the scheduler drafts
+    model_draft: ModelDraft | None = None  # its place in the draft model's pool, where there is one
+    drafting: Pace | None = None  # the drafter of the draft in the step running
     # -- the event loop's end of the job: set once its pages are back in the pool --
     released: anyio.Event = field(default_factory=anyio.Event)
 
@@ -108,8 +110,10 @@ class JobStream(TextStream):
     def completion(self) -> Completion:
         self.tally.cached_tokens = self.job.cached_tokens
         done = super().completion()
-        lookup = self.job.lookup
-        return done if lookup is None else replace(done, speculation=(lookup.drafted, lookup.accepted))
+        paces = [p for p in (self.job.lookup, self.job.model_draft) if p is not None]
+        if not paces:
+            return done
+        return replace(done, speculation=(sum(p.drafted for p in paces), sum(p.accepted for p in paces)))
 
     def _respond(self, event: TokenEvent) -> Response:
         if event.logprobs is not None and event.token_id not in self.job.stop_ids:

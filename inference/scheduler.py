@@ -74,7 +74,8 @@ class SchedulerOptions:
     report_every_s: float = 0.02
     quantize: str = "none"  # "int8": weight-only int8 projections (ml/quantize.py), made here
     cache_type: str | None = None  # the KV pages' type (model/kv_types.py); None: the model's dtype
-    # Prompt-lookup drafts verified in one step (inference/speculative.py); None: no drafts.
+    # Drafts by prompt lookup or a draft model, verified in one step (inference/speculative.py);
+    # None: no drafts.
     speculation: Speculation | None = None
     # Compile the step of a sequence running alone (inference/paged_step.py), on the CPU: None
     # where the one-prompt engine would compile (StepOptions.for_device), as for a chat.
@@ -105,7 +106,7 @@ class SchedulerStats:
     pages_peak: int
     evictions: int
     compactions: int = 0  # jobs running alone moved onto consecutive pages (batch_core._compact)
-    drafted_tokens: int = 0  # tokens drafted by prompt lookup and verified
+    drafted_tokens: int = 0  # tokens drafted by prompt lookup or the draft model and verified
     accepted_tokens: int = 0  # of those, the ones kept
     kv_resident_bytes: int = 0  # the cache's pages written and not given back (page_table.py)
     kv_reserved_bytes: int = 0  # the most the cache's pages may take
@@ -128,6 +129,10 @@ class Scheduler:
         parameters = sum(p.numel() for p in model.parameters())
         quantized = apply_quantization(model, options.quantize)
         cpu_kernels.prepare(model)  # before anything is compiled: a compiled graph keeps its products
+        draft = None if options.speculation is None else options.speculation.draft
+        if draft is not None:  # its operator reads fused projections, as the target's does
+            cpu_kernels.prepare(draft)
+            draft.fuse_projections()
         # As the one-prompt engine does (fewer products per layer); also before anything is
         # compiled, so that an engine made later for the same model cannot change what a
         # compiled graph reads.
@@ -258,7 +263,8 @@ class Scheduler:
         if request.request_id in self._jobs:
             raise RequestError(f"a job with id {request.request_id!r} is already running")
         speculation = self.options.speculation
-        extra = 0 if speculation is None else speculation.draft_max + 1  # a draft's step: batch_core._drafts
+        # A draft's step: batch_core._drafts.
+        extra = 0 if speculation is None else (request.draft_max or speculation.draft_max) + 1
         send, receive = anyio.create_memory_object_stream[TokenEvent](self.options.buffer_size + extra)
         stop_ids = self.stop_ids | frozenset(request.stop_ids)
         job = Job(request, time.perf_counter(), send, stop_ids)

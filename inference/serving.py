@@ -131,7 +131,8 @@ class ServingMetrics:
                [f"llama_chat_prompt_tokens_cached_total {s.cached_tokens}"])
         metric("llama_chat_generated_tokens_total", "counter", "Tokens generated.",
                [f"llama_chat_generated_tokens_total {s.generated_tokens}"])
-        metric("llama_chat_drafted_tokens_total", "counter", "Tokens drafted by prompt lookup (--lookup on) and verified.",
+        metric("llama_chat_drafted_tokens_total", "counter",
+               "Tokens drafted by prompt lookup or the draft model and verified.",
                [f"llama_chat_drafted_tokens_total {s.drafted_tokens}"])
         metric("llama_chat_accepted_tokens_total", "counter", "Drafted tokens that were kept.",
                [f"llama_chat_accepted_tokens_total {s.accepted_tokens}"])

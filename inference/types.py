@@ -67,8 +67,11 @@ class Request:
     ``ml/grammars.py``); it ends, ``stop_grammar``, where the constraint is complete.
     ``logprobs``: None, none reported; 0 to ``MAX_TOP_LOGPROBS``, each token event carries the
     token's log-probability and that many of the most likely alternatives (``TokenLogprobs``).
-    ``speculate``: where the scheduler drafts by prompt lookup (``speculative.py``), whether this
-    request's steps may (the reply is the same either way; only its speed differs).
+    ``speculate``: where the scheduler drafts (``speculative.py``), whether this request's steps
+    may at all (the reply is the same either way; only its speed differs); ``lookup``, whether
+    by prompt lookup (None: as the scheduler's ``Speculation.lookup`` says); ``draft_model``,
+    whether by the scheduler's draft model where it has one (None: yes); ``draft_max``, the most
+    tokens drafted in one step (None: the scheduler's).
     """
 
     prompt_ids: tuple[int, ...]
@@ -85,12 +88,15 @@ class Request:
     constraint: Constraint | None = None
     logprobs: int | None = None
     speculate: bool = True
+    lookup: bool | None = None
+    draft_model: bool | None = None
+    draft_max: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
         object.__setattr__(self, "stop", check_stop(s for s in self.stop if s))
-        for name in ("max_tokens", "max_time"):
+        for name in ("max_tokens", "max_time", "draft_max"):
             if getattr(self, name) is not None:
                 check(name, getattr(self, name))
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -179,7 +185,7 @@ class Completion:
     prompt_tokens: int
     timings: Timings
     cached_tokens: int = 0  # prompt tokens whose KV entries were kept from the request before
-    # Where the request's steps drafted by prompt lookup: (tokens drafted, tokens of them kept).
+    # Where the request's steps drafted (prompt lookup, a draft model): (tokens drafted, tokens of them kept).
     speculation: tuple[int, int] | None = None
 
     @property

@@ -124,7 +124,12 @@ COLOR_MODES = ("auto", "always", "never")
 # with one float16 scale, read by the CPU operator.
 CACHE_TYPES = ("auto", "f32", "f16", "bf16", "q8_0", "q4_0")
 # Speculative decoding by prompt lookup (inference/speculative.py): drafts from the tokens so far.
-LOOKUP_MODES = ("off", "on")
+# auto: on, except for one stream whose drafted steps would make a float32 copy of 16-bit weights
+# that its own steps never read (``cmd/generation_source.lookup_on``; docs/benchmarks.md).
+LOOKUP_MODES = ("auto", "off", "on")
+DEFAULT_LOOKUP = "auto"
+# A request's own choice on the server (``"lookup"``, ``"draft"``): the server's setting otherwise.
+SWITCH = ("on", "off")
 
 
 def _kind_name(kind: type) -> str:
@@ -137,6 +142,10 @@ MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20  # a chat's top_logprobs (vLLM's bound too)
 MAX_COMPLETION_LOGPROBS = 5  # a completion's logprobs
 SERVER_RULES: dict[str, Rule] = {
+    # Speculative decoding for one request (inference/speculative.py): prompt lookup, the server's
+    # draft model, and "draft_max" (``RULES``) the most tokens drafted in one step.
+    "lookup": Rule(str, lambda v: v in SWITCH, "on or off"),
+    "draft": Rule(str, lambda v: v in SWITCH, "on or off"),
     "n": Rule(int, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in 1 <= n <= {MAX_CHOICES}"),
     "best_of": Rule(int, lambda v: 1 <= v <= MAX_CHOICES, f"an integer in 1 <= best_of <= {MAX_CHOICES}"),
     "top_logprobs": Rule(int, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
@@ -154,6 +163,10 @@ def check(name: str, value):
     rule = RULES[name] if name in RULES else SERVER_RULES[name]
     if rule.kind is float and _integer(value):
         value = float(value)
+    if rule.kind is str:
+        if not (isinstance(value, str) and rule.test(value)):
+            raise ControlError(name, f"must be {rule.allowed}, got {value!r}")
+        return value
     if not (_integer(value) if rule.kind is int else isinstance(value, float)):
         # "an integer in 1 <= n <= 128" says the kind too: then the whole rule, else the kind.
         expected = rule.allowed if rule.allowed.startswith(_kind_name(rule.kind)) else _kind_name(rule.kind)
@@ -318,7 +331,7 @@ class BeamParams:
         return self.num_beams > 1
 
 
-__all__ = ["BeamParams", "CACHE_TYPES", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DTYPES", "EarlyStopping",
+__all__ = ["BeamParams", "CACHE_TYPES", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DEFAULT_LOOKUP", "DTYPES", "EarlyStopping",
            "GRAMMAR_COMPILE_BUDGET_BYTES", "KEPT_CONSTRAINTS", "KEPT_CONSTRAINT_BYTES", "MAX_CONSTRAINT_BYTES",
            "MAX_GRAMMAR_DEPTH", "MAX_SEED", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "QUANTIZE_MODES", "RULES",
            "SamplingParams", "check", "check_early_stopping", "check_stop", "parse", "parse_logit_bias",

@@ -127,16 +127,12 @@ class DecodeWeights:
 
     def panel_bytes(self) -> int:
         """The size of the copy ``packed_weights`` makes, or would make below its limit."""
-        return sum(_panel_bytes(w) for w in self._packable())
+        return _panels_size([p.weight for layer in self.layers for p in layer.projections()], self.output.weight)
 
     def packs_for(self, alone: bool) -> bool:
         """Whether a step takes the packed weights: steps of several rows do (up to
-        ``PANELS_AT_MOST``); a single stream's only for float32 weights, while the copy is at most
-        ``PANELS_ALONE_AT_MOST`` (a row alone is bound by reading the weights, and float32 panels
-        of bfloat16 weights are twice the bytes)."""
-        if not alone:
-            return True
-        return self.layers[0].qkv.weight.dtype == torch.float32 and self.panel_bytes() <= PANELS_ALONE_AT_MOST
+        ``PANELS_AT_MOST``); a single stream's as ``_alone_packs`` says."""
+        return not alone or _alone_packs(self.layers[0].qkv.weight.dtype, self.panel_bytes())
 
     def _packable(self) -> list[torch.Tensor]:
         weights = [p.weight for layer in self.layers for p in layer.projections()] + [self.output.weight]
@@ -150,6 +146,33 @@ PANELS_AT_MOST = 1 << 30
 # weight rows, but not by enough to double a large model's memory (docs/batching.md, "Steps on
 # the CPU").
 PANELS_ALONE_AT_MOST = 1 << 28
+
+
+def rows_copy_bytes(model: nn.Module) -> int:
+    """The bytes of the float32 panels that steps of several rows of ``model`` make and a lone
+    row's steps do not read (``DecodeWeights.packs_for``): 0 for packed blocks and int8, for
+    float32 weights a single stream packs anyway, and past ``PANELS_AT_MOST`` (no copy is made).
+    What a single stream's drafted steps would add to its memory (``--lookup auto``)."""
+    weights = [found.weight for layer in model.layers for part in _parts(layer)
+               if (found := _weight(part)) is not None]
+    output = _weight(model.output)
+    size = _panels_size(weights, None if output is None else output.weight)
+    if size > PANELS_AT_MOST or (weights and _alone_packs(weights[0].dtype, size)):
+        return 0
+    return size
+
+
+def _panels_size(weights: list[torch.Tensor], output: torch.Tensor | None) -> int:
+    """The bytes of the float32 panels of the weights and the classifier that can take them."""
+    return (sum(_panel_bytes(w) for w in weights if _packable(w, False))
+            + (_panel_bytes(output) if output is not None and _packable(output, True) else 0))
+
+
+def _alone_packs(dtype: torch.dtype, size: int) -> bool:
+    """Whether a single stream reads the panels: float32 weights, the copy at most
+    ``PANELS_ALONE_AT_MOST`` (a row alone is bound by reading the weights, and float32 panels of
+    bfloat16 weights are twice the bytes)."""
+    return dtype == torch.float32 and size <= PANELS_ALONE_AT_MOST
 
 
 def _packable(weight: torch.Tensor, classifier: bool) -> bool:
@@ -299,6 +322,13 @@ def _norm_copy(norm: nn.Module | None) -> torch.Tensor | None:
     return None if norm is None else _float_copy(norm.weight)
 
 
+def _parts(layer: nn.Module) -> list[nn.Module]:
+    """A layer's projections, fused or not yet."""
+    attention, ffn = layer.attention, layer.feed_forward
+    parts = [attention.wqkv] if attention.wqkv is not None else [attention.wq, attention.wk, attention.wv]
+    return parts + [attention.wo] + ([ffn.w13] if ffn.w13 is not None else [ffn.w1, ffn.w3]) + [ffn.w2]
+
+
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
     """A fused layer's projections, in the operator's order."""
     attention, ffn = layer.attention, layer.feed_forward
@@ -311,14 +341,12 @@ def _readable(model: nn.Module, fused: bool = True) -> bool:
     if operator_gaps(model.args):
         return False  # a family's switch the operator lacks: the layers compute it
     for layer in model.layers:
-        attention, ffn = layer.attention, layer.feed_forward
         if fused:
             parts = _projections(layer)
             if None in parts:
                 return False
         else:
-            parts = ([attention.wqkv] if attention.wqkv is not None else [attention.wq, attention.wk, attention.wv])
-            parts += [attention.wo] + ([ffn.w13] if ffn.w13 is not None else [ffn.w1, ffn.w3]) + [ffn.w2]
+            parts = _parts(layer)
             # Fusing needs one dtype (packed layers of several kinds fuse: ``packed.fuse``).
             if len({_tensor(p).dtype for p in parts}) > 1 and not all(isinstance(p, quantize.Int8Linear) for p in parts):
                 return False

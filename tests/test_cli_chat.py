@@ -339,7 +339,8 @@ def test_replies_and_stats_wrap_at_spaces_on_a_narrow_terminal(tmp_path):
     save = next(i for i, line in enumerate(lines) if line.startswith(">>> /save"))
     stats = " ".join(lines[lines.index(">>> /stats") + 1:save])
     assert re.fullmatch(r"prompt: \d+ tokens \(\d+ from the cache, \d+ prefilled\) +reply: 60 tokens, max_tokens +"
-                        r"ttft: [\d.]+ s +prefill: [\d.]+ tok/s +decode: [\d.]+ tok/s +context: \d+/\d+ +pages: "
+                        r"ttft: [\d.]+ s +prefill: [\d.]+ tok/s +decode: [\d.]+ tok/s +"
+                        r"(?:drafts: \d+ of \d+ tokens kept +)?context: \d+/\d+ +pages: "
                         r"\d+ kept, \d+ free of \d+ \(8 tokens each\) +weights: [\w ,+.]+ \([\d.]+ [kMG]?B\)", stats), stats
     notice = " ".join(lines[:lines.index(">>> Tell me a story")])
     assert notice.split() == ("chatting with default (llama2 format, 512 tokens of context); /help for commands, "

@@ -593,7 +593,7 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits_at_each_step(model, t
 
 def test_a_lone_greedy_job_makes_several_tokens_a_step_call_and_yields_to_a_new_job(model, tokenizer, monkeypatch):
     # A job decoding greedily alone runs step after step inside one call of the step thread
-    # (BatchCore._lone_steps): the same tokens as a call a token; and a job that arrives meanwhile
+    # (BatchCore._alone_again): the same tokens as a call a token; and a job that arrives meanwhile
     # is admitted at once, not after the budget (here far longer than the whole test).
     from llama_chat.inference import batch_core
 

@@ -226,7 +226,7 @@ def test_the_command_drafts_with_lookup_on_and_says_how_many_were_kept(cpu_kerne
     tiny = build_tiny_model(tmp_path)
     common = ("-m", str(tiny.path), "--dtype", "bfloat16", "-t", "0", "-n", "80", "--template", "none",
               "-p", "one two three four one two three four one two three four one two")
-    off = run_cli(*common, "--json")
+    off = run_cli(*common, "--json", "--lookup", "off")
     on = run_cli(*common, "--json", "--lookup", "on")
     assert off.returncode == 0 and on.returncode == 0, on.stderr
     plain, drafted = json.loads(off.stdout), json.loads(on.stdout)
