@@ -532,7 +532,9 @@ struct Scratch {
 struct CacheView {
   uint8_t* data = nullptr;
   KV kind = KV::F32;
-  bool rotated = false;  // Hadamard-rotated rows (q4_0 keys): the query is rotated to read them
+  // Hadamard-rotated rows (q4_0): keys meet a query rotated the same way; a weighted sum of
+  // values is rotated back once.
+  bool rotated = false;
   int64_t page_size = 0, head_dim = 0, row_bytes = 0, head_stride = 0, page_stride = 0;
   const int64_t* tables = nullptr;
   int64_t width = 0;  // table entries per row
@@ -756,8 +758,8 @@ CacheView cache_of(const char* what, int64_t layer, const at::Tensor& t, int64_t
   view.row_bytes = kv_row_bytes(view.kind, head_dim);
   TORCH_CHECK(t.size(3) * t.element_size() == view.row_bytes, "decode_step: the ", what, " of layer ", layer,
               " have rows of ", t.size(3), " for heads of ", head_dim);
-  // As model/kv_types.py: q4_0 keys are rotated where the head's size is a power of two.
-  view.rotated = view.kind == KV::Q4_0 && std::strcmp(what, "keys") == 0 && kv_power_of_two(head_dim);
+  // As model/kv_types.py: q4_0 keys and values are rotated where the head's size is a power of two.
+  view.rotated = view.kind == KV::Q4_0 && kv_power_of_two(head_dim);
   TORCH_CHECK(!view.rotated || head_dim <= CacheView::kMaxRotated, "decode_step: heads of ", head_dim,
               " are too long to rotate");
   view.head_stride = t.stride(0) * t.element_size();
@@ -1082,7 +1084,7 @@ struct SharedStep {
   std::unique_ptr<Stage[]> stages;
   std::vector<Pick> thread_picks;  // each thread's greedy picks of its classifier ranges
   Attend attend_in_vectors = nullptr;
-  bool rotated_keys = false;
+  bool rotated_keys = false, rotated_values = false;
 
   SharedStep(const StepModel& m, const StepInputs& s, const std::vector<Layer>& layers, float* out, int threads)
       : model(m), step(s), logits(out), h(s.hidden, s.hidden + s.rows * m.dim) {
@@ -1103,6 +1105,7 @@ struct SharedStep {
     attend_in_vectors = vector_attention(layers[0].keys.kind, m.head_dim);
 #endif
     rotated_keys = layers[0].keys.rotated;
+    rotated_values = layers[0].values.rotated;
   }
 
   // Whether a matrix reads its rows interleaved (panels.h). The attention's results and the
@@ -1191,6 +1194,8 @@ class StepThread {
           std::fill(result, result + head_dim, 0.f);
           layer.values.weighted_sum(r, kv, first_key, last + 1, scores, result);
         }
+        // The values are stored rotated (H v), so their weighted sum is H out: H is its own inverse.
+        if (s_.rotated_values) hadamard(result, head_dim);
         if (interleaved)
           for (int64_t i = 0; i < head_dim; ++i) s_.attended[(head * head_dim + i) * rows + r] = result[i];
       }
