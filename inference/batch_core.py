@@ -18,6 +18,7 @@ submits jobs, flags cancels and counts what consumers took (``jobs.Job``). A ste
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from collections import deque
@@ -39,6 +40,17 @@ from llama_chat.model.paged_kv_cache import PagedKVCache
 from llama_chat.model.transformer import Transformer
 
 __all__ = ["BatchCore", "CoreSettings", "Counters", "StepResult"]
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``): the freed
+    buffers of a burst's steps stay in the process's arenas otherwise. Elsewhere nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
 
 # Most time one step call spends on the tokens of a job decoding greedily alone (``_lone_steps``).
 LONE_STEPS_S = 0.01
@@ -93,6 +105,7 @@ class BatchCore:
         self.sizer: PrefillSizer | None = None  # prompt chunks sized by time, if set (else prefill_chunk)
         self.constraints: Constraints | None = None  # compiles the jobs' structured output (set by the scheduler)
         self.speculation: Speculation | None = None  # prompt lookup (speculative.py), if the scheduler drafts
+        self._settled = True  # nothing held since the memory was last handed back (``_settle``)
 
     @property
     def lone_step(self) -> LoneRowStep | None:
@@ -134,7 +147,10 @@ class BatchCore:
                                                           sample_ids=self.sample_ids, lone_step=self._lone_step)
         plan = self._plan(backends.step_tokens, backends.verifies_drafts)
         if not plan.rows and not plan.runs and not plan.drafts:
+            if not self.active and not self.waiting and not self.incoming:
+                self._settle()
             return StepResult(released=tuple(released), idle=True)
+        self._settled = False
         backend = backends.choose(plan)
         if backend.wants_consecutive and len(plan.rows) == 1 and not plan.runs and not self.settings.static_shapes:
             # Alone in this step and, with no prompt being prefilled, likely in the next ones.
@@ -395,6 +411,16 @@ class BatchCore:
                 job.finished = True
                 job.final_state = job.final_state or state
             self._release(job)
+
+    def _settle(self) -> None:
+        """Once no job is left: the buffers a burst of jobs grew (gathered pages, mirrors) go,
+        and the C heap hands its free memory back, so that memory falls back to where it was at
+        rest. The written pages the pool keeps for the next prompts' prefixes stay."""
+        if self._settled:
+            return
+        self._settled = True
+        self.cache.drop_buffers()
+        trim_heap()
 
     def _release(self, job: Job) -> None:
         self.last_written = tuple(job.tokens[:job.fed])
