@@ -18,7 +18,6 @@ submits jobs, flags cancels and counts what consumers took (``jobs.Job``). A ste
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import time
 from collections import deque
@@ -36,21 +35,11 @@ from llama_chat.inference.types import GenerationState, TokenEvent, state_after
 from llama_chat.ml.constraints import Constraints
 from llama_chat.ml.processors import TokenHistory, make_controls
 from llama_chat.ml.sampling import draw_uniforms
+from llama_chat.model.formats.common import release_heap
 from llama_chat.model.paged_kv_cache import PagedKVCache
 from llama_chat.model.transformer import Transformer
 
 __all__ = ["BatchCore", "CoreSettings", "Counters", "StepResult"]
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``): the freed
-    buffers of a burst's steps stay in the process's arenas otherwise. Elsewhere nothing."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
-
 
 # Most time one step call spends on the tokens of a job decoding greedily alone (``_lone_steps``).
 LONE_STEPS_S = 0.01
@@ -420,7 +409,7 @@ class BatchCore:
             return
         self._settled = True
         self.cache.drop_buffers()
-        trim_heap()
+        release_heap()
 
     def _release(self, job: Job) -> None:
         self.last_written = tuple(job.tokens[:job.fed])

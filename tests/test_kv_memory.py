@@ -190,7 +190,7 @@ def test_once_no_job_is_left_the_core_frees_its_buffers_and_trims_the_heap(sp_mo
     from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
     trims, drops = [], []
-    monkeypatch.setattr(batch_core, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(batch_core, "release_heap", lambda: trims.append(1))
     real_drop = PagedKVCache.drop_buffers
     monkeypatch.setattr(PagedKVCache, "drop_buffers", lambda self: (drops.append(1), real_drop(self)))
     tokenizer = SentencePieceTokenizer(sp_model_path)
