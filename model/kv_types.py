@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from llama_chat.ml.controls import CACHE_TYPES
+from llama_chat.ml.cpu import kernels as cpu_kernels
 
 BLOCK = 32  # values per block of q8_0 and q4_0, as llama.cpp's
 
@@ -60,6 +61,9 @@ class KVType:
         if not self.quantized:
             return x.to(self.storage)
         x = x.float()
+        if self.name == "q4_0" and x.device.type == "cpu" and cpu_kernels.loaded():
+            # The same blocks, by the operator's own code: the torch search is many times slower.
+            return torch.ops.llama_chat_cpu.q4_0_rows(x, self.rotates(x.shape[-1]))
         if self.rotates(x.shape[-1]):
             x = hadamard(x)
         blocks = x.reshape(*x.shape[:-1], -1, BLOCK)
@@ -95,6 +99,7 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 # at the cost of clipping the largest, and the largest at level +7 or below. Quarter steps are exact
 # floats, so every language divides alike (kv_rows.h's kQ4Divisors).
 Q4_DIVISORS = tuple(-8 - 0.25 * i for i in range(17)) + (7.0, 7.25, 7.5, 7.75, 8.0)
+_Q4_CHUNK = 4096  # blocks whose levels under every divisor are made at once (some 12 MB)
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -102,23 +107,25 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
     j + 16 in its high one, each ``x / scale + 8`` cut to 0..15), the scale chosen per block
     among ``largest / Q4_DIVISORS`` (rounded to float16 as stored) for the least squared error:
     a tenth less than llama.cpp's one choice, the largest / -8, on normal values."""
-    largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
-    best_scale = best_values = best_error = None
-    for divisor in Q4_DIVISORS:
-        scale = (largest / divisor).half().float()
-        inverse = torch.where(scale != 0, 1 / scale, torch.zeros_like(scale))
-        values = (blocks * inverse + 8.5).to(torch.int16).clamp(0, 15)
-        error = ((values - 8) * scale - blocks).square().sum(dim=-1, keepdim=True)
-        if best_error is None:
-            best_scale, best_values, best_error = scale, values, error
-        else:
-            better = error < best_error  # ties keep the earlier divisor
-            best_scale = torch.where(better, scale, best_scale)
-            best_values = torch.where(better, values, best_values)
-            best_error = torch.where(better, error, best_error)
-    half = BLOCK // 2
-    packed = (best_values[..., :half] | (best_values[..., half:] << 4)).to(torch.uint8)
-    return torch.cat((best_scale.half().view(torch.uint8), packed), dim=-1)
+    shape = blocks.shape
+    flat = blocks.reshape(-1, BLOCK)
+    out = torch.empty(flat.shape[0], 2 + BLOCK // 2, dtype=torch.uint8)
+    divisors = torch.tensor(Q4_DIVISORS, dtype=torch.float32)
+    for first in range(0, flat.shape[0], _Q4_CHUNK):  # every divisor's levels at once, a chunk at a time
+        x = flat[first:first + _Q4_CHUNK]
+        largest = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))
+        scales = (largest / divisors).half().float()  # (blocks, divisors)
+        inverse = torch.where(scales != 0, 1 / scales, torch.zeros_like(scales))
+        # x / scale + 8.5 cut to 0..15, as floats: the floor is the integer part wherever it counts.
+        levels = (x.unsqueeze(1) * inverse.unsqueeze(2)).add_(8.5).floor_().clamp_(0, 15)
+        error = (levels - 8).mul_(scales.unsqueeze(2)).sub_(x.unsqueeze(1)).square_().sum(dim=-1)
+        best = error.argmin(dim=-1, keepdim=True)  # the first of equal errors: the earlier divisor
+        scale = scales.gather(1, best)
+        values = levels.gather(1, best.unsqueeze(2).expand(-1, 1, BLOCK)).squeeze(1).to(torch.int16)
+        half = BLOCK // 2
+        out[first:first + _Q4_CHUNK, :2] = scale.half().view(torch.uint8)
+        out[first:first + _Q4_CHUNK, 2:] = (values[:, :half] | (values[:, half:] << 4)).to(torch.uint8)
+    return out.reshape(*shape[:-1], 2 + BLOCK // 2)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:

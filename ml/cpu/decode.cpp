@@ -1367,9 +1367,40 @@ at::Tensor decode_step(const c10::intrusive_ptr<StepModel>& model, const at::Ten
   return logits;
 }
 
+// Rows of float32 values (..., head_dim) as q4_0 blocks (..., head_dim / 32 * 18), Hadamard-
+// rotated first where `rotate`: the blocks the step itself writes (CacheView::store), for the
+// cache's writes from the model's forward (model/kv_types.py), whose torch search is slower.
+at::Tensor q4_0_rows(const at::Tensor& x, bool rotate) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % kKVBlock == 0 &&
+                  (!rotate || kv_power_of_two(x.size(-1))),
+              "q4_0_rows: float32 CPU rows of a multiple of ", kKVBlock, " values (a power of two to rotate)");
+  const at::Tensor rows = x.contiguous();
+  const int64_t head_dim = rows.size(-1), n = rows.numel() / std::max<int64_t>(1, head_dim);
+  const int64_t row_bytes = kv_row_bytes(KV::Q4_0, head_dim);
+  std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
+  shape.back() = row_bytes;
+  at::Tensor out = at::empty(shape, rows.options().dtype(at::kByte));
+  const float* in = rows.data_ptr<float>();
+  uint8_t* to = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t first, int64_t stop) {
+    std::vector<float> turned(static_cast<size_t>(rotate ? head_dim : 0));
+    for (int64_t r = first; r < stop; ++r) {
+      const float* row = in + r * head_dim;
+      if (rotate) {
+        std::memcpy(turned.data(), row, sizeof(float) * head_dim);
+        hadamard(turned.data(), head_dim);
+        row = turned.data();
+      }
+      kv_store_row(KV::Q4_0, row, head_dim, to + r * row_bytes);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
+  m.def("q4_0_rows(Tensor x, bool rotate) -> Tensor");
   m.class_<StepModel>("StepModel")
       .def(torch::init<std::vector<Named>, Named, Numbers, std::vector<int64_t>>());
   m.def(
@@ -1379,4 +1410,5 @@ TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
 
 TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {
   m.impl("decode_step", &decode_step);
+  m.impl("q4_0_rows", &q4_0_rows);
 }
