@@ -7,7 +7,7 @@ with the same ``-ctk``/``-ctv``, measured in the same run.
 
 memory: ``llama-chat serve`` and llama.cpp's ``llama-server``, one after the other, each with 16
 slots of the same context and the same cache type: the resident memory (VmRSS) at rest after
-loading, its peak while ``--conversations`` completions of about ``--tokens`` tokens each (distinct
+loading and one short completion, its peak while ``--conversations`` completions of about ``--tokens`` tokens each (distinct
 texts, so no prefix is shared) run at once, and 30 s after they end. Against two yardsticks: the
 weights + 300 MB at rest, and the weights + the tokens held times the bytes a token keeps under
 load.
@@ -17,7 +17,9 @@ same with a float32 cache, over the second half of ``--ctx`` tokens of the docs'
 half as a prompt in one pass, then a token per step, as the command generates): mean KL
 divergence and how often the top token is the same. llama.cpp's: ``llama-perplexity
 --kl-divergence`` of each ``-ctk``/``-ctv`` against its own f32 cache's base file, one chunk of
-the same size. q4_0 is measured with and without the rotation of its keys.
+the same size. ``--dtype float32`` expands the file's blocks first: a packed product rounds its
+input to int8 blocks, so on the file's own blocks a difference of one float16 step in a key can
+flip a rounding and move the logits as much as the cache's whole error.
 
 speed: one row decoding greedily at ``--depth`` positions of context (random keys and values:
 the time does not depend on them), milliseconds a token, by cache type, beside ``llama-bench
@@ -164,10 +166,13 @@ def measure_server(command: list[str], port: int, texts: list[str]) -> MemoryRun
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(port, proc)
+        model = model_id(port)
+        # At rest after one short completion: llama-server runs a warm-up pass as it starts, and a
+        # weight read in place from the file counts once a first pass has read it.
+        complete(port, model, "Hello")
         time.sleep(3.0)
         idle = rss(proc.pid)
         held: list[int] = []
-        model = model_id(port)
         threads = [threading.Thread(target=lambda t=t: held.append(complete(port, model, t))) for t in texts]
         start = time.monotonic()
         for t in threads:
@@ -275,20 +280,18 @@ def llama_cpp_quality(tool: Path, path: Path, text: Path, ctx: int, threads: int
 def quality(args, peer) -> None:
     from llama_chat.ml.cpu import kernels as cpu_kernels
     from llama_chat.model.kv_types import TYPES as KV
-    from llama_chat.model.kv_types import KVType
     from llama_chat.model.loader import load_model
 
-    unrotated = KVType("q4_0", torch.uint8, block_bytes=18)
     print(f"\nKV cache types against a float32 cache: mean KL divergence and same top token, {args.ctx // 2 - 1} "
-          f"generated positions of the docs' text; {machine()}\n")
+          f"generated positions of the docs' text, weights {args.dtype}; {machine()}\n")
     print("| file | type | KL llama-chat | same top | KL llama.cpp | same top |")
     print("|---|---|---|---|---|---|")
     work = Path(tempfile.mkdtemp(prefix="kvq-"))
     for file in args.files:
         path = Path(file)
-        loaded = load_model(path, device="cpu")
+        loaded = load_model(path, device="cpu", dtype=args.dtype)
         model = loaded.model.eval()
-        cpu_kernels.prepare(model)
+        cpu_kernels.load()  # float32 weights too: every type read by the operator
         model.fuse_projections()
         ids = text_ids(loaded.tokenizer, args.ctx)
         # llama.cpp cuts its own chunk of the same text (it asks for twice the context's tokens).
@@ -296,7 +299,7 @@ def quality(args, peer) -> None:
         theirs = llama_cpp_quality(peer.bench.parent / "llama-perplexity", path, work / "text.txt", args.ctx,
                                    args.threads, work)
         base = None if args.peer_only else generated_log_probs(model, loaded.args, ids, KV["f32"])
-        for name, kind in [(n, KV[n]) for n in TYPES[1:]] + [("q4_0 unrotated", unrotated)]:
+        for name, kind in [(n, KV[n]) for n in TYPES[1:]]:
             if base is None:
                 kld, same = math.nan, math.nan
             else:
@@ -385,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("files", nargs="+")
     q.add_argument("--ctx", type=int, default=512)
     q.add_argument("--peer-only", action="store_true", help="llama.cpp's columns only")
+    q.add_argument("--dtype", default="auto", choices=("auto", "float32"),
+                   help="auto: the file's blocks as the command runs them; float32: expanded")
     s = sub.add_parser("speed")
     s.add_argument("files", nargs="+")
     s.add_argument("--depth", type=int, default=4096)

@@ -36,6 +36,7 @@ from llama_chat.inference.types import GenerationState, TokenEvent, state_after
 from llama_chat.ml.constraints import Constraints
 from llama_chat.ml.processors import TokenHistory, make_controls
 from llama_chat.ml.sampling import draw_uniforms
+from llama_chat.model.formats.common import release_heap
 from llama_chat.model.paged_kv_cache import PagedKVCache
 from llama_chat.model.transformer import Transformer
 
@@ -98,6 +99,7 @@ class BatchCore:
         # its operator does not take it, and it never drafts).
         self._draft_runner: DraftRunner | None | bool = None
         self._keep_share: float | None = None  # of a draft model's drafts (``draft_model.keep_share``)
+        self._settled = True  # nothing held since the memory was last handed back (``_settle``)
 
     @property
     def draft_runner(self) -> DraftRunner | None:
@@ -148,7 +150,10 @@ class BatchCore:
         while True:
             plan = self._plan(backends.step_tokens, backends.verifies_drafts)
             if not plan.rows and not plan.runs and not plan.drafts:
+                if not self.active and not self.waiting and not self.incoming:
+                    self._settle()
                 return StepResult(tuple(events), tuple(released + finished), idle=not events)
+            self._settled = False
             backend = backends.choose(plan)
             if (backend.wants_consecutive and len(plan.rows) == 1 and not plan.runs
                     and not self.settings.static_shapes):
@@ -450,6 +455,16 @@ class BatchCore:
                 job.finished = True
                 job.final_state = job.final_state or state
             self._release(job)
+
+    def _settle(self) -> None:
+        """Once no job is left: the buffers a burst of jobs grew (gathered pages, mirrors) go,
+        and the C heap hands its free memory back, so that memory falls back to where it was at
+        rest. The written pages the pool keeps for the next prompts' prefixes stay."""
+        if self._settled:
+            return
+        self._settled = True
+        self.cache.drop_buffers()
+        release_heap()
 
     def _release(self, job: Job) -> None:
         self.last_written = tuple(job.tokens[:job.fed])

@@ -234,6 +234,11 @@ class PagedKVCache:
         self._mirrors[layer] = (key, mk, mv)
         return mk, mv
 
+    def drop_buffers(self) -> None:
+        """Free the gathered pages' buffers and the mirrors (made again when next needed)."""
+        self._gathered = None
+        self.drop_mirrors()
+
     def drop_mirrors(self) -> None:
         """Forget every mirror: a step fed rows without updating them."""
         self._mirrors = [None] * len(self._mirrors)

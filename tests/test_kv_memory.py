@@ -175,3 +175,42 @@ def test_a_cache_type_the_models_heads_cannot_take_is_one_line(sp_model_path):
     with pytest.raises(ValueError, match=r"^--cache-type q4_0 needs a head size that is a multiple of 32, "
                                          r"and this model's is 16$"):
         Scheduler(model, tokenizer, SchedulerOptions(cache_type="q4_0"))
+
+
+def test_once_no_job_is_left_the_core_frees_its_buffers_and_trims_the_heap(sp_model_path, monkeypatch):
+    import anyio
+    import torch
+
+    from builders import random_model, tiny_args
+    from llama_chat.inference import batch_core
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+    from llama_chat.inference.types import Request
+    from llama_chat.ml.sampling import SamplingParams
+    from llama_chat.model.paged_kv_cache import PagedKVCache
+    from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
+
+    trims, drops = [], []
+    monkeypatch.setattr(batch_core, "release_heap", lambda: trims.append(1))
+    real_drop = PagedKVCache.drop_buffers
+    monkeypatch.setattr(PagedKVCache, "drop_buffers", lambda self: (drops.append(1), real_drop(self)))
+    tokenizer = SentencePieceTokenizer(sp_model_path)
+    model = random_model(tiny_args(tokenizer.vocab_size, dim=64, n_heads=2, n_kv_heads=1, max_seq_len=128), seed=2)
+    g = torch.Generator().manual_seed(3)
+    prompts = [[1] + torch.randint(3, tokenizer.vocab_size, (20,), generator=g).tolist() for _ in range(2)]
+
+    async def main():
+        async with Scheduler(model, tokenizer, SchedulerOptions(cache_type="f16")) as scheduler:
+            for round_ in (1, 2):
+                streams = [scheduler.submit(Request(p, sampling=SamplingParams(temperature=0.0), max_tokens=4))
+                           for p in prompts]
+                for stream in streams:
+                    async for _ in stream:
+                        pass
+                    await scheduler.wait_released(stream)
+                with anyio.fail_after(10):
+                    while len(trims) < round_:
+                        await anyio.sleep(0.01)
+                await anyio.sleep(0.05)
+                assert len(trims) == len(drops) == round_  # once a burst, not at every idle step
+
+    anyio.run(main)

@@ -18,18 +18,34 @@ def rows(n: int = 12, dim: int = 64, seed: int = 0) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("name, qtype", [("q8_0", gguf.GGMLQuantizationType.Q8_0),
-                                         ("q4_0", gguf.GGMLQuantizationType.Q4_0)])
-def test_blocks_are_llama_cpps_to_the_byte(name, qtype):
+def test_q8_0_blocks_are_llama_cpps_to_the_byte():
     x = rows()
-    stored = TYPES[name].store(x, keys=False)
-    assert stored.dtype == torch.uint8 and stored.shape == (12, TYPES[name].row_size(64))
-    reference = gguf.quants.quantize(x.numpy(), qtype)
+    stored = TYPES["q8_0"].store(x, keys=False)
+    assert stored.dtype == torch.uint8 and stored.shape == (12, TYPES["q8_0"].row_size(64))
+    reference = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
     # Ties may round apart (torch rounds half to even), nowhere else.
     assert (stored.numpy() != reference).mean() < 0.01
-    back = TYPES[name].load(stored, torch.float32, keys=False)
-    expected = np.asarray(gguf.quants.dequantize(stored.numpy(), qtype), dtype=np.float32)
+    back = TYPES["q8_0"].load(stored, torch.float32, keys=False)
+    expected = np.asarray(gguf.quants.dequantize(stored.numpy(), gguf.GGMLQuantizationType.Q8_0), dtype=np.float32)
     assert torch.equal(back, torch.from_numpy(expected).view(12, 64))
+
+
+def test_q4_0_blocks_are_llama_cpps_blocks_of_rotated_rows_with_scales_of_least_error():
+    x = rows(n=64)
+    stored = TYPES["q4_0"].store(x, keys=False)
+    assert stored.dtype == torch.uint8 and stored.shape == (64, TYPES["q4_0"].row_size(64))
+    # llama.cpp reads them as the rotated rows they hold.
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    read = torch.from_numpy(np.asarray(gguf.quants.dequantize(stored.numpy(), q4), dtype=np.float32)).view(64, 64)
+    assert torch.equal(TYPES["q4_0"].load(stored, torch.float32, keys=False), hadamard(read))
+    # Each block's scale is chosen for the least error: never more than llama.cpp's own rounding.
+    turned = hadamard(x)
+    theirs = torch.from_numpy(np.asarray(gguf.quants.dequantize(gguf.quants.quantize(turned.numpy(), q4), q4),
+                                         dtype=np.float32)).view(64, 64)
+    ours_error = (read - turned).square().view(64, 2, 32).sum(-1)
+    theirs_error = (theirs - turned).square().view(64, 2, 32).sum(-1)
+    assert (ours_error <= theirs_error * (1 + 1e-3) + 1e-9).all()
+    assert ours_error.sum() < 0.95 * theirs_error.sum()
 
 
 @pytest.mark.parametrize("name, error", [("f32", 0.0), ("f16", 1e-3), ("bf16", 8e-3), ("q8_0", 2e-2),
@@ -43,19 +59,27 @@ def test_round_trips_lose_at_most_what_the_type_allows(name, error):
         assert relative > 0
 
 
-def test_rotating_q4_0_keys_spreads_an_outlier_and_keeps_scores():
+def test_rotating_q4_0_rows_spreads_an_outlier_and_keeps_scores_and_sums():
     x, q = rows(), torch.randn(64)
+    w = torch.softmax(torch.randn(12), dim=0)
     assert torch.allclose(hadamard(hadamard(x)), x, atol=1e-5)  # its own inverse
     assert torch.allclose(hadamard(x) @ hadamard(q), x @ q, atol=1e-4)
+    assert torch.allclose(w @ hadamard(x), hadamard(w @ x), atol=1e-4)  # a weighted sum turns back once
     rotated = TYPES["q4_0"]
     plain = kv_types.KVType("q4_0", torch.uint8, block_bytes=18)
-    err = {t: (t.load(t.store(x, keys=True), torch.float32, keys=True) @ q - x @ q).abs().mean()
-           for t in (rotated, plain)}
-    assert err[rotated] < err[plain]
-    # Values are never rotated, nor keys of a head whose size is not a power of two.
-    assert torch.equal(rotated.store(x, keys=False), plain.store(x, keys=False))
+    keys = {t: t.load(t.store(x, keys=True), torch.float32, keys=True) for t in (rotated, plain)}
+    values = {t: t.load(t.store(x, keys=False), torch.float32, keys=False) for t in (rotated, plain)}
+    assert (keys[rotated] @ q - x @ q).abs().mean() < (keys[plain] @ q - x @ q).abs().mean()
+    # Values are rotated as keys are, read back turned: the same values within q4_0's error,
+    # closer than unrotated where a channel stands out.
+    assert torch.equal(values[rotated], keys[rotated])
+    assert not torch.equal(rotated.store(x, keys=False), plain.store(x, keys=False))
+    assert (values[rotated] - x).norm() < (values[plain] - x).norm() < 0.2 * x.norm()
+    assert (w @ values[rotated] - w @ x).norm() < (w @ values[plain] - w @ x).norm()
+    # A head whose size is not a power of two is not rotated.
     odd = rows(dim=96)
-    assert torch.equal(rotated.store(odd, keys=True), plain.store(odd, keys=True))
+    for keys_ in (True, False):
+        assert torch.equal(rotated.store(odd, keys=keys_), plain.store(odd, keys=keys_))
 
 
 def test_a_zero_block_stays_zero():

@@ -92,3 +92,22 @@ def test_the_operators_logits_over_each_type_are_near_its_logits_over_float32(na
                                                 TABLES, cache)
     spread = (out[name] - out["f32"]).norm() / out["f32"].norm()
     assert 0 < spread <= error
+
+
+def test_the_operators_q4_0_blocks_are_the_torch_ones():
+    """The cache's writes from the model's forward take the operator's q4_0 rounding where it is
+    loaded; torch's own search of the scales gives the same blocks but where two scales' errors
+    tie within a float's rounding of their sums."""
+    from llama_chat.model import kv_types
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(96, 128, generator=g)
+    x[:, 7] *= 30
+    ours = torch.ops.llama_chat_cpu.q4_0_rows(x, False)
+    theirs = kv_types._q4_0(x.view(96, -1, 32)).view(96, -1)
+    assert ours.shape == theirs.shape and ours.dtype == torch.uint8
+    assert (ours != theirs).float().mean() < 0.01
+    turned = torch.ops.llama_chat_cpu.q4_0_rows(x, True)
+    assert torch.equal(TYPES["q4_0"].store(x, keys=True), turned)
+    from_torch = kv_types._q4_0(kv_types.hadamard(x).view(96, -1, 32)).view(96, -1)
+    assert (turned != from_torch).float().mean() < 0.01

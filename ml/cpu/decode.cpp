@@ -532,7 +532,9 @@ struct Scratch {
 struct CacheView {
   uint8_t* data = nullptr;
   KV kind = KV::F32;
-  bool rotated = false;  // Hadamard-rotated rows (q4_0 keys): the query is rotated to read them
+  // Hadamard-rotated rows (q4_0): keys meet a query rotated the same way; a weighted sum of
+  // values is rotated back once.
+  bool rotated = false;
   int64_t page_size = 0, head_dim = 0, row_bytes = 0, head_stride = 0, page_stride = 0;
   const int64_t* tables = nullptr;
   int64_t width = 0;  // table entries per row
@@ -756,8 +758,8 @@ CacheView cache_of(const char* what, int64_t layer, const at::Tensor& t, int64_t
   view.row_bytes = kv_row_bytes(view.kind, head_dim);
   TORCH_CHECK(t.size(3) * t.element_size() == view.row_bytes, "decode_step: the ", what, " of layer ", layer,
               " have rows of ", t.size(3), " for heads of ", head_dim);
-  // As model/kv_types.py: q4_0 keys are rotated where the head's size is a power of two.
-  view.rotated = view.kind == KV::Q4_0 && std::strcmp(what, "keys") == 0 && kv_power_of_two(head_dim);
+  // As model/kv_types.py: q4_0 keys and values are rotated where the head's size is a power of two.
+  view.rotated = view.kind == KV::Q4_0 && kv_power_of_two(head_dim);
   TORCH_CHECK(!view.rotated || head_dim <= CacheView::kMaxRotated, "decode_step: heads of ", head_dim,
               " are too long to rotate");
   view.head_stride = t.stride(0) * t.element_size();
@@ -1082,7 +1084,7 @@ struct SharedStep {
   std::unique_ptr<Stage[]> stages;
   std::vector<Pick> thread_picks;  // each thread's greedy picks of its classifier ranges
   Attend attend_in_vectors = nullptr;
-  bool rotated_keys = false;
+  bool rotated_keys = false, rotated_values = false;
 
   SharedStep(const StepModel& m, const StepInputs& s, const std::vector<Layer>& layers, float* out, int threads)
       : model(m), step(s), logits(out), h(s.hidden, s.hidden + s.rows * m.dim) {
@@ -1103,6 +1105,7 @@ struct SharedStep {
     attend_in_vectors = vector_attention(layers[0].keys.kind, m.head_dim);
 #endif
     rotated_keys = layers[0].keys.rotated;
+    rotated_values = layers[0].values.rotated;
   }
 
   // Whether a matrix reads its rows interleaved (panels.h). The attention's results and the
@@ -1191,6 +1194,8 @@ class StepThread {
           std::fill(result, result + head_dim, 0.f);
           layer.values.weighted_sum(r, kv, first_key, last + 1, scores, result);
         }
+        // The values are stored rotated (H v), so their weighted sum is H out: H is its own inverse.
+        if (s_.rotated_values) hadamard(result, head_dim);
         if (interleaved)
           for (int64_t i = 0; i < head_dim; ++i) s_.attended[(head * head_dim + i) * rows + r] = result[i];
       }
@@ -1362,9 +1367,40 @@ at::Tensor decode_step(const c10::intrusive_ptr<StepModel>& model, const at::Ten
   return logits;
 }
 
+// Rows of float32 values (..., head_dim) as q4_0 blocks (..., head_dim / 32 * 18), Hadamard-
+// rotated first where `rotate`: the blocks the step itself writes (CacheView::store), for the
+// cache's writes from the model's forward (model/kv_types.py), whose torch search is slower.
+at::Tensor q4_0_rows(const at::Tensor& x, bool rotate) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % kKVBlock == 0 &&
+                  (!rotate || kv_power_of_two(x.size(-1))),
+              "q4_0_rows: float32 CPU rows of a multiple of ", kKVBlock, " values (a power of two to rotate)");
+  const at::Tensor rows = x.contiguous();
+  const int64_t head_dim = rows.size(-1), n = rows.numel() / std::max<int64_t>(1, head_dim);
+  const int64_t row_bytes = kv_row_bytes(KV::Q4_0, head_dim);
+  std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
+  shape.back() = row_bytes;
+  at::Tensor out = at::empty(shape, rows.options().dtype(at::kByte));
+  const float* in = rows.data_ptr<float>();
+  uint8_t* to = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 64, [&](int64_t first, int64_t stop) {
+    std::vector<float> turned(static_cast<size_t>(rotate ? head_dim : 0));
+    for (int64_t r = first; r < stop; ++r) {
+      const float* row = in + r * head_dim;
+      if (rotate) {
+        std::memcpy(turned.data(), row, sizeof(float) * head_dim);
+        hadamard(turned.data(), head_dim);
+        row = turned.data();
+      }
+      kv_store_row(KV::Q4_0, row, head_dim, to + r * row_bytes);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
+  m.def("q4_0_rows(Tensor x, bool rotate) -> Tensor");
   m.class_<StepModel>("StepModel")
       .def(torch::init<std::vector<Named>, Named, Numbers, std::vector<int64_t>>());
   m.def(
@@ -1374,4 +1410,5 @@ TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
 
 TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {
   m.impl("decode_step", &decode_step);
+  m.impl("q4_0_rows", &q4_0_rows);
 }

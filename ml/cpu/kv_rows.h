@@ -3,9 +3,10 @@
 // float16 scale (34 and 18 bytes), laid out as model/kv_types.py lays them. Attention reads a
 // row where it is, a value or a block at a time: no page is converted to float32 first.
 //
-// A q4_0 key is rotated before it is stored by the orthonormal Hadamard transform of its head (a
-// power of two long), which spreads a few outlier channels over the head; the query is rotated
-// the same way, once per head, and the scores are unchanged (q . k = Hq . Hk).
+// A q4_0 key or value is rotated before it is stored by the orthonormal Hadamard transform of its
+// head (a power of two long), which spreads a few outlier channels over the head; the query is
+// rotated the same way, once per head, so the scores are unchanged (q . k = Hq . Hk), and the
+// weighted sum of the values is rotated back once (sum w Hv = H sum w v, H its own inverse).
 #pragma once
 
 #include "dot.h"
@@ -20,6 +21,11 @@ enum class KV { F32, BF16, F16, Q8_0, Q4_0 };
 
 constexpr int64_t kKVBlock = 32;
 constexpr int64_t kQ8Bytes = 2 + kKVBlock, kQ4Bytes = 2 + kKVBlock / 2;
+// A q4_0 block's scale is its largest value over one of these, the one of least squared error
+// (model/kv_types.py's Q4_DIVISORS, in the same order): -8 is llama.cpp's.
+constexpr float kQ4Divisors[] = {-8.f,  -8.25f, -8.5f,  -8.75f, -9.f,   -9.25f, -9.5f, -9.75f,
+                                 -10.f, -10.25f, -10.5f, -10.75f, -11.f, -11.25f, -11.5f, -11.75f,
+                                 -12.f, 7.f,    7.25f,  7.5f,   7.75f,  8.f};
 
 // Bytes of a row of `head_dim` values.
 inline int64_t kv_row_bytes(KV kind, int64_t head_dim) {
@@ -118,15 +124,29 @@ inline void kv_store_row(KV kind, const float* values, int64_t head_dim, uint8_t
             magnitude = std::fabs(x[i]);
             largest = x[i];
           }
-        const float scale = largest / -8.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
-        const uint16_t bits = float_to_f16(scale);
-        std::memcpy(out, &bits, 2);
-        auto level = [&](float v) {
-          const float t = v * inverse;
-          return static_cast<uint8_t>(std::min(15, std::max(0, static_cast<int>(t + 8.5f))));
-        };
+        // The scale of least squared error among largest / kQ4Divisors, as stored (float16).
+        uint16_t best_bits = 0;
+        uint8_t best[kKVBlock] = {}, levels[kKVBlock];
+        float best_error = INFINITY;
+        for (const float divisor : kQ4Divisors) {
+          const uint16_t bits = float_to_f16(largest / divisor);
+          const float scale = f16_to_float(bits), inverse = scale != 0.f ? 1.f / scale : 0.f;
+          float error = 0.f;
+          for (int64_t i = 0; i < kKVBlock; ++i) {
+            const float t = x[i] * inverse;
+            levels[i] = static_cast<uint8_t>(std::min(15, std::max(0, static_cast<int>(t + 8.5f))));
+            const float e = static_cast<float>(levels[i] - 8) * scale - x[i];
+            error += e * e;
+          }
+          if (error < best_error) {  // ties keep the earlier divisor
+            best_error = error;
+            best_bits = bits;
+            std::memcpy(best, levels, sizeof best);
+          }
+        }
+        std::memcpy(out, &best_bits, 2);
         for (int64_t i = 0; i < kKVBlock / 2; ++i)
-          out[2 + i] = static_cast<uint8_t>(level(x[i]) | (level(x[i + kKVBlock / 2]) << 4));
+          out[2 + i] = static_cast<uint8_t>(best[i] | (best[i + kKVBlock / 2] << 4));
       }
       return;
   }
