@@ -627,10 +627,25 @@ LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t
   return acc;
 }
 
+// Each group asks for the weight bytes this far ahead of it, a cache line per 64 bytes it
+// reads. Weight rows are read one after another, so ahead of a row's end is the next row. The
+// hardware's prefetchers alone left a row's product waiting on memory between bursts of work on
+// some cores (Sapphire Rapids: a thread read at half the speed a plain read of the same bytes
+// does); 1 and 4 KiB ahead were slower than 2.
+constexpr int64_t kRowAheadBytes = 2 << 10;
+
+template <int64_t Bytes>
+LLAMA_CHAT_HOT void ask_ahead(const uint8_t* p) {
+#pragma GCC unroll 8
+  for (int64_t line = 0; line < Bytes; line += 64)  // past the end of the weights it fetches nothing
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kRowAheadBytes + line, _MM_HINT_T0);
+}
+
 // Rounded rows [r0, r0 + R) against one weight row: out[i] for row r0 + i.
 template <Packed K, int R>
 inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t r0, float* out) {
   constexpr bool super = kPackedLayouts[static_cast<int>(K)].values == kQuantGroup;
+  constexpr int64_t group_bytes = (super ? 1 : 8) * kPackedLayouts[static_cast<int>(K)].bytes;
   const int64_t blocks = in.k / kQuantBlock, full = blocks / 8;
   constexpr bool interleave = R > 1;  // see interleave_group
   __m256 acc[R];
@@ -638,6 +653,7 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   Group w;
   for (int64_t g = 0; g < full; ++g) {
+    ask_ahead<group_bytes>(row + g * group_bytes);
     if constexpr (super) decode_super_block<K, interleave>(row, g, w);
     else decode_small_group<K, interleave>(row, g, 8, w);
 #pragma GCC unroll 16
