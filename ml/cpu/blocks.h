@@ -690,6 +690,31 @@ LLAMA_CHAT_HOT __m256i join_pairs(__m512i quads, __m512i first, __m512i second) 
                           _mm512_castsi512_si256(_mm512_permutexvar_epi32(second, quads)));
 }
 
+// k_scales for a row alone, the same values in fewer shuffles (with 512-bit operations in flight
+// one port takes them all, and a group's were most of its time): the 12 bytes of scales and mins
+// (read as 16, the last 4 left out) sorted by one byte shuffle into the sources of scales 0-3,
+// 4-7 (low bits), mins 0-3 and 4-7 (low bits); the high bits of 4-7 come from the sources of
+// 0-3, 30 bits below in the same 64 bits. d and dmin are converted in one instruction.
+LLAMA_CHAT_HOT void k_scales_wide(const uint8_t* p, Group& out) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+  const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i low = _mm_and_si128(a, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
+  const __m128i top = _mm_and_si128(_mm_slli_epi64(a, 30), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i both = _mm_ternarylogic_epi32(low, high, top, 0xfe);  // low | high | top
+  const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));  // scales 0-7, mins 0-7
+  // d to lanes 0-7, -dmin to 8-15.
+  const __m256 pair = _mm256_cvtph_ps(_mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(p))));
+  const __m512i sides = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i negate = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN,
+                                           INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN);
+  const __m512 factors = _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(_mm512_permutexvar_ps(sides, _mm512_castps256_ps512(pair))), negate));
+  const __m512 products = _mm512_mul_ps(factors, values);
+  out.scale = _mm512_castps512_ps256(products);
+  out.offset = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(products), 1));
+}
+
 template <Packed K>
 inline float packed_dot_wide(const uint8_t* row, const RoundedBlocks& in, int64_t r) {
   constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
@@ -726,7 +751,7 @@ inline float packed_dot_wide(const uint8_t* row, const RoundedBlocks& in, int64_
       w.scales16 = _mm256_cvtepi8_epi16(s8);
       w.scale = _mm256_set1_ps(half_to_float(p + 208));
     } else {
-      k_scales(p, w);
+      k_scales_wide(p, w);
       const uint8_t* qs = p + (K == Packed::q5_k ? 48 : 16);
 #pragma GCC unroll 2
       for (int c = 0; c < 2; ++c) {
