@@ -652,10 +652,10 @@ LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t
 }
 
 // Each group asks for the weight bytes this far ahead of it, a cache line per 64 bytes it
-// reads. Weight rows are read one after another, so ahead of a row's end is the next row. The
-// hardware's prefetchers alone left a row's product waiting on memory between bursts of work on
-// some cores (Sapphire Rapids: a thread read at half the speed a plain read of the same bytes
-// does); 1 and 4 KiB ahead were slower than 2.
+// reads. Weight rows are read one after another, so ahead of a row's end is the next row. With
+// the hardware's prefetchers alone, a row's product on some cores (Sapphire Rapids) waited on
+// memory and then computed, in turns, instead of doing both at once; nearer and farther
+// distances overlapped them less.
 constexpr int64_t kRowAheadBytes = 2 << 10;
 
 template <int64_t Bytes>
@@ -691,7 +691,7 @@ LLAMA_CHAT_HOT __m256i join_pairs(__m512i quads, __m512i first, __m512i second) 
 }
 
 // k_scales for a row alone, the same values in fewer shuffles (with 512-bit operations in flight
-// one port takes them all, and a group's were most of its time): the 12 bytes of scales and mins
+// one port takes them all, and they bound a group's pace): the 12 bytes of scales and mins
 // (read as 16, the last 4 left out) sorted by one byte shuffle into the sources of scales 0-3,
 // 4-7 (low bits), mins 0-3 and 4-7 (low bits); the high bits of 4-7 come from the sources of
 // 0-3, 30 bits below in the same 64 bits. d and dmin are converted in one instruction.
