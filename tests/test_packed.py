@@ -150,6 +150,21 @@ def test_a_row_s_result_depends_on_nothing_but_the_row(cpu_kernels_loaded, kind)
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q4_0", "q8_0"])
+def test_a_row_alone_gives_the_bits_it_gives_beside_three_others(cpu_kernels_loaded, kind):
+    # A row alone takes a vector path of its own (with AVX-512 VNNI, two K-quant blocks a 512-bit
+    # vector), four rows another: the same block sums, summed in the same order. Five rows: four
+    # together and the fifth alone; eight groups of 256 a row, the zero block's step 0 included.
+    weight = random_weight(kind, 37, 2048, seed=11)
+    x = torch.randn(5, 2048, generator=torch.Generator().manual_seed(12))
+    x[2, 256:288] = 0
+    together = torch.ops.llama_chat_cpu.packed_product(x, weight.data, kind)
+    assert_operator_result(together, x, weight)
+    for r in range(5):
+        assert torch.equal(torch.ops.llama_chat_cpu.packed_product(x[r:r + 1], weight.data, kind), together[r:r + 1])
+
+
+@needs_kernels
 def test_the_operator_refuses_blocks_that_do_not_fit(cpu_kernels_loaded):
     weight = random_weight("q4_0", 4, 64, seed=0)
     with pytest.raises(RuntimeError, match="no packed kind q9_0"):

@@ -23,9 +23,11 @@
 // just adds its products lane by lane: interleave_group), the zero points are taken off with the
 // inputs' block sums (exact integers), and one multiply-add by the eight blocks' scales times the
 // inputs' steps adds them to a float32 accumulator. AVX-512BW expands Q5's fifth bits from a mask
-// register; these vectors stay 256 bits wide with AVX-512 too. A call with several rows (a
-// prompt's) takes tiles of weight rows decoded once instead, 512 bits wide with AVX-512 VNNI
-// ("Many rows" below), with the same bits. Without AVX2, a scalar loop does the same sums.
+// register; these vectors stay 256 bits wide with AVX-512 too, but for a row alone of Q4_K, Q5_K
+// or Q6_K blocks with AVX-512 VNNI, which takes two blocks a 512-bit vector (packed_dot_wide).
+// A call with several rows (a prompt's) takes tiles of weight rows decoded once instead, 512 bits
+// wide with AVX-512 VNNI ("Many rows" below). Every path gives the same bits. Without AVX2, a
+// scalar loop does the same sums.
 #pragma once
 
 #include "dot.h"
@@ -48,6 +50,12 @@
 #elif defined(LLAMA_CHAT_AVX2) && defined(__AVXVNNI__)
 #define LLAMA_CHAT_VNNI 1
 #define LLAMA_CHAT_AVX_VNNI 1
+#endif
+
+// 512-bit products with AVX-512 VNNI: a one-row product of K-quant blocks takes two blocks a
+// vector ("A row alone in 512 bits" below), as the tiles do.
+#if defined(LLAMA_CHAT_VNNI) && !defined(LLAMA_CHAT_AVX_VNNI) && defined(__AVX512BW__)
+#define LLAMA_CHAT_WIDE_VNNI 1
 #endif
 
 // The helpers of a group's decoding and sums are inlined into the loop over groups, whatever
@@ -132,6 +140,7 @@ struct RoundedBlocks {
   std::vector<int32_t> sums;        // per block of 32: the sum of its values
   std::vector<int16_t> half_sums;   // per 16 values: their sum (Q6_K's sub-blocks are 16 long)
   std::vector<int8_t> interleaved;  // q, each group of 256 as interleave_group lays a weight group
+  std::vector<int8_t> paired;       // q, each group's blocks in the order 0 2 1 3 4 6 5 7 (kPairedOrder)
 
   const int8_t* q_of(int64_t r) const { return q.data() + r * padded; }
   const float* steps_of(int64_t r) const { return steps.data() + r * (padded / kQuantBlock); }
@@ -139,6 +148,7 @@ struct RoundedBlocks {
   const int32_t* sums_of(int64_t r) const { return sums.data() + r * (padded / kQuantBlock); }
   const int16_t* half_sums_of(int64_t r) const { return half_sums.data() + r * (padded / 16); }
   const int8_t* interleaved_of(int64_t r) const { return interleaved.data() + r * padded; }
+  const int8_t* paired_of(int64_t r) const { return paired.data() + r * padded; }
 };
 
 // One block of n (at most 32) values.
@@ -237,6 +247,11 @@ constexpr bool kTiled = !kSignTrick<K>;
 // eight rows of the other path do (benchmarks/bench_packed.py --rows 4 8 16).
 constexpr int64_t kTiledFromRows = 12;
 
+// A group's blocks as a 64-byte load of Q4_K's or Q5_K's codes pairs them: 32 bytes of nibbles
+// hold blocks 2c (low) and 2c + 1 (high), so 64 bytes hold blocks 0 and 2 in their low nibbles and
+// 1 and 3 in their high ones. RoundedBlocks::paired lays the rounded rows out alike.
+constexpr int kPairedOrder[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
 // Rows [0, rows) of x (each k long, `stride` apart) into `out`, whose vectors are reused.
 inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride, RoundedBlocks& out) {
   out.rows = rows;
@@ -266,6 +281,15 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
       round_block(xr + b * kQuantBlock, n, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
     }
   }
+#ifdef LLAMA_CHAT_WIDE_VNNI
+  // A row alone reads Q4_K and Q5_K blocks against these (packed_dot_wide); tiles never do.
+  if (rows < kTiledFromRows) {
+    out.paired.resize(out.q.size());
+    for (int64_t at = 0; at < static_cast<int64_t>(out.q.size()); at += kQuantGroup)
+      for (int j = 0; j < 8; ++j)
+        std::memcpy(out.paired.data() + at + 32 * j, out.q.data() + at + 32 * kPairedOrder[j], 32);
+  }
+#endif
 #ifdef LLAMA_CHAT_AVX2
   // A row alone reads q (packed_dot_rows), and so do the tiles that calls of many rows take.
   if (rows < 2 || (rows >= kTiledFromRows && kTiled<Packed::q8_0>)) return;
@@ -627,17 +651,169 @@ LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t
   return acc;
 }
 
+// Each group asks for the weight bytes this far ahead of it, a cache line per 64 bytes it
+// reads. Weight rows are read one after another, so ahead of a row's end is the next row. With
+// the hardware's prefetchers alone, a row's product on some cores (Sapphire Rapids) waited on
+// memory and then computed, in turns, instead of doing both at once; nearer and farther
+// distances overlapped them less.
+constexpr int64_t kRowAheadBytes = 2 << 10;
+
+template <int64_t Bytes>
+LLAMA_CHAT_HOT void ask_ahead(const uint8_t* p) {
+#pragma GCC unroll 8
+  for (int64_t line = 0; line < Bytes; line += 64)  // past the end of the weights it fetches nothing
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kRowAheadBytes + line, _MM_HINT_T0);
+}
+
+#ifdef LLAMA_CHAT_WIDE_VNNI
+// A row alone in 512 bits (Q4_K, Q5_K, Q6_K). Each vector holds two blocks' codes, one in each
+// 256-bit half, as they come out of a 64-byte load with no shuffle; four vpdpbusd take a group,
+// and the four vectors' lanes are summed into one vector of eight block sums in three steps of
+// shuffles and adds (eight shuffles, where the 256-bit path's eight vectors of one block each
+// took sixteen). The block sums are the same integers, and what follows is add_group's float
+// arithmetic in the same order: the same bits as packed_dot_rows<K, 1> in 256 bits and the tiles.
+template <Packed K>
+constexpr bool kWide = K == Packed::q4_k || K == Packed::q5_k || K == Packed::q6_k;
+
+// A group's four vectors of products p[m] (two blocks each) summed per 128-bit lane: lane 4k + m
+// of the result is the sum of p[m]'s lanes in its 128-bit lane k (k = 0, 1: the two halves of
+// p[m]'s low block; 2, 3: of its high block).
+LLAMA_CHAT_HOT __m512i sums_of_pairs(const __m512i* p) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+
+// Lane b: block b's sum, its two halves' lanes of sums_of_pairs (first: idx_first, second: idx_second).
+LLAMA_CHAT_HOT __m256i join_pairs(__m512i quads, __m512i first, __m512i second) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(_mm512_permutexvar_epi32(first, quads)),
+                          _mm512_castsi512_si256(_mm512_permutexvar_epi32(second, quads)));
+}
+
+// k_scales for a row alone, the same values in fewer shuffles (with 512-bit operations in flight
+// one port takes them all, and they bound a group's pace): the 12 bytes of scales and mins
+// (read as 16, the last 4 left out) sorted by one byte shuffle into the sources of scales 0-3,
+// 4-7 (low bits), mins 0-3 and 4-7 (low bits); the high bits of 4-7 come from the sources of
+// 0-3, 30 bits below in the same 64 bits. d and dmin are converted in one instruction.
+LLAMA_CHAT_HOT void k_scales_wide(const uint8_t* p, Group& out) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+  const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i low = _mm_and_si128(a, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
+  const __m128i top = _mm_and_si128(_mm_slli_epi64(a, 30), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i both = _mm_ternarylogic_epi32(low, high, top, 0xfe);  // low | high | top
+  const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));  // scales 0-7, mins 0-7
+  // d to lanes 0-7, -dmin to 8-15.
+  const __m256 pair = _mm256_cvtph_ps(_mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(p))));
+  const __m512i sides = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i negate = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN,
+                                           INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN);
+  const __m512 factors = _mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(_mm512_permutexvar_ps(sides, _mm512_castps256_ps512(pair))), negate));
+  const __m512 products = _mm512_mul_ps(factors, values);
+  out.scale = _mm512_castps512_ps256(products);
+  out.offset = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(products), 1));
+}
+
+template <Packed K>
+inline float packed_dot_wide(const uint8_t* row, const RoundedBlocks& in, int64_t r) {
+  constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
+  const int64_t groups = in.k / kQuantGroup;
+  const int8_t* y = K == Packed::q6_k ? in.q_of(r) : in.paired_of(r);
+  const float* steps = in.steps_of(r);
+  const float* step_sums = in.step_sums_of(r);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  // Q6_K's pairs are blocks (0, 1), (2, 3), (4, 5), (6, 7); Q4_K's and Q5_K's (0, 2), (1, 3),
+  // (4, 6), (5, 7) (kPairedOrder). Where each block's halves land in sums_of_pairs:
+  const __m512i first = K == Packed::q6_k ? _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0)
+                                          : _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(4));
+  __m256 acc = _mm256_setzero_ps();
+  Group w;
+  for (int64_t g = 0; g < groups; ++g, y += kQuantGroup) {
+    const uint8_t* p = row + g * bytes;
+    ask_ahead<bytes>(p);
+    __m512i codes[4];
+    if constexpr (K == Packed::q6_k) {
+      // ql's 64 bytes of a half hold blocks 4h, 4h + 1 in their low nibbles and 4h + 2, 4h + 3 in
+      // their high ones; qh's 32 bytes, in both 256-bit halves, give each its two high bits.
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h)));
+        const __m512i pair = _mm512_set1_epi8(0x30);
+        codes[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                       _mm512_and_si512(_mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)), pair));
+        codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                           _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), pair));
+      }
+      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+      w.scales16 = _mm256_cvtepi8_epi16(s8);
+      w.scale = _mm256_set1_ps(half_to_float(p + 208));
+    } else {
+      k_scales_wide(p, w);
+      const uint8_t* qs = p + (K == Packed::q5_k ? 48 : 16);
+#pragma GCC unroll 2
+      for (int c = 0; c < 2; ++c) {
+        const __m512i v = _mm512_loadu_si512(qs + 64 * c);
+        codes[2 * c] = _mm512_and_si512(v, low4);
+        codes[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      if constexpr (K == Packed::q5_k) {
+        // Bit j of byte l is the fifth bit of block j's value l, moved to bit 4 of its place.
+        const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        const __m512i fifth[4] = {_mm512_sllv_epi64(high, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)),
+                                  _mm512_sllv_epi64(high, _mm512_setr_epi64(3, 3, 3, 3, 1, 1, 1, 1)),
+                                  _mm512_srlv_epi64(high, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)),
+                                  _mm512_srlv_epi64(high, _mm512_setr_epi64(1, 1, 1, 1, 3, 3, 3, 3))};
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; ++m) codes[m] = _mm512_or_si512(codes[m], _mm512_and_si512(fifth[m], bit4));
+      }
+    }
+    __m512i products[4];
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m)
+      products[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[m], _mm512_loadu_si512(y + 64 * m));
+    __m512i quads = sums_of_pairs(products);
+    if constexpr (K == Packed::q6_k) {
+      // Lane 4k + m holds sub-block 4m + k (block 2m + k / 2, half k % 2).
+      const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+      quads = _mm512_mullo_epi32(quads, _mm512_cvtepi8_epi32(_mm_shuffle_epi8(s8, order)));
+    }
+    __m256i s = join_pairs(quads, first, second);
+    const int64_t b = g * (kQuantGroup / kQuantBlock);
+    if constexpr (K == Packed::q6_k) {
+      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));
+      s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(halves, w.scales16), 5));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.scale, _mm256_loadu_ps(steps + b)), acc);
+    if constexpr (kOffset<K>) acc = _mm256_fmadd_ps(w.offset, _mm256_loadu_ps(step_sums + b), acc);
+  }
+  return horizontal_sum(acc);
+}
+#endif
+
 // Rounded rows [r0, r0 + R) against one weight row: out[i] for row r0 + i.
 template <Packed K, int R>
 inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t r0, float* out) {
   constexpr bool super = kPackedLayouts[static_cast<int>(K)].values == kQuantGroup;
+  constexpr int64_t group_bytes = (super ? 1 : 8) * kPackedLayouts[static_cast<int>(K)].bytes;
   const int64_t blocks = in.k / kQuantBlock, full = blocks / 8;
   constexpr bool interleave = R > 1;  // see interleave_group
+#ifdef LLAMA_CHAT_WIDE_VNNI
+  if constexpr (R == 1 && kWide<K>) {
+    out[0] = packed_dot_wide<K>(row, in, r0);
+    return;
+  }
+#endif
   __m256 acc[R];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   Group w;
   for (int64_t g = 0; g < full; ++g) {
+    ask_ahead<group_bytes>(row + g * group_bytes);
     if constexpr (super) decode_super_block<K, interleave>(row, g, w);
     else decode_small_group<K, interleave>(row, g, 8, w);
 #pragma GCC unroll 16
