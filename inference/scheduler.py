@@ -38,7 +38,7 @@ from llama_chat.inference.cache_prefix import align_to_cached
 from llama_chat.inference.jobs import Job, JobStream
 from llama_chat.inference.model_step import StepOptions
 from llama_chat.inference.paged_step import LoneRowStep
-from llama_chat.inference.prefill import PrefillSizer
+from llama_chat.inference.prefill import CPU_MOST_TOKENS, PrefillSizer
 from llama_chat.inference.speculative import Speculation
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (Completion, GenerationState, Request, RequestError, TokenEvent, check_constraint,
@@ -146,7 +146,11 @@ class Scheduler:
         cache_tokens = options.cache_tokens or max(max_seq_len, min(
             options.max_batch * max_seq_len, DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CACHE_BYTES_CAP // token_bytes))
         page_size = options.page_size
-        prefill_chunk = options.prefill_chunk or (1024 if cuda else 64)
+        # A single stream's chunks share their step with nobody, and each forward of GGUF blocks
+        # expands every weight again (prefill's tiles): from a short first chunk on, the sizer took
+        # the expansion for a per-token cost and kept the chunks short, halving a 512-token
+        # prompt's speed against one forward of it. Its chunks start at the CPU's longest.
+        prefill_chunk = options.prefill_chunk or (1024 if cuda else 64 if options.max_batch > 1 else CPU_MOST_TOKENS)
         sizer = None if options.prefill_chunk else PrefillSizer.for_model(a.n_layers, cuda=cuda, first=prefill_chunk)
         longest = prefill_chunk if sizer is None else sizer.most
         settings = CoreSettings(
