@@ -9,17 +9,16 @@ from __future__ import annotations
 import copy
 import json
 
-import anyio
 import httpx
 import pytest
 import torch
 
 from builders import endless_model, random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
 from llama_chat.inference.batch_core import BatchCore
-from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.speculative import PAUSES, ModelDraft, Speculation
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
+from test_speculative import replies_of
 
 VOCAB = 96
 EOS = 2
@@ -87,27 +86,7 @@ def requests_of(sampling: SamplingParams, count: int, seed: int = 0, **fields) -
 
 def run(model, requests: list[Request], speculation: Speculation | None, *, max_batch: int = 1):
     """Each request's token ids and finish reason, ``max_batch`` jobs at a time; and the scheduler."""
-    scheduler = Scheduler(model, Letters(), SchedulerOptions(max_batch=max_batch, page_size=8, cache_tokens=2048,
-                                                             speculation=speculation, cache_type="f32"))
-
-    async def main():
-        out = {}
-
-        async def one(request):
-            async with scheduler.submit(request) as stream:
-                async for _ in stream:
-                    pass
-            done = stream.completion()
-            out[request.request_id] = (done.token_ids, done.finish_reason)
-
-        async with scheduler:
-            for start in range(0, len(requests), max_batch):
-                async with anyio.create_task_group() as tg:
-                    for request in requests[start:start + max_batch]:
-                        tg.start_soon(one, request)
-        return out
-
-    return anyio.run(main), scheduler
+    return replies_of(model, Letters(), requests, speculation, max_batch=max_batch)
 
 
 def drafting(draft, **fields) -> Speculation:

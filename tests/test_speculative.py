@@ -76,8 +76,15 @@ def prompts(count: int, seed: int) -> list[tuple[int, ...]]:
 
 def replies(model, requests: list[Request], speculation: Speculation | None, *, max_batch: int = 1):
     """Each request's token ids and finish reason, ``max_batch`` jobs at a time; and the stats."""
-    scheduler = Scheduler(model, Bytes(), SchedulerOptions(max_batch=max_batch, page_size=8, cache_tokens=2048,
-                                                           speculation=speculation, cache_type="f32"))
+    out, scheduler = replies_of(model, Bytes(), requests, speculation, max_batch=max_batch)
+    return out, scheduler.stats
+
+
+def replies_of(model, tokenizer, requests: list[Request], speculation: Speculation | None, *,
+               max_batch: int = 1) -> tuple[dict, Scheduler]:
+    """Each request's token ids and finish reason, ``max_batch`` jobs at a time; and the scheduler."""
+    scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=max_batch, page_size=8, cache_tokens=2048,
+                                                             speculation=speculation, cache_type="f32"))
 
     async def main():
         out = {}
@@ -96,7 +103,7 @@ def replies(model, requests: list[Request], speculation: Speculation | None, *, 
                         tg.start_soon(one, request)
         return out
 
-    return anyio.run(main), scheduler.stats
+    return anyio.run(main), scheduler
 
 
 def requests_of(sampling: SamplingParams, count: int = 100, seed: int = 0) -> list[Request]:
