@@ -148,8 +148,8 @@ class Scheduler:
         page_size = options.page_size
         # A single stream's chunks share their step with nobody, and each forward of GGUF blocks
         # expands every weight again (prefill's tiles): from a short first chunk on, the sizer took
-        # the expansion for a per-token cost and kept the chunks short, halving a 512-token
-        # prompt's speed against one forward of it. Its chunks start at the CPU's longest.
+        # that expansion for a cost per token and kept the chunks short, so the prompt paid it
+        # many times over. Its chunks start at the CPU's longest.
         prefill_chunk = options.prefill_chunk or (1024 if cuda else 64 if options.max_batch > 1 else CPU_MOST_TOKENS)
         sizer = None if options.prefill_chunk else PrefillSizer.for_model(a.n_layers, cuda=cuda, first=prefill_chunk)
         longest = prefill_chunk if sizer is None else sizer.most
