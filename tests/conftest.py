@@ -94,6 +94,20 @@ def pytorch_products(monkeypatch):
     monkeypatch.setitem(cpu_kernels._state, "loaded", False)
 
 
+def _variant_dir(flags: str, root: Path) -> Path:
+    """Where a variant of the operator is built: beside the user's own build, in a folder of its
+    flags, so that a run reuses what an earlier one built for the same sources (each build is a
+    full compile); in the run's temporary folder where that cache cannot be written."""
+    from llama_chat.ml.cpu import kernels as cpu_kernels
+
+    folder = cpu_kernels.cache_dir() / "variants" / re.sub(r"\W+", "-", flags).strip("-")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return root / "kernels"
+    return folder
+
+
 @pytest.fixture(scope="session")
 def operator_variant_env(tmp_path_factory):
     """The environment of a process that builds the operator's products (``kernels.cpp`` alone)
@@ -106,7 +120,7 @@ def operator_variant_env(tmp_path_factory):
         if flags not in made:
             with shared_and_locked(tmp_path_factory, "operator-variant" + re.sub(r"\W+", "-", flags)) as root:
                 wrapper = root / "cxx"
-                env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(root / "kernels"))
+                env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(_variant_dir(flags, root)))
                 if not wrapper.exists():
                     compiler = shutil.which(os.environ.get("CXX") or "c++")
                     wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')

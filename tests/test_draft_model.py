@@ -18,25 +18,8 @@ from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.speculative import PAUSES, ModelDraft, Speculation
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
-from test_speculative import replies_of
-
-VOCAB = 96
-EOS = 2
-GREEDY = SamplingParams(temperature=0.0)
-
-
-class Letters:
-    """Just enough of a tokenizer for the scheduler: ids as letters."""
-
-    vocab_size = VOCAB
-    eos_id = EOS
-    stop_ids = frozenset({EOS})
-    special_tokens: dict[str, int] = {}
-    strips_leading_space = False
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return bytes([97 + token_id % 26])
-
+from test_speculative import EOS, GREEDY, VOCAB, replies_of
+from test_speculative import Bytes as Letters
 
 @pytest.fixture(scope="module")
 def target(cpu_kernels_loaded):
