@@ -128,6 +128,19 @@ class BatchCore:
 
     # -- the step --------------------------------------------------------------------------------
 
+    def prepare(self) -> StepBackends:
+        """Make the steps' backends, and a draft model's runner, now (in inference mode), or at
+        the first step. A caller that times its first request makes them before it: for a model of
+        a few GB the operator's record of the weights takes seconds, which that request's first
+        token would wait for."""
+        with torch.inference_mode():
+            if self._backends is None:
+                self._backends = StepBackends.make(self.model, self.cache, self.settings, device=self.device,
+                                                   sample_ids=self.sample_ids, lone_step=self._lone_step)
+            if self.speculation is not None and self.speculation.draft is not None:
+                self._runner()
+        return self._backends
+
     def step(self) -> StepResult:
         # The scheduler's step thread is in inference mode already (its StepWorker's scope).
         if torch.is_inference_mode_enabled():
@@ -140,10 +153,7 @@ class BatchCore:
         for job in released:
             self._release(job)
         released += self._admit()
-        backends = self._backends
-        if backends is None:
-            backends = self._backends = StepBackends.make(self.model, self.cache, self.settings, device=self.device,
-                                                          sample_ids=self.sample_ids, lone_step=self._lone_step)
+        backends = self._backends or self.prepare()
         events: list[tuple[Job, TokenEvent]] = []
         finished: list[Job] = []
         until = time.perf_counter() + LONE_STEPS_S
@@ -344,7 +354,7 @@ class BatchCore:
         return [(job, guess) for (job, _), guess in zip(asks, guesses)]
 
     def _runner(self) -> DraftRunner | None:
-        """The draft model's runner, made at its first use (in the step thread)."""
+        """The draft model's runner, made once (``prepare``, or its first use), in inference mode."""
         if self._draft_runner is None:
             assert self.speculation is not None and self.speculation.draft is not None
             made = DraftRunner.make(self.speculation.draft, num_pages=self.settings.num_pages,

@@ -319,11 +319,12 @@ class Scheduler:
         return self.core.device
 
     def warm_up(self, sampling: SamplingParams | None = None) -> None:
-        """Compile the lone sequence's step now (blocking; before any job runs). If compiling
-        fails, every step stays eager; ``compile_failure`` then says why. (The step samples
-        outside its graph: one graph serves every ``sampling``.)"""
+        """Make the steps' backends and compile the lone sequence's step now (blocking; before
+        any job runs). If compiling fails, every step stays eager; ``compile_failure`` then says
+        why. (The step samples outside its graph: one graph serves every ``sampling``.)"""
         if self.core.lone_step is not None:
             self.core.lone_step.warm_up()
+        self.core.prepare()
 
     @property
     def compile_failure(self) -> str | None:

@@ -628,3 +628,17 @@ def test_a_lone_greedy_job_makes_several_tokens_a_step_call_and_yields_to_a_new_
     assert many.token_ids == one_a_call.token_ids and len(many.token_ids) == 300
     assert calls_lone * 4 < calls_each
     assert order == ["b", "a"]  # the second job finished while the first, alone before it, still ran
+
+
+def test_warm_up_makes_the_steps_backends_before_the_first_job(model, tokenizer, monkeypatch):
+    # The operator's record of the weights takes seconds for a model of a few GB: made in the first
+    # step, it was timed as the first prompt's prefill (a 2B GGUF's prompt read 25 % slower).
+    made = []
+    make = StepBackends.make.__func__
+    monkeypatch.setattr(StepBackends, "make", classmethod(lambda cls, *a, **k: made.append(1) or make(cls, *a, **k)))
+    scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1))
+    scheduler.warm_up()
+    assert made == [1]
+    request = Request([1, 5, 6, 7], sampling=GREEDY, max_tokens=3)
+    assert len(scheduler.generate(request).token_ids) == 3
+    assert made == [1]
