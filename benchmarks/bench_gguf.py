@@ -22,7 +22,7 @@ written into the repository:
    gives llama.cpp PASSIVE too, the steadier comparison while others share the cores;
    * llama.cpp: ``llama-bench -m FILE -t T -p 512 -n 128 -r 1 -o json`` (pp512 and tg128, after
      llama-bench's own warm-up, in one process);
-   * llama-chat, as a user runs it (the command line below, no other setting): one process
+   * llama-chat, as a user runs it (the command line below): one process
      prefills a 512-token prompt (BOS included) and generates 1 token, for prefill tok/s;
      another generates 128 tokens greedily after a short prompt, for decode tok/s. They are apart
      because llama-bench's tg128 decodes from an empty context: decoding after the 512-token
@@ -30,7 +30,10 @@ written into the repository:
      larger of the two. ``--min-new-tokens`` keeps random weights from stopping early.
 
    ``llama-chat -m FILE -f PROMPT_FILE --no-stdin -n N --min-new-tokens N -t 0 --template none
-   -c CTX --json`` (CTX: the shape's context length, which is also what it uses unasked).
+   -c CTX --json --lookup off`` (CTX: the shape's context length, which is also what it uses
+   unasked). ``--lookup off``, the default of ``--chat-args``: llama-bench does not speculate, and
+   random weights repeat themselves, so prompt lookup (on by default for packed blocks) would
+   measure its drafts, not the decode step.
 5. Also measured in the same run: the machine's read bandwidth (a float32 sum over 1 GiB on the
    same threads, best of 7 passes at the start of every round, the best round's kept), the
    baseline (llama-chat's peak RSS on the shipped model with the short prompt, median of one run
@@ -60,10 +63,12 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -312,12 +317,13 @@ class RunFailed(Exception):
 
 
 def run_llama_chat(model: Path | None, prompt_file: Path, n_new: int, ctx: int | None, env: dict,
-                   retries: int = RETRIES) -> tuple[dict, Measured]:
-    """One llama-chat process. A failure is retried while its message changes (the tree may be
-    mid-commit); one that repeats, or a usage error, raises ``RunFailed``."""
+                   retries: int = RETRIES, extra: Sequence[str] = ()) -> tuple[dict, Measured]:
+    """One llama-chat process (``extra``: more of its options). A failure is retried while its
+    message changes (the tree may be mid-commit); one that repeats, or a usage error, raises
+    ``RunFailed``."""
     cmd = [*llama_chat_command()] + (["-m", str(model)] if model else [])
     cmd += ["-f", str(prompt_file), "--no-stdin", "-n", str(n_new), "--min-new-tokens", str(n_new), "-t", "0",
-            "--template", "none", "--json"] + (["-c", str(ctx)] if ctx else [])
+            "--template", "none", "--json"] + (["-c", str(ctx)] if ctx else []) + list(extra)
     seen: set[str] = set()
     for attempt in range(retries + 1):
         m = run_measured(cmd, env=env)
@@ -391,8 +397,8 @@ def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], prompts: d
         # A file that failed in an earlier round is tried again, once, without waiting.
         retries = 0 if path in failed else RETRIES
         try:
-            pre, pre_m = run_llama_chat(path, prompts["long"], 1, ctx, env, retries)
-            dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, ctx, env, retries)
+            pre, pre_m = run_llama_chat(path, prompts["long"], 1, ctx, env, retries, args.chat_args)
+            dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, ctx, env, retries, args.chat_args)
         except RunFailed as e:
             failed.add(path)
             log(f"llama-chat failed on {path.name}: {e}")
@@ -500,6 +506,9 @@ def parse_args(argv: list[str] | None = None):
                    help="OMP_WAIT_POLICY for both systems; default: unset, as each ships (llama.cpp spins, "
                         "llama-chat sets passive for itself); passive when others share the cores, where "
                         "llama.cpp's spinning threads collapse")
+    p.add_argument("--chat-args", default="--lookup off", metavar="ARGS",
+                   help="more options for llama-chat's measured runs (default: --lookup off; '' runs it as it "
+                        "ships, which on random weights that repeat themselves measures prompt lookup's drafts)")
     p.add_argument("--jobs", type=int, default=2, help="parallel jobs for llama.cpp's build (default 2)")
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="print the tables again from a run's saved output (its JSON lines), and run nothing")
@@ -508,6 +517,7 @@ def parse_args(argv: list[str] | None = None):
     args = p.parse_args(argv)
     if args.quick:
         args.shapes, args.rounds = "110m", 1
+    args.chat_args = shlex.split(args.chat_args)
     args.shape_keys = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
     args.type_keys = [t.strip().lower() for t in args.types.split(",") if t.strip()]
     for name, given, known in (("shape", args.shape_keys, SHAPES), ("type", args.type_keys, TYPES)):

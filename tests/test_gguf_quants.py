@@ -1,8 +1,9 @@
 """GGUF block types: every dequantizer bit for bit against the ``gguf`` package's, a tiny model in
-each of the newer types through the ``llama-chat`` process, and the bad forms block data takes.
+each of the newer types (one also through the ``llama-chat`` process), and the bad forms block
+data takes.
 
 The files are written with the ``gguf`` package's writer (``builders_gguf.write_gguf``); the
-greedy tokens the command prints are compared with ``transformers`` running the weights that the
+greedy tokens are compared with ``transformers`` running the weights that the
 ``gguf`` package itself reads from the same file.
 """
 
@@ -23,7 +24,10 @@ pytest.importorskip("transformers")
 from builders import train_sentencepiece  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, hf_config, hf_llama, hf_with_file_weights, write_gguf  # noqa: E402
 from cli_support import run_cli  # noqa: E402
+from llama_chat.inference.scheduler import Scheduler  # noqa: E402
+from llama_chat.inference.types import GenerationState, Request  # noqa: E402
 from llama_chat.ml import blocks as gguf_quants  # noqa: E402
+from llama_chat.ml.sampling import SamplingParams  # noqa: E402
 from llama_chat.model.formats.gguf import open_gguf  # noqa: E402
 from llama_chat.model.loader import load_model  # noqa: E402
 
@@ -34,6 +38,7 @@ F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": 
 NEW_TYPES = [T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]
 PROMPT = "Once upon a time"
 NEW_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0)
 WORKERS = 4  # processes at a time: each spends most of its time importing torch
 
 
@@ -106,31 +111,32 @@ def reference():
     return hf
 
 
-def _run_all(commands: list[list[str]]) -> list:
-    with ThreadPoolExecutor(WORKERS) as pool:
-        return list(pool.map(lambda args: run_cli(*args), commands))
-
-
-@pytest.mark.slow
-def test_a_tiny_model_in_each_new_type_generates_through_the_command(tmp_path, sp_model, reference):
+def test_a_tiny_model_in_each_new_type_generates_transformers_tokens(tmp_path, sp_model, reference):
+    # Each type read and run in this process; one of them through the command as well (the command
+    # adds nothing per type, and every process spends seconds importing torch).
     paths = [write_gguf(tmp_path / f"{q.name}.gguf", reference.state_dict(), hf_config(reference), qtype=q,
                         sp_model=sp_model) for q in NEW_TYPES]
     tokenizer = load_model(paths[0], device="cpu").tokenizer
     prompt = tokenizer.encode(PROMPT, bos=tokenizer.add_bos)
     # --dtype float32: the weights expanded, so that the tokens are exactly transformers' (the
     # packed products of the default round the activations: tests/test_gguf_packed.py).
-    results = _run_all([["-m", str(p), "-p", PROMPT, "-n", str(NEW_TOKENS), "-t", "0", "--json", "--no-stdin",
-                         "--dtype", "float32"] for p in paths])
-    for qtype, path, proc in zip(NEW_TYPES, paths, results):
-        assert proc.returncode == 0, (qtype.name, proc.stderr.decode())
-        result = json.loads(proc.stdout)
-        assert result["prompt_tokens"] == len(prompt), qtype.name
+    proc = run_cli("-m", str(paths[0]), "-p", PROMPT, "-n", str(NEW_TOKENS), "-t", "0", "--json", "--no-stdin",
+                   "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr.decode()
+    result = json.loads(proc.stdout)
+    assert result["prompt_tokens"] == len(prompt) and result["finish_reason"] == "max_tokens"
+    commanded = result["token_ids"]
+    for qtype, path in zip(NEW_TYPES, paths):
+        loaded = load_model(path, device="cpu", dtype=torch.float32)
+        got = Scheduler.from_loaded(loaded).generate(Request(prompt, sampling=GREEDY, max_tokens=NEW_TOKENS))
         same = hf_with_file_weights(reference, path)
         with torch.inference_mode():
             want = same.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  do_sample=False, max_new_tokens=NEW_TOKENS)[0, len(prompt):].tolist()
-        assert result["token_ids"] == want, qtype.name
-        assert result["finish_reason"] == "max_tokens"
+        assert list(got.token_ids) == want, qtype.name
+        assert got.finish_reason == GenerationState.MAX_TOKENS
+        if path == paths[0]:
+            assert commanded == want
 
 
 def _header_patch(path: Path, tensor: str, row_values: int) -> None:
@@ -142,6 +148,11 @@ def _header_patch(path: Path, tensor: str, row_values: int) -> None:
     assert n_dims == 2
     struct.pack_into("<Q", data, at + 4, row_values)
     path.write_bytes(bytes(data))
+
+
+def _run_all(commands: list[list[str]]) -> list:
+    with ThreadPoolExecutor(WORKERS) as pool:
+        return list(pool.map(lambda args: run_cli(*args), commands))
 
 
 def test_bad_block_data_is_one_line_and_exit_2(tmp_path, sp_model, reference):
