@@ -10,7 +10,7 @@ import select
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import sentencepiece as spm
@@ -29,6 +29,24 @@ class TinyModel:
     path: Path
     model: object  # the Transformer the checkpoint was written from
     tokenizer_path: Path
+
+
+def command_request(loaded, *args: str):
+    """The ``Request`` the one-shot command makes of its arguments ``args`` for the model
+    ``loaded`` (a ``LoadedModel`` of the model ``args`` name): the options parsed and checked as
+    the command does, the prompt as it tokenizes it. For a test that runs many option sets in its
+    own process, where each child would spend seconds importing torch before doing the same."""
+    import typer
+
+    from llama_chat.cmd import app as cli
+    from llama_chat.cmd.options import Options
+    from llama_chat.cmd.prompt import prompt_ids
+
+    parsed = typer.main.get_command(cli.app).make_context("llama-chat", list(args)).params
+    opts = Options(**{k: v for k, v in parsed.items() if k in {f.name for f in fields(Options)}})
+    ids = prompt_ids(opts.prompt, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format,
+                     template=opts.template)
+    return opts.request(ids, chat_reply=loaded.chat_format is not None)
 
 
 def build_tiny_model(out_dir: Path, *, max_seq_len: int = 1024) -> TinyModel:

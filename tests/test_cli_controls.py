@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from builders import random_model, tiny_args, write_meta_checkpoint
-from cli_support import build_tiny_model, cli_env, json_result, llama_chat_command, run_cli
+from cli_support import build_tiny_model, cli_env, command_request, json_result, llama_chat_command, run_cli
 from llama_chat.inference.beam import BeamLimits, BeamSearch
+from llama_chat.inference.scheduler import Scheduler
 from llama_chat.inference.types import GenerationState
 from llama_chat.ml.controls import BeamParams, SamplingParams
 from llama_chat.model.loader import load_model
@@ -72,17 +73,22 @@ def test_max_time_is_its_own_finish_reason(tiny):
 
 
 def test_penalties_change_a_greedy_answer_and_the_same_seed_repeats_a_sampled_one(tiny):
+    # The option sets parsed and run in this process as the command does; the sampled one also
+    # through the command, which must repeat it.
     base = ("-m", str(tiny.path), "-p", "Once upon a time", "-n", "24", "--json")
-    plain = json_result(run_cli(*base, "-t", "0"))
-    penalised = json_result(run_cli(*base, "-t", "0", "--repetition-penalty", "1.5", "--no-repeat-ngram-size", "2",
-                                    "--frequency-penalty", "0.5", "--logit-bias", f"{plain['token_ids'][0]}=-inf"))
-    assert penalised["token_ids"][0] != plain["token_ids"][0]  # the ban holds
-    ids = penalised["token_ids"]
+    scheduler = Scheduler.from_loaded(loaded := load_model(tiny.path, device="cpu"))
+    plain = scheduler.generate(command_request(loaded, *base, "-t", "0")).token_ids
+    ids = scheduler.generate(command_request(
+        loaded, *base, "-t", "0", "--repetition-penalty", "1.5", "--no-repeat-ngram-size", "2",
+        "--frequency-penalty", "0.5", "--logit-bias", f"{plain[0]}=-inf")).token_ids
+    assert ids[0] != plain[0]  # the ban holds
     pairs = [tuple(ids[i:i + 2]) for i in range(len(ids) - 1)]
     assert len(pairs) == len(set(pairs))  # no bigram twice in the reply
     sampled = (*base, "-t", "0.9", "--top-k", "20", "--min-p", "0.01", "--typical-p", "0.95",
                "--presence-penalty", "0.3", "--seed", "7")
-    assert json_result(run_cli(*sampled))["token_ids"] == json_result(run_cli(*sampled))["token_ids"]
+    here = scheduler.generate(command_request(loaded, *sampled)).token_ids
+    assert scheduler.generate(command_request(loaded, *sampled)).token_ids == here != plain
+    assert json_result(run_cli(*sampled))["token_ids"] == list(here)
 
 
 @pytest.mark.parametrize(("args", "message"), [

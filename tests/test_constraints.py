@@ -10,7 +10,6 @@ constraint allows that token. Sampled runs cover 50 seeds per case through the s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -20,15 +19,11 @@ import time
 import anyio
 import pytest
 import torch
-import typer
 
 import tokenizer_builders as tb
 from builders import random_model, tiny_args
 from builders_formats import hf_config, hf_state
 from builders_gguf import write_gguf
-from llama_chat.cmd import app as cli
-from llama_chat.cmd.options import Options
-from llama_chat.cmd.prompt import prompt_ids as command_prompt_ids
 from llama_chat.inference.beam import BeamLimits, BeamSearch
 from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
@@ -506,8 +501,6 @@ def test_a_constraint_the_vocabulary_cannot_spell_is_a_request_error():
 
 # -- the command: one-shot, --batch, the chat ---------------------------------------------------------
 
-COMMAND = typer.main.get_command(cli.app)
-OPTION_FIELDS = {f.name for f in dataclasses.fields(Options)}
 CLI_SCHEMA = {"type": "object",
               "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"},
                              "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["a", "b"]}}},
@@ -522,7 +515,7 @@ def tiny(tmp_path_factory):
 
 
 def test_one_shot_command_takes_each_option(tiny, tmp_path):
-    from cli_support import json_result, run_cli
+    from cli_support import command_request, json_result, run_cli
 
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(CLI_SCHEMA, indent=2))
@@ -545,11 +538,7 @@ def test_one_shot_command_takes_each_option(tiny, tmp_path):
         # --format json allows any object: sampled strings may run on, so it runs greedy.
         sampling = ["-t", "0"] if args[0] == "--format" else ["-t", "1", "--top-p", "1", "--seed", "7"]
         line = ["-m", str(tiny.path), "-p", "Tell me", "-n", "300", "--json", *sampling, *args]
-        parsed = COMMAND.make_context("llama-chat", list(line)).params  # (click takes the list's items)
-        opts = Options(**{k: v for k, v in parsed.items() if k in OPTION_FIELDS})
-        ids = command_prompt_ids(opts.prompt, system=opts.system, tokenizer=loaded.tokenizer,
-                                 chat_format=loaded.chat_format, template=opts.template)
-        done = scheduler.generate(opts.request(ids, chat_reply=loaded.chat_format is not None))
+        done = scheduler.generate(command_request(loaded, *line))
         assert done.finish_reason in (GenerationState.STOP_GRAMMAR, GenerationState.EOS), (args, done)
         check(done.text.strip())
         if n == 0:
