@@ -138,7 +138,7 @@ def execute(opts: Options) -> int:
             return print_model_list(sys.stdout)
         if check_batch_options(opts):
             jobs = read_batch(opts.batch)
-            with importing_torch():  # torch is imported here, and its threads start
+            with importing_torch(opts.model):  # torch is imported here, and its threads start
                 from llama_chat.cmd.batch import run_batch
 
             return run_batch(opts, jobs, color, err)
@@ -146,12 +146,12 @@ def execute(opts: Options) -> int:
             if opts.json:
                 raise UsageProblem("--json prints one answer; it cannot be used with the chat")
             first = gather_first_message(opts.prompt, file=opts.file, read_stdin=not opts.no_stdin)
-            with importing_torch():
+            with importing_torch(opts.model):
                 from llama_chat.cmd.chat import run_chat
 
             return run_chat(opts, first, color, err)
         text = gather_prompt(opts.prompt, file=opts.file, read_stdin=not opts.no_stdin)
-        with importing_torch():
+        with importing_torch(opts.model):
             from llama_chat.cmd.run_command import run_command
 
         return run_command(opts, text, color, err)

@@ -41,13 +41,14 @@ from llama_chat.cmd.report import failure_line
 from llama_chat.cmd.run_command import load, silence_stdout, warm_up
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import StopRequest, install_sync_handlers, watch_signals
-from llama_chat.inference.jobs import JobStream
-from llama_chat.inference.scheduler import Scheduler, SchedulerStats
-from llama_chat.inference.types import Completion, GenerationState, Request, RequestError, sole_exception
+from llama_chat.inference.types import (Completion, GenerationState, Request, RequestError, SchedulerStats,
+                                        sole_exception)
 from llama_chat.model.memory_budget import gigabytes
 
 if TYPE_CHECKING:
     from llama_chat.cmd.options import Options
+    from llama_chat.inference.jobs import JobStream
+    from llama_chat.inference.scheduler import Scheduler
 
 PROGRESS_EVERY_S = 0.2
 # Lines read per trip to the reader's thread: few enough that a slow pipe delivers its jobs as

@@ -52,8 +52,7 @@ from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers, interruptible_prompt, no_control_echo
 from llama_chat.cmd.typeahead import Typed, held_typing
 from llama_chat.cmd.sanitize import displayable
-from llama_chat.cmd.generation_source import Source, single_stream
-from llama_chat.inference.scheduler import Scheduler
+from llama_chat.cmd.generation_source import single_stream
 from llama_chat.inference.types import Completion, GenerationState, Request, Timings
 from llama_chat.ml.safe_files import require_regular
 from llama_chat.model.chat_format import ChatFormat, Message
@@ -62,6 +61,7 @@ from llama_chat.model.safe_input import NotText, check_text
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from llama_chat.cmd.generation_source import Source
     from llama_chat.cmd.options import Options
     from llama_chat.model.loader import WeightsSummary
 
@@ -375,11 +375,11 @@ class ChatRunner:
                 f"{seed}{self.pages_text()}" + (f"  {weights_text(self.weights())}" if self.weights else ""))
 
     def pages_text(self) -> str:
-        """Where the conversation's keys are: the scheduler's page table (nothing for the engine)."""
-        backend = self.chat.backend
-        if not isinstance(backend, Scheduler):
+        """Where the conversation's keys are: the scheduler's page table (nothing for the engine, or
+        for a remote model, whose counters have no pages)."""
+        st = getattr(self.chat.backend, "stats", None)
+        if st is None or not st.page_size:
             return ""
-        st = backend.stats
         return (f"  pages: {st.pages_cached} kept, {st.pages_free} free of {st.pages_total} "
                 f"({st.page_size} tokens each)")
 

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.remote import RemoteModel, RemoteSource
-from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.speculative import Speculation
 
+# The local sources import torch when first made: a remote model's command never imports it.
 if TYPE_CHECKING:
+    from llama_chat.inference.engine import Engine
+    from llama_chat.inference.scheduler import Scheduler
     from llama_chat.model.loader import LoadedModel
     from llama_chat.model.tokenizers.base import Tokenizer
+
+    Source = Scheduler | Engine | RemoteSource
 
 # Token slots per page for one stream: the last, partly filled page of a chat's turn is prefilled
 # again by the next one, so pages are smaller than a batch's (SchedulerOptions.page_size).
@@ -35,14 +38,15 @@ SINGLE_STREAM_PAGE_SIZE = 8
 # it wait for the reader every few tokens.
 SINGLE_STREAM_BUFFER = 64
 
-Source = Scheduler | Engine | RemoteSource
-
 
 def single_stream(loaded: LoadedModel | RemoteModel, opts) -> Source:
     """The source of a one-shot prompt or a chat: one request at a time (a draft model, if
     ``--draft`` names one, is loaded here)."""
     if isinstance(loaded, RemoteModel):
         return RemoteSource(loaded)
+    from llama_chat.inference.engine import Engine, EngineOptions
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+
     quantize = getattr(opts, "quantize", "none")
     if loaded.device.type == "cuda":
         return Engine.from_loaded(loaded, options=EngineOptions(compile=opts.compile, quantize=quantize))
@@ -122,6 +126,8 @@ def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_
     the compiled step only with ``--compile``: in a batch, jobs rarely run alone."""
     if isinstance(loaded, RemoteModel):  # the server batches, max_batch requests at a time
         return RemoteSource(loaded, max_batch=max_batch)
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=max_batch, cache_tokens=cache_tokens, quantize=getattr(opts, "quantize", "none"),
         speculation=speculation(opts, loaded, jobs=max_batch),

@@ -24,17 +24,20 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import anyio
 
-from llama_chat.cmd.generation_source import Source
 from llama_chat.cmd.render import OutputClosed, Renderer, suspend_hooks
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.signals import StopRequest, watch_signals
-from llama_chat.inference.beam import BeamProgress
 from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import BeamCompletion, Completion, Request, Response, Tally, sole_exception
+
+if TYPE_CHECKING:
+    from llama_chat.cmd.generation_source import Source
+    from llama_chat.inference.beam import BeamProgress
 
 
 @dataclass(frozen=True)

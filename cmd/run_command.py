@@ -32,9 +32,7 @@ from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.cmd.startup import silence_stdout
 from llama_chat.inference.remote import RemoteModel, connect, is_remote
-from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.user_cache import cache_problem
-from llama_chat.model.loader import LoadedModel, default_model_dir, load_model
 from llama_chat.model.stores import resolve_model
 
 if TYPE_CHECKING:
@@ -42,6 +40,7 @@ if TYPE_CHECKING:
     from llama_chat.inference.engine import Engine
     from llama_chat.inference.scheduler import Scheduler
     from llama_chat.ml.sampling import SamplingParams
+    from llama_chat.model.loader import LoadedModel
 
 
 def load(opts: Options, err: Console) -> LoadedModel | RemoteModel:
@@ -49,6 +48,8 @@ def load(opts: Options, err: Console) -> LoadedModel | RemoteModel:
         # Another machine's model (inference/remote.py): nothing is loaded here, the server is asked.
         return connect(opts.model, model=getattr(opts, "remote_model", None), template=opts.template,
                        api_key=getattr(opts, "api_key", None) or os.environ.get("OPENAI_API_KEY"))
+    from llama_chat.model.loader import default_model_dir, load_model  # torch: a local model's command only
+
     if opts.model is None:
         path, name = default_model_dir(), None
     else:
@@ -73,6 +74,8 @@ def prepare_cpu_kernels(loaded: LoadedModel, quantize: str, err: Console, *, qui
     A build that fails is said in one line, once per machine (``ml/cpu_kernels.py`` remembers
     it), and decoding goes on with PyTorch's products.
     """
+    from llama_chat.ml.cpu import kernels as cpu_kernels
+
     if not cpu_kernels.wanted(loaded.model, quantize) or cpu_kernels.loaded():
         return
     building = not cpu_kernels.cached()
@@ -182,7 +185,7 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
             return exit_status.OUTPUT_CLOSED
     # A pipe's answer ends its line (PlainRenderer.finish), so the summary starts a fresh one.
     print_summary(err, outcome.completion, shown_seed, stats=opts.stats, load_s=load_s,
-                  weights=loaded.weights() if opts.stats and isinstance(loaded, LoadedModel) else None)
+                  weights=loaded.weights() if opts.stats and not isinstance(loaded, RemoteModel) else None)
     if outcome.signum is not None:
         return exit_status.for_signal(outcome.signum)
     return exit_status.OK

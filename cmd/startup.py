@@ -75,16 +75,20 @@ def deferred_signals(*, exit_now: bool = False) -> Iterator[None]:
 
 
 @contextmanager
-def importing_torch() -> Iterator[None]:
-    """``deferred_signals`` around the import of a command's modules, which brings torch in.
+def importing_torch(model: str | None) -> Iterator[None]:
+    """``deferred_signals`` around the import of a command's modules, and of torch where the
+    command runs ``model`` here (a remote model's command never imports it).
 
     The signals are blocked in the block too, so that the threads the import starts (OpenBLAS's)
     and the main thread's OpenMP helpers, started before it ends, inherit the block: afterwards
     only the main thread takes them. One that came meanwhile is acted on as the block ends.
     """
+    from llama_chat.inference.remote import is_remote
+
     with deferred_signals(), thread_signals.blocked():
         yield
-        thread_signals.start_native_threads()
+        if not is_remote(model):
+            thread_signals.start_native_threads()  # imports torch
 
 
 def ensure_std_fds() -> tuple[bool, bool, bool]:

@@ -424,7 +424,7 @@ class RemoteSource:
     @property
     def stats(self):
         """The counters ``--batch --stats`` shows, in the scheduler's form (no pages here)."""
-        from llama_chat.inference.scheduler import SchedulerStats
+        from llama_chat.inference.types import SchedulerStats
 
         return SchedulerStats(jobs_submitted=self.submitted, jobs_finished=self.finished,
                               prefill_tokens=self.prompt_tokens - self.cached_tokens, cached_tokens=self.cached_tokens,

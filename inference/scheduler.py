@@ -41,8 +41,8 @@ from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import CPU_MOST_TOKENS, PrefillSizer
 from llama_chat.inference.speculative import Speculation
 from llama_chat.inference.step_worker import StepWorker
-from llama_chat.inference.types import (Completion, GenerationState, Request, RequestError, TokenEvent, check_constraint,
-                                        check_request, sole_exception, stop_ids_of)
+from llama_chat.inference.types import (Completion, GenerationState, Request, RequestError, SchedulerStats, TokenEvent,
+                                        check_constraint, check_request, sole_exception, stop_ids_of)
 from llama_chat.ml.constraints import Constraints, GrammarMask
 from llama_chat.ml.controls import DEFAULT_CACHE_BYTES_CAP, DEFAULT_CACHE_TOKENS_CAP, DEFAULT_MAX_BATCH
 from llama_chat.ml.cpu import kernels as cpu_kernels
@@ -85,38 +85,6 @@ class SchedulerOptions:
         for name in ("max_batch", "page_size", "buffer_size", "lookahead"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """Counters since the scheduler was made; ``pages_*`` count pages of ``page_size`` tokens."""
-
-    jobs_submitted: int
-    jobs_finished: int
-    prefill_tokens: int  # prompt tokens that went through a forward
-    cached_tokens: int  # prompt tokens whose keys came from the prefix cache instead
-    generated_tokens: int
-    steps: int
-    mixed_steps: int  # steps where prompt chunks and decodes shared the forward
-    page_size: int
-    pages_total: int  # pages jobs can use (the cache's, less the scratch page)
-    pages_free: int  # holding nothing
-    pages_cached: int  # holding a prefix nobody uses now, kept until the space is needed
-    pages_in_use: int  # in some job's block table
-    pages_peak: int
-    evictions: int
-    compactions: int = 0  # jobs running alone moved onto consecutive pages (batch_core._compact)
-    drafted_tokens: int = 0  # tokens drafted by prompt lookup or the draft model and verified
-    accepted_tokens: int = 0  # of those, the ones kept
-    kv_resident_bytes: int = 0  # the cache's pages written and not given back (page_table.py)
-    kv_reserved_bytes: int = 0  # the most the cache's pages may take
-
-    @property
-    def pages_available(self) -> int:
-        return self.pages_free + self.pages_cached
-
-    def as_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 class Scheduler:

@@ -28,7 +28,8 @@ from llama_chat.inference.types import Completion, Request, Response, TokenLogpr
 
 if TYPE_CHECKING:
     from llama_chat.inference.jobs import JobStream
-    from llama_chat.inference.scheduler import Scheduler, SchedulerStats
+    from llama_chat.inference.scheduler import Scheduler
+    from llama_chat.inference.types import SchedulerStats
 
 # What a request to the generation endpoints came to; every one is counted under one of these.
 OUTCOMES = ("ok", "cancelled", "invalid", "rejected", "error")

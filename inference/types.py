@@ -384,3 +384,35 @@ def sole_exception(group: BaseExceptionGroup) -> BaseException:
         for exc in g.exceptions:
             (pending if isinstance(exc, BaseExceptionGroup) else leaves).append(exc)
     return leaves[0] if len(leaves) == 1 else group
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters since the scheduler was made; ``pages_*`` count pages of ``page_size`` tokens."""
+
+    jobs_submitted: int
+    jobs_finished: int
+    prefill_tokens: int  # prompt tokens that went through a forward
+    cached_tokens: int  # prompt tokens whose keys came from the prefix cache instead
+    generated_tokens: int
+    steps: int
+    mixed_steps: int  # steps where prompt chunks and decodes shared the forward
+    page_size: int
+    pages_total: int  # pages jobs can use (the cache's, less the scratch page)
+    pages_free: int  # holding nothing
+    pages_cached: int  # holding a prefix nobody uses now, kept until the space is needed
+    pages_in_use: int  # in some job's block table
+    pages_peak: int
+    evictions: int
+    compactions: int = 0  # jobs running alone moved onto consecutive pages (batch_core._compact)
+    drafted_tokens: int = 0  # tokens drafted by prompt lookup or the draft model and verified
+    accepted_tokens: int = 0  # of those, the ones kept
+    kv_resident_bytes: int = 0  # the cache's pages written and not given back (page_table.py)
+    kv_reserved_bytes: int = 0  # the most the cache's pages may take
+
+    @property
+    def pages_available(self) -> int:
+        return self.pages_free + self.pages_cached
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -34,6 +34,18 @@ settings.register_profile("long", max_examples=10_000, **_BUSY_MACHINE_SAFE)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 
 
+# The files that take longest (servers per format, many processes): handed to the parallel
+# workers first, so that the workers end together instead of one running a long file alone at
+# the end (the workers take whole files, in the order collected: alphabetical, otherwise).
+LONGEST_FIRST = ("test_tools.py", "test_hostile_inputs_2.py", "test_cli_one_shot.py", "test_cli_chat.py",
+                 "test_cli_terminal.py", "test_remote.py", "test_cli_signals.py", "test_f16_weights.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
+
 @contextmanager
 def shared_and_locked(tmp_path_factory, name: str) -> Iterator[Path]:
     """A directory of this run that every parallel worker sees (each worker's own temporary
