@@ -4,12 +4,12 @@ on a terminal, then the best beam's text; under ``--json`` every returned beam w
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import anyio
 from rich.console import Console
 
 from llama_chat.cmd import exit_status
-from llama_chat.cmd.generation_source import Source
 from llama_chat.cmd.one_shot import BeamOutcome, run_beams
 from llama_chat.cmd.render import beam_progress_text
 from llama_chat.cmd.report import beam_finish_line, beam_json_object, beam_stats_line
@@ -17,6 +17,9 @@ from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.signals import install_sync_handlers
 from llama_chat.inference.beam import BeamProgress
 from llama_chat.inference.types import Request
+
+if TYPE_CHECKING:
+    from llama_chat.cmd.generation_source import Source
 
 
 def search(source: Source, request: Request, err: Console, *, quiet: bool = False) -> BeamOutcome:
