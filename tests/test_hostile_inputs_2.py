@@ -31,6 +31,8 @@ from builders import random_model, tiny_args, train_sentencepiece
 from builders_formats import hf_config, hf_state, write_hf_checkpoint
 from builders_gguf import write_gguf
 from cli_support import cli_env, llama_chat_command
+from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.stores import list_models, resolve_model
 
 MEMORY_LIMIT = 3 << 30  # address space: the shipped model runs in well under this
 TIMEOUT = 240  # generous, for a busy two-core machine; only a hang reaches it
@@ -253,21 +255,40 @@ def _damage(repo: Path, how: str, other: Path) -> None:
         snapshot.symlink_to(other / "snapshots" / COMMIT)
 
 
-@pytest.mark.parametrize("how, expect", [
+DAMAGES = [
     ("symlink to /dev/zero", "leads outside"),
     ("FIFO", "not a regular file (a FIFO)"),
     ("parent path", "holds '../../..', not a commit hash"),
     ("another repository's snapshot", "leads outside"),
-])
-def test_a_damaged_hugging_face_cache_entry_is_one_line(tmp_path, hf_model, how, expect):
+]
+
+
+# The FIFO only through the command: a read of it would wait forever, and a process can be ended.
+@pytest.mark.parametrize("how, expect", [d for d in DAMAGES if d[0] != "FIFO"])
+def test_a_damaged_hugging_face_cache_entry_is_refused_with_its_reason(tmp_path, hf_model, monkeypatch, how, expect):
+    # In this process: the command says a load error as it says any (the next test runs it).
     cache = tmp_path / "hub"
     other = _hf_repo(cache, "acme/other", hf_model)
-    bad = _hf_repo(cache, "acme/evil", hf_model)
-    _damage(bad, how, other)
+    _damage(_hf_repo(cache, "acme/evil", hf_model), how, other)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model("acme/evil", download=False, progress=False)
+    assert str(info.value).startswith("acme/evil: ") and expect in str(info.value), info.value
+    assert [m.name for m in list_models()][1:] == ["acme/other"]  # the damaged entry is left out
+    assert resolve_model("acme/other", download=False, progress=False).path.is_dir()
+
+
+def test_damaged_cache_entries_are_one_line_each_left_out_of_the_list_and_the_others_run(tmp_path, hf_model):
+    cache = tmp_path / "hub"
+    other = _hf_repo(cache, "acme/other", hf_model)
+    for n, (how, _) in enumerate(DAMAGES):
+        _damage(_hf_repo(cache, f"acme/evil{n}", hf_model), how, other)
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    message = one_error(run("-m", "acme/evil", "-p", "hi", "-n", "2", "--no-stdin", **env))
-    assert message.startswith("acme/evil: ") and expect in message, message
-    listed = run("--list", **env)  # the damaged entry is left out; the others are listed
+    fifo = next(n for n, (how, _) in enumerate(DAMAGES) if how == "FIFO")
+    message = one_error(run("-m", f"acme/evil{fifo}", "-p", "hi", "-n", "2", "--no-stdin", **env))
+    assert message.startswith(f"acme/evil{fifo}: ") and DAMAGES[fifo][1] in message, message
+    listed = run("--list", **env)
     assert listed.returncode == 0, listed.stderr.decode()
     names = [line.split()[0] for line in listed.stdout.decode().splitlines()[1:]]
     assert names == ["default", "acme/other"]

@@ -259,8 +259,9 @@ def test_required_gives_calls_that_fit_their_schema_100_of_100_whole_and_streame
     client = server.client()
     ids = set()
     # One call a reply: a random model that prefers the way on to another call over the way out
-    # would make calls until its budget ends (parallel calls: the next test).
-    for seed in (11, 12):
+    # would make calls until its budget ends (parallel calls: the next test). 50 whole replies,
+    # then 50 streamed.
+    for seed in (11,):
         reply = client.chat.completions.create(model="gpt-4o-mini", messages=ASK, tools=TOOLS, tool_choice="required",
                                                n=50, max_tokens=200, seed=seed, parallel_tool_calls=False)
         assert reply.model == model_dir.name  # any name is answered by the one model served, which it names
@@ -270,8 +271,8 @@ def test_required_gives_calls_that_fit_their_schema_100_of_100_whole_and_streame
             ids.update(c.id for c in choice.message.tool_calls)
             if family == "mistral":
                 assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
-    assert len(ids) >= 100  # every call its own id
-    for seed in (13, 14):
+    assert len(ids) >= 50  # every call its own id
+    for seed in (13,):
         chunks = client.chat.completions.create(model="gpt-4o-mini", messages=ASK, tools=TOOLS, n=50, seed=seed,
                                                 tool_choice="required", max_tokens=200, stream=True,
                                                 parallel_tool_calls=False)
