@@ -24,10 +24,9 @@ from pathlib import Path
 
 import pexpect
 import pytest
-import sentencepiece as spm
 import torch
 
-from builders import random_model, tiny_args, train_sentencepiece
+from builders import random_model, tiny_args
 from builders_formats import hf_config, hf_state, write_hf_checkpoint
 from builders_gguf import write_gguf
 from cli_support import cli_env, llama_chat_command
