@@ -161,6 +161,23 @@ def llama_server_rates(server: Path, path: Path, prompts: dict[str, list[int]], 
         stop(proc)
 
 
+def print_table(mode: str, names: tuple[str, str, str], rates: dict, kept: dict, cpp: dict) -> None:
+    """One Markdown table: each task's speed in ``mode`` against no drafts, ours and llama.cpp's.
+    ``names``: the mode's column, llama.cpp's, and llama.cpp's in the last column's title."""
+    ours, theirs, short = names
+    print(f"| task | kind | llama-chat off | {ours} | {ours} / off | drafts kept | llama.cpp off | {theirs} | "
+          f"its ratio | ours {ours} / its {short} |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (kind, _) in TASKS.items():
+        off, on = statistics.median(rates[name]["off"]), statistics.median(rates[name][mode])
+        drafted, accepted = kept[mode].get(name, (0, 0))
+        share = f"{accepted}/{drafted}" if drafted else "-"
+        c_off, c_on = cpp.get("off", {}).get(name), cpp.get(mode, {}).get(name)
+        cells = [f"{c_off:.1f}" if c_off else "-", f"{c_on:.1f}" if c_on else "-",
+                 f"{c_on / c_off:.2f}x" if c_on and c_off else "-", f"**{on / c_on:.2f}x**" if c_on else "-"]
+        print(f"| {name} | {kind} | {off:.1f} | {on:.1f} | **{on / off:.2f}x** | {share} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a GGUF file (llama.cpp reads the same)")
@@ -209,32 +226,10 @@ def main() -> None:
 
     print(f"\nPrompt lookup, {Path(args.model).name}, {args.tokens} tokens, medians of {args.rounds} "
           f"rounds; {machine()}\n")
-    print("| task | kind | llama-chat off | on | on / off | drafts kept | llama.cpp off | ngram-simple | "
-          "its ratio | ours on / its ngram |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, (kind, _) in TASKS.items():
-        off, on = statistics.median(rates[name]["off"]), statistics.median(rates[name]["on"])
-        drafted, accepted = kept["on"].get(name, (0, 0))
-        share = f"{accepted}/{drafted}" if drafted else "-"
-        c_off, c_on = cpp.get("off", {}).get(name), cpp.get("on", {}).get(name)
-        cells = [f"{c_off:.1f}" if c_off else "-", f"{c_on:.1f}" if c_on else "-",
-                 f"{c_on / c_off:.2f}x" if c_on and c_off else "-", f"**{on / c_on:.2f}x**" if c_on else "-"]
-        print(f"| {name} | {kind} | {off:.1f} | {on:.1f} | **{on / off:.2f}x** | {share} | " + " | ".join(cells) + " |")
-
+    print_table("on", ("on", "ngram-simple", "ngram"), rates, kept, cpp)
     if args.draft:
         print(f"\nA draft model, {Path(args.draft).name} for {Path(args.model).name}, lookup off:\n")
-        print("| task | kind | llama-chat off | draft | draft / off | drafts kept | llama.cpp off | -md | "
-              "its ratio | ours draft / its draft |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for name, (kind, _) in TASKS.items():
-            off, on = statistics.median(rates[name]["off"]), statistics.median(rates[name]["draft"])
-            drafted, accepted = kept["draft"].get(name, (0, 0))
-            share = f"{accepted}/{drafted}" if drafted else "-"
-            c_off, c_on = cpp.get("off", {}).get(name), cpp.get("draft", {}).get(name)
-            cells = [f"{c_off:.1f}" if c_off else "-", f"{c_on:.1f}" if c_on else "-",
-                     f"{c_on / c_off:.2f}x" if c_on and c_off else "-", f"**{on / c_on:.2f}x**" if c_on else "-"]
-            print(f"| {name} | {kind} | {off:.1f} | {on:.1f} | **{on / off:.2f}x** | {share} | "
-                  + " | ".join(cells) + " |")
+        print_table("draft", ("draft", "-md", "draft"), rates, kept, cpp)
 
     batch = [list(prompts[name]) for name in TASKS for _ in range(-(-args.jobs // len(TASKS)))][:args.jobs]
     walls: dict[str, list[float]] = {m: [] for m in modes}
