@@ -13,27 +13,21 @@ import httpx
 import pytest
 import torch
 
-from builders import endless_model, random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
+from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
 from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.speculative import PAUSES, ModelDraft, Speculation
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
-from test_speculative import EOS, GREEDY, VOCAB, replies_of
+from test_speculative import GREEDY, VOCAB, quiet_layers_model, replies_of
 from test_speculative import Bytes as Letters
 
 @pytest.fixture(scope="module")
 def target(cpu_kernels_loaded):
-    """A random model whose layers add little to each token's embedding: its replies follow its
-    last token mostly, and so a near copy of it guesses them often, while the context still moves
-    its logits (a key written at a wrong place would change its draws)."""
+    """``quiet_layers_model``: its replies follow its last token mostly, and so a near copy of it
+    guesses them often."""
     if not cpu_kernels_loaded:
         pytest.skip("drafts are verified by the CPU operator, which is not built here")
-    model = endless_model(VOCAB, seed=11, eos=EOS, max_seq_len=512)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.attention.wo.weight.mul_(0.02)
-            layer.feed_forward.w2.weight.mul_(0.02)
-    return model
+    return quiet_layers_model()
 
 
 @pytest.fixture(scope="module")

@@ -44,19 +44,24 @@ def model(cpu_kernels_loaded):
     return endless_model(VOCAB, seed=11, eos=EOS, max_seq_len=512)
 
 
-@pytest.fixture(scope="module")
-def walker(cpu_kernels_loaded):
+def quiet_layers_model():
     """A random model whose layers add little to each token's embedding: its next token is mostly
-    a function of its last one, so its replies fall into loops that the lookup drafts well,
-    while the context still moves its logits."""
-    if not cpu_kernels_loaded:
-        pytest.skip("drafts are verified by the CPU operator, which is not built here")
+    a function of its last one, while the context still moves its logits (a key written at a wrong
+    place would change its draws)."""
     model = endless_model(VOCAB, seed=11, eos=EOS, max_seq_len=512)
     with torch.no_grad():
         for layer in model.layers:
             layer.attention.wo.weight.mul_(0.02)
             layer.feed_forward.w2.weight.mul_(0.02)
     return model
+
+
+@pytest.fixture(scope="module")
+def walker(cpu_kernels_loaded):
+    """``quiet_layers_model``: its replies fall into loops that the lookup drafts well."""
+    if not cpu_kernels_loaded:
+        pytest.skip("drafts are verified by the CPU operator, which is not built here")
+    return quiet_layers_model()
 
 
 def prompts(count: int, seed: int) -> list[tuple[int, ...]]:
