@@ -115,6 +115,18 @@ def check_usage(opts: Options) -> None:
         opts.constraint()
     except ControlError as e:
         raise UsageProblem(as_flags(str(e))) from None
+    find_models(opts)
+
+
+def find_models(opts: Options) -> None:
+    """A model or draft model named here that is nowhere to be found is its one line at once,
+    before torch is imported (``ModelLoadError``; the loader finds it again later, a few stats)."""
+    from llama_chat.inference.remote import is_remote
+    from llama_chat.model.stores import resolve_model
+
+    for name in (opts.model, opts.draft):
+        if name is not None and not is_remote(name) and not opts.download:
+            resolve_model(str(name), download=False, progress=False)
 
 
 def as_flags(message: str) -> str:

@@ -15,25 +15,25 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-import transformers
 
 from builders import separate_greedy_choices
 from builders_gguf import T, add_sentencepiece_vocab, encode_tensor, quantize
 
-# Per family: the transformers classes, the config beyond the shared one, and the GGUF architecture.
+# Per family: the transformers classes (by name: importing them all costs every test worker a
+# second at collection), the config beyond the shared one, and the GGUF architecture.
 WINDOW = 16  # shorter than the tests' prompts, so the windows bite
 SPECS = {
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
                 dict(sliding_window=WINDOW, head_dim=16)),
-    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
                dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW)),
-    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=6, head_dim=32, sliding_window=WINDOW,  # five windowed layers, then a global one
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
-    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
         max_position_embeddings=128, original_max_position_embeddings=32, pad_token_id=0,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                          "factor": 4.0,
@@ -47,7 +47,10 @@ ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "gemma2": "gemma
 
 def hf_family_model(family: str, vocab: int, seed: int = 0, **overrides):
     """A random 2-layer (Gemma 3: 6) model of ``family`` whose greedy choices are well apart."""
-    config_class, model_class, extra = SPECS[family]
+    import transformers
+
+    config_name, model_name, extra = SPECS[family]
+    config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
     fields = dict(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=2048,
                   bos_token_id=1, eos_token_id=2)

@@ -6,14 +6,17 @@ with Qwen 2.5's template (its tool calls: the Hermes format)."""
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-import anthropic
 import httpx
 import jsonschema
 import pytest
 
 from serve_support import WAIT_S, start_server, stop_server
 from tool_builders import build_tool_model
+
+if TYPE_CHECKING:
+    import anthropic
 
 KEY = "anthropic-test-key"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -33,8 +36,16 @@ def server(tmp_path_factory):
     assert stop_server(s) == 0, s.log()
 
 
+def sdk():
+    """Anthropic's client library, imported by the worker that runs these tests only (it takes
+    seconds to import, and every worker imports every test module)."""
+    import anthropic
+
+    return anthropic
+
+
 def client(server, key: str = KEY) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=WAIT_S)
+    return sdk().Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=WAIT_S)
 
 
 def events_of(server, **body) -> list[tuple[str, dict]]:
@@ -119,12 +130,12 @@ def test_keys_and_errors_in_anthropics_shape(server):
     response = httpx.post(f"{server.url}/v1/messages", json={"model": "m", "max_tokens": 2, "messages": ASK},
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT_S)
     assert response.status_code == 200 and response.json()["type"] == "message"
-    with pytest.raises(anthropic.AuthenticationError) as info:
+    with pytest.raises(sdk().AuthenticationError) as info:
         client(server, "wrong").messages.create(model="m", max_tokens=2, messages=ASK)
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "authentication_error"
 
     def refused(**body) -> str:
-        with pytest.raises(anthropic.BadRequestError) as info:
+        with pytest.raises(sdk().BadRequestError) as info:
             client(server).messages.create(**{"model": "m", "max_tokens": 4, "messages": ASK, **body})
         error = info.value.body
         assert set(error) == {"type", "error"} and error["error"]["type"] == "invalid_request_error"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -177,6 +178,17 @@ def test_usage_errors_exit_2_with_one_line(tiny, tmp_path, case):
     assert proc.stdout == b"" and b"Traceback" not in proc.stderr
     if case != "bad option":  # typer's own usage message is a few lines
         assert proc.stderr.decode().strip().count("\n") == 0, proc.stderr.decode()
+
+
+def test_a_model_or_draft_that_is_nowhere_is_refused_before_torch_is_imported(tmp_path):
+    for args in (["-m", str(tmp_path / "nowhere")], ["--draft", str(tmp_path / "nowhere")]):
+        code = ("import sys; from llama_chat.cmd.app import app\n"
+                "try: app(args=sys.argv[1:], prog_name='llama-chat')\n"
+                "except SystemExit as e: print(e.code, 'torch' in sys.modules)")
+        proc = subprocess.run([sys.executable, "-c", code, *args, "-p", "hi", "--no-stdin"], capture_output=True,
+                              text=True, timeout=RUN_TIMEOUT_S, env=cli_env())
+        assert proc.stdout.split() == ["2", "False"], proc.stderr
+        assert "nowhere: no such file or directory" in proc.stderr
 
 
 def test_no_prompt_and_stdin_a_terminal_is_a_usage_error(tiny):
