@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from llama_chat.inference.batch_step import CoreSettings, StepBackends, StepPlan, consecutive
-from llama_chat.inference.draft_model import DraftRunner, keep_share
+from llama_chat.inference.draft_model import DraftRunner, guess_share
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.page_table import PageTable, page_keys
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
-from llama_chat.inference.speculative import Lookup, ModelDraft, Speculation
+from llama_chat.inference.speculative import DraftCosts, Lookup, ModelDraft, Speculation
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
 from llama_chat.ml.constraints import Constraints
 from llama_chat.ml.processors import TokenHistory, make_controls
@@ -98,7 +98,7 @@ class BatchCore:
         # The draft model's pages and steps, made at its first draft, in the step thread (False:
         # its operator does not take it, and it never drafts).
         self._draft_runner: DraftRunner | None | bool = None
-        self._keep_share: float | None = None  # of a draft model's drafts (``draft_model.keep_share``)
+        self.draft_costs = DraftCosts()  # what a drafted token costs here, timed as steps run
         self._settled = True  # nothing held since the memory was last handed back (``_settle``)
 
     @property
@@ -173,8 +173,12 @@ class BatchCore:
                     self._compact(job)
             start = time.perf_counter()
             jobs, tokens = backend.run(plan)
-            if plan.runs and self.sizer is not None:
-                self.sizer.record(sum(n for _, n in plan.runs), time.perf_counter() - start)
+            took = time.perf_counter() - start
+            if plan.runs:
+                if self.sizer is not None:
+                    self.sizer.record(sum(n for _, n in plan.runs), took)
+            elif self.speculation is not None and len(self.active) == 1:  # one job decoding: what its rows cost
+                self.draft_costs.stepped(len(plan.rows) + sum(len(d) + 1 for _, d in plan.drafts), took)
             self._advance(plan)
             made, done = self._record(zip(jobs, tokens))
             events += made
@@ -304,9 +308,7 @@ class BatchCore:
         if s.lookup if request.lookup is None else request.lookup:
             job.lookup = Lookup(most)
         if s.draft is not None and request.draft_model is not False:
-            if self._keep_share is None:
-                self._keep_share = keep_share(s.draft, self.model)
-            job.model_draft = ModelDraft(most, keep_share=self._keep_share)
+            job.model_draft = ModelDraft(most)
 
     def _drafts(self, decoding: list[Job]) -> list[tuple[Job, list[int]]]:
         """The drafts of the decoding jobs that have one, while few jobs run: prompt lookup's
@@ -326,17 +328,21 @@ class BatchCore:
             room = written - job.fed - 1
             if job.request.max_tokens is not None:
                 room = min(room, job.prompt_len + job.request.max_tokens - len(job.tokens))
-            draft = job.lookup.draft(job.tokens, room) if job.lookup is not None else []
+            costs = self.draft_costs
+            draft = []
+            if job.lookup is not None and costs.drafts_now(job.lookup):
+                draft = job.lookup.draft(job.tokens, room, costs.per_token(job.lookup))
             if draft:
                 job.lookup.pending = len(draft)
                 job.drafting = job.lookup
                 drafts.append((job, draft))
-            elif job.model_draft is not None:
+            elif job.model_draft is not None and costs.drafts_now(job.model_draft):
                 runner = self._runner()
                 if runner is None:
                     continue
                 # The draft model writes up to the position before its last guess.
-                want = job.model_draft.want(min(room, runner.max_seq_len - len(job.tokens) + 1))
+                want = job.model_draft.want(min(room, runner.max_seq_len - len(job.tokens) + 1),
+                                            costs.per_token(job.model_draft))
                 if want and runner.place(job.model_draft, written):
                     asks.append((job, want))
         return drafts + self._model_drafts(asks)
@@ -347,7 +353,12 @@ class BatchCore:
             return []
         runner = self._runner()
         assert runner is not None
+        # Timed for one job, after its first draft (which catches the draft model up on the prompt).
+        timed = len(asks) == 1 and len(self.active) == 1 and bool(asks[0][0].model_draft.written)
+        start = time.perf_counter()
         guesses = runner.drafts([(job.model_draft, job.tokens, want) for job, want in asks])
+        if timed and guesses[0]:
+            self.draft_costs.guessed(len(guesses[0]), time.perf_counter() - start)
         for (job, _), guess in zip(asks, guesses):
             job.model_draft.pending = len(guess)
             job.drafting = job.model_draft
@@ -361,6 +372,7 @@ class BatchCore:
                                     page_size=self.settings.page_size, kv_type=self.cache.kv_type,
                                     sample_ids=self.sample_ids)
             self._draft_runner = False if made is None else made
+            self.draft_costs.guess_share_untimed = guess_share(self.speculation.draft, self.model)
         return self._draft_runner or None
 
     def _advance(self, plan: StepPlan) -> None:
@@ -410,7 +422,7 @@ class BatchCore:
                 self._register(job)
                 accepted = len(kept) - 1  # the last token kept is the draw where the draft ended
                 pace = job.drafting
-                pace.taken(pace.pending, accepted)
+                pace.taken(pace.pending, accepted, self.draft_costs.per_token(pace))
                 c.drafted_tokens += pace.pending
                 c.accepted_tokens += accepted
         return events, finished

@@ -24,19 +24,12 @@ from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedKVCache
 # Most rows of tokens the draft model has not seen in one call of its operator: a long prompt is
 # caught up in a few calls, each as long as a few decode steps (as the target's prompt chunks).
 CATCH_UP_ROWS = 64
-# What a row verified beside the step's own adds to the step, as a share of a step (its share of
-# the products' arithmetic: the weights are read once for all rows).
-VERIFIED_ROW_SHARE = 0.15
-# A job goes on drafting after drafts of which at least this share was kept, at most.
-KEEP_SHARE_MOST = 0.9
 
 
-def keep_share(draft, model) -> float:
-    """The share of a draft the job must keep for the draft to have paid for itself: each guess
-    costs a step of the draft model (its weights' bytes over the model's, a decode step reading
-    every weight once) and a verified row; each kept token saves a step of the model
-    (``Pace.keep_share``)."""
-    return min(KEEP_SHARE_MOST, weight_bytes(draft) / weight_bytes(model) + VERIFIED_ROW_SHARE)
+def guess_share(draft, model) -> float:
+    """What a guess of ``draft`` is taken to cost, as a share of a step of ``model``, until the
+    two have been timed (``speculative.DraftCosts``): a decode step reads every weight once."""
+    return weight_bytes(draft) / weight_bytes(model)
 
 
 def weight_bytes(model) -> int:
@@ -145,4 +138,4 @@ class DraftRunner:
         return picks[:len(sampled)].tolist()
 
 
-__all__ = ["CATCH_UP_ROWS", "DraftRunner", "keep_share", "weight_bytes"]
+__all__ = ["CATCH_UP_ROWS", "DraftRunner", "guess_share", "weight_bytes"]

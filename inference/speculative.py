@@ -16,20 +16,36 @@ reject (as rejection sampling would), for the draw at each position is the one t
 alone, and so the reply cannot change.
 
 The draft's length adapts per job and per drafter (``Pace``): it grows while drafts are taken
-whole, shrinks to what was taken, and after a draft taken not at all the job waits a few steps
-before drafting again, longer each time. The scheduler drafts only while few jobs run (``Speculation.most_jobs``): a batch of
-many already reads the weights once for all of its rows.
+whole, shrinks to what was taken, stays within the longest draft whose last token is still
+likely to pay for itself, and after a draft that did not pay the job waits a few steps before
+drafting again, longer each time. What pays is measured, not assumed (``DraftCosts``): a drafted
+token costs its row in the verifying step, and a draft model's guess a call of the draft model,
+both timed as the steps run; a kept token saves a step. A draft model that costs as much as the
+model itself (or rows that cost as much as steps) so never drafts for long. The scheduler drafts
+only while few jobs run (``Speculation.most_jobs``): a batch of many already reads the weights
+once for all of its rows.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # The n-gram lengths looked up, longest first: a longer match predicts better.
 NGRAM_SIZES = (3, 2, 1)
-# After a draft of which nothing was taken, steps without drafting: doubled at each such draft
-# up to the last, and back to none once a draft is taken.
+# After a draft that did not pay, steps without drafting: doubled at each such draft up to the
+# last, and back to none once a draft pays.
 PAUSES = (0, 1, 2, 4, 8, 16)
+# What a drafted token's row adds to a step, as a share of a plain step, until steps have been
+# timed (its share of the products' arithmetic: the weights are read once for all rows).
+ROW_SHARE_UNTIMED = 0.15
+# Where a drafted token costs a step or more (no draft can pay), a draft is still tried after
+# this many steps, then after twice as many each time, up to the last: so that what drafting
+# costs stays measured (a machine that grows quieter, say), at a share of the steps that shrinks.
+PROBE_STEPS = (256, 65536)
+# The weight of the newest of the running measures (a step's time, a guess's, the share of a
+# job's drafted tokens kept): a few steps' noise averages out, a change shows within a few dozen.
+NEWEST_WEIGHT = 0.1
 
 
 @dataclass(frozen=True)
@@ -45,43 +61,131 @@ class Speculation:
 
 
 @dataclass
+class DraftCosts:
+    """What drafting costs with this model on this machine, in plain decode steps (one job, one
+    row): a drafted token's row verified beside the step's own (``row_share``), and a draft
+    model's guess (``guess_share``). Timed from the steps that run while one job decodes alone,
+    the case drafts are for: a step's seconds by its rows, and the draft model's seconds per guess.
+    Until then: ``ROW_SHARE_UNTIMED``, and ``guess_share_untimed`` (the draft model's weights'
+    bytes over the model's, ``draft_model.guess_share``)."""
+
+    guess_share_untimed: float = 0.0
+    step_s: dict[int, float] = field(default_factory=dict)  # a step's seconds by its rows, running
+    guess_s: float | None = None  # the draft model's seconds per guess, running
+    unpaid: int = 0  # drafts not made because they could not pay, since the last probe
+    probe_after: int = PROBE_STEPS[0]
+
+    def stepped(self, rows: int, seconds: float) -> None:
+        """A step of one job of ``rows`` rows (its last token and its draft) took ``seconds``."""
+        old = self.step_s.get(rows)
+        self.step_s[rows] = seconds if old is None else old + NEWEST_WEIGHT * (seconds - old)
+
+    def guessed(self, guesses: int, seconds: float) -> None:
+        """The draft model made ``guesses`` guesses for one job in ``seconds``."""
+        each = seconds / guesses
+        self.guess_s = each if self.guess_s is None else self.guess_s + NEWEST_WEIGHT * (each - self.guess_s)
+
+    def _line(self) -> tuple[float | None, float | None]:
+        """A plain step's seconds and a row's: the line through the fewest and the most rows timed
+        (None where not timed)."""
+        if len(self.step_s) < 2:
+            return self.step_s.get(1), None
+        fewest, most = min(self.step_s), max(self.step_s)
+        row = max(0.0, (self.step_s[most] - self.step_s[fewest]) / (most - fewest))
+        plain = self.step_s[fewest] - row * (fewest - 1)
+        return (plain, row) if plain > 0 else (self.step_s.get(1), None)
+
+    @property
+    def row_share(self) -> float:
+        plain, row = self._line()
+        return ROW_SHARE_UNTIMED if plain is None or row is None else row / plain
+
+    @property
+    def guess_share(self) -> float:
+        plain, _ = self._line()
+        return self.guess_share_untimed if plain is None or self.guess_s is None else self.guess_s / plain
+
+    def per_token(self, pace: Pace) -> float:
+        """What one token drafted by ``pace``'s drafter costs, in plain steps (a kept one saves one)."""
+        return self.row_share + (self.guess_share if isinstance(pace, ModelDraft) else 0.0)
+
+    def timed(self, pace: Pace) -> bool:
+        """Whether what ``pace``'s drafter costs has been timed, not only estimated."""
+        plain, row = self._line()
+        return row is not None and (self.guess_s is not None or not isinstance(pace, ModelDraft))
+
+    def drafts_now(self, pace: Pace) -> bool:
+        """Whether ``pace``'s drafter drafts now: where its tokens were timed at a step or more
+        each (no draft can pay), only as a probe, after ``PROBE_STEPS`` asks."""
+        if self.per_token(pace) < 1 or not self.timed(pace):
+            self.probe_after = PROBE_STEPS[0]
+            return True
+        self.unpaid += 1
+        if self.unpaid < self.probe_after:
+            return False
+        self.unpaid = 0
+        self.probe_after = min(2 * self.probe_after, PROBE_STEPS[1])
+        return True
+
+
+@dataclass
 class Pace:
     """How long a drafter's next draft is, for one job: it grows by two while drafts are kept
-    whole, shrinks to what was kept, and after a draft of which less than ``keep_share`` was kept
-    (0: nothing) the job waits ``PAUSES`` steps, longer each time."""
+    whole, shrinks to what was kept, and never passes ``longest_paying``; after a draft that did
+    not pay for its tokens (``cost`` each, in plain steps: ``DraftCosts.per_token``) the job waits
+    ``PAUSES`` steps, longer each time."""
 
     draft_max: int
-    keep_share: float = 0.0
     size: int = 0  # the next draft's length (0: draft_max // 2 at the first)
     pause: int = 0  # steps left without drafting
     pause_level: int = 0
     pending: int = 0  # the length of the draft in the step running
     drafted: int = 0  # counters, for the stats
     accepted: int = 0
+    kept_run: float = 0.0  # drafted tokens kept and refused (one at most a draft), running sums
+    refused_run: float = 0.0
 
-    def want(self, room: int) -> int:
+    def want(self, room: int, cost: float) -> int:
         """The next draft's length within ``room``: 0 while pausing (a step counted off)."""
         if self.pause:
             self.pause -= 1
             return 0
         if self.size == 0:
             self.size = max(1, self.draft_max // 2)
-        return max(0, min(self.size, room))
+        return max(0, min(self.size, self.longest_paying(cost), room))
 
-    def taken(self, drafted: int, accepted: int) -> None:
-        """A draft of ``drafted`` tokens was verified and ``accepted`` of them kept."""
+    def longest_paying(self, cost: float) -> int:
+        """The longest draft whose last token still pays for itself: with each token kept, as
+        far as the job's drafts say, with probability p once the one before it was (the i-th
+        then with p**i), the i-th pays while p**i > cost. At least 1: a draft that cannot pay is
+        still tried after each pause, so that a change (a grounded passage, a quieter machine)
+        is found."""
+        if cost >= 1:
+            return 1
+        seen = self.kept_run + self.refused_run
+        if seen == 0 or cost <= 0:
+            return self.draft_max
+        p = self.kept_run / seen
+        if p <= cost:
+            return 1
+        if p >= 1:
+            return self.draft_max
+        return max(1, min(self.draft_max, int(math.log(cost) / math.log(p))))
+
+    def taken(self, drafted: int, accepted: int, cost: float) -> None:
+        """A draft of ``drafted`` tokens, ``cost`` plain steps each, was verified and ``accepted``
+        of them kept (each kept one saves a step)."""
         self.drafted += drafted
         self.accepted += accepted
-        if accepted == drafted:
-            self.size = min(self.draft_max, self.size + 2)
-            self.pause_level = 0
+        keep = 1 - NEWEST_WEIGHT
+        self.kept_run = keep * self.kept_run + accepted
+        self.refused_run = keep * self.refused_run + (accepted < drafted)
+        self.size = min(self.draft_max, self.size + 2) if accepted == drafted else max(1, accepted + 1)
+        if accepted == 0 or accepted < cost * drafted:
+            self.pause_level = min(self.pause_level + 1, len(PAUSES) - 1)
+            self.pause = PAUSES[self.pause_level]
         else:
-            self.size = max(1, accepted + 1)
-            if accepted == 0 or accepted < self.keep_share * drafted:
-                self.pause_level = min(self.pause_level + 1, len(PAUSES) - 1)
-                self.pause = PAUSES[self.pause_level]
-            else:
-                self.pause_level = 0
+            self.pause_level = 0
 
 
 @dataclass
@@ -92,12 +196,12 @@ class Lookup(Pace):
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index after its last occurrence
     previous: dict[tuple[int, ...], int] = field(default_factory=dict)  # the occurrence before that one
 
-    def draft(self, tokens: list[int], room: int) -> list[int]:
-        """Up to ``room`` tokens (and the adaptive length) that followed the latest earlier
-        occurrence of ``tokens``' last n-gram, longest n first; [] when there is none or the job
-        is pausing."""
+    def draft(self, tokens: list[int], room: int, cost: float) -> list[int]:
+        """Up to ``room`` tokens (and the adaptive length, ``cost`` a drafted token) that followed
+        the latest earlier occurrence of ``tokens``' last n-gram, longest n first; [] when there is
+        none or the job is pausing."""
         self._follow(tokens)
-        want = self.want(room)
+        want = self.want(room, cost)
         if want <= 0:
             return []
         end = len(tokens)
@@ -133,10 +237,6 @@ class ModelDraft(Pace):
     past what the job kept are rolled back as the job's own are, by counting: ``rollback`` cuts
     ``written`` to what agrees with the job's tokens, and the keys past it are written again."""
 
-    # A guess costs a step of the draft model, kept or not (a lookup draft costs nothing to
-    # make): drafts that did not pay for their guesses pause the job, as a refused one does
-    # (the share: ``draft_model.keep_share``, from the two models' sizes).
-    keep_share: float = 0.5
     pages: list[int] = field(default_factory=list)
     written: list[int] = field(default_factory=list)
     agreed: int = 0  # a prefix of ``written`` known to be the job's own tokens (which never change)
@@ -151,4 +251,4 @@ class ModelDraft(Pace):
         self.agreed = n
 
 
-__all__ = ["Lookup", "ModelDraft", "NGRAM_SIZES", "PAUSES", "Pace", "Speculation"]
+__all__ = ["DraftCosts", "Lookup", "ModelDraft", "NGRAM_SIZES", "PAUSES", "PROBE_STEPS", "Pace", "ROW_SHARE_UNTIMED", "Speculation"]

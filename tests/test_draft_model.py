@@ -15,7 +15,7 @@ import torch
 
 from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
 from llama_chat.inference.batch_core import BatchCore
-from llama_chat.inference.speculative import PAUSES, ModelDraft, Speculation
+from llama_chat.inference.speculative import PAUSES, DraftCosts, ModelDraft, Speculation
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 from test_speculative import GREEDY, VOCAB, quiet_layers_model, replies_of
@@ -144,19 +144,28 @@ def test_the_draft_pages_roll_back_to_what_the_job_kept():
     assert draft.written == [1, 2, 3, 9, 7]
 
 
-def test_a_draft_models_drafts_must_pay_for_their_guesses():
-    from llama_chat.inference.draft_model import KEEP_SHARE_MOST, VERIFIED_ROW_SHARE, keep_share
+def test_the_steps_and_the_draft_models_guesses_are_timed_as_they_run(target, close):
+    requests = requests_of(GREEDY, count=8)
+    want, _ = run(target, requests, None)
+    got, drafted = replies_of(target, Letters(), requests, drafting(close), costs=DraftCosts())
+    assert got == want
+    costs = drafted.core.draft_costs
+    assert costs.guess_s is not None and 1 in costs.step_s and len(costs.step_s) >= 2, costs
+    assert costs.row_share >= 0 and costs.guess_share > 0
 
-    pace = ModelDraft(draft_max=8, keep_share=0.5)
+
+def test_a_draft_models_drafts_must_pay_for_their_guesses():
+    from llama_chat.inference.draft_model import guess_share
+
+    pace = ModelDraft(draft_max=8)
     pace.size = 4
-    pace.taken(4, 2)  # half kept: it goes on
+    pace.taken(4, 2, 0.5)  # half kept, at half a step each: it goes on
     assert pace.pause == 0 and pace.size == 3
-    pace.taken(3, 1)  # a third: it pauses, as after a draft refused whole
+    pace.taken(3, 1, 0.5)  # a third: it pauses, as after a draft refused whole
     assert pace.pause == PAUSES[1]
     big = random_model(tiny_args(VOCAB, dim=128, hidden_dim=320))
     small = random_model(tiny_args(VOCAB, n_layers=1, dim=32, hidden_dim=64))
-    assert VERIFIED_ROW_SHARE < keep_share(small, big) < 0.5
-    assert keep_share(big, small) == KEEP_SHARE_MOST
+    assert 0 < guess_share(small, big) < 0.5 < 1 < guess_share(big, small)
 
 
 def test_lookup_auto_is_on_except_where_a_single_stream_would_copy_16_bit_weights():
@@ -193,7 +202,8 @@ def test_the_command_refuses_a_draft_model_of_another_vocabulary(tiny, tmp_path)
 def test_the_command_with_a_draft_model_replies_the_same_and_counts_its_drafts(tiny):
     """The model itself as its own draft (the same vocabulary; most guesses right, not all: its
     keys are the operator's, the prompt's the model's forward, and a random model has near ties);
-    bfloat16 weights, which the CPU kernels take whatever the model's size."""
+    bfloat16 weights, which the CPU kernels take whatever the model's size. Such a draft costs as
+    much as the step it saves, and so drafts little once timed: how much is the machine's to say."""
     from cli_support import run_cli
 
     common = ("-m", str(tiny.path), "--dtype", "bfloat16", "-t", "0", "-n", "40", "--template", "none",
@@ -203,7 +213,7 @@ def test_the_command_with_a_draft_model_replies_the_same_and_counts_its_drafts(t
     assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
     off, on = json.loads(plain.stdout), json.loads(drafted.stdout)
     assert on["token_ids"] == off["token_ids"] and "speculation" not in off
-    assert on["speculation"]["accepted_tokens"] > on["speculation"]["drafted_tokens"] // 2 > 5, on
+    assert 0 < on["speculation"]["accepted_tokens"] <= on["speculation"]["drafted_tokens"], on
 
 
 def test_the_server_takes_a_requests_own_draft_settings(tiny):

@@ -4,6 +4,8 @@ part or not at all, and where a job stops in the middle of a draft."""
 
 from __future__ import annotations
 
+import math
+
 import anyio
 import pytest
 import torch
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from builders import endless_model
 from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
-from llama_chat.inference.speculative import PAUSES, Lookup, Speculation
+from llama_chat.inference.speculative import PAUSES, PROBE_STEPS, ROW_SHARE_UNTIMED, DraftCosts, Lookup, ModelDraft, Pace, Speculation
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 
@@ -85,11 +87,30 @@ def replies(model, requests: list[Request], speculation: Speculation | None, *, 
     return out, scheduler.stats
 
 
+class PinnedCosts(DraftCosts):
+    """Draft costs that stay as given, whatever the steps take: what pays is then the test's
+    choice, not the machine's speed (which decides nothing a reply holds)."""
+
+    def __init__(self, row_share: float = 0.15, guess_share: float = 0.3) -> None:
+        super().__init__()
+        self.pinned = (row_share, guess_share)
+
+    @property
+    def row_share(self) -> float:
+        return self.pinned[0]
+
+    @property
+    def guess_share(self) -> float:
+        return self.pinned[1]
+
+
 def replies_of(model, tokenizer, requests: list[Request], speculation: Speculation | None, *,
-               max_batch: int = 1) -> tuple[dict, Scheduler]:
-    """Each request's token ids and finish reason, ``max_batch`` jobs at a time; and the scheduler."""
+               max_batch: int = 1, costs: DraftCosts | None = None) -> tuple[dict, Scheduler]:
+    """Each request's token ids and finish reason, ``max_batch`` jobs at a time; and the scheduler.
+    Drafts cost as ``costs`` says (default: ``PinnedCosts()``; a ``DraftCosts()``: as timed)."""
     scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=max_batch, page_size=8, cache_tokens=2048,
                                                              speculation=speculation, cache_type="f32"))
+    scheduler.core.draft_costs = PinnedCosts() if costs is None else costs
 
     async def main():
         out = {}
@@ -202,7 +223,7 @@ def test_the_next_turn_finds_the_pages_a_speculating_turn_left(walker):
 def test_a_draft_is_what_followed_the_tails_latest_earlier_occurrence(tokens, room):
     lookup = Lookup(draft_max=12)
     lookup.size = 12
-    draft = lookup.draft(tokens, room)
+    draft = lookup.draft(tokens, room, 0.15)
     assert len(draft) <= room
     if draft:
         # Some n-gram of the tail occurred before, and the draft is what came right after it.
@@ -215,14 +236,66 @@ def test_a_draft_is_what_followed_the_tails_latest_earlier_occurrence(tokens, ro
 def test_the_draft_length_follows_what_is_taken():
     lookup = Lookup(draft_max=8)
     tokens = [1, 2, 3, 4, 1, 2, 3]
-    assert lookup.draft(tokens, 10) == [4, 1, 2, 3]  # draft_max // 2 at first
-    lookup.taken(4, 4)
+    cost = 0.15
+    assert lookup.draft(tokens, 10, cost) == [4, 1, 2, 3]  # draft_max // 2 at first
+    lookup.taken(4, 4, cost)
     assert lookup.size == 6
-    lookup.taken(6, 2)
-    assert lookup.size == 3
-    lookup.taken(3, 0)  # nothing taken: a pause before the next draft
-    assert [lookup.draft(tokens, 10) for _ in range(PAUSES[1])] == [[]] * PAUSES[1]
-    assert lookup.draft(tokens, 10) == [4]
+    lookup.taken(6, 2, cost)
+    assert lookup.size == 3 and lookup.pause == 0
+    lookup.taken(3, 0, cost)  # nothing taken: a pause before the next draft
+    assert [lookup.draft(tokens, 10, cost) for _ in range(PAUSES[1])] == [[]] * PAUSES[1]
+    assert lookup.draft(tokens, 10, cost) == [4]
+
+
+def test_a_draft_that_does_not_pay_for_its_rows_pauses_and_the_pauses_grow():
+    lookup = Lookup(draft_max=8)
+    lookup.size = 8
+    lookup.taken(8, 2, 0.3)  # 2 kept of 8 that cost 2.4 steps
+    assert lookup.pause == PAUSES[1] and lookup.size == 3
+    lookup.pause = 0
+    lookup.taken(3, 1, 0.3)  # 1 of 3 that cost 0.9: it paid
+    assert lookup.pause == 0 and lookup.pause_level == 0
+
+
+def test_the_longest_draft_is_the_one_whose_last_token_still_pays():
+    pace = Pace(draft_max=16)
+    assert pace.longest_paying(0.3) == 16  # nothing drafted yet
+    for _ in range(40):  # 3 of 4 kept, then refused: p = 0.75
+        pace.taken(4, 3, 0.3)
+    assert pace.longest_paying(0.3) == int(math.log(0.3) / math.log(0.75)) == 4
+    assert pace.longest_paying(0.5) == 2
+    assert pace.longest_paying(0.8) == 1  # cannot pay: one token, after each pause
+    pace.taken(4, 4, 1.1)  # kept whole, but each cost more than the step it saved
+    assert pace.pause > 0
+
+
+def test_draft_costs_are_the_timed_steps_shares():
+    costs = DraftCosts(guess_share_untimed=0.4)
+    assert costs.row_share == ROW_SHARE_UNTIMED and costs.guess_share == 0.4
+    costs.stepped(5, 0.022)
+    costs.stepped(9, 0.034)  # 3 ms a row; a plain step 10 ms, never timed alone
+    assert costs.row_share == pytest.approx(0.3) and costs.guess_share == 0.4
+    costs.guessed(4, 0.036)
+    assert costs.guess_share == pytest.approx(0.9)
+    assert costs.per_token(Lookup(8)) == pytest.approx(0.3)
+    assert costs.per_token(ModelDraft(8)) == pytest.approx(1.2)
+    costs.stepped(1, 0.012)  # timed alone: the line starts there
+    assert costs.row_share == pytest.approx(0.022 / 8 / 0.012)
+
+
+def test_a_drafter_timed_at_a_step_a_token_only_probes_ever_more_rarely():
+    costs = DraftCosts(guess_share_untimed=2.0)
+    model = ModelDraft(8)
+    assert costs.drafts_now(model)  # estimated to cost two steps a token, but not timed: it drafts
+    costs.stepped(1, 0.010)
+    costs.stepped(3, 0.016)
+    costs.guessed(2, 0.020)  # a guess as long as a step
+    assert costs.per_token(model) == pytest.approx(1.3) and costs.timed(model)
+    asks = [costs.drafts_now(model) for _ in range(PROBE_STEPS[0] * 3)]
+    assert [i for i, yes in enumerate(asks) if yes] == [PROBE_STEPS[0] - 1, PROBE_STEPS[0] * 3 - 1]
+    assert costs.drafts_now(Lookup(8))  # rows at 0.3 of a step: lookup pays, and the probes start over
+    assert costs.probe_after == PROBE_STEPS[0]
+    assert model.longest_paying(costs.per_token(model)) == 1
 
 
 def test_the_command_drafts_with_lookup_on_and_says_how_many_were_kept(cpu_kernels_loaded, tmp_path):
