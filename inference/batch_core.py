@@ -177,7 +177,7 @@ class BatchCore:
             if plan.runs:
                 if self.sizer is not None:
                     self.sizer.record(sum(n for _, n in plan.runs), took)
-            elif self.speculation is not None and len(self.active) == 1:  # one job decoding: what its rows cost
+            elif self.speculation is not None:  # decoding rows alone: what a row costs
                 self.draft_costs.stepped(len(plan.rows) + sum(len(d) + 1 for _, d in plan.drafts), took)
             self._advance(plan)
             made, done = self._record(zip(jobs, tokens))
@@ -328,21 +328,23 @@ class BatchCore:
             room = written - job.fed - 1
             if job.request.max_tokens is not None:
                 room = min(room, job.prompt_len + job.request.max_tokens - len(job.tokens))
-            costs = self.draft_costs
+            costs, jobs = self.draft_costs, len(decoding)
             draft = []
-            if job.lookup is not None and costs.drafts_now(job.lookup):
-                draft = job.lookup.draft(job.tokens, room, costs.per_token(job.lookup))
+            if job.lookup is not None and costs.drafts_now(job.lookup, jobs):
+                job.lookup.pending_cost = costs.per_token(job.lookup, jobs)
+                draft = job.lookup.draft(job.tokens, room, costs.longest(job.lookup, jobs))
             if draft:
                 job.lookup.pending = len(draft)
                 job.drafting = job.lookup
                 drafts.append((job, draft))
-            elif job.model_draft is not None and costs.drafts_now(job.model_draft):
+            elif job.model_draft is not None and costs.drafts_now(job.model_draft, jobs):
                 runner = self._runner()
                 if runner is None:
                     continue
+                job.model_draft.pending_cost = costs.per_token(job.model_draft, jobs)
                 # The draft model writes up to the position before its last guess.
                 want = job.model_draft.want(min(room, runner.max_seq_len - len(job.tokens) + 1),
-                                            costs.per_token(job.model_draft))
+                                            costs.longest(job.model_draft, jobs))
                 if want and runner.place(job.model_draft, written):
                     asks.append((job, want))
         return drafts + self._model_drafts(asks)
@@ -353,12 +355,13 @@ class BatchCore:
             return []
         runner = self._runner()
         assert runner is not None
-        # Timed for one job, after its first draft (which catches the draft model up on the prompt).
-        timed = len(asks) == 1 and len(self.active) == 1 and bool(asks[0][0].model_draft.written)
+        # Timed where no job drafts for the first time (its first draft catches the draft model up
+        # on its prompt).
+        timed = all(job.model_draft.written for job, _ in asks)
         start = time.perf_counter()
         guesses = runner.drafts([(job.model_draft, job.tokens, want) for job, want in asks])
-        if timed and guesses[0]:
-            self.draft_costs.guessed(len(guesses[0]), time.perf_counter() - start)
+        if timed and any(guesses):
+            self.draft_costs.guessed(sum(map(len, guesses)), time.perf_counter() - start)
         for (job, _), guess in zip(asks, guesses):
             job.model_draft.pending = len(guess)
             job.drafting = job.model_draft
@@ -422,7 +425,7 @@ class BatchCore:
                 self._register(job)
                 accepted = len(kept) - 1  # the last token kept is the draw where the draft ended
                 pace = job.drafting
-                pace.taken(pace.pending, accepted, self.draft_costs.per_token(pace))
+                pace.taken(pace.pending, accepted, pace.pending_cost)
                 c.drafted_tokens += pace.pending
                 c.accepted_tokens += accepted
         return events, finished

@@ -42,7 +42,7 @@ ROW_SHARE_UNTIMED = 0.15
 # Where a drafted token costs a step or more (no draft can pay), a draft is still tried after
 # this many steps, then after twice as many each time, up to the last: so that what drafting
 # costs stays measured (a machine that grows quieter, say), at a share of the steps that shrinks.
-PROBE_STEPS = (256, 65536)
+PROBE_STEPS = (1024, 65536)
 # The weight of the newest of the running measures (a step's time, a guess's, the share of a
 # job's drafted tokens kept): a few steps' noise averages out, a change shows within a few dozen.
 NEWEST_WEIGHT = 0.1
@@ -62,62 +62,79 @@ class Speculation:
 
 @dataclass
 class DraftCosts:
-    """What drafting costs with this model on this machine, in plain decode steps (one job, one
-    row): a drafted token's row verified beside the step's own (``row_share``), and a draft
-    model's guess (``guess_share``). Timed from the steps that run while one job decodes alone,
-    the case drafts are for: a step's seconds by its rows, and the draft model's seconds per guess.
-    Until then: ``ROW_SHARE_UNTIMED``, and ``guess_share_untimed`` (the draft model's weights'
-    bytes over the model's, ``draft_model.guess_share``)."""
+    """What a drafted token costs with this model on this machine, as a share of what a kept one
+    saves: a step's time over the jobs decoding in it. A drafted token adds a row to the
+    verifying step, and a draft model's guess a row of the draft model's call. Timed as the
+    steps run: each decoding step's seconds by its rows give a line (a step's fixed time, and each
+    row's), and the draft model's calls their seconds per guess. Until timed, a row is taken at
+    ``ROW_SHARE_UNTIMED`` of a one-job step and a guess at ``guess_share_untimed`` of one (the
+    draft model's weights' bytes over the model's, ``draft_model.guess_share``)."""
 
     guess_share_untimed: float = 0.0
-    step_s: dict[int, float] = field(default_factory=dict)  # a step's seconds by its rows, running
+    step_s: dict[int, float] = field(default_factory=dict)  # a decoding step's seconds by its rows, running
     guess_s: float | None = None  # the draft model's seconds per guess, running
     unpaid: int = 0  # drafts not made because they could not pay, since the last probe
     probe_after: int = PROBE_STEPS[0]
 
     def stepped(self, rows: int, seconds: float) -> None:
-        """A step of one job of ``rows`` rows (its last token and its draft) took ``seconds``."""
+        """A step that fed ``rows`` rows of decoding jobs (their last tokens and drafts) took ``seconds``."""
         old = self.step_s.get(rows)
         self.step_s[rows] = seconds if old is None else old + NEWEST_WEIGHT * (seconds - old)
 
     def guessed(self, guesses: int, seconds: float) -> None:
-        """The draft model made ``guesses`` guesses for one job in ``seconds``."""
+        """The draft model made ``guesses`` guesses (for one job or several) in ``seconds``."""
         each = seconds / guesses
         self.guess_s = each if self.guess_s is None else self.guess_s + NEWEST_WEIGHT * (each - self.guess_s)
 
-    def _line(self) -> tuple[float | None, float | None]:
-        """A plain step's seconds and a row's: the line through the fewest and the most rows timed
-        (None where not timed)."""
+    def line(self) -> tuple[float, float] | None:
+        """A step's fixed seconds and each row's: the line through the fewest and the most rows
+        timed; None until two have been."""
         if len(self.step_s) < 2:
-            return self.step_s.get(1), None
+            return None
         fewest, most = min(self.step_s), max(self.step_s)
         row = max(0.0, (self.step_s[most] - self.step_s[fewest]) / (most - fewest))
-        plain = self.step_s[fewest] - row * (fewest - 1)
-        return (plain, row) if plain > 0 else (self.step_s.get(1), None)
+        fixed = self.step_s[fewest] - row * fewest
+        return (fixed, row) if fixed + row > 0 else None
 
-    @property
-    def row_share(self) -> float:
-        plain, row = self._line()
-        return ROW_SHARE_UNTIMED if plain is None or row is None else row / plain
+    def per_token(self, pace: Pace, jobs: int = 1) -> float:
+        """What one token drafted by ``pace``'s drafter costs while ``jobs`` jobs decode, as a
+        share of what a kept one saves (the step's time over its jobs)."""
+        line = self.line()
+        fixed, row = line or (1 - ROW_SHARE_UNTIMED, ROW_SHARE_UNTIMED)  # untimed: a one-job step is 1
+        per_job = (fixed + row * max(1, jobs)) / max(1, jobs)
+        cost = row / per_job
+        if isinstance(pace, ModelDraft):
+            timed = line is not None and self.guess_s is not None
+            cost += (self.guess_s if timed else self.guess_share_untimed * (fixed + row)) / per_job
+        return cost
 
-    @property
-    def guess_share(self) -> float:
-        plain, _ = self._line()
-        return self.guess_share_untimed if plain is None or self.guess_s is None else self.guess_s / plain
+    def longest(self, pace: Pace, jobs: int = 1) -> int:
+        """The longest draft worth making for ``pace``'s job, ``jobs`` jobs decoding. For a job
+        alone whose costs are timed: the length whose step gives most tokens a second, the step's
+        time as timed at its rows (a call's rows go through the products in groups: one more row
+        may cost a group's time) and the tokens expected as ``Pace.longest_paying`` expects them.
+        Else ``Pace.longest_paying``'s."""
+        cost, p, line = self.per_token(pace, jobs), pace.kept_share, self.line()
+        if jobs != 1 or line is None or p is None or cost >= 1 or not self.timed(pace):
+            return pace.longest_paying(cost)
+        fixed, row = line
+        guess = self.guess_s if isinstance(pace, ModelDraft) else 0.0
 
-    def per_token(self, pace: Pace) -> float:
-        """What one token drafted by ``pace``'s drafter costs, in plain steps (a kept one saves one)."""
-        return self.row_share + (self.guess_share if isinstance(pace, ModelDraft) else 0.0)
+        def tokens_a_second(k: int) -> float:
+            kept = k if p >= 1 else p * (1 - p ** k) / (1 - p)
+            return (1 + kept) / (self.step_s.get(1 + k, fixed + row * (1 + k)) + k * guess)
+
+        return max(range(1, pace.draft_max + 1), key=tokens_a_second)
 
     def timed(self, pace: Pace) -> bool:
         """Whether what ``pace``'s drafter costs has been timed, not only estimated."""
-        plain, row = self._line()
-        return row is not None and (self.guess_s is not None or not isinstance(pace, ModelDraft))
+        return self.line() is not None and (self.guess_s is not None or not isinstance(pace, ModelDraft))
 
-    def drafts_now(self, pace: Pace) -> bool:
-        """Whether ``pace``'s drafter drafts now: where its tokens were timed at a step or more
-        each (no draft can pay), only as a probe, after ``PROBE_STEPS`` asks."""
-        if self.per_token(pace) < 1 or not self.timed(pace):
+    def drafts_now(self, pace: Pace, jobs: int = 1) -> bool:
+        """Whether ``pace``'s drafter drafts now, ``jobs`` jobs decoding: where its tokens were
+        timed at what a kept one saves or more (no draft can pay), only as a probe, after
+        ``PROBE_STEPS`` asks."""
+        if self.per_token(pace, jobs) < 1 or not self.timed(pace):
             self.probe_after = PROBE_STEPS[0]
             return True
         self.unpaid += 1
@@ -140,19 +157,27 @@ class Pace:
     pause: int = 0  # steps left without drafting
     pause_level: int = 0
     pending: int = 0  # the length of the draft in the step running
+    pending_cost: float = 0.0  # and what each of its tokens costs (``DraftCosts.per_token``)
     drafted: int = 0  # counters, for the stats
     accepted: int = 0
     kept_run: float = 0.0  # drafted tokens kept and refused (one at most a draft), running sums
     refused_run: float = 0.0
 
-    def want(self, room: int, cost: float) -> int:
-        """The next draft's length within ``room``: 0 while pausing (a step counted off)."""
+    def want(self, room: int, longest: int) -> int:
+        """The next draft's length within ``room`` and ``longest`` (``DraftCosts.longest``): 0
+        while pausing (a step counted off)."""
         if self.pause:
             self.pause -= 1
             return 0
         if self.size == 0:
             self.size = max(1, self.draft_max // 2)
-        return max(0, min(self.size, self.longest_paying(cost), room))
+        return max(0, min(self.size, longest, room))
+
+    @property
+    def kept_share(self) -> float | None:
+        """The running share of drafted tokens kept once the one before was (None: none drafted)."""
+        seen = self.kept_run + self.refused_run
+        return self.kept_run / seen if seen else None
 
     def longest_paying(self, cost: float) -> int:
         """The longest draft whose last token still pays for itself: with each token kept, as
@@ -160,12 +185,11 @@ class Pace:
         then with p**i), the i-th pays while p**i > cost. At least 1: a draft that cannot pay is
         still tried after each pause, so that a change (a grounded passage, a quieter machine)
         is found."""
+        p = self.kept_share
         if cost >= 1:
             return 1
-        seen = self.kept_run + self.refused_run
-        if seen == 0 or cost <= 0:
+        if p is None or cost <= 0:
             return self.draft_max
-        p = self.kept_run / seen
         if p <= cost:
             return 1
         if p >= 1:
@@ -196,12 +220,12 @@ class Lookup(Pace):
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index after its last occurrence
     previous: dict[tuple[int, ...], int] = field(default_factory=dict)  # the occurrence before that one
 
-    def draft(self, tokens: list[int], room: int, cost: float) -> list[int]:
-        """Up to ``room`` tokens (and the adaptive length, ``cost`` a drafted token) that followed
-        the latest earlier occurrence of ``tokens``' last n-gram, longest n first; [] when there is
+    def draft(self, tokens: list[int], room: int, longest: int) -> list[int]:
+        """Up to ``room`` and ``longest`` tokens (and the adaptive length) that followed the
+        latest earlier occurrence of ``tokens``' last n-gram, longest n first; [] when there is
         none or the job is pausing."""
         self._follow(tokens)
-        want = self.want(room, cost)
+        want = self.want(room, longest)
         if want <= 0:
             return []
         end = len(tokens)

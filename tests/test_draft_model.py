@@ -15,7 +15,7 @@ import torch
 
 from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
 from llama_chat.inference.batch_core import BatchCore
-from llama_chat.inference.speculative import PAUSES, DraftCosts, ModelDraft, Speculation
+from llama_chat.inference.speculative import PAUSES, DraftCosts, Lookup, ModelDraft, Speculation
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 from test_speculative import GREEDY, VOCAB, quiet_layers_model, replies_of
@@ -151,7 +151,7 @@ def test_the_steps_and_the_draft_models_guesses_are_timed_as_they_run(target, cl
     assert got == want
     costs = drafted.core.draft_costs
     assert costs.guess_s is not None and 1 in costs.step_s and len(costs.step_s) >= 2, costs
-    assert costs.row_share >= 0 and costs.guess_share > 0
+    assert costs.line() is not None and costs.per_token(ModelDraft(8)) > costs.per_token(Lookup(8)) >= 0
 
 
 def test_a_draft_models_drafts_must_pay_for_their_guesses():

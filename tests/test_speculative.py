@@ -95,13 +95,11 @@ class PinnedCosts(DraftCosts):
         super().__init__()
         self.pinned = (row_share, guess_share)
 
-    @property
-    def row_share(self) -> float:
-        return self.pinned[0]
+    def per_token(self, pace, jobs: int = 1) -> float:
+        return self.pinned[0] + (self.pinned[1] if isinstance(pace, ModelDraft) else 0.0)
 
-    @property
-    def guess_share(self) -> float:
-        return self.pinned[1]
+    def line(self) -> None:  # no step is timed: drafts as long as their pinned costs pay
+        return None
 
 
 def replies_of(model, tokenizer, requests: list[Request], speculation: Speculation | None, *,
@@ -223,7 +221,7 @@ def test_the_next_turn_finds_the_pages_a_speculating_turn_left(walker):
 def test_a_draft_is_what_followed_the_tails_latest_earlier_occurrence(tokens, room):
     lookup = Lookup(draft_max=12)
     lookup.size = 12
-    draft = lookup.draft(tokens, room, 0.15)
+    draft = lookup.draft(tokens, room, 12)
     assert len(draft) <= room
     if draft:
         # Some n-gram of the tail occurred before, and the draft is what came right after it.
@@ -237,14 +235,14 @@ def test_the_draft_length_follows_what_is_taken():
     lookup = Lookup(draft_max=8)
     tokens = [1, 2, 3, 4, 1, 2, 3]
     cost = 0.15
-    assert lookup.draft(tokens, 10, cost) == [4, 1, 2, 3]  # draft_max // 2 at first
+    assert lookup.draft(tokens, 10, 8) == [4, 1, 2, 3]  # draft_max // 2 at first
     lookup.taken(4, 4, cost)
     assert lookup.size == 6
     lookup.taken(6, 2, cost)
     assert lookup.size == 3 and lookup.pause == 0
     lookup.taken(3, 0, cost)  # nothing taken: a pause before the next draft
-    assert [lookup.draft(tokens, 10, cost) for _ in range(PAUSES[1])] == [[]] * PAUSES[1]
-    assert lookup.draft(tokens, 10, cost) == [4]
+    assert [lookup.draft(tokens, 10, 8) for _ in range(PAUSES[1])] == [[]] * PAUSES[1]
+    assert lookup.draft(tokens, 10, 8) == [4]
 
 
 def test_a_draft_that_does_not_pay_for_its_rows_pauses_and_the_pauses_grow():
@@ -269,18 +267,36 @@ def test_the_longest_draft_is_the_one_whose_last_token_still_pays():
     assert pace.pause > 0
 
 
-def test_draft_costs_are_the_timed_steps_shares():
+def test_draft_costs_are_shares_of_the_timed_steps():
     costs = DraftCosts(guess_share_untimed=0.4)
-    assert costs.row_share == ROW_SHARE_UNTIMED and costs.guess_share == 0.4
+    lookup, model = Lookup(8), ModelDraft(8)
+    assert costs.per_token(lookup) == ROW_SHARE_UNTIMED and costs.per_token(model) == pytest.approx(0.55)
+    # Four jobs share a step: a row costs more of what a kept token saves one of them.
+    assert costs.per_token(lookup, 4) == pytest.approx(0.15 / ((0.85 + 4 * 0.15) / 4))
     costs.stepped(5, 0.022)
-    costs.stepped(9, 0.034)  # 3 ms a row; a plain step 10 ms, never timed alone
-    assert costs.row_share == pytest.approx(0.3) and costs.guess_share == 0.4
+    costs.stepped(9, 0.034)  # 3 ms a row, 7 ms a step's fixed time: a one-job step 10 ms, never timed alone
+    assert costs.line() == pytest.approx((0.007, 0.003))
+    assert costs.per_token(lookup) == pytest.approx(0.3) and costs.per_token(model) == pytest.approx(0.7)
+    assert not costs.timed(model) and costs.timed(lookup)
     costs.guessed(4, 0.036)
-    assert costs.guess_share == pytest.approx(0.9)
-    assert costs.per_token(Lookup(8)) == pytest.approx(0.3)
-    assert costs.per_token(ModelDraft(8)) == pytest.approx(1.2)
+    assert costs.per_token(model) == pytest.approx(1.2) and costs.timed(model)
+    assert costs.per_token(lookup, 4) == pytest.approx(0.003 / ((0.007 + 4 * 0.003) / 4))
     costs.stepped(1, 0.012)  # timed alone: the line starts there
-    assert costs.row_share == pytest.approx(0.022 / 8 / 0.012)
+    assert costs.per_token(lookup) == pytest.approx(0.022 / 8 / 0.012)
+
+
+def test_a_lone_jobs_draft_is_as_long_as_gives_most_tokens_a_second_by_the_timed_steps():
+    costs = DraftCosts()
+    for rows, ms in {1: 10, 2: 11.5, 3: 13, 4: 14.5, 5: 21, 9: 33}.items():
+        costs.stepped(rows, ms / 1000)
+    lookup = Lookup(8)
+    for _ in range(50):
+        lookup.taken(8, 7, 0.1)
+    assert lookup.kept_share == pytest.approx(7 / 8)
+    # Four rows go through the products together and a fifth costs a group's time: drafts of 3.
+    assert costs.longest(lookup) == 3
+    assert costs.longest(lookup, jobs=2) == lookup.longest_paying(costs.per_token(lookup, 2)) == 6
+    assert costs.longest(Lookup(8)) == 8  # nothing drafted yet
 
 
 def test_a_drafter_timed_at_a_step_a_token_only_probes_ever_more_rarely():
@@ -312,11 +328,10 @@ def test_the_command_drafts_with_lookup_on_and_says_how_many_were_kept(cpu_kerne
     common = ("-m", str(tiny.path), "--dtype", "bfloat16", "-t", "0", "-n", "80", "--template", "none",
               "-p", "one two three four one two three four one two three four one two")
     off = run_cli(*common, "--json", "--lookup", "off")
-    on = run_cli(*common, "--json", "--lookup", "on")
+    on = run_cli(*common, "--json", "--stats", "--lookup", "on")  # how many: as the steps were timed
     assert off.returncode == 0 and on.returncode == 0, on.stderr
     plain, drafted = json.loads(off.stdout), json.loads(on.stdout)
     assert drafted["token_ids"] == plain["token_ids"] and "speculation" not in plain
     assert drafted["speculation"]["drafted_tokens"] > 0, drafted
-    stats = run_cli(*common, "--stats", "--lookup", "on")
     assert f"drafts: {drafted['speculation']['accepted_tokens']} of {drafted['speculation']['drafted_tokens']} " \
-           f"tokens kept" in stats.stderr.decode()
+           f"tokens kept" in on.stderr.decode()
