@@ -46,6 +46,12 @@ PROBE_STEPS = (1024, 65536)
 # The weight of the newest of the running measures (a step's time, a guess's, the share of a
 # job's drafted tokens kept): a few steps' noise averages out, a change shows within a few dozen.
 NEWEST_WEIGHT = 0.1
+# A time that reads more than this many times what it was (a page fault, another process) counts
+# as this many: one hiccup must not stop drafting for a thousand steps.
+OUTLIER = 3.0
+# Each step timed weighs what each row count's times weigh in the line by this much: a row count
+# no longer drafted fades from it.
+FADE = 0.99
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class DraftCosts:
 
     guess_share_untimed: float = 0.0
     step_s: dict[int, float] = field(default_factory=dict)  # a decoding step's seconds by its rows, running
+    step_weight: dict[int, float] = field(default_factory=dict)  # how much each weighs in the line
     guess_s: float | None = None  # the draft model's seconds per guess, running
     unpaid: int = 0  # drafts not made because they could not pay, since the last probe
     probe_after: int = PROBE_STEPS[0]
@@ -79,21 +86,33 @@ class DraftCosts:
     def stepped(self, rows: int, seconds: float) -> None:
         """A step that fed ``rows`` rows of decoding jobs (their last tokens and drafts) took ``seconds``."""
         old = self.step_s.get(rows)
-        self.step_s[rows] = seconds if old is None else old + NEWEST_WEIGHT * (seconds - old)
+        if old is None:
+            line = self.line()
+            old = seconds = seconds if line is None else min(seconds, OUTLIER * (line[0] + line[1] * rows))
+        self.step_s[rows] = old + NEWEST_WEIGHT * (min(seconds, OUTLIER * old) - old)
+        for n in self.step_weight:
+            self.step_weight[n] *= FADE
+        self.step_weight[rows] = self.step_weight.get(rows, 0.0) + 1.0
 
     def guessed(self, guesses: int, seconds: float) -> None:
         """The draft model made ``guesses`` guesses (for one job or several) in ``seconds``."""
         each = seconds / guesses
-        self.guess_s = each if self.guess_s is None else self.guess_s + NEWEST_WEIGHT * (each - self.guess_s)
+        old = self.guess_s
+        self.guess_s = each if old is None else old + NEWEST_WEIGHT * (min(each, OUTLIER * old) - old)
 
     def line(self) -> tuple[float, float] | None:
-        """A step's fixed seconds and each row's: the line through the fewest and the most rows
-        timed; None until two have been."""
-        if len(self.step_s) < 2:
+        """A step's fixed seconds and each row's: the line that fits the row counts' times best,
+        each weighing as often as it was timed lately; None until two row counts have been."""
+        total = sum(self.step_weight.values())
+        if len(self.step_s) < 2 or total <= 0:
             return None
-        fewest, most = min(self.step_s), max(self.step_s)
-        row = max(0.0, (self.step_s[most] - self.step_s[fewest]) / (most - fewest))
-        fixed = self.step_s[fewest] - row * fewest
+        mean_x = sum(w * n for n, w in self.step_weight.items()) / total
+        mean_y = sum(w * self.step_s[n] for n, w in self.step_weight.items()) / total
+        spread = sum(w * (n - mean_x) ** 2 for n, w in self.step_weight.items())
+        if spread <= 0:
+            return None
+        row = max(0.0, sum(w * (n - mean_x) * (self.step_s[n] - mean_y) for n, w in self.step_weight.items()) / spread)
+        fixed = mean_y - row * mean_x
         return (fixed, row) if fixed + row > 0 else None
 
     def per_token(self, pace: Pace, jobs: int = 1) -> float:

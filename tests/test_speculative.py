@@ -281,8 +281,11 @@ def test_draft_costs_are_shares_of_the_timed_steps():
     costs.guessed(4, 0.036)
     assert costs.per_token(model) == pytest.approx(1.2) and costs.timed(model)
     assert costs.per_token(lookup, 4) == pytest.approx(0.003 / ((0.007 + 4 * 0.003) / 4))
-    costs.stepped(1, 0.012)  # timed alone: the line starts there
-    assert costs.per_token(lookup) == pytest.approx(0.022 / 8 / 0.012)
+    costs.stepped(1, 0.012)  # timed alone too: the line fits the three
+    fixed, row = costs.line()
+    assert 0.0027 < row < 0.003 and costs.per_token(lookup) == pytest.approx(row / (fixed + row))
+    costs.stepped(9, 1.0)  # a hiccup weighs as three times what nine rows took
+    assert costs.step_s[9] == pytest.approx(0.034 + 0.1 * (3 * 0.034 - 0.034))
 
 
 def test_a_lone_jobs_draft_is_as_long_as_gives_most_tokens_a_second_by_the_timed_steps():
@@ -295,7 +298,7 @@ def test_a_lone_jobs_draft_is_as_long_as_gives_most_tokens_a_second_by_the_timed
     assert lookup.kept_share == pytest.approx(7 / 8)
     # Four rows go through the products together and a fifth costs a group's time: drafts of 3.
     assert costs.longest(lookup) == 3
-    assert costs.longest(lookup, jobs=2) == lookup.longest_paying(costs.per_token(lookup, 2)) == 6
+    assert costs.longest(lookup, jobs=2) == lookup.longest_paying(costs.per_token(lookup, 2)) == 4
     assert costs.longest(Lookup(8)) == 8  # nothing drafted yet
 
 
