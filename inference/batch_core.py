@@ -355,9 +355,11 @@ class BatchCore:
             return []
         runner = self._runner()
         assert runner is not None
-        # Timed where no job drafts for the first time (its first draft catches the draft model up
-        # on its prompt).
-        timed = all(job.model_draft.written for job, _ in asks)
+        # Timed where no job has more than the token after its last draft to catch up on (a
+        # first draft catches the draft model up on the prompt: its time says nothing of a guess).
+        for job, _ in asks:
+            job.model_draft.rollback(job.tokens)
+        timed = all(len(job.tokens) - len(job.model_draft.written) <= 2 for job, _ in asks)
         start = time.perf_counter()
         guesses = runner.drafts([(job.model_draft, job.tokens, want) for job, want in asks])
         if timed and any(guesses):

@@ -39,10 +39,8 @@ PAUSES = (0, 1, 2, 4, 8, 16)
 # What a drafted token's row adds to a step, as a share of a plain step, until steps have been
 # timed (its share of the products' arithmetic: the weights are read once for all rows).
 ROW_SHARE_UNTIMED = 0.15
-# Where a drafted token costs a step or more (no draft can pay), a draft is still tried after
-# this many steps, then after twice as many each time, up to the last: so that what drafting
-# costs stays measured (a machine that grows quieter, say), at a share of the steps that shrinks.
-PROBE_STEPS = (1024, 65536)
+# A draft model's guesses are timed this many times before its cost decides whether it drafts.
+GUESSES_TIMED = 3
 # The weight of the newest of the running measures (a step's time, a guess's, the share of a
 # job's drafted tokens kept): a few steps' noise averages out, a change shows within a few dozen.
 NEWEST_WEIGHT = 0.1
@@ -80,8 +78,8 @@ class DraftCosts:
     step_s: dict[int, float] = field(default_factory=dict)  # a decoding step's seconds by its rows, running
     step_weight: dict[int, float] = field(default_factory=dict)  # how much each weighs in the line
     guess_s: float | None = None  # the draft model's seconds per guess, running
-    unpaid: int = 0  # drafts not made because they could not pay, since the last probe
-    probe_after: int = PROBE_STEPS[0]
+    fitted: tuple[float, float] | None | bool = False  # ``line()``'s, until the next step timed (False: none yet)
+    guesses_timed: int = 0
 
     def stepped(self, rows: int, seconds: float) -> None:
         """A step that fed ``rows`` rows of decoding jobs (their last tokens and drafts) took ``seconds``."""
@@ -93,16 +91,23 @@ class DraftCosts:
         for n in self.step_weight:
             self.step_weight[n] *= FADE
         self.step_weight[rows] = self.step_weight.get(rows, 0.0) + 1.0
+        self.fitted = False
 
     def guessed(self, guesses: int, seconds: float) -> None:
         """The draft model made ``guesses`` guesses (for one job or several) in ``seconds``."""
         each = seconds / guesses
+        self.guesses_timed += 1
         old = self.guess_s
         self.guess_s = each if old is None else old + NEWEST_WEIGHT * (min(each, OUTLIER * old) - old)
 
     def line(self) -> tuple[float, float] | None:
         """A step's fixed seconds and each row's: the line that fits the row counts' times best,
         each weighing as often as it was timed lately; None until two row counts have been."""
+        if self.fitted is False:
+            self.fitted = self._fit()
+        return self.fitted
+
+    def _fit(self) -> tuple[float, float] | None:
         total = sum(self.step_weight.values())
         if len(self.step_s) < 2 or total <= 0:
             return None
@@ -147,21 +152,12 @@ class DraftCosts:
 
     def timed(self, pace: Pace) -> bool:
         """Whether what ``pace``'s drafter costs has been timed, not only estimated."""
-        return self.line() is not None and (self.guess_s is not None or not isinstance(pace, ModelDraft))
+        return self.line() is not None and (self.guesses_timed >= GUESSES_TIMED or not isinstance(pace, ModelDraft))
 
     def drafts_now(self, pace: Pace, jobs: int = 1) -> bool:
-        """Whether ``pace``'s drafter drafts now, ``jobs`` jobs decoding: where its tokens were
-        timed at what a kept one saves or more (no draft can pay), only as a probe, after
-        ``PROBE_STEPS`` asks."""
-        if self.per_token(pace, jobs) < 1 or not self.timed(pace):
-            self.probe_after = PROBE_STEPS[0]
-            return True
-        self.unpaid += 1
-        if self.unpaid < self.probe_after:
-            return False
-        self.unpaid = 0
-        self.probe_after = min(2 * self.probe_after, PROBE_STEPS[1])
-        return True
+        """Whether ``pace``'s drafter drafts now, ``jobs`` jobs decoding: not where its tokens
+        were timed at what a kept one saves or more (no draft can pay, whatever is kept)."""
+        return self.per_token(pace, jobs) < 1 or not self.timed(pace)
 
 
 @dataclass
@@ -294,4 +290,4 @@ class ModelDraft(Pace):
         self.agreed = n
 
 
-__all__ = ["DraftCosts", "Lookup", "ModelDraft", "NGRAM_SIZES", "PAUSES", "PROBE_STEPS", "Pace", "ROW_SHARE_UNTIMED", "Speculation"]
+__all__ = ["DraftCosts", "Lookup", "ModelDraft", "NGRAM_SIZES", "GUESSES_TIMED", "PAUSES", "Pace", "ROW_SHARE_UNTIMED", "Speculation"]

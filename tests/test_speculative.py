@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from builders import endless_model
 from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
-from llama_chat.inference.speculative import PAUSES, PROBE_STEPS, ROW_SHARE_UNTIMED, DraftCosts, Lookup, ModelDraft, Pace, Speculation
+from llama_chat.inference.speculative import GUESSES_TIMED, PAUSES, ROW_SHARE_UNTIMED, DraftCosts, Lookup, ModelDraft, Pace, Speculation
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 
@@ -279,7 +279,7 @@ def test_draft_costs_are_shares_of_the_timed_steps():
     assert costs.per_token(lookup) == pytest.approx(0.3) and costs.per_token(model) == pytest.approx(0.7)
     assert not costs.timed(model) and costs.timed(lookup)
     costs.guessed(4, 0.036)
-    assert costs.per_token(model) == pytest.approx(1.2) and costs.timed(model)
+    assert costs.per_token(model) == pytest.approx(1.2) and costs.timed(model) == (GUESSES_TIMED == 1)
     assert costs.per_token(lookup, 4) == pytest.approx(0.003 / ((0.007 + 4 * 0.003) / 4))
     costs.stepped(1, 0.012)  # timed alone too: the line fits the three
     fixed, row = costs.line()
@@ -302,18 +302,18 @@ def test_a_lone_jobs_draft_is_as_long_as_gives_most_tokens_a_second_by_the_timed
     assert costs.longest(Lookup(8)) == 8  # nothing drafted yet
 
 
-def test_a_drafter_timed_at_a_step_a_token_only_probes_ever_more_rarely():
+def test_a_drafter_timed_at_a_step_a_token_stops_drafting():
     costs = DraftCosts(guess_share_untimed=2.0)
     model = ModelDraft(8)
     assert costs.drafts_now(model)  # estimated to cost two steps a token, but not timed: it drafts
     costs.stepped(1, 0.010)
     costs.stepped(3, 0.016)
-    costs.guessed(2, 0.020)  # a guess as long as a step
+    for _ in range(GUESSES_TIMED):
+        assert costs.drafts_now(model)
+        costs.guessed(2, 0.020)  # a guess as long as a step
     assert costs.per_token(model) == pytest.approx(1.3) and costs.timed(model)
-    asks = [costs.drafts_now(model) for _ in range(PROBE_STEPS[0] * 3)]
-    assert [i for i, yes in enumerate(asks) if yes] == [PROBE_STEPS[0] - 1, PROBE_STEPS[0] * 3 - 1]
-    assert costs.drafts_now(Lookup(8))  # rows at 0.3 of a step: lookup pays, and the probes start over
-    assert costs.probe_after == PROBE_STEPS[0]
+    assert not costs.drafts_now(model)
+    assert costs.drafts_now(Lookup(8))  # rows at 0.3 of a step: lookup pays
     assert model.longest_paying(costs.per_token(model)) == 1
 
 
