@@ -428,6 +428,7 @@ class BatchCore:
                 accepted = len(kept) - 1  # the last token kept is the draw where the draft ended
                 pace = job.drafting
                 pace.taken(pace.pending, accepted, pace.pending_cost)
+                self.draft_costs.kept(pace, pace.pending, accepted)
                 c.drafted_tokens += pace.pending
                 c.accepted_tokens += accepted
         return events, finished

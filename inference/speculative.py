@@ -80,6 +80,8 @@ class DraftCosts:
     guess_s: float | None = None  # the draft model's seconds per guess, running
     fitted: tuple[float, float] | None | bool = False  # ``line()``'s, until the next step timed (False: none yet)
     guesses_timed: int = 0
+    guesses_kept: float = 0.0  # the draft model's guesses kept and refused, every job's, running
+    guesses_refused: float = 0.0
 
     def stepped(self, rows: int, seconds: float) -> None:
         """A step that fed ``rows`` rows of decoding jobs (their last tokens and drafts) took ``seconds``."""
@@ -122,33 +124,40 @@ class DraftCosts:
 
     def per_token(self, pace: Pace, jobs: int = 1) -> float:
         """What one token drafted by ``pace``'s drafter costs while ``jobs`` jobs decode, as a
-        share of what a kept one saves (the step's time over its jobs)."""
+        share of what a kept one saves (a plain step's time over its jobs)."""
         line = self.line()
         fixed, row = line or (1 - ROW_SHARE_UNTIMED, ROW_SHARE_UNTIMED)  # untimed: a one-job step is 1
-        per_job = (fixed + row * max(1, jobs)) / max(1, jobs)
+        jobs = max(1, jobs)
+        per_job = (self.step_s[jobs] if line is not None and jobs in self.step_s else fixed + row * jobs) / jobs
         cost = row / per_job
         if isinstance(pace, ModelDraft):
             timed = line is not None and self.guess_s is not None
             cost += (self.guess_s if timed else self.guess_share_untimed * (fixed + row)) / per_job
         return cost
 
-    def longest(self, pace: Pace, jobs: int = 1) -> int:
-        """The longest draft worth making for ``pace``'s job, ``jobs`` jobs decoding. For a job
-        alone whose costs are timed: the length whose step gives most tokens a second, the step's
-        time as timed at its rows (a call's rows go through the products in groups: one more row
-        may cost a group's time) and the tokens expected as ``Pace.longest_paying`` expects them.
-        Else ``Pace.longest_paying``'s."""
-        cost, p, line = self.per_token(pace, jobs), pace.kept_share, self.line()
-        if jobs != 1 or line is None or p is None or cost >= 1 or not self.timed(pace):
-            return pace.longest_paying(cost)
-        fixed, row = line
+    def _best(self, pace: Pace, p: float) -> tuple[int, float]:
+        """For a job alone, timed: the draft length whose step gives most tokens a second, and
+        how many (the step's time as timed at its rows: a call's rows go through the products in
+        groups, and one more row may cost a group's time; the tokens expected as
+        ``Pace.longest_paying`` expects them)."""
+        fixed, row = self.line()
         guess = self.guess_s if isinstance(pace, ModelDraft) else 0.0
 
         def tokens_a_second(k: int) -> float:
             kept = k if p >= 1 else p * (1 - p ** k) / (1 - p)
             return (1 + kept) / (self.step_s.get(1 + k, fixed + row * (1 + k)) + k * guess)
 
-        return max(range(1, pace.draft_max + 1), key=tokens_a_second)
+        best = max(range(1, pace.draft_max + 1), key=tokens_a_second)
+        return best, tokens_a_second(best)
+
+    def longest(self, pace: Pace, jobs: int = 1) -> int:
+        """The longest draft worth making for ``pace``'s job, ``jobs`` jobs decoding: for a job
+        alone whose costs are timed, the length that gives most tokens a second (``_best``), else
+        ``Pace.longest_paying``'s."""
+        cost, p = self.per_token(pace, jobs), pace.kept_share
+        if jobs != 1 or p is None or cost >= 1 or not self.timed(pace):
+            return pace.longest_paying(cost)
+        return self._best(pace, p)[0]
 
     def timed(self, pace: Pace) -> bool:
         """Whether what ``pace``'s drafter costs has been timed, not only estimated."""
@@ -156,8 +165,31 @@ class DraftCosts:
 
     def drafts_now(self, pace: Pace, jobs: int = 1) -> bool:
         """Whether ``pace``'s drafter drafts now, ``jobs`` jobs decoding: not where its tokens
-        were timed at what a kept one saves or more (no draft can pay, whatever is kept)."""
-        return self.per_token(pace, jobs) < 1 or not self.timed(pace)
+        were timed at what a kept one saves or more (no draft can pay, whatever is kept); and a
+        draft model, for a job alone, only where its best draft gives more tokens a second than a
+        plain step, with as many of its guesses kept as this job's drafts, or lately every job's,
+        say (a guess costs nearly a step where the draft model is not much smaller)."""
+        if not self.timed(pace):
+            return True
+        if self.per_token(pace, jobs) >= 1:
+            return False
+        if jobs != 1 or not isinstance(pace, ModelDraft) or 1 not in self.step_s:
+            return True
+        p = pace.kept_share if pace.kept_share is not None else self.guesses_kept_share
+        return p is None or self._best(pace, p)[1] > 1 / self.step_s[1]
+
+    def kept(self, pace: Pace, drafted: int, accepted: int) -> None:
+        """A job kept ``accepted`` of ``drafted`` tokens of ``pace``'s drafter (every job's, for the draft model)."""
+        if isinstance(pace, ModelDraft):
+            keep = 1 - NEWEST_WEIGHT
+            self.guesses_kept = keep * self.guesses_kept + accepted
+            self.guesses_refused = keep * self.guesses_refused + (accepted < drafted)
+
+    @property
+    def guesses_kept_share(self) -> float | None:
+        """The running share of the draft model's guesses kept once the one before was, every job's."""
+        seen = self.guesses_kept + self.guesses_refused
+        return self.guesses_kept / seen if seen else None
 
 
 @dataclass

@@ -281,9 +281,9 @@ def test_draft_costs_are_shares_of_the_timed_steps():
     costs.guessed(4, 0.036)
     assert costs.per_token(model) == pytest.approx(1.2) and costs.timed(model) == (GUESSES_TIMED == 1)
     assert costs.per_token(lookup, 4) == pytest.approx(0.003 / ((0.007 + 4 * 0.003) / 4))
-    costs.stepped(1, 0.012)  # timed alone too: the line fits the three
+    costs.stepped(1, 0.012)  # timed alone too: the line fits the three, and the step saved is the one timed
     fixed, row = costs.line()
-    assert 0.0027 < row < 0.003 and costs.per_token(lookup) == pytest.approx(row / (fixed + row))
+    assert 0.0027 < row < 0.003 and costs.per_token(lookup) == pytest.approx(row / 0.012)
     costs.stepped(9, 1.0)  # a hiccup weighs as three times what nine rows took
     assert costs.step_s[9] == pytest.approx(0.034 + 0.1 * (3 * 0.034 - 0.034))
 
@@ -315,6 +315,23 @@ def test_a_drafter_timed_at_a_step_a_token_stops_drafting():
     assert not costs.drafts_now(model)
     assert costs.drafts_now(Lookup(8))  # rows at 0.3 of a step: lookup pays
     assert model.longest_paying(costs.per_token(model)) == 1
+
+
+def test_a_draft_model_drafts_for_a_job_alone_only_where_its_best_draft_beats_a_plain_step():
+    costs = DraftCosts()
+    for rows, ms in {1: 10, 2: 11.5, 3: 13, 5: 21}.items():
+        costs.stepped(rows, ms / 1000)
+    for _ in range(GUESSES_TIMED):
+        costs.guessed(1, 0.006)  # a guess at 0.6 of a step, a row at 0.15: 0.75 a token
+    pace = ModelDraft(8)
+    assert costs.drafts_now(pace)  # nothing kept or refused yet, by this job or any
+    for _ in range(30):
+        costs.kept(pace, 2, 0)  # every job's guesses refused lately
+    assert not costs.drafts_now(pace)
+    for _ in range(30):
+        pace.taken(4, 4, 0.75)  # but this job's are kept whole
+    assert costs.drafts_now(pace)
+    assert costs.drafts_now(Lookup(8))  # lookup's guesses cost nothing to make
 
 
 def test_the_command_drafts_with_lookup_on_and_says_how_many_were_kept(cpu_kernels_loaded, tmp_path):
