@@ -321,6 +321,7 @@ class BatchCore:
             return []
         drafts = []
         asks: list[tuple[Job, int]] = []
+        costs, jobs = self.draft_costs, len(decoding)
         for job in decoding:
             if job.lookup is None and job.model_draft is None:
                 continue
@@ -328,7 +329,6 @@ class BatchCore:
             room = written - job.fed - 1
             if job.request.max_tokens is not None:
                 room = min(room, job.prompt_len + job.request.max_tokens - len(job.tokens))
-            costs, jobs = self.draft_costs, len(decoding)
             draft = []
             if job.lookup is not None and costs.drafts_now(job.lookup, jobs):
                 job.lookup.pending_cost = costs.per_token(job.lookup, jobs)

@@ -118,7 +118,8 @@ class DraftCosts:
         spread = sum(w * (n - mean_x) ** 2 for n, w in self.step_weight.items())
         if spread <= 0:
             return None
-        row = max(0.0, sum(w * (n - mean_x) * (self.step_s[n] - mean_y) for n, w in self.step_weight.items()) / spread)
+        moment = sum(w * (n - mean_x) * (self.step_s[n] - mean_y) for n, w in self.step_weight.items())
+        row = max(0.0, moment / spread)
         fixed = mean_y - row * mean_x
         return (fixed, row) if fixed + row > 0 else None
 
@@ -322,4 +323,5 @@ class ModelDraft(Pace):
         self.agreed = n
 
 
-__all__ = ["DraftCosts", "Lookup", "ModelDraft", "NGRAM_SIZES", "GUESSES_TIMED", "PAUSES", "Pace", "ROW_SHARE_UNTIMED", "Speculation"]
+__all__ = ["DraftCosts", "GUESSES_TIMED", "Lookup", "ModelDraft", "NGRAM_SIZES", "PAUSES", "Pace", "ROW_SHARE_UNTIMED",
+           "Speculation"]

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from builders import endless_model
 from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
-from llama_chat.inference.speculative import GUESSES_TIMED, PAUSES, ROW_SHARE_UNTIMED, DraftCosts, Lookup, ModelDraft, Pace, Speculation
+from llama_chat.inference.speculative import (GUESSES_TIMED, PAUSES, ROW_SHARE_UNTIMED, DraftCosts, Lookup, ModelDraft,
+                                              Pace, Speculation)
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 
