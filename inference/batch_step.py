@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from llama_chat.inference.bucket_step import BUCKETS, BucketSteps
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.types import DamagedScores, TokenLogprobs
@@ -67,6 +68,9 @@ class CoreSettings:
     buffer_size: int  # most events of a job not yet taken by its consumer
     static_shapes: bool  # pad one-token rows and tables to fixed sizes (for a compiled step)
     max_seq_len: int
+    # The torch.compile backend and mode of the decode steps' graphs per batch bucket
+    # (``bucket_step.py``), with static shapes; None: those steps stay the packed forward's.
+    bucket_graphs: tuple[str, str | None] | None = None
 
 
 # The jobs whose rows drew a token (None: a padding row) and the tokens, in the same order; a job
@@ -383,6 +387,28 @@ class CompiledLone:
         return self.packed.run(plan)
 
 
+class BucketedDecodes:
+    """A step of one-token rows only through its batch bucket's compiled graph
+    (``bucket_step.BucketSteps``); the packed forward where there are more rows than the largest
+    bucket, or compiling failed."""
+
+    wants_consecutive = False
+
+    def __init__(self, steps: BucketSteps, packed: PackedForward) -> None:
+        self.steps = steps
+        self.packed = packed
+
+    def run(self, plan: StepPlan) -> Drawn:
+        rows = plan.rows
+        made = self.steps.logits([(job.tokens[job.fed], job.fed, job.pages) for job in rows])
+        if made is None:
+            return self.packed.run(plan)
+        logits, picks = made
+        # A row that fed a prompt's last token but one (a chunk cut by the budget) draws nothing.
+        jobs = [job if job.fed + 1 == len(job.tokens) else None for job in rows]
+        return jobs, sample_rows(logits, jobs, picks.clone(), self.packed.sample_ids)
+
+
 def prompts_as_rows(settings: CoreSettings, decoder: cpu_decode.PagedDecoder) -> bool:
     """Whether prompt chunks go to the operator as rows, beside the decodes: where a batch's
     steps read panels (a chat's scheduler of one job keeps the model's forward, and builds no
@@ -401,6 +427,7 @@ class StepBackends:
     compiled_lone: CompiledLone | None
     prompts_as_rows: bool
     step_tokens: int  # most tokens a step's plan may feed
+    buckets: BucketedDecodes | None = None  # with static shapes and ``CoreSettings.bucket_graphs``
 
     @classmethod
     def make(cls, model: Transformer, cache: PagedKVCache, settings: CoreSettings, *, device: torch.device,
@@ -410,7 +437,12 @@ class StepBackends:
         compiled = None if lone_step is None or settings.static_shapes else CompiledLone(lone_step, packed)
         decoder = None if device.type != "cpu" or settings.static_shapes else cpu_decode.operator_for(model, cache)
         if decoder is None:
-            return cls(packed, None, None, None, compiled, False, settings.step_tokens)
+            buckets = None
+            if settings.static_shapes and settings.bucket_graphs is not None:
+                backend, mode = settings.bucket_graphs
+                buckets = BucketedDecodes(BucketSteps(model, cache, max_seq_len=settings.max_seq_len,
+                                                      sample_ids=sample_ids, backend=backend, mode=mode), packed)
+            return cls(packed, None, None, None, compiled, False, settings.step_tokens, buckets)
         as_rows = prompts_as_rows(settings, decoder)
         step_tokens = settings.step_tokens
         if as_rows:
@@ -430,6 +462,8 @@ class StepBackends:
         rows = plan.rows
         if plan.drafts:  # made only where the operator's rows are (``verifies_drafts``)
             return self.rows
+        if self.buckets is not None and not plan.runs and len(rows) <= BUCKETS[-1]:
+            return self.buckets
         if plan.runs:
             return self.rows if self.prompts_as_rows else self.packed
         if self.rows is not None:

@@ -70,6 +70,11 @@ class SchedulerOptions:
     buffer_size: int = 8  # events of one job waiting for its consumer
     lookahead: int = 8  # steps queued in the worker ahead of the one being delivered
     static_shapes: bool | None = None  # pad decode rows and tables to buckets (default: on CUDA)
+    # With static shapes, decode steps through one compiled graph per batch bucket
+    # (inference/bucket_step.py): the torch.compile backend and mode, ("inductor",
+    # "reduce-overhead") for CUDA graphs. None: the packed forward's eager steps (the default
+    # until a GPU has measured the graphs against them).
+    bucket_graphs: tuple[str, str | None] | None = None
     max_seq_len: int | None = None  # each job's context; None: the model's
     report_every_s: float = 0.02
     quantize: str = "none"  # "int8": weight-only int8 projections (ml/quantize.py), made here
@@ -130,6 +135,7 @@ class Scheduler:
             buffer_size=options.buffer_size,
             static_shapes=cuda if options.static_shapes is None else options.static_shapes,
             max_seq_len=max_seq_len,
+            bucket_graphs=options.bucket_graphs,
         )
         self.model = model
         self._dtype = dtype  # the model's: a beam search's own cache is kept in it

@@ -344,7 +344,8 @@ class PagedView:
                 last_page = first_page + pages.numel()
                 keys = store_k[:, first_page:last_page].reshape(kv_heads, -1, head_dim).unsqueeze(0)
                 values = store_v[:, first_page:last_page].reshape(kv_heads, -1, head_dim).unsqueeze(0)
-            elif self._single_mask is not None and q.device.type == "cpu":
+            elif self._single_mask is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
+                # (Eager steps only: a graph keeps no buffer of the pool's, whose size would be a guard.)
                 mirrored = None
                 if self._single_key is not None:
                     mirrored = cache.mirror(layer, self._single_key, pages, batch.single_mirror_slots,
