@@ -19,7 +19,7 @@ and their first runs (compiles, CUDA graphs, allocations) are not timed.
 It runs on the CPU too (``--device cpu --configs tiny --dtype float32``), as a check of the
 script itself; the targets are for a GPU.
 
-    python benchmarks/bench_batch_gpu.py [--configs c] [--device cuda] [--new 128] [--runs 3]
+    python benchmarks/bench_batch_gpu.py [--configs c] [--device cuda] [--new 128] [--runs 3] [--bucket-graphs inductor:reduce-overhead]
 """
 
 from __future__ import annotations
@@ -123,6 +123,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
                     help="compile the engine's step (default: as the command does on the device)")
+    ap.add_argument("--bucket-graphs", metavar="BACKEND[:MODE]",
+                    help="the scheduler's decode steps as one compiled graph per batch bucket "
+                         "(inference/bucket_step.py), e.g. inductor:reduce-overhead; default: its eager steps")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "bench-batch-gpu"))
     args = ap.parse_args()
@@ -147,9 +150,16 @@ def main() -> None:
         engine.warm_up(SamplingParams(temperature=0.0))
         single_stream(engine, jobs[0], 16)
         # As ``llama-chat --batch`` makes and warms up its scheduler.
-        scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=JOBS, compile=bool(args.compile)))
+        graphs = None
+        if args.bucket_graphs:
+            backend, _, mode = args.bucket_graphs.partition(":")
+            graphs = (backend, mode or None)
+        scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=JOBS, compile=bool(args.compile),
+                                                                   static_shapes=True if graphs else None,
+                                                                   bucket_graphs=graphs))
         scheduler.warm_up(SamplingParams(temperature=0.0))
-        together(scheduler, jobs, 16)  # allocations and the first shapes, untimed
+        together(scheduler, jobs, 16)  # allocations and the first shapes (every bucket's graph), untimed
+        together(scheduler, jobs[:SOME_JOBS], 16)
         single, many, some = [], [], []
         for _ in range(args.runs):  # interleaved, so that a drifting machine slows all alike
             single.append(single_stream(engine, jobs[0], args.new))
