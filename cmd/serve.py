@@ -319,7 +319,7 @@ def _load_model(opts: ServeOptions):
     from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
     from llama_chat.model.errors import ModelLoadError
     from llama_chat.model.kv_types import for_device
-    from llama_chat.model.memory_budget import available_bytes
+    from llama_chat.model.memory_budget import available_on
 
     options = opts.options()
     err = Console(stderr=True, highlight=False, quiet=opts.quiet)
@@ -331,7 +331,8 @@ def _load_model(opts: ServeOptions):
     except ValueError as e:  # a type this device or this model's heads cannot keep: one line
         raise ModelLoadError(str(e)) from None
     token_bytes = 2 * a.n_layers * a.n_kv_heads * kv_type.token_bytes(a.head_dim)
-    cache_tokens = opts.cache_tokens or pool_tokens(token_bytes, a.max_seq_len, opts.max_batch, available_bytes())
+    cache_tokens = opts.cache_tokens or pool_tokens(token_bytes, a.max_seq_len, opts.max_batch,
+                                                    available_on(loaded.device))
     scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=opts.max_batch, cache_tokens=cache_tokens, quantize=options.quantize,
         compile=bool(opts.compile), cache_type=kv_type.name,

@@ -64,6 +64,17 @@ def available_bytes() -> int | None:
     return min(found)
 
 
+def available_on(device) -> int | None:
+    """Memory a cache on ``device`` can still take: a CUDA device's free memory (the weights
+    already on it), else the host's (``available_bytes``)."""
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return available_bytes()
+
+
 def kv_token_bytes(model: Transformer) -> int:
     """Bytes of keys and values one token keeps in the cache, all layers together."""
     a = model.args

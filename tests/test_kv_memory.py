@@ -116,6 +116,19 @@ def test_the_serve_pool_fills_the_batch_within_half_the_free_memory_but_holds_a_
     assert pool_tokens(1000, 2048, 16, None) == min(16 * 2048, POOL_BYTES_UNKNOWN // 1000)
 
 
+def test_a_cuda_pool_is_sized_from_the_devices_free_memory(monkeypatch):
+    """The device's own free memory, read after the weights are on it (a stand-in for the CUDA
+    call here: no GPU in the tests), and the host's for anything else."""
+    import torch
+
+    from llama_chat.model import memory_budget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(memory_budget, "available_bytes", lambda: 5 * 10**9)
+    assert memory_budget.available_on(torch.device("cuda", 0)) == 3 * 10**9
+    assert memory_budget.available_on(torch.device("cpu")) == 5 * 10**9
+
+
 def scheduler_jobs(model, tokenizer, prompts, **options):
     """Each prompt a greedy job, all at once: their tokens, and the stats before and after."""
     import anyio
