@@ -113,13 +113,15 @@ def test_tool_use_blocks_fit_the_schema_whole_and_streamed(server):
 def test_a_round_trip_with_tool_result_blocks(server):
     c = client(server)
     first = c.messages.create(model="m", max_tokens=200, messages=ASK, tools=TOOLS,
-                              tool_choice={"type": "tool", "name": "get_weather"})
+                              tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"seed": 1})
     use = first.content[0]
     history = [*ASK, {"role": "assistant", "content": [use.model_dump(include={"type", "id", "name", "input"})]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                              "content": [{"type": "text", "text": "sunny, 24 C"}]},
                                             {"type": "text", "text": "So?"}]}]
-    answer = c.messages.create(model="m", max_tokens=8, messages=history, tools=TOOLS, tool_choice={"type": "none"})
+    # Seeded, both: a random model's unseeded reply may end within its 8 tokens.
+    answer = c.messages.create(model="m", max_tokens=8, messages=history, tools=TOOLS, tool_choice={"type": "none"},
+                               extra_body={"seed": 3})
     assert answer.content[0].type == "text" and answer.stop_reason == "max_tokens"
     # With the tools offered again, the prompt is the first one and the call and result after it.
     again = c.messages.create(model="m", max_tokens=8, messages=history, tools=TOOLS)
