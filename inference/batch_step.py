@@ -96,7 +96,7 @@ def _bucket(n: int) -> int:
 
 
 def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.Tensor | None,
-                sample_ids: int | None) -> list[int]:
+                sample_ids: int | None, drawn: Sequence[bool] = ()) -> list[int]:
     """One token per row: argmax for greedy rows, the job's own settings and seed otherwise.
 
     ``picks``: the rows' argmax where the step made them already (the operator). Only the first
@@ -106,13 +106,14 @@ def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.T
     ``job.drawn_logprobs``, from its row's raw logits (``token_logprobs``); no other row pays.
     Raises ``DamagedScores`` where a job's logits hold NaN or +inf (damaged weights, an overflow):
     no token drawn from them means anything. (A lone greedy row's pick, made without its logits,
-    is not looked at: every job's first token comes through here.)
+    is not looked at: every job's first token comes through here.) ``drawn``: rows whose pick the
+    step drew already, with the job's uniform (a compiled step's, ``bucket_step.py``).
     """
     if picks is None:
         picks = cpu_kernels.argmax(logits[:, :sample_ids])
     damaged = ~finite_best(logits[:, :sample_ids])
     for i, job in enumerate(jobs):
-        if job is None or (job.controls is None and job.request.sampling.greedy):
+        if job is None or (job.controls is None and (job.request.sampling.greedy or i < len(drawn) and drawn[i])):
             continue
         last = len(job.tokens) - 1
         uniform = None if job.uniforms is None else job.uniforms[last:last + 1]
@@ -399,14 +400,20 @@ class BucketedDecodes:
         self.packed = packed
 
     def run(self, plan: StepPlan) -> Drawn:
-        rows = plan.rows
-        made = self.steps.logits([(job.tokens[job.fed], job.fed, job.pages) for job in rows])
+        # A row that fed a prompt's last token but one (a chunk cut by the budget) draws nothing.
+        jobs = [job if job.fed + 1 == len(job.tokens) else None for job in plan.rows]
+        # Sampled with temperature and top-p alone: drawn in the graph, with the job's uniform of
+        # this position (as ``sample_rows`` would draw it).
+        drawn = [job is not None and job.controls is None and not job.request.sampling.greedy
+                 and job.uniforms is not None for job in jobs]
+        made = self.steps.logits([(job.tokens[job.fed], job.fed, job.pages,
+                                   job.request.sampling if in_graph else None,
+                                   float(job.uniforms[job.fed]) if in_graph else 0.0)
+                                  for job, in_graph in zip(plan.rows, drawn)])
         if made is None:
             return self.packed.run(plan)
         logits, picks = made
-        # A row that fed a prompt's last token but one (a chunk cut by the budget) draws nothing.
-        jobs = [job if job.fed + 1 == len(job.tokens) else None for job in rows]
-        return jobs, sample_rows(logits, jobs, picks.clone(), self.packed.sample_ids)
+        return jobs, sample_rows(logits, jobs, picks.clone(), self.packed.sample_ids, drawn)
 
 
 def prompts_as_rows(settings: CoreSettings, decoder: cpu_decode.PagedDecoder) -> bool:

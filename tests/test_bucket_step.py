@@ -13,6 +13,7 @@ from builders import endless_model
 from llama_chat.inference.bucket_step import BUCKETS, bucket_of
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
+from llama_chat.ml.sampling import SamplingParams
 from test_speculative import EOS, GREEDY, VOCAB, Bytes, prompts
 
 GRAPHS = ("aot_eager", None)
@@ -68,12 +69,31 @@ def test_each_bucket_compiles_once_over_300_positions_jobs_joining_and_leaving_a
     got = replies(scheduler, batches)
     steps = scheduler.core.prepare().buckets.steps
     assert steps.failure is None
-    assert {1, 2, 4} <= steps.buckets_run <= {1, 2, 4, 8}, steps.buckets_run
+    buckets = {size for size, _ in steps.buckets_run}
+    assert {1, 2, 4} <= buckets <= {1, 2, 4, 8} and not any(sampled for _, sampled in steps.buckets_run)
     assert counters["stats"]["unique_graphs"] == len(steps.buckets_run)  # never a recompile
     assert max(len(t) for t in got.values()) == 300
     # The same tokens as the packed forward's eager steps, and as each job run alone.
     assert got == replies(scheduler_of(model, max_batch=8, graphs=None), batches)
     assert got == replies(scheduler_of(model, max_batch=1, graphs=None), [[r] for b in batches for r in b])
+
+
+def test_sampled_rows_are_drawn_in_the_graph_as_the_host_draws_them(model):
+    """Temperature alone, and with top-p: drawn in the bucket's sampling graph with each job's
+    uniforms; a repetition penalty (a control over the history): drawn on the host. Seeded, the
+    tokens are those of the eager packed steps, which draw every row on the host."""
+    torch._dynamo.reset()
+    counters.clear()
+    settings = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.7, top_p=0.8),
+                SamplingParams(temperature=0.8, repetition_penalty=1.3), GREEDY]
+    batch = [[Request(p, sampling=settings[i % 4], max_tokens=60 - 9 * i, seed=100 + i, request_id=f"t{i}")
+              for i, p in enumerate(prompts(6, seed=4))]]
+    scheduler = scheduler_of(model, max_batch=8)
+    got = replies(scheduler, batch)
+    steps = scheduler.core.prepare().buckets.steps
+    assert steps.failure is None and any(sampled for _, sampled in steps.buckets_run)
+    assert counters["stats"]["unique_graphs"] == len(steps.buckets_run)
+    assert got == replies(scheduler_of(model, max_batch=8, graphs=None), batch)
 
 
 def test_a_backend_that_cannot_compile_leaves_the_packed_steps(model):
