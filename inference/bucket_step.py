@@ -15,8 +15,8 @@ with such rows runs its bucket's second graph, which draws; rows with other cont
 top-k, a grammar) are drawn on the host from their logits.
 
 Padding rows read and write the scratch page at position 0, as the packed step's do. A compile
-that fails (an unsupported cache type, a backend missing) is said once, and the step is then the
-packed step's.
+that fails (an unsupported cache type, a backend missing) is kept as ``failure``, and every step
+is then the packed step's.
 """
 
 from __future__ import annotations
