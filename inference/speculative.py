@@ -80,8 +80,8 @@ class DraftCosts:
     guess_s: float | None = None  # the draft model's seconds per guess, running
     fitted: tuple[float, float] | None | bool = False  # ``line()``'s, until the next step timed (False: none yet)
     guesses_timed: int = 0
-    guesses_kept: float = 0.0  # the draft model's guesses kept and refused, every job's, running
-    guesses_refused: float = 0.0
+    # Per drafter (``Lookup``, ``ModelDraft``): drafted tokens kept and refused, every job's, running.
+    kept_by: dict[type, list[float]] = field(default_factory=dict)
 
     def stepped(self, rows: int, seconds: float) -> None:
         """A step that fed ``rows`` rows of decoding jobs (their last tokens and drafts) took ``seconds``."""
@@ -155,7 +155,7 @@ class DraftCosts:
         """The longest draft worth making for ``pace``'s job, ``jobs`` jobs decoding: for a job
         alone whose costs are timed, the length that gives most tokens a second (``_best``), else
         ``Pace.longest_paying``'s."""
-        cost, p = self.per_token(pace, jobs), pace.kept_share
+        cost, p = self.per_token(pace, jobs), self.share_of(pace)
         if jobs != 1 or p is None or cost >= 1 or not self.timed(pace):
             return pace.longest_paying(cost)
         return self._best(pace, p)[0]
@@ -176,21 +176,23 @@ class DraftCosts:
             return False
         if jobs != 1 or not isinstance(pace, ModelDraft) or 1 not in self.step_s:
             return True
-        p = pace.kept_share if pace.kept_share is not None else self.guesses_kept_share
+        p = self.share_of(pace)
         return p is None or self._best(pace, p)[1] > 1 / self.step_s[1]
 
     def kept(self, pace: Pace, drafted: int, accepted: int) -> None:
-        """A job kept ``accepted`` of ``drafted`` tokens of ``pace``'s drafter (every job's, for the draft model)."""
-        if isinstance(pace, ModelDraft):
-            keep = 1 - NEWEST_WEIGHT
-            self.guesses_kept = keep * self.guesses_kept + accepted
-            self.guesses_refused = keep * self.guesses_refused + (accepted < drafted)
+        """A job kept ``accepted`` of ``drafted`` tokens of ``pace``'s drafter."""
+        counts = self.kept_by.setdefault(type(pace), [0.0, 0.0])
+        keep = 1 - NEWEST_WEIGHT
+        counts[0] = keep * counts[0] + accepted
+        counts[1] = keep * counts[1] + (accepted < drafted)
 
-    @property
-    def guesses_kept_share(self) -> float | None:
-        """The running share of the draft model's guesses kept once the one before was, every job's."""
-        seen = self.guesses_kept + self.guesses_refused
-        return self.guesses_kept / seen if seen else None
+    def share_of(self, pace: Pace) -> float | None:
+        """The share of ``pace``'s drafted tokens kept once the one before was: its job's, or,
+        before the job has drafted, every job's lately with that drafter (None: nobody has)."""
+        if pace.kept_share is not None:
+            return pace.kept_share
+        kept, refused = self.kept_by.get(type(pace), (0.0, 0.0))
+        return kept / (kept + refused) if kept + refused else None
 
 
 @dataclass

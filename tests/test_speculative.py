@@ -300,7 +300,10 @@ def test_a_lone_jobs_draft_is_as_long_as_gives_most_tokens_a_second_by_the_timed
     # Four rows go through the products together and a fifth costs a group's time: drafts of 3.
     assert costs.longest(lookup) == 3
     assert costs.longest(lookup, jobs=2) == lookup.longest_paying(costs.per_token(lookup, 2)) == 4
-    assert costs.longest(Lookup(8)) == 8  # nothing drafted yet
+    assert costs.longest(Lookup(8)) == 8  # nothing drafted yet, by this job or any
+    for _ in range(50):
+        costs.kept(lookup, 8, 7)
+    assert costs.longest(Lookup(8)) == 3  # a job's first draft: as long as every job's drafts say
 
 
 def test_a_drafter_timed_at_a_step_a_token_stops_drafting():
