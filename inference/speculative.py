@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 NGRAM_SIZES = (3, 2, 1)
 # After a draft that did not pay, steps without drafting: doubled at each such draft up to the
 # last, and back to none once a draft pays.
-PAUSES = (0, 1, 2, 4, 8, 16)
+PAUSES = (0, 1, 2, 4, 8, 16, 32)
 # What a drafted token's row adds to a step, as a share of a plain step, until steps have been
 # timed (its share of the products' arithmetic: the weights are read once for all rows).
 ROW_SHARE_UNTIMED = 0.15
