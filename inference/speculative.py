@@ -166,12 +166,15 @@ class DraftCosts:
 
     def drafts_now(self, pace: Pace, jobs: int = 1) -> bool:
         """Whether ``pace``'s drafter drafts now, ``jobs`` jobs decoding: not where its tokens
-        were timed at what a kept one saves or more (no draft can pay, whatever is kept); and a
+        were timed (or, untimed beside other jobs, estimated) at what a kept one saves or more (no
+        draft can pay, whatever is kept); and a
         draft model, for a job alone, only where its best draft gives more tokens a second than a
         plain step, with as many of its guesses kept as this job's drafts, or lately every job's,
         say (a guess costs nearly a step where the draft model is not much smaller)."""
         if not self.timed(pace):
-            return True
+            # Alone, a job drafts to be timed; beside others only where the estimate says it may
+            # pay (a draft model's first draft late in a batch catches up a long reply).
+            return jobs == 1 or self.per_token(pace, jobs) < 1
         if self.per_token(pace, jobs) >= 1:
             return False
         if jobs != 1 or not isinstance(pace, ModelDraft) or 1 not in self.step_s:

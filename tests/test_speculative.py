@@ -309,7 +309,8 @@ def test_a_lone_jobs_draft_is_as_long_as_gives_most_tokens_a_second_by_the_timed
 def test_a_drafter_timed_at_a_step_a_token_stops_drafting():
     costs = DraftCosts(guess_share_untimed=2.0)
     model = ModelDraft(8)
-    assert costs.drafts_now(model)  # estimated to cost two steps a token, but not timed: it drafts
+    assert costs.drafts_now(model)  # estimated to cost two steps a token, but not timed: alone, it drafts
+    assert not costs.drafts_now(model, jobs=2)  # beside another job, the estimate decides
     costs.stepped(1, 0.010)
     costs.stepped(3, 0.016)
     for _ in range(GUESSES_TIMED):
