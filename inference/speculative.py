@@ -162,15 +162,15 @@ class DraftCosts:
 
     def timed(self, pace: Pace) -> bool:
         """Whether what ``pace``'s drafter costs has been timed, not only estimated."""
-        return self.line() is not None and (self.guesses_timed >= GUESSES_TIMED or not isinstance(pace, ModelDraft))
+        guesses_timed = self.guesses_timed >= GUESSES_TIMED or not isinstance(pace, ModelDraft)
+        return guesses_timed and self.line() is not None
 
     def drafts_now(self, pace: Pace, jobs: int = 1) -> bool:
-        """Whether ``pace``'s drafter drafts now, ``jobs`` jobs decoding: not where its tokens
-        were timed (or, untimed beside other jobs, estimated) at what a kept one saves or more (no
-        draft can pay, whatever is kept); and a
-        draft model, for a job alone, only where its best draft gives more tokens a second than a
-        plain step, with as many of its guesses kept as this job's drafts, or lately every job's,
-        say (a guess costs nearly a step where the draft model is not much smaller)."""
+        """Whether ``pace``'s drafter drafts now, ``jobs`` jobs decoding. Not where its tokens were
+        timed (or, untimed beside other jobs, estimated) at what a kept one saves or more: no draft
+        can pay, whatever is kept. A draft model, for a job alone, only where its best draft gives
+        more tokens a second than a plain step, with as many of its guesses kept as ``share_of``
+        says (a guess costs nearly a step where the draft model is not much smaller)."""
         if not self.timed(pace):
             # Alone, a job drafts to be timed; beside others only where the estimate says it may
             # pay (a draft model's first draft late in a batch catches up a long reply).
@@ -201,7 +201,7 @@ class DraftCosts:
 @dataclass
 class Pace:
     """How long a drafter's next draft is, for one job: it grows by two while drafts are kept
-    whole, shrinks to what was kept, and never passes ``longest_paying``; after a draft that did
+    whole, shrinks to what was kept, and never passes ``DraftCosts.longest``; after a draft that did
     not pay for its tokens (``cost`` each, in plain steps: ``DraftCosts.per_token``) the job waits
     ``PAUSES`` steps, longer each time."""
 
