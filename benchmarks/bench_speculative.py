@@ -15,7 +15,8 @@ own template, or as plain text where the file has none (a base model):
   their order, in one process; the replies must be equal token for token. Also the share of
   drafted tokens kept;
 * llama-chat, 16 jobs of the same tasks at once (``--batch``'s shape), all tokens over the wall
-  time, in the same modes (drafting steps aside above four jobs: the ratios should be 1.0);
+  time, in the same modes, after a first batch each that is not timed (drafting steps aside above
+  four jobs: the ratios should be 1.0);
 * llama.cpp's ``llama-server`` (the build of ``llama_cpp_peer.py``) on the same files and token
   ids, one slot, without speculation, with ``--spec-type ngram-simple``, and with ``-md DRAFT``,
   drafts of at most 8 tokens, its own ``predicted_per_second``.
@@ -239,6 +240,8 @@ def main() -> None:
     # put together otherwise (a prompt found in the pages of an earlier round, a draft verified
     # beside others), a token whose two best logits lie within the 8-bit rounding may differ.
     parted = {m: 0 for m in modes}
+    for mode in modes:  # each scheduler's first batch (its buffers, the operator's panels), untimed
+        together(batched[mode], batch, 16)
     for r in range(args.rounds):
         outs = {}
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
