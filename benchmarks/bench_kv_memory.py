@@ -15,7 +15,8 @@ load.
 quality: for each cache type, the file's next-token distributions with that cache against the
 same with a float32 cache, over the second half of ``--ctx`` tokens of the docs' text (the first
 half as a prompt in one pass, then a token per step, as the command generates): mean KL
-divergence and how often the top token is the same. llama.cpp's: ``llama-perplexity
+divergence and how often the top token is the same; q4_0 with its keys kept by the model's
+measure (``model/key_centers.py``, as the command keeps them) and as they are. llama.cpp's: ``llama-perplexity
 --kl-divergence`` of each ``-ctk``/``-ctv`` against its own f32 cache's base file, one chunk of
 the same size. ``--dtype float32`` expands the file's blocks first: a packed product rounds its
 input to int8 blocks, so on the file's own blocks a difference of one float16 step in a key can
@@ -229,10 +230,11 @@ def text_ids(tokenizer, ctx: int) -> list[int]:
     return tokenizer.encode(docs_text())[:ctx]
 
 
-def generated_log_probs(model, args_, ids: list[int], kind) -> torch.Tensor:
-    """As the server generates, over pages of ``kind``: the first half of ``ids`` in one pass of
-    the model's forward, then a token per step through the CPU operator; the log-probabilities of
-    the second half's positions. Every type takes the same paths, so only the cache differs."""
+def generated_log_probs(model, args_, ids: list[int], kind, centers=None) -> torch.Tensor:
+    """As the server generates, over pages of ``kind`` (keys kept by ``centers`` where the type
+    does): the first half of ``ids`` in one pass of the model's forward, then a token per step
+    through the CPU operator; the log-probabilities of the second half's positions. Every type
+    takes the same paths, so only the cache differs."""
     from llama_chat.model import cpu_decode
     from llama_chat.model.paged_kv_cache import PagedBatch, PagedKVCache
 
@@ -240,6 +242,7 @@ def generated_log_probs(model, args_, ids: list[int], kind) -> torch.Tensor:
     ctx, first = len(ids), len(ids) // 2
     pages = -(-ctx // page)
     cache = PagedKVCache.for_model(args_, pages + 1, page, dtype=kind)
+    cache.center_keys_by(centers)
     table = list(range(1, pages + 1))
     t = torch.tensor([ids])
     with torch.inference_mode():
@@ -279,6 +282,7 @@ def llama_cpp_quality(tool: Path, path: Path, text: Path, ctx: int, threads: int
 
 def quality(args, peer) -> None:
     from llama_chat.ml.cpu import kernels as cpu_kernels
+    from llama_chat.model import key_centers
     from llama_chat.model.kv_types import TYPES as KV
     from llama_chat.model.loader import load_model
 
@@ -299,14 +303,18 @@ def quality(args, peer) -> None:
         theirs = llama_cpp_quality(peer.bench.parent / "llama-perplexity", path, work / "text.txt", args.ctx,
                                    args.threads, work)
         base = None if args.peer_only else generated_log_probs(model, loaded.args, ids, KV["f32"])
-        for name, kind in [(n, KV[n]) for n in TYPES[1:]]:
+        # As the scheduler keeps them: measured over the module's own paragraph, not this text.
+        centers = key_centers.of_model(model, loaded.tokenizer)
+        # q4_0 twice: its keys kept by the model's measure, as the command keeps them, and as they are.
+        rows = [(n, KV[n], centers) for n in TYPES[1:]] + [("q4_0, keys as they are", KV["q4_0"], None)]
+        for label, kind, measure in rows:
             if base is None:
                 kld, same = math.nan, math.nan
             else:
-                kld, same = agreement(base, generated_log_probs(model, loaded.args, ids, kind))
-            peer_row = theirs.get(name)
+                kld, same = agreement(base, generated_log_probs(model, loaded.args, ids, kind, measure))
+            peer_row = theirs.get(kind.name)
             peer_text = f"{peer_row[0]:.6f} | {peer_row[1]:.3f}" if peer_row else "- | -"
-            print(f"| {path.name} | {name} | {kld:.6f} | {same:.3f} | {peer_text} |", flush=True)
+            print(f"| {path.name} | {label} | {kld:.6f} | {same:.3f} | {peer_text} |", flush=True)
 
 
 # -- speed -----------------------------------------------------------------------------------------

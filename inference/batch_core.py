@@ -37,6 +37,7 @@ from llama_chat.ml.constraints import Constraints
 from llama_chat.ml.processors import TokenHistory, make_controls
 from llama_chat.ml.sampling import draw_uniforms
 from llama_chat.model.formats.common import release_heap
+from llama_chat.model.key_centers import KeyCenters
 from llama_chat.model.paged_kv_cache import PagedKVCache
 from llama_chat.model.transformer import Transformer
 
@@ -98,6 +99,7 @@ class BatchCore:
         # The draft model's pages and steps, made at its first draft, in the step thread (False:
         # its operator does not take it, and it never drafts).
         self._draft_runner: DraftRunner | None | bool = None
+        self.draft_centers: KeyCenters | None = None  # the draft model's key measure, for q4_0 pages
         self.draft_costs = DraftCosts()  # what a drafted token costs here, timed as steps run
         self._settled = True  # nothing held since the memory was last handed back (``_settle``)
 
@@ -375,6 +377,7 @@ class BatchCore:
             assert self.speculation is not None and self.speculation.draft is not None
             made = DraftRunner.make(self.speculation.draft, num_pages=self.settings.num_pages,
                                     page_size=self.settings.page_size, kv_type=self.cache.kv_type,
+                                    centers=self.draft_centers,
                                     sample_ids=self.sample_ids)
             self._draft_runner = False if made is None else made
             self.draft_costs.guess_share_untimed = guess_share(self.speculation.draft, self.model)

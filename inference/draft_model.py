@@ -19,6 +19,7 @@ from llama_chat.inference.page_table import PageTable
 from llama_chat.inference.speculative import ModelDraft
 from llama_chat.model import cpu_decode
 from llama_chat.model.kv_types import KVType
+from llama_chat.model.key_centers import KeyCenters
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedKVCache
 
 # Most rows of tokens the draft model has not seen in one call of its operator: a long prompt is
@@ -55,7 +56,7 @@ class DraftRunner:
 
     @classmethod
     def make(cls, model, *, num_pages: int, page_size: int, kv_type: KVType | torch.dtype,
-             sample_ids: int | None) -> DraftRunner | None:
+             sample_ids: int | None, centers: KeyCenters | None = None) -> DraftRunner | None:
         """In the step thread (in inference mode: the operator's check reads it). The pages keep
         the target's type where the draft model's heads allow it, else float32."""
         if isinstance(kv_type, KVType):
@@ -64,6 +65,7 @@ class DraftRunner:
             except ValueError:
                 kv_type = torch.float32
         cache = PagedKVCache.for_model(model.args, num_pages, page_size, dtype=kv_type)
+        cache.center_keys_by(centers)
         decoder = cpu_decode.operator_for(model, cache)
         if decoder is None:
             return None

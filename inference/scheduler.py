@@ -48,7 +48,7 @@ from llama_chat.ml.controls import DEFAULT_CACHE_BYTES_CAP, DEFAULT_CACHE_TOKENS
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams
-from llama_chat.model import cpu_decode
+from llama_chat.model import cpu_decode, key_centers
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.kv_types import for_device
 from llama_chat.model.transformer import Transformer
@@ -149,6 +149,10 @@ class Scheduler:
         self.core = BatchCore(model, settings, device=device, dtype=kv_type, token_bytes=tokenizer.token_bytes,
                               sample_ids=sample_ids)
         self.core.sizer = sizer
+        if kv_type.centers_keys:  # before any key is written: q4_0 keys are kept by the model's measure
+            self.core.cache.center_keys_by(key_centers.of_model(model, tokenizer))
+            if draft is not None:
+                self.core.draft_centers = key_centers.of_model(draft, tokenizer)
         self.core.constraints = Constraints(tokenizer, self.stop_ids)
         self.core.speculation = options.speculation
         one_call = device.type == "cpu" and cpu_decode.supports(model)

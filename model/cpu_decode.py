@@ -428,7 +428,7 @@ class PagedDecoder(decode.RowsDecoder):
             raise ValueError("the one-call step cannot read this model's weights")
         super().__init__(found.step_weights(model, packed=found.packs_for(alone=True)),
                          lambda: found.step_weights(model, packed=found.packs_for(alone=False)),
-                         cache.keys, cache.values, cache.page_size)
+                         cache.keys, cache.values, cache.page_size, cache.key_centers)
         # Whether steps of several rows read panels: then prompts' chunks are worth taking as
         # rows too (``BatchCore``), a step of them being as long as a few decode steps.
         self.packs_several = found.packs_for(alone=False) and 0 < found.panel_bytes() <= PANELS_AT_MOST

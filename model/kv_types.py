@@ -13,6 +13,11 @@ others two or three levels, are spread over the whole head. Scores do not change
 q . k = Hq . Hk, and a weighted sum of rotated values is the rotated sum, sum w Hv = H sum w v;
 ``load`` turns the rows back, and the operator turns the query instead, and the attention's result
 once per head (H is its own inverse).
+
+A q4_0 key is also shifted and scaled per channel before its rotation, where its cache was given
+the model's measure (``key_centers``): ``store`` and ``load`` take it as ``center``, a layer's
+``(shift, scale)``. ``load`` gives the keys back shifted, ``(k - shift)``: the scores a query
+makes of them differ from the keys' own by one constant, which its softmax does not see.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from llama_chat.ml.controls import CACHE_TYPES
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
 BLOCK = 32  # values per block of q8_0 and q4_0, as llama.cpp's
+# A layer's key measure, float32 ``(kv_heads, head_dim)`` shaped to broadcast against the rows
+# (``(kv_heads, 1, head_dim)`` for ``(kv_heads, positions, head_dim)``): a key is kept as
+# (k - shift) / scale.
+Center = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,7 @@ class KVType:
     storage: torch.dtype
     block_bytes: int = 0  # bytes of a block of BLOCK values; 0: a float type, a value an element
     rotate: bool = False  # Hadamard-rotated keys and values (where the head's size is a power of two)
+    centers_keys: bool = False  # keys shifted and scaled per channel by the model's measure (key_centers)
 
     @property
     def quantized(self) -> bool:
@@ -56,11 +66,15 @@ class KVType:
     def rotates(self, head_dim: int) -> bool:
         return self.rotate and head_dim & (head_dim - 1) == 0
 
-    def store(self, x: torch.Tensor, *, keys: bool) -> torch.Tensor:
-        """Rows ``(..., head_dim)`` as stored rows ``(..., row_size)``."""
+    def store(self, x: torch.Tensor, *, keys: bool, center: Center | None = None) -> torch.Tensor:
+        """Rows ``(..., kv_heads, positions, head_dim)`` as stored rows ``(..., row_size)``;
+        ``center``: the layer's key measure, where this type keeps keys by it."""
         if not self.quantized:
             return x.to(self.storage)
         x = x.float()
+        if keys and center is not None and self.centers_keys:
+            shift, scale = center
+            x = (x - shift) / scale
         if self.name == "q4_0" and x.device.type == "cpu" and cpu_kernels.loaded():
             # The same blocks, by the operator's own code: the torch search is many times slower.
             return torch.ops.llama_chat_cpu.q4_0_rows(x, self.rotates(x.shape[-1]))
@@ -69,8 +83,9 @@ class KVType:
         blocks = x.reshape(*x.shape[:-1], -1, BLOCK)
         return (_q8_0(blocks) if self.name == "q8_0" else _q4_0(blocks)).reshape(*x.shape[:-1], -1)
 
-    def load(self, stored: torch.Tensor, dtype: torch.dtype, *, keys: bool) -> torch.Tensor:
-        """Stored rows ``(..., row_size)`` as values ``(..., head_dim)`` of ``dtype``."""
+    def load(self, stored: torch.Tensor, dtype: torch.dtype, *, keys: bool, center: Center | None = None) -> torch.Tensor:
+        """Stored rows ``(..., kv_heads, positions, row_size)`` as values ``(..., head_dim)`` of
+        ``dtype`` (keys kept by a ``center``: less its shift)."""
         if not self.quantized:
             return stored.to(dtype)
         blocks = stored.reshape(*stored.shape[:-1], -1, self.block_bytes)
@@ -83,6 +98,8 @@ class KVType:
         x = (values * scale).reshape(*stored.shape[:-1], -1)
         if self.rotates(x.shape[-1]):
             x = hadamard(x)
+        if keys and center is not None and self.centers_keys:
+            x = x * center[1]
         return x.to(dtype)
 
 
@@ -146,7 +163,7 @@ TYPES = {
     "f16": KVType("f16", torch.float16),
     "bf16": KVType("bf16", torch.bfloat16),
     "q8_0": KVType("q8_0", torch.uint8, block_bytes=2 + BLOCK),
-    "q4_0": KVType("q4_0", torch.uint8, block_bytes=2 + BLOCK // 2, rotate=True),
+    "q4_0": KVType("q4_0", torch.uint8, block_bytes=2 + BLOCK // 2, rotate=True, centers_keys=True),
 }
 _OF_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 assert set(TYPES) | {"auto"} == set(CACHE_TYPES)
@@ -174,4 +191,4 @@ def of_dtype(dtype: torch.dtype) -> KVType:
     return TYPES[_OF_DTYPE[dtype]]
 
 
-__all__ = ["BLOCK", "KVType", "TYPES", "for_device", "hadamard", "of_dtype"]
+__all__ = ["BLOCK", "Center", "KVType", "TYPES", "for_device", "hadamard", "of_dtype"]

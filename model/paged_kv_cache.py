@@ -20,12 +20,16 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from llama_chat.ml import ops
 from llama_chat.model.kv_cache import mapped_zeros
-from llama_chat.model.kv_types import KVType, of_dtype
+from llama_chat.model.kv_types import Center, KVType, of_dtype
+
+if TYPE_CHECKING:
+    from llama_chat.model.key_centers import KeyCenters
 
 # Page 0 is never handed to a sequence: padding tokens write their keys there and padded block
 # table entries point at it, so a static-shaped step never needs a branch for "no page".
@@ -121,11 +125,27 @@ class PagedKVCache:
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
         # Per layer: the key of the rows last gathered, and their keys and values (see ``mirror``).
         self._mirrors: list[tuple[tuple, torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        # The model's key measure, where the type keeps keys by it (``center_keys_by``).
+        self.key_centers: KeyCenters | None = None
 
     @classmethod
     def for_model(cls, args, num_pages: int, page_size: int, *, device: torch.device | str = "cpu",
                   dtype: torch.dtype | KVType = torch.float32) -> PagedKVCache:
         return cls(args.n_layers, num_pages, page_size, args.n_kv_heads, args.head_dim, device=device, dtype=dtype)
+
+    def center_keys_by(self, centers: KeyCenters | None) -> None:
+        """Keep keys by the model's measure (``key_centers``), where the type does; before any
+        key is written, for a key is read under the measure it was written under."""
+        if self.kv_type.centers_keys:
+            self.key_centers = centers
+
+    def key_center(self, layer: int, positions_dims: int) -> Center | None:
+        """``layer``'s key measure shaped for rows ``(kv_heads, ..., head_dim)`` with
+        ``positions_dims`` dimensions between, or None."""
+        if self.key_centers is None:
+            return None
+        shape = (self.key_centers.shift[layer].shape[0],) + (1,) * positions_dims + (-1,)
+        return self.key_centers.shift[layer].view(shape), self.key_centers.scale[layer].view(shape)
 
     @property
     def type_name(self) -> str:
@@ -328,9 +348,9 @@ class PagedView:
             flat_v.index_copy_(1, batch.slots, v[0])
         else:
             kind = cache.kv_type
-            flat_k.index_copy_(1, batch.slots, kind.store(k[0], keys=True))
+            flat_k.index_copy_(1, batch.slots, kind.store(k[0], keys=True, center=cache.key_center(layer, 1)))
             flat_v.index_copy_(1, batch.slots, kind.store(v[0], keys=False))
-            store_k, store_v = self._read_pages(store_k, store_v, q.dtype)
+            store_k, store_v = self._read_pages(layer, store_k, store_v, q.dtype)
         head_dim = q.shape[-1]
         if not rule.plain:
             return self._attend_ruled(store_k, store_v, q, rule)
@@ -375,7 +395,7 @@ class PagedView:
             parts.append(ops.attention(q[:, :, first:first + length], keys, values, mask, causal=mask is None))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
-    def _read_pages(self, store_k: torch.Tensor, store_v: torch.Tensor,
+    def _read_pages(self, layer: int, store_k: torch.Tensor, store_v: torch.Tensor,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The pages this step reads of a layer, converted to ``dtype``, as a pool of their own
         ``(kv_heads, pages read, page_size, head_dim)``; the first call renumbers the step's
@@ -389,7 +409,7 @@ class PagedView:
                                for first, length, table, start in self.batch.runs)
             self._first_page = self._single_key = None
         kind = self.cache.kv_type
-        return (kind.load(store_k.index_select(1, self._read), dtype, keys=True),
+        return (kind.load(store_k.index_select(1, self._read), dtype, keys=True, center=self.cache.key_center(layer, 2)),
                 kind.load(store_v.index_select(1, self._read), dtype, keys=False))
 
     def _attend_ruled(self, store_k: torch.Tensor, store_v: torch.Tensor, q: torch.Tensor,

@@ -178,6 +178,28 @@ def test_a_scheduler_of_q8_0_pages_gives_each_job_its_tokens_alone_and_gives_pag
     assert page_bytes <= stats.kv_resident_bytes <= 3 * page_bytes
 
 
+def test_a_scheduler_of_q4_0_pages_keeps_keys_by_the_models_measure_and_each_job_its_tokens_alone(sp_model_path):
+    """The measure is made as the scheduler is, before a key is written; the prompts' pages are
+    written by the model's forward and the replies' by the operator, each by the same measure."""
+    import torch
+
+    from builders import random_model, tiny_args
+    from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
+
+    tokenizer = SentencePieceTokenizer(sp_model_path)
+    model = random_model(tiny_args(tokenizer.vocab_size, dim=128, n_heads=4, n_kv_heads=2, max_seq_len=512), seed=2)
+    g = torch.Generator().manual_seed(4)
+    prompts = [[1] + torch.randint(3, tokenizer.vocab_size, (40 + 30 * i,), generator=g).tolist() for i in range(3)]
+    together, _ = scheduler_jobs(model, tokenizer, prompts, cache_type="q4_0", page_size=16)
+    alone = [scheduler_jobs(model, tokenizer, [p], cache_type="q4_0", page_size=16)[0][0] for p in prompts]
+    assert together == alone
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+
+    pages = Scheduler(model, tokenizer, SchedulerOptions(cache_type="q4_0", max_batch=2)).core.cache
+    assert pages.key_centers is not None and len(pages.key_centers.shift) == model.args.n_layers
+    assert Scheduler(model, tokenizer, SchedulerOptions(cache_type="q8_0", max_batch=2)).core.cache.key_centers is None
+
+
 def test_a_cache_type_the_models_heads_cannot_take_is_one_line(sp_model_path):
     from builders import random_model, tiny_args
     from llama_chat.inference.scheduler import Scheduler, SchedulerOptions

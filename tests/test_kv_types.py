@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from llama_chat.model import kv_types
+from builders import random_model, tiny_args
+from llama_chat.model import key_centers, kv_types
 from llama_chat.model.kv_types import TYPES, for_device, hadamard
 
 
@@ -80,6 +81,56 @@ def test_rotating_q4_0_rows_spreads_an_outlier_and_keeps_scores_and_sums():
     odd = rows(dim=96)
     for keys_ in (True, False):
         assert torch.equal(rotated.store(odd, keys=keys_), plain.store(odd, keys=keys_))
+
+
+def off_centre_keys(positions: int, seed: int) -> torch.Tensor:
+    """Keys ``(kv_heads, positions, head_dim)`` as a trained model's sit: a common part per channel
+    larger than what varies, and a few channels spread wider than the rest."""
+    g = torch.Generator().manual_seed(100)  # the same model: its channels' bias and spread
+    common = 3 * torch.randn(2, 1, 64, generator=g)
+    spread = torch.ones(2, 1, 64)
+    spread[..., :4] = 6
+    return common + spread * torch.randn(2, positions, 64, generator=torch.Generator().manual_seed(seed))
+
+
+def attention_weights(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(q @ keys.transpose(1, 2) / 8, dim=-1)
+
+
+def test_q4_0_keys_kept_by_a_measure_give_the_weights_of_the_keys_themselves_more_closely():
+    """Kept as (k - shift) / scale and read back as (k - shift): every score of a query moves by
+    the same q . shift, which the softmax does not see, and the error of the weights falls."""
+    keys, q = off_centre_keys(256, seed=1), torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(2))
+    center = tuple(t.unsqueeze(1) for t in key_centers.of_keys(off_centre_keys(128, seed=3)))  # other keys
+    kind = TYPES["q4_0"]
+    plain = kind.load(kind.store(keys, keys=True), torch.float32, keys=True)
+    centred = kind.load(kind.store(keys, keys=True, center=center), torch.float32, keys=True, center=center)
+    assert torch.allclose(centred + center[0], keys, atol=0.3 * float(keys.abs().max()))
+
+    def error(read: torch.Tensor) -> float:  # the weights' total variation, on average
+        return float((attention_weights(q, read) - attention_weights(q, keys)).abs().sum(-1).mean() / 2)
+
+    assert error(centred) < 0.5 * error(plain), (error(centred), error(plain))
+    # Values, and the other types, are kept as they are whatever the measure.
+    assert torch.equal(kind.store(keys, keys=False, center=center), kind.store(keys, keys=False))
+    assert torch.equal(TYPES["q8_0"].store(keys, keys=True, center=center), TYPES["q8_0"].store(keys, keys=True))
+
+
+def test_a_models_key_measure_has_no_shift_where_its_scores_are_capped():
+    keys = off_centre_keys(64, seed=4)
+    shift, scale = key_centers.of_keys(keys)
+    assert torch.allclose(shift, keys.mean(dim=1)) and shift.abs().max() > 1
+    assert torch.allclose(scale.log().mean(-1), torch.zeros(2), atol=1e-5)
+    assert bool((scale[:, :4] > 2 * scale[:, 4:].max(dim=-1, keepdim=True).values).all())  # the wide channels
+    unshifted, _ = key_centers.of_keys(keys, shifted=False)
+    assert torch.equal(unshifted, torch.zeros(2, 64))
+    ids = list(range(3, 40))
+    for cap in (None, 50.0):
+        model = random_model(tiny_args(64, attention_softcap=cap), seed=2)
+        measured = key_centers.measure(model, ids)
+        assert len(measured.shift) == len(measured.scale) == model.args.n_layers
+        assert measured.shift[0].shape == (model.args.n_kv_heads, model.args.head_dim)
+        assert (measured.shift[0].abs().max() == 0) == (cap is not None)
 
 
 def test_a_zero_block_stays_zero():

@@ -535,6 +535,11 @@ struct CacheView {
   // Hadamard-rotated rows (q4_0): keys meet a query rotated the same way; a weighted sum of
   // values is rotated back once.
   bool rotated = false;
+  // Keys kept by the model's measure (model/key_centers.py): (k - shift) / scale per head and
+  // channel, (kv_heads, head_dim) each; null where they are kept as they are. The scale is undone
+  // on the query (`query_for`); the shift only moves all of a query's scores alike.
+  const float* shift = nullptr;
+  const float* scale = nullptr;
   int64_t page_size = 0, head_dim = 0, row_bytes = 0, head_stride = 0, page_stride = 0;
   const int64_t* tables = nullptr;
   int64_t width = 0;  // table entries per row
@@ -548,14 +553,33 @@ struct CacheView {
     return data + head * head_stride + tables[row * width + page] * page_stride;
   }
   void store(int64_t row, int64_t head, int64_t position, const float* values) const {
-    if (rotated) {
+    if (rotated || shift != nullptr) {
       float turned[kMaxRotated];
-      std::memcpy(turned, values, sizeof(float) * head_dim);
-      hadamard(turned, head_dim);
+      if (shift != nullptr) {
+        // As kv_types.py's store: the difference, then the quotient, so that both write alike.
+        const float *by = shift + head * head_dim, *over = scale + head * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) turned[i] = (values[i] - by[i]) / over[i];
+      } else {
+        std::memcpy(turned, values, sizeof(float) * head_dim);
+      }
+      if (rotated) hadamard(turned, head_dim);
       kv_store_row(kind, turned, head_dim, slot(row, head, position));
     } else {
       kv_store_row(kind, values, head_dim, slot(row, head, position));
     }
+  }
+  // The query that meets these keys: scaled and rotated as they were (`turned`, head_dim
+  // floats), or `q` itself.
+  const float* query_for(int64_t head, const float* q, float* turned) const {
+    if (!rotated && scale == nullptr) return q;
+    if (scale != nullptr) {
+      const float* by = scale + head * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) turned[i] = q[i] * by[i];
+    } else {
+      std::memcpy(turned, q, sizeof(float) * head_dim);
+    }
+    if (rotated) hadamard(turned, head_dim);
+    return turned;
   }
   // scores[t] = q . key(t) * scale for positions t in [first, count), page by page (q rotated
   // already where the keys are).
@@ -811,13 +835,13 @@ struct LayerTensors {
   at::Tensor qkv, out, gate_up, down;
   std::optional<at::Tensor> qkv_scales, out_scales, gate_up_scales, down_scales;
   at::Tensor attention_norm, ffn_norm, rope, keys, values;
-  std::optional<at::Tensor> qkv_bias, q_norm, k_norm, attention_post_norm, ffn_post_norm;
+  std::optional<at::Tensor> qkv_bias, q_norm, k_norm, attention_post_norm, ffn_post_norm, key_shift, key_scale;
 
   LayerTensors(const Named& named, int64_t layer) {
     static const std::vector<std::string> kNames = {
         "qkv", "qkv.scales", "out", "out.scales", "gate_up", "gate_up.scales", "down", "down.scales",
         "attention_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm", "attention_post_norm", "ffn_post_norm",
-        "rope", "keys", "values"};
+        "rope", "keys", "values", "key_shift", "key_scale"};
     for (const auto& entry : named)
       TORCH_CHECK(std::find(kNames.begin(), kNames.end(), entry.key()) != kNames.end(), "decode_step: layer ", layer,
                   " has a part named '", entry.key(), "' that no step reads");
@@ -838,6 +862,7 @@ struct LayerTensors {
     rope = required("rope"), keys = required("keys"), values = required("values");
     qkv_bias = optional("qkv_bias"), q_norm = optional("q_norm"), k_norm = optional("k_norm");
     attention_post_norm = optional("attention_post_norm"), ffn_post_norm = optional("ffn_post_norm");
+    key_shift = optional("key_shift"), key_scale = optional("key_scale");
   }
 };
 
@@ -983,6 +1008,11 @@ struct StepModel : torch::CustomClassHolder {
       layer.window = windows.empty() ? 0 : windows[static_cast<size_t>(l)];
       layer.keys = cache_of("keys", l, t.keys, n_kv_heads, head_dim, page_size);
       layer.values = cache_of("values", l, t.values, n_kv_heads, head_dim, page_size);
+      TORCH_CHECK(t.key_shift.has_value() == t.key_scale.has_value() &&
+                      (!t.key_shift.has_value() || (layer.keys.kind == KV::Q4_0 && head_dim <= CacheView::kMaxRotated)),
+                  "decode_step: layer ", l, " has a key shift and scale for q4_0 keys only, both or neither");
+      layer.keys.shift = float_vector_or_none("key_shift", l, t.key_shift, n_kv_heads * head_dim);
+      layer.keys.scale = float_vector_or_none("key_scale", l, t.key_scale, n_kv_heads * head_dim);
       for (CacheView* view : {&layer.keys, &layer.values}) {
         view->tables = tables;
         view->width = width;
@@ -1084,7 +1114,7 @@ struct SharedStep {
   std::unique_ptr<Stage[]> stages;
   std::vector<Pick> thread_picks;  // each thread's greedy picks of its classifier ranges
   Attend attend_in_vectors = nullptr;
-  bool rotated_keys = false, rotated_values = false;
+  bool rotated_values = false;
 
   SharedStep(const StepModel& m, const StepInputs& s, const std::vector<Layer>& layers, float* out, int threads)
       : model(m), step(s), logits(out), h(s.hidden, s.hidden + s.rows * m.dim) {
@@ -1104,7 +1134,6 @@ struct SharedStep {
 #ifdef __AVX512F__
     attend_in_vectors = vector_attention(layers[0].keys.kind, m.head_dim);
 #endif
-    rotated_keys = layers[0].keys.rotated;
     rotated_values = layers[0].values.rotated;
   }
 
@@ -1173,13 +1202,8 @@ class StepThread {
       for (int64_t unit = first; unit < stop; ++unit) {
         const int64_t r = unit / n_heads, head = unit % n_heads, kv = head / group, last = s_.step.positions[r];
         const int64_t first_key = layer.window > 0 ? std::max<int64_t>(0, last - layer.window + 1) : 0;
-        const float* query = s_.q.data() + r * m.q_width + head * head_dim;
-        if (s_.rotated_keys) {  // the keys are stored rotated: so is the query they meet
-          float* turned = scratch_.turned.data();
-          std::memcpy(turned, query, sizeof(float) * head_dim);
-          hadamard(turned, head_dim);
-          query = turned;
-        }
+        const float* query = layer.keys.query_for(kv, s_.q.data() + r * m.q_width + head * head_dim,
+                                                  scratch_.turned.data());
         float* scores = scratch_.scores.data();  // by position: those before first_key unused
         float* result = interleaved ? scratch_.head.data() : s_.attended.data() + r * m.q_width + head * head_dim;
         if (s_.attend_in_vectors != nullptr) {

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from llama_chat.ml.packed import PackedWeight
+
+if TYPE_CHECKING:
+    from llama_chat.model.key_centers import KeyCenters
 
 # Outputs per panel of packed float32 weights (``panels.h``).
 PANEL = 16
@@ -121,11 +125,16 @@ class StepWeights:
         """Whether every weight and the classifier are panels."""
         return all(p.panels for layer in self.layers for p in layer.projections()) and self.output.panels
 
-    def over(self, keys: list[torch.Tensor], values: list[torch.Tensor], page_size: int) -> torch.ScriptObject:
+    def over(self, keys: list[torch.Tensor], values: list[torch.Tensor], page_size: int,
+             centers: KeyCenters | None = None) -> torch.ScriptObject:
         """The operator's ``StepModel`` of these weights over a cache of these keys and values (per
-        layer ``(kv_heads, pages, page_size, head_dim)``), checked once, for any number of steps."""
+        layer ``(kv_heads, pages, page_size, head_dim)``, keys kept by ``centers`` where given),
+        checked once, for any number of steps."""
         layers = [{**layer.tensors(), "rope": rope, "keys": k, "values": v}
                   for layer, rope, k, v in zip(self.layers, self.ropes, keys, values, strict=True)]
+        if centers is not None:
+            for layer, shift, scale in zip(layers, centers.shift, centers.scale, strict=True):
+                layer["key_shift"], layer["key_scale"] = shift, scale
         top = {"norm": self.final_norm, "output": self.output.weight}
         if self.output.scales is not None:
             top["output.scales"] = self.output.scales
@@ -208,17 +217,17 @@ class RowsDecoder:
     ``several`` makes, made at the first such step (a chat's scheduler never takes one)."""
 
     def __init__(self, lone: StepWeights, several: Callable[[], StepWeights], keys: list[torch.Tensor],
-                 values: list[torch.Tensor], page_size: int) -> None:
+                 values: list[torch.Tensor], page_size: int, centers: KeyCenters | None = None) -> None:
         self.embedding = _plain(lone.embedding)
         self.vocab_size, dim = _shape(self.embedding)
         self.classes = lone.classes  # logits per row
         self.page_size = page_size
         self._run = _decode_step()
-        self._keys, self._values = keys, values
+        self._keys, self._values, self._centers = keys, values, centers
         self._lone = lone
         self._several_weights: StepWeights | None = None
         self._make_several = several
-        self._lone_model = lone.over(keys, values, page_size)
+        self._lone_model = lone.over(keys, values, page_size, centers)
         self._several_model: torch.ScriptObject | None = None
         # The inputs go in through NumPy views of kept tensors (``_RowsInputs``), a lone row's too.
         self._embedding_rows = _EmbeddingRows.of(self.embedding)
@@ -264,7 +273,7 @@ class RowsDecoder:
         if rows == 1:
             return self._lone_model
         if self._several_model is None:
-            self._several_model = self.weights_for(rows).over(self._keys, self._values, self.page_size)
+            self._several_model = self.weights_for(rows).over(self._keys, self._values, self.page_size, self._centers)
         return self._several_model
 
     def _inputs(self, tokens: list[int], positions: list[int], tables: list[list[int]]) -> tuple:
