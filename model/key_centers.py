@@ -4,14 +4,17 @@ Trained models' keys are far from centred: after the rotary embedding, Gemma 3's
 common part per channel whose norm is half to four fifths of a key's, and a few channels spread
 much wider than the rest. Four bits a value, spent on that, leave little for what tells one key
 from another. So a q4_0 page keeps ``(k - shift) / scale`` per channel (then rotated, as
-``kv_types`` says), where ``shift`` is the keys' mean and ``scale`` a power of their spread, both
-per layer, head and channel, measured from a fixed paragraph at start:
+``kv_types`` says), both per layer, head and channel, measured from a fixed paragraph at start:
 
-- the shift changes no attention weight: it takes ``q . shift`` from every score of a query, and
-  a softmax does not see a constant taken from all its inputs. A model whose scores are capped
-  (``c tanh(s / c)``, Gemma 2) does see it, and keeps a zero shift;
-- the scale is undone on the query's side, ``q . k = (scale q) . ((k - shift) / scale) + q . shift``,
-  as the rotation is.
+- ``shift`` is the keys' mean. It changes no attention weight: it takes ``q . shift`` from every
+  score of a query, and a softmax does not see a constant taken from all its inputs. A model whose
+  scores are capped (``c tanh(s / c)``, Gemma 2) does see it, and keeps a zero shift;
+- ``scale`` is undone on the query's side, ``q . k = (scale q) . ((k - shift) / scale) + q . shift``,
+  as the rotation is. What a score loses is ``sum_i q_i scale_i e_i``, where the rotation makes
+  the errors ``e_i`` alike over channels, of a size set by ``sum_j K_j / scale_j^2`` (``K_j``: the
+  keys' spread squared, ``Q_i`` the queries' mean square). The product of the two sums is least,
+  by Cauchy-Schwarz, at ``scale_i = (K_i / Q_i) ** (1 / 4)``: wide keys kept coarser, channels the
+  queries lean on kept finer.
 
 What each part gains on a trained model: ``benchmarks/bench_kv_memory.py quality`` and
 docs/benchmarks.md, "KV cache types". A key written under one measure must be read under the
@@ -25,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from llama_chat.model.kv_cache import KVCache
+from llama_chat.model.paged_kv_cache import PagedBatch, PagedKVCache
 
-# Any prose does: what is measured is where the model puts its keys, not what the text says.
+# Any prose does: what is measured is where the model puts its keys and queries, not what the
+# text says.
 CALIBRATION_TEXT = (
     "The river ran low that autumn, and the village watched the stones come up one by one. "
     "Mara kept a notebook of them: the flat grey one shaped like a boat, the white one with a "
@@ -37,9 +41,7 @@ CALIBRATION_TEXT = (
     "back, for three days without stopping, and the stones went under again. Mara read her "
     "notes aloud at supper. Her brother listened to all of them, and asked for the one about "
     "the boat twice.")
-# The scale is the channel's spread to this power: the whole spread (1) divides out the wide
-# channels' share of the scores' error too far, none (0) leaves them setting the blocks' scales.
-SPREAD_POWER = 0.75
+_PAGE = 16  # the measuring pass's pages (its own pool, thrown away)
 
 
 @dataclass(frozen=True)
@@ -61,34 +63,57 @@ def of_model(model, tokenizer) -> KeyCenters | None:
 
 
 def measure(model, ids: Sequence[int]) -> KeyCenters:
-    """``model``'s keys over ``ids`` (their first token left out: a first token's key is often
-    an outlier that every later query leans on), one forward into a float32 cache."""
+    """``model``'s keys and queries over ``ids`` (their first token left out: a first token's key
+    is often an outlier that every later query leans on), one forward into float32 pages."""
     a = model.args
     ids = list(ids)[:a.max_seq_len]
     if len(ids) < 3:
         raise ValueError(f"measuring where keys sit needs at least 3 tokens, got {len(ids)}")
     device = next(model.parameters()).device
-    cache = KVCache.for_model(a, 1, max_seq_len=len(ids), device=device, dtype=torch.float32)
+    n, pages = len(ids), -(-len(ids) // _PAGE)
+    cache = PagedKVCache.for_model(a, pages + 1, _PAGE, device=device, dtype=torch.float32)
+    arange = torch.arange(n, device=device)
+    view = cache.view(PagedBatch(arange + _PAGE, arange, 0, None,
+                                 ((0, n, torch.arange(1, pages + 1, device=device), 0),)))
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    attend = view.attend
+
+    def recording(layer, q, k, v, *rule):
+        seen[layer] = (q[0, :, 1:].float().cpu(), k[0, :, 1:].float().cpu())
+        return attend(layer, q, k, v, *rule)
+
+    view.attend = recording
     with torch.inference_mode():
-        model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device).unsqueeze(0), cache)
+        model(torch.tensor([ids], device=device), arange.unsqueeze(0), view)
     shifts, scales = [], []
-    for keys in cache.keys:
-        shift, scale = of_keys(keys[0, :, 1:].float().cpu(), shifted=a.attention_softcap is None)
+    for layer in range(a.n_layers):
+        queries, keys = seen[layer]
+        shift, scale = of_keys(keys, queries, shifted=a.attention_softcap is None)
         shifts.append(shift)
         scales.append(scale)
     return KeyCenters(shifts, scales)
 
 
-def of_keys(keys: torch.Tensor, *, shifted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def of_keys(keys: torch.Tensor, queries: torch.Tensor | None = None, *,
+            shifted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The shift and scale, ``(kv_heads, head_dim)`` each, of keys ``(kv_heads, positions,
-    head_dim)``: their mean (zero where not ``shifted``), and their spread about it to
-    ``SPREAD_POWER``, a head's scales of geometric mean one."""
+    head_dim)`` met by ``queries`` (``(heads, positions, head_dim)``, a group of heads a key head;
+    None: alike in every channel): the keys' mean (zero where not ``shifted``), and
+    ``(K / Q) ** (1 / 4)`` with a head's scales of geometric mean one."""
     shift = keys.mean(dim=1) if shifted else keys.new_zeros(keys.shape[0], keys.shape[2])
-    spread = (keys - shift.unsqueeze(1)).square().mean(dim=1).sqrt()
-    spread = spread.clamp_min(spread.amax(dim=-1, keepdim=True).clamp_min(1e-6) * 1e-3)
-    scale = spread ** SPREAD_POWER
+    spread = (keys - shift.unsqueeze(1)).square().mean(dim=1)
+    leaned = torch.ones_like(spread) if queries is None else (
+        queries.square().mean(dim=1).view(keys.shape[0], -1, keys.shape[2]).mean(dim=1))
+    ratio = at_least_a_millionth(spread) / at_least_a_millionth(leaned)
+    scale = ratio ** 0.25
     scale = scale / scale.log().mean(dim=-1, keepdim=True).exp()
     return shift.contiguous(), scale.contiguous()
 
 
-__all__ = ["CALIBRATION_TEXT", "KeyCenters", "SPREAD_POWER", "measure", "of_keys", "of_model"]
+def at_least_a_millionth(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each head's channels raised to a millionth of its largest: a channel that never
+    moves must not make a scale of nothing (nor of infinity)."""
+    return x.clamp_min(x.amax(dim=-1, keepdim=True).clamp_min(1e-12) * 1e-6)
+
+
+__all__ = ["CALIBRATION_TEXT", "KeyCenters", "measure", "of_keys", "of_model"]

@@ -116,12 +116,18 @@ def test_q4_0_keys_kept_by_a_measure_give_the_weights_of_the_keys_themselves_mor
     assert torch.equal(TYPES["q8_0"].store(keys, keys=True, center=center), TYPES["q8_0"].store(keys, keys=True))
 
 
-def test_a_models_key_measure_has_no_shift_where_its_scores_are_capped():
+def test_a_models_key_measure_keeps_wide_keys_coarser_and_leaned_on_ones_finer_and_no_shift_where_scores_are_capped():
     keys = off_centre_keys(64, seed=4)
     shift, scale = key_centers.of_keys(keys)
     assert torch.allclose(shift, keys.mean(dim=1)) and shift.abs().max() > 1
     assert torch.allclose(scale.log().mean(-1), torch.zeros(2), atol=1e-5)
     assert bool((scale[:, :4] > 2 * scale[:, 4:].max(dim=-1, keepdim=True).values).all())  # the wide channels
+    # Channels the queries lean on are kept finer: a query four times wider in a channel halves
+    # its key's scale, (K / Q) ** (1 / 4), against the head's others.
+    queries = torch.ones(4, 64, 64)
+    queries[:, :, 10] = 4
+    _, leaned = key_centers.of_keys(keys, queries)
+    assert torch.allclose((scale / leaned)[:, 10] / (scale / leaned)[:, 11], torch.full((2,), 2.0), rtol=1e-4)
     unshifted, _ = key_centers.of_keys(keys, shifted=False)
     assert torch.equal(unshifted, torch.zeros(2, 64))
     ids = list(range(3, 40))
