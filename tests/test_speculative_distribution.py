@@ -72,8 +72,8 @@ def p_value(a: list[int], b: list[int]) -> float:
     bin_of = {token: i for i, token in enumerate(top)}
     table = torch.zeros(2, BINS + 1, dtype=torch.float64)
     for row, sample in enumerate((a, b)):
-        for token in sample:
-            table[row, bin_of.get(token, BINS)] += 1
+        for token, count in Counter(sample).items():
+            table[row, bin_of.get(token, BINS)] += count
     expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
     statistic = ((table - expected) ** 2 / expected).sum()
     return float(torch.special.gammaincc(torch.tensor(BINS / 2, dtype=torch.float64), statistic / 2))
