@@ -32,6 +32,9 @@ __all__ = ["Draw", "SamplingMode", "SamplingParams", "apply_top_p", "choose", "d
 # small part of a full sort, and a typical next-token distribution puts almost all of its mass in
 # a few hundred tokens, so the first pool nearly always holds the whole nucleus.
 _CANDIDATE_POOLS = (256, 4096)
+# A row's first pool: its tokens whose scaled logit is within this of its largest (a probability
+# at least e^-12 of the likeliest's). Where they hold less than top_p, the pools above are taken.
+NEAR_LARGEST = 12.0
 
 
 class _Nucleus(NamedTuple):
@@ -44,24 +47,47 @@ class _Nucleus(NamedTuple):
 
 
 def _nucleus(logits: torch.Tensor, top_p: float) -> _Nucleus:
-    """The candidates covering each row's nucleus.
+    """The candidates covering each row's nucleus, likeliest first and equal ones by id.
 
     The nucleus is the smallest set of most-probable tokens whose probabilities sum to at least
     ``top_p``: a token is kept when the mass ranked strictly above it is below ``top_p``, so the
-    top token always survives. If the top-k candidates of every row already carry ``top_p`` of the
-    mass, the nucleus lies inside them and the result is exact without a full sort.
+    top token always survives. If a pool of each row's likeliest candidates already carries
+    ``top_p`` of the mass, the nucleus lies inside it and the result is exact without a full sort.
+    Every pool ranks equal values by id, so a row draws the same token whichever pool held it.
     """
     vocab = logits.shape[-1]
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)  # normalises over the full vocab
-    for k in (*(k for k in _CANDIDATE_POOLS if k < vocab), vocab):
-        if k < vocab:
-            values, ids = torch.topk(logits, k, dim=-1)
-        else:
-            values, ids = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.exp(values - log_total)
-        cumulative = torch.cumsum(probs, dim=-1)
-        if k == vocab or bool((cumulative[:, -1] >= top_p).all()):
-            break
+    if logits.shape[0] == 1:
+        # A row's values near its largest, found in one pass, are its first pool: most often a
+        # few dozen, where topk's first pool ranks 256 (most of a large vocabulary's draw).
+        found = cpu_kernels.near_largest(logits[0], NEAR_LARGEST, _CANDIDATE_POOLS[-1])
+        if found is not None:
+            nucleus = _in_pool(*_ranked(logits[:, found], found.unsqueeze(0)), log_total, top_p)
+            if nucleus is not None:
+                return nucleus
+    for k in (k for k in _CANDIDATE_POOLS if k < vocab):
+        nucleus = _in_pool(*_ranked(*torch.topk(logits, k, dim=-1)), log_total, top_p)
+        if nucleus is not None:
+            return nucleus
+    values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
+    return _in_pool(values, ids, log_total, top_p, whole=True)
+
+
+def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool's ``values`` and ``ids`` (``(rows, k)``) likeliest first, equal values by id."""
+    ids, by_id = ids.sort(dim=-1)
+    values, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(-1, order)
+
+
+def _in_pool(values: torch.Tensor, ids: torch.Tensor, log_total: torch.Tensor, top_p: float, *,
+             whole: bool = False) -> _Nucleus | None:
+    """The nucleus within a ranked pool, or None where some row's pool holds less than ``top_p``
+    of its mass (then the nucleus may reach past it); a ``whole`` row's pool is the row."""
+    probs = torch.exp(values - log_total)
+    cumulative = torch.cumsum(probs, dim=-1)
+    if not whole and not bool((cumulative[:, -1] >= top_p).all()):
+        return None
     keep = (cumulative - probs) < top_p
     return _Nucleus(ids, values, probs * keep, keep)
 

@@ -180,3 +180,44 @@ def test_cuda_rows_are_deterministic_and_stay_in_the_nucleus():
     assert a.device.type == "cuda" and torch.equal(a, b)
     kept = torch.isfinite(apply_top_p(logits / 0.8, 0.9))
     assert bool(kept.gather(-1, a[:, None]).all())
+
+
+@pytest.fixture
+def operator(cpu_kernels_loaded):
+    if not cpu_kernels_loaded:
+        pytest.skip("the operator is not built here")
+    from llama_chat.ml.cpu import kernels
+
+    return kernels
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 100, 32000, 32003])
+def test_near_largest_is_every_place_within_the_margin_in_order(operator, size):
+    row = random_logits(1, size, seed=size)[0]
+    for margin in (0.0, 1.0, 6.0, 100.0):
+        want = torch.nonzero(row >= row.max() - margin).flatten()
+        assert torch.equal(operator.near_largest(row, margin, size), want)
+    assert operator.near_largest(row, 100.0, size - 1) is None  # more than most: the pools' way
+    for bad in (float("nan"), float("inf")):
+        spoiled = row.clone()
+        spoiled[size // 2] = bad
+        assert operator.near_largest(spoiled, 6.0, size) is None
+
+
+@pytest.mark.parametrize("vocab", [50, 4099, 32000])
+def test_a_rows_draw_through_the_values_near_its_largest_is_the_pools_draw(operator, monkeypatch, vocab):
+    """The same nucleus in the same order, so the same token from the same uniform: peaked rows
+    (the near values hold top_p), flat ones (they do not: the pools decide) and rows of ties."""
+    rows = [random_logits(1, vocab, seed=s, scale=scale) for s, scale in enumerate((0.05, 1.0, 3.0, 8.0))]
+    peaked = random_logits(1, vocab, seed=9, scale=2.0)
+    peaked[0, :30] += 12
+    rows.append(peaked)
+    rows.append(torch.round(random_logits(1, vocab, seed=10, scale=4.0) * 2) / 2)  # many equal values
+    uniforms = torch.linspace(0, 1, 13, dtype=torch.float64)[:-1]
+    for top_p in (0.5, 0.95):
+        params = SamplingParams(temperature=0.8, top_p=top_p)
+        near = [[int(sample(row, params, u.view(1))) for u in uniforms] for row in rows]
+        with monkeypatch.context() as m:
+            m.setattr(operator, "near_largest", lambda *args: None)
+            pooled = [[int(sample(row, params, u.view(1))) for u in uniforms] for row in rows]
+        assert near == pooled

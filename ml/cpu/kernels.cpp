@@ -17,7 +17,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <string_view>
 #include <vector>
 
@@ -277,16 +279,54 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// The places of a row's values within `margin` of its largest, in order of place: the candidates
+// of a nucleus (ml/sampling.py), found in one pass where torch.topk sorts a pool. Empty where
+// more than `most` are, or the row's largest is not a finite number: the caller takes its pools.
+at::Tensor near_largest(const at::Tensor& row, double margin, int64_t most) {
+  TORCH_CHECK(row.dim() == 1 && row.scalar_type() == at::kFloat && row.is_contiguous() && row.numel() > 0,
+              "near_largest: a contiguous float32 row");
+  const float* v = row.data_ptr<float>();
+  const int64_t n = row.numel();
+  const Pick largest = pick_of(v, n);
+  std::vector<int64_t> found;
+  if (largest.nan || !std::isfinite(largest.value))
+    return at::empty({0}, row.options().dtype(at::kLong));
+  const float floor = largest.value - static_cast<float>(margin);
+  const auto take = [&](int64_t i) {
+    if (static_cast<int64_t>(found.size()) == most) return false;
+    found.push_back(i);
+    return true;
+  };
+  int64_t i = 0;
+#ifdef LLAMA_CHAT_AVX2
+  const __m256 low = _mm256_set1_ps(floor);
+  for (; i + 8 <= n; i += 8) {
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), low, _CMP_GE_OQ));
+    while (mask != 0) {
+      if (!take(i + __builtin_ctz(static_cast<unsigned>(mask)))) return at::empty({0}, row.options().dtype(at::kLong));
+      mask &= mask - 1;
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (v[i] >= floor && !take(i)) return at::empty({0}, row.options().dtype(at::kLong));
+  at::Tensor out = at::empty({static_cast<int64_t>(found.size())}, row.options().dtype(at::kLong));
+  std::copy(found.begin(), found.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llama_chat_cpu, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? scales=None) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("near_largest(Tensor row, float margin, int most) -> Tensor");
   m.def("packed_product(Tensor x, Tensor data, str kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {
   m.impl("matvec", &matvec);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("near_largest", &near_largest);
   m.impl("packed_product", &packed_product);
 }

@@ -303,6 +303,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def near_largest(row: torch.Tensor, margin: float, most: int) -> torch.Tensor | None:
+    """The places of ``row``'s values within ``margin`` of its largest, in order of place, through
+    the operator; None where it is not loaded, the row is not float32 on the CPU, more than
+    ``most`` are, or the row's largest is not a finite number."""
+    if not (loaded() and row.device.type == "cpu" and row.dtype == torch.float32 and row.dim() == 1
+            and row.numel() > 0):
+        return None
+    found = torch.ops.llama_chat_cpu.near_largest.default(row.contiguous(), margin, most)
+    return found if found.numel() else None
+
+
 # Where Linux says whether it backs memory with 2 MiB pages when asked (``[madvise]``) or always.
 HUGE_PAGES_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 LARGE_PAGE = 2 << 20
