@@ -18,8 +18,8 @@ import torch
 from llama_chat.inference.page_table import PageTable
 from llama_chat.inference.speculative import ModelDraft
 from llama_chat.model import cpu_decode
-from llama_chat.model.kv_types import KVType
 from llama_chat.model.key_centers import KeyCenters
+from llama_chat.model.kv_types import KVType
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedKVCache
 
 # Most rows of tokens the draft model has not seen in one call of its operator: a long prompt is
