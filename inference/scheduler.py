@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import torch
@@ -96,7 +97,7 @@ class Scheduler:
     """Owns a model, its paged KV cache and the job queue; see the module's docstring."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, options: SchedulerOptions = SchedulerOptions(),
-                 *, name: str = "") -> None:
+                 *, name: str = "", source: str | Path | None = None) -> None:
         first = next(model.parameters())
         device, dtype = first.device, first.dtype
         parameters = sum(p.numel() for p in model.parameters())
@@ -150,7 +151,7 @@ class Scheduler:
                               sample_ids=sample_ids)
         self.core.sizer = sizer
         if kv_type.centers_keys:  # before any key is written: q4_0 keys are kept by the model's measure
-            self.core.cache.center_keys_by(key_centers.of_model(model, tokenizer))
+            self.core.cache.center_keys_by(key_centers.of_model(model, tokenizer, source=source))
             if draft is not None:
                 self.core.draft_centers = key_centers.of_model(draft, tokenizer)
         self.core.constraints = Constraints(tokenizer, self.stop_ids)
@@ -170,7 +171,7 @@ class Scheduler:
     @classmethod
     def from_loaded(cls, loaded, options: SchedulerOptions = SchedulerOptions()) -> Scheduler:
         """From a ``model.loader.LoadedModel``."""
-        return cls(loaded.model, loaded.tokenizer, options, name=loaded.name)
+        return cls(loaded.model, loaded.tokenizer, options, name=loaded.name, source=loaded.path)
 
     # -- the library API -------------------------------------------------------------------------
 

@@ -19,15 +19,22 @@ from another. So a q4_0 page keeps ``(k - shift) / scale`` per channel (then rot
 What each part gains on a trained model: ``benchmarks/bench_kv_memory.py quality`` and
 docs/benchmarks.md, "KV cache types". A key written under one measure must be read under the
 same: the measure is made before the first key is written and never changes for the pages' life.
+Any measure gives the same attention weights up to the blocks' rounding, so one kept from an
+earlier run of the same file (``of_model``'s ``source``, in the user cache) serves as well as a new
+one, and saves the start a forward of the paragraph.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from llama_chat.ml.user_cache import user_cache_dir
 from llama_chat.model.paged_kv_cache import PagedBatch, PagedKVCache
 
 # Any prose does: what is measured is where the model puts its keys and queries, not what the
@@ -42,6 +49,9 @@ CALIBRATION_TEXT = (
     "notes aloud at supper. Her brother listened to all of them, and asked for the one about "
     "the boat twice.")
 _PAGE = 16  # the measuring pass's pages (its own pool, thrown away)
+# What a kept measure was made by: a change to the paragraph or the formula changes it, and the
+# measures kept before are then not read.
+MEASURE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -52,14 +62,67 @@ class KeyCenters:
     scale: list[torch.Tensor]
 
 
-def of_model(model, tokenizer) -> KeyCenters | None:
+def of_model(model, tokenizer, *, source: str | Path | None = None) -> KeyCenters | None:
     """``measure`` over ``CALIBRATION_TEXT`` as ``tokenizer`` reads it; None for a tokenizer that
-    cannot encode text (a test's ids-only stand-in), whose keys are then kept as they are."""
+    cannot encode text (a test's ids-only stand-in), whose keys are then kept as they are. With
+    the ``source`` file or folder the model was loaded from, the measure is kept in the user cache
+    and read back by later runs of the same files."""
     from llama_chat.model.tokenizers.base import encode_prompt
 
     if not callable(getattr(tokenizer, "encode", None)):
         return None
-    return measure(model, encode_prompt(tokenizer, CALIBRATION_TEXT))
+    ids = encode_prompt(tokenizer, CALIBRATION_TEXT)
+    kept = kept_path(model, ids, source)
+    found = None if kept is None else read_kept(kept, model)
+    if found is not None:
+        return found
+    measured = measure(model, ids)
+    if kept is not None:
+        keep(kept, measured)
+    return measured
+
+
+def kept_path(model, ids: Sequence[int], source: str | Path | None) -> Path | None:
+    """Where the measure of ``model`` loaded from ``source`` is kept: named by the files' paths,
+    sizes and times, the model's shape, the paragraph's ids and ``MEASURE_VERSION``."""
+    if source is None:
+        return None
+    try:
+        root = Path(source).resolve()
+        files = sorted(p for p in root.iterdir() if p.is_file()) if root.is_dir() else [root]
+        stats = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    except OSError:
+        return None
+    named = "|".join([str(MEASURE_VERSION), str(root), *stats, repr(model.args), ",".join(map(str, ids))])
+    return user_cache_dir("key-centers") / f"{hashlib.sha256(named.encode()).hexdigest()[:32]}.pt"
+
+
+def read_kept(path: Path, model) -> KeyCenters | None:
+    """The measure kept at ``path``, or None where there is none or it does not fit ``model``."""
+    try:
+        kept = torch.load(path, weights_only=True)
+        centers = KeyCenters([t.float().contiguous() for t in kept["shift"]],
+                             [t.float().contiguous() for t in kept["scale"]])
+    except Exception:  # noqa: BLE001 - a file that is no measure (cut short, another's) means: measure anew
+        return None
+    a = model.args
+    shape = (a.n_kv_heads, a.head_dim)
+    fits = (len(centers.shift) == len(centers.scale) == a.n_layers
+            and all(t.shape == shape for t in (*centers.shift, *centers.scale))
+            and all(bool(torch.isfinite(t).all()) for t in (*centers.shift, *centers.scale))
+            and all(bool((t > 0).all()) for t in centers.scale))
+    return centers if fits else None
+
+
+def keep(path: Path, centers: KeyCenters) -> None:
+    """Write the measure at ``path`` whole or not at all (a reader never sees half a file); a
+    cache that cannot be written costs the next run a measure, nothing else."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        torch.save({"shift": centers.shift, "scale": centers.scale}, partial)
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
 
 
 def measure(model, ids: Sequence[int]) -> KeyCenters:
@@ -116,4 +179,5 @@ def at_least_a_millionth(x: torch.Tensor) -> torch.Tensor:
     return x.clamp_min(x.amax(dim=-1, keepdim=True).clamp_min(1e-12) * 1e-6)
 
 
-__all__ = ["CALIBRATION_TEXT", "KeyCenters", "measure", "of_keys", "of_model"]
+__all__ = ["CALIBRATION_TEXT", "KeyCenters", "MEASURE_VERSION", "keep", "kept_path", "measure", "of_keys", "of_model",
+           "read_kept"]

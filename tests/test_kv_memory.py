@@ -249,3 +249,39 @@ def test_once_no_job_is_left_the_core_frees_its_buffers_and_trims_the_heap(sp_mo
                 assert len(trims) == len(drops) == round_  # once a burst, not at every idle step
 
     anyio.run(main)
+
+
+def test_a_files_key_measure_is_kept_and_read_back_until_the_file_changes(sp_model_path, tmp_path, monkeypatch):
+    import torch
+
+    from builders import random_model, tiny_args
+    from llama_chat.model import key_centers
+    from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tokenizer = SentencePieceTokenizer(sp_model_path)
+    model = random_model(tiny_args(tokenizer.vocab_size, dim=128, n_heads=4, n_kv_heads=2), seed=2)
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"weights")
+    first = key_centers.of_model(model, tokenizer, source=source)
+    kept = list((tmp_path / "cache" / "llama-chat" / "key-centers").glob("*.pt"))
+    assert len(kept) == 1
+
+    def measured_again(*args):
+        raise AssertionError("a kept measure was measured again")
+
+    with monkeypatch.context() as m:
+        m.setattr(key_centers, "measure", measured_again)
+        again = key_centers.of_model(model, tokenizer, source=source)
+    assert all(torch.equal(a, b) for a, b in zip(first.shift + first.scale, again.shift + again.scale))
+    # A kept file that is not a measure of this model is measured anew (and kept over).
+    kept[0].write_bytes(b"not a measure")
+    assert key_centers.of_model(model, tokenizer, source=source) is not None
+    assert key_centers.read_kept(kept[0], model) is not None
+    # Another file under the same name is another model.
+    source.write_bytes(b"other weights")
+    assert key_centers.kept_path(model, [1, 2, 3], source) != key_centers.kept_path(model, [1, 2, 3], tmp_path / "x")
+    with monkeypatch.context() as m:
+        m.setattr(key_centers, "measure", measured_again)
+        with pytest.raises(AssertionError, match="measured again"):
+            key_centers.of_model(model, tokenizer, source=source)
