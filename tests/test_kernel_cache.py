@@ -110,13 +110,15 @@ def test_a_cache_that_cannot_be_written_falls_back_in_one_line(tmp_path):
 
 def test_two_processes_building_at_once_both_load_a_whole_library(built, tmp_path):
     # A stand-in compiler writes the library the suite loaded (every run that loads the operator
-    # tests the real build). It waits until both processes are in their builds, then writes in
-    # two steps, so the two builds overlap however the machine schedules them.
+    # tests the real build). Its link waits until both processes are linking, then writes in two
+    # steps, so the two builds overlap however the machine schedules them; its compiles of each
+    # source (``-c``) write an empty object.
     started, kernel_dir = tmp_path / "started", tmp_path / "kernels"
     started.mkdir()
     compiler = tmp_path / "cc"
     compiler.write_text(f"""#!/bin/sh
-for arg; do [ "$previous" = -o ] && out="$arg"; previous="$arg"; done
+for arg; do [ "$previous" = -o ] && out="$arg"; [ "$arg" = -c ] && compiling=1; previous="$arg"; done
+[ -n "$compiling" ] && : > "$out" && exit 0
 touch "{started}/$$"
 waited=0
 while [ "$(ls "{started}" | wc -l)" -lt 2 ] && [ $waited -lt 1200 ]; do sleep 0.1; waited=$((waited + 1)); done

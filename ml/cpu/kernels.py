@@ -59,6 +59,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -378,7 +379,7 @@ def _build(target: Path) -> str | None:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libraries = [f"-L{p}" for p in cpp_extension.library_paths()]
     abi = int(torch.compiled_with_cxx11_abi())
-    base = ["-O3", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
+    base = ["-O3", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes]
     link = [*libraries, "-ltorch", "-ltorch_cpu", "-lc10"]
     # Newer torch headers want C++20, older compilers only know C++17; -march=native and OpenMP
     # are dropped for compilers that refuse them (the product is then plain and single-threaded).
@@ -391,8 +392,15 @@ def _build(target: Path) -> str | None:
                 partial = Path(tmp.name)
         except OSError as exc:
             return f"cannot write its cache {target.parent} ({exc.strerror or exc})"
+        objects = [partial.with_name(f"{partial.stem}-{source.stem}.o") for source in SOURCES]
         try:
-            run = _compile([compiler, *base, *extra, *map(str, SOURCES), *link, "-o", str(partial)])
+            # Each source its own compiler, all at once (the largest takes most of the wait), then
+            # one link.
+            runs = _compile_all([[compiler, *base, *extra, "-c", str(source), "-o", str(obj)]
+                                 for source, obj in zip(SOURCES, objects)])
+            run = next((r for r in runs if r.returncode != 0), None)
+            if run is None:
+                run = _compile([compiler, "-shared", *extra, *map(str, objects), *link, "-o", str(partial)])
             if run.returncode == 0:
                 _seal(partial)
                 os.replace(partial, target)  # atomic: a process beside this one sees all or nothing
@@ -402,29 +410,42 @@ def _build(target: Path) -> str | None:
         except OSError as exc:
             return f"{compiler}: {exc.strerror or exc}"
         finally:
-            partial.unlink(missing_ok=True)
+            for made in (partial, *objects):
+                made.unlink(missing_ok=True)
         lines = [line for line in run.stderr.splitlines() if "error" in line] or run.stderr.splitlines() or [""]
         problem = f"{compiler} failed: {lines[0].strip()[:200]}"
     return problem
 
 
 def _compile(argv: list[str]) -> subprocess.CompletedProcess:
-    """Run the compiler, its output captured; killed after ``BUILD_TIMEOUT_S``, or at once when
-    the wait ends otherwise (Ctrl+C).
+    """``_compile_all`` of one compiler."""
+    return _compile_all([argv])[0]
+
+
+def _compile_all(argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Run the compilers side by side, their output captured; all killed once ``BUILD_TIMEOUT_S``
+    has passed since they started, or at once when the wait ends otherwise (Ctrl+C).
 
     A compiler is a driver that runs others (cc1plus, as, ld), and a wrapper in ``CXX`` may add
     more: each holds the output pipes, and killing the driver alone left the wait for their end
     running past any limit. So the compiler starts a process group of its own, and the whole group
     is killed. (Being in its own group, it no longer gets the terminal's Ctrl+C itself.)"""
-    with _signals_taken():
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                                   process_group=0)
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    processes: list[subprocess.Popen] = []
     try:
-        out, err = process.communicate(timeout=BUILD_TIMEOUT_S)
+        with _signals_taken():
+            for argv in argvs:
+                processes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                  errors="replace", process_group=0))
+        # One at a time: the others go on meanwhile (a full pipe holds one only until it is read).
+        done = [process.communicate(timeout=max(0.0, deadline - time.monotonic())) for process in processes]
     except BaseException:
-        _kill_group(process)
+        for process in processes:
+            if process.returncode is None:
+                _kill_group(process)
         raise
-    return subprocess.CompletedProcess(argv, process.returncode, out, err)
+    return [subprocess.CompletedProcess(argv, process.returncode, out, err)
+            for argv, process, (out, err) in zip(argvs, processes, done)]
 
 
 def _kill_group(process: subprocess.Popen) -> None:
