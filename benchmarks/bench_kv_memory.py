@@ -320,9 +320,10 @@ def quality(args, peer) -> None:
 # -- speed -----------------------------------------------------------------------------------------
 
 
-def decode_ms(model, args_, kinds: dict, depth: int, steps: int) -> dict[str, float]:
+def decode_ms(model, args_, kinds: dict, depth: int, steps: int, centers=None) -> dict[str, float]:
     """Milliseconds a token of one row decoding greedily through the operator at ``depth``, by
-    cache type: a step of each type in turn, so that the machine's load falls on all alike."""
+    cache type (q4_0's keys kept by ``centers``, as the command keeps them): a step of each type
+    in turn, so that the machine's load falls on all alike."""
     from llama_chat.model import cpu_decode
     from llama_chat.model.paged_kv_cache import PagedKVCache
 
@@ -334,6 +335,7 @@ def decode_ms(model, args_, kinds: dict, depth: int, steps: int) -> dict[str, fl
     with torch.inference_mode():
         for name, kind in kinds.items():
             cache = PagedKVCache.for_model(args_, pages + 1, page, dtype=kind)
+            cache.center_keys_by(centers)
             for store, keys in [(s, True) for s in cache.keys] + [(s, False) for s in cache.values]:
                 store[:, 1:] = kind.store(torch.randn(store.shape[0], pages, page, args_.head_dim, generator=g),
                                           keys=keys)
@@ -363,6 +365,8 @@ def speed(args, peer) -> None:
     from llama_chat.model.kv_types import TYPES as KV
     from llama_chat.model.loader import load_model
 
+    from llama_chat.model import key_centers
+
     torch.set_num_threads(args.threads)
     print(f"\nDecode at {args.depth} positions of context, median ms a token ({args.steps} tokens), "
           f"{args.threads} threads; {machine()}\n")
@@ -374,7 +378,8 @@ def speed(args, peer) -> None:
         model = loaded.model.eval()
         cpu_kernels.prepare(model)
         model.fuse_projections()
-        ours = decode_ms(model, loaded.args, {n: KV[n] for n in TYPES}, args.depth, args.steps)
+        ours = decode_ms(model, loaded.args, {n: KV[n] for n in TYPES}, args.depth, args.steps,
+                         key_centers.of_model(model, loaded.tokenizer))
         # llama-bench takes no f32 cache: its types against its f16.
         theirs = {n: llama_bench_ms(peer.bench, path, n, args.depth, args.steps, args.threads) for n in TYPES[1:]}
         for n in TYPES:
