@@ -31,8 +31,7 @@ import anyio
 from llama_chat.cmd.render import OutputClosed, Renderer, suspend_hooks
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.signals import StopRequest, watch_signals
-from llama_chat.inference.decoding import TextMaker
-from llama_chat.inference.text_stream import TextStream
+from llama_chat.inference.text_stream import TextStream, reply_text
 from llama_chat.inference.types import BeamCompletion, Completion, Request, Response, Tally, sole_exception
 
 if TYPE_CHECKING:
@@ -111,7 +110,7 @@ async def run_one_shot(source: Source, request: Request, renderer: Renderer | No
                 raise error from None
             view.output_closed = True  # not a failure: nobody is reading any more
         if generation is None:  # stopped before the stream began (a signal during the check)
-            generation = TextStream(request, TextMaker(request.stop), Tally(request.request_id, len(request.prompt_ids)))
+            generation = TextStream(request, reply_text(request), Tally(request.request_id, len(request.prompt_ids)))
         # A stream that ends without a finishing event (a signal, a closed stdout) is cancelled:
         # the whole characters still held are shown, the bytes of a cut-off character dropped.
         view.show_text(generation.cut_off())

@@ -35,11 +35,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from llama_chat.inference.beam import BeamModel, BeamRun, beam_run
 from llama_chat.inference.cache_prefix import align_to_cached
-from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.model_step import Decode, ModelStep, StepOptions
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.step_worker import StepWorker
-from llama_chat.inference.text_stream import TextStream
+from llama_chat.inference.text_stream import TextStream, reply_text
 from llama_chat.inference.types import (Completion, EngineBusy, GenerationState, Request,
                                         Tally, TokenEvent, check_constraint, check_request, sole_exception,
                                         state_after, stop_ids_of)
@@ -329,7 +328,7 @@ class EngineStream(TextStream):
 
     def __init__(self, engine: Engine, request: Request, cached_tokens: int) -> None:
         strip = request.chat_reply and bool(getattr(engine.tokenizer, "strips_leading_space", False))
-        super().__init__(request, TextMaker(request.stop, strip_leading_space=strip),
+        super().__init__(request, reply_text(request, strip_leading_space=strip),
                          Tally(request.request_id, len(request.prompt_ids), cached_tokens))
         self.delivered = 0  # events taken from the channel
 

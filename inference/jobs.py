@@ -15,10 +15,9 @@ import anyio
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from llama_chat.inference.decoding import TextMaker
 from llama_chat.inference.page_table import PageKey
 from llama_chat.inference.speculative import Lookup, ModelDraft, Pace
-from llama_chat.inference.text_stream import TextStream
+from llama_chat.inference.text_stream import TextStream, reply_text
 from llama_chat.inference.types import (Completion, GenerationState, Request, Response, Tally, TokenEvent,
                                         TokenLogprobs)
 from llama_chat.ml.constraints import GrammarMask
@@ -76,7 +75,7 @@ class JobStream(TextStream):
 
     def __init__(self, job: Job, receive: MemoryObjectReceiveStream[TokenEvent], *, strip_leading_space: bool,
                  on_receive: Callable[[], None], on_cancel: Callable[[Job], None]) -> None:
-        super().__init__(job.request, TextMaker(job.request.stop, strip_leading_space=strip_leading_space),
+        super().__init__(job.request, reply_text(job.request, strip_leading_space=strip_leading_space),
                          Tally(job.request_id, job.prompt_len), receive)
         self.job = job
         self.logprobs: list[tuple[int, TokenLogprobs]] = []  # (token id, its logprobs)

@@ -41,7 +41,7 @@ import anyio
 import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from llama_chat.inference.decoding import TextMaker
+from llama_chat.inference.reasoning import ReplyText, ThinkSplit, ThinkTags
 from llama_chat.inference.text_stream import TextStream
 from llama_chat.inference.types import (Completion, EmptyPrompt, GenerationState, Request, RequestError, Tally,
                                         Timings, TokenEvent)
@@ -328,7 +328,10 @@ class RemoteStream(TextStream):
     raising it, or, ``raises`` False (a job among many), with finish reason ``error``."""
 
     def __init__(self, request: Request, receive: MemoryObjectReceiveStream[TokenEvent], *, raises: bool) -> None:
-        super().__init__(request, TextMaker(request.stop), Tally(request.request_id, 0), receive)
+        # A server that keeps a thinking model's thinking apart sends it in its own field; it comes
+        # here between the tags, so the one splitter keeps it apart again (``_spelled``).
+        super().__init__(request, ReplyText(request.stop, split=ThinkSplit(REMOTE_TAGS)), Tally(request.request_id, 0),
+                         receive)
         self.usage = _Usage()
         self.error: Exception | None = None
         self.raises = raises
@@ -514,6 +517,7 @@ class RemoteSource:
         start = time.perf_counter()
         index = 0
         state: GenerationState | None = None
+        thinking = False
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 refusal = await response.aread()
@@ -538,9 +542,9 @@ class RemoteSource:
                     raise _error_of(url, 500, data.encode())
                 _read_usage(chunk.get("usage"), stream.usage)
                 for choice in chunk.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-                    if text:
-                        await send.send(TokenEvent(request.request_id, index, NO_ID, text.encode("utf-8"),
+                    data, thinking = _spelled(choice, thinking)
+                    if data:
+                        await send.send(TokenEvent(request.request_id, index, NO_ID, data,
                                                    GenerationState.IN_PROGRESS, time.perf_counter() - start))
                         index += 1
                     if choice.get("finish_reason"):
@@ -549,6 +553,30 @@ class RemoteSource:
             raise RemoteError(f"{url}: the stream ended without a finish reason")
         # The finishing event comes after the usage, which the server sends after the last piece.
         await send.send(TokenEvent(request.request_id, index, NO_ID, b"", state, time.perf_counter() - start))
+
+
+# The thinking tags a remote reply's thinking is spelled in (``_spelled``): text, as no ids cross.
+REMOTE_TAGS = ThinkTags()
+# The fields in which servers send the thinking: llama-server's, DeepSeek's and LM Studio's; vLLM's,
+# Ollama's and OpenRouter's.
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def _spelled(choice: dict, thinking: bool) -> tuple[bytes, bool]:
+    """A streamed choice's piece as the bytes a local model would have written: its thinking
+    after a start tag, its text after an end tag where thinking came before; and whether the reply
+    is inside its thinking after it."""
+    delta = choice.get("delta") or {}
+    reasoning = next((delta[k] for k in REASONING_FIELDS if isinstance(delta.get(k), str) and delta[k]), "")
+    text = delta.get("content") or choice.get("text") or ""
+    out = b""
+    if reasoning:
+        out += (b"" if thinking else REMOTE_TAGS.start.encode()) + reasoning.encode("utf-8")
+        thinking = True
+    if text:
+        out += (REMOTE_TAGS.end.encode() if thinking else b"") + text.encode("utf-8")
+        thinking = False
+    return out, thinking
 
 
 def _read_usage(usage: Any, into: _Usage) -> None:

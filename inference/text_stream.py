@@ -8,28 +8,41 @@ what differs: how it counts what was taken, what ends it, how it stops its produ
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from llama_chat.inference.decoding import TextMaker
+from llama_chat.inference.reasoning import ReplyText
 from llama_chat.inference.types import Completion, GenerationState, Request, Response, Tally, TokenEvent
 
 
-class TextStream:
-    """``async for response in stream`` yields ``Response`` items; ``text`` is what they committed."""
+def reply_text(request: Request, *, strip_leading_space: bool = False) -> ReplyText:
+    """The text maker of ``request``'s reply: its stop strings, and its thinking kept apart."""
+    return ReplyText(request.stop, strip_leading_space=strip_leading_space, split=request.thinking)
 
-    def __init__(self, request: Request, maker: TextMaker, tally: Tally,
+
+class TextStream:
+    """``async for response in stream`` yields ``Response`` items; ``text`` is what they committed
+    to the answer, ``reasoning`` to the thinking."""
+
+    def __init__(self, request: Request, maker: ReplyText, tally: Tally,
                  receive: MemoryObjectReceiveStream[TokenEvent] | None = None) -> None:
         self.request = request
         self.maker = maker
         self.tally = tally
         self.parts: list[str] = []
+        self.reasoning_parts: list[str] = []
         self._receive = receive
         self._done = False
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
 
     def __aiter__(self) -> TextStream:
         return self
@@ -63,7 +76,8 @@ class TextStream:
     def completion(self) -> Completion:
         """The whole result; a stream left early keeps what was held (``cut_off``)."""
         self.cut_off()
-        return self.tally.completion(self.text)
+        return replace(self.tally.completion(self.text), reasoning=self.reasoning,
+                       reasoning_tokens=self.maker.reasoning_tokens)
 
     def cut_off(self) -> str:
         """After the stream was stopped from outside (a cancel, the producer failed): the whole
@@ -71,8 +85,9 @@ class TextStream:
         if self._done:
             return ""
         self._done = True
-        text = self.maker.finish(cut_off=True)
+        text, reasoning = self.maker.finish(cut_off=True)
         self.parts.append(text)
+        self.reasoning_parts.append(reasoning)
         return text
 
     # -- what each kind of stream does its own way --------------------------------------------
@@ -92,10 +107,12 @@ class TextStream:
     def _respond(self, event: TokenEvent) -> Response:
         self.tally.add(event)
         maker = self.maker
-        text = maker.feed(event.data)
+        text, reasoning = maker.feed(event.token_id, event.data)
         state = event.state
         if state.finished and not maker.stopped:
-            text += maker.finish()
+            more, more_reasoning = maker.finish()
+            text += more
+            reasoning += more_reasoning
         if maker.stopped:
             state = GenerationState.STOP_STRING
             if not event.state.finished:
@@ -105,5 +122,7 @@ class TextStream:
             self.tally.mark(state)
             self._receive.close()  # a producer still running stops after its current step
         self.parts.append(text)
+        if reasoning:
+            self.reasoning_parts.append(reasoning)
         return Response(event.request_id, event.index, event.token_id, text, maker.held_bytes, maker.held_text,
-                        maker.held_tokens, state, event.elapsed_s)
+                        maker.held_tokens, state, event.elapsed_s, reasoning, maker.thinking)

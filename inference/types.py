@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from llama_chat.ml.controls import MAX_TOP_LOGPROBS, BeamParams, ControlError, SamplingParams, check, check_stop
+from llama_chat.inference.reasoning import ThinkSplit
 from llama_chat.ml.grammars import Constraint
 from llama_chat.model.tokenizers.base import Tokenizer
 
@@ -71,7 +72,8 @@ class Request:
     may at all (the reply is the same either way; only its speed differs); ``lookup``, whether
     by prompt lookup (None: as the scheduler's ``Speculation.lookup`` says); ``draft_model``,
     whether by the scheduler's draft model where it has one (None: yes); ``draft_max``, the most
-    tokens drafted in one step (None: the scheduler's).
+    tokens drafted in one step (None: the scheduler's). ``thinking``: a thinking model's reply, whose
+    thinking is kept apart from its answer (``reasoning.py``); None: the reply is all answer.
     """
 
     prompt_ids: tuple[int, ...]
@@ -91,6 +93,7 @@ class Request:
     lookup: bool | None = None
     draft_model: bool | None = None
     draft_max: int | None = None
+    thinking: ThinkSplit | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(i) for i in self.prompt_ids))
@@ -149,7 +152,9 @@ class Response:
     character still waiting for its other bytes; ``held_text``, whole characters that may still
     grow into a longer emoji or may be the start of a stop string; ``held_tokens``, how many of the
     latest tokens that held state comes from (a display draws one marker per token). The last
-    response of a stream has a finished ``state`` and nothing held.
+    response of a stream has a finished ``state`` and nothing held. ``reasoning``: the thinking's
+    text this token newly commits (a thinking model's: ``reasoning.py``); ``thinking``: the reply is
+    inside its thinking after this token (what is held is the thinking's).
     """
 
     request_id: str
@@ -161,6 +166,8 @@ class Response:
     held_tokens: int
     state: GenerationState
     elapsed_s: float
+    reasoning: str = ""
+    thinking: bool = False
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -187,6 +194,8 @@ class Completion:
     cached_tokens: int = 0  # prompt tokens whose KV entries were kept from the request before
     # Where the request's steps drafted (prompt lookup, a draft model): (tokens drafted, tokens of them kept).
     speculation: tuple[int, int] | None = None
+    reasoning: str = ""  # a thinking model's thinking, apart from ``text`` (reasoning.py)
+    reasoning_tokens: int = 0  # the tokens of that thinking, its tags left out
 
     @property
     def completion_tokens(self) -> int:

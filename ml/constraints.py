@@ -133,7 +133,8 @@ def _named_silent_tokens(constraint: Constraint, vocabulary: Vocabulary, words: 
     one way on and text another, the engine's mask lets every such token through, the end tokens
     too, and the first of them a model took would break the matcher or end the reply early. None
     for a constraint that names no token (its masks never do that)."""
-    found = _TOKEN_IDS.findall(constraint.source) if constraint.kind == "grammar" else []
+    found = [group for source in constraint.sources() for group in _TOKEN_IDS.findall(source)] \
+        if constraint.kind == "grammar" else []
     if not found:
         return None
     named: set[int] = set()

@@ -111,6 +111,8 @@ RULES: dict[str, Rule] = {
     "max_batch": Rule(int, lambda v: 1 <= v <= MAX_BATCH, f"an integer in 1 <= n <= {MAX_BATCH}"),
     "cache_tokens": Rule(int, lambda v: 1 <= v <= MAX_TOKENS, f"an integer in 1 <= n <= {MAX_TOKENS}"),
     "draft_max": Rule(int, lambda v: 1 <= v <= MAX_DRAFT, f"an integer in 1 <= n <= {MAX_DRAFT}"),
+    "reasoning_budget": Rule(int, lambda v: 0 <= v <= MAX_TOKENS,
+                             f"an integer in 0 <= n <= {MAX_TOKENS} (0: no thinking)"),
 }
 
 # The choices of the command line's options that are not ranges. The chat formats' names are
@@ -130,6 +132,13 @@ LOOKUP_MODES = ("auto", "off", "on")
 DEFAULT_LOOKUP = "auto"
 # A request's own choice on the server (``"lookup"``, ``"draft"``): the server's setting otherwise.
 SWITCH = ("on", "off")
+# A thinking model's thinking (inference/reasoning.py): auto is as its chat template does by default.
+THINK_MODES = ("auto", "on", "off")
+# --reasoning-format, as llama-server names it: deepseek keeps the thinking apart from the answer,
+# none leaves it in the text, tags and all.
+REASONING_FORMATS = ("deepseek", "none")
+# OpenAI's reasoning_effort: none turns thinking off, every other effort leaves it on.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def _kind_name(kind: type) -> str:
@@ -331,7 +340,7 @@ class BeamParams:
         return self.num_beams > 1
 
 
-__all__ = ["BeamParams", "CACHE_TYPES", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DEFAULT_LOOKUP", "DTYPES", "EarlyStopping",
+__all__ = ["BeamParams", "REASONING_EFFORTS", "REASONING_FORMATS", "THINK_MODES", "CACHE_TYPES", "COLOR_MODES", "ControlError", "DEFAULT_TEMPERATURE", "DEFAULT_LOOKUP", "DTYPES", "EarlyStopping",
            "GRAMMAR_COMPILE_BUDGET_BYTES", "KEPT_CONSTRAINTS", "KEPT_CONSTRAINT_BYTES", "MAX_CONSTRAINT_BYTES",
            "MAX_GRAMMAR_DEPTH", "MAX_SEED", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "QUANTIZE_MODES", "RULES",
            "SamplingParams", "check", "check_early_stopping", "check_stop", "parse", "parse_logit_bias",

@@ -67,9 +67,15 @@ class Constraint:
 
     kind: str
     source: str = ""
+    # A grammar that holds a thinking model's reply (``thinking_grammar``): ``source`` is the
+    # thinking's Lark, and this the constraint of the answer after it, which it names ``@answer``.
+    answer: Constraint | None = None
     grammar: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.answer is not None:
+            object.__setattr__(self, "grammar", _compile_with_answer(self.source, self.answer))
+            return
         if self.kind not in CONSTRAINT_KINDS:
             raise ControlError("constraint", f"must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}")
         if self.kind == "json_schema":
@@ -98,8 +104,14 @@ class Constraint:
     def of_grammar(cls, text: str) -> Constraint:
         return cls("grammar", text)
 
+    def sources(self) -> tuple[str, ...]:
+        """The texts the constraint was made of: its own, then its answer's."""
+        return (self.source, *(self.answer.sources() if self.answer is not None else ()))
+
     def describe(self) -> str:
         """One line for a settings listing: ``format json``, ``json_schema {...}``, ``regex ...``."""
+        if self.answer is not None:
+            return self.answer.describe()
         if self.kind == "json":
             return "format json"
         return f"{self.kind} {' '.join(self.source.split())}"
@@ -167,6 +179,58 @@ def bounded_schema(schema: Any) -> Any:
     return out
 
 
+# A thinking model's reply held to a budget or a constraint (inference/reasoning.py): the thinking
+# runs free within its budget (llguidance's ``max_tokens`` ends the rule there), then the end tag
+# and the blank line the families write after it, then the answer. The tags are Lark items: a
+# token by id (``<[151668]>``), or a string literal where the tags are plain text.
+ANY_TEXT = "/(?s:.*)/"
+
+
+def thinking_grammar(answer: Constraint | None, *, open_tag: str, close_tag: str, budget: int | None,
+                     tags_are_tokens: bool) -> Constraint:
+    """The constraint of a reply that thinks first: ``open_tag`` (empty where the prompt opened the
+    thinking), thinking of at most ``budget`` tokens (None: any), ``close_tag``, a blank line, then
+    ``answer`` (None: any text). ``ControlError`` where the engine refuses it."""
+    limit = f"[max_tokens={budget}]" if budget is not None else ""
+    if tags_are_tokens:
+        # The end token, named by id, is never read as text (ml/constraints.py), so the thinking is any text.
+        think = [f"think{limit}: {ANY_TEXT}"]
+        body = _seq_items(open_tag, "think", close_tag)
+    elif budget is None:
+        # A lazy rule ends at the first end tag the model writes.
+        think = [f"think[lazy]: /(?s:.*){re.escape(json.loads(close_tag))}/"]
+        body = _seq_items(open_tag, "think")
+    else:
+        # Either the model ends it, or the budget does and the tag is written for it.
+        think = [f"think[lazy, max_tokens={budget}]: /(?s:.*){re.escape(json.loads(close_tag))}/"]
+        body = _seq_items(open_tag, "think", f"{close_tag}?")
+    rest = "@answer" if answer is not None else ANY_TEXT
+    lark = "%llguidance {}\nstart: " + _seq_items(body, '"\\n\\n"', rest) + "\n" + "\n".join(think) + "\n"
+    if answer is None:
+        return Constraint("grammar", lark)
+    return Constraint("grammar", lark, answer=answer)
+
+
+def _seq_items(*items: str) -> str:
+    return " ".join(item for item in items if item)
+
+
+def _compile_with_answer(source: str, answer: Constraint) -> str:
+    """llguidance's top-level grammar: ``source``'s Lark first, then ``answer``'s grammars, the first
+    of them named ``answer``."""
+    llg = _llguidance()
+    inner = json.loads(answer.grammar)["grammars"]
+    inner[0] = {**inner[0], "name": "answer"}
+    grammar = json.dumps({"grammars": [{"lark_grammar": source}, *inner]})
+    try:
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ControlError(answer.kind, _not_valid(one_line(str(e), answer.kind))) from None
+    if failed:
+        raise ControlError(answer.kind, _not_valid(one_line(messages[0], answer.kind)))
+    return grammar
+
+
 def _llguidance():
     try:
         import llguidance
@@ -231,4 +295,4 @@ def one_line(message: str, kind: str) -> str:
 
 __all__ = ["ANY_JSON_OBJECT", "CONSTRAINT_KINDS", "Constraint", "FORMATS", "JSON_WHITESPACE", "MAX_INTEGER_DIGITS",
            "SCHEMA_VALUE_KEYS", "bounded_schema", "check_size",
-           "format_constraint", "one_line"]
+           "format_constraint", "one_line", "thinking_grammar"]
