@@ -333,8 +333,7 @@ class BatchCore:
                 room = min(room, job.prompt_len + job.request.max_tokens - len(job.tokens))
             draft = []
             if job.lookup is not None and costs.drafts_now(job.lookup, jobs):
-                job.lookup.pending_cost = costs.per_token(job.lookup, jobs)
-                draft = job.lookup.draft(job.tokens, room, costs.longest(job.lookup, jobs))
+                draft = job.lookup.draft(job.tokens, room, costs, jobs)
             if draft:
                 job.lookup.pending = len(draft)
                 job.drafting = job.lookup

@@ -15,15 +15,19 @@ Either way the draft is only a guess: a draft model's probabilities are never us
 reject (as rejection sampling would), for the draw at each position is the one the job would make
 alone, and so the reply cannot change.
 
-The draft's length adapts per job and per drafter (``Pace``): it grows while drafts are taken
-whole, shrinks to what was taken, stays within the longest draft whose last token is still
-likely to pay for itself, and after a draft that did not pay the job waits a few steps before
-drafting again, longer each time. What pays is measured, not assumed (``DraftCosts``): a drafted
-token costs its row in the verifying step, and a draft model's guess a call of the draft model,
-both timed as the steps run; a kept token saves a step. A draft model that costs as much as the
-model itself (or rows that cost as much as steps) so never drafts for long. The scheduler drafts
-only while few jobs run (``Speculation.most_jobs``): a batch of many already reads the weights
-once for all of its rows.
+A lookup draft copies what followed the longest earlier match of the job's last tokens, in its
+prompt or its reply, and how long it is and whether it is made at all depend on that match alone:
+on its length, and on how many of the drafts from matches of that length were kept lately
+(``Lookup``). Misses in new text (short matches) so never stop the drafts of a copied span (a
+long match) that follows. A draft model's draft adapts per job (``Pace``): it grows while drafts
+are taken whole, shrinks to what was taken, stays within the longest draft whose last token is
+still likely to pay for itself, and after a draft that did not pay the job waits a few steps
+before drafting again, longer each time. What pays is measured, not assumed (``DraftCosts``): a
+drafted token costs its row in the verifying step, and a draft model's guess a call of the draft
+model, both timed as the steps run; a kept token saves a step. A draft model that costs as much as
+the model itself (or rows that cost as much as steps) so never drafts for long. The scheduler
+drafts only while few jobs run (``Speculation.most_jobs``): a batch of many already reads the
+weights once for all of its rows.
 """
 
 from __future__ import annotations
@@ -31,8 +35,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# The n-gram lengths looked up, longest first: a longer match predicts better.
+# The n-gram lengths indexed, longest first: a longer match predicts better. Matches of the
+# longest are followed back further, up to ``LONGEST_MATCH`` tokens.
 NGRAM_SIZES = (3, 2, 1)
+# A match is measured up to this many tokens: past it, a copy is as likely to go on whatever its length.
+LONGEST_MATCH = 32
+# The earlier occurrences of the last n-gram followed back, latest first: a common one (an
+# indent, a keyword) occurs hundreds of times in a long prompt, and each costs a comparison a step.
+MOST_CANDIDATES = 64
+# Matches are judged by the drafts of matches of about their length: these lengths start each class.
+MATCH_CLASSES = (1, 2, 3, 4, 6, 8, 12, 16, 24, LONGEST_MATCH)
+# How many drafts the expected share of a match's class weighs against its evidence: a class no
+# draft of the job (or of every job) has come from is judged by its length alone.
+PRIOR_DRAFTS = 2.0
 # After a draft that did not pay, steps without drafting: doubled at each such draft up to the
 # last, and back to none once a draft pays.
 PAUSES = (0, 1, 2, 4, 8, 16, 32)
@@ -82,6 +97,8 @@ class DraftCosts:
     guesses_timed: int = 0
     # Per drafter (``Lookup``, ``ModelDraft``): drafted tokens kept and refused, every job's, running.
     kept_by: dict[type, list[float]] = field(default_factory=dict)
+    # The same for lookup's drafts by the class of their match's length (``MATCH_CLASSES``).
+    kept_by_match: dict[int, list[float]] = field(default_factory=dict)
 
     def stepped(self, rows: int, seconds: float) -> None:
         """A step that fed ``rows`` rows of decoding jobs (their last tokens and drafts) took ``seconds``."""
@@ -151,13 +168,15 @@ class DraftCosts:
         best = max(range(1, pace.draft_max + 1), key=tokens_a_second)
         return best, tokens_a_second(best)
 
-    def longest(self, pace: Pace, jobs: int = 1) -> int:
-        """The longest draft worth making for ``pace``'s job, ``jobs`` jobs decoding: for a job
-        alone whose costs are timed, the length that gives most tokens a second (``_best``), else
-        ``Pace.longest_paying``'s."""
-        cost, p = self.per_token(pace, jobs), self.share_of(pace)
+    def longest(self, pace: Pace, jobs: int = 1, share: float | None = None) -> int:
+        """The longest draft worth making for ``pace``'s job, ``jobs`` jobs decoding, each token
+        kept with ``share`` once the one before was (default: ``share_of``): for a job alone whose
+        costs are timed, the length that gives most tokens a second (``_best``), else the longest
+        whose last token pays (``longest_paying``)."""
+        cost = self.per_token(pace, jobs)
+        p = self.share_of(pace) if share is None else share
         if jobs != 1 or p is None or cost >= 1 or not self.timed(pace):
-            return pace.longest_paying(cost)
+            return longest_paying(p, cost, pace.draft_max)
         return self._best(pace, p)[0]
 
     def timed(self, pace: Pace) -> bool:
@@ -184,10 +203,9 @@ class DraftCosts:
 
     def kept(self, pace: Pace, drafted: int, accepted: int) -> None:
         """A job kept ``accepted`` of ``drafted`` tokens of ``pace``'s drafter."""
-        counts = self.kept_by.setdefault(type(pace), [0.0, 0.0])
-        keep = 1 - NEWEST_WEIGHT
-        counts[0] = keep * counts[0] + accepted
-        counts[1] = keep * counts[1] + (accepted < drafted)
+        running(self.kept_by.setdefault(type(pace), [0.0, 0.0]), drafted, accepted)
+        if isinstance(pace, Lookup):
+            running(self.kept_by_match.setdefault(pace.pending_class, [0.0, 0.0]), drafted, accepted)
 
     def share_of(self, pace: Pace) -> float | None:
         """The share of ``pace``'s drafted tokens kept once the one before was: its job's, or,
@@ -233,30 +251,20 @@ class Pace:
         return self.kept_run / seen if seen else None
 
     def longest_paying(self, cost: float) -> int:
-        """The longest draft whose last token still pays for itself: with each token kept, as
-        far as the job's drafts say, with probability p once the one before it was (the i-th
-        then with p**i), the i-th pays while p**i > cost. At least 1: a draft that cannot pay is
-        still tried after each pause, so that a change (a grounded passage, a quieter machine)
-        is found."""
-        p = self.kept_share
-        if cost >= 1:
-            return 1
-        if p is None or cost <= 0:
-            return self.draft_max
-        if p <= cost:
-            return 1
-        if p >= 1:
-            return self.draft_max
-        return max(1, min(self.draft_max, int(math.log(cost) / math.log(p))))
+        """The longest draft whose last token still pays for itself (``longest_paying``), each
+        token kept as the job's drafts say."""
+        return longest_paying(self.kept_share, cost, self.draft_max)
+
+    def counted(self, drafted: int, accepted: int) -> None:
+        """Count a verified draft: ``accepted`` of its ``drafted`` tokens were kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.kept_run, self.refused_run = running([self.kept_run, self.refused_run], drafted, accepted)
 
     def taken(self, drafted: int, accepted: int, cost: float) -> None:
         """A draft of ``drafted`` tokens, ``cost`` plain steps each, was verified and ``accepted``
         of them kept (each kept one saves a step)."""
-        self.drafted += drafted
-        self.accepted += accepted
-        keep = 1 - NEWEST_WEIGHT
-        self.kept_run = keep * self.kept_run + accepted
-        self.refused_run = keep * self.refused_run + (accepted < drafted)
+        self.counted(drafted, accepted)
         self.size = min(self.draft_max, self.size + 2) if accepted == drafted else max(1, accepted + 1)
         if accepted == 0 or accepted < cost * drafted:
             self.pause_level = min(self.pause_level + 1, len(PAUSES) - 1)
@@ -265,45 +273,177 @@ class Pace:
             self.pause_level = 0
 
 
+@dataclass(frozen=True)
+class Match:
+    """The longest earlier match of a job's last tokens: its continuation starts at ``at``, and
+    the ``length`` tokens before it equal the job's last ``length`` (at most ``LONGEST_MATCH``)."""
+
+    at: int
+    length: int
+
+
 @dataclass
 class Lookup(Pace):
-    """One job's n-gram index over its tokens, and its drafting pace."""
+    """One job's n-gram index over its tokens (prompt and reply), and what its drafts from
+    matches of each length kept.
+
+    A draft copies what followed the longest earlier match of the job's last tokens (the latest
+    of the longest), and is judged by that match alone: the share of tokens kept by the job's
+    drafts from matches of its length class (``MATCH_CLASSES``), drawn towards every job's share
+    for the class, itself drawn towards ``expected_share`` of the length, as ``PRIOR_DRAFTS``
+    drafts each. Its length is the longest that pays with that share (``DraftCosts.longest``).
+    A draft that did not pay pauses its class, not the job: the next 1, 2, 4 ... 32 matches of
+    that class draft nothing, while a longer (or shorter) match drafts as its own class says.
+    (``Pace``'s growing size and job-wide pauses are a draft model's; lookup does not use them.)"""
 
     length: int = 0  # how many of the job's tokens the index has taken
-    ends: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index after its last occurrence
-    previous: dict[tuple[int, ...], int] = field(default_factory=dict)  # the occurrence before that one
+    # n-gram -> the index after each of its occurrences, in order
+    ends: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    by_class: dict[int, list[float]] = field(default_factory=dict)  # drafted tokens kept and refused, running
+    paused: dict[int, list[int]] = field(default_factory=dict)  # class -> [matches left to skip, pause level]
+    pending_class: int = 0  # the match class of the draft in the step running
 
-    def draft(self, tokens: list[int], room: int, longest: int) -> list[int]:
-        """Up to ``room`` and ``longest`` tokens (and the adaptive length) that followed the
-        latest earlier occurrence of ``tokens``' last n-gram, longest n first; [] when there is
-        none or the job is pausing."""
-        self._follow(tokens)
-        want = self.want(room, longest)
-        if want <= 0:
+    def draft(self, tokens: list[int], room: int, costs: DraftCosts, jobs: int = 1) -> list[int]:
+        """Up to ``room`` tokens that followed the longest earlier match of ``tokens``' tail, as
+        many as pay for their rows by ``costs`` with ``jobs`` jobs decoding; [] where there is no
+        match or its class is pausing."""
+        match = self.match(tokens)
+        if match is None or room <= 0:
             return []
+        kind = match_class(match.length)
+        pause = self.paused.get(kind)
+        if pause is not None and pause[0] > 0:
+            pause[0] -= 1
+            return []
+        share = self.share(match.length, costs)
+        self.pending_cost = costs.per_token(self, jobs)
+        self.pending_class = kind
+        want = min(room, costs.longest(self, jobs, share))
+        return copied(tokens, match.at, want)
+
+    def match(self, tokens: list[int]) -> Match | None:
+        """The longest earlier match of ``tokens``' last tokens (the latest of the longest), in
+        the prompt or the reply; None where even the last token never occurred before."""
+        self._follow(tokens)
         end = len(tokens)
         for n in NGRAM_SIZES:
             if end <= n:
                 continue
-            key = tuple(tokens[end - n:])
-            at = self.ends.get(key)
-            if at == end:  # the n-gram's latest occurrence is the tail itself: take the one before
-                at = self.previous.get(key)
-            if at is not None and at < end:
-                return tokens[at:at + want]
-        return []
+            ends = self.ends.get(tuple(tokens[end - n:]))
+            if not ends:
+                continue
+            # The latest occurrence is the tail itself: the candidates are the ones before it.
+            candidates = ends[-MOST_CANDIDATES - 1:-1]
+            if not candidates:
+                continue
+            if n != NGRAM_SIZES[0]:  # the longest n-gram did not occur before: the match is n long
+                return Match(candidates[-1], n)
+            best = Match(candidates[-1], self._reach(tokens, candidates[-1], n))
+            for at in reversed(candidates[:-1]):
+                if best.length >= LONGEST_MATCH:
+                    break
+                longer = best.length + 1
+                if at >= longer and tokens[at - longer:at] == tokens[end - longer:]:
+                    best = Match(at, self._reach(tokens, at, longer))
+            return best
+        return None
+
+    @staticmethod
+    def _reach(tokens: list[int], at: int, n: int) -> int:
+        """How far back (to ``LONGEST_MATCH``) the tokens before ``at`` equal the tail, knowing ``n`` do."""
+        end = len(tokens)
+        while n < LONGEST_MATCH and at - n > 0 and tokens[at - n - 1] == tokens[end - n - 1]:
+            n += 1
+        return n
+
+    def share(self, length: int, costs: DraftCosts) -> float:
+        """The share of tokens kept, once the one before was, expected of a draft from a match of
+        ``length``: the job's drafts from matches of its class, drawn towards every job's
+        (``costs.kept_by_match``), drawn towards ``expected_share(length)``."""
+        kind = match_class(length)
+        prior = expected_share(length)
+        every = costs.kept_by_match.get(kind)
+        if every is not None:
+            prior = drawn_towards(every, prior)
+        own = self.by_class.get(kind)
+        return prior if own is None else drawn_towards(own, prior)
+
+    def taken(self, drafted: int, accepted: int, cost: float) -> None:
+        """A draft of ``drafted`` tokens from a match of ``pending_class``, ``cost`` plain steps
+        each, was verified and ``accepted`` of them kept: its class's share moves, and where the
+        draft did not pay, the class pauses, longer each time."""
+        self.counted(drafted, accepted)
+        kind = self.pending_class
+        running(self.by_class.setdefault(kind, [0.0, 0.0]), drafted, accepted)
+        pause = self.paused.setdefault(kind, [0, 0])
+        if accepted == 0 or accepted < cost * drafted:
+            pause[1] = min(pause[1] + 1, len(PAUSES) - 1)
+            pause[0] = PAUSES[pause[1]]
+        else:
+            pause[:] = [0, 0]
 
     def _follow(self, tokens: list[int]) -> None:
         """Index the n-grams that end at each token not indexed yet."""
         for end in range(self.length + 1, len(tokens) + 1):
             for n in NGRAM_SIZES:
                 if end >= n:
-                    key = tuple(tokens[end - n:end])
-                    last = self.ends.get(key)
-                    if last is not None:
-                        self.previous[key] = last
-                    self.ends[key] = end
+                    self.ends.setdefault(tuple(tokens[end - n:end]), []).append(end)
         self.length = len(tokens)
+
+
+def copied(tokens: list[int], at: int, want: int) -> list[int]:
+    """``want`` tokens copied from ``at`` on, as far as ``tokens`` and the copy itself go: a match
+    that overlaps the tail (a reply repeating a few tokens) goes on repeating them."""
+    draft = tokens[at:at + want]
+    end = len(tokens)
+    while len(draft) < want and at + len(draft) >= end:
+        draft.append(draft[at + len(draft) - end])
+    return draft
+
+
+def match_class(length: int) -> int:
+    """The class of a match of ``length`` tokens: the longest of ``MATCH_CLASSES`` it reaches."""
+    return max(c for c in MATCH_CLASSES if c <= length)
+
+
+def expected_share(length: int) -> float:
+    """The share of a draft's tokens kept once the one before was, expected of a match of
+    ``length`` before any draft from one like it: a single token that occurred before says little
+    of what follows it, a long copied span a lot."""
+    return length / (length + 2)
+
+
+def drawn_towards(counts: list[float], prior: float) -> float:
+    """The share of kept tokens in running ``counts`` (kept, refused), drawn towards ``prior`` as
+    ``PRIOR_DRAFTS`` drafts would draw it."""
+    kept, refused = counts
+    return (kept + PRIOR_DRAFTS * prior) / (kept + refused + PRIOR_DRAFTS)
+
+
+def running(counts: list[float], drafted: int, accepted: int) -> list[float]:
+    """Add a draft to running ``counts`` (tokens kept, drafts that ended in a refusal), older ones
+    fading by ``NEWEST_WEIGHT``; returns ``counts``."""
+    keep = 1 - NEWEST_WEIGHT
+    counts[0] = keep * counts[0] + accepted
+    counts[1] = keep * counts[1] + (accepted < drafted)
+    return counts
+
+
+def longest_paying(p: float | None, cost: float, most: int) -> int:
+    """The longest draft, to ``most``, whose last token still pays for itself: with each token
+    kept with probability ``p`` once the one before it was (the i-th then with p**i), the i-th
+    pays while p**i > ``cost``. At least 1: a draft that cannot pay is still tried after each
+    pause, so that a change (a grounded passage, a quieter machine) is found. (``p`` None: nothing
+    drafted yet, ``most``.)"""
+    if cost >= 1:
+        return 1
+    if p is None or cost <= 0:
+        return most
+    if p <= cost:
+        return 1
+    if p >= 1:
+        return most
+    return max(1, min(most, int(math.log(cost) / math.log(p))))
 
 
 @dataclass
@@ -328,5 +468,6 @@ class ModelDraft(Pace):
         self.agreed = n
 
 
-__all__ = ["DraftCosts", "GUESSES_TIMED", "Lookup", "ModelDraft", "NGRAM_SIZES", "PAUSES", "Pace", "ROW_SHARE_UNTIMED",
-           "Speculation"]
+__all__ = ["DraftCosts", "GUESSES_TIMED", "LONGEST_MATCH", "Lookup", "MATCH_CLASSES", "Match", "ModelDraft",
+           "NGRAM_SIZES", "PAUSES", "Pace", "ROW_SHARE_UNTIMED", "Speculation", "copied", "expected_share",
+           "longest_paying", "match_class"]

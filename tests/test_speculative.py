@@ -5,6 +5,7 @@ part or not at all, and where a job stops in the middle of a draft."""
 from __future__ import annotations
 
 import math
+import random
 
 import anyio
 import pytest
@@ -15,8 +16,9 @@ from hypothesis import strategies as st
 from builders import endless_model
 from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
-from llama_chat.inference.speculative import (GUESSES_TIMED, PAUSES, ROW_SHARE_UNTIMED, DraftCosts, Lookup, ModelDraft,
-                                              Pace, Speculation)
+from llama_chat.inference.speculative import (GUESSES_TIMED, LONGEST_MATCH, PAUSES, ROW_SHARE_UNTIMED, DraftCosts,
+                                              Lookup, Match, ModelDraft, Pace, Speculation, expected_share,
+                                              longest_paying, match_class)
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 
@@ -217,43 +219,151 @@ def test_the_next_turn_finds_the_pages_a_speculating_turn_left(walker):
     assert outs["drafts"] == outs["plain"] and outs["plain"][2] > 0
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.integers(1, 12))
-def test_a_draft_is_what_followed_the_tails_latest_earlier_occurrence(tokens, room):
+def match_at(tokens: list[int], at: int) -> int:
+    """How many tokens before ``at`` equal ``tokens``' last ones, to LONGEST_MATCH."""
+    n = 0
+    while n < LONGEST_MATCH and at - n > 0 and tokens[at - n - 1] == tokens[len(tokens) - n - 1]:
+        n += 1
+    return n
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 12))
+def test_a_draft_copies_what_followed_the_longest_earlier_match(tokens, room):
     lookup = Lookup(draft_max=12)
-    lookup.size = 12
-    draft = lookup.draft(tokens, room, 12)
-    assert len(draft) <= room
-    if draft:
-        # Some n-gram of the tail occurred before, and the draft is what came right after it.
-        assert any(tokens[at - n:at] == tokens[-n:] and tokens[at:at + len(draft)] == draft
-                   for n in (3, 2, 1) for at in range(n, len(tokens)) if len(tokens) > n)
-    else:
-        assert all(tokens[at - 1:at] != tokens[-1:] for at in range(1, len(tokens)))
+    costs = PinnedCosts(row_share=0.01)
+    match = lookup.match(tokens)
+    lengths = [match_at(tokens, at) for at in range(len(tokens))]
+    if max(lengths) == 0:
+        assert match is None and lookup.draft(tokens, room, costs) == []
+        return
+    # The longest, and the latest of the longest.
+    assert match.length == lengths[match.at] == max(lengths)
+    assert all(n < match.length for n in lengths[match.at + 1:])
+    draft = Lookup(draft_max=12).draft(tokens, room, costs)
+    assert 1 <= len(draft) <= room
+    # What followed the match, the copy going on where it runs into the tail (a repeating reply).
+    whole = tokens + draft
+    assert draft == [whole[match.at + i] for i in range(len(draft))]
 
 
-def test_the_draft_length_follows_what_is_taken():
+def drafted_reply(prompt: list[int], reply: list[int], costs: DraftCosts, lookup: Lookup | None = None):
+    """A greedy reply drafted by lookup as the core drafts it (``BatchCore._drafts`` and
+    ``_record``): each step drafts, keeps the draft up to the first token the reply does not
+    have there, and the reply's token at that place. Returns the reply's positions whose tokens
+    came from drafts, the steps taken and the tokens drafted."""
+    lookup = lookup or Lookup(draft_max=8)
+    tokens, kept, steps, drafted = list(prompt), set(), 0, 0
+    while len(tokens) < len(prompt) + len(reply):
+        at = len(tokens) - len(prompt)
+        draft = lookup.draft(tokens, len(reply) - at - 1, costs) if costs.drafts_now(lookup) else []
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == reply[at + accepted]:
+            accepted += 1
+        if draft:
+            lookup.pending = len(draft)
+            lookup.taken(len(draft), accepted, lookup.pending_cost)
+            costs.kept(lookup, len(draft), accepted)
+            drafted += len(draft)
+        kept.update(range(at, at + accepted))
+        tokens += reply[at:at + accepted + 1]
+        steps += 1
+    return kept, steps, drafted
+
+
+def code_edit(seed: int, functions: int = 6, *, tokens: int = 8) -> tuple[list[int], list[int], set[int]]:
+    """An edit as "add a docstring to each function" gives it: a prompt holding a file of
+    functions, and a reply that copies each whole, a new docstring line after its first line.
+    Code and docstrings are made of a few ``tokens`` (indents, keywords, punctuation), so short
+    n-grams occur all over the file and the reply, and only a long match finds the right place.
+    Returns the prompt, the reply and the reply's positions that copy the prompt."""
+    g = random.Random(seed)
+
+    def line(n: int) -> list[int]:
+        return [g.randrange(3, 3 + tokens) for _ in range(n)]
+
+    file = [[line(8), line(10), line(10), line(10)] for _ in range(functions)]
+    prompt = [1] + line(12) + [t for f in file for part in f for t in part]
+    reply: list[int] = []
+    copies: set[int] = set()
+    for first, *body in file:
+        copies.update(range(len(reply), len(reply) + len(first)))
+        reply += first + line(9)
+        body = [t for part in body for t in part]
+        copies.update(range(len(reply), len(reply) + len(body)))
+        reply += body
+    return prompt, reply, copies
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_copy_heavy_reply_is_drafted_after_early_misses(seed):
+    """The docstrings' new text is drafted from short matches all over the file, and missed; the
+    copied lines after each are long matches, drafted whatever the misses before them."""
+    prompt, reply, copies = code_edit(seed)
+    kept, steps, drafted = drafted_reply(prompt, reply, PinnedCosts())
+    # A match needs a few copied tokens to be told from the short ones around, and each step
+    # draws one token itself: the rest are drafted.
+    assert len(kept & copies) > 0.7 * len(copies), (len(kept & copies), len(copies))
+    assert steps < 0.4 * len(reply)
+    # The early misses happened: the docstrings' drafts were refused.
+    assert drafted - len(kept) > 10
+
+
+def test_open_ended_text_drafts_little():
+    """A reply of new text over a small vocabulary: its last token or two occurred before at
+    nearly every step, and what followed them then is what follows now once in sixteen. The
+    refused drafts' rows cost little of the steps, and less as the classes pause."""
+    g = random.Random(5)
+    costs = PinnedCosts()
+    for job in range(4):
+        prompt = [g.randrange(3, 19) for _ in range(40)]
+        reply = [g.randrange(3, 19) for _ in range(400)]
+        kept, steps, drafted = drafted_reply(prompt, reply, costs)
+        assert drafted * costs.per_token(None) < 0.03 * steps, (job, drafted, steps)
+
+
+def test_a_long_match_drafts_while_short_ones_pause():
+    lookup, costs = Lookup(draft_max=8), PinnedCosts()
+    line = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    prompt = [1] + line + [5, 6, 7, 8]
+    # Short matches refused again and again: their class pauses, longer each time.
+    for _ in range(5):
+        assert lookup.match(prompt + [5]).length == 1
+        lookup.pending_class = match_class(1)
+        lookup.taken(1, 0, 0.15)
+    assert lookup.paused[1][0] == PAUSES[5]
+    assert lookup.draft(prompt + [5], 8, costs) == []  # paused
+    # A copied span's match is long: drafted at once, as long as its share pays.
+    tail = prompt + line[:5]
+    assert lookup.match(tail) == Match(6, 5)
+    share = lookup.share(5, costs)
+    assert share == expected_share(5)
+    draft = lookup.draft(tail, 8, costs)
+    assert draft == line[5:5 + len(draft)] and len(draft) == longest_paying(share, 0.15, 8) > 3
+    lookup.taken(len(draft), len(draft), 0.15)
+    costs.kept(lookup, len(draft), len(draft))
+    assert lookup.share(5, costs) > share  # kept whole: that class's drafts grow
+
+
+def test_a_match_class_refused_draws_every_jobs_first_draft_of_it_shorter():
+    costs = PinnedCosts()
+    for _ in range(20):
+        lookup = Lookup(draft_max=8)
+        lookup.pending_class = match_class(4)
+        lookup.taken(4, 0, 0.15)
+        costs.kept(lookup, 4, 0)
+    assert Lookup(8).share(4, costs) < 0.2 < expected_share(4) < Lookup(8).share(8, costs)
+    assert Lookup(8).share(8, costs) == expected_share(8)
+
+
+def test_a_draft_that_does_not_pay_for_its_rows_pauses_its_match_class():
     lookup = Lookup(draft_max=8)
-    tokens = [1, 2, 3, 4, 1, 2, 3]
-    cost = 0.15
-    assert lookup.draft(tokens, 10, 8) == [4, 1, 2, 3]  # draft_max // 2 at first
-    lookup.taken(4, 4, cost)
-    assert lookup.size == 6
-    lookup.taken(6, 2, cost)
-    assert lookup.size == 3 and lookup.pause == 0
-    lookup.taken(3, 0, cost)  # nothing taken: a pause before the next draft
-    assert [lookup.draft(tokens, 10, 8) for _ in range(PAUSES[1])] == [[]] * PAUSES[1]
-    assert lookup.draft(tokens, 10, 8) == [4]
-
-
-def test_a_draft_that_does_not_pay_for_its_rows_pauses_and_the_pauses_grow():
-    lookup = Lookup(draft_max=8)
-    lookup.size = 8
+    lookup.pending_class = 4
     lookup.taken(8, 2, 0.3)  # 2 kept of 8 that cost 2.4 steps
-    assert lookup.pause == PAUSES[1] and lookup.size == 3
-    lookup.pause = 0
+    assert lookup.paused[4] == [PAUSES[1], 1]
     lookup.taken(3, 1, 0.3)  # 1 of 3 that cost 0.9: it paid
-    assert lookup.pause == 0 and lookup.pause_level == 0
+    assert lookup.paused[4] == [0, 0]
+    assert 8 not in lookup.paused
 
 
 def test_the_longest_draft_is_the_one_whose_last_token_still_pays():
