@@ -23,6 +23,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x) * weight
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm (BERT's) computed in float32, as ``rms_norm`` is, and cast back to ``x``'s dtype."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).type_as(x)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.1 frequency scaling (``rope_scaling.rope_type == "llama3"``)."""

@@ -50,7 +50,7 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,17 @@ class ModelArgs:
     sliding_window: int | None = None  # the keys a windowed layer sees (Mistral, Gemma)
     window_layers: tuple[int, ...] = ()  # the layers that attend through the window
     local_rope_theta: float | None = None  # the windowed layers' own rotary base (Gemma 3)
+    # The encoders' switches (BERT). An encoder attends in both directions over a padding mask and
+    # gives hidden states, not logits (``Transformer.encode``); it has no classifier.
+    encoder: bool = False
+    position_table: int = 0  # rows of a learned table of absolute positions (BERT); 0: rotary
+    type_vocab_size: int = 0  # rows of the token-type table added to the embeddings (BERT)
+    layer_norm: bool = False  # LayerNorm with a bias in place of RMSNorm (BERT)
+    # Each sublayer's sum with the residual normed (post-LN), the embeddings normed too, no final
+    # norm (BERT); otherwise each sublayer's input is normed (pre-LN).
+    norm_after_residual: bool = False
+    gated_ffn: bool = True  # w2(act(w1 x) * w3 x); False: w2(act(w1 x)) (BERT)
+    linear_biases: bool = False  # biases on the attention's output and the feed-forward (BERT)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -101,9 +112,13 @@ class ModelArgs:
             raise ConfigError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.position_table:
             raise ConfigError(f"head dimension {self.head_dim} (dim / n_heads) must be even for rotary embeddings")
         _positive_finite("norm_eps", self.norm_eps)
+        for name in ("position_table", "type_vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SIZE:
+                raise ConfigError(f"{name} must be an integer from 0 to {MAX_SIZE}, found {value!r}")
         _positive_finite("rope_theta", self.rope_theta)
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation {self.activation!r} is not supported (expected {' or '.join(ACTIVATIONS)})")
@@ -167,6 +182,9 @@ class ModelArgs:
             ("post norms", self.post_norms), ("final soft cap", self.final_softcap is not None),
             ("local rotary base", self.local_rope_theta is not None),
             ("LongRoPE", isinstance(self.rope_scaling, LongRope)),
+            ("encoder", self.encoder), ("absolute positions", self.position_table > 0),
+            ("LayerNorm", self.layer_norm), ("post-LN", self.norm_after_residual),
+            ("plain feed-forward", not self.gated_ffn), ("linear biases", self.linear_biases),
             ("linear rotary scaling", isinstance(self.rope_scaling, LinearRope)),
         ) if on]
         windowed = self.window_layers and self.sliding_window is not None and self.sliding_window < self.max_seq_len

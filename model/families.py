@@ -38,6 +38,11 @@ class Family:
     gguf_layer_names: tuple[tuple[str, str], ...] = ()
     gguf_halves: bool = True  # the GGUF file's q/k rows are in the halves order (NEOX rotary)
     norm_shift: bool = False  # Hugging Face weights hold w of a (1 + w) norm (Gemma); GGUF's hold 1 + w
+    # Where a Hugging Face file's layers sit, and its tensors outside the layers (beyond Llama's).
+    hf_layer_prefix: str = "model.layers."
+    hf_top_names: tuple[tuple[str, str], ...] = ()
+    hf_ignored: tuple[str, ...] = ()  # tensors read by none of our paths (BERT's pooler)
+    hf_name_prefix: str = ""  # a prefix some files put before every name ("bert." in a classifier's)
 
 
 _HF_ATTENTION = (
@@ -102,6 +107,27 @@ _GGUF_PHI3 = (
     ("ffn_norm.weight", "ffn_norm.weight"),
 )
 
+_HF_BERT_TOP = (
+    ("embeddings.word_embeddings.weight", "tok_embeddings.weight"),
+    ("embeddings.position_embeddings.weight", "pos_embeddings.weight"),
+    ("embeddings.token_type_embeddings.weight", "type_embeddings.weight"),
+    ("embeddings.LayerNorm.weight", "embedding_norm.weight"),
+    ("embeddings.LayerNorm.bias", "embedding_norm.bias"),
+)
+# BERT's norms come after each sublayer's sum with the residual (``ModelArgs.norm_after_residual``):
+# the attention's output norm is our ``attention_norm``, the feed-forward's our ``ffn_norm``.
+_HF_BERT = (
+    ("attention.self.query.weight", "attention.wq.weight"), ("attention.self.query.bias", "attention.bq"),
+    ("attention.self.key.weight", "attention.wk.weight"), ("attention.self.key.bias", "attention.bk"),
+    ("attention.self.value.weight", "attention.wv.weight"), ("attention.self.value.bias", "attention.bv"),
+    ("attention.output.dense.weight", "attention.wo.weight"), ("attention.output.dense.bias", "attention.bo"),
+    ("attention.output.LayerNorm.weight", "attention_norm.weight"),
+    ("attention.output.LayerNorm.bias", "attention_norm.bias"),
+    ("intermediate.dense.weight", "feed_forward.w1.weight"), ("intermediate.dense.bias", "feed_forward.b1"),
+    ("output.dense.weight", "feed_forward.w2.weight"), ("output.dense.bias", "feed_forward.b2"),
+    ("output.LayerNorm.weight", "ffn_norm.weight"), ("output.LayerNorm.bias", "ffn_norm.bias"),
+)
+
 FAMILIES = (
     Family("llama", ("llama",), "llama", _HF_LLAMA, _GGUF_LLAMA, gguf_halves=False),
     Family("mistral", ("mistral",), None, _HF_LLAMA),  # Mistral's GGUF files are "llama"
@@ -111,6 +137,9 @@ FAMILIES = (
     Family("gemma3", ("gemma3_text", "gemma3"), "gemma3", _HF_GEMMA + _HF_QK_NORM,
            _GGUF_LLAMA + _GGUF_POST_NORMS + _GGUF_QK_NORM, norm_shift=True),
     Family("phi3", ("phi3",), "phi3", _HF_PHI3, _GGUF_PHI3),
+    Family("bert", ("bert",), None, _HF_BERT, hf_layer_prefix="encoder.layer.", hf_top_names=_HF_BERT_TOP,
+           hf_ignored=("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"),
+           hf_name_prefix="bert."),
 )
 GGUF_ARCHITECTURES = tuple(f.gguf_arch for f in FAMILIES if f.gguf_arch is not None)
 HF_TYPES = tuple(t for f in FAMILIES for t in f.hf_types)
@@ -128,7 +157,7 @@ def hf_family(config: dict[str, Any]) -> Family:
         architectures = config.get("architectures") or ["LlamaForCausalLM"]
         by_class = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                     "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                    "Phi3ForCausalLM": "phi3"}
+                    "Phi3ForCausalLM": "phi3", "BertModel": "bert"}
         model_type = by_class.get(architectures[0] if isinstance(architectures, list) and architectures else None)
         if model_type is None:
             raise ModelLoadError(f"config.json: architecture {architectures!r:.80} is not supported "
@@ -148,6 +177,8 @@ def hf_args(config: dict[str, Any]) -> tuple[Family, ModelArgs]:
     family = hf_family(config)
     if family.name == "gemma3" and isinstance(config.get("text_config"), dict):
         config = {**config["text_config"], "model_type": "gemma3_text"}
+    if family.name == "bert":
+        return family, _bert_args(config)
     try:
         config, local_theta = _flat_rope(config)
         args = ModelArgs.from_hf_config(config)
@@ -160,6 +191,40 @@ def hf_args(config: dict[str, Any]) -> tuple[Family, ModelArgs]:
     if local_theta is not None:
         switches["local_rope_theta"] = local_theta
     return family, _replaced(args, switches, "config.json")
+
+
+def _bert_args(config: dict[str, Any]) -> ModelArgs:
+    """A ``BertModel``'s ``config.json`` as the encoder switches of the one model."""
+    try:
+        act = config.get("hidden_act", "gelu")
+        activations = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+        if act not in activations:
+            raise ModelLoadError(f"config.json: hidden_act {act!r:.40} is not supported (expected "
+                                 f"{', '.join(activations)})")
+        kind = config.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise ModelLoadError(f"config.json: position_embedding_type {kind!r:.40} is not supported "
+                                 "(expected 'absolute')")
+        positions = integer(config.get("max_position_embeddings", 512), "max_position_embeddings")
+        heads = integer(config["num_attention_heads"], "num_attention_heads")
+        args = ModelArgs(
+            dim=integer(config["hidden_size"], "hidden_size"),
+            n_layers=integer(config["num_hidden_layers"], "num_hidden_layers"),
+            n_heads=heads, n_kv_heads=heads,
+            vocab_size=integer(config["vocab_size"], "vocab_size"),
+            hidden_dim=integer(config["intermediate_size"], "intermediate_size"),
+            norm_eps=number(config.get("layer_norm_eps", 1e-12), "layer_norm_eps"),
+            max_seq_len=positions, family="bert", activation=activations[act], qkv_bias=True,
+            encoder=True, position_table=positions,
+            type_vocab_size=integer(config.get("type_vocab_size", 2), "type_vocab_size"),
+            layer_norm=True, norm_after_residual=True, gated_ffn=False, linear_biases=True)
+    except KeyError as e:
+        raise ModelLoadError(f"config.json: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"config.json: bad field value ({e})") from None
+    return args
 
 
 def _flat_rope(config: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
@@ -286,6 +351,8 @@ def interleave_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def rotated_heads(name: str, args: ModelArgs) -> int | None:
     """For a tensor whose rows the rotary reads in pairs (the q and k projections, their biases
     and head norms), how many heads its rows split into; None for any other tensor."""
+    if args.position_table:
+        return None  # no rotary: the rows stay as the file has them
     heads = {"attention.wq.weight": args.n_heads, "attention.wk.weight": args.n_kv_heads,
              "attention.bq": args.n_heads, "attention.bk": args.n_kv_heads,
              "attention.q_norm.weight": 1, "attention.k_norm.weight": 1}

@@ -35,6 +35,25 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+class LayerNorm(nn.Module):
+    """BERT's norm: mean and variance over the channels, then a scale and a bias."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def norm_of(args: ModelArgs, dim: int | None = None) -> nn.Module:
+    """The family's norm over ``dim`` channels (the model's width by default)."""
+    kind = LayerNorm if args.layer_norm else RMSNorm
+    return kind(args.dim if dim is None else dim, args.norm_eps)
+
+
 @dataclass(frozen=True)
 class StepLayout:
     """What every layer of one forward needs to know about where its tokens sit."""
@@ -79,6 +98,7 @@ class Attention(nn.Module):
             self.bq = nn.Parameter(torch.zeros(args.n_heads * args.head_dim))
             self.bk = nn.Parameter(torch.zeros(args.n_kv_heads * args.head_dim))
             self.bv = nn.Parameter(torch.zeros(args.n_kv_heads * args.head_dim))
+        self.bo = nn.Parameter(torch.zeros(args.dim)) if args.linear_biases else None
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.rule = args.attention_rule(layer)
@@ -94,15 +114,19 @@ class Attention(nn.Module):
                 del self.bq, self.bk, self.bv
                 self.bq = self.bk = self.bv = None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: StepLayout,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, layout: StepLayout,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
+        """``rope`` is None where positions are learned embeddings (BERT): nothing is rotated."""
         batch, seq, _ = x.shape
         if self.wqkv is not None:
             q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
             qkv = ops.project(x, self.wqkv, layout.row_products)
             if self.bqkv is not None:
                 qkv = qkv + self.bqkv
-            if self.q_norm is None:
+            if rope is None:
+                q = qkv[..., :q_width].view(batch, seq, self.n_heads, self.head_dim)
+                k = qkv[..., q_width:q_width + kv_width].view(batch, seq, self.n_kv_heads, self.head_dim)
+            elif self.q_norm is None:
                 # Queries and keys side by side are rotated by one call: half the kernels.
                 qk = qkv[..., :q_width + kv_width].view(batch, seq, self.n_heads + self.n_kv_heads, self.head_dim)
                 q, k = ops.apply_rope(qk, rope).split([self.n_heads, self.n_kv_heads], dim=2)
@@ -119,12 +143,13 @@ class Attention(nn.Module):
             k = k.view(batch, seq, self.n_kv_heads, self.head_dim)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = ops.apply_rope(q, rope), ops.apply_rope(k, rope)
+            if rope is not None:
+                q, k = ops.apply_rope(q, rope), ops.apply_rope(k, rope)
             v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if layout.paged:  # packed sequences over pages (model/paged_kv_cache.py)
             out = cache.attend(layer, q, k, v, self.rule)
-            return ops.project(out.transpose(1, 2).reshape(batch, seq, -1), self.wo, layout.row_products)
+            return self._output(out.transpose(1, 2).reshape(batch, seq, -1), layout)
         if cache is not None:
             k, v = cache.update(layer, k, v, layout.positions, layout.kv_len, layout.contiguous_from)
         if not self.rule.plain:
@@ -136,35 +161,57 @@ class Attention(nn.Module):
             out = ops.attention_over_cache(q, k, v, layout.mask)
         else:
             out = ops.attention(q, k, v, layout.mask, causal=layout.causal)
-        return ops.project(out.transpose(1, 2).reshape(batch, seq, -1), self.wo, layout.row_products)
+        return self._output(out.transpose(1, 2).reshape(batch, seq, -1), layout)
+
+    def _output(self, heads: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+        out = ops.project(heads, self.wo, layout.row_products)
+        return out if self.bo is None else out + self.bo
 
 
 class FeedForward(nn.Module):
-    """A gated feed-forward: ``w2(act(w1 x) * w3 x)``, SwiGLU (``silu``) or GeGLU (``gelu_tanh``)."""
+    """A gated feed-forward: ``w2(act(w1 x) * w3 x)``, SwiGLU (``silu``) or GeGLU (``gelu_tanh``);
+    or, not ``gated``, BERT's ``w2(gelu(w1 x + b1)) + b2`` (``biases``)."""
 
-    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu") -> None:
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu", *, gated: bool = True,
+                 biases: bool = False) -> None:
         super().__init__()
         self.activation = activation
+        self.gated = gated
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        if gated:
+            self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w13: nn.Linear | None = None
+        self.b1 = nn.Parameter(torch.zeros(hidden_dim)) if biases and not gated else None
+        self.b2 = nn.Parameter(torch.zeros(dim)) if biases and not gated else None
 
     def fuse(self) -> None:
-        if self.w13 is None:
+        if self.w13 is None and self.gated:
             self.w13 = _fused_linear(self.w1, self.w3)
             del self.w1, self.w3
 
     def forward(self, x: torch.Tensor, row_products: bool = False) -> torch.Tensor:
+        if not self.gated:
+            hidden = ops.project(x, self.w1, row_products)
+            if self.b1 is not None:
+                hidden = hidden + self.b1
+            out = ops.project(_activated(hidden, self.activation), self.w2, row_products)
+            return out if self.b2 is None else out + self.b2
         if self.w13 is not None:
             gate, up = ops.project(x, self.w13, row_products).chunk(2, dim=-1)
         else:
             gate, up = ops.project(x, self.w1, row_products), ops.project(x, self.w3, row_products)
         # The product in place and the gate and up rows let go before the last projection: a
         # prompt's widest moment in a layer holds three hidden rows a token rather than four.
-        hidden = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")).mul_(up)
+        hidden = _activated(gate, self.activation).mul_(up)
         del gate, up
         return ops.project(hidden, self.w2, row_products)
+
+
+def _activated(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 def _fused_linear(*parts: nn.Module) -> nn.Module:
@@ -191,15 +238,21 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.attention = Attention(args, layer)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim, args.activation)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim, args.activation, gated=args.gated_ffn,
+                                        biases=args.linear_biases)
+        # Before each sublayer (pre-LN); after its sum with the residual where ``norm_after_residual``.
+        self.attention_norm = norm_of(args)
+        self.ffn_norm = norm_of(args)
+        self.norm_after_residual = args.norm_after_residual
         # Gemma's norms of each sublayer's output, before it joins the residual.
         self.attention_post_norm = RMSNorm(args.dim, args.norm_eps) if args.post_norms else None
         self.ffn_post_norm = RMSNorm(args.dim, args.norm_eps) if args.post_norms else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: StepLayout,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
+        if self.norm_after_residual:  # BERT's post-LN
+            h = self.attention_norm(x + self.attention(x, rope, layout, cache, layer))
+            return self.ffn_norm(h + self.feed_forward(h, layout.row_products))
         out = self.attention(self.attention_norm(x), rope, layout, cache, layer)
         h = x + (out if self.attention_post_norm is None else self.attention_post_norm(out))
         out = self.feed_forward(self.ffn_norm(h), layout.row_products)
@@ -213,9 +266,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # BERT's learned positions, token types and the norm of their sum with the token's embedding.
+        self.pos_embeddings = nn.Embedding(args.position_table, args.dim) if args.position_table else None
+        self.type_embeddings = nn.Embedding(args.type_vocab_size, args.dim) if args.type_vocab_size else None
+        self.embedding_norm = norm_of(args) if args.norm_after_residual else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.norm = None if args.norm_after_residual else norm_of(args)
+        self.output = None if args.encoder else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # The rotary table stays float32 whatever the weights' dtype, so it is kept out of the
         # module's buffers (which .to(dtype) would cast) and built once per device.
@@ -275,6 +332,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):  # also q_norm/k_norm
                 p.fill_(1.0)
+            elif name.endswith("norm.bias"):
+                p.zero_()
             else:
                 p.normal_(0.0, std, generator=generator)
 
@@ -325,16 +384,42 @@ class Transformer(nn.Module):
         cap = self.args.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    @torch.no_grad()
+    def encode(self, tokens: torch.Tensor, lengths: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+        """The last hidden states (after the final norm, where the family has one) of right-padded
+        rows: ``tokens`` ``(batch, seq)``, each row's first ``lengths[i]`` tokens its own.
+
+        An encoder's tokens see every token of their row and none of the padding; a decoder's see
+        their past, which right padding never enters. ``types``: BERT's token types (0 where None).
+        """
+        batch, seq = tokens.shape
+        positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, seq)
+        if self.args.encoder:
+            visible = positions < lengths.view(batch, 1)
+            layout = StepLayout(positions, visible.view(batch, 1, 1, seq), seq, None, causal=False)
+        else:
+            layout = StepLayout(positions, None, seq, None, causal=True)
+        h = self._hidden(tokens, positions, layout, None, types)
+        return h if self.norm is None else self.norm(h)
+
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout,
-                cache: KVCache | None) -> torch.Tensor:
+                cache: KVCache | None, types: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's output for ``tokens``, their keys and values written into ``cache``."""
         h = self.tok_embeddings(tokens)
         a = self.args
         if a.embedding_scale:  # Gemma: sqrt(dim) rounded to the activations' dtype, as its own code does
             h = h * torch.tensor(a.dim ** 0.5, dtype=h.dtype)
-        rope = ops.rope_at(self.rope_table(tokens.device), positions)
-        local = ops.rope_at(self.rope_table(tokens.device, local=True), positions) \
-            if a.local_rope_theta is not None else rope
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(positions)
+        if self.type_embeddings is not None:
+            h = h + self.type_embeddings(torch.zeros_like(tokens) if types is None else types)
+        if self.embedding_norm is not None:
+            h = self.embedding_norm(h)
+        rope = local = None
+        if not a.position_table:
+            rope = ops.rope_at(self.rope_table(tokens.device), positions)
+            local = ops.rope_at(self.rope_table(tokens.device, local=True), positions) \
+                if a.local_rope_theta is not None else rope
         for i, layer in enumerate(self.layers):
             if not layout.whole_cache:  # a static step is compiled: no host calls in it
                 interrupt.check()  # between two layers: a long prefill stops soon after a cancel

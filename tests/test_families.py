@@ -256,7 +256,7 @@ def test_a_vision_model_and_an_unknown_family_are_refused_by_name(tmp_path, sp_m
     for model_type, expected in (
             ("gemma3", "config.json: a Gemma 3 model with a vision tower is not supported"),
             ("falcon", "config.json: model_type 'falcon' is not supported (expected one of llama, mistral, "
-                       "qwen2, qwen3, gemma2, gemma3_text, gemma3, phi3)")):
+                       "qwen2, qwen3, gemma2, gemma3_text, gemma3, phi3, bert)")):
         (out / "config.json").write_text(json.dumps({**config, "model_type": model_type, "vision_config": {}}))
         with pytest.raises(ModelLoadError) as e:
             load_model(out, device="cpu")

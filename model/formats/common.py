@@ -234,8 +234,9 @@ def parameter_count(args: ModelArgs) -> int:
     """How many weights ``args`` describes, by arithmetic (no per-layer lists: n_layers may be 10**9)."""
     kv_dim = args.n_kv_heads * args.head_dim
     per_layer = (2 * args.dim * args.n_heads * args.head_dim + 2 * kv_dim * args.dim
-                 + 3 * args.hidden_dim * args.dim + 2 * args.dim)
-    embeddings = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
+                 + (3 if args.gated_ffn else 2) * args.hidden_dim * args.dim + 2 * args.dim)
+    tables = 1 if args.tie_embeddings or args.encoder else 2
+    embeddings = (args.vocab_size * tables + args.position_table + args.type_vocab_size) * args.dim
     return embeddings + args.n_layers * per_layer + args.dim
 
 
@@ -275,9 +276,18 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes[p + "attention.wo.weight"] = (args.dim, args.n_heads * args.head_dim)
         shapes[p + "feed_forward.w1.weight"] = (args.hidden_dim, args.dim)
         shapes[p + "feed_forward.w2.weight"] = (args.dim, args.hidden_dim)
-        shapes[p + "feed_forward.w3.weight"] = (args.hidden_dim, args.dim)
+        if args.gated_ffn:
+            shapes[p + "feed_forward.w3.weight"] = (args.hidden_dim, args.dim)
         shapes[p + "attention_norm.weight"] = (args.dim,)
         shapes[p + "ffn_norm.weight"] = (args.dim,)
+        if args.layer_norm:
+            shapes[p + "attention_norm.bias"] = (args.dim,)
+            shapes[p + "ffn_norm.bias"] = (args.dim,)
+        if args.linear_biases:
+            shapes[p + "attention.bo"] = (args.dim,)
+            if not args.gated_ffn:
+                shapes[p + "feed_forward.b1"] = (args.hidden_dim,)
+                shapes[p + "feed_forward.b2"] = (args.dim,)
         if args.qkv_bias:
             shapes[p + "attention.bq"] = (args.n_heads * args.head_dim,)
             shapes[p + "attention.bk"] = (kv_dim,)
@@ -288,8 +298,16 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         if args.post_norms:
             shapes[p + "attention_post_norm.weight"] = (args.dim,)
             shapes[p + "ffn_post_norm.weight"] = (args.dim,)
-    shapes["norm.weight"] = (args.dim,)
-    if not args.tie_embeddings:
+    if args.position_table:
+        shapes["pos_embeddings.weight"] = (args.position_table, args.dim)
+    if args.type_vocab_size:
+        shapes["type_embeddings.weight"] = (args.type_vocab_size, args.dim)
+    norms = ["embedding_norm"] if args.norm_after_residual else ["norm"]
+    for norm in norms:
+        shapes[f"{norm}.weight"] = (args.dim,)
+        if args.layer_norm:
+            shapes[f"{norm}.bias"] = (args.dim,)
+    if not args.tie_embeddings and not args.encoder:
         shapes["output.weight"] = (args.vocab_size, args.dim)
     return shapes
 

@@ -48,9 +48,9 @@ def read_hf(model_dir: Path) -> Checkpoint:
     state: dict[str, Weight] = {}
     renamed_origin: dict[str, str] = {}
     for hf_name, tensor in loaded.items():
-        if _IGNORED.fullmatch(hf_name):
+        if _IGNORED.fullmatch(hf_name) or hf_name.removeprefix(family.hf_name_prefix) in family.hf_ignored:
             continue
-        name = meta_name(hf_name, layer_names)
+        name = meta_name(hf_name, layer_names, family)
         if name is None:
             raise ModelLoadError(f"{origin[hf_name]}: unexpected tensor {hf_name!r}")
         parts = check_fused(name, tensor.shape[0], args, origin[hf_name]) if tensor.dim() == 2 else None
@@ -68,7 +68,17 @@ def read_hf(model_dir: Path) -> Checkpoint:
     return Checkpoint(args=args, state=state, origin=renamed_origin, files=tuple(files))
 
 
-def meta_name(hf_name: str, layer_names: dict[str, str]) -> str | None:
+def meta_name(hf_name: str, layer_names: dict[str, str], family: Family | None = None) -> str | None:
+    if family is not None and family.hf_layer_prefix != "model.layers.":  # an encoder's names (BERT)
+        hf_name = hf_name.removeprefix(family.hf_name_prefix)
+        top = dict(family.hf_top_names)
+        if hf_name in top:
+            return top[hf_name]
+        prefix, _, rest = hf_name.partition(family.hf_layer_prefix)
+        number, _, inner = rest.partition(".")
+        if not prefix and number.isdigit() and inner in layer_names:
+            return f"layers.{int(number)}.{layer_names[inner]}"
+        return None
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     m = _LAYER.fullmatch(hf_name)

@@ -64,9 +64,9 @@ def _uses_byte_level(spec: dict) -> bool:
 class HFTokenizer(ByteTableTokenizer):
     """A ``Tokenizer`` over a Hugging Face ``tokenizer.json``."""
 
-    def __init__(self, path: Path, *, extra_stop_ids: Iterable[int] = ()) -> None:
+    def __init__(self, path: Path, *, extra_stop_ids: Iterable[int] = (), spec: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
-        spec = read_json(self.path)
+        spec = read_json(self.path) if spec is None else spec  # the loader may have read it already
         try:
             raw = RawTokenizer.from_str(json.dumps(spec))
         except Exception as exc:  # the Rust side raises a bare Exception on a bad spec

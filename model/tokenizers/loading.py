@@ -6,7 +6,10 @@ Which files decide (first match wins):
 2. ``tokenizer.model``: sniffed by content, a SentencePiece protobuf or a tiktoken rank file
    (Llama 3.x ships its tiktoken ranks under that same name);
 3. ``tokenizer.json`` alone: Hugging Face ``tokenizers`` with defaults;
-4. ``tokenizer.bin``: llama2.c.
+4. ``tokenizer.bin``: llama2.c;
+5. ``vocab.txt``: BERT's WordPiece (``wordpiece.py``).
+
+A ``tokenizer.json`` whose model is ``WordPiece`` is read by ``wordpiece.py`` too.
 
 ``generation_config.json``'s ``eos_token_id`` (an int or a list) adds stop ids, since Hugging Face
 checkpoints list their end-of-turn tokens there.
@@ -20,7 +23,7 @@ from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.json_files import read_json
 from llama_chat.model.tokenizers.base import Tokenizer
 
-LOOKED_FOR = ("tokenizer.json", "tokenizer.model", "tokenizer.bin")
+LOOKED_FOR = ("tokenizer.json", "tokenizer.model", "tokenizer.bin", "vocab.txt")
 
 _SNIFF_BYTES = 4096
 
@@ -41,14 +44,22 @@ def load_tokenizer(model_dir: Path, *, tokenizer_file: Path | None = None) -> To
     for name in ("tokenizer.model", "tokenizer.json", "tokenizer.bin"):
         if (model_dir / name).is_file():
             return _load_file(model_dir / name, extra_stops)
+    if (model_dir / "vocab.txt").is_file():
+        from llama_chat.model.tokenizers.wordpiece import wordpiece_from_vocab_txt
+
+        return wordpiece_from_vocab_txt(model_dir)
     raise ModelLoadError(f"{model_dir}: no tokenizer found (looked for {', '.join(LOOKED_FOR)})")
 
 
 def _load_file(path: Path, extra_stops: list[int]) -> Tokenizer:
     if path.suffix == ".json":
         from llama_chat.model.tokenizers.hf import HFTokenizer
+        from llama_chat.model.tokenizers.wordpiece import is_wordpiece_json, wordpiece_from_json
 
-        return HFTokenizer(path, extra_stop_ids=extra_stops)
+        spec = read_json(path)
+        if is_wordpiece_json(spec):
+            return wordpiece_from_json(path, spec)
+        return HFTokenizer(path, extra_stop_ids=extra_stops, spec=spec)
     head = _head(path)
     if path.suffix == ".bin":
         from llama_chat.model.tokenizers.llama2c import Llama2cTokenizer

@@ -1,0 +1,137 @@
+"""Embeddings of many inputs at once: texts (or token ids) checked and tokenized, batched by
+length into padded forwards of the encoder, pooled, normalized and cut as asked.
+
+Inputs are sorted by length, longest first, and taken in groups whose padded size stays within
+``max_batch_tokens`` (and ``max_batch_rows``), so a short text never waits as padding beside a
+long one and no forward grows past the bound. ``Embedder.embed`` is blocking PyTorch code: the
+server runs it in a worker thread, one call at a time (``lock``), off the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from llama_chat.model.loader import LoadedModel
+from llama_chat.model.pooling import POOLING_MODES, Pooling, finished, pool
+
+# Padded tokens in one forward: bounds the activations (and a row's attention scores) of a batch.
+DEFAULT_BATCH_TOKENS = 8192
+DEFAULT_BATCH_ROWS = 64
+# Inputs in one request at most (OpenAI's limit for /v1/embeddings).
+MAX_INPUTS = 2048
+
+
+class EmbeddingInputError(ValueError):
+    """An input the model cannot embed: the message is one line; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """One input's vector (float32, on the CPU) and the tokens it took."""
+
+    vector: torch.Tensor
+    tokens: int
+
+
+class Embedder:
+    """An embedding model ready for requests: its tokenizer, pooling and batching rule."""
+
+    def __init__(self, loaded: LoadedModel, *, pooling: str | None = None,
+                 max_batch_tokens: int = DEFAULT_BATCH_TOKENS, max_batch_rows: int = DEFAULT_BATCH_ROWS) -> None:
+        if loaded.pooling is None:
+            raise ValueError(f"the model {loaded.name!r} generates text; it does not make embeddings")
+        if pooling is not None and pooling not in POOLING_MODES:
+            raise ValueError(f"pooling {pooling!r} is not supported (expected {', '.join(POOLING_MODES)})")
+        self.loaded = loaded
+        self.pooling: Pooling = loaded.pooling.with_mode(pooling)
+        self.max_batch_tokens = max(max_batch_tokens, self.pooling.max_tokens)
+        self.max_batch_rows = max_batch_rows
+        self.lock = threading.Lock()  # one forward at a time: torch's threads are already all busy
+
+    @property
+    def width(self) -> int:
+        """The length of the model's vectors."""
+        return self.loaded.args.dim
+
+    @property
+    def max_tokens(self) -> int:
+        return self.pooling.max_tokens
+
+    def text_ids(self, text: str, *, truncate: bool, where: str = "input") -> list[int]:
+        """A text's ids with the model's markers; past the model's length: cut, or refused."""
+        if not text:
+            raise EmbeddingInputError(f"{where} is an empty string", where)
+        if self.pooling.lowercase:
+            text = text.lower()
+        return self.token_ids(self.loaded.tokenizer.encode(text), truncate=truncate, where=where)
+
+    def token_ids(self, ids: Sequence[int], *, truncate: bool, where: str = "input") -> list[int]:
+        """A text's token ids (no markers) with the model's markers around them (BERT's [CLS]
+        and [SEP]), so ids and the text they spell embed alike."""
+        tokenizer = self.loaded.tokenizer
+        if not ids:
+            raise EmbeddingInputError(f"{where} is an empty list of token ids", where)
+        vocab = self.loaded.args.vocab_size
+        for i in ids:
+            if not 0 <= i < vocab:
+                raise EmbeddingInputError(f"{where} holds token id {i}, outside the vocabulary (0 to {vocab - 1})",
+                                          where)
+        bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None else []
+        eos = [tokenizer.eos_id] if getattr(tokenizer, "add_eos", False) and tokenizer.eos_id is not None else []
+        room = self.max_tokens - len(bos) - len(eos)
+        if len(ids) > room:
+            if not truncate:
+                raise EmbeddingInputError(
+                    f"{where} is {len(ids) + len(bos) + len(eos)} tokens long; the model takes at most "
+                    f"{self.max_tokens}", where)
+            ids = ids[:room]
+        return [*bos, *ids, *eos]
+
+    def check_dimensions(self, dimensions: int | None, param: str = "dimensions") -> None:
+        if dimensions is not None and not 1 <= dimensions <= self.width:
+            raise EmbeddingInputError(f"{param} must be from 1 to {self.width} (the model's width), "
+                                      f"found {dimensions}", param)
+
+    def embed(self, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None) -> list[Embedded]:
+        """The vectors of ``inputs`` (token ids with their markers), in order. Blocking."""
+        if self.pooling.mode == "none":
+            raise EmbeddingInputError("this server pools with 'none' (a vector per token); "
+                                      "an embedding per input needs mean, cls or last pooling", "input")
+        self.check_dimensions(dimensions)
+        vectors: list[torch.Tensor | None] = [None] * len(inputs)
+        with self.lock, torch.inference_mode():
+            for group in self.batches([len(ids) for ids in inputs]):
+                for index, vector in zip(group, self._forward([inputs[i] for i in group])):
+                    vectors[index] = finished(vector, normalize=self.pooling.normalize, dimensions=dimensions).cpu()
+        return [Embedded(v, len(ids)) for v, ids in zip(vectors, inputs)]
+
+    def batches(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Indices of ``lengths`` in groups for one forward each: longest first, each group's rows
+        times its longest within ``max_batch_tokens``, at most ``max_batch_rows`` rows."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        groups: list[list[int]] = []
+        for i in order:
+            group = groups[-1] if groups else None
+            if group is not None and len(group) < self.max_batch_rows \
+                    and (len(group) + 1) * lengths[group[0]] <= self.max_batch_tokens:
+                group.append(i)
+            else:
+                groups.append([i])
+        return groups
+
+    def _forward(self, rows: list[Sequence[int]]) -> list[torch.Tensor]:
+        device = self.loaded.device
+        lengths = torch.tensor([len(r) for r in rows], device=device)
+        longest = max(len(r) for r in rows)
+        pad = getattr(self.loaded.tokenizer, "pad_id", 0)
+        tokens = torch.tensor([list(r) + [pad] * (longest - len(r)) for r in rows], device=device)
+        hidden = self.loaded.model.encode(tokens, lengths)
+        return pool(hidden, lengths, self.pooling.mode)

@@ -1,0 +1,93 @@
+"""A sentence-transformers folder: the pooling, normalization and length limit that turn an
+encoder's hidden states into its embeddings.
+
+``modules.json`` lists the modules in order: the ``Transformer`` (the Hugging Face model in the
+folder itself), then ``Pooling`` (its ``config.json`` names the mode: the ``pooling_mode_*`` flags
+of sentence-transformers 2-5, or ``pooling_mode`` of 6), then ``Normalize``. A ``Dense`` or any
+other module is refused in one line. ``sentence_bert_config.json`` gives ``max_seq_length`` and
+``do_lower_case``. A Hugging Face ``BertModel`` folder without ``modules.json`` is pooled as
+sentence-transformers pools it: the mean of its tokens, not normalized.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llama_chat.model.args import ModelArgs, integer
+from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.formats.json_files import read_json
+from llama_chat.model.pooling import Pooling
+
+# sentence-transformers' names for the pooling modes, ours beside them.
+_MODES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "lasttoken",
+          "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+          "pooling_mode_weightedmean_tokens": "weightedmean"}
+
+
+def is_sentence_transformers(model_dir: Path) -> bool:
+    return (model_dir / "modules.json").is_file()
+
+
+def read_pooling(model_dir: Path, args: ModelArgs) -> Pooling:
+    """The pooling of the encoder in ``model_dir`` (its length limit at most the model's positions)."""
+    longest = args.position_table or args.max_seq_len
+    if not is_sentence_transformers(model_dir):
+        return Pooling("mean", normalize=False, max_tokens=longest)
+    modules = _modules(model_dir / "modules.json")
+    mode, normalize = "mean", False
+    for kind, path in modules:
+        if kind == "Transformer":
+            continue
+        if kind == "Pooling":
+            mode = _pooling_mode(model_dir / path / "config.json")
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise ModelLoadError(f"{model_dir / 'modules.json'}: module {kind!r:.60} is not supported "
+                                 "(expected Transformer, Pooling and Normalize)")
+    config_path = model_dir / "sentence_bert_config.json"
+    config = read_json(config_path) if config_path.is_file() else {}
+    try:
+        limit = config.get("max_seq_length")
+        max_tokens = min(longest, integer(limit, "max_seq_length")) if limit is not None else longest
+    except ValueError as e:
+        raise ModelLoadError(f"{config_path}: {e}") from None
+    if max_tokens < 3:
+        raise ModelLoadError(f"{config_path}: max_seq_length {max_tokens} leaves no room for a token")
+    return Pooling(_MODES[mode], normalize=normalize, max_tokens=max_tokens,
+                   lowercase=bool(config.get("do_lower_case", False)))
+
+
+def _modules(path: Path) -> list[tuple[str, str]]:
+    """``modules.json``'s modules as (class name, folder), in order."""
+    from llama_chat.model.safe_input import loads
+
+    try:
+        data = loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+        raise ModelLoadError(f"{path}: expected a list of modules")
+    found = []
+    for module in data:
+        kind, folder = module.get("type"), module.get("path", "")
+        if not isinstance(kind, str) or not isinstance(folder, str) or ".." in Path(folder).parts \
+                or Path(folder).is_absolute():
+            raise ModelLoadError(f"{path}: a module needs a 'type' and a 'path' inside the folder, found {module!r:.80}")
+        found.append((kind.rpartition(".")[2], folder))
+    return found
+
+
+def _pooling_mode(path: Path) -> str:
+    config: dict[str, Any] = read_json(path)
+    mode = config.get("pooling_mode")
+    if mode is None:
+        on = [name for flag, name in _FLAGS.items() if config.get(flag)]
+        mode = on[0] if len(on) == 1 else on
+    if isinstance(mode, list) and len(mode) == 1:
+        mode = mode[0]
+    if mode not in _MODES:
+        raise ModelLoadError(f"{path}: pooling {mode!r:.60} is not supported (expected one of {', '.join(_MODES)})")
+    return mode

@@ -1,0 +1,60 @@
+"""How an embedding model's hidden states become one vector per text: the pooling, the
+normalization and Matryoshka truncation.
+
+``Pooling`` is what a model's files say (``formats/sentence_transformers.py`` reads it); the
+functions are the arithmetic, over right-padded rows whose lengths are given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+# mean: the average of a text's tokens; cls: its first token's state; last: its last token's
+# (decoder embedders); none: every token's state, unpooled.
+POOLING_MODES = ("mean", "cls", "last", "none")
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """An embedding model's pooling, as its files say."""
+
+    mode: str = "mean"
+    normalize: bool = False  # each vector scaled to length 1 (sentence-transformers' Normalize)
+    max_tokens: int = 512  # the longest input the model takes, its special tokens included
+    lowercase: bool = False  # texts lower-cased before tokenizing (sentence_bert_config's do_lower_case)
+
+    def __post_init__(self) -> None:
+        if self.mode not in POOLING_MODES:
+            raise ValueError(f"pooling {self.mode!r} is not supported (expected {', '.join(POOLING_MODES)})")
+
+    def with_mode(self, mode: str | None) -> Pooling:
+        """This pooling with its mode overridden (None: as the model says)."""
+        return self if mode is None else replace(self, mode=mode)
+
+
+def pool(hidden: torch.Tensor, lengths: torch.Tensor, mode: str) -> list[torch.Tensor]:
+    """One float32 tensor per row of ``hidden`` ``(batch, seq, dim)``: ``(dim,)`` pooled, or
+    ``(length, dim)`` for ``none``; each row's first ``lengths[i]`` states are its own."""
+    hidden = hidden.float()
+    if mode == "mean":
+        seq = hidden.shape[1]
+        mask = (torch.arange(seq, device=hidden.device).view(1, seq, 1) < lengths.view(-1, 1, 1)).float()
+        pooled = (hidden * mask).sum(1) / lengths.view(-1, 1).clamp(min=1).float()
+        return list(pooled)
+    if mode == "cls":
+        return list(hidden[:, 0])
+    if mode == "last":
+        return list(hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1])
+    return [row[:n] for row, n in zip(hidden, lengths.tolist())]
+
+
+def finished(vector: torch.Tensor, *, normalize: bool, dimensions: int | None = None) -> torch.Tensor:
+    """A pooled vector as it is answered: its first ``dimensions`` values (Matryoshka models are
+    trained so that a prefix is itself an embedding), scaled to length 1 where ``normalize`` says
+    or where it was cut (a prefix of a unit vector is shorter than one)."""
+    if dimensions is not None and dimensions < vector.shape[-1]:
+        return F.normalize(vector[..., :dimensions], dim=-1)
+    return F.normalize(vector, dim=-1) if normalize else vector

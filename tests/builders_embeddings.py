@@ -1,0 +1,97 @@
+"""Tiny random BERT models and WordPiece vocabularies, saved as a Hugging Face ``BertModel``
+folder and as a sentence-transformers folder (modules.json, pooling, normalization, length)."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ["the", "quick", "brown", "fox", "jump", "over", "lazy", "dog", "cafe", "café", "naive", "hello",
+         "world", "##s", "##ed", "##ing", "##ly", "un", "##able", "東", "京", "中", "文", "é", "ü", "ß"]
+
+
+def vocab_tokens() -> list[str]:
+    """Specials, whole words, every ASCII letter, digit and punctuation mark, and each letter and
+    digit as a piece inside a word (so that any ASCII word has pieces)."""
+    chars = list(string.ascii_letters + string.digits + string.punctuation)
+    pieces = ["##" + c for c in string.ascii_letters + string.digits]
+    return list(dict.fromkeys(SPECIALS + WORDS + chars + pieces))
+
+
+def write_vocab(path: Path) -> Path:
+    path.write_text("\n".join(vocab_tokens()) + "\n", encoding="utf-8")
+    return path
+
+
+def hf_tokenizer(folder: Path, *, lowercase: bool = True, strip_accents: bool | None = None):
+    """transformers' ``BertTokenizerFast`` over our vocabulary (the ids every test compares with)."""
+    from transformers import BertTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_vocab(folder / "vocab.txt")
+    vocab = {token: i for i, token in enumerate(vocab_tokens())}
+    return BertTokenizerFast(vocab=vocab, do_lower_case=lowercase, strip_accents=strip_accents)
+
+
+def bert_model(*, seed: int = 0, positions: int = 64, hidden_act: str = "gelu"):
+    """A random tiny ``BertModel`` (float32, eval mode) over ``vocab_tokens``."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=len(vocab_tokens()), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=positions, type_vocab_size=2,
+                        hidden_act=hidden_act, layer_norm_eps=1e-12)
+    model = BertModel(config).eval()
+    with torch.no_grad():  # norms away from their start, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+    return model
+
+
+def save_bert(folder: Path, *, seed: int = 0, pooling: str | None = "mean", normalize: bool = True,
+              max_seq_length: int | None = 24, lowercase: bool = True):
+    """A ``BertModel`` folder; with ``pooling``, a sentence-transformers one around it.
+    Returns (model, tokenizer)."""
+    model = bert_model(seed=seed)
+    tokenizer = hf_tokenizer(folder, lowercase=lowercase)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if pooling is not None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"})
+        (folder / "modules.json").write_text(json.dumps(modules))
+        (folder / "1_Pooling").mkdir()
+        flags = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "lasttoken": "pooling_mode_lasttoken"}
+        config = {"word_embedding_dimension": 32, **{flag: mode == pooling for mode, flag in flags.items()}}
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
+        bert_config = {"do_lower_case": False}
+        if max_seq_length is not None:
+            bert_config["max_seq_length"] = max_seq_length
+        (folder / "sentence_bert_config.json").write_text(json.dumps(bert_config))
+    return model, tokenizer
+
+
+def reference_embeddings(model, tokenizer, texts: list[str], *, pooling: str, normalize: bool,
+                         max_length: int) -> torch.Tensor:
+    """What sentence-transformers computes, spelled with transformers: the texts tokenized with
+    padding and truncation at ``max_length``, the model's last states pooled over the attention
+    mask (mean, CLS or last token), then normalized where asked."""
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    if pooling == "mean":
+        pooled = (hidden * mask).sum(1) / mask.sum(1)
+    elif pooling == "cls":
+        pooled = hidden[:, 0]
+    else:
+        pooled = hidden[torch.arange(len(texts)), batch["attention_mask"].sum(1) - 1]
+    return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
