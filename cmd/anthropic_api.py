@@ -14,6 +14,7 @@ or HTTP: ``serve_app.py`` does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,8 +50,8 @@ SETTINGS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "
 # their own names, as on the OpenAI routes.
 SETTINGS.update({name: name for name in SETTING_KEYS if name not in SETTINGS.values()})
 # Fields that change nothing here (billing, tracing, and features of other services).
-IGNORED = ("metadata", "service_tier", "container", "mcp_servers", "thinking", "context_management")
-FIELDS = frozenset(("model", "messages", "system", "stream", "tools", "tool_choice", *SETTINGS, *IGNORED))
+IGNORED = ("metadata", "service_tier", "container", "mcp_servers", "context_management")
+FIELDS = frozenset(("model", "messages", "system", "stream", "tools", "tool_choice", "thinking", *SETTINGS, *IGNORED))
 
 
 def error_body(e: ApiError) -> dict[str, Any]:
@@ -80,7 +81,27 @@ def parse_messages(body: dict[str, Any]) -> Generation:
     except ToolError as e:
         raise bad(str(e), e.param) from None
     return Generation(True, (messages,), model=model, stream=bool(stream), include_usage=True,
-                      settings=read_settings(body, SETTINGS.items()), tools=tools)
+                      settings=read_settings(body, SETTINGS.items()), tools=tools,
+                      thinking=_thinking(body.get("thinking"), body["max_tokens"]))
+
+
+def _thinking(value: Any, max_tokens: int) -> dict[str, Any]:
+    """``thinking``: ``{"type": "enabled", "budget_tokens": N}`` (N below max_tokens, as Anthropic
+    requires) or ``{"type": "disabled"}``, as ``reasoning.Thinking`` fields."""
+    if value is None:
+        return {}
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "disabled":
+        return {"mode": "off"}
+    if kind != "enabled":
+        raise bad('thinking must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}', "thinking")
+    budget = value.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise bad(f"thinking.budget_tokens must be an integer >= 1, got {budget!r}", "thinking.budget_tokens")
+    if budget >= max_tokens:
+        raise bad(f"thinking.budget_tokens must be less than max_tokens ({budget} >= {max_tokens})",
+                  "thinking.budget_tokens")
+    return {"mode": "on", "budget": budget}
 
 
 def _text_of(value: Any, where: str) -> str:
@@ -114,12 +135,16 @@ def _messages(value: Any) -> list[Message]:
             continue
         if not isinstance(content, list):
             raise ToolError(f"{where}.content must be a string or a list of content blocks", f"{where}.content")
-        texts, calls = [], []
+        texts, calls, thoughts = [], [], []
         for j, block in enumerate(content):
             at = f"{where}.content.{j}"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
+            elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # another service's sealed thinking: nothing a local template can show
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                     raise ToolError(f"{at}: a tool_use block needs an id and a name", at)
@@ -133,7 +158,7 @@ def _messages(value: Any) -> list[Message]:
                 raise ToolError(f"{at}: {kind!r} blocks are not supported here (text, tool_use in an assistant "
                                 f"message, tool_result in a user message)", at)
         if texts or calls or role == "assistant":
-            out.append(Message(role, "".join(texts), tuple(calls)))
+            out.append(Message(role, "".join(texts), tuple(calls), reasoning="".join(thoughts) if thoughts else None))
     return out
 
 
@@ -203,12 +228,16 @@ class MessageReply:
     model: str
     input_tokens: int
     block: int = -1  # the index of the block open in the stream, -1 none
-    kind: str | None = None  # its type: text or tool_use
+    kind: str | None = None  # its type: thinking, text or tool_use
     events: list[bytes] = field(default_factory=list)
+    thought: list[str] = field(default_factory=list)  # the thinking streamed, for its block's signature
 
     def whole(self, text: str | None, calls: Sequence[ToolCall], state: GenerationState, output_tokens: int,
-              stop: str | None) -> dict[str, Any]:
-        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+              stop: str | None, reasoning: str = "") -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        if reasoning:
+            content.append({"type": "thinking", "thinking": reasoning, "signature": signature(reasoning)})
+        content += [{"type": "text", "text": text}] if text else []
         content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)} for c in calls]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content or [{"type": "text", "text": ""}],
@@ -220,6 +249,14 @@ class MessageReply:
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
         return sse("message_start", {"type": "message_start", "message": message})
+
+    def thinking(self, text: str) -> bytes:
+        """The events of a piece of thinking: its block opened before the first."""
+        if not text:
+            return b""
+        out = b"" if self.kind == "thinking" else self._open({"type": "thinking", "thinking": "", "signature": ""})
+        self.thought.append(text)
+        return out + self._delta({"type": "thinking_delta", "thinking": text})
 
     def pieces(self, deltas: Sequence[Delta]) -> bytes:
         """The events of some text and call pieces: a block opened where its kind begins."""
@@ -254,8 +291,18 @@ class MessageReply:
         return sse("content_block_delta", {"type": "content_block_delta", "index": self.block, "delta": delta})
 
     def _close(self) -> bytes:
+        sign = b""
+        if self.kind == "thinking":  # Anthropic's stream signs a thinking block just before it closes
+            sign = self._delta({"type": "signature_delta", "signature": signature("".join(self.thought))})
         self.kind = None
-        return sse("content_block_stop", {"type": "content_block_stop", "index": self.block})
+        return sign + sse("content_block_stop", {"type": "content_block_stop", "index": self.block})
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's ``signature``: Anthropic's seals the thinking for its own servers; this
+    server checks nothing it is sent back, so its signature is the thinking's SHA-256, a value
+    that clients which keep blocks whole carry along unchanged."""
+    return hashlib.sha256(thinking.encode("utf-8")).hexdigest()
 
 
 def sse(name: str, data: dict[str, Any]) -> bytes:

@@ -36,8 +36,8 @@ from llama_chat.cmd import exit_status
 from llama_chat.cmd.batch_input import BadLine, BatchReader, JobLine
 from llama_chat.cmd.generation_source import many_jobs
 from llama_chat.cmd.inputs import UsageProblem
-from llama_chat.cmd.prompt import prompt_ids
-from llama_chat.cmd.report import failure_line
+from llama_chat.cmd.prompt import prompt_ids, thinking_model
+from llama_chat.cmd.report import failure_line, reasoning_fields
 from llama_chat.cmd.run_command import load, silence_stdout, warm_up
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import StopRequest, install_sync_handlers, watch_signals
@@ -182,16 +182,19 @@ class JobMaker:
 
     def __init__(self, opts: Options, loaded, scheduler: Scheduler) -> None:
         self.opts, self.loaded, self.scheduler = opts, loaded, scheduler
+        self.think = thinking_model(loaded)
 
     def make(self, item: JobLine | BadLine) -> ReadyJob | BadLine:
         if isinstance(item, BadLine):
             return item
         opts, loaded = self.opts, self.loaded
         try:
+            line_opts = opts.with_settings(**dict(item.settings)) if item.settings else opts
             ids = prompt_ids(item.prompt, system=item.system if item.system is not None else opts.system,
-                             tokenizer=loaded.tokenizer, chat_format=loaded.chat_format, template=opts.template)
+                             tokenizer=loaded.tokenizer, chat_format=loaded.chat_format, template=opts.template,
+                             thinking=line_opts.thinking(), think=self.think)
             request = opts.request(ids, chat_reply=loaded.chat_format is not None, request_id=f"line-{item.line}",
-                                   **dict(item.settings))
+                                   think=self.think, **dict(item.settings))
             self.scheduler.check(request)
         except Exception as e:  # noqa: BLE001 - one line's problem is that line's error record
             return BadLine(item.line, item.job_id, _problem(e))
@@ -208,6 +211,7 @@ def result_object(job: ReadyJob, completion: Completion, seed: int) -> dict[str,
         "id": job.job_id,
         "line": job.line,
         "text": completion.text,
+        **reasoning_fields(completion),
         "finish_reason": completion.finish_reason.value,
         "prompt_tokens": completion.prompt_tokens,
         "cached_tokens": completion.cached_tokens,

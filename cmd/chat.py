@@ -32,9 +32,10 @@ import io
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from rich.console import Console
@@ -46,6 +47,7 @@ from llama_chat.cmd.conversation_file import (SAVE_FORMAT, ConversationError, Tu
                                               save_conversation)
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
+from llama_chat.cmd.prompt import dialog_ids, thinking_model
 from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.report import drafts_text, failure_line, seed_to_report, weights_text
 from llama_chat.cmd.sanitize import one_line
@@ -53,7 +55,9 @@ from llama_chat.cmd.signals import install_sync_handlers, interruptible_prompt, 
 from llama_chat.cmd.typeahead import Typed, held_typing
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.cmd.generation_source import single_stream
+from llama_chat.inference.reasoning import ThinkTags
 from llama_chat.inference.types import Completion, GenerationState, Request, Timings
+from llama_chat.ml.controls import THINK_MODES
 from llama_chat.ml.safe_files import require_regular
 from llama_chat.model.chat_format import ChatFormat, Message
 from llama_chat.model.safe_input import NotText, check_text
@@ -84,6 +88,7 @@ Commands:
   /save FILE          write the conversation to FILE as JSON
   /load FILE          read a conversation written by /save
   /retry              generate the last reply again
+  /think on|off|auto  a thinking model's thinking (no argument: show the setting)
 Input: \"\"\" on a line of its own starts and ends a message of several lines; a message that
 starts with / is typed with two (//etc/hosts is sent as /etc/hosts).
 Ctrl+C stops a reply (it stays in the conversation, marked as interrupted)."""
@@ -103,10 +108,14 @@ class Chat:
     turns: list[Turn] = field(default_factory=list)
     last: Completion | None = None
     last_seed: int | None = None
+    think: tuple[ThinkTags, Any] | None = None  # a thinking model's tags and tokenizer
 
     def messages(self) -> list[Message]:
         head = [Message("system", self.system)] if self.system else []
-        return head + [Message(t.role, t.content) for t in self.turns]
+        return head + [_message(t) for t in self.turns]
+
+    def encode(self, messages: list[Message]) -> list[int]:
+        return dialog_ids(self.chat_format, messages, thinking=self.settings.options.thinking(), think=self.think)
 
     def reply_room(self) -> int:
         ctx = self.backend.max_seq_len
@@ -118,7 +127,7 @@ class Chat:
         ctx = self.backend.max_seq_len
         dropped = self._exchanges_to_drop(ctx)
         self.turns[:2 * dropped] = []  # the oldest user messages and their replies
-        ids = self.chat_format.encode_dialog(self.messages(), add_generation_prompt=True)
+        ids = self.encode(self.messages())
         if dropped:
             say(f"the conversation was longer than the context ({ctx} tokens): dropped the oldest "
                 f"{dropped} exchange{'s' if dropped > 1 else ''}")
@@ -135,11 +144,11 @@ class Chat:
         conversation (a /load of thousands of messages) is encoded a few times, not once per
         exchange dropped."""
         head = [Message("system", self.system)] if self.system else []
-        messages = [Message(t.role, t.content) for t in self.turns]
+        messages = [_message(t) for t in self.turns]
         room = self.reply_room()
 
         def fits(dropped: int) -> bool:
-            ids = self.chat_format.encode_dialog(head + messages[2 * dropped:], add_generation_prompt=True)
+            ids = self.encode(head + messages[2 * dropped:])
             return len(ids) + room <= ctx
 
         high = len(self.turns) // 2  # dropping ``high`` leaves one message or none
@@ -155,6 +164,12 @@ class Chat:
             else:
                 low = middle
         return high
+
+
+def _message(turn: Turn) -> Message:
+    """A turn as the template renders it: an assistant's thinking apart from its content (each
+    family's template keeps or drops earlier turns' thinking its own way)."""
+    return Message(turn.role, turn.content, reasoning=turn.reasoning or None)
 
 
 # -- input -----------------------------------------------------------------------------------------
@@ -299,7 +314,7 @@ class ChatRunner:
         if ids is None:
             return
         ids = chat.backend.align_to_cache(ids)
-        request = chat.settings.request(ids, chat_reply=True, reuse_cache=True)
+        request = chat.settings.request(ids, chat_reply=True, reuse_cache=True, think=chat.think)
         seed = request.seed
         typed = Typed()
         try:
@@ -308,7 +323,8 @@ class ChatRunner:
                     outcome: Outcome = self.beam_reply(request)
                 else:
                     renderer = make_renderer(sys.stdout.isatty(), self.color, sys.stdout)
-                    outcome = anyio.run(run_one_shot, chat.backend, request, renderer)
+                    outcome = anyio.run(partial(run_one_shot, hide_thinking=self.opts.hide_thinking), chat.backend,
+                                        request, renderer)
         except KeyboardInterrupt:  # Ctrl+C just before the event loop took the signal over
             chat.turns.append(Turn("assistant", "", interrupted=True))
             self.say("(interrupted)")
@@ -329,7 +345,7 @@ class ChatRunner:
         chat.last_seed = seed_to_report(seed, given=chat.settings.options.seed,
                                         temperature=request.sampling.temperature)
         interrupted = outcome.signum is not None
-        chat.turns.append(Turn("assistant", done.text, interrupted=interrupted))
+        chat.turns.append(Turn("assistant", done.text, interrupted=interrupted, reasoning=done.reasoning))
         if outcome.signum is not None and outcome.signum != signal.SIGINT:
             raise Leave(exit_status.for_signal(outcome.signum))
         if interrupted:
@@ -403,6 +419,8 @@ class ChatRunner:
             self.set(arg)
         elif name == "/stats":
             self.show(self.stats_text())
+        elif name == "/think":
+            self.think(arg)
         elif name == "/save":
             self.save(arg)
         elif name == "/load":
@@ -415,6 +433,20 @@ class ChatRunner:
             self.reply()
         else:
             self.say(f"unknown command {name}; /help lists the commands")
+
+    def think(self, arg: str) -> None:
+        """``/think on|off|auto``: a thinking model's thinking for the next replies."""
+        settings = self.chat.settings
+        if not arg:
+            self.show(f"think={settings.options.think}")
+            return
+        if arg not in THINK_MODES:
+            self.say(f"/think takes one of {', '.join(THINK_MODES)}, got {arg!r}")
+            return
+        if self.chat.think is None:
+            self.say(f"{self.name} is not a thinking model: /think changes nothing")
+        self.chat.settings = replace(settings, options=settings.options.with_settings(think=arg))
+        self.say(f"thinking {arg}")
 
     def set(self, arg: str) -> None:
         """``/set NAME VALUE`` or ``/set NAME=VALUE``; ``/set NAME`` shows one setting, ``/set`` all."""
@@ -472,7 +504,7 @@ def _chat(opts: Options, first: str | None, color: str, err: Console) -> int:
                            f"choose one with --template llama2|llama3|hf, or pass a prompt with -p")
     backend = single_stream(loaded, opts)
     settings = Settings(opts)
-    chat = Chat(backend, loaded.chat_format, settings, system=opts.system)
+    chat = Chat(backend, loaded.chat_format, settings, system=opts.system, think=thinking_model(loaded))
     runner = ChatRunner(chat, opts, color, err, loaded.name, weights=getattr(loaded, "weights", None))
     warm_up(backend, settings.sampling, err, quiet=False)
     reader = ChatInput(history=not opts.no_history)

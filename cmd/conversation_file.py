@@ -33,9 +33,12 @@ class Turn:
     role: str  # "user" | "assistant"
     content: str
     interrupted: bool = False  # an assistant reply stopped by Ctrl+C
+    reasoning: str = ""  # an assistant's thinking (a thinking model's), apart from its content
 
     def as_dict(self) -> dict:
         d = {"role": self.role, "content": self.content}
+        if self.reasoning:
+            d["reasoning"] = self.reasoning
         if self.interrupted:
             d["interrupted"] = True
         return d
@@ -62,9 +65,9 @@ def read_conversation(data: Any) -> tuple[str | None, list[Turn]]:
     for i, m in enumerate(data["messages"]):
         expected = "user" if i % 2 == 0 else "assistant"
         if (not isinstance(m, dict) or m.get("role") != expected or not isinstance(m.get("content"), str)
-                or not isinstance(m.get("interrupted", False), bool)):
+                or not isinstance(m.get("interrupted", False), bool) or not isinstance(m.get("reasoning", ""), str)):
             raise ValueError(f"message {i} is not a {expected} message")
-        turns.append(Turn(expected, m["content"], m.get("interrupted", False)))
+        turns.append(Turn(expected, m["content"], m.get("interrupted", False), m.get("reasoning", "")))
     if turns and turns[-1].role == "user":
         turns.pop()  # an unanswered message: it is asked again by typing it
     return system or None, turns

@@ -78,13 +78,14 @@ async def watch_reader(fd: int, scope: anyio.CancelScope, view: TextView) -> Non
 
 
 async def run_one_shot(source: Source, request: Request, renderer: Renderer | None, *,
-                       output_fd: int | None = None) -> Outcome:
+                       output_fd: int | None = None, hide_thinking: bool = False) -> Outcome:
     """Generate ``request``, rendering as it goes (``renderer`` None: collect only, for ``--json``).
 
     ``output_fd``: the file descriptor the answer goes to; when it is a pipe, a reader that leaves
     stops generation even before anything was written. The chat runs each reply through here too.
+    ``hide_thinking``: a thinking model's thinking is not shown, only the line that folds it.
     """
-    view = TextView(renderer)
+    view = TextView(renderer, hide_thinking=hide_thinking)
     stop = StopRequest()
     on_suspend, on_resume = suspend_hooks(renderer)
     pipe = watched_pipe(output_fd)
@@ -120,20 +121,37 @@ async def run_one_shot(source: Source, request: Request, renderer: Renderer | No
 
 
 class TextView:
-    """Responses -> renderer; after stdout's reader has gone, nothing more is drawn."""
+    """Responses -> renderer; after stdout's reader has gone, nothing more is drawn.
 
-    def __init__(self, renderer: Renderer | None) -> None:
+    A thinking model's thinking is drawn as it comes (unless ``hide_thinking``); once its answer
+    starts, the thinking folds to one line saying how long it took (``thought_line``)."""
+
+    def __init__(self, renderer: Renderer | None, *, hide_thinking: bool = False) -> None:
         self.renderer = renderer
         self.output_closed = False
+        self.hide_thinking = hide_thinking
+        self._thought: tuple[int, float, float] | None = None  # responses, first and last elapsed_s
 
     def start(self) -> None:
         self._render(lambda r: r.start())
 
     def show(self, response: Response, *, more: bool = False) -> None:
+        if self.renderer is None or self.output_closed:
+            return
+        if response.thinking or response.reasoning:
+            count, first, _ = self._thought or (0, response.elapsed_s, 0.0)
+            self._thought = (count + 1, first, response.elapsed_s)
+            if response.reasoning and not self.hide_thinking:
+                self.renderer.think(displayable(response.reasoning))
+            if response.thinking:
+                return
+        if self._thought is not None:
+            count, first, last = self._thought
+            self._thought = None
+            self.renderer.fold(thought_line(count, last - first))
         # The renderer raises OutputClosed from here when stdout's reader has gone away.
-        if self.renderer is not None and not self.output_closed:
-            self.renderer.update(displayable(response.text), response.held_bytes, displayable(response.held_text),
-                                 response.held_tokens, more=more)
+        self.renderer.update(displayable(response.text), response.held_bytes, displayable(response.held_text),
+                             response.held_tokens, more=more)
 
     def show_text(self, text: str) -> None:
         self._render(lambda r: r.update(displayable(text), b"", "", 0))
@@ -148,6 +166,11 @@ class TextView:
             action(self.renderer)
         except OutputClosed:
             self.output_closed = True
+
+
+def thought_line(tokens: int, seconds: float) -> str:
+    """What a folded thinking says of itself."""
+    return f"thought for {tokens} token{'s' if tokens != 1 else ''}, {seconds:.1f} s"
 
 
 # -- beam search: not streamed ---------------------------------------------------------------------

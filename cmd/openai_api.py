@@ -24,7 +24,7 @@ from llama_chat.inference.tool_calls import (ToolCall, ToolChoice, ToolError, To
 from llama_chat.inference.tool_formats import called_tool
 from llama_chat.inference.tool_stream import Delta
 from llama_chat.inference.types import Completion, GenerationState, TokenLogprobs
-from llama_chat.ml.controls import ControlError, SamplingParams, check
+from llama_chat.ml.controls import (REASONING_EFFORTS, REASONING_FORMATS, ControlError, SamplingParams, check)
 from llama_chat.model.chat_format import Message
 
 
@@ -54,7 +54,7 @@ OPENAI_SETTINGS = ("temperature", "top_p", "seed", "stop", "presence_penalty", "
 # The command line's other controls, taken as extra fields under their own names.
 EXTRA_SETTINGS = tuple(name for name in SETTING_KEYS if name not in (*OPENAI_SETTINGS, "max_tokens"))
 # OpenAI fields that change nothing here (they are about billing, storage, or other services).
-IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "modalities",
+IGNORED = ("user", "metadata", "store", "service_tier", "modalities",
            "prediction", "audio", "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier",
            "function_call")
 # Speculative decoding for one request, under the options table's rules (``controls.SERVER_RULES``,
@@ -63,8 +63,11 @@ IGNORED = ("user", "metadata", "store", "service_tier", "reasoning_effort", "mod
 SPECULATION_FIELDS = {"lookup": "lookup", "draft": "draft_model", "draft_max": "draft_max"}
 COMMON = ("model", "max_tokens", "n", "stream", "stream_options", "logprobs", *OPENAI_SETTINGS, *EXTRA_SETTINGS,
           *SPECULATION_FIELDS, *IGNORED)
+# A thinking model's controls (inference/reasoning.py): OpenAI's reasoning_effort ("none" is off),
+# the template's own variables (enable_thinking), and llama-server's reasoning_format and budget.
+THINKING_FIELDS = ("reasoning_effort", "chat_template_kwargs", "reasoning_format", "reasoning_budget")
 CHAT_FIELDS = frozenset((*COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                         "functions", "tool_choice", "parallel_tool_calls"))
+                         "functions", "tool_choice", "parallel_tool_calls", *THINKING_FIELDS))
 COMPLETION_FIELDS = frozenset((*COMMON, "prompt", "echo", "best_of", "suffix"))
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -109,6 +112,10 @@ class Generation:
     logprobs: int | None = None  # None: none asked; else how many alternatives per token
     tools: ToolRequest | None = None  # a chat's tools, where it offers some
     speculation: dict[str, Any] = field(default_factory=dict)  # ``Request`` fields (``SPECULATION_FIELDS``)
+    # A thinking model's settings this request chose (``reasoning.Thinking`` fields: mode, budget,
+    # split), over the server's; and more variables for the chat template.
+    thinking: dict[str, Any] = field(default_factory=dict)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_field(self) -> str:
@@ -144,7 +151,50 @@ def parse_chat(body: dict[str, Any]) -> Generation:
         common["settings"].update(form)
     if tools is not None and tools.active and (form or constraints):
         raise bad("tools and response_format (or a grammar) both constrain the reply: one at a time", "tools")
-    return Generation(True, (messages,), **common, logprobs=logprobs, tools=tools)
+    kwargs = _template_kwargs(body)
+    return Generation(True, (messages,), **common, logprobs=logprobs, tools=tools, thinking=_thinking(body, kwargs),
+                      template_kwargs=kwargs)
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs``: more variables for the chat template, by name."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(k.isidentifier() for k in value):
+        raise bad("chat_template_kwargs must be an object of template variables by name", "chat_template_kwargs")
+    return dict(value)
+
+
+def _thinking(body: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The thinking settings a chat request chose: ``reasoning_effort`` (none: off), the template's
+    ``enable_thinking``, ``reasoning_format`` (none: the thinking stays in the content) and
+    ``reasoning_budget``."""
+    out: dict[str, Any] = {}
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                      "reasoning_effort")
+        out["mode"] = "off" if effort == "none" else "on"
+    enable = kwargs.get("enable_thinking")
+    if enable is not None:
+        if not isinstance(enable, bool):
+            raise bad(f"chat_template_kwargs.enable_thinking must be true or false, got {enable!r}",
+                      "chat_template_kwargs")
+        out["mode"] = "on" if enable else "off"
+    form = body.get("reasoning_format")
+    if form is not None:
+        if form not in REASONING_FORMATS:
+            raise bad(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got {form!r}",
+                      "reasoning_format")
+        out["split"] = form != "none"
+    if _given(body, "reasoning_budget"):
+        try:
+            out["budget"] = check("reasoning_budget", body["reasoning_budget"])
+        except ControlError as e:
+            raise bad(str(e), "reasoning_budget") from None
+    return out
 
 
 def _tools(body: dict[str, Any]) -> ToolRequest | None:
@@ -282,8 +332,21 @@ def _messages(value: Any) -> tuple[Message, ...]:
         call_id = message.get("tool_call_id") if role == "tool" else None
         if role == "tool" and (not isinstance(call_id, str) or not call_id):
             raise bad(f"{where}.tool_call_id must name the call this result answers", f"{where}.tool_call_id")
-        out.append(Message(CHAT_ROLES[role], content, calls, call_id))
+        out.append(Message(CHAT_ROLES[role], content, calls, call_id, _reasoning(message, role, where)))
     return tuple(out)
+
+
+def _reasoning(message: dict[str, Any], role: str, where: str) -> str | None:
+    """An assistant message's thinking, sent back as ``reasoning_content`` or ``reasoning``."""
+    if role != "assistant":
+        return None
+    for name in ("reasoning_content", "reasoning"):
+        value = message.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise bad(f"{where}.{name} must be a string", f"{where}.{name}")
+            return value
+    return None
 
 
 def _message_calls(value: Any, where: str) -> tuple:
@@ -375,15 +438,24 @@ def finish_reason(state: GenerationState, called: bool = False) -> str:
     return FINISH_REASONS.get(state, "stop")
 
 
+# The fields a chat message's thinking is sent in: llama-server's, DeepSeek's and LM Studio's name,
+# and vLLM's, Ollama's and OpenRouter's. Clients read one or the other.
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
 @dataclass(frozen=True)
 class ChatMessage:
-    """A chat choice's reply read for tool calls: its content (None when it is only calls)."""
+    """A chat choice's reply read for tool calls: its content (None when it is only calls), and a
+    thinking model's thinking."""
 
     content: str | None
     tool_calls: tuple[ToolCall, ...] = ()
+    reasoning: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            out.update(dict.fromkeys(REASONING_FIELDS, self.reasoning))
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                  for c in self.tool_calls]
@@ -406,10 +478,11 @@ def tool_call_deltas(deltas: Sequence[Delta]) -> list[dict[str, Any]]:
     return out
 
 
-def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
 class LogprobsWriter:
@@ -463,7 +536,7 @@ class Reply:
         ``messages``: each chat choice's reply read for tool calls, where tools were offered."""
         logprobs = logprobs or [None] * len(completions)
         if self.chat:
-            messages = messages or [ChatMessage(c.text) for c in completions]
+            messages = messages or [ChatMessage(c.text, reasoning=c.reasoning) for c in completions]
             choices = [{"index": i, "message": m.as_dict(), "logprobs": lp,
                         "finish_reason": finish_reason(c.finish_reason, bool(m.tool_calls))}
                        for i, (c, lp, m) in enumerate(zip(completions, logprobs, messages))]
@@ -474,13 +547,16 @@ class Reply:
 
     def chunk(self, index: int, text: str, *, state: GenerationState | None = None,
               first: bool = False, logprobs: dict[str, Any] | None = None,
-              tool_calls: list[dict[str, Any]] | None = None, called: bool = False) -> dict[str, Any]:
+              tool_calls: list[dict[str, Any]] | None = None, called: bool = False, reasoning: str = "") -> dict[str, Any]:
         """A stream's piece of choice ``index``: ``text``, and its finish reason on its last chunk.
         A chat's first chunk names the role. ``logprobs``: those of the tokens the piece took.
-        ``tool_calls``: the piece's ``delta.tool_calls``; ``called``: the choice made calls."""
+        ``tool_calls``: the piece's ``delta.tool_calls``; ``called``: the choice made calls.
+        ``reasoning``: a piece of a thinking model's thinking, in both fields' names."""
         reason = None if state is None else finish_reason(state, called)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if reasoning:
+                delta.update(dict.fromkeys(REASONING_FIELDS, reasoning))
             if text and not first:
                 delta["content"] = text
             if tool_calls:

@@ -18,12 +18,14 @@ from typing import Annotated, Any
 
 import typer
 
+from llama_chat.inference.reasoning import Thinking, ThinkTags, thinking_request
 from llama_chat.inference.types import Request, new_request_id
 from llama_chat.ml.controls import (CACHE_TYPES, COLOR_MODES, COMPILE_MIN_PARAMETERS, DEFAULT_CACHE_BYTES_CAP,
                                     DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CONTEXT, DEFAULT_DRAFT_MAX, DEFAULT_LOOKUP,
                                     DEFAULT_MAX_BATCH,
                                     DEFAULT_TEMPERATURE, DTYPES, KEPT_CONSTRAINTS, LOOKUP_MODES,
-                                    MAX_CONSTRAINT_BYTES, QUANTIZE_MODES, RULES, BeamParams, ControlError,
+                                    MAX_CONSTRAINT_BYTES, QUANTIZE_MODES, REASONING_FORMATS, RULES, THINK_MODES,
+                                    BeamParams, ControlError,
                                     SamplingParams, check, check_early_stopping, check_stop, parse_logit_bias,
                                     temperature_for)
 from llama_chat.ml.grammar_compile import KeptCompiles
@@ -44,6 +46,8 @@ DType = _choices("DType", DTYPES)
 Quantize = _choices("Quantize", QUANTIZE_MODES)
 CacheType = _choices("CacheType", CACHE_TYPES)
 Lookup = _choices("Lookup", LOOKUP_MODES)
+Think = _choices("Think", THINK_MODES)
+ReasoningFormat = _choices("ReasoningFormat", REASONING_FORMATS)
 ColorMode = _choices("ColorMode", COLOR_MODES)
 
 _SAMPLING = SamplingParams()
@@ -56,6 +60,7 @@ PENALTIES = "Penalties and token rules"
 STOPPING = "Stopping"
 BEAMS = "Beam search"
 STRUCTURED = "Structured output (one at a time)"
+THINKING = "Thinking models (Qwen3, QwQ, DeepSeek-R1 distills)"
 BATCH = "Batch"
 # The options that constrain a reply; a later one (a --batch line's, a /set) replaces the others.
 CONSTRAINT_OPTIONS = ("json_schema", "format", "regex", "grammar")
@@ -305,6 +310,24 @@ class Options:
                                          "{range}.")] = DEFAULT_DRAFT_MAX
     template: Annotated[Template, typer.Option(
         "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template("auto")
+    chat_template_file: Annotated[str | None, typer.Option(
+        "--chat-template-file", metavar="FILE",
+        help="A Jinja chat template to use instead of the model's own (rendered in the same sandbox).")] = None
+    think: Annotated[Think, typer.Option(
+        "--think", rich_help_panel=THINKING,
+        help="A thinking model's thinking: on, off (the template's own way, else the end tag written at once), "
+             "or auto (as its template does by default).")] = Think("auto")
+    reasoning_budget: Annotated[int | None, ranged(
+        "reasoning_budget", "--reasoning-budget", rich_help_panel=THINKING, metavar="N",
+        help="Most thinking tokens, {range}; then the end tag is forced and the answer follows "
+             "(default: no limit).")] = None
+    reasoning_format: Annotated[ReasoningFormat, typer.Option(
+        "--reasoning-format", rich_help_panel=THINKING,
+        help="deepseek: the thinking kept apart from the answer; none: left in the text, tags and all.")] = \
+        ReasoningFormat("deepseek")
+    hide_thinking: Annotated[bool, typer.Option(
+        "--hide-thinking", rich_help_panel=THINKING,
+        help="On a terminal, show only a line saying how long the model thought, not its thinking.")] = False
     json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object at the end instead of text (not with the chat).")] = False
     stats: Annotated[bool, typer.Option(
@@ -330,7 +353,7 @@ class Options:
 
     def __post_init__(self) -> None:
         # Code below the command line sees plain strings and tuples, not typer's enums and lists.
-        for name in ("dtype", "template", "color", "quantize", "cache_type", "lookup"):
+        for name in ("dtype", "template", "color", "quantize", "cache_type", "lookup", "think", "reasoning_format"):
             value = getattr(self, name)
             if isinstance(value, enum.Enum):
                 object.__setattr__(self, name, value.value)
@@ -358,16 +381,25 @@ class Options:
                                                     f"--grammar, got {len(made)}")
         return made[0] if made else None
 
+    def thinking(self) -> Thinking:
+        """A thinking model's settings: ``--think``, ``--reasoning-budget``, ``--reasoning-format``."""
+        return Thinking(self.think, self.reasoning_budget, self.reasoning_format != "none")
+
     def request(self, prompt_ids: Sequence[int], *, chat_reply: bool, reuse_cache: bool = False,
-                request_id: str | None = None, **overrides: Any) -> Request:
+                request_id: str | None = None, think: tuple[ThinkTags, Any] | None = None, **overrides: Any) -> Request:
         """The ``Request`` for ``prompt_ids`` under these options, with a job's own settings
         (``overrides``, by option name: ``max_tokens``, ``seed``, ``temperature`` ...) over them.
-        Without a seed, one is drawn (``Request.seed`` says which)."""
+        Without a seed, one is drawn (``Request.seed`` says which). ``think``: a thinking model's
+        tags and tokenizer, for a chat reply (``reasoning.thinking_request``)."""
         opts = self.with_settings(**overrides) if overrides else self
         seed = opts.seed if opts.seed is not None else secrets.randbelow(RANDOM_SEEDS)
-        return Request(prompt_ids, sampling=opts.sampling(), seed=seed, max_tokens=opts.max_tokens, stop=opts.stop,
-                       chat_reply=chat_reply, reuse_cache=reuse_cache, max_time=opts.max_time, beams=opts.beams(),
-                       request_id=request_id or new_request_id(), constraint=opts.constraint())
+        request = Request(prompt_ids, sampling=opts.sampling(), seed=seed, max_tokens=opts.max_tokens, stop=opts.stop,
+                          chat_reply=chat_reply, reuse_cache=reuse_cache, max_time=opts.max_time, beams=opts.beams(),
+                          request_id=request_id or new_request_id(), constraint=opts.constraint())
+        if think is None or not chat_reply:
+            return request
+        tags, tokenizer = think
+        return thinking_request(request, tags, opts.thinking(), tokenizer)
 
     def with_settings(self, **changes: Any) -> Options:
         """These options with ``changes`` (by option name). A constraint named there replaces the
@@ -378,5 +410,5 @@ class Options:
         return replace(self, **changes)
 
 
-__all__ = ["BATCH", "BEAMS", "CONSTRAINT_OPTIONS", "PENALTIES", "SAMPLING", "STOPPING", "STRUCTURED", "ColorMode",
+__all__ = ["THINKING", "BATCH", "BEAMS", "CONSTRAINT_OPTIONS", "PENALTIES", "SAMPLING", "STOPPING", "STRUCTURED", "ColorMode",
            "CacheType", "DType", "Options", "Quantize", "Template", "constraint_text", "make_constraint"]

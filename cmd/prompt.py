@@ -2,16 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
 from llama_chat.cmd.inputs import UsageProblem
-from llama_chat.model.chat_format import FORMAT_NAMES, ChatFormat, Message
+from llama_chat.inference.reasoning import Thinking, ThinkTags, template_kwargs, think_tags
+from llama_chat.model.chat_format import FORMAT_NAMES, ChatFormat, Message, chat_format_from_file
 from llama_chat.model.tokenizers.base import Tokenizer, encode_prompt
 
 # The formats a user can name for a model that has none of its own.
 NAMED_FORMATS = "|".join(name for name in FORMAT_NAMES if name not in ("auto", "none"))
 
 
+def with_template_file(loaded: Any, path: str | None) -> Any:
+    """``loaded`` with the chat template of ``--chat-template-file``, where one is given."""
+    if path is None:
+        return loaded
+    if not hasattr(loaded, "model"):  # a remote model: its server applies its own template
+        raise UsageProblem("--chat-template-file: a remote model's server applies its own template")
+    return replace(loaded, chat_format=chat_format_from_file(path, loaded.tokenizer))
+
+
+def thinking_model(loaded: Any) -> tuple[ThinkTags, Tokenizer] | None:
+    """A thinking model's tags and tokenizer (what ``Options.request`` takes as ``think``); None
+    for a model that does not think, and for a remote one (its server splits its replies)."""
+    if loaded.chat_format is None or not hasattr(loaded, "model"):
+        return None
+    tags = think_tags(loaded.tokenizer, loaded.chat_format)
+    return None if tags is None else (tags, loaded.tokenizer)
+
+
+def dialog_ids(chat_format: ChatFormat, messages: Sequence[Message], *, thinking: Thinking,
+               think: tuple[ThinkTags, Tokenizer] | None, **extra: Any) -> list[int]:
+    """A dialog's ids, ending where the reply begins, with what the template is given for the
+    thinking (``enable_thinking``) and ``extra`` (tools, a request's own variables)."""
+    variables = {**(extra.pop("template_kwargs", None) or {}),
+                 **template_kwargs(think[0] if think else None, thinking)}
+    if variables:
+        extra["template_kwargs"] = variables
+    return chat_format.encode_dialog(messages, add_generation_prompt=True, **extra)
+
+
 def prompt_ids(text: str, *, system: str | None, tokenizer: Tokenizer, chat_format: ChatFormat | None,
-               template: str = "auto") -> list[int]:
+               template: str = "auto", thinking: Thinking = Thinking(),
+               think: tuple[ThinkTags, Tokenizer] | None = None) -> list[int]:
     """A one-turn dialog (optional system message, then the user's text) or the text itself.
 
     Without a chat format there is nowhere to put a system message, and silently dropping it
@@ -28,4 +63,4 @@ def prompt_ids(text: str, *, system: str | None, tokenizer: Tokenizer, chat_form
         return encode_prompt(tokenizer, text)
     messages = [Message("system", system)] if system else []
     messages.append(Message("user", text))
-    return chat_format.encode_dialog(messages, add_generation_prompt=True)
+    return dialog_ids(chat_format, messages, thinking=thinking, think=think)

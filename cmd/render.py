@@ -84,6 +84,13 @@ class Renderer(Protocol):
     def finish(self) -> None:
         """Erase pending markers and restore the terminal. Idempotent; safe after any error."""
 
+    def think(self, text: str) -> None:
+        """Show a piece of a thinking model's thinking (a terminal: dimmed; a pipe: nothing, its
+        reader gets the answer only)."""
+
+    def fold(self, summary: str) -> None:
+        """The thinking is over: what was shown of it becomes the one line ``summary``."""
+
 
 def suspend_hooks(renderer: Renderer | None):
     """``(on_suspend, on_resume)`` for Ctrl+Z when ``renderer`` draws on a terminal, else ``(None, None)``."""
@@ -123,6 +130,12 @@ class PlainRenderer:
                 self._unflushed = False
         except BrokenPipeError as err:
             raise OutputClosed(str(err)) from err
+
+    def think(self, text: str) -> None:
+        pass  # a pipe carries the answer only
+
+    def fold(self, summary: str) -> None:
+        pass
 
     def finish(self) -> None:
         if self._finished:
@@ -165,6 +178,7 @@ class LiveRenderer:
         self._finished = False
         self._saved = False  # a cursor position after the committed text is saved (colour only)
         self._dim = Style(dim=True)
+        self._thought_lines: int | None = None  # line breaks written since the thinking began
 
     def start(self) -> None:
         if self._color:
@@ -185,6 +199,33 @@ class LiveRenderer:
         parts.append(self._save_point())
         parts.append(self._resize_markers(min(waiting, MAX_MARKERS, self._room())))
         self._write("".join(parts))
+
+    def think(self, text: str) -> None:
+        """The thinking, dimmed, wrapped as the answer is; its lines are counted so that ``fold``
+        can take them back."""
+        if self._thought_lines is None:
+            self._thought_lines = 0
+        if not text:
+            return
+        flowed = self._flow(text)
+        self._thought_lines += flowed.count("\n")
+        shown = self._dim.render(flowed) if self._color else flowed
+        self._write(self._erase_markers() + shown + self._save_point())
+
+    def fold(self, summary: str) -> None:
+        """The thinking's lines taken back (with colour: the cursor goes up to where it began and
+        clears the screen below; lines already scrolled out of sight stay in the scrollback) and
+        ``summary`` written dimmed on a line of its own. Without colour nothing can be taken back:
+        the summary follows the thinking."""
+        lines, self._thought_lines = self._thought_lines or 0, None
+        if self._color:
+            up = f"\x1b[{lines}A" if lines else ""
+            out = self._erase_markers(clear=True) + "\r" + up + "\x1b[J" + self._dim.render(summary) + "\n"
+        else:
+            out = self._erase_markers() + ("\n" if self._line_cells else "") + summary + "\n"
+        self._new_line()
+        self._saved = False
+        self._write(out)
 
     def suspend(self) -> None:
         """Before the process stops (Ctrl+Z): markers erased, cursor shown."""

@@ -63,7 +63,8 @@ def stats_line(completion: Completion, load_s: float | None = None, weights: Wei
     t = completion.timings
     load = f"load: {_fmt(load_s, 's', 2)}  " if load_s is not None else ""
     return Text(
-        f"tokens: {completion.prompt_tokens} prompt, {completion.completion_tokens} generated  "
+        f"tokens: {completion.prompt_tokens} prompt, {completion.completion_tokens} generated"
+        + (f" ({completion.reasoning_tokens} thinking)" if completion.reasoning_tokens else "") + "  "
         f"{load}ttft: {_fmt(t.ttft_s, 's', 3)}  prefill: {_fmt(t.prefill_tok_s, 'tok/s')}  "
         f"decode: {_fmt(t.decode_tok_s, 'tok/s')}" + drafts_text(completion)
         + (f"  {weights_text(weights)}" if weights is not None else ""),
@@ -90,6 +91,7 @@ def print_summary(err: Console, completion: Completion, seed: int | None, *, sta
 def json_object(completion: Completion, *, seed: int | None, model: str) -> dict:
     return {
         "text": completion.text,
+        **reasoning_fields(completion),
         "token_ids": list(completion.token_ids),
         "finish_reason": completion.finish_reason.value,
         "prompt_tokens": completion.prompt_tokens,
@@ -100,6 +102,14 @@ def json_object(completion: Completion, *, seed: int | None, model: str) -> dict
         **({} if completion.speculation is None else
            {"speculation": dict(zip(("drafted_tokens", "accepted_tokens"), completion.speculation))}),
     }
+
+
+def reasoning_fields(completion: Completion) -> dict:
+    """A thinking model's thinking beside the text of a --json or --batch record; nothing for a
+    reply that did not think."""
+    if not completion.reasoning and not completion.reasoning_tokens:
+        return {}
+    return {"reasoning": completion.reasoning, "reasoning_tokens": completion.reasoning_tokens}
 
 
 def write_json(out: TextIO, completion: Completion, *, seed: int | None, model: str) -> None:

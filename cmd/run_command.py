@@ -25,7 +25,7 @@ from llama_chat.cmd.generation_source import single_stream
 from llama_chat.cmd.load_progress import load_progress
 from llama_chat.cmd.memory_check import check_memory
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
-from llama_chat.cmd.prompt import prompt_ids
+from llama_chat.cmd.prompt import prompt_ids, thinking_model, with_template_file
 from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.report import print_summary, seed_to_report, write_json
 from llama_chat.cmd.sanitize import one_line
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 def load(opts: Options, err: Console) -> LoadedModel | RemoteModel:
     if is_remote(opts.model):
         # Another machine's model (inference/remote.py): nothing is loaded here, the server is asked.
+        with_template_file(object(), getattr(opts, "chat_template_file", None))  # refused: its server's template
         return connect(opts.model, model=getattr(opts, "remote_model", None), template=opts.template,
                        api_key=getattr(opts, "api_key", None) or os.environ.get("OPENAI_API_KEY"))
     from llama_chat.model.loader import default_model_dir, load_model  # torch: a local model's command only
@@ -63,6 +64,7 @@ def load(opts: Options, err: Console) -> LoadedModel | RemoteModel:
         loaded = load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
                             max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress, name=name,
                             quantize=getattr(opts, "quantize", "none"))
+    loaded = with_template_file(loaded, getattr(opts, "chat_template_file", None))
     check_memory(opts, loaded)  # -c, --cache-tokens, --max-batch against the memory left
     prepare_cpu_kernels(loaded, getattr(opts, "quantize", "none"), err, quiet=getattr(opts, "json", False))
     return loaded
@@ -152,10 +154,11 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     """Load, generate ``text`` (the prompt, already read and checked) and report; the exit status."""
     started = time.perf_counter()
     loaded = load(opts, err)
+    think = thinking_model(loaded)
     ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format,
-                     template=opts.template)
+                     template=opts.template, thinking=opts.thinking(), think=think)
     # A chat reply is not a continuation of the prompt text: no leading word-start space.
-    request = opts.request(ids, chat_reply=loaded.chat_format is not None)
+    request = opts.request(ids, chat_reply=loaded.chat_format is not None, think=think)
     seed = request.seed
     source = single_stream(loaded, opts)
     source.check(request)  # a prompt longer than the context is bad input, found before any work
@@ -169,7 +172,8 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     stdout_tty = sys.stdout.isatty()
     renderer = None if opts.json else make_renderer(stdout_tty, color, sys.stdout)
     try:
-        outcome: Outcome = anyio.run(partial(run_one_shot, output_fd=_fileno(sys.stdout)), source, request, renderer)
+        outcome: Outcome = anyio.run(partial(run_one_shot, output_fd=_fileno(sys.stdout),
+                                                    hide_thinking=opts.hide_thinking), source, request, renderer)
     finally:
         install_sync_handlers()  # the event loop's signal receiver left SIGTERM at its default
 

@@ -32,7 +32,7 @@ import json
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -131,7 +131,8 @@ class DialogCarrier:
 
     name = "remote"
 
-    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         data = json.dumps([{"role": m.role, "content": m.content} for m in messages], ensure_ascii=False)
         return [DIALOG, *data.encode("utf-8")]
 
@@ -309,6 +310,7 @@ class _Usage:
     prompt_tokens: int | None = None
     cached_tokens: int = 0
     completion_tokens: int | None = None
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -373,7 +375,8 @@ class RemoteStream(TextStream):
         spread = last - first if first is not None and last is not None else 0.0
         decode = (generated - 1) / spread if spread > 0 and generated > 1 else None
         return RemoteCompletion(self.request_id, self.text, (), tally.finish_reason, prompt,
-                                Timings(first, prefill, decode), usage.cached_tokens, generated=generated)
+                                Timings(first, prefill, decode), usage.cached_tokens, reasoning=self.reasoning,
+                                reasoning_tokens=usage.reasoning_tokens, generated=generated)
 
 
 @dataclass(frozen=True)
@@ -587,6 +590,9 @@ def _read_usage(usage: Any, into: _Usage) -> None:
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         into.cached_tokens = details["cached_tokens"]
+    details = usage.get("completion_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+        into.reasoning_tokens = details["reasoning_tokens"]
 
 
 __all__ = ["DialogCarrier", "RemoteCompletion", "RemoteError", "RemoteModel", "RemoteRequestError", "RemoteSource",

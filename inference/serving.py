@@ -182,20 +182,28 @@ class Choice:
         self.stream.cancel()
 
     async def pieces(self) -> AsyncIterator[str]:
-        """The text each batch of responses commits (never empty); responses already waiting are
-        taken together, so a client far behind gets fewer, longer pieces."""
+        """The answer's text each batch of responses commits (never empty); responses already
+        waiting are taken together, so a client far behind gets fewer, longer pieces."""
+        async for text, _ in self.parts():
+            if text:
+                yield text
+
+    async def parts(self) -> AsyncIterator[tuple[str, str]]:
+        """``(answer, thinking)``: the text each batch of responses commits to each (never both
+        empty; a thinking model's thinking: ``inference/reasoning.py``)."""
         while True:
             try:
                 response = await self.stream.__anext__()
             except StopAsyncIteration:
                 return
-            parts = [self._observe(response)]
+            texts, thoughts = [self._observe(response)], [response.reasoning]
             while not response.state.finished and self.stream.ready():
                 response = await self.stream.__anext__()
-                parts.append(self._observe(response))
-            text = "".join(parts)
-            if text:
-                yield text
+                texts.append(self._observe(response))
+                thoughts.append(response.reasoning)
+            text, thought = "".join(texts), "".join(thoughts)
+            if text or thought:
+                yield text, thought
 
     def completion(self) -> Completion:
         """What the job came to; after a cancel, the text so far and finish reason ``cancelled``."""

@@ -198,17 +198,22 @@ def thinking_grammar(answer: Constraint | None, *, open_tag: str, close_tag: str
         body = _seq_items(open_tag, "think", close_tag)
     elif budget is None:
         # A lazy rule ends at the first end tag the model writes.
-        think = [f"think[lazy]: /(?s:.*){re.escape(json.loads(close_tag))}/"]
+        think = [f"think[lazy]: /(?s:.*){_lark_escape(json.loads(close_tag))}/"]
         body = _seq_items(open_tag, "think")
     else:
         # Either the model ends it, or the budget does and the tag is written for it.
-        think = [f"think[lazy, max_tokens={budget}]: /(?s:.*){re.escape(json.loads(close_tag))}/"]
+        think = [f"think[lazy, max_tokens={budget}]: /(?s:.*){_lark_escape(json.loads(close_tag))}/"]
         body = _seq_items(open_tag, "think", f"{close_tag}?")
     rest = "@answer" if answer is not None else ANY_TEXT
     lark = "%llguidance {}\nstart: " + _seq_items(body, '"\\n\\n"', rest) + "\n" + "\n".join(think) + "\n"
     if answer is None:
         return Constraint("grammar", lark)
     return Constraint("grammar", lark, answer=answer)
+
+
+def _lark_escape(text: str) -> str:
+    """``text`` matched literally inside a Lark ``/.../`` pattern."""
+    return re.escape(text).replace("/", "\\/")
 
 
 def _seq_items(*items: str) -> str:
@@ -219,7 +224,11 @@ def _compile_with_answer(source: str, answer: Constraint) -> str:
     """llguidance's top-level grammar: ``source``'s Lark first, then ``answer``'s grammars, the first
     of them named ``answer``."""
     llg = _llguidance()
-    inner = json.loads(answer.grammar)["grammars"]
+    # The engine's form of a grammar is a top-level grammar (JSON), or for Lark the Lark text itself.
+    try:
+        inner = json.loads(answer.grammar)["grammars"]
+    except (ValueError, TypeError, KeyError):
+        inner = [{"lark_grammar": answer.grammar}]
     inner[0] = {**inner[0], "name": "answer"}
     grammar = json.dumps({"grammars": [{"lark_grammar": source}, *inner]})
     try:

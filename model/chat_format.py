@@ -13,7 +13,7 @@ strings such as ``"<s>"``:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -43,12 +43,15 @@ class Message:
     content: str
     tool_calls: tuple[CalledTool, ...] = ()  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning: str | None = None  # an assistant's thinking, apart from its content
 
     def as_dict(self) -> dict[str, Any]:
         """The message as Hugging Face's ``apply_chat_template`` takes it: OpenAI's shape, with
-        ``tool_calls`` and ``tool_call_id`` only where there are some (templates test
-        ``'tool_calls' in message``)."""
+        ``tool_calls``, ``tool_call_id`` and ``reasoning_content`` (the name Qwen3's template
+        reads) only where there are some (templates test ``'tool_calls' in message``)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                  for c in self.tool_calls]
@@ -60,9 +63,17 @@ class Message:
 class ChatFormat(Protocol):
     name: str
 
-    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids for the dialog, ending (when asked) where the assistant's reply begins."""
+    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids for the dialog, ending (when asked) where the assistant's reply begins.
+        ``template_kwargs``: more variables for a Jinja template (``enable_thinking``); the
+        built-in formats have no use for them."""
         ...
+
+
+# Names a template is given by the renderer itself: a request's own variables may not replace them.
+RENDER_NAMES = frozenset(("env", "template", "limit", "messages", "tools", "bos_token", "eos_token", "add_generation_prompt", "raise_exception",
+                          "strftime_now"))
 
 
 FORMAT_NAMES = ("auto", "none", "llama2", "llama3", "hf")
@@ -91,7 +102,8 @@ class Llama2ChatFormat:
             raise ModelLoadError("chat format 'llama2' needs a tokenizer with bos and eos ids")
         self.tokenizer = tokenizer
 
-    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         messages = list(messages)
         if messages and messages[0].role == "system":
             system, messages = messages[0], messages[1:]
@@ -143,7 +155,8 @@ class Llama3ChatFormat:
     def _header(self, role: str) -> list[int]:
         return [self._start, *self.tokenizer.encode(role), self._end, *self.tokenizer.encode("\n\n")]
 
-    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+    def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         ids = [self._bos]
         for message in messages:
             ids += [*self._header(message.role), *self.tokenizer.encode(message.content.strip()), self._eot]
@@ -219,16 +232,23 @@ class HFTemplateChatFormat:
         self.eos_token = eos_token if eos_token is not None else names.get(tokenizer.eos_id, "")
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
-               tools: Sequence[dict] | None = None) -> str:
+               tools: Sequence[dict] | None = None, template_kwargs: Mapping[str, Any] | None = None) -> str:
         """The template's text; ``ChatTemplateError`` (a ValueError) when the template fails.
-        ``tools``: OpenAI's tool objects, passed to the template as ``tools`` when there are any."""
+        ``tools``: OpenAI's tool objects, passed to the template as ``tools`` when there are any.
+        ``template_kwargs``: more variables (``chat_template_kwargs``, ``enable_thinking``), as
+        ``apply_chat_template`` takes them; none may replace a name of the renderer's own."""
         from llama_chat.model.template_sandbox import TemplateLimitError, iter_limit, render_bounded
 
         dicts = [m.as_dict() for m in messages]
-        sized = [m.content for m in messages]
+        sized = [m.content + (m.reasoning or "") for m in messages]
         if tools or any(m.tool_calls for m in messages):
             sized.append(json.dumps([tools, [d.get("tool_calls") for d in dicts]], ensure_ascii=False))
         extra = {"tools": list(tools)} if tools else {}
+        for name, value in (template_kwargs or {}).items():
+            if name in RENDER_NAMES:
+                raise ChatTemplateError(f"chat template: {name} is set by the server and cannot be a template variable")
+            extra[name] = value
+            sized.append(json.dumps(value, ensure_ascii=False, default=str))
         try:
             return render_bounded(
                 self._env, self._template, iter_limit(iter(sized)),
@@ -251,8 +271,9 @@ class HFTemplateChatFormat:
             raise ChatTemplateError(f"chat template: {detail}") from None
 
     def encode_dialog(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
-                      tools: Sequence[dict] | None = None) -> list[int]:
-        text = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+                      tools: Sequence[dict] | None = None, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        text = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                           template_kwargs=template_kwargs)
         ids = encode_allowing_special(self.tokenizer, text)
         tok = self.tokenizer
         if getattr(tok, "add_bos", True) and tok.bos_id is not None and ids[:1] != [tok.bos_id]:
@@ -308,6 +329,16 @@ def _read_template_file(path: Path) -> str:
         raise ModelLoadError(f"{path}: cannot read it ({e.strerror or e})") from None
     except BadInput as e:
         raise ModelLoadError(f"{path}: {e}") from None
+
+
+def chat_format_from_file(path: Path, tokenizer: Tokenizer) -> HFTemplateChatFormat:
+    """A Jinja chat template from a file of its own (``--chat-template-file``), in place of the
+    model's: ``ModelLoadError`` naming the file when it cannot be read or compiled."""
+    try:
+        return HFTemplateChatFormat(_read_template_file(Path(path)), tokenizer)
+    except ModelLoadError as e:
+        message = str(e)
+        raise ModelLoadError(message if message.startswith(str(path)) else f"{path}: {message}") from None
 
 
 def chat_format_hint(model_dir: Path) -> str | None:

@@ -49,19 +49,35 @@ FAMILIES = {
     "generic": Family("qwen2.5.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), (), "<|endoftext|>",
                       "<|im_end|>"),
 }
+# Thinking models (tests/test_reasoning_serve.py), apart from the tool formats' families: Qwen3 (its
+# tags are added tokens; its template reads enable_thinking and drops earlier turns' thinking), an R1
+# distill whose template opens the thinking, and the same with tags that are plain text.
+THINKING_FAMILIES = {
+    "qwen3": Family("qwen3.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+                    ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
+                    "<|endoftext|>", "<|im_end|>"),
+    "r1": Family("r1-distill.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), ("<think>", "</think>"),
+                 "<|endoftext|>", "<|im_end|>"),
+    "r1_text": Family("r1-distill.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), (),
+                      "<|endoftext|>", "<|im_end|>"),
+}
 GENERIC_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def template_text(family: str) -> str:
-    return GENERIC_TEMPLATE if family == "generic" else (TEMPLATES / FAMILIES[family].template).read_text()
+    return GENERIC_TEMPLATE if family == "generic" else (TEMPLATES / _family(family).template).read_text()
+
+
+def _family(name: str) -> Family:
+    return FAMILIES[name] if name in FAMILIES else THINKING_FAMILIES[name]
 
 
 def write_tokenizer(out_dir: Path, family: str) -> int:
     """``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template); the vocabulary's size."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    spec = FAMILIES[family]
+    spec = _family(family)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
