@@ -62,6 +62,14 @@ SERVER = "Server"
 POOL_BYTES_UNKNOWN = 4 * 2**30
 
 
+def _pooling(value: str | None) -> str | None:
+    from llama_chat.model.pooling import POOLING_MODES
+
+    if value is not None and value not in POOLING_MODES:
+        raise typer.BadParameter(f"expected one of {', '.join(POOLING_MODES)}; got {value!r}")
+    return value
+
+
 def _tool_format(value: str) -> str:
     if value not in FORMAT_NAMES:
         raise typer.BadParameter(f"expected one of {', '.join(FORMAT_NAMES)}; got {value!r}")
@@ -119,6 +127,9 @@ class ServeOptions:
         "--tool-format", callback=_tool_format, rich_help_panel=SERVER, metavar="FORMAT",
         help="How the model writes tool calls: auto (told from its chat template), hermes (<tool_call>), "
              "llama3_json, mistral ([TOOL_CALLS]), generic (JSON described in the system message).")] = "auto"
+    pooling: Annotated[str | None, typer.Option(
+        "--pooling", callback=_pooling, rich_help_panel=SERVER, metavar="MODE",
+        help="An embedding model's pooling: mean, cls, last or none (default: as its files say).")] = None
     debug: _OPTION["debug"] = False
 
     def options(self) -> Options:
@@ -132,7 +143,8 @@ serve_app = new_app()
 serve_app.command(
     name="serve", cls=GroupedHelp,
     help="Serve a model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models) and "
-         "Anthropic's Messages API (/v1/messages), many requests at once on the batching scheduler; "
+         "Anthropic's Messages API (/v1/messages), many requests at once on the batching scheduler; an "
+         "embedding model over /v1/embeddings and Ollama's /api/embed; "
          "/health and /metrics (Prometheus) beside them.")(
         command(ServeOptions, lambda opts: run_serve(opts)))
 
@@ -324,6 +336,8 @@ def _load_model(opts: ServeOptions):
     options = opts.options()
     err = Console(stderr=True, highlight=False, quiet=opts.quiet)
     loaded = load(options, err)
+    if loaded.kind == "embedding":  # no generation: no cache, no scheduler
+        return loaded, None
     a = loaded.model.args
     try:
         kv_type = for_device(opts.cache_type, loaded.device, loaded.dtype)
@@ -344,6 +358,8 @@ def _load_model(opts: ServeOptions):
 async def _serve_model(opts: ServeOptions, state: ServerState, model, log: ServerLog, stop: anyio.Event, server,
                        server_done: anyio.Event) -> int:
     loaded, scheduler = model
+    if scheduler is None:
+        return await _serve_embeddings(opts, state, loaded, log, stop, server, server_done)
     serving = Serving(scheduler, queue_limit=opts.queue_limit, metrics=state.metrics)
     names = frozenset({loaded.name, *([opts.model] if opts.model else [])})
     # A chat format without a Jinja template (llama2, llama3) cannot show tools: the generic format
@@ -382,6 +398,25 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
             if stop.is_set():
                 return exit_status.FAILURE
             await anyio.sleep(RESTART_PAUSE_S)
+
+
+async def _serve_embeddings(opts: ServeOptions, state: ServerState, loaded, log: ServerLog, stop: anyio.Event,
+                            server, server_done: anyio.Event) -> int:
+    """An embedding model's server: its routes answer in worker threads until stopped."""
+    from llama_chat.inference.embedding import Embedder
+
+    embedder = Embedder(loaded, pooling=opts.pooling)
+    names = frozenset({loaded.name, *([opts.model] if opts.model else [])})
+    state.ready(Served(loaded, None, opts.options(), names, int(time.time()), embedder=embedder))
+    pooling = embedder.pooling
+    log.note(f"ready: embedding model {loaded.name!r} ({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')}), "
+             f"{embedder.width} dimensions, {pooling.mode} pooling{', normalized' if pooling.normalize else ''}, "
+             f"up to {embedder.max_tokens} tokens an input")
+    await stop.wait()
+    state.phase = "stopping"
+    server.should_exit = True
+    await server_done.wait()
+    return exit_status.OK
 
 
 def _pool_text(scheduler) -> str:

@@ -39,6 +39,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
 from llama_chat.cmd.anthropic_api import MessageReply, error_body, matched_stop, parse_messages, sse
+from llama_chat.cmd.embeddings_api import embedding_routes, refuse_generation
 from llama_chat.cmd.http_protocol import CLOSE, head_refusal
 from llama_chat.cmd.openai_api import (ApiError, ChatMessage, Generation, LogprobsWriter, Reply, StreamEvents, bad,
                                        dumps, event, parse_chat, parse_completion, tool_call_deltas, usage)
@@ -56,6 +57,7 @@ from llama_chat.model.tokenizers.base import encode_prompt
 
 if TYPE_CHECKING:
     from llama_chat.cmd.options import Options
+    from llama_chat.inference.embedding import Embedder
     from llama_chat.inference.serving import Choice, Serving
     from llama_chat.model.loader import LoadedModel
 
@@ -86,6 +88,7 @@ class Served:
     names: frozenset[str]  # the names it answers to; ``loaded.name`` is the one listed and reported
     created: int
     tool_format: ToolFormat = FORMATS["generic"]  # how its replies write tool calls (--tool-format)
+    embedder: Embedder | None = None  # an embedding model's (then ``serving`` is None: no generation)
 
     @property
     def model_id(self) -> str:
@@ -112,8 +115,8 @@ class ServerState:
         self.phase = "ready"
 
     def snapshot(self) -> Snapshot:
-        if self.served is None:
-            return Snapshot(False)
+        if self.served is None or self.served.serving is None:
+            return Snapshot(self.served is not None and self.phase == "ready")
         now = self.served.serving.snapshot()
         return Snapshot(self.phase == "ready", now.running, now.queued, now.stats)
 
@@ -205,6 +208,7 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
         Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/messages", endpoint(messages, anthropic=True), methods=["POST"]),
+        *embedding_routes(state, endpoint, lambda request: _json_body(state, request)),
     ]
     middleware = [Middleware(RequestLog, state=state)]
     if cors_origins:
@@ -241,8 +245,9 @@ def _authorize(state: ServerState, request: HttpRequest) -> None:
 
 
 def _model_object(served: Served) -> dict[str, Any]:
+    context = served.embedder.max_tokens if served.embedder else served.serving.scheduler.max_seq_len
     return {"id": served.model_id, "object": "model", "created": served.created, "owned_by": "llama-chat",
-            "context_length": served.serving.scheduler.max_seq_len}
+            "context_length": context, "kind": served.loaded.kind}
 
 
 def _check_model(served: Served, name: str | None, *, param: str | None = "model", any_name: bool = False) -> None:
@@ -275,6 +280,10 @@ async def _read_body(state: ServerState, request: HttpRequest) -> bytes:
     return b"".join(body)
 
 
+async def _json_body(state: ServerState, request: HttpRequest) -> dict[str, Any]:
+    return _parse_body(await _read_body(state, request))
+
+
 def _parse_body(data: bytes) -> dict[str, Any]:
     """The body as a JSON object, read by the one strict reader (``model/safe_input.loads``: bounded
     nesting and numbers, UTF-8 text without lone surrogates)."""
@@ -303,6 +312,7 @@ def _not_text(e: NotText) -> ApiError:
 async def _generate(state: ServerState, request: HttpRequest, parse: Callable[[dict[str, Any]], Generation],
                     respond: type[GenerationResponse] | None = None) -> Response | GenerationResponse:
     served = state.require_ready()
+    refuse_generation(served)
     data = await _read_body(state, request)
     # Parsing the body, checking the fields (a schema compiles) and tokenizing (a template renders)
     # are CPU work: off the event loop, which streams every other client's tokens.

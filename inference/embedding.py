@@ -51,6 +51,7 @@ class Embedder:
         if pooling is not None and pooling not in POOLING_MODES:
             raise ValueError(f"pooling {pooling!r} is not supported (expected {', '.join(POOLING_MODES)})")
         self.loaded = loaded
+        loaded.model.fuse_projections()  # q, k and v in one product: fewer, larger products
         self.pooling: Pooling = loaded.pooling.with_mode(pooling)
         self.max_batch_tokens = max(max_batch_tokens, self.pooling.max_tokens)
         self.max_batch_rows = max_batch_rows

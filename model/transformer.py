@@ -165,7 +165,7 @@ class Attention(nn.Module):
 
     def _output(self, heads: torch.Tensor, layout: StepLayout) -> torch.Tensor:
         out = ops.project(heads, self.wo, layout.row_products)
-        return out if self.bo is None else out + self.bo
+        return out if self.bo is None else out.add_(self.bo)
 
 
 class FeedForward(nn.Module):
@@ -194,9 +194,9 @@ class FeedForward(nn.Module):
         if not self.gated:
             hidden = ops.project(x, self.w1, row_products)
             if self.b1 is not None:
-                hidden = hidden + self.b1
+                hidden.add_(self.b1)
             out = ops.project(_activated(hidden, self.activation), self.w2, row_products)
-            return out if self.b2 is None else out + self.b2
+            return out if self.b2 is None else out.add_(self.b2)
         if self.w13 is not None:
             gate, up = ops.project(x, self.w13, row_products).chunk(2, dim=-1)
         else:

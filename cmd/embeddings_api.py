@@ -1,0 +1,189 @@
+"""The embedding routes of ``llama-chat serve``: OpenAI's ``POST /v1/embeddings`` and Ollama's
+``POST /api/embed``, translated to and from ``inference/embedding.py``.
+
+OpenAI's shape: ``{model, input, encoding_format, dimensions}`` with ``input`` a string, a list of
+strings, a list of token ids or a list of such lists; the answer ``{object: "list", data:
+[{object: "embedding", index, embedding}], model, usage}``, each embedding a list of floats or,
+with ``encoding_format: "base64"``, the base64 of its little-endian float32 bytes. A text past the
+model's length is refused, as OpenAI refuses it. Ollama's: ``{model, input, truncate, dimensions}``
+answered ``{model, embeddings, total_duration, load_duration, prompt_eval_count}``; a text past
+the length is cut unless ``truncate`` is false, and errors are ``{"error": message}``.
+
+Token ids stand for a text's tokens: the model's markers ([CLS] and [SEP]) go around them as
+around a text's, so a text and its ids embed alike.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llama_chat.cmd.openai_api import ApiError, bad
+from llama_chat.inference.embedding import MAX_INPUTS, Embedded, EmbeddingInputError
+
+if TYPE_CHECKING:
+    from llama_chat.cmd.serve_app import Served, ServerState
+
+ENCODING_FORMATS = ("float", "base64")
+EMBEDDING_PATHS = ("/v1/embeddings", "/api/embed")
+
+Input = str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """What one request asks for, its fields checked."""
+
+    model: str | None
+    inputs: tuple[Input, ...]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    truncate: bool = False  # cut a text past the model's length instead of refusing it
+
+
+def embedding_routes(state: ServerState, endpoint: Callable, json_body: Callable[[HttpRequest], Awaitable[dict]]
+                     ) -> list[Route]:
+    """The routes, wrapped by the server's ``endpoint`` (the key, OpenAI's error object)."""
+
+    async def openai_embeddings(request: HttpRequest) -> Response:
+        served = state.require_ready()
+        asked = parse_openai(await json_body(request))
+        embedded = await _embed(served, asked)
+        return JSONResponse(openai_reply(served.model_id, embedded, asked.encoding_format))
+
+    async def ollama_embed(request: HttpRequest) -> Response:
+        try:
+            served = state.require_ready()
+            start = time.perf_counter_ns()
+            asked = parse_ollama(await json_body(request))
+            embedded = await _embed(served, asked)
+        except ApiError as e:  # Ollama's clients read {"error": message}
+            return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
+        return JSONResponse({"model": served.model_id, "embeddings": [e.vector.tolist() for e in embedded],
+                             "total_duration": time.perf_counter_ns() - start, "load_duration": 0,
+                             "prompt_eval_count": sum(e.tokens for e in embedded)})
+
+    return [Route("/v1/embeddings", endpoint(openai_embeddings), methods=["POST"]),
+            Route("/api/embed", endpoint(ollama_embed), methods=["POST"])]
+
+
+def refuse_generation(served: Served) -> None:
+    """A chat or completion asked of an embedding model: a 400 naming what the model is for."""
+    if served.embedder is not None:
+        raise bad(f"the model {served.model_id!r} is an embedding model: it makes embeddings "
+                  "(POST /v1/embeddings) and generates no text", "model", code="unsupported_model")
+
+
+async def _embed(served: Served, asked: EmbeddingRequest) -> list[Embedded]:
+    embedder = served.embedder
+    if embedder is None:
+        raise bad(f"the model {served.model_id!r} is a chat model: it generates text and makes no embeddings; "
+                  "serve an embedding model (a sentence-transformers or BERT folder) for them", "model",
+                  code="unsupported_model")
+
+    def run() -> list[Embedded]:
+        embedder.check_dimensions(asked.dimensions)
+        ids = [embedder.text_ids(item, truncate=asked.truncate, where=_where(i, asked)) if isinstance(item, str)
+               else embedder.token_ids(item, truncate=asked.truncate, where=_where(i, asked))
+               for i, item in enumerate(asked.inputs)]
+        return embedder.embed(ids, dimensions=asked.dimensions)
+
+    try:
+        # Tokenizing and the forwards are CPU work: off the event loop.
+        return await anyio.to_thread.run_sync(run)
+    except EmbeddingInputError as e:
+        raise bad(str(e), e.param) from None
+
+
+def _where(index: int, asked: EmbeddingRequest) -> str:
+    return "input" if len(asked.inputs) == 1 else f"input[{index}]"
+
+
+def openai_reply(model: str, embedded: list[Embedded], encoding_format: str) -> dict[str, Any]:
+    tokens = sum(e.tokens for e in embedded)
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": _encoded(e, encoding_format)}
+                     for i, e in enumerate(embedded)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _encoded(embedded: Embedded, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(embedded.vector.float().numpy().astype("<f4").tobytes()).decode("ascii")
+    return embedded.vector.tolist()
+
+
+# -- the requests' fields ---------------------------------------------------------------------------
+
+
+def parse_openai(body: dict[str, Any]) -> EmbeddingRequest:
+    encoding = body.get("encoding_format", "float")
+    if encoding is None:
+        encoding = "float"
+    if encoding not in ENCODING_FORMATS:
+        raise bad(f"encoding_format must be {' or '.join(ENCODING_FORMATS)}, found {encoding!r:.40}",
+                  "encoding_format")
+    return EmbeddingRequest(_model(body), _inputs(body), encoding, _dimensions(body))
+
+
+def parse_ollama(body: dict[str, Any]) -> EmbeddingRequest:
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise bad(f"truncate must be true or false, found {truncate!r:.40}", "truncate")
+    inputs = _inputs(body)
+    if any(not isinstance(item, str) for item in inputs):
+        raise bad("input must be a string or a list of strings", "input")
+    return EmbeddingRequest(_model(body), inputs, "float", _dimensions(body), truncate)
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad(f"model must be a string, found {model!r:.40}", "model")
+    return model
+
+
+def _dimensions(body: dict[str, Any]) -> int | None:
+    value = body.get("dimensions")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise bad(f"dimensions must be an integer, found {value!r:.40}", "dimensions")
+    return value
+
+
+_INPUT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
+def _inputs(body: dict[str, Any]) -> tuple[Input, ...]:
+    if "input" not in body:
+        raise bad("input is required: " + _INPUT_SHAPES, "input")
+    value = body["input"]
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list):
+        raise bad(f"input must be {_INPUT_SHAPES}, found {type(value).__name__}", "input")
+    if not value:
+        raise bad("input is an empty list", "input")
+    if len(value) > MAX_INPUTS:
+        raise bad(f"input has {len(value)} items; at most {MAX_INPUTS} are taken at once", "input")
+    if all(isinstance(item, str) for item in value):
+        return tuple(value)
+    if all(_is_id(item) for item in value):
+        return (tuple(value),)
+    if all(isinstance(item, list) for item in value):
+        for i, item in enumerate(value):
+            if not all(_is_id(t) for t in item):
+                raise bad(f"input[{i}] must be a list of token ids (non-negative integers)", f"input[{i}]")
+        return tuple(tuple(item) for item in value)
+    raise bad(f"input must be {_INPUT_SHAPES}, not a mixture", "input")
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,264 @@
+"""Embeddings: BERT on the one model (its switches), the WordPiece tokenizer, pooling, batching,
+and the server's /v1/embeddings and /api/embed against real clients. References are transformers'
+BertModel and BertTokenizerFast on the same random weights and vocabulary."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+
+import httpx
+import openai
+import pytest
+import torch
+
+from builders_embeddings import hf_tokenizer, reference_embeddings, save_bert, vocab_tokens
+from llama_chat.inference.embedding import Embedder, EmbeddingInputError
+from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.loader import load_model
+from llama_chat.model.tokenizers.loading import load_tokenizer
+from serve_support import WAIT_S, start_server, stop_server
+
+MAX_LENGTH = 24
+TEXTS = [
+    "a",  # one token
+    "The quick brown fox jumps over the lazy dog!",
+    "Café naïve, ÜBER straße: 東京 中文 😀 emoji 👩‍👩‍👧",
+    " ".join(["hello world"] * 30),  # past the length: cut as sentence-transformers cuts it
+    "unjumpable foxes, 42 dogs; (quick) [MASK] x",
+]
+FUZZ_ALPHABET = "abcXYZ é ü ß 東京 ,.!?-'\" \t\n\u00a0\u200b\x00\x07 [MASK] ##s 😀 \u0301 Ǆ İ"
+
+
+def _fuzz_texts(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(FUZZ_ALPHABET) for _ in range(rng.randint(1, 40))) for _ in range(count)]
+
+
+def _cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def st_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("st") / "tiny-st"
+    model, tokenizer = save_bert(folder, pooling="mean", normalize=True, max_seq_length=MAX_LENGTH)
+    return folder, model, tokenizer
+
+
+# -- the tokenizer ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lowercase,strip_accents", [(True, None), (False, None), (True, False), (False, True)])
+def test_wordpiece_ids_are_bert_tokenizer_fasts(tmp_path, lowercase, strip_accents):
+    reference = hf_tokenizer(tmp_path, lowercase=lowercase, strip_accents=strip_accents)
+    reference.save_pretrained(tmp_path)
+    from_json = load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").unlink()
+    from_vocab = load_tokenizer(tmp_path)
+    assert type(from_json).__name__ == type(from_vocab).__name__ == "WordPieceTokenizer"
+    for text in TEXTS + _fuzz_texts(300, seed=1 + lowercase):
+        expected = reference(text)["input_ids"]
+        assert from_json.encode(text, bos=True, eos=True) == expected, repr(text)
+        assert from_vocab.encode(text, bos=True, eos=True) == expected, repr(text)
+
+
+def test_a_word_longer_than_bert_takes_is_one_unknown_token(tmp_path):
+    reference = hf_tokenizer(tmp_path)
+    reference.save_pretrained(tmp_path)
+    ours = load_tokenizer(tmp_path)
+    for text in ("a" * 100 + " b", "a" * 101 + " b", "xyz" + "é" * 99):
+        assert ours.encode(text) == reference(text, add_special_tokens=False)["input_ids"]
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pooling,normalize", [("mean", True), ("cls", False), ("lasttoken", True)])
+def test_sentence_transformers_folder_embeds_as_transformers_with_its_pooling(tmp_path, pooling, normalize):
+    model, tokenizer = save_bert(tmp_path, seed=2, pooling=pooling, normalize=normalize, max_seq_length=MAX_LENGTH)
+    loaded = load_model(tmp_path, device="cpu")
+    assert loaded.kind == "embedding" and loaded.args.family == "bert" and loaded.chat_format is None
+    embedder = Embedder(loaded)
+    assert embedder.max_tokens == MAX_LENGTH and embedder.pooling.normalize == normalize
+    ours = torch.stack([e.vector for e in embedder.embed(
+        [embedder.text_ids(t, truncate=True) for t in TEXTS])])
+    expected = reference_embeddings(model, tokenizer, TEXTS, pooling=pooling, normalize=normalize,
+                                    max_length=MAX_LENGTH)
+    assert _cosines(ours, expected).min() > 0.9999
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+    if normalize:
+        torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(TEXTS)))
+
+
+def test_a_bert_model_folder_is_mean_pooled_unnormalized_at_its_positions(tmp_path):
+    model, tokenizer = save_bert(tmp_path, seed=3, pooling=None)
+    loaded = load_model(tmp_path, device="cpu")
+    embedder = Embedder(loaded)
+    assert (embedder.pooling.mode, embedder.pooling.normalize, embedder.max_tokens) == ("mean", False, 64)
+    ours = torch.stack([e.vector for e in embedder.embed([embedder.text_ids(t, truncate=True) for t in TEXTS])])
+    expected = reference_embeddings(model, tokenizer, TEXTS, pooling="mean", normalize=False, max_length=64)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+    cls = Embedder(loaded, pooling="cls")
+    first = cls.embed([cls.text_ids(TEXTS[1], truncate=True)])[0].vector
+    torch.testing.assert_close(first, reference_embeddings(model, tokenizer, TEXTS[1:2], pooling="cls",
+                                                           normalize=False, max_length=64)[0], atol=1e-5, rtol=1e-4)
+
+
+def test_padding_and_batching_change_no_vector(st_folder):
+    folder, _, _ = st_folder
+    texts = TEXTS + _fuzz_texts(40, seed=7)
+    together = Embedder(load_model(folder, device="cpu"), max_batch_tokens=1, max_batch_rows=64)
+    ids = [together.text_ids(t, truncate=True) for t in texts if t.strip("\x00\x07\u200b")]
+    one_by_one = [together.embed([i])[0].vector for i in ids]
+    batched = Embedder(together.loaded, max_batch_tokens=10_000, max_batch_rows=64).embed(ids)
+    torch.testing.assert_close(torch.stack([e.vector for e in batched]), torch.stack(one_by_one), atol=1e-5, rtol=1e-4)
+    assert [e.tokens for e in batched] == [len(i) for i in ids]
+
+
+def test_batches_are_longest_first_within_the_bounds(st_folder):
+    embedder = Embedder(load_model(st_folder[0], device="cpu"), max_batch_tokens=40, max_batch_rows=3)
+    lengths = [5, 20, 3, 20, 7, 8, 9, 2]
+    groups = embedder.batches(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        assert len(group) <= 3 and max(lengths[i] for i in group) * len(group) <= max(40, embedder.max_tokens)
+        assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
+
+
+def test_dimensions_cut_and_renormalize(st_folder):
+    embedder = Embedder(load_model(st_folder[0], device="cpu"))
+    ids = [embedder.text_ids(TEXTS[1], truncate=False)]
+    whole = embedder.embed(ids)[0].vector
+    cut = embedder.embed(ids, dimensions=8)[0].vector
+    torch.testing.assert_close(cut, torch.nn.functional.normalize(whole[:8], dim=0))
+    for bad in (0, 33):
+        with pytest.raises(EmbeddingInputError, match="dimensions must be from 1 to 32"):
+            embedder.embed(ids, dimensions=bad)
+
+
+def test_inputs_the_model_cannot_take_are_named(st_folder):
+    embedder = Embedder(load_model(st_folder[0], device="cpu"))
+    with pytest.raises(EmbeddingInputError, match="input is an empty string"):
+        embedder.text_ids("", truncate=True)
+    with pytest.raises(EmbeddingInputError, match=f"62 tokens long; the model takes at most {MAX_LENGTH}"):
+        embedder.text_ids(TEXTS[3], truncate=False)
+    assert len(embedder.text_ids(TEXTS[3], truncate=True)) == MAX_LENGTH
+    with pytest.raises(EmbeddingInputError, match=f"token id {len(vocab_tokens())}, outside the vocabulary"):
+        embedder.token_ids([3, len(vocab_tokens())], truncate=True)
+
+
+def test_a_modules_file_with_a_module_not_read_here_is_refused_in_one_line(tmp_path):
+    save_bert(tmp_path, pooling="mean")
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ModelLoadError, match=r"modules.json: module 'Dense' is not supported"):
+        load_model(tmp_path, device="cpu")
+    (tmp_path / "modules.json").write_text(json.dumps(modules[:2]))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ModelLoadError, match=r"config.json: pooling 'max' is not supported"):
+        load_model(tmp_path, device="cpu")
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def embedding_server(st_folder):
+    server = start_server(st_folder[0])
+    yield server
+    assert stop_server(server) == 0, server.log()
+
+
+def test_openai_client_gets_the_models_embeddings_as_floats_and_base64(st_folder, embedding_server):
+    folder, model, tokenizer = st_folder
+    client = embedding_server.client()
+    texts = TEXTS[:3] + TEXTS[4:]
+    floats = client.embeddings.create(model="tiny-st", input=texts, encoding_format="float")
+    default = client.embeddings.create(model="tiny-st", input=texts)  # the client asks for base64
+    assert floats.model == "tiny-st" and [d.index for d in floats.data] == list(range(len(texts)))
+    got = torch.tensor([d.embedding for d in floats.data])
+    torch.testing.assert_close(torch.tensor([d.embedding for d in default.data]), got)
+    expected = reference_embeddings(model, tokenizer, texts, pooling="mean", normalize=True, max_length=MAX_LENGTH)
+    assert _cosines(got, expected).min() > 0.9999
+    torch.testing.assert_close(got.norm(dim=-1), torch.ones(len(texts)))
+    tokens = sum(len(tokenizer(t)["input_ids"]) for t in texts)
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == tokens
+    raw = httpx.post(f"{embedding_server.url}/v1/embeddings", timeout=WAIT_S,
+                     json={"input": texts[1], "encoding_format": "base64"}).json()
+    decoded = torch.frombuffer(bytearray(base64.b64decode(raw["data"][0]["embedding"])), dtype=torch.float32)
+    torch.testing.assert_close(decoded, got[1])
+
+
+def test_ids_embed_as_their_text_and_dimensions_cut(st_folder, embedding_server):
+    _, _, tokenizer = st_folder
+    client = embedding_server.client()
+    ids = tokenizer(TEXTS[1], add_special_tokens=False)["input_ids"]
+    by_text = client.embeddings.create(model="x", input=TEXTS[1], encoding_format="float").data[0].embedding
+    by_ids = client.embeddings.create(model="x", input=[ids, ids[:3]], encoding_format="float").data
+    torch.testing.assert_close(torch.tensor(by_ids[0].embedding), torch.tensor(by_text))
+    one_list = client.embeddings.create(model="x", input=ids, encoding_format="float").data
+    assert len(one_list) == 1
+    cut = client.embeddings.create(model="x", input=TEXTS[1], dimensions=8, encoding_format="float").data[0].embedding
+    torch.testing.assert_close(torch.tensor(cut), torch.nn.functional.normalize(torch.tensor(by_text[:8]), dim=0))
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"input": []}, "input", "input is an empty list"),
+    ({"input": ""}, "input", "input is an empty string"),
+    ({"input": ["ok", ""]}, "input[1]", "input[1] is an empty string"),
+    ({}, "input", "input is required"),
+    ({"input": 5}, "input", "input must be a string"),
+    ({"input": ["a", 1]}, "input", "not a mixture"),
+    ({"input": [[1, "a"]]}, "input[0]", "input[0] must be a list of token ids"),
+    ({"input": [[3, 100000]]}, "input", "token id 100000, outside the vocabulary"),
+    ({"input": " ".join(["hello world"] * 30)}, "input", "the model takes at most 24"),
+    ({"input": "a", "dimensions": 0}, "dimensions", "dimensions must be from 1 to 32"),
+    ({"input": "a", "dimensions": 33}, "dimensions", "dimensions must be from 1 to 32"),
+    ({"input": "a", "dimensions": "8"}, "dimensions", "dimensions must be an integer"),
+    ({"input": "a", "encoding_format": "int8"}, "encoding_format", "encoding_format must be float or base64"),
+    ({"input": ["a"] * 2049}, "input", "at most 2048"),
+])
+def test_bad_embedding_requests_are_400s_naming_the_field(embedding_server, body, param, message):
+    response = httpx.post(f"{embedding_server.url}/v1/embeddings", json=body, timeout=WAIT_S)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_ollama_embed_cuts_long_texts_unless_told_not_to(embedding_server):
+    url = f"{embedding_server.url}/api/embed"
+    long = " ".join(["hello world"] * 30)
+    reply = httpx.post(url, json={"model": "tiny-st", "input": ["a", long]}, timeout=WAIT_S).json()
+    assert len(reply["embeddings"]) == 2 and len(reply["embeddings"][0]) == 32
+    assert reply["prompt_eval_count"] == 3 + MAX_LENGTH and reply["total_duration"] > 0
+    refused = httpx.post(url, json={"input": long, "truncate": False}, timeout=WAIT_S)
+    assert refused.status_code == 400 and "at most 24" in refused.json()["error"]
+
+
+def test_an_embedding_model_refuses_to_chat_and_lists_its_kind(embedding_server):
+    client = embedding_server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-st", messages=[{"role": "user", "content": "hi"}])
+    assert "is an embedding model" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-st", prompt="hi")
+    model = client.models.list().data[0]
+    assert model.id == "tiny-st" and model.kind == "embedding" and model.context_length == MAX_LENGTH
+    assert httpx.get(f"{embedding_server.url}/health", timeout=WAIT_S).status_code == 200
+
+
+def test_a_chat_model_refuses_embeddings(tiny_meta_dir):
+    server = start_server(tiny_meta_dir)
+    try:
+        client = server.client()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.embeddings.create(model="m", input="hello")
+        assert "is a chat model" in e.value.message
+        refused = httpx.post(f"{server.url}/api/embed", json={"input": "hello"}, timeout=WAIT_S)
+        assert refused.status_code == 400 and "is a chat model" in refused.json()["error"]
+        assert client.models.list().data[0].kind == "chat"
+    finally:
+        assert stop_server(server) == 0, server.log()
