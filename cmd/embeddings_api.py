@@ -1,5 +1,6 @@
 """The embedding routes of ``llama-chat serve``: OpenAI's ``POST /v1/embeddings`` and Ollama's
-``POST /api/embed``, translated to and from ``inference/embedding.py``.
+``POST /api/embed``, and the rerank routes in Jina's and Cohere's shape (``POST /v1/rerank``,
+``/rerank``, ``/v2/rerank``), translated to and from ``inference/embedding.py``.
 
 OpenAI's shape: ``{model, input, encoding_format, dimensions}`` with ``input`` a string, a list of
 strings, a list of token ids or a list of such lists; the answer ``{object: "list", data:
@@ -11,12 +12,17 @@ the length is cut unless ``truncate`` is false, and errors are ``{"error": messa
 
 Token ids stand for a text's tokens: the model's markers ([CLS] and [SEP]) go around them as
 around a text's, so a text and its ids embed alike.
+
+Rerank: ``{model, query, documents, top_n, return_documents}``, each document a string or
+``{"text": ...}``; the answer ``{id, model, results: [{index, relevance_score, document?}], usage}``,
+the results by relevance, highest first, ``top_n`` of them.
 """
 
 from __future__ import annotations
 
 import base64
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,13 +33,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llama_chat.cmd.openai_api import ApiError, bad
-from llama_chat.inference.embedding import MAX_INPUTS, Embedded, EmbeddingInputError
+from llama_chat.inference.embedding import MAX_INPUTS, Embedded, Embedder, EmbeddingInputError, Reranker
 
 if TYPE_CHECKING:
     from llama_chat.cmd.serve_app import Served, ServerState
 
 ENCODING_FORMATS = ("float", "base64")
 EMBEDDING_PATHS = ("/v1/embeddings", "/api/embed")
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
 
 Input = str | tuple[int, ...]
 
@@ -47,6 +54,15 @@ class EmbeddingRequest:
     encoding_format: str = "float"
     dimensions: int | None = None
     truncate: bool = False  # cut a text past the model's length instead of refusing it
+
+
+@dataclass(frozen=True)
+class RerankRequest:
+    model: str | None
+    query: str
+    documents: tuple[str, ...]
+    top_n: int | None = None
+    return_documents: bool = False
 
 
 def embedding_routes(state: ServerState, endpoint: Callable, json_body: Callable[[HttpRequest], Awaitable[dict]]
@@ -71,23 +87,46 @@ def embedding_routes(state: ServerState, endpoint: Callable, json_body: Callable
                              "total_duration": time.perf_counter_ns() - start, "load_duration": 0,
                              "prompt_eval_count": sum(e.tokens for e in embedded)})
 
+    async def rerank(request: HttpRequest) -> Response:
+        served = state.require_ready()
+        asked = parse_rerank(await json_body(request))
+        reranker = served.embedder
+        if not isinstance(reranker, Reranker):
+            raise _wrong_kind(served, "ranks no documents; serve a reranker (a BERT cross-encoder) for them")
+        try:
+            scores, tokens = await anyio.to_thread.run_sync(reranker.scores, asked.query, asked.documents)
+        except EmbeddingInputError as e:
+            raise bad(str(e), e.param) from None
+        return JSONResponse(rerank_reply(served.model_id, asked, scores, tokens))
+
     return [Route("/v1/embeddings", endpoint(openai_embeddings), methods=["POST"]),
-            Route("/api/embed", endpoint(ollama_embed), methods=["POST"])]
+            Route("/api/embed", endpoint(ollama_embed), methods=["POST"]),
+            *(Route(path, endpoint(rerank), methods=["POST"]) for path in RERANK_PATHS)]
+
+
+_DOES = {"chat": "generates text", "embedding": "makes embeddings (POST /v1/embeddings)",
+         "rerank": "ranks documents (POST /v1/rerank)"}
+
+
+def _wrong_kind(served: Served, what_not: str) -> ApiError:
+    kind = served.loaded.kind
+    article = "an" if kind == "embedding" else "a"
+    name = {"rerank": "reranker", "embedding": "embedding model", "chat": "chat model"}[kind]
+    return bad(f"the model {served.model_id!r} is {article} {name}: it {_DOES[kind]} and {what_not}", "model",
+               code="unsupported_model")
 
 
 def refuse_generation(served: Served) -> None:
-    """A chat or completion asked of an embedding model: a 400 naming what the model is for."""
+    """A chat or completion asked of an embedding model or a reranker: a 400 naming what it is for."""
     if served.embedder is not None:
-        raise bad(f"the model {served.model_id!r} is an embedding model: it makes embeddings "
-                  "(POST /v1/embeddings) and generates no text", "model", code="unsupported_model")
+        raise _wrong_kind(served, "generates no text")
 
 
 async def _embed(served: Served, asked: EmbeddingRequest) -> list[Embedded]:
     embedder = served.embedder
-    if embedder is None:
-        raise bad(f"the model {served.model_id!r} is a chat model: it generates text and makes no embeddings; "
-                  "serve an embedding model (a sentence-transformers or BERT folder) for them", "model",
-                  code="unsupported_model")
+    if not isinstance(embedder, Embedder):
+        raise _wrong_kind(served, "makes no embeddings; serve an embedding model (a sentence-transformers or "
+                                  "BERT folder) for them")
 
     def run() -> list[Embedded]:
         embedder.check_dimensions(asked.dimensions)
@@ -112,6 +151,18 @@ def openai_reply(model: str, embedded: list[Embedded], encoding_format: str) -> 
     return {"object": "list", "model": model,
             "data": [{"object": "embedding", "index": i, "embedding": _encoded(e, encoding_format)}
                      for i, e in enumerate(embedded)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def rerank_reply(model: str, asked: RerankRequest, scores: list[float], tokens: int) -> dict[str, Any]:
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:asked.top_n]
+    results = []
+    for i in order:
+        result: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+        if asked.return_documents:
+            result["document"] = {"text": asked.documents[i]}
+        results.append(result)
+    return {"id": f"rerank-{uuid.uuid4().hex[:24]}", "model": model, "results": results,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
@@ -142,6 +193,30 @@ def parse_ollama(body: dict[str, Any]) -> EmbeddingRequest:
     if any(not isinstance(item, str) for item in inputs):
         raise bad("input must be a string or a list of strings", "input")
     return EmbeddingRequest(_model(body), inputs, "float", _dimensions(body), truncate)
+
+
+def parse_rerank(body: dict[str, Any]) -> RerankRequest:
+    query = body.get("query")
+    if not isinstance(query, str):
+        raise bad(f"query must be a string, found {query!r:.40}", "query")
+    documents = body.get("documents")
+    if not isinstance(documents, list) or not documents:
+        raise bad("documents must be a non-empty list of strings (or of {\"text\": ...} objects)", "documents")
+    if len(documents) > MAX_INPUTS:
+        raise bad(f"documents has {len(documents)} items; at most {MAX_INPUTS} are taken at once", "documents")
+    texts = []
+    for i, document in enumerate(documents):
+        text = document.get("text") if isinstance(document, dict) else document
+        if not isinstance(text, str):
+            raise bad(f"documents[{i}] must be a string or an object with a string 'text'", f"documents[{i}]")
+        texts.append(text)
+    top_n = body.get("top_n")
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+        raise bad(f"top_n must be a positive integer, found {top_n!r:.40}", "top_n")
+    return_documents = body.get("return_documents", False)
+    if not isinstance(return_documents, bool):
+        raise bad(f"return_documents must be true or false, found {return_documents!r:.40}", "return_documents")
+    return RerankRequest(_model(body), query, tuple(texts), top_n, return_documents)
 
 
 def _model(body: dict[str, Any]) -> str | None:

@@ -336,7 +336,7 @@ def _load_model(opts: ServeOptions):
     options = opts.options()
     err = Console(stderr=True, highlight=False, quiet=opts.quiet)
     loaded = load(options, err)
-    if loaded.kind == "embedding":  # no generation: no cache, no scheduler
+    if loaded.kind != "chat":  # an embedding model or a reranker: no cache, no scheduler
         return loaded, None
     a = loaded.model.args
     try:
@@ -402,16 +402,21 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
 
 async def _serve_embeddings(opts: ServeOptions, state: ServerState, loaded, log: ServerLog, stop: anyio.Event,
                             server, server_done: anyio.Event) -> int:
-    """An embedding model's server: its routes answer in worker threads until stopped."""
-    from llama_chat.inference.embedding import Embedder
+    """An embedding model's or a reranker's server: its routes answer in worker threads until stopped."""
+    from llama_chat.inference.embedding import Embedder, Reranker
 
-    embedder = Embedder(loaded, pooling=opts.pooling)
+    where = f"({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')})"
+    if loaded.kind == "rerank":
+        encoder = Reranker(loaded)
+        what = f"reranker {loaded.name!r} {where}, {'sigmoid' if encoder.ranking.sigmoid else 'raw'} scores"
+    else:
+        encoder = Embedder(loaded, pooling=opts.pooling)
+        pooling = encoder.pooling
+        what = (f"embedding model {loaded.name!r} {where}, {encoder.width} dimensions, {pooling.mode} pooling"
+                f"{', normalized' if pooling.normalize else ''}")
     names = frozenset({loaded.name, *([opts.model] if opts.model else [])})
-    state.ready(Served(loaded, None, opts.options(), names, int(time.time()), embedder=embedder))
-    pooling = embedder.pooling
-    log.note(f"ready: embedding model {loaded.name!r} ({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')}), "
-             f"{embedder.width} dimensions, {pooling.mode} pooling{', normalized' if pooling.normalize else ''}, "
-             f"up to {embedder.max_tokens} tokens an input")
+    state.ready(Served(loaded, None, opts.options(), names, int(time.time()), embedder=encoder))
+    log.note(f"ready: {what}, up to {encoder.max_tokens} tokens an input")
     await stop.wait()
     state.phase = "stopping"
     server.should_exit = True

@@ -57,7 +57,7 @@ from llama_chat.model.tokenizers.base import encode_prompt
 
 if TYPE_CHECKING:
     from llama_chat.cmd.options import Options
-    from llama_chat.inference.embedding import Embedder
+    from llama_chat.inference.embedding import Embedder, Reranker
     from llama_chat.inference.serving import Choice, Serving
     from llama_chat.model.loader import LoadedModel
 
@@ -88,7 +88,8 @@ class Served:
     names: frozenset[str]  # the names it answers to; ``loaded.name`` is the one listed and reported
     created: int
     tool_format: ToolFormat = FORMATS["generic"]  # how its replies write tool calls (--tool-format)
-    embedder: Embedder | None = None  # an embedding model's (then ``serving`` is None: no generation)
+    # An embedding model's or a reranker's (then ``serving`` is None: no generation).
+    embedder: Embedder | Reranker | None = None
 
     @property
     def model_id(self) -> str:

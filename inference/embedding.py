@@ -1,10 +1,12 @@
 """Embeddings of many inputs at once: texts (or token ids) checked and tokenized, batched by
-length into padded forwards of the encoder, pooled, normalized and cut as asked.
+length into padded forwards of the encoder, pooled, normalized and cut as asked; and a
+reranker's relevance scores of documents for a query, batched alike.
 
 Inputs are sorted by length, longest first, and taken in groups whose padded size stays within
 ``max_batch_tokens`` (and ``max_batch_rows``), so a short text never waits as padding beside a
-long one and no forward grows past the bound. ``Embedder.embed`` is blocking PyTorch code: the
-server runs it in a worker thread, one call at a time (``lock``), off the event loop.
+long one and no forward grows past the bound. ``Embedder.embed`` and ``Reranker.scores`` are
+blocking PyTorch code: the server runs them in a worker thread, one call at a time (``lock``),
+off the event loop.
 """
 
 from __future__ import annotations
@@ -115,24 +117,91 @@ class Embedder:
         return [Embedded(v, len(ids)) for v, ids in zip(vectors, inputs)]
 
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Indices of ``lengths`` in groups for one forward each: longest first, each group's rows
-        times its longest within ``max_batch_tokens``, at most ``max_batch_rows`` rows."""
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        groups: list[list[int]] = []
-        for i in order:
-            group = groups[-1] if groups else None
-            if group is not None and len(group) < self.max_batch_rows \
-                    and (len(group) + 1) * lengths[group[0]] <= self.max_batch_tokens:
-                group.append(i)
-            else:
-                groups.append([i])
-        return groups
+        return length_batches(lengths, self.max_batch_tokens, self.max_batch_rows)
 
     def _forward(self, rows: list[Sequence[int]]) -> list[torch.Tensor]:
-        device = self.loaded.device
-        lengths = torch.tensor([len(r) for r in rows], device=device)
-        longest = max(len(r) for r in rows)
-        pad = getattr(self.loaded.tokenizer, "pad_id", 0)
-        tokens = torch.tensor([list(r) + [pad] * (longest - len(r)) for r in rows], device=device)
+        tokens, lengths, _ = padded(self.loaded, rows)
         hidden = self.loaded.model.encode(tokens, lengths)
         return pool(hidden, lengths, self.pooling.mode)
+
+
+class Reranker:
+    """A cross-encoder reranker ready for requests: each document read beside the query
+    (``[CLS] query [SEP] document [SEP]``, token types 0 then 1), scored by the model's head."""
+
+    def __init__(self, loaded: LoadedModel, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 max_batch_rows: int = DEFAULT_BATCH_ROWS) -> None:
+        if loaded.ranking is None:
+            raise ValueError(f"the model {loaded.name!r} is not a reranker")
+        self.loaded = loaded
+        loaded.model.fuse_projections()
+        self.ranking = loaded.ranking
+        self.max_batch_tokens = max(max_batch_tokens, self.ranking.max_tokens)
+        self.max_batch_rows = max_batch_rows
+        self.lock = threading.Lock()
+
+    @property
+    def max_tokens(self) -> int:
+        return self.ranking.max_tokens
+
+    def pair_ids(self, query: Sequence[int], document: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The ids and token types of a query and a document together, cut to the model's length
+        as sentence-transformers cuts a pair: a token off the longer part (the document's on a
+        tie) until they fit."""
+        tokenizer = self.loaded.tokenizer
+        room = self.max_tokens - 3
+        first, second = len(query), len(document)
+        while first + second > room:
+            if first > second:
+                first -= 1
+            else:
+                second -= 1
+        a = [tokenizer.bos_id, *query[:first], tokenizer.eos_id]
+        b = [*document[:second], tokenizer.eos_id]
+        return a + b, [0] * len(a) + [1] * len(b)
+
+    def scores(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
+        """Each document's relevance to ``query``, in order, and the tokens read. Blocking."""
+        if not query:
+            raise EmbeddingInputError("query is an empty string", "query")
+        encode = self.loaded.tokenizer.encode
+        query_ids = encode(query)
+        pairs = [self.pair_ids(query_ids, encode(d)) for d in documents]
+        relevance: list[float] = [0.0] * len(pairs)
+        with self.lock, torch.inference_mode():
+            for group in length_batches([len(ids) for ids, _ in pairs], self.max_batch_tokens, self.max_batch_rows):
+                tokens, lengths, types = padded(self.loaded, [pairs[i][0] for i in group],
+                                                [pairs[i][1] for i in group])
+                logits = self.loaded.model.classify(tokens, lengths, types)[:, 0]
+                values = torch.sigmoid(logits) if self.ranking.sigmoid else logits
+                for i, value in zip(group, values.tolist()):
+                    relevance[i] = value
+        return relevance, sum(len(ids) for ids, _ in pairs)
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:
+    """Indices of ``lengths`` in groups for one forward each: longest first, each group's rows
+    times its longest within ``max_tokens``, at most ``max_rows`` rows."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None and len(group) < max_rows and (len(group) + 1) * lengths[group[0]] <= max_tokens:
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def padded(loaded: LoadedModel, rows: list[Sequence[int]], types: list[Sequence[int]] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows of ids padded on the right into one ``(batch, longest)`` tensor, their lengths, and
+    their token types padded alike (None without)."""
+    device = loaded.device
+    longest = max(len(r) for r in rows)
+    pad = getattr(loaded.tokenizer, "pad_id", 0)
+    tokens = torch.tensor([list(r) + [pad] * (longest - len(r)) for r in rows], device=device)
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    if types is None:
+        return tokens, lengths, None
+    return tokens, lengths, torch.tensor([list(t) + [0] * (longest - len(t)) for t in types], device=device)

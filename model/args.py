@@ -92,6 +92,9 @@ class ModelArgs:
     norm_after_residual: bool = False
     gated_ffn: bool = True  # w2(act(w1 x) * w3 x); False: w2(act(w1 x)) (BERT)
     linear_biases: bool = False  # biases on the attention's output and the feed-forward (BERT)
+    # An encoder's head of sequence classification (BERT's pooler and classifier): the scores it
+    # gives a text, from its first token's state (a cross-encoder reranker has one); 0: no head.
+    labels: int = 0
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -115,7 +118,7 @@ class ModelArgs:
         if self.head_dim % 2 and not self.position_table:
             raise ConfigError(f"head dimension {self.head_dim} (dim / n_heads) must be even for rotary embeddings")
         _positive_finite("norm_eps", self.norm_eps)
-        for name in ("position_table", "type_vocab_size"):
+        for name in ("position_table", "type_vocab_size", "labels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SIZE:
                 raise ConfigError(f"{name} must be an integer from 0 to {MAX_SIZE}, found {value!r}")

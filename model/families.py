@@ -41,7 +41,8 @@ class Family:
     # Where a Hugging Face file's layers sit, and its tensors outside the layers (beyond Llama's).
     hf_layer_prefix: str = "model.layers."
     hf_top_names: tuple[tuple[str, str], ...] = ()
-    hf_ignored: tuple[str, ...] = ()  # tensors read by none of our paths (BERT's pooler)
+    hf_ignored: tuple[str, ...] = ()  # tensors read by none of our paths
+    hf_head_names: tuple[tuple[str, str], ...] = ()  # a classifier's head; left unread without one
     hf_name_prefix: str = ""  # a prefix some files put before every name ("bert." in a classifier's)
 
 
@@ -138,8 +139,9 @@ FAMILIES = (
            _GGUF_LLAMA + _GGUF_POST_NORMS + _GGUF_QK_NORM, norm_shift=True),
     Family("phi3", ("phi3",), "phi3", _HF_PHI3, _GGUF_PHI3),
     Family("bert", ("bert",), None, _HF_BERT, hf_layer_prefix="encoder.layer.", hf_top_names=_HF_BERT_TOP,
-           hf_ignored=("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias"),
-           hf_name_prefix="bert."),
+           hf_ignored=("embeddings.position_ids",), hf_name_prefix="bert.",
+           hf_head_names=(("pooler.dense.weight", "pooler.weight"), ("pooler.dense.bias", "pooler.bias"),
+                          ("classifier.weight", "classifier.weight"), ("classifier.bias", "classifier.bias"))),
 )
 GGUF_ARCHITECTURES = tuple(f.gguf_arch for f in FAMILIES if f.gguf_arch is not None)
 HF_TYPES = tuple(t for f in FAMILIES for t in f.hf_types)
@@ -157,7 +159,7 @@ def hf_family(config: dict[str, Any]) -> Family:
         architectures = config.get("architectures") or ["LlamaForCausalLM"]
         by_class = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                     "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                    "Phi3ForCausalLM": "phi3", "BertModel": "bert"}
+                    "Phi3ForCausalLM": "phi3", "BertModel": "bert", "BertForSequenceClassification": "bert"}
         model_type = by_class.get(architectures[0] if isinstance(architectures, list) and architectures else None)
         if model_type is None:
             raise ModelLoadError(f"config.json: architecture {architectures!r:.80} is not supported "
@@ -217,7 +219,8 @@ def _bert_args(config: dict[str, Any]) -> ModelArgs:
             max_seq_len=positions, family="bert", activation=activations[act], qkv_bias=True,
             encoder=True, position_table=positions,
             type_vocab_size=integer(config.get("type_vocab_size", 2), "type_vocab_size"),
-            layer_norm=True, norm_after_residual=True, gated_ffn=False, linear_biases=True)
+            layer_norm=True, norm_after_residual=True, gated_ffn=False, linear_biases=True,
+            labels=_bert_labels(config))
     except KeyError as e:
         raise ModelLoadError(f"config.json: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -225,6 +228,20 @@ def _bert_args(config: dict[str, Any]) -> ModelArgs:
             raise
         raise ModelLoadError(f"config.json: bad field value ({e})") from None
     return args
+
+
+def _bert_labels(config: dict[str, Any]) -> int:
+    """A ``BertForSequenceClassification``'s scores (one for a reranker); 0 for a ``BertModel``."""
+    architectures = config.get("architectures") or []
+    if "BertForSequenceClassification" not in architectures:
+        return 0
+    id2label = config.get("id2label")
+    labels = len(id2label) if isinstance(id2label, dict) and id2label else config.get("num_labels", 2)
+    labels = integer(labels, "num_labels")
+    if labels != 1:
+        raise ModelLoadError(f"config.json: a classifier of {labels} labels is not supported "
+                             "(a reranker scores with one)")
+    return labels
 
 
 def _flat_rope(config: dict[str, Any]) -> tuple[dict[str, Any], float | None]:

@@ -24,7 +24,7 @@ from llama_chat.ml.packed import PACKABLE, PackedEmbedding, PackedLinear, Packed
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.chat_format import ChatFormat
 from llama_chat.model.formats.common import Checkpoint, Weight, check_state, realize
-from llama_chat.model.pooling import Pooling
+from llama_chat.model.pooling import Pooling, Ranking
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.stores import DEFAULT_MODEL_NAME, default_model_dir, is_default_model  # noqa: F401 - re-exported
 from llama_chat.model.tokenizers.base import Tokenizer
@@ -66,11 +66,12 @@ class LoadedModel:
     # How an embedding model pools its hidden states (``model/pooling.py``); None: a model that
     # generates text.
     pooling: Pooling | None = None
+    ranking: Ranking | None = None  # a reranker's scoring; None: not a reranker
 
     @property
     def kind(self) -> str:
-        """What the model is for: "embedding" or "chat"."""
-        return "chat" if self.pooling is None else "embedding"
+        """What the model is for: "embedding", "rerank" or "chat"."""
+        return "rerank" if self.ranking is not None else "chat" if self.pooling is None else "embedding"
 
     def weights(self) -> WeightsSummary:
         """The weights' format and bytes as they are now (after any fusing an engine did)."""
@@ -225,11 +226,15 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
     del ckpt  # `state` holds the only references to the source tensors, released one by one
     keep_blocks = layout == GGUF and dtype == "auto" and target_device.type == "cpu" and quantize == "none"
     model = _build(args, state, target_device, target_dtype, on_progress, quantize=quantize, keep_blocks=keep_blocks)
-    pooling = None
-    if args.encoder:  # an embedding model: pooled, never prompted
-        from llama_chat.model.formats.sentence_transformers import read_pooling
+    pooling = ranking = None
+    if args.encoder:  # an embedding model or a reranker: never prompted
+        from llama_chat.model.formats.sentence_transformers import read_pooling, read_ranking
 
-        fmt, pooling = None, read_pooling(model_dir, args)
+        fmt = None
+        if args.labels:
+            ranking = read_ranking(model_dir, args)
+        else:
+            pooling = read_pooling(model_dir, args)
     elif contents is not None:
         from llama_chat.model.chat_format import chat_format_from_template
         from llama_chat.model.formats.gguf import meta_str
@@ -249,7 +254,7 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
         file_type = file_type_name(contents.metadata)
     return LoadedModel(model=model, args=args, tokenizer=tokenizer, chat_format=fmt, path=path, name=name,
                        device=target_device, dtype=target_dtype, layout=layout, file_type=file_type,
-                       pooling=pooling)
+                       pooling=pooling, ranking=ranking)
 
 
 def _read(layout: str, model_dir: Path, weights_file: Path | None, tokenizer_vocab: int) -> Checkpoint:

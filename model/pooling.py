@@ -1,8 +1,8 @@
 """How an embedding model's hidden states become one vector per text: the pooling, the
-normalization and Matryoshka truncation.
+normalization and Matryoshka truncation; and how a reranker's score becomes a relevance.
 
-``Pooling`` is what a model's files say (``formats/sentence_transformers.py`` reads it); the
-functions are the arithmetic, over right-padded rows whose lengths are given.
+``Pooling`` and ``Ranking`` are what a model's files say (``formats/sentence_transformers.py``
+reads them); the functions are the arithmetic, over right-padded rows whose lengths are given.
 """
 
 from __future__ import annotations
@@ -33,6 +33,14 @@ class Pooling:
     def with_mode(self, mode: str | None) -> Pooling:
         """This pooling with its mode overridden (None: as the model says)."""
         return self if mode is None else replace(self, mode=mode)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """A cross-encoder reranker's scoring, as its files say."""
+
+    sigmoid: bool = True  # relevance = sigmoid(logit) (sentence-transformers' default for one label)
+    max_tokens: int = 512  # the longest query and document together, special tokens included
 
 
 def pool(hidden: torch.Tensor, lengths: torch.Tensor, mode: str) -> list[torch.Tensor]:

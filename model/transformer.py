@@ -273,6 +273,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = None if args.norm_after_residual else norm_of(args)
         self.output = None if args.encoder else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.pooler = nn.Linear(args.dim, args.dim) if args.labels else None
+        self.classifier = nn.Linear(args.dim, args.labels) if args.labels else None
         self.tie_weights()
         # The rotary table stays float32 whatever the weights' dtype, so it is kept out of the
         # module's buffers (which .to(dtype) would cast) and built once per device.
@@ -401,6 +403,14 @@ class Transformer(nn.Module):
             layout = StepLayout(positions, None, seq, None, causal=True)
         h = self._hidden(tokens, positions, layout, None, types)
         return h if self.norm is None else self.norm(h)
+
+    @torch.no_grad()
+    def classify(self, tokens: torch.Tensor, lengths: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+        """An encoder's float32 scores ``(batch, labels)`` of right-padded rows (as ``encode``):
+        BERT's sequence classification, from the first token's state through the pooler's
+        ``tanh`` and the classifier."""
+        first = self.encode(tokens, lengths, types)[:, 0]
+        return self.classifier(torch.tanh(self.pooler(first))).float()
 
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout,
                 cache: KVCache | None, types: torch.Tensor | None = None) -> torch.Tensor:

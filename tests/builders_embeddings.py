@@ -95,3 +95,31 @@ def reference_embeddings(model, tokenizer, texts: list[str], *, pooling: str, no
     else:
         pooled = hidden[torch.arange(len(texts)), batch["attention_mask"].sum(1) - 1]
     return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
+
+
+def save_cross_encoder(folder: Path, *, seed: int = 0, max_length: int = 32):
+    """A random ``BertForSequenceClassification`` of one label (a cross-encoder reranker) with
+    its tokenizer, whose ``model_max_length`` is ``max_length``. Returns (model, tokenizer)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=len(vocab_tokens()), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, type_vocab_size=2, num_labels=1)
+    model = BertForSequenceClassification(config).eval()
+    with torch.no_grad():  # the types' table and the head away from their start too
+        model.bert.embeddings.token_type_embeddings.weight.normal_(0.0, 0.5)
+        model.classifier.weight.normal_(0.0, 1.0)
+    tokenizer = hf_tokenizer(folder)
+    tokenizer.model_max_length = max_length
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
+def reference_scores(model, tokenizer, query: str, documents: list[str], *, max_length: int) -> torch.Tensor:
+    """sentence-transformers' ``CrossEncoder.predict`` spelled with transformers: the pairs cut
+    longest-first at ``max_length``, one logit each, through a sigmoid."""
+    batch = tokenizer([query] * len(documents), documents, padding=True, truncation=True, max_length=max_length,
+                      return_tensors="pt")
+    with torch.no_grad():
+        return torch.sigmoid(model(**batch).logits[:, 0])

@@ -262,3 +262,90 @@ def test_a_chat_model_refuses_embeddings(tiny_meta_dir):
         assert client.models.list().data[0].kind == "chat"
     finally:
         assert stop_server(server) == 0, server.log()
+
+
+# -- reranking -------------------------------------------------------------------------------------
+
+QUERY = "the quick fox"
+DOCUMENTS = ["a lazy dog", "the quick brown fox jumps", "東京 café", " ".join(["hello world"] * 30), "fox"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    from builders_embeddings import save_cross_encoder
+
+    folder = tmp_path_factory.mktemp("ce") / "tiny-reranker"
+    model, tokenizer = save_cross_encoder(folder, seed=4, max_length=20)
+    return folder, model, tokenizer
+
+
+def test_a_cross_encoder_scores_as_transformers_with_a_sigmoid(cross_encoder):
+    from builders_embeddings import reference_scores
+    from llama_chat.inference.embedding import Reranker
+
+    folder, model, tokenizer = cross_encoder
+    loaded = load_model(folder, device="cpu")
+    assert loaded.kind == "rerank" and loaded.ranking.sigmoid and loaded.ranking.max_tokens == 20
+    reranker = Reranker(loaded, max_batch_tokens=1)
+    scores, tokens = reranker.scores(QUERY, DOCUMENTS)
+    expected = reference_scores(model, tokenizer, QUERY, DOCUMENTS, max_length=20)
+    torch.testing.assert_close(torch.tensor(scores), expected, atol=1e-5, rtol=1e-4)
+    assert tokens == sum(len(tokenizer(QUERY, d, truncation=True, max_length=20)["input_ids"]) for d in DOCUMENTS)
+    with pytest.raises(EmbeddingInputError, match="query is an empty string"):
+        reranker.scores("", DOCUMENTS)
+
+
+def test_a_classifier_of_two_labels_is_refused_in_one_line(tmp_path, cross_encoder):
+    folder = cross_encoder[0]
+    for path in folder.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["id2label"] = {"0": "NO", "1": "YES"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="config.json: a classifier of 2 labels is not supported"):
+        load_model(tmp_path, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def rerank_server(cross_encoder):
+    server = start_server(cross_encoder[0])
+    yield server
+    assert stop_server(server) == 0, server.log()
+
+
+def test_cohere_client_ranks_documents_by_the_models_scores(cross_encoder, rerank_server):
+    import cohere
+    from builders_embeddings import reference_scores
+
+    _, model, tokenizer = cross_encoder
+    expected = reference_scores(model, tokenizer, QUERY, DOCUMENTS, max_length=20)
+    order = sorted(range(len(DOCUMENTS)), key=lambda i: -float(expected[i]))
+    for client in (cohere.Client(base_url=rerank_server.url, api_key="none"),
+                   cohere.ClientV2(base_url=rerank_server.url, api_key="none")):
+        reply = client.rerank(model="tiny-reranker", query=QUERY, documents=DOCUMENTS, top_n=3)
+        assert [r.index for r in reply.results] == order[:3]
+        torch.testing.assert_close(torch.tensor([r.relevance_score for r in reply.results]),
+                                   expected[order[:3]], atol=1e-5, rtol=1e-4)
+
+
+def test_rerank_in_jinas_shape_and_its_bad_requests(rerank_server, embedding_server):
+    url = f"{rerank_server.url}/rerank"
+    reply = httpx.post(url, timeout=WAIT_S, json={"query": QUERY, "return_documents": True,
+                                                  "documents": [{"text": d} for d in DOCUMENTS]}).json()
+    assert sorted(r["index"] for r in reply["results"]) == list(range(len(DOCUMENTS)))
+    assert all(r["document"]["text"] == DOCUMENTS[r["index"]] for r in reply["results"])
+    scores = [r["relevance_score"] for r in reply["results"]]
+    assert scores == sorted(scores, reverse=True) and reply["usage"]["total_tokens"] > 0
+    for body, param in (({"query": QUERY, "documents": []}, "documents"), ({"documents": ["a"]}, "query"),
+                        ({"query": "", "documents": ["a"]}, "query"),
+                        ({"query": QUERY, "documents": ["a", 3]}, "documents[1]"),
+                        ({"query": QUERY, "documents": ["a"], "top_n": 0}, "top_n")):
+        response = httpx.post(url, json=body, timeout=WAIT_S)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    wrong = httpx.post(f"{embedding_server.url}/v1/rerank", json={"query": "a", "documents": ["b"]}, timeout=WAIT_S)
+    assert wrong.status_code == 400 and "is an embedding model" in wrong.json()["error"]["message"]
+    embed = httpx.post(f"{rerank_server.url}/v1/embeddings", json={"input": "a"}, timeout=WAIT_S)
+    assert embed.status_code == 400 and "is a reranker" in embed.json()["error"]["message"]
+    chat = httpx.post(f"{rerank_server.url}/v1/chat/completions", timeout=WAIT_S,
+                      json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and "is a reranker: it ranks documents" in chat.json()["error"]["message"]

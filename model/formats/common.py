@@ -309,6 +309,9 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             shapes[f"{norm}.bias"] = (args.dim,)
     if not args.tie_embeddings and not args.encoder:
         shapes["output.weight"] = (args.vocab_size, args.dim)
+    if args.labels:
+        shapes.update({"pooler.weight": (args.dim, args.dim), "pooler.bias": (args.dim,),
+                       "classifier.weight": (args.labels, args.dim), "classifier.bias": (args.labels,)})
     return shapes
 
 

@@ -45,12 +45,14 @@ def read_hf(model_dir: Path) -> Checkpoint:
     family, args = _args(config)
     loaded, origin, files = _read_tensors(model_dir, args)
     layer_names = dict(family.hf_layer_names)
+    heads = dict(family.hf_head_names)
     state: dict[str, Weight] = {}
     renamed_origin: dict[str, str] = {}
     for hf_name, tensor in loaded.items():
-        if _IGNORED.fullmatch(hf_name) or hf_name.removeprefix(family.hf_name_prefix) in family.hf_ignored:
+        short = hf_name.removeprefix(family.hf_name_prefix)
+        if _IGNORED.fullmatch(hf_name) or short in family.hf_ignored or (short in heads and not args.labels):
             continue
-        name = meta_name(hf_name, layer_names, family)
+        name = heads[short] if short in heads else meta_name(hf_name, layer_names, family)
         if name is None:
             raise ModelLoadError(f"{origin[hf_name]}: unexpected tensor {hf_name!r}")
         parts = check_fused(name, tensor.shape[0], args, origin[hf_name]) if tensor.dim() == 2 else None

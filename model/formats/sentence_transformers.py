@@ -17,7 +17,7 @@ from typing import Any
 from llama_chat.model.args import ModelArgs, integer
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.json_files import read_json
-from llama_chat.model.pooling import Pooling
+from llama_chat.model.pooling import Pooling, Ranking
 
 # sentence-transformers' names for the pooling modes, ours beside them.
 _MODES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
@@ -58,6 +58,25 @@ def read_pooling(model_dir: Path, args: ModelArgs) -> Pooling:
         raise ModelLoadError(f"{config_path}: max_seq_length {max_tokens} leaves no room for a token")
     return Pooling(_MODES[mode], normalize=normalize, max_tokens=max_tokens,
                    lowercase=bool(config.get("do_lower_case", False)))
+
+
+def read_ranking(model_dir: Path, args: ModelArgs) -> Ranking:
+    """A cross-encoder's scoring: ``config.json``'s ``sentence_transformers.activation_fn``
+    (Sigmoid by default, or Identity for raw logits), its length the tokenizer's
+    ``model_max_length`` within the model's positions."""
+    config = read_json(model_dir / "config.json")
+    settings = config.get("sentence_transformers") or {}
+    activation = (settings.get("activation_fn") if isinstance(settings, dict) else None) or "Sigmoid"
+    name = str(activation).rpartition(".")[2]
+    if name not in ("Sigmoid", "Identity"):
+        raise ModelLoadError(f"{model_dir / 'config.json'}: activation_fn {activation!r:.60} is not supported "
+                             "(expected Sigmoid or Identity)")
+    longest = args.position_table or args.max_seq_len
+    tokenizer_path = model_dir / "tokenizer_config.json"
+    limit = read_json(tokenizer_path).get("model_max_length") if tokenizer_path.is_file() else None
+    if isinstance(limit, int) and not isinstance(limit, bool) and 3 <= limit < longest:
+        longest = limit
+    return Ranking(sigmoid=name == "Sigmoid", max_tokens=longest)
 
 
 def _modules(path: Path) -> list[tuple[str, str]]:
