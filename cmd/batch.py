@@ -194,7 +194,7 @@ class JobMaker:
                              tokenizer=loaded.tokenizer, chat_format=loaded.chat_format, template=opts.template,
                              thinking=line_opts.thinking(), think=self.think)
             request = opts.request(ids, chat_reply=loaded.chat_format is not None, request_id=f"line-{item.line}",
-                                   think=self.think, **dict(item.settings))
+                                   thinker=self.think, **dict(item.settings))
             self.scheduler.check(request)
         except Exception as e:  # noqa: BLE001 - one line's problem is that line's error record
             return BadLine(item.line, item.job_id, _problem(e))

@@ -18,7 +18,8 @@ from typing import Any, BinaryIO
 
 from llama_chat.cmd.inputs import MAX_PROMPT_BYTES, UsageProblem
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS, Options, make_constraint
-from llama_chat.ml.controls import RULES, ControlError, SamplingParams, check, check_stop
+from llama_chat.ml.controls import (REASONING_FORMATS, RULES, THINK_MODES, ControlError, SamplingParams, check,
+                                    check_stop)
 from llama_chat.ml.safe_files import kind_of, size_text
 from llama_chat.model.safe_input import BadInput, NotText, check_text, decode_utf8, loads
 
@@ -26,7 +27,11 @@ SAMPLING_KEYS = tuple(f.name for f in fields(SamplingParams))
 # The settings a JSON line may give its job, under the names of the options they override. A
 # line's json_schema is a JSON object (or its text), its grammar the grammar's text.
 SETTING_KEYS = (*SAMPLING_KEYS, "max_tokens", "seed", "max_time", "stop", *CONSTRAINT_OPTIONS)
-JOB_KEYS = ("prompt", "id", "system", *SETTING_KEYS)
+# A thinking model's settings for one line, as the command line's --think, --reasoning-budget and
+# --reasoning-format (inference/reasoning.py).
+THINKING_KEYS = ("think", "reasoning_budget", "reasoning_format")
+CHOICES = {"think": THINK_MODES, "reasoning_format": REASONING_FORMATS}
+JOB_KEYS = ("prompt", "id", "system", *SETTING_KEYS, *THINKING_KEYS)
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,7 @@ def _job(number: int, obj: dict, job_id: Any) -> JobLine:
     if system is not None and not isinstance(system, str):
         raise ValueError("'system' must be a string")
     # null is no setting: the command line's value holds, as for a key left out.
-    settings = {name: setting(name, obj[name]) for name in SETTING_KEYS if obj.get(name) is not None}
+    settings = {name: setting(name, obj[name]) for name in (*SETTING_KEYS, *THINKING_KEYS) if obj.get(name) is not None}
     # Every control together, as the job will use them (one may constrain another).
     SamplingParams(**{name: value for name, value in settings.items() if name in SAMPLING_KEYS})
     constraints = [name for name in CONSTRAINT_OPTIONS if name in settings]
@@ -240,6 +245,8 @@ def setting(name: str, value: Any) -> Any:
         return _logit_bias(value)
     if name in CONSTRAINT_OPTIONS:
         return _constraint(name, value)
+    if name in CHOICES and value not in CHOICES[name]:
+        raise ValueError(f"'{name}' must be one of {', '.join(CHOICES[name])}, got {value!r}")
     return check(name, value) if name in RULES else value
 
 

@@ -314,7 +314,7 @@ class ChatRunner:
         if ids is None:
             return
         ids = chat.backend.align_to_cache(ids)
-        request = chat.settings.request(ids, chat_reply=True, reuse_cache=True, think=chat.think)
+        request = chat.settings.request(ids, chat_reply=True, reuse_cache=True, thinker=chat.think)
         seed = request.seed
         typed = Typed()
         try:

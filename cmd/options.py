@@ -386,19 +386,19 @@ class Options:
         return Thinking(self.think, self.reasoning_budget, self.reasoning_format != "none")
 
     def request(self, prompt_ids: Sequence[int], *, chat_reply: bool, reuse_cache: bool = False,
-                request_id: str | None = None, think: tuple[ThinkTags, Any] | None = None, **overrides: Any) -> Request:
+                request_id: str | None = None, thinker: tuple[ThinkTags, Any] | None = None, **overrides: Any) -> Request:
         """The ``Request`` for ``prompt_ids`` under these options, with a job's own settings
         (``overrides``, by option name: ``max_tokens``, ``seed``, ``temperature`` ...) over them.
-        Without a seed, one is drawn (``Request.seed`` says which). ``think``: a thinking model's
+        Without a seed, one is drawn (``Request.seed`` says which). ``thinker``: a thinking model's
         tags and tokenizer, for a chat reply (``reasoning.thinking_request``)."""
         opts = self.with_settings(**overrides) if overrides else self
         seed = opts.seed if opts.seed is not None else secrets.randbelow(RANDOM_SEEDS)
         request = Request(prompt_ids, sampling=opts.sampling(), seed=seed, max_tokens=opts.max_tokens, stop=opts.stop,
                           chat_reply=chat_reply, reuse_cache=reuse_cache, max_time=opts.max_time, beams=opts.beams(),
                           request_id=request_id or new_request_id(), constraint=opts.constraint())
-        if think is None or not chat_reply:
+        if thinker is None or not chat_reply:
             return request
-        tags, tokenizer = think
+        tags, tokenizer = thinker
         return thinking_request(request, tags, opts.thinking(), tokenizer)
 
     def with_settings(self, **changes: Any) -> Options:

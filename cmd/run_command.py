@@ -158,7 +158,7 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format,
                      template=opts.template, thinking=opts.thinking(), think=think)
     # A chat reply is not a continuation of the prompt text: no leading word-start space.
-    request = opts.request(ids, chat_reply=loaded.chat_format is not None, think=think)
+    request = opts.request(ids, chat_reply=loaded.chat_format is not None, thinker=think)
     seed = request.seed
     source = single_stream(loaded, opts)
     source.check(request)  # a prompt longer than the context is bad input, found before any work

@@ -127,3 +127,16 @@ def test_ctrl_c_during_the_thinking_keeps_it_as_thinking_not_as_content(r1, tmp_
     messages = json.loads((tmp_path / "c.json").read_text())["messages"]
     assert messages[1]["interrupted"] is True
     assert messages[1]["reasoning"] and messages[1]["content"] == ""
+
+
+def test_batch_lines_choose_their_thinking_and_records_carry_it(qwen3):
+    lines = "\n".join(json.dumps(line) for line in (
+        {"prompt": "Hello", "reasoning_budget": 3}, {"prompt": "Hello", "think": "off"},
+        {"prompt": "Hello", "think": "maybe"}, {"prompt": "Hello", "reasoning_budget": -2})) + "\n"
+    done = subprocess.run([*llama_chat_command(), "-m", str(qwen3), "--batch", "-t", "0", "-n", "12", "--ordered"],
+                          input=lines.encode(), capture_output=True, env=cli_env(), timeout=WAIT_S * 2)
+    records = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    assert records[0]["reasoning_tokens"] == 3 and records[0]["reasoning"]
+    assert "reasoning" not in records[1] and records[1]["prompt_tokens"] > records[0]["prompt_tokens"]
+    assert records[2]["error"] == "'think' must be one of auto, on, off, got 'maybe'"
+    assert records[3]["error"].startswith("reasoning_budget must be an integer in 0 <= n")
