@@ -123,6 +123,10 @@ class ServeOptions:
     draft: _OPTION["draft"] = None
     draft_max: _OPTION["draft_max"] = DEFAULT_DRAFT_MAX
     template: _OPTION["template"] = "auto"
+    chat_template_file: _OPTION["chat_template_file"] = None
+    think: _OPTION["think"] = "auto"
+    reasoning_budget: _OPTION["reasoning_budget"] = None
+    reasoning_format: _OPTION["reasoning_format"] = "deepseek"
     tool_format: Annotated[str, typer.Option(
         "--tool-format", callback=_tool_format, rich_help_panel=SERVER, metavar="FORMAT",
         help="How the model writes tool calls: auto (told from its chat template), hermes (<tool_call>), "

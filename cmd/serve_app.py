@@ -25,7 +25,7 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -43,7 +43,9 @@ from llama_chat.cmd.embeddings_api import embedding_routes, refuse_generation
 from llama_chat.cmd.http_protocol import CLOSE, head_refusal
 from llama_chat.cmd.openai_api import (ApiError, ChatMessage, Generation, LogprobsWriter, Reply, StreamEvents, bad,
                                        dumps, event, parse_chat, parse_completion, tool_call_deltas, usage)
+from llama_chat.cmd.prompt import dialog_ids, thinking_model
 from llama_chat.cmd.sanitize import one_line
+from llama_chat.inference.reasoning import Thinking, ThinkTags, thinking_request
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
 from llama_chat.inference.tool_calls import call_id
 from llama_chat.inference.tool_formats import FORMATS, ToolFormat, prepare_dialog, tool_grammar
@@ -90,6 +92,11 @@ class Served:
     tool_format: ToolFormat = FORMATS["generic"]  # how its replies write tool calls (--tool-format)
     # An embedding model's or a reranker's (then ``serving`` is None: no generation).
     embedder: Embedder | Reranker | None = None
+    # A thinking model's tags and tokenizer (``cmd/prompt.thinking_model``); None: it does not think.
+    think: tuple[ThinkTags, Any] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "think", thinking_model(self.loaded) if self.loaded.kind == "chat" else None)
 
     @property
     def model_id(self) -> str:
@@ -363,9 +370,10 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
     if generation.speculation.get("draft_model") and (speculation is None or speculation.draft is None):
         raise bad("draft: this server has no draft model (start it with --draft MODEL)", "draft")
     constraint = tool_constraint(served, generation)
+    thinking = request_thinking(served, generation)
     requests, prompt_lens = [], []
     for p, prompt in enumerate(generation.prompts):
-        ids = _prompt_ids(served, generation, prompt)
+        ids = _prompt_ids(served, generation, prompt, thinking)
         prompt_lens.append(len(ids))
         settings = dict(generation.settings)
         seed = settings.pop("seed", None)
@@ -380,6 +388,8 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
                 request = dataclasses.replace(request, **generation.speculation)
             if constraint is not None:
                 request = dataclasses.replace(request, constraint=constraint)
+            if generation.chat and served.think is not None:
+                request = _thinking_request(request, served, thinking, generation)
             if j == 0:
                 try:
                     served.serving.scheduler.check(request)
@@ -389,18 +399,35 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
     return generation, requests, prompt_lens
 
 
-def _prompt_ids(served: Served, generation: Generation, prompt) -> list[int]:
+def request_thinking(served: Served, generation: Generation) -> Thinking:
+    """The thinking settings of a request: its own choices over the server's options."""
+    base = served.opts.thinking()
+    try:
+        return dataclasses.replace(base, **generation.thinking)
+    except ControlError as e:
+        raise bad(str(e), e.name) from None
+
+
+def _thinking_request(request: Request, served: Served, thinking: Thinking, generation: Generation) -> Request:
+    tags, tokenizer = served.think
+    try:
+        return thinking_request(request, tags, thinking, tokenizer)
+    except ControlError as e:  # the answer's grammar, with the thinking's before it, is refused
+        raise bad(str(e), "response_format" if generation.tools is None else "tools") from None
+
+
+def _prompt_ids(served: Served, generation: Generation, prompt, thinking: Thinking = Thinking()) -> list[int]:
     loaded = served.loaded
     if generation.chat:
         if loaded.chat_format is None:
             raise bad("this model has no chat template: use /v1/completions, or start the server with "
                       "--template llama2|llama3|hf", "messages")
         messages, tools = prepare_dialog(served.tool_format, prompt, generation.tools)
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
+        if generation.template_kwargs:
+            extra["template_kwargs"] = generation.template_kwargs
         try:
-            if tools:
-                ids = loaded.chat_format.encode_dialog(messages, add_generation_prompt=True, tools=tools)
-            else:
-                ids = loaded.chat_format.encode_dialog(messages, add_generation_prompt=True)
+            ids = dialog_ids(loaded.chat_format, messages, thinking=thinking, think=served.think, **extra)
         except ValueError as e:  # roles out of order for the format, a template that failed
             raise bad(one_line(str(e)), "messages") from None
         # A conversation's next turn finds the pages of its previous one, the reply's included,
@@ -507,7 +534,8 @@ class GenerationResponse:
                 for reader, c in zip(self.readers, completions):
                     reader.feed(c.text)
                     reader.finish()
-                messages = [ChatMessage(r.text(), tuple(r.tool_calls())) for r in self.readers]
+                messages = [ChatMessage(r.text(), tuple(r.tool_calls()), c.reasoning)
+                            for r, c in zip(self.readers, completions)]
             status, body = 200, self.reply.whole(completions, self._usage(), logprobs, messages)
         self._finished = True
         await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
@@ -532,7 +560,11 @@ class GenerationResponse:
             await self._send(send, event(self.reply.chunk(index, "", first=True)))
         sent = 0
         reader = None if self.readers is None else self.readers[index]
-        async for text in choice.pieces():
+        async for text, thought in choice.parts():
+            if thought:
+                await self._send(send, event(self.reply.chunk(index, "", reasoning=thought)))
+            if not text:
+                continue
             sent += len(text)
             if reader is not None:
                 await self._send_read(send, choice, reader.feed(text))
@@ -588,7 +620,8 @@ class GenerationResponse:
         # A prompt counts once however many choices it has; its cached tokens are those of its
         # first job (the others share the pages that one writes, a saving of this request's own).
         cached = sum(min(c.cached_tokens for c in completions[p * n:(p + 1) * n]) for p in range(len(self.prompt_lens)))
-        return usage(sum(self.prompt_lens), cached, sum(c.completion_tokens for c in completions))
+        return usage(sum(self.prompt_lens), cached, sum(c.completion_tokens for c in completions),
+                     sum(c.reasoning_tokens for c in completions))
 
     def _summary(self) -> tuple[str, str]:
         completions = [choice.completion() for choice in self.choices]
@@ -625,7 +658,9 @@ class MessagesResponse(GenerationResponse):
         if completion.finish_reason is not GenerationState.STOP_STRING:
             return None
         whole = b"".join(self.token_bytes(t) for t in completion.token_ids).decode("utf-8", errors="replace")
-        return matched_stop(self.generation.settings.get("stop", ()), whole[len(completion.text):])
+        # A thinking model's tokens spell its thinking first: the answer's text is the last of it.
+        end = whole.rfind(completion.text) + len(completion.text) if completion.reasoning else len(completion.text)
+        return matched_stop(self.generation.settings.get("stop", ()), whole[end:])
 
     def _read(self, text: str, final: bool = False) -> list:
         reader = None if self.readers is None else self.readers[0]
@@ -646,7 +681,7 @@ class MessagesResponse(GenerationResponse):
             text = completion.text if reader is None else reader.text()
             calls = () if reader is None else reader.tool_calls()
             status, body = 200, self.message.whole(text, calls, completion.finish_reason, completion.completion_tokens,
-                                                   self._stop(completion))
+                                                   self._stop(completion), completion.reasoning)
         self._finished = True
         await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": dumps(body)})
@@ -655,9 +690,9 @@ class MessagesResponse(GenerationResponse):
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         await self._send(send, self.message.start())
         choice, sent = self.choices[0], 0
-        async for text in choice.pieces():
+        async for text, thought in choice.parts():
             sent += len(text)
-            events = self.message.pieces(self._read(text))
+            events = self.message.thinking(thought) + self.message.pieces(self._read(text))
             if events:
                 await self._send(send, events)
         completion = choice.completion()
