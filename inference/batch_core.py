@@ -39,6 +39,7 @@ from llama_chat.ml.sampling import draw_uniforms
 from llama_chat.model.formats.common import release_heap
 from llama_chat.model.key_centers import KeyCenters
 from llama_chat.model.paged_kv_cache import PagedKVCache
+from llama_chat.model.prompt_cache import PromptCache
 from llama_chat.model.transformer import Transformer
 
 __all__ = ["BatchCore", "CoreSettings", "Counters", "StepResult"]
@@ -62,6 +63,7 @@ class Counters:
     accepted_tokens: int = 0  # of those, the ones kept
     pages_peak: int = 0
     compactions: int = 0  # lone sequences moved onto consecutive pages
+    disk_tokens: int = 0  # prompt tokens whose pages were read from the prompt cache on disk
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class BatchCore:
         self._draft_runner: DraftRunner | None | bool = None
         self.draft_centers: KeyCenters | None = None  # the draft model's key measure, for q4_0 pages
         self.draft_costs = DraftCosts()  # what a drafted token costs here, timed as steps run
+        self.prompt_cache: PromptCache | None = None  # full pages on disk, across processes (set by the scheduler)
         self._settled = True  # nothing held since the memory was last handed back (``_settle``)
 
     @property
@@ -237,10 +240,13 @@ class BatchCore:
                 still.append(job)
                 continue
             self.pages.acquire(hits)
+            # The pages that follow, where the disk has them, are read there instead of computed.
+            read = self._from_disk(keys[len(hits):], most=need)
+            hits += read
             # In ascending order: pages taken together are often a run of consecutive ones, and a
             # lone sequence on consecutive pages reads them as one slice (and may take the
             # compiled step, paged_step.py).
-            job.pages = hits + sorted(self.pages.allocate(need))
+            job.pages = hits + sorted(self.pages.allocate(need - len(read)))
             job.keys = keys[:len(hits)]
             job.tokens = list(prompt)
             job.fed = job.cached_tokens = len(hits) * size
@@ -468,7 +474,31 @@ class BatchCore:
             self.pages.register(job.pages[i], key)
             if self.claims.get(key) is job:
                 del self.claims[key]
+            if self.prompt_cache is not None and not self.prompt_cache.has(key):
+                # Copied now: once released, the page may be written over before the disk has it.
+                self.prompt_cache.write(key, self.cache.page_payload(job.pages[i]))
         job.keys.extend(new)
+
+    def _from_disk(self, keys: list[bytes], most: int) -> list[int]:
+        """Pages for the first of ``keys`` (at most ``most``) that the prompt cache has on disk,
+        read into pages of the pool and registered under their keys (each held once, by the job
+        being admitted); up to the first it lacks, or whose block is not good, or that another
+        job is prefilling now."""
+        if self.prompt_cache is None:
+            return []
+        read: list[int] = []
+        for key in keys[:most]:
+            if key in self.claims or not self.prompt_cache.has(key):
+                break
+            payload = self.prompt_cache.read(key)
+            if payload is None:
+                break
+            page = self.pages.allocate(1)[0]
+            self.cache.load_page(page, payload)
+            self.pages.register(page, key)
+            read.append(page)
+        self.counters.disk_tokens += len(read) * self.settings.page_size
+        return read
 
     def abandon(self, state: GenerationState = GenerationState.CANCELLED) -> None:
         """Drop every job, running or waiting, and release its pages: the scheduler has stopped,

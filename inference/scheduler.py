@@ -52,6 +52,7 @@ from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model import cpu_decode, key_centers
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.kv_types import for_device
+from llama_chat.model.prompt_cache import PromptCache, PromptCacheSettings
 from llama_chat.model.transformer import Transformer
 
 DEFAULT_PAGE_SIZE = 16
@@ -86,6 +87,8 @@ class SchedulerOptions:
     # Compile the step of a sequence running alone (inference/paged_step.py), on the CPU: None
     # where the one-prompt engine would compile (StepOptions.for_device), as for a chat.
     compile: bool | None = False
+    # Full pages also kept on disk and read back by later processes (model/prompt_cache.py); None: not.
+    prompt_cache: PromptCacheSettings | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "buffer_size", "lookahead"):
@@ -154,6 +157,9 @@ class Scheduler:
             self.core.cache.center_keys_by(key_centers.of_model(model, tokenizer, source=source))
             if draft is not None:
                 self.core.draft_centers = key_centers.of_model(draft, tokenizer)
+        if options.prompt_cache is not None:
+            self.core.prompt_cache = PromptCache.for_pool(options.prompt_cache, self.core.cache, model, source,
+                                                          dtype=dtype, quantize=options.quantize)
         self.core.constraints = Constraints(tokenizer, self.stop_ids)
         self.core.speculation = options.speculation
         one_call = device.type == "cpu" and cpu_decode.supports(model)

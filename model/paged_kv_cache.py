@@ -156,7 +156,7 @@ class PagedKVCache:
     def page_bytes(self) -> int:
         """Bytes one page takes, keys and values of every layer."""
         t = self.keys[0]
-        return 2 * len(self.keys) * t.shape[0] * t[:, 0].numel() * t.element_size()
+        return 2 * len(self.keys) * t[:, 0].numel() * t.element_size()  # t[:, 0]: every head's slice of page 0
 
     @property
     def keep_pages(self) -> int:
@@ -276,6 +276,24 @@ class PagedKVCache:
                 out.append(v)
             return out
         return views(self.keys), views(self.values)
+
+    def page_payload(self, page: int) -> torch.Tensor:
+        """A copy of what ``page`` holds, every layer's keys then values, as bytes
+        (``page_bytes`` of them): a block of the prompt cache on disk (``model/prompt_cache.py``)."""
+        return torch.cat([store[:, page].reshape(-1).view(torch.uint8).cpu()
+                          for store in (*self.keys, *self.values)])
+
+    def load_page(self, page: int, payload: bytes) -> None:
+        """Fill ``page`` from ``payload``, bytes ``page_payload`` gave (of a pool of the same
+        shapes and type)."""
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        at = 0
+        for store in (*self.keys, *self.values):
+            target = store[:, page]
+            size = target.numel() * target.element_size()
+            target.copy_(data[at:at + size].view(target.dtype).view(target.shape))
+            at += size
+        self.drop_mirrors()  # a mirror of this page's earlier contents would be read as its own
 
     def copy_pages(self, sources: list[int], targets: list[int]) -> None:
         """Every layer's keys and values of pages ``sources`` into pages ``targets`` (in pairs)."""
