@@ -11,6 +11,7 @@ import subprocess
 
 import pexpect
 import pytest
+from tokenizers import Tokenizer
 
 from cli_support import cli_env, llama_chat_command
 from llama_chat.cmd.sanitize import displayable
@@ -104,8 +105,6 @@ def test_think_off_on_the_command_line_and_in_the_chat(qwen3, tmp_path):
 
 
 def test_ctrl_c_during_the_thinking_keeps_it_as_thinking_not_as_content(r1, tmp_path):
-    from tokenizers import Tokenizer
-
     cmd = llama_chat_command()
     # The template opens the thinking; no budget, and the end tags banned: it thinks until stopped.
     vocab = Tokenizer.from_file(str(r1 / "tokenizer.json"))
@@ -140,3 +139,24 @@ def test_batch_lines_choose_their_thinking_and_records_carry_it(qwen3):
     assert "reasoning" not in records[1] and records[1]["prompt_tokens"] > records[0]["prompt_tokens"]
     assert records[2]["error"] == "'think' must be one of auto, on, off, got 'maybe'"
     assert records[3]["error"].startswith("reasoning_budget must be an integer in 0 <= n")
+
+
+def test_a_template_file_replaces_the_models_own_and_a_bad_one_is_one_line(qwen3, tmp_path):
+    opened = tmp_path / "opened.jinja"
+    opened.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    record = as_json(qwen3, "--chat-template-file", str(opened), "--reasoning-budget", "4")
+    end = Tokenizer.from_file(str(qwen3 / "tokenizer.json")).token_to_id("</think>")
+    # The prompt opened the thinking: four tokens of it, then the end tag, with no start tag before.
+    assert record["reasoning_tokens"] == 4 and record["token_ids"][4] == end
+    assert record["prompt_tokens"] != as_json(qwen3)["prompt_tokens"]
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    done = subprocess.run([*llama_chat_command(), "-m", str(qwen3), "-p", "Hi", "--chat-template-file", str(broken)],
+                          capture_output=True, env=cli_env(), timeout=WAIT_S * 2)
+    err = done.stderr.decode()
+    assert done.returncode == 2 and str(broken) in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_drafting_inside_the_thinking_keeps_the_same_reply(qwen3):
+    assert as_json(qwen3, "--lookup", "on")["token_ids"] == as_json(qwen3, "--lookup", "off")["token_ids"]
