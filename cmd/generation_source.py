@@ -11,21 +11,26 @@
 
 Speculative decoding (``inference/speculative.py``) is chosen here too: prompt lookup as
 ``--lookup`` says, and a draft model (``--draft``), loaded here beside the model and refused
-unless it has the model's vocabulary.
+unless it has the model's vocabulary; and the prompt cache on disk (``--prompt-cache``,
+``model/prompt_cache.py``).
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llama_chat.inference.remote import RemoteModel, RemoteSource
 from llama_chat.inference.speculative import Speculation
+from llama_chat.ml.controls import PROMPT_CACHE_DEFAULT_DIR
 
 # The local sources import torch when first made: a remote model's command never imports it.
 if TYPE_CHECKING:
     from llama_chat.inference.engine import Engine
     from llama_chat.inference.scheduler import Scheduler
     from llama_chat.model.loader import LoadedModel
+    from llama_chat.model.prompt_cache import PromptCacheSettings
     from llama_chat.model.tokenizers.base import Tokenizer
 
     Source = Scheduler | Engine | RemoteSource
@@ -54,7 +59,30 @@ def single_stream(loaded: LoadedModel | RemoteModel, opts) -> Source:
         max_batch=1, page_size=SINGLE_STREAM_PAGE_SIZE, buffer_size=SINGLE_STREAM_BUFFER,
         cache_tokens=loaded.model.args.max_seq_len,
         speculation=speculation(opts, loaded, jobs=1),
-        quantize=quantize, compile=opts.compile, cache_type=cache_type(opts)))
+        quantize=quantize, compile=opts.compile, cache_type=cache_type(opts),
+        prompt_cache=prompt_cache(opts)))
+
+
+def prompt_cache(opts) -> PromptCacheSettings | None:
+    """``--prompt-cache``'s folder (``auto``: the user cache's) and ``--prompt-cache-size``; its
+    problems (a block skipped, a full disk) said on stderr, a line each. None: no cache."""
+    chosen = getattr(opts, "prompt_cache", None)
+    if chosen is None:
+        return None
+    from llama_chat.cmd.inputs import UsageProblem
+    from llama_chat.ml.user_cache import wanted_cache_dir, writable_dir
+    from llama_chat.model.prompt_cache import PromptCacheSettings
+
+    directory = wanted_cache_dir("prompt-cache") if chosen == PROMPT_CACHE_DEFAULT_DIR else Path(chosen).expanduser()
+    try:
+        writable_dir(directory)
+    except OSError as e:
+        raise UsageProblem(f"--prompt-cache: cannot keep blocks in {directory} ({e.strerror or e})") from None
+    return PromptCacheSettings(directory, opts.prompt_cache_size << 20, say=say_on_stderr)
+
+
+def say_on_stderr(line: str) -> None:
+    print(f"llama-chat: {line}", file=sys.stderr, flush=True)
 
 
 def cache_type(opts) -> str | None:
@@ -131,4 +159,4 @@ def many_jobs(loaded: LoadedModel | RemoteModel, opts, *, max_batch: int, cache_
     return Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=max_batch, cache_tokens=cache_tokens, quantize=getattr(opts, "quantize", "none"),
         speculation=speculation(opts, loaded, jobs=max_batch),
-        compile=bool(opts.compile), cache_type=cache_type(opts)))
+        compile=bool(opts.compile), cache_type=cache_type(opts), prompt_cache=prompt_cache(opts)))

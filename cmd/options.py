@@ -22,7 +22,7 @@ from llama_chat.inference.reasoning import Thinking, ThinkTags, thinking_request
 from llama_chat.inference.types import Request, new_request_id
 from llama_chat.ml.controls import (CACHE_TYPES, COLOR_MODES, COMPILE_MIN_PARAMETERS, DEFAULT_CACHE_BYTES_CAP,
                                     DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CONTEXT, DEFAULT_DRAFT_MAX, DEFAULT_LOOKUP,
-                                    DEFAULT_MAX_BATCH,
+                                    DEFAULT_MAX_BATCH, DEFAULT_PROMPT_CACHE_MIB, PROMPT_CACHE_DEFAULT_DIR,
                                     DEFAULT_TEMPERATURE, DTYPES, KEPT_CONSTRAINTS, LOOKUP_MODES,
                                     MAX_CONSTRAINT_BYTES, QUANTIZE_MODES, REASONING_FORMATS, RULES, THINK_MODES,
                                     BeamParams, ControlError,
@@ -308,6 +308,16 @@ class Options:
     draft_max: Annotated[int, ranged(
         "draft_max", "--draft-max", help="--lookup, --draft: most tokens drafted for one job in one step, "
                                          "{range}.")] = DEFAULT_DRAFT_MAX
+    prompt_cache: Annotated[str | None, typer.Option(
+        "--prompt-cache", metavar="DIR",
+        help="Keep the KV pages of prompts on disk in DIR, and read them back in later runs and servers "
+             f"instead of computing them again (a long system prompt's first token); {PROMPT_CACHE_DEFAULT_DIR}: "
+             "$XDG_CACHE_HOME/llama-chat/prompt-cache (by default under ~/.cache). Default: off; not for one "
+             "stream on a GPU, whose cache is its own.")] = None
+    prompt_cache_size: Annotated[int, ranged(
+        "prompt_cache_size", "--prompt-cache-size", metavar="MIB",
+        help="--prompt-cache: most MiB its blocks take, {range}; the least recently used go first.")] = \
+        DEFAULT_PROMPT_CACHE_MIB
     template: Annotated[Template, typer.Option(
         "--template", help="Chat format; auto: the model's if it has one, else plain completion.")] = Template("auto")
     chat_template_file: Annotated[str | None, typer.Option(

@@ -67,6 +67,7 @@ def stats_line(completion: Completion, load_s: float | None = None, weights: Wei
         + (f" ({completion.reasoning_tokens} thinking)" if completion.reasoning_tokens else "") + "  "
         f"{load}ttft: {_fmt(t.ttft_s, 's', 3)}  prefill: {_fmt(t.prefill_tok_s, 'tok/s')}  "
         f"decode: {_fmt(t.decode_tok_s, 'tok/s')}" + drafts_text(completion)
+        + (f"  prompt cache: {completion.disk_tokens} tokens from disk" if completion.disk_tokens else "")
         + (f"  {weights_text(weights)}" if weights is not None else ""),
         style="dim",
     )

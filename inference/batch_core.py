@@ -250,6 +250,7 @@ class BatchCore:
             job.keys = keys[:len(hits)]
             job.tokens = list(prompt)
             job.fed = job.cached_tokens = len(hits) * size
+            job.disk_tokens = len(read) * size
             job.admitted = time.perf_counter()  # max_time counts from here, not from the queue
             job.serial = next(self._serials)
             job.claims = [k for k in keys[len(hits):] if k not in self.claims]

@@ -40,6 +40,7 @@ class Job:
     keys: list[PageKey] = field(default_factory=list)  # prefix keys of its full pages so far
     claims: list[PageKey] = field(default_factory=list)  # prompt pages it will write that others wait for
     cached_tokens: int = 0  # prompt tokens found in the cache at admission
+    disk_tokens: int = 0  # of those, the ones read from the prompt cache on disk
     admitted: float = 0.0  # perf_counter when it got its pages
     serial: int = 0  # the order of its admission, unique within a scheduler
     produced: int = 0  # events made
@@ -109,6 +110,8 @@ class JobStream(TextStream):
     def completion(self) -> Completion:
         self.tally.cached_tokens = self.job.cached_tokens
         done = super().completion()
+        if self.job.disk_tokens:
+            done = replace(done, disk_tokens=self.job.disk_tokens)
         paces = [p for p in (self.job.lookup, self.job.model_draft) if p is not None]
         if not paces:
             return done

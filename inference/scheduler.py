@@ -52,7 +52,7 @@ from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model import cpu_decode, key_centers
 from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.kv_types import for_device
-from llama_chat.model.prompt_cache import PromptCache, PromptCacheSettings
+from llama_chat.model.prompt_cache import PromptCache, PromptCacheCounts, PromptCacheSettings
 from llama_chat.model.transformer import Transformer
 
 DEFAULT_PAGE_SIZE = 16
@@ -336,12 +336,14 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats:
         c, pages = self.core.counters, self.core.pages
+        disk = self.core.prompt_cache.counts if self.core.prompt_cache is not None else PromptCacheCounts()
         return SchedulerStats(c.submitted, c.finished, c.prefill_tokens, c.cached_tokens, c.generated_tokens,
                               c.steps, c.mixed_steps, self.page_size, pages.usable, len(pages.free),
                               len(pages.cached), pages.in_use, c.pages_peak, pages.evictions, c.compactions,
                               c.drafted_tokens, c.accepted_tokens,
                               pages.resident * self.core.cache.page_bytes,
-                              self.core.cache.num_pages * self.core.cache.page_bytes)
+                              self.core.cache.num_pages * self.core.cache.page_bytes,
+                              c.disk_tokens, disk.written_blocks, disk.skipped_blocks)
 
     # -- the producer ----------------------------------------------------------------------------
 

@@ -192,6 +192,7 @@ class Completion:
     prompt_tokens: int
     timings: Timings
     cached_tokens: int = 0  # prompt tokens whose KV entries were kept from the request before
+    disk_tokens: int = 0  # of those, the ones read from the prompt cache on disk (model/prompt_cache.py)
     # Where the request's steps drafted (prompt lookup, a draft model): (tokens drafted, tokens of them kept).
     speculation: tuple[int, int] | None = None
     reasoning: str = ""  # a thinking model's thinking, apart from ``text`` (reasoning.py)
@@ -418,6 +419,9 @@ class SchedulerStats:
     accepted_tokens: int = 0  # of those, the ones kept
     kv_resident_bytes: int = 0  # the cache's pages written and not given back (page_table.py)
     kv_reserved_bytes: int = 0  # the most the cache's pages may take
+    disk_tokens: int = 0  # prompt tokens whose keys were read from the prompt cache on disk
+    disk_blocks_written: int = 0  # pages it wrote there
+    disk_blocks_skipped: int = 0  # blocks found there but not used: truncated, damaged or foreign
 
     @property
     def pages_available(self) -> int:

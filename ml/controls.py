@@ -52,6 +52,11 @@ MAX_BATCH = 4096
 DEFAULT_TEMPERATURE = 0.8
 MAX_DRAFT = 64  # tokens drafted for a job in one step: a step's rows, each drawn from
 DEFAULT_DRAFT_MAX = 8
+# The prompt cache on disk (--prompt-cache, model/prompt_cache.py): the most MiB its blocks take,
+# and the name that stands for its folder under the user cache.
+DEFAULT_PROMPT_CACHE_MIB = 4096
+MAX_PROMPT_CACHE_MIB = 1 << 24
+PROMPT_CACHE_DEFAULT_DIR = "auto"
 # Defaults the command line's help states, defined here (no torch) and used where they act.
 # A checkpoint's context is cut to this unless -c says otherwise (model/loader.py): a 128k-token
 # context would cost its KV cache gigabytes before the first token.
@@ -111,6 +116,8 @@ RULES: dict[str, Rule] = {
     "max_batch": Rule(int, lambda v: 1 <= v <= MAX_BATCH, f"an integer in 1 <= n <= {MAX_BATCH}"),
     "cache_tokens": Rule(int, lambda v: 1 <= v <= MAX_TOKENS, f"an integer in 1 <= n <= {MAX_TOKENS}"),
     "draft_max": Rule(int, lambda v: 1 <= v <= MAX_DRAFT, f"an integer in 1 <= n <= {MAX_DRAFT}"),
+    "prompt_cache_size": Rule(int, lambda v: 1 <= v <= MAX_PROMPT_CACHE_MIB,
+                              f"a number of MiB in 1 <= n <= {MAX_PROMPT_CACHE_MIB}"),
     "reasoning_budget": Rule(int, lambda v: 0 <= v <= MAX_TOKENS,
                              f"an integer in 0 <= n <= {MAX_TOKENS} (0: no thinking)"),
 }

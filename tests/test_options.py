@@ -40,6 +40,7 @@ EDGES = {
     "ctx_size": (-1, 0),
     "max_batch": (0, 1),
     "cache_tokens": (0, 1),
+    "prompt_cache_size": (0, 1),
 }
 
 COMMAND = typer.main.get_command(cli.app)

@@ -227,3 +227,24 @@ def test_readers_beside_a_writer_never_see_half_a_block(tmp_path):
             reads += 1
     thread.join(60)
     assert reads >= 4 and writer.counts.written_blocks == 84 and not lines, lines
+
+
+def test_the_command_reads_what_an_earlier_run_wrote(tmp_path):
+    """Through the installed command, twice: the second run's prompt pages come from the first
+    run's blocks, and its reply is the same; a folder it cannot use is one line, status 2."""
+    from cli_support import build_tiny_model, run_cli
+
+    tiny = build_tiny_model(tmp_path)
+    folder = tmp_path / "prompt cache"
+    common = ("-m", str(tiny.path), "-t", "0", "-n", "12", "--template", "none", "--prompt-cache", str(folder),
+              "-p", " ".join(["one two three four five six seven eight nine ten"] * 8))
+    first = run_cli(*common, "--json")
+    second = run_cli(*common, "--json", "--stats")
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+    assert "tokens from disk" not in first.stderr.decode()
+    assert "tokens from disk" in second.stderr.decode(), second.stderr
+    bad = run_cli(*common[:-2], "--prompt-cache", str(tmp_path / "tiny" / "params.json"), "-p", "hi")
+    assert bad.returncode == 2
+    lines = bad.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "--prompt-cache" in lines[0] and "Traceback" not in lines[0], lines
