@@ -43,6 +43,7 @@ class Family:
     hf_top_names: tuple[tuple[str, str], ...] = ()
     hf_ignored: tuple[str, ...] = ()  # tensors read by none of our paths
     hf_head_names: tuple[tuple[str, str], ...] = ()  # a classifier's head; left unread without one
+    gguf_top_names: tuple[tuple[str, str], ...] = ()  # a GGUF file's tensors outside the layers, beyond Llama's
     hf_name_prefix: str = ""  # a prefix some files put before every name ("bert." in a classifier's)
 
 
@@ -129,6 +130,24 @@ _HF_BERT = (
     ("output.LayerNorm.weight", "ffn_norm.weight"), ("output.LayerNorm.bias", "ffn_norm.bias"),
 )
 
+# llama.cpp's converter's names for BERT: "cls" is the pooler, "cls.output" the classifier.
+_GGUF_BERT_TOP = (
+    ("position_embd.weight", "pos_embeddings.weight"), ("token_types.weight", "type_embeddings.weight"),
+    ("token_embd_norm.weight", "embedding_norm.weight"), ("token_embd_norm.bias", "embedding_norm.bias"),
+    ("cls.weight", "pooler.weight"), ("cls.bias", "pooler.bias"),
+    ("cls.output.weight", "classifier.weight"), ("cls.output.bias", "classifier.bias"),
+)
+_GGUF_BERT = (
+    ("attn_q.weight", "attention.wq.weight"), ("attn_q.bias", "attention.bq"),
+    ("attn_k.weight", "attention.wk.weight"), ("attn_k.bias", "attention.bk"),
+    ("attn_v.weight", "attention.wv.weight"), ("attn_v.bias", "attention.bv"),
+    ("attn_output.weight", "attention.wo.weight"), ("attn_output.bias", "attention.bo"),
+    ("attn_output_norm.weight", "attention_norm.weight"), ("attn_output_norm.bias", "attention_norm.bias"),
+    ("ffn_up.weight", "feed_forward.w1.weight"), ("ffn_up.bias", "feed_forward.b1"),
+    ("ffn_down.weight", "feed_forward.w2.weight"), ("ffn_down.bias", "feed_forward.b2"),
+    ("layer_output_norm.weight", "ffn_norm.weight"), ("layer_output_norm.bias", "ffn_norm.bias"),
+)
+
 FAMILIES = (
     Family("llama", ("llama",), "llama", _HF_LLAMA, _GGUF_LLAMA, gguf_halves=False),
     Family("mistral", ("mistral",), None, _HF_LLAMA),  # Mistral's GGUF files are "llama"
@@ -138,7 +157,8 @@ FAMILIES = (
     Family("gemma3", ("gemma3_text", "gemma3"), "gemma3", _HF_GEMMA + _HF_QK_NORM,
            _GGUF_LLAMA + _GGUF_POST_NORMS + _GGUF_QK_NORM, norm_shift=True),
     Family("phi3", ("phi3",), "phi3", _HF_PHI3, _GGUF_PHI3),
-    Family("bert", ("bert",), None, _HF_BERT, hf_layer_prefix="encoder.layer.", hf_top_names=_HF_BERT_TOP,
+    Family("bert", ("bert",), "bert", _HF_BERT, _GGUF_BERT, gguf_halves=False, gguf_top_names=_GGUF_BERT_TOP,
+           hf_layer_prefix="encoder.layer.", hf_top_names=_HF_BERT_TOP,
            hf_ignored=("embeddings.position_ids",), hf_name_prefix="bert.",
            hf_head_names=(("pooler.dense.weight", "pooler.weight"), ("pooler.dense.bias", "pooler.bias"),
                           ("classifier.weight", "classifier.weight"), ("classifier.bias", "classifier.bias"))),
@@ -195,6 +215,18 @@ def hf_args(config: dict[str, Any]) -> tuple[Family, ModelArgs]:
     return family, _replaced(args, switches, "config.json")
 
 
+def bert_args(*, dim: int, n_layers: int, n_heads: int, vocab_size: int, hidden_dim: int, norm_eps: float,
+              positions: int, type_vocab_size: int, labels: int, activation: str = "gelu") -> ModelArgs:
+    """BERT's switches of the one model, whichever file names the sizes."""
+    if labels not in (0, 1):
+        raise ModelLoadError(f"a classifier of {labels} labels is not supported (a reranker scores with one)")
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, vocab_size=vocab_size,
+                     hidden_dim=hidden_dim, norm_eps=norm_eps, max_seq_len=positions, family="bert",
+                     activation=activation, qkv_bias=True, encoder=True, position_table=positions,
+                     type_vocab_size=type_vocab_size, layer_norm=True, norm_after_residual=True, gated_ffn=False,
+                     linear_biases=True, labels=labels)
+
+
 def _bert_args(config: dict[str, Any]) -> ModelArgs:
     """A ``BertModel``'s ``config.json`` as the encoder switches of the one model."""
     try:
@@ -207,20 +239,16 @@ def _bert_args(config: dict[str, Any]) -> ModelArgs:
         if kind != "absolute":
             raise ModelLoadError(f"config.json: position_embedding_type {kind!r:.40} is not supported "
                                  "(expected 'absolute')")
-        positions = integer(config.get("max_position_embeddings", 512), "max_position_embeddings")
-        heads = integer(config["num_attention_heads"], "num_attention_heads")
-        args = ModelArgs(
+        args = bert_args(
             dim=integer(config["hidden_size"], "hidden_size"),
             n_layers=integer(config["num_hidden_layers"], "num_hidden_layers"),
-            n_heads=heads, n_kv_heads=heads,
+            n_heads=integer(config["num_attention_heads"], "num_attention_heads"),
             vocab_size=integer(config["vocab_size"], "vocab_size"),
             hidden_dim=integer(config["intermediate_size"], "intermediate_size"),
             norm_eps=number(config.get("layer_norm_eps", 1e-12), "layer_norm_eps"),
-            max_seq_len=positions, family="bert", activation=activations[act], qkv_bias=True,
-            encoder=True, position_table=positions,
+            positions=integer(config.get("max_position_embeddings", 512), "max_position_embeddings"),
             type_vocab_size=integer(config.get("type_vocab_size", 2), "type_vocab_size"),
-            layer_norm=True, norm_after_residual=True, gated_ffn=False, linear_biases=True,
-            labels=_bert_labels(config))
+            labels=_bert_labels(config), activation=activations[act])
     except KeyError as e:
         raise ModelLoadError(f"config.json: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

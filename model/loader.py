@@ -231,7 +231,14 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
         from llama_chat.model.formats.sentence_transformers import read_pooling, read_ranking
 
         fmt = None
-        if args.labels:
+        if contents is not None:
+            from llama_chat.model.formats.gguf import gguf_pooling, gguf_ranking
+
+            if args.labels:
+                ranking = gguf_ranking(contents, args)
+            else:
+                pooling = gguf_pooling(contents, args)
+        elif args.labels:
             ranking = read_ranking(model_dir, args)
         else:
             pooling = read_pooling(model_dir, args)
@@ -380,7 +387,8 @@ def _kept_blocks(state: dict[str, Weight], quantize: str) -> dict[str, PackedWei
         for group in _FUSED_GROUPS:
             member = next((m for m in group if name.endswith(f".{m}.weight")), None)
             layer = name[:-len(f"{member}.weight")] if member else ""
-            names = [f"{layer}{m}.weight" for m in group]
+            # A family without some of the group (BERT's feed-forward has no w3) fuses none of it.
+            names = [f"{layer}{m}.weight" for m in group if f"{layer}{m}.weight" in state]
             if member and (any(n not in kept for n in names) or len({_form(kept[n]) for n in names}) > 1):
                 del kept[name]
     return kept

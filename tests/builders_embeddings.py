@@ -123,3 +123,69 @@ def reference_scores(model, tokenizer, query: str, documents: list[str], *, max_
                       return_tensors="pt")
     with torch.no_grad():
         return torch.sigmoid(model(**batch).logits[:, 0])
+
+
+def write_bert_gguf(path: Path, model, *, qtype=None, pooling_type: int = 1, leave_out: tuple[str, ...] = ()) -> Path:
+    """``model`` (a ``BertModel`` or a one-label ``BertForSequenceClassification``) as llama.cpp's
+    converter writes a ``bert`` file: its names, its phantom-space vocabulary (``▁`` before a whole
+    word, ``##`` taken off a piece inside one), ``[CLS]`` as bos and ``[SEP]`` as the separator;
+    matrices in ``qtype`` (F32 by default), vectors in F32; the GGUF tensors in ``leave_out`` left out."""
+    import gguf
+    import numpy as np
+
+    from builders_gguf import T, encode_tensor
+
+    qtype = T.F32 if qtype is None else qtype
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_layer_norm_eps(c.layer_norm_eps)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType(4 if hasattr(model, "classifier") else pooling_type))
+    writer.add_file_type({T.F32: 0, T.F16: 1}.get(qtype, 7))
+    tokens = vocab_tokens()
+    phantom = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t
+               for t in tokens]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(phantom)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_type_count(c.type_vocab_size)
+    for role, token in (("bos", "[CLS]"), ("sep", "[SEP]"), ("unk", "[UNK]"), ("pad", "[PAD]"), ("mask", "[MASK]")):
+        getattr(writer, f"add_{role}_token_id")(tokens.index(token))
+    writer.add_add_bos_token(True)
+    writer.add_add_sep_token(True)
+    top = {"embeddings.word_embeddings.weight": "token_embd.weight",
+           "embeddings.position_embeddings.weight": "position_embd.weight",
+           "embeddings.token_type_embeddings.weight": "token_types.weight",
+           "embeddings.LayerNorm.weight": "token_embd_norm.weight", "embeddings.LayerNorm.bias": "token_embd_norm.bias",
+           "pooler.dense.weight": "cls.weight", "pooler.dense.bias": "cls.bias",
+           "classifier.weight": "cls.output.weight", "classifier.bias": "cls.output.bias"}
+    layer = {"attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
+             "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
+             "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
+    classifier = hasattr(model, "classifier")
+    for hf_name, tensor in model.state_dict().items():
+        short = hf_name.removeprefix("bert.")
+        if short == "embeddings.position_ids" or (short.startswith("pooler.") and not classifier):
+            continue
+        if short in top:
+            name = top[short]
+        else:
+            parts = short.split(".")  # encoder.layer.N.<module>.<weight|bias>
+            name = f"blk.{parts[2]}.{layer['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if name in leave_out:
+            continue
+        x = tensor.detach().float().numpy()
+        if x.ndim == 1 or name in ("position_embd.weight", "token_types.weight"):
+            writer.add_tensor(name, x.astype(np.float32))
+        else:
+            writer.add_tensor(name, encode_tensor(x, qtype), raw_dtype=None if qtype in (T.F32, T.F16) else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -349,3 +349,59 @@ def test_rerank_in_jinas_shape_and_its_bad_requests(rerank_server, embedding_ser
     chat = httpx.post(f"{rerank_server.url}/v1/chat/completions", timeout=WAIT_S,
                       json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and "is a reranker: it ranks documents" in chat.json()["error"]["message"]
+
+
+# -- GGUF ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pooling_type,pooling", [(1, "mean"), (2, "cls")])
+def test_a_bert_gguf_file_embeds_as_transformers(tmp_path, pooling_type, pooling):
+    from builders_embeddings import bert_model, write_bert_gguf
+
+    model = bert_model(seed=5)
+    tokenizer = hf_tokenizer(tmp_path / "tok")
+    path = write_bert_gguf(tmp_path / "bert.gguf", model, pooling_type=pooling_type)
+    loaded = load_model(path, device="cpu")
+    assert loaded.kind == "embedding" and loaded.pooling.mode == pooling and loaded.pooling.normalize
+    embedder = Embedder(loaded)
+    for text in TEXTS + _fuzz_texts(50, seed=3):
+        assert loaded.tokenizer.encode(text, bos=True, eos=True) == tokenizer(text)["input_ids"], repr(text)
+    ours = torch.stack([e.vector for e in embedder.embed([embedder.text_ids(t, truncate=True) for t in TEXTS])])
+    expected = reference_embeddings(model, tokenizer, TEXTS, pooling=pooling, normalize=True, max_length=64)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_q8_0_bert_file_keeps_its_blocks_and_its_vectors(tmp_path):
+    from builders_embeddings import bert_model, write_bert_gguf
+    from builders_gguf import T
+    from llama_chat.ml.packed import PackedLinear
+
+    model = bert_model(seed=6)
+    tokenizer = hf_tokenizer(tmp_path / "tok")
+    loaded = load_model(write_bert_gguf(tmp_path / "bert-q8_0.gguf", model, qtype=T.Q8_0), device="cpu")
+    layer = loaded.model.layers[0]
+    assert isinstance(layer.feed_forward.w1, PackedLinear) and isinstance(layer.attention.wq, PackedLinear)
+    embedder = Embedder(loaded)
+    ours = torch.stack([e.vector for e in embedder.embed([embedder.text_ids(t, truncate=True) for t in TEXTS])])
+    expected = reference_embeddings(model, tokenizer, TEXTS, pooling="mean", normalize=True, max_length=64)
+    assert _cosines(ours, expected).min() > 0.99
+
+
+def test_a_bert_reranker_gguf_file_scores_as_transformers(tmp_path, cross_encoder):
+    from builders_embeddings import reference_scores, write_bert_gguf
+    from llama_chat.inference.embedding import Reranker
+
+    _, model, tokenizer = cross_encoder
+    loaded = load_model(write_bert_gguf(tmp_path / "reranker.gguf", model), device="cpu")
+    assert loaded.kind == "rerank"
+    scores, _ = Reranker(loaded).scores(QUERY, DOCUMENTS)
+    expected = reference_scores(model, tokenizer, QUERY, DOCUMENTS, max_length=64)
+    torch.testing.assert_close(torch.tensor(scores), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_bert_gguf_file_missing_a_tensor_is_refused_in_one_line(tmp_path):
+    from builders_embeddings import bert_model, write_bert_gguf
+
+    path = write_bert_gguf(tmp_path / "broken.gguf", bert_model(seed=7), leave_out=("blk.1.attn_k.bias",))
+    with pytest.raises(ModelLoadError, match=r"^broken.gguf: missing tensor 'layers.1.attention.bk'$"):
+        load_model(path, device="cpu")

@@ -325,7 +325,7 @@ def _rewrite(src: Path, dst: Path, *, drop: set[str] = frozenset(), change: dict
 
 def test_bad_metadata_is_named(tmp_path, good_file):
     assert _error(_rewrite(good_file, tmp_path / "a.gguf", arch="falcon")) == (
-        "a.gguf: architecture 'falcon' is not supported (expected one of llama, qwen2, qwen3, gemma2, gemma3, phi3)")
+        "a.gguf: architecture 'falcon' is not supported (expected one of llama, qwen2, qwen3, gemma2, gemma3, phi3, bert)")
     assert _error(_rewrite(good_file, tmp_path / "b.gguf", drop={"llama.block_count"})) == (
         "b.gguf: missing metadata 'llama.block_count'")
     message = _error(_rewrite(good_file, tmp_path / "c.gguf", change={"llama.block_count": 10**6}))
@@ -339,7 +339,7 @@ def test_bad_metadata_is_named(tmp_path, good_file):
     message = _error(_rewrite(good_file, tmp_path / "g.gguf", skip_tensors={"blk.1.ffn_up.weight"}))
     assert message == "g.gguf: missing tensor 'layers.1.feed_forward.w3.weight'"
     hostile = _rewrite(good_file, tmp_path / "i.gguf", change={"tokenizer.ggml.model": "\x1b[2Jevil"})
-    assert _error(hostile) == "i.gguf: tokenizer.ggml.model '\\x1b[2Jevil' is not supported (expected 'llama' or 'gpt2')"
+    assert _error(hostile) == "i.gguf: tokenizer.ggml.model '\\x1b[2Jevil' is not supported (expected 'llama', 'gpt2' or 'bert')"
 
 
 def test_unsupported_tensor_types_are_named(tmp_path, sp_model):

@@ -45,6 +45,7 @@ from llama_chat.model.formats.common import (
     release_pages,
 )
 from llama_chat.model.formats.gguf_header import MAGIC, read_header
+from llama_chat.model.pooling import Pooling, Ranking
 from llama_chat.ml.blocks import (
     BLOCKS,
     PLAIN,
@@ -184,11 +185,12 @@ def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> 
                              f"holds only {contents.file_size:,} bytes")
     data = torch.from_file(str(contents.path), shared=False, size=contents.file_size, dtype=torch.uint8)
     layer_names = dict(family.gguf_layer_names)
+    top_names = {**_TOP_NAMES, **dict(family.gguf_top_names)}
     state: dict[str, Weight] = {}
     for info in contents.tensors.values():
         if info.name in _READ_INTO_ARGS:
             continue  # read into args.rope_scaling by _args
-        meta = meta_name(info.name, layer_names)
+        meta = meta_name(info.name, layer_names, top_names)
         if meta is None:
             raise ModelLoadError(f"{name}: unexpected tensor {info.name!r:.80}")
         weight = tensor_view(data, info, name)
@@ -201,9 +203,9 @@ def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> 
     return Checkpoint(args=args, state=state, origin={k: name for k in state}, files=(contents.path,))
 
 
-def meta_name(gguf_name: str, layer_names: Mapping[str, str]) -> str | None:
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
+def meta_name(gguf_name: str, layer_names: Mapping[str, str], top_names: Mapping[str, str] = _TOP_NAMES) -> str | None:
+    if gguf_name in top_names:
+        return top_names[gguf_name]
     m = _LAYER.fullmatch(gguf_name)
     if m and m.group(2) in layer_names:
         return f"layers.{int(m.group(1))}.{layer_names[m.group(2)]}"
@@ -379,6 +381,8 @@ def _args(contents: GGUFContents, tokenizer_vocab: int | None, family: Family) -
     embedding = contents.tensors.get("token_embd.weight")
     if embedding is None:
         raise ModelLoadError(f"{name}: missing tensor 'token_embd.weight'")
+    if family.name == "bert":
+        return _bert_args(contents, embedding)
     vocab = contents.metadata.get(f"{arch}.vocab_size")
     if vocab is None:
         vocab = embedding.shape[0] if len(embedding.shape) == 2 else tokenizer_vocab
@@ -430,6 +434,56 @@ def _head_size(contents: GGUFContents, arch: str) -> int | None:
 # llama.cpp knows a Gemma's query scale by its size: the 27B models scale by dim / heads, the
 # others by the head width (their query_pre_attn_scalar, which the file does not keep).
 _WIDE_QUERY_SCALE = {("gemma2", 46), ("gemma3", 62)}
+
+
+def _bert_args(contents: GGUFContents, embedding: TensorInfo) -> ModelArgs:
+    """A ``bert`` file's sizes, as llama.cpp's converter writes them: the token types' and the
+    classifier's rows from their tensors (``token_types``, ``cls.output``)."""
+    from llama_chat.model.families import bert_args
+
+    types, classifier = contents.tensors.get("token_types.weight"), contents.tensors.get("cls.output.weight")
+    if meta_flag(contents, "bert.attention.causal") is True:
+        raise ModelLoadError(f"{contents.path.name}: metadata 'bert.attention.causal' is true; a BERT encoder "
+                             "attends both ways")
+    try:
+        return bert_args(
+            dim=meta_int(contents, "bert.embedding_length"), n_layers=meta_int(contents, "bert.block_count"),
+            n_heads=meta_int(contents, "bert.attention.head_count"), vocab_size=embedding.shape[0],
+            hidden_dim=meta_int(contents, "bert.feed_forward_length"),
+            norm_eps=meta_float(contents, "bert.attention.layer_norm_epsilon", 1e-12),
+            positions=meta_int(contents, "bert.context_length"),
+            type_vocab_size=types.shape[0] if types is not None else 0,
+            labels=classifier.shape[0] if classifier is not None and len(classifier.shape) == 2 else 0)
+    except ModelLoadError as e:
+        raise config_error(contents.path.name, e) from None
+
+
+# llama.cpp's pooling types (``{arch}.pooling_type``), and ours.
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last"}
+RANK_POOLING = 4
+
+
+def gguf_pooling(contents: GGUFContents, args: ModelArgs) -> Pooling:
+    """An encoder file's pooling: ``{arch}.pooling_type`` (mean where it is missing), normalized as
+    llama.cpp's server and Ollama normalize by default, up to the file's context."""
+    arch = contents.architecture
+    kind = meta_int(contents, f"{arch}.pooling_type", 1)
+    if kind not in POOLING_TYPES:
+        raise ModelLoadError(f"{contents.path.name}: metadata '{arch}.pooling_type' is {kind}, expected "
+                             f"{', '.join(f'{k} ({v})' for k, v in POOLING_TYPES.items())}")
+    return Pooling(POOLING_TYPES[kind], normalize=True, max_tokens=args.position_table or args.max_seq_len)
+
+
+def gguf_ranking(contents: GGUFContents, args: ModelArgs) -> Ranking:
+    """A reranker file's scoring: the sigmoid of its classifier's logit, as for its Hugging Face folder."""
+    return Ranking(sigmoid=True, max_tokens=args.position_table or args.max_seq_len)
+
+
+def meta_flag(contents: GGUFContents, key: str) -> bool | None:
+    value = contents.metadata.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ModelLoadError(f"{contents.path.name}: metadata {key!r} must be true or false, found {value!r:.40}")
+    return value
 
 
 def _switches(contents: GGUFContents, arch: str, family: Family) -> dict[str, Any]:

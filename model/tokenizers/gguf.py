@@ -1,6 +1,6 @@
 """The tokenizer a GGUF file carries in its ``tokenizer.ggml.*`` metadata.
 
-Two kinds, as llama.cpp names them in ``tokenizer.ggml.model``:
+Three kinds, as llama.cpp names them in ``tokenizer.ggml.model``:
 
 * ``llama``: a SentencePiece vocabulary (Llama 1/2, TinyLlama, Mistral): pieces, scores and piece
   types. llama.cpp's converter copies them one for one from ``tokenizer.model``, so the model is
@@ -12,6 +12,7 @@ Two kinds, as llama.cpp names them in ``tokenizer.ggml.model``:
   with the pre-tokenizer that ``tokenizer.ggml.pre`` names (``gguf_pre.py``: llama.cpp's
   expressions for each name, and its defaults for adding a bos and for whole-word lookup);
   llama.cpp ranks merges by their order in the file, and so does this.
+* ``bert``: a WordPiece vocabulary (BERT encoders), run by ``wordpiece.py`` (``_wordpiece``).
 
 Token types (``tokenizer.ggml.token_type``) are SentencePiece's numbering: 1 normal, 2 unknown,
 3 control, 4 user-defined, 5 unused, 6 byte. Control tokens print nothing and are the specials a
@@ -29,6 +30,7 @@ from typing import Any
 
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.gguf import GGUFContents, meta_str
+from llama_chat.model.tokenizers.base import Tokenizer
 from llama_chat.model.tokenizers.gguf_pre import PRE_TOKENIZERS
 from llama_chat.model.tokenizers.hf import byte_level_decoder
 from llama_chat.model.tokenizers.sentencepiece import STOP_NAMES, ModelProtoInfo, SentencePieceTokenizer
@@ -40,7 +42,7 @@ _PAD = re.compile(r"\[PAD\d+\]")
 MAX_TOKENS = 1 << 24
 
 
-def load_gguf_tokenizer(contents: GGUFContents) -> ByteTableTokenizer:
+def load_gguf_tokenizer(contents: GGUFContents) -> Tokenizer:
     """The tokenizer stored in ``contents``; ModelLoadError naming the field when it cannot be used."""
     name = contents.path.name
     kind = meta_str(contents, "tokenizer.ggml.model")
@@ -51,7 +53,37 @@ def load_gguf_tokenizer(contents: GGUFContents) -> ByteTableTokenizer:
         return GGUFSentencePieceTokenizer(contents, vocab)
     if kind == "gpt2":
         return GGUFByteLevelTokenizer(contents, vocab)
-    raise ModelLoadError(f"{name}: tokenizer.ggml.model {kind!r:.40} is not supported (expected 'llama' or 'gpt2')")
+    if kind == "bert":
+        return _wordpiece(contents, vocab)
+    raise ModelLoadError(f"{name}: tokenizer.ggml.model {kind!r:.40} is not supported "
+                         "(expected 'llama', 'gpt2' or 'bert')")
+
+
+def _wordpiece(contents: GGUFContents, vocab: _Vocab) -> Tokenizer:
+    """A ``bert`` vocabulary as llama.cpp's converter writes it: whole-word pieces with a leading
+    ``▁`` and pieces inside a word bare (BERT's ``##`` taken off), ``[...]`` tokens as they are;
+    its ``[CLS]`` the bos token and its ``[SEP]`` the separator. llama.cpp lower-cases and strips
+    accents for every such file (the file does not say), and so does this."""
+    from llama_chat.model.tokenizers.wordpiece import Normalization, WordPieceTokenizer
+
+    name = contents.path.name
+
+    def bert_piece(token: str) -> str:
+        if token.startswith("[") and token.endswith("]"):
+            return token
+        return token[1:] if token.startswith("\u2581") else "##" + token
+
+    pieces = [bert_piece(t) for t in vocab.tokens]
+    roles = {}
+    for role, key, default in (("cls", "bos", "[CLS]"), ("sep", "seperator", "[SEP]"), ("unk", "unknown", "[UNK]"),
+                               ("pad", "padding", "[PAD]")):
+        value = vocab.ids.get(key) if key != "seperator" else contents.metadata.get("tokenizer.ggml.seperator_token_id")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(pieces)):
+            raise ModelLoadError(f"{name}: metadata 'tokenizer.ggml.{key}_token_id' is {value!r:.40}, not a token id")
+        roles[role] = pieces[value] if value is not None else default
+    specials = [p for p, t in zip(pieces, vocab.types) if t == CONTROL]
+    return WordPieceTokenizer({p: i for i, p in enumerate(pieces)}, Normalization(lowercase=True, strip_accents=True),
+                              specials=specials, where=name, **roles)
 
 
 class _Vocab:
