@@ -34,6 +34,7 @@ from rich.console import Console
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.http_protocol import guarded_protocol
 from llama_chat.cmd.options import BATCH, Options, ranged
+from llama_chat.cmd.responses_api import DEFAULT_STORED, DEFAULT_STORED_BYTES, ResponseStore
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.serve_app import Served, ServerState, build_app
 from llama_chat.cmd.signals import hard_exit, install_sync_handlers
@@ -41,7 +42,7 @@ from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
 from llama_chat.cmd.typer_command import GroupedHelp, command, new_app
 from llama_chat.inference.remote import is_remote
 from llama_chat.inference.serving import Serving
-from llama_chat.ml.controls import DEFAULT_DRAFT_MAX, DEFAULT_LOOKUP, DEFAULT_MAX_BATCH
+from llama_chat.ml.controls import DEFAULT_DRAFT_MAX, DEFAULT_LOOKUP, DEFAULT_MAX_BATCH, DEFAULT_PROMPT_CACHE_MIB
 from llama_chat.inference.tool_formats import FORMAT_NAMES, resolve_format
 from llama_chat.inference.types import sole_exception
 
@@ -106,6 +107,13 @@ class ServeOptions:
         "--shutdown-grace", min=0.0, rich_help_panel=SERVER, metavar="SECONDS",
         help="On SIGTERM or Ctrl+C: how long running jobs may go on before they are cancelled.")
     ] = DEFAULT_SHUTDOWN_GRACE_S
+    store_responses: Annotated[int, typer.Option(
+        "--store-responses", min=0, rich_help_panel=SERVER, metavar="N",
+        help="Responses API: how many responses are kept in memory for previous_response_id and "
+             "GET /v1/responses/ID, the least recently used out first (0: none).")] = DEFAULT_STORED
+    store_responses_bytes: Annotated[int, typer.Option(
+        "--store-responses-bytes", min=0, rich_help_panel=SERVER, metavar="BYTES",
+        help="Responses API: the most bytes of text the kept responses hold together.")] = DEFAULT_STORED_BYTES
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", rich_help_panel=SERVER, help="Log errors only, not every request.")] = False
     max_batch: _OPTION["max_batch"] = DEFAULT_MAX_BATCH
@@ -122,6 +130,8 @@ class ServeOptions:
     lookup: _OPTION["lookup"] = DEFAULT_LOOKUP
     draft: _OPTION["draft"] = None
     draft_max: _OPTION["draft_max"] = DEFAULT_DRAFT_MAX
+    prompt_cache: _OPTION["prompt_cache"] = None
+    prompt_cache_size: _OPTION["prompt_cache_size"] = DEFAULT_PROMPT_CACHE_MIB
     template: _OPTION["template"] = "auto"
     chat_template_file: _OPTION["chat_template_file"] = None
     think: _OPTION["think"] = "auto"
@@ -245,7 +255,8 @@ class _Server(uvicorn.Server):
 
 async def _serve(opts: ServeOptions, sock: socket.socket, log: ServerLog) -> int:
     state = ServerState(api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, log=log.note,
-                        read_timeout_s=opts.read_timeout)
+                        read_timeout_s=opts.read_timeout,
+                        responses=ResponseStore(opts.store_responses, opts.store_responses_bytes))
     app = build_app(state, cors_origins=tuple(opts.cors_origin or ()))
     config = uvicorn.Config(app, http=guarded_protocol(opts.read_timeout), lifespan="off", log_config=None,
                             access_log=False, server_header=False, ws="none",
@@ -330,7 +341,7 @@ def pool_tokens(token_bytes: int, context: int, max_batch: int, available: int |
 
 
 def _load_model(opts: ServeOptions):
-    from llama_chat.cmd.generation_source import speculation
+    from llama_chat.cmd.generation_source import prompt_cache, speculation
     from llama_chat.cmd.run_command import load, warm_up
     from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
     from llama_chat.model.errors import ModelLoadError
@@ -354,7 +365,8 @@ def _load_model(opts: ServeOptions):
     scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
         max_batch=opts.max_batch, cache_tokens=cache_tokens, quantize=options.quantize,
         compile=bool(opts.compile), cache_type=kv_type.name,
-        speculation=speculation(options, loaded, jobs=opts.max_batch, server=True)))
+        speculation=speculation(options, loaded, jobs=opts.max_batch, server=True),
+        prompt_cache=prompt_cache(options)))
     warm_up(scheduler, options.sampling(), err, quiet=opts.quiet)
     return loaded, scheduler
 

@@ -489,7 +489,7 @@ class BatchCore:
             return []
         read: list[int] = []
         for key in keys[:most]:
-            if key in self.claims or not self.prompt_cache.has(key):
+            if key in self.claims:
                 break
             payload = self.prompt_cache.read(key)
             if payload is None:

@@ -137,6 +137,14 @@ class ServingMetrics:
                [f"llama_chat_drafted_tokens_total {s.drafted_tokens}"])
         metric("llama_chat_accepted_tokens_total", "counter", "Drafted tokens that were kept.",
                [f"llama_chat_accepted_tokens_total {s.accepted_tokens}"])
+        metric("llama_chat_prompt_cache_disk_tokens_total", "counter",
+               "Prompt tokens whose keys and values were read from the prompt cache on disk (--prompt-cache).",
+               [f"llama_chat_prompt_cache_disk_tokens_total {s.disk_tokens}"])
+        metric("llama_chat_prompt_cache_blocks_written_total", "counter", "Pages written to the prompt cache on disk.",
+               [f"llama_chat_prompt_cache_blocks_written_total {s.disk_blocks_written}"])
+        metric("llama_chat_prompt_cache_blocks_skipped_total", "counter",
+               "Blocks of the prompt cache on disk not used: truncated, damaged, or another model's or cache's.",
+               [f"llama_chat_prompt_cache_blocks_skipped_total {s.disk_blocks_skipped}"])
         metric("llama_chat_prefix_cache_hit_ratio", "gauge", "Cached prompt tokens over all prompt tokens.",
                [f"llama_chat_prefix_cache_hit_ratio {s.cached_tokens / prompt if prompt else 0.0!r}"])
         metric("llama_chat_kv_pages_used", "gauge", "KV cache pages in some job's block table.",

@@ -151,6 +151,7 @@ class PromptCache:
         self._lock = threading.Lock()  # the sizes, between the step thread's reads and the writer
         self._sizes: OrderedDict[Path, int] = OrderedDict()  # every block in the directory, oldest first
         self._known: set[bytes] = set()  # keys this fingerprint has a good block for, as far as seen
+        self._bad: set[bytes] = set()  # keys whose block was skipped: written again, not kept
         self._stopped: str | None = None  # why writing stopped
         self._queue: queue.Queue[tuple[bytes, torch.Tensor]] = queue.Queue(QUEUE_BLOCKS)
         self._scan()
@@ -165,7 +166,7 @@ class PromptCache:
 
     def has(self, key: bytes) -> bool:
         """Whether a good block of ``key`` is known to be on disk (written or read by this process,
-        or there at start)."""
+        or there at start); another process's may be there too (``read`` looks)."""
         return key in self._known
 
     # -- reading (the step thread) ---------------------------------------------------------------
@@ -218,6 +219,7 @@ class PromptCache:
 
     def _skipped(self, key: bytes, path: Path, why: str) -> None:
         self._known.discard(key)
+        self._bad.add(key)
         self.counts.skipped_blocks += 1
         self.settings.say(f"prompt cache: skipped {path}: {why}; its tokens are computed")
         return None
@@ -263,10 +265,12 @@ class PromptCache:
         if self._stopped is not None:
             self.counts.dropped_blocks += 1
             return
+        path = self._path(key)
+        if key not in self._bad and path.exists():
+            return  # another process sharing the folder wrote it first
         body = memoryview(payload.numpy())
         header = HEADER.pack(MAGIC, self.fingerprint, key, len(body),
                              hashlib.blake2b(body, digest_size=16).digest())
-        path = self._path(key)
         temp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(temp, "wb") as f:
@@ -281,6 +285,7 @@ class PromptCache:
                 pass
             self._stop(e)
             return
+        self._bad.discard(key)
         self.counts.written_blocks += 1
         with self._lock:
             self._sizes[path] = HEADER.size + len(body)
