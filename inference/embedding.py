@@ -87,8 +87,7 @@ class Embedder:
             if not 0 <= i < vocab:
                 raise EmbeddingInputError(f"{where} holds token id {i}, outside the vocabulary (0 to {vocab - 1})",
                                           where)
-        bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None else []
-        eos = [tokenizer.eos_id] if getattr(tokenizer, "add_eos", False) and tokenizer.eos_id is not None else []
+        bos, eos = _markers(tokenizer)
         room = self.max_tokens - len(bos) - len(eos)
         if len(ids) > room:
             if not truncate:
@@ -177,6 +176,18 @@ class Reranker:
                 for i, value in zip(group, values.tolist()):
                     relevance[i] = value
         return relevance, sum(len(ids) for ids, _ in pairs)
+
+
+def _markers(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids around a text to embed: those the tokenizer's post-processor adds (``markers``:
+    BERT's [CLS] and [SEP], Qwen3-Embedding's end of text), else its bos and eos as its files say
+    a prompt gets them."""
+    markers = getattr(tokenizer, "markers", None)
+    if markers is not None:
+        return list(markers[0]), list(markers[1])
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None else []
+    eos = [tokenizer.eos_id] if getattr(tokenizer, "add_eos", False) and tokenizer.eos_id is not None else []
+    return bos, eos
 
 
 def length_batches(lengths: Sequence[int], max_tokens: int, max_rows: int) -> list[list[int]]:

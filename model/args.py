@@ -95,6 +95,9 @@ class ModelArgs:
     # An encoder's head of sequence classification (BERT's pooler and classifier): the scores it
     # gives a text, from its first token's state (a cross-encoder reranker has one); 0: no head.
     labels: int = 0
+    # A decoder whose last states are pooled into embeddings (Qwen3-Embedding, from a
+    # sentence-transformers folder): it attends causally, as it was trained, and has no classifier.
+    pooled: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -185,7 +188,7 @@ class ModelArgs:
             ("post norms", self.post_norms), ("final soft cap", self.final_softcap is not None),
             ("local rotary base", self.local_rope_theta is not None),
             ("LongRoPE", isinstance(self.rope_scaling, LongRope)),
-            ("encoder", self.encoder), ("absolute positions", self.position_table > 0),
+            ("encoder", self.encoder or self.pooled), ("absolute positions", self.position_table > 0),
             ("LayerNorm", self.layer_norm), ("post-LN", self.norm_after_residual),
             ("plain feed-forward", not self.gated_ffn), ("linear biases", self.linear_biases),
             ("linear rotary scaling", isinstance(self.rope_scaling, LinearRope)),

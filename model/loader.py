@@ -227,7 +227,7 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
     keep_blocks = layout == GGUF and dtype == "auto" and target_device.type == "cpu" and quantize == "none"
     model = _build(args, state, target_device, target_dtype, on_progress, quantize=quantize, keep_blocks=keep_blocks)
     pooling = ranking = None
-    if args.encoder:  # an embedding model or a reranker: never prompted
+    if args.encoder or args.pooled:  # an embedding model or a reranker: never prompted
         from llama_chat.model.formats.sentence_transformers import read_pooling, read_ranking
 
         fmt = None
@@ -336,7 +336,7 @@ def _build(args: ModelArgs, state: dict[str, Weight], device: torch.device, dtyp
         del tensor
         if on_progress is not None:
             on_progress(done, total)
-    if args.tie_embeddings:
+    if args.tie_embeddings and not args.pooled:  # (a pooled decoder has no classifier)
         # The module lists the tied projection as its own key; it is the embedding itself: the
         # file's blocks or 16-bit values, or the float tensor (quantized, a copy: the lookup
         # reads a row, the classifier reads them all).

@@ -272,7 +272,7 @@ class Transformer(nn.Module):
         self.embedding_norm = norm_of(args) if args.norm_after_residual else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = None if args.norm_after_residual else norm_of(args)
-        self.output = None if args.encoder else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = None if args.encoder or args.pooled else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.pooler = nn.Linear(args.dim, args.dim) if args.labels else None
         self.classifier = nn.Linear(args.dim, args.labels) if args.labels else None
         self.tie_weights()

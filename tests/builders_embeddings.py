@@ -189,3 +189,35 @@ def write_bert_gguf(path: Path, model, *, qtype=None, pooling_type: int = 1, lea
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def save_qwen3_embedder(folder: Path, *, seed: int = 0, max_seq_length: int = 32):
+    """A random tiny ``Qwen3Model`` in a sentence-transformers folder pooled at the last token and
+    normalized, as Qwen3-Embedding is; its byte-level tokenizer appends ``</s>`` to every text, as
+    Qwen3-Embedding's appends its end of text. Returns (model, transformers' tokenizer)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
+
+    from tokenizer_builders import write_bytelevel_tokenizer_json
+
+    path = write_bytelevel_tokenizer_json(folder, vocab_size=400)
+    raw = Tokenizer.from_file(str(path))
+    eos = raw.token_to_id("</s>")
+    raw.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", eos)])
+    raw.save(str(path))
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=raw.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    model = Qwen3Model(config).eval()
+    model.save_pretrained(folder)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                  "pooling_mode": "lasttoken"}))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="</s>", pad_token="</s>")
+    return model, tokenizer

@@ -405,3 +405,23 @@ def test_a_bert_gguf_file_missing_a_tensor_is_refused_in_one_line(tmp_path):
     path = write_bert_gguf(tmp_path / "broken.gguf", bert_model(seed=7), leave_out=("blk.1.attn_k.bias",))
     with pytest.raises(ModelLoadError, match=r"^broken.gguf: missing tensor 'layers.1.attention.bk'$"):
         load_model(path, device="cpu")
+
+
+# -- decoder embedders -----------------------------------------------------------------------------
+
+
+def test_a_qwen3_embedder_is_pooled_at_its_last_token_as_transformers(tmp_path):
+    from builders_embeddings import save_qwen3_embedder
+
+    model, tokenizer = save_qwen3_embedder(tmp_path / "qwen3-embedding", seed=8, max_seq_length=32)
+    loaded = load_model(tmp_path / "qwen3-embedding", device="cpu")
+    assert (loaded.kind, loaded.args.family, loaded.args.pooled, loaded.chat_format) == ("embedding", "qwen3", True, None)
+    embedder = Embedder(loaded)
+    assert (embedder.pooling.mode, embedder.pooling.normalize, embedder.max_tokens) == ("last", True, 32)
+    texts = ["a", "The quick brown fox jumps over the lazy dog.", "Once upon a time " * 12, "東京 😀"]
+    for text in texts[:2]:  # the end of text after every input, as the tokenizer's post-processor puts it
+        assert embedder.text_ids(text, truncate=True) == tokenizer(text, truncation=True, max_length=32)["input_ids"]
+    ours = torch.stack([e.vector for e in embedder.embed([embedder.text_ids(t, truncate=True) for t in texts])])
+    expected = reference_embeddings(model, tokenizer, texts, pooling="lasttoken", normalize=True, max_length=32)
+    assert _cosines(ours, expected).min() > 0.9999
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)

@@ -235,7 +235,7 @@ def parameter_count(args: ModelArgs) -> int:
     kv_dim = args.n_kv_heads * args.head_dim
     per_layer = (2 * args.dim * args.n_heads * args.head_dim + 2 * kv_dim * args.dim
                  + (3 if args.gated_ffn else 2) * args.hidden_dim * args.dim + 2 * args.dim)
-    tables = 1 if args.tie_embeddings or args.encoder else 2
+    tables = 1 if args.tie_embeddings or args.encoder or args.pooled else 2
     embeddings = (args.vocab_size * tables + args.position_table + args.type_vocab_size) * args.dim
     return embeddings + args.n_layers * per_layer + args.dim
 
@@ -307,7 +307,7 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes[f"{norm}.weight"] = (args.dim,)
         if args.layer_norm:
             shapes[f"{norm}.bias"] = (args.dim,)
-    if not args.tie_embeddings and not args.encoder:
+    if not args.tie_embeddings and not args.encoder and not args.pooled:
         shapes["output.weight"] = (args.vocab_size, args.dim)
     if args.labels:
         shapes.update({"pooler.weight": (args.dim, args.dim), "pooler.bias": (args.dim,),
@@ -323,8 +323,9 @@ def check_state(ckpt: Checkpoint) -> dict[str, Weight]:
     """
     want = expected_shapes(ckpt.args)
     state = dict(ckpt.state)
-    if ckpt.args.tie_embeddings:
-        # Some writers store the tied projection anyway; it is the embedding, so drop it.
+    if ckpt.args.tie_embeddings or ckpt.args.pooled:
+        # Some writers store the tied projection anyway; it is the embedding, so drop it. A pooled
+        # decoder's classifier, where its folder keeps one, is never read.
         state.pop("output.weight", None)
     default_origin = ckpt.files[0].name if ckpt.files else "checkpoint"
     for name, shape in want.items():

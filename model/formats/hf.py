@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,6 +44,10 @@ def read_hf(model_dir: Path) -> Checkpoint:
     fused tensor's parts (views) and a Gemma norm (shifted: ``_shifted``)."""
     config = read_json(model_dir / "config.json")
     family, args = _args(config)
+    from llama_chat.model.formats.sentence_transformers import is_sentence_transformers
+
+    if is_sentence_transformers(model_dir) and not args.encoder:
+        args = replace(args, pooled=True)  # a decoder embedder (Qwen3-Embedding)
     loaded, origin, files = _read_tensors(model_dir, args)
     layer_names = dict(family.hf_layer_names)
     heads = dict(family.hf_head_names)
@@ -53,6 +58,8 @@ def read_hf(model_dir: Path) -> Checkpoint:
         if _IGNORED.fullmatch(hf_name) or short in family.hf_ignored or (short in heads and not args.labels):
             continue
         name = heads[short] if short in heads else meta_name(hf_name, layer_names, family)
+        if name is None and args.pooled:  # a bare decoder's names (``Qwen3Model``): no "model." before them
+            name = meta_name(f"model.{hf_name}", layer_names, family)
         if name is None:
             raise ModelLoadError(f"{origin[hf_name]}: unexpected tensor {hf_name!r}")
         parts = check_fused(name, tensor.shape[0], args, origin[hf_name]) if tensor.dim() == 2 else None

@@ -112,6 +112,8 @@ class HFTokenizer(ByteTableTokenizer):
         self._add_bos = bool(configured) if isinstance(configured, bool) else (
             self._bos is not None and probe[:1] == [self._bos] and bare[:1] != [self._bos])
         self._add_eos = self.config.get("add_eos_token") is True and self._eos is not None
+        start = next((i for i in range(len(probe) - len(bare) + 1) if probe[i:i + len(bare)] == bare), None)
+        self._markers = ((probe[:start], probe[start + len(bare):]) if bare and start is not None else ([], []))
         self._strips = bool(bare) and table[bare[0]].startswith(b" ") and not raw.decode(bare[:1]).startswith(" ")
 
     def _find(self, configured: str | None, fallbacks: tuple[str, ...]) -> int | None:
@@ -142,6 +144,12 @@ class HFTokenizer(ByteTableTokenizer):
     def add_bos(self) -> bool:
         """``add_bos_token`` from tokenizer_config.json, else whether the post-processor adds bos."""
         return self._add_bos
+
+    @property
+    def markers(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer's own post-processor puts before and after a text (transformers'
+        ``add_special_tokens=True``, as sentence-transformers tokenizes an input to embed)."""
+        return self._markers
 
     @property
     def add_eos(self) -> bool:

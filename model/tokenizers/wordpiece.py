@@ -110,6 +110,11 @@ class WordPieceTokenizer:
         piece = self._pieces[token_id]
         return piece[len(self.prefix):].encode() if piece.startswith(self.prefix) else b" " + piece.encode()
 
+    @property
+    def markers(self) -> tuple[list[int], list[int]]:
+        """What goes around a text to embed: ``[CLS]`` before, ``[SEP]`` after."""
+        return [self.cls_id], [self.sep_id]
+
     # -- BERT's steps ------------------------------------------------------------------------------
 
     def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
