@@ -52,6 +52,8 @@ SETTINGS.update({name: name for name in SETTING_KEYS if name not in SETTINGS.val
 # Fields that change nothing here (billing, tracing, and features of other services).
 IGNORED = ("metadata", "service_tier", "container", "mcp_servers", "context_management")
 FIELDS = frozenset(("model", "messages", "system", "stream", "tools", "tool_choice", "thinking", *SETTINGS, *IGNORED))
+# A count_tokens body: what makes the prompt, without max_tokens or the sampling controls.
+COUNT_FIELDS = frozenset(("model", "messages", "system", "tools", "tool_choice", "thinking", *IGNORED))
 
 
 def error_body(e: ApiError) -> dict[str, Any]:
@@ -68,26 +70,41 @@ def parse_messages(body: dict[str, Any]) -> Generation:
         raise bad(f"{unknown[0]}: Extra inputs are not permitted", unknown[0])
     if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
         raise bad("max_tokens: a number of tokens is required", "max_tokens")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model must be a string", "model")
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream must be true or false", "stream")
+    model, messages, tools = _prompt(body)
+    return Generation(True, (messages,), model=model, stream=bool(stream), include_usage=True,
+                      settings=read_settings(body, SETTINGS.items()), tools=tools,
+                      thinking=_thinking(body.get("thinking"), body["max_tokens"]))
+
+
+def parse_count(body: dict[str, Any]) -> Generation:
+    """A ``count_tokens`` body: the prompt a ``messages.create`` of the same fields would have."""
+    unknown = sorted(set(body) - COUNT_FIELDS)
+    if unknown:
+        raise bad(f"{unknown[0]}: Extra inputs are not permitted", unknown[0])
+    model, messages, tools = _prompt(body)
+    return Generation(True, (messages,), model=model, tools=tools, thinking=_thinking(body.get("thinking"), None))
+
+
+def _prompt(body: dict[str, Any]) -> tuple[str | None, tuple[Message, ...], ToolRequest | None]:
+    """The model named, the dialog (``system`` first) and the tools of a body."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model")
     try:
         messages = (*_system(body.get("system")), *_messages(body.get("messages")))
         tools = _tools(body)
         check_results(messages)
     except ToolError as e:
         raise bad(str(e), e.param) from None
-    return Generation(True, (messages,), model=model, stream=bool(stream), include_usage=True,
-                      settings=read_settings(body, SETTINGS.items()), tools=tools,
-                      thinking=_thinking(body.get("thinking"), body["max_tokens"]))
+    return model, messages, tools
 
 
-def _thinking(value: Any, max_tokens: int) -> dict[str, Any]:
+def _thinking(value: Any, max_tokens: int | None) -> dict[str, Any]:
     """``thinking``: ``{"type": "enabled", "budget_tokens": N}`` (N below max_tokens, as Anthropic
-    requires) or ``{"type": "disabled"}``, as ``reasoning.Thinking`` fields."""
+    requires, where there is one) or ``{"type": "disabled"}``, as ``reasoning.Thinking`` fields."""
     if value is None:
         return {}
     kind = value.get("type") if isinstance(value, dict) else None
@@ -98,7 +115,7 @@ def _thinking(value: Any, max_tokens: int) -> dict[str, Any]:
     budget = value.get("budget_tokens")
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise bad(f"thinking.budget_tokens must be an integer >= 1, got {budget!r}", "thinking.budget_tokens")
-    if budget >= max_tokens:
+    if max_tokens is not None and budget >= max_tokens:
         raise bad(f"thinking.budget_tokens must be less than max_tokens ({budget} >= {max_tokens})",
                   "thinking.budget_tokens")
     return {"mode": "on", "budget": budget}
@@ -311,4 +328,5 @@ def sse(name: str, data: dict[str, Any]) -> bytes:
         + b"\n\n"
 
 
-__all__ = ["MessageReply", "error_body", "matched_stop", "parse_messages", "sse", "stop_reason", "tool_input"]
+__all__ = ["MessageReply", "error_body", "matched_stop", "parse_count", "parse_messages", "sse", "stop_reason",
+           "tool_input"]

@@ -21,6 +21,7 @@ from llama_chat.cmd.batch_input import SAMPLING_KEYS, SETTING_KEYS, setting
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS
 from llama_chat.inference.tool_calls import (ToolCall, ToolChoice, ToolError, ToolRequest, check_results, check_tools,
                                              make_tool)
+from llama_chat.inference.fim import Infill
 from llama_chat.inference.tool_formats import called_tool
 from llama_chat.inference.tool_stream import Delta
 from llama_chat.inference.types import Completion, GenerationState, TokenLogprobs
@@ -93,7 +94,8 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
     return ApiError(400, message, param=param, code=code)
 
 
-Prompt = tuple[Message, ...] | str | tuple[int, ...]
+# A dialog, a text, token ids, or a fill-in-the-middle's texts (a completion's ``suffix``, /infill).
+Prompt = tuple[Message, ...] | str | tuple[int, ...] | Infill
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,8 @@ def parse_chat(body: dict[str, Any]) -> Generation:
     if tools is not None and tools.active and (form or constraints):
         raise bad("tools and response_format (or a grammar) both constrain the reply: one at a time", "tools")
     kwargs = _template_kwargs(body)
-    return Generation(True, (messages,), **common, logprobs=logprobs, tools=tools, thinking=_thinking(body, kwargs),
-                      template_kwargs=kwargs)
+    return Generation(True, (messages,), **common, logprobs=logprobs, tools=tools,
+                      thinking=thinking_choices(body, kwargs), template_kwargs=kwargs)
 
 
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
@@ -166,7 +168,7 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return dict(value)
 
 
-def _thinking(body: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+def thinking_choices(body: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The thinking settings a chat request chose: ``reasoning_effort`` (none: off), the template's
     ``enable_thinking``, ``reasoning_format`` (none: the thinking stays in the content) and
     ``reasoning_budget``."""
@@ -216,6 +218,14 @@ def _tools(body: dict[str, Any]) -> ToolRequest | None:
     return ToolRequest(tuple(tools), choice, parallel) if tools else None
 
 
+def read_tools(body: dict[str, Any]) -> ToolRequest | None:
+    """The tools of a body in OpenAI's tool shape (Ollama's is the same), checked: a 400 names the field."""
+    try:
+        return _tools(body)
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
+
+
 def _tool_choice(value: Any, offered: bool) -> ToolChoice:
     if value is None:
         return ToolChoice("auto" if offered else "none")
@@ -233,13 +243,21 @@ def parse_completion(body: dict[str, Any]) -> Generation:
     logprobs = _ranged(body, "logprobs") if _given(body, "logprobs") else None
     if body.get("echo"):
         raise bad("echo is not supported by this server", "echo")
-    if _given(body, "suffix"):
-        raise bad("suffix is not supported by this server", "suffix")
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise bad("suffix must be a string", "suffix")
     common = _common(body, "max_tokens")
     best_of = _ranged(body, "best_of") if body.get("best_of") is not None else None
     if best_of is not None and best_of != common["n"]:
         raise bad("best_of is not supported by this server (leave it out, or give n's value)", "best_of")
-    return Generation(False, _prompts(body.get("prompt")), **common, logprobs=logprobs)
+    prompts = _prompts(body.get("prompt"))
+    # A suffix makes each prompt the prefix of a fill-in-the-middle; an empty one leaves a plain
+    # completion, as llama-server and Ollama take it.
+    if suffix:
+        if not all(isinstance(p, str) for p in prompts):
+            raise bad("suffix needs the prompt as text, not token ids", "suffix")
+        prompts = tuple(Infill(p, suffix) for p in prompts)
+    return Generation(False, prompts, **common, logprobs=logprobs)
 
 
 def _given(body: dict[str, Any], name: str) -> bool:
@@ -410,22 +428,29 @@ def _response_format(body: dict[str, Any]) -> dict[str, str]:
     if value is None:
         return {}
     kind = value.get("type") if isinstance(value, dict) else None
+    spec = value.get("json_schema") if isinstance(value, dict) else None
+    return format_setting(kind, spec.get("schema") if isinstance(spec, dict) else None, "response_format",
+                          "response_format.json_schema.schema")
+
+
+def format_setting(kind: Any, schema: Any, field: str, schema_field: str) -> dict[str, str]:
+    """A reply's format (``text``, ``json_object``, ``json_schema`` with its ``schema``) as the
+    option it stands for: none, ``format`` json, or ``json_schema``; ``field`` names it in errors
+    (Chat Completions' ``response_format``, Responses' ``text.format``)."""
     if kind == "text":
         return {}
     if kind == "json_object":
         name, text = "format", "json"
     elif kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
+            raise bad(f"{schema_field} must be a JSON schema object", field)
         name, text = "json_schema", json.dumps(schema)
     else:
-        raise bad("response_format.type must be text, json_object or json_schema", "response_format")
+        raise bad(f"{field}.type must be text, json_object or json_schema", field)
     try:
         return {name: setting(name, text)}
     except (ControlError, ValueError) as e:
-        raise bad(f"response_format: {getattr(e, 'reason', e)}", "response_format") from None
+        raise bad(f"{field}: {getattr(e, 'reason', e)}", field) from None
 
 
 # -- what is sent back -----------------------------------------------------------------------------

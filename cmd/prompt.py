@@ -1,4 +1,5 @@
-"""Prompt text to token ids: through the model's chat format, or as plain completion."""
+"""Prompt text to token ids: through the model's chat format, as plain completion, or as the prefix
+of a fill-in-the-middle (``--suffix``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from llama_chat.cmd.inputs import UsageProblem
+from llama_chat.inference.fim import FimPrompt, Infill, NoFimTokens, fill_in_the_middle
 from llama_chat.inference.reasoning import Thinking, ThinkTags, template_kwargs, think_tags
 from llama_chat.model.chat_format import FORMAT_NAMES, ChatFormat, Message, chat_format_from_file
 from llama_chat.model.tokenizers.base import Tokenizer, encode_prompt
@@ -37,11 +39,26 @@ def dialog_ids(chat_format: ChatFormat, messages: Sequence[Message], *, thinking
                think: tuple[ThinkTags, Tokenizer] | None, **extra: Any) -> list[int]:
     """A dialog's ids, ending where the reply begins, with what the template is given for the
     thinking (``enable_thinking``) and ``extra`` (tools, a request's own variables)."""
+    return chat_format.encode_dialog(messages, add_generation_prompt=True, **_with_variables(extra, thinking, think))
+
+
+def dialog_text(chat_format: ChatFormat, messages: Sequence[Message], *, thinking: Thinking,
+                think: tuple[ThinkTags, Tokenizer] | None, **extra: Any) -> str | None:
+    """The text a chat template renders of the dialog that ``dialog_ids`` tokenizes; None for a
+    built-in format, which writes ids."""
+    render = getattr(chat_format, "render", None)
+    if render is None:
+        return None
+    return render(messages, add_generation_prompt=True, **_with_variables(extra, thinking, think))
+
+
+def _with_variables(extra: dict[str, Any], thinking: Thinking, think: tuple[ThinkTags, Tokenizer] | None
+                    ) -> dict[str, Any]:
     variables = {**(extra.pop("template_kwargs", None) or {}),
                  **template_kwargs(think[0] if think else None, thinking)}
     if variables:
         extra["template_kwargs"] = variables
-    return chat_format.encode_dialog(messages, add_generation_prompt=True, **extra)
+    return extra
 
 
 def prompt_ids(text: str, *, system: str | None, tokenizer: Tokenizer, chat_format: ChatFormat | None,
@@ -64,3 +81,14 @@ def prompt_ids(text: str, *, system: str | None, tokenizer: Tokenizer, chat_form
     messages = [Message("system", system)] if system else []
     messages.append(Message("user", text))
     return dialog_ids(chat_format, messages, thinking=thinking, think=think)
+
+
+def fim_prompt_ids(loaded: Any, prefix: str, suffix: str) -> FimPrompt:
+    """``--suffix``: the prompt is the code before the cursor, and the model's own FIM tokens frame
+    it (no chat template); ``UsageProblem`` naming what a model without them lacks."""
+    if not hasattr(loaded, "model"):
+        raise UsageProblem("--suffix needs a model loaded here, not a remote one (send suffix to its server)")
+    try:
+        return fill_in_the_middle(loaded.tokenizer, Infill(prefix, suffix))
+    except NoFimTokens as e:
+        raise UsageProblem(str(e)) from None

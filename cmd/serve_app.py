@@ -24,6 +24,7 @@ import json
 import math
 import time
 import uuid
+from functools import partial
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,10 @@ from llama_chat.cmd.http_protocol import CLOSE, head_refusal
 from llama_chat.cmd.openai_api import (ApiError, ChatMessage, Generation, LogprobsWriter, Reply, StreamEvents, bad,
                                        dumps, event, parse_chat, parse_completion, tool_call_deltas, usage)
 from llama_chat.cmd.prompt import dialog_ids, thinking_model
+from llama_chat.cmd.responses_api import (ResponseBuilder, ResponseStore, not_found, parse_responses,
+                                          responses_usage, status_of)
 from llama_chat.cmd.sanitize import one_line
+from llama_chat.inference.fim import FimPrompt, Infill, NoFimTokens, fill_in_the_middle
 from llama_chat.inference.reasoning import Thinking, ThinkTags, thinking_request
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
 from llama_chat.inference.tool_calls import call_id
@@ -63,7 +67,8 @@ if TYPE_CHECKING:
     from llama_chat.inference.serving import Choice, Serving
     from llama_chat.model.loader import LoadedModel
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+                    "/api/chat", "/api/generate", "/infill")
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 JSON_HEADERS = [(b"content-type", b"application/json")]
@@ -108,7 +113,8 @@ class ServerState:
     model once loaded, limits."""
 
     def __init__(self, *, api_key: str | None, max_body_bytes: int, log: Callable[[str], None] | None,
-                 read_timeout_s: float = math.inf) -> None:
+                 read_timeout_s: float = math.inf, responses: ResponseStore | None = None) -> None:
+        self.responses = responses if responses is not None else ResponseStore()  # for previous_response_id
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.read_timeout_s = read_timeout_s  # for a request's body, once its headers are in
@@ -154,7 +160,8 @@ def shown_path(path: str) -> str:
 
 def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGIApp:
     def endpoint(handler: Callable[[HttpRequest], Awaitable[Response]], *, public: bool = False,
-                 anthropic: bool = False):
+                 anthropic: bool = False, error_shape: Callable[[ApiError], dict[str, Any]] | None = None):
+        """``error_shape``: an API's own error object for a refusal (Ollama's), where not OpenAI's."""
         async def run(request: HttpRequest) -> Response:
             try:
                 if not public:
@@ -164,6 +171,8 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
                 request.scope[LOG_DETAIL] = e.message
                 if anthropic:
                     return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
+                if error_shape is not None:
+                    return JSONResponse(error_shape(e), status_code=e.status, headers=e.headers)
                 return error_response(e)
             except ClientDisconnect:  # gone while sending its body: nobody reads an answer
                 request.scope[LOG_OUTCOME], request.scope[LOG_DETAIL] = "cancelled", "(client went away)"
@@ -197,6 +206,20 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
     async def messages(request: HttpRequest) -> Response:
         return await _generate(state, request, parse_messages, MessagesResponse)
 
+    async def responses(request: HttpRequest) -> Response:
+        return await _generate(state, request, partial(parse_responses, store=state.responses),
+                               partial(ResponsesResponse, store=state.responses))
+
+    async def stored_response(request: HttpRequest) -> Response:
+        response_id = request.path_params["id"]
+        found = state.responses.get(response_id)
+        if found is None:
+            raise not_found(response_id)
+        if request.method == "DELETE":
+            state.responses.delete(response_id)
+            return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+        return JSONResponse(found.body)
+
     async def http_error(request: HttpRequest, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
@@ -216,15 +239,29 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
         Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/messages", endpoint(messages, anthropic=True), methods=["POST"]),
+        Route("/v1/responses", endpoint(responses), methods=["POST"]),
+        Route("/v1/responses/{id}", endpoint(stored_response), methods=["GET", "DELETE"]),
         *embedding_routes(state, endpoint, lambda request: _json_body(state, request)),
+        *_translated_routes(state, endpoint),
     ]
     middleware = [Middleware(RequestLog, state=state)]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
-                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                                      allow_headers=["Authorization", "Content-Type", "X-Api-Key",
                                                     "Anthropic-Version"]))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: http_error})
+
+
+def _translated_routes(state: ServerState, endpoint: Callable) -> list[Route]:
+    """Ollama's API (``ollama_api.py``), the token routes (``tokens_api.py``) and llama-server's
+    /infill (``fim_api.py``). Their modules
+    build on the responses and helpers defined here, so they are imported once this one is."""
+    from llama_chat.cmd.fim_api import infill_routes
+    from llama_chat.cmd.ollama_api import ollama_routes
+    from llama_chat.cmd.tokens_api import token_routes
+
+    return [*ollama_routes(state, endpoint), *token_routes(state, endpoint), *infill_routes(state, endpoint)]
 
 
 def _kv_memory_lines(stats) -> str:
@@ -373,7 +410,8 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
     thinking = request_thinking(served, generation)
     requests, prompt_lens = [], []
     for p, prompt in enumerate(generation.prompts):
-        ids = _prompt_ids(served, generation, prompt, thinking)
+        fim = _fim_prompt(served, generation, prompt) if isinstance(prompt, Infill) else None
+        ids = list(fim.ids) if fim is not None else _prompt_ids(served, generation, prompt, thinking)
         prompt_lens.append(len(ids))
         settings = dict(generation.settings)
         seed = settings.pop("seed", None)
@@ -386,6 +424,8 @@ def _prepare(served: Served, data: bytes, parse: Callable[[dict[str, Any]], Gene
                 request = dataclasses.replace(request, logprobs=generation.logprobs)
             if generation.speculation:
                 request = dataclasses.replace(request, **generation.speculation)
+            if fim is not None:
+                request = dataclasses.replace(request, stop_ids=fim.stop_ids)
             if constraint is not None:
                 request = dataclasses.replace(request, constraint=constraint)
             if generation.chat and served.think is not None:
@@ -419,13 +459,7 @@ def _thinking_request(request: Request, served: Served, thinking: Thinking, gene
 def _prompt_ids(served: Served, generation: Generation, prompt, thinking: Thinking = Thinking()) -> list[int]:
     loaded = served.loaded
     if generation.chat:
-        if loaded.chat_format is None:
-            raise bad("this model has no chat template: use /v1/completions, or start the server with "
-                      "--template llama2|llama3|hf", "messages")
-        messages, tools = prepare_dialog(served.tool_format, prompt, generation.tools)
-        extra: dict[str, Any] = {"tools": tools} if tools else {}
-        if generation.template_kwargs:
-            extra["template_kwargs"] = generation.template_kwargs
+        messages, extra = dialog_parts(served, generation, prompt)
         try:
             ids = dialog_ids(loaded.chat_format, messages, thinking=thinking, think=served.think, **extra)
         except ValueError as e:  # roles out of order for the format, a template that failed
@@ -439,6 +473,29 @@ def _prompt_ids(served: Served, generation: Generation, prompt, thinking: Thinki
     if any(i >= vocab for i in prompt):
         raise bad(f"prompt: token ids must be below the vocabulary size, {vocab}", "prompt")
     return list(prompt)
+
+
+def dialog_parts(served: Served, generation: Generation, messages) -> tuple[list, dict[str, Any]]:
+    """What the chat template renders of a chat's messages: the messages and tools as the server's
+    tool format writes them, and the request's own template variables."""
+    if served.loaded.chat_format is None:
+        raise bad("this model has no chat template: use /v1/completions, or start the server with "
+                  "--template llama2|llama3|hf", "messages")
+    messages, tools = prepare_dialog(served.tool_format, messages, generation.tools)
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    if generation.template_kwargs:
+        extra["template_kwargs"] = generation.template_kwargs
+    return messages, extra
+
+
+def _fim_prompt(served: Served, generation: Generation, infill: Infill) -> FimPrompt:
+    """A fill-in-the-middle's prompt, cut to leave room for the reply (up to half the context)."""
+    context = served.serving.scheduler.max_seq_len
+    reply = min(max(generation.settings.get("max_tokens") or 1, 1), context // 2)
+    try:
+        return fill_in_the_middle(served.loaded.tokenizer, infill, room=context - reply)
+    except NoFimTokens as e:
+        raise bad(str(e), "suffix" if infill.files is None else "input_suffix", "no_fim_tokens") from None
 
 
 _grammars: KeptCompiles[Constraint] = KeptCompiles(8)  # a client sends the same tools with every turn
@@ -704,6 +761,74 @@ class MessagesResponse(GenerationResponse):
             called = self.readers is not None and bool(self.readers[0].calls)
             await self._send(send, tail + self.message.end(completion.finish_reason, called,
                                                            completion.completion_tokens, self._stop(completion)))
+        self._finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class ResponsesResponse(GenerationResponse):
+    """The same job sent back as OpenAI's Responses API: one ``response``, or its typed events,
+    kept in ``store`` for ``previous_response_id`` unless the request said ``store: false``."""
+
+    def __init__(self, generation, reply: Reply, choices: list[Choice], prompt_lens: list[int],
+                 token_bytes: Callable[[int], bytes], tool_format: ToolFormat = FORMATS["generic"], *,
+                 store: ResponseStore) -> None:
+        super().__init__(generation, reply, choices, prompt_lens, token_bytes, tool_format)
+        self.builder = ResponseBuilder(f"resp_{reply.id.removeprefix('chatcmpl-')}", reply.model, generation)
+        self.store = store
+
+    def _read(self, text: str, final: bool = False) -> list:
+        reader = None if self.readers is None else self.readers[0]
+        if reader is None:
+            return [Delta(content=text)] if text else []
+        return reader.feed(text) + (reader.finish() if final else [])
+
+    def _responses_usage(self) -> dict[str, Any]:
+        u = self._usage()
+        return responses_usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                               u["completion_tokens"], u["completion_tokens_details"]["reasoning_tokens"])
+
+    def _keep(self, body: dict[str, Any]) -> None:
+        if self.generation.store:
+            self.store.put(body, self.builder.conversation())
+
+    async def _whole(self, send: Send) -> None:
+        choice = self.choices[0]
+        async for _ in choice.parts():
+            pass
+        completion = choice.completion()
+        if completion.finish_reason is GenerationState.ERROR:
+            status, body = 500, ApiError(500, "generation failed; see the server's log", code="generation_failed").body()
+        else:
+            self._read(completion.text, final=True)
+            reader = None if self.readers is None else self.readers[0]
+            text = completion.text if reader is None else reader.text()
+            calls = () if reader is None else reader.tool_calls()
+            status = 200
+            body = self.builder.whole(text, calls, completion.reasoning, completion.finish_reason,
+                                      self._responses_usage())
+            self._keep(body)
+        self._finished = True
+        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+        await send({"type": "http.response.body", "body": dumps(body)})
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        builder = self.builder
+        await self._send(send, builder.start())
+        choice, sent = self.choices[0], 0
+        async for text, thought in choice.parts():
+            sent += len(text)
+            events = builder.reasoning(thought) + builder.pieces(self._read(text))
+            if events:
+                await self._send(send, events)
+        completion = choice.completion()
+        if completion.finish_reason is GenerationState.ERROR:
+            await self._send(send, builder.failed("generation failed; see the server's log"))
+        else:
+            tail = builder.pieces(self._read(completion.text[sent:], final=True))
+            usage_object = self._responses_usage()
+            await self._send(send, tail + builder.end(completion.finish_reason, usage_object))
+            self._keep(builder.body(status_of(completion.finish_reason), usage_object))
         self._finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
