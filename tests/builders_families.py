@@ -97,9 +97,10 @@ def _tensor_name(family: str, hf_name: str) -> str:
 
 
 def write_family_gguf(path: Path, hf, family: str, sp_model: Path, *, qtype: T = T.F32,
-                      leave_out: tuple[str, ...] = ()) -> Path:
+                      leave_out: tuple[str, ...] = (), pooling_type: int | None = None) -> Path:
     """``hf`` as llama.cpp's converter writes a file of its family; matrices in ``qtype``; the
-    tensors named in ``leave_out`` (GGUF names) left out, as a broken file would."""
+    tensors named in ``leave_out`` (GGUF names) left out, as a broken file would; with
+    ``pooling_type``, an embedding model's file (the converter's for a sentence-transformers folder)."""
     c = hf.config
     arch = ARCH[family]
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -118,6 +119,8 @@ def write_family_gguf(path: Path, hf, family: str, sp_model: Path, *, qtype: T =
     writer.add_rope_freq_base(full["rope_theta"])
     writer.add_rope_dimension_count(head_dim)
     writer.add_file_type({T.F32: 0, T.F16: 1}.get(qtype, 7))
+    if pooling_type is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
     if family.startswith("gemma"):
         writer.add_sliding_window(c.sliding_window)
     if family == "phi3":  # the converter writes 0 for a config without a window

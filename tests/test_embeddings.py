@@ -425,3 +425,21 @@ def test_a_qwen3_embedder_is_pooled_at_its_last_token_as_transformers(tmp_path):
     expected = reference_embeddings(model, tokenizer, texts, pooling="lasttoken", normalize=True, max_length=32)
     assert _cosines(ours, expected).min() > 0.9999
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_a_qwen3_gguf_file_with_a_pooling_type_embeds_at_its_last_token(tmp_path, sp_model_path):
+    import sentencepiece as spm
+    from builders_families import hf_family_model, write_family_gguf
+
+    vocab = spm.SentencePieceProcessor(model_file=str(sp_model_path)).vocab_size()
+    hf = hf_family_model("qwen3", vocab, seed=9)
+    path = write_family_gguf(tmp_path / "qwen3-embedding.gguf", hf, "qwen3", sp_model_path, pooling_type=3)
+    loaded = load_model(path, device="cpu", max_seq_len=64)
+    assert (loaded.kind, loaded.args.pooled, loaded.pooling.mode, loaded.pooling.normalize) == ("embedding", True, "last", True)
+    embedder = Embedder(loaded)
+    texts = ["Once upon a time", "a", "the cat sat on the mat and looked at the dog for a long while"]
+    ids = [embedder.text_ids(t, truncate=True) for t in texts]
+    ours = torch.stack([e.vector for e in embedder.embed(ids)])
+    with torch.no_grad():
+        expected = torch.stack([hf.model(torch.tensor([i])).last_hidden_state[0, -1] for i in ids])
+    torch.testing.assert_close(ours, torch.nn.functional.normalize(expected, dim=-1), atol=1e-5, rtol=1e-4)

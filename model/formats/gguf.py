@@ -489,6 +489,8 @@ def meta_flag(contents: GGUFContents, key: str) -> bool | None:
 def _switches(contents: GGUFContents, arch: str, family: Family) -> dict[str, Any]:
     """The family's switches from the file's metadata, as llama.cpp reads them."""
     switches: dict[str, Any] = {"family": family.name}
+    if contents.metadata.get(f"{arch}.pooling_type") is not None:
+        switches["pooled"] = True  # an embedding model's file (Qwen3-Embedding): no classifier read
     if family.name == "qwen2":
         switches["qkv_bias"] = True
     if family.name in ("qwen3", "gemma3"):
