@@ -34,6 +34,7 @@ from rich.console import Console
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.http_protocol import guarded_protocol
 from llama_chat.cmd.options import BATCH, Options, ranged
+from llama_chat.cmd.responses_api import DEFAULT_STORED, DEFAULT_STORED_BYTES, ResponseStore
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.serve_app import Served, ServerState, build_app
 from llama_chat.cmd.signals import hard_exit, install_sync_handlers
@@ -106,6 +107,13 @@ class ServeOptions:
         "--shutdown-grace", min=0.0, rich_help_panel=SERVER, metavar="SECONDS",
         help="On SIGTERM or Ctrl+C: how long running jobs may go on before they are cancelled.")
     ] = DEFAULT_SHUTDOWN_GRACE_S
+    store_responses: Annotated[int, typer.Option(
+        "--store-responses", min=0, rich_help_panel=SERVER, metavar="N",
+        help="Responses API: how many responses are kept in memory for previous_response_id and "
+             "GET /v1/responses/ID, the least recently used out first (0: none).")] = DEFAULT_STORED
+    store_responses_bytes: Annotated[int, typer.Option(
+        "--store-responses-bytes", min=0, rich_help_panel=SERVER, metavar="BYTES",
+        help="Responses API: the most bytes of text the kept responses hold together.")] = DEFAULT_STORED_BYTES
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", rich_help_panel=SERVER, help="Log errors only, not every request.")] = False
     max_batch: _OPTION["max_batch"] = DEFAULT_MAX_BATCH
@@ -247,7 +255,8 @@ class _Server(uvicorn.Server):
 
 async def _serve(opts: ServeOptions, sock: socket.socket, log: ServerLog) -> int:
     state = ServerState(api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, log=log.note,
-                        read_timeout_s=opts.read_timeout)
+                        read_timeout_s=opts.read_timeout,
+                        responses=ResponseStore(opts.store_responses, opts.store_responses_bytes))
     app = build_app(state, cors_origins=tuple(opts.cors_origin or ()))
     config = uvicorn.Config(app, http=guarded_protocol(opts.read_timeout), lifespan="off", log_config=None,
                             access_log=False, server_header=False, ws="none",
