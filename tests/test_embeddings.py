@@ -443,3 +443,19 @@ def test_a_qwen3_gguf_file_with_a_pooling_type_embeds_at_its_last_token(tmp_path
     with torch.no_grad():
         expected = torch.stack([hf.model(torch.tensor([i])).last_hidden_state[0, -1] for i in ids])
     torch.testing.assert_close(ours, torch.nn.functional.normalize(expected, dim=-1), atol=1e-5, rtol=1e-4)
+
+
+def test_ollamas_and_langchains_clients_get_the_same_vectors(embedding_server):
+    import ollama
+    from langchain_openai import OpenAIEmbeddings
+
+    texts = TEXTS[:3]
+    reference = torch.tensor([d.embedding for d in embedding_server.client().embeddings.create(
+        model="tiny-st", input=texts, encoding_format="float").data])
+    by_ollama = ollama.Client(host=embedding_server.url).embed(model="tiny-st", input=texts)
+    torch.testing.assert_close(torch.tensor(by_ollama.embeddings), reference)
+    # LangChain sends tiktoken's ids unless told to send the texts: a local model has its own vocabulary.
+    langchain = OpenAIEmbeddings(model="tiny-st", base_url=f"{embedding_server.url}/v1", api_key="none",
+                                 check_embedding_ctx_length=False)
+    torch.testing.assert_close(torch.tensor(langchain.embed_documents(texts)), reference)
+    torch.testing.assert_close(torch.tensor(langchain.embed_query(texts[1])), reference[1])
