@@ -29,7 +29,8 @@ with deferred_signals(exit_now=True):
 
     from llama_chat.cmd import exit_status
     from llama_chat.cmd.batch_input import check_batch_options, read_batch
-    from llama_chat.cmd.inputs import UsageProblem, check_command_line_text, gather_first_message, gather_prompt
+    from llama_chat.cmd.inputs import (UsageProblem, check_command_line_text, check_fim_usage, gather_first_message,
+                                       gather_prompt)
     from llama_chat.cmd.options import Options
     from llama_chat.cmd.sanitize import one_line
     from llama_chat.cmd.typer_command import GroupedHelp, command, new_app
@@ -98,6 +99,7 @@ def check_usage(opts: Options) -> None:
     if sys.stdout is None:  # started with stdout closed (`>&-`)
         raise UsageProblem("standard output is closed: there is nowhere to write the answer")
     check_command_line_text(opts)
+    check_fim_usage(opts)
     if opts.download and opts.model is None:
         raise UsageProblem("--download needs -m org/name (a Hugging Face id)")
     if opts.remote_model is not None or opts.api_key is not None:

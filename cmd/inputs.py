@@ -19,7 +19,7 @@ class UsageProblem(ValueError):
 
 
 # Options whose text reaches the tokenizer, by their flags.
-TEXT_OPTIONS = (("prompt", "--prompt"), ("system", "--system"), ("stop", "--stop"))
+TEXT_OPTIONS = (("prompt", "--prompt"), ("system", "--system"), ("stop", "--stop"), ("suffix", "--suffix"))
 
 
 def check_command_line_text(opts) -> None:
@@ -57,6 +57,37 @@ def read_prompt_file(name: str) -> str:
             return read_stdin_text(f, what=f"--file {name}")
     except OSError as e:
         raise UsageProblem(f"--file {name}: cannot read it ({e.strerror or e})") from None
+
+
+def check_fim_usage(opts) -> None:
+    """``--suffix`` or ``--suffix-file`` (one of them) go with a one-shot prompt: the code before
+    the cursor, from ``--prompt``, ``--file`` or a pipe."""
+    flag = "--suffix" if opts.suffix is not None else "--suffix-file" if opts.suffix_file is not None else None
+    if flag is None:
+        return
+    if opts.suffix is not None and opts.suffix_file is not None:
+        raise UsageProblem("--suffix and --suffix-file: give one of them")
+    for other, given in (("--chat", opts.chat), ("--batch", opts.batch is not None), ("--system", opts.system)):
+        if given:
+            raise UsageProblem(f"{flag} fills in the middle of a one-shot prompt; it cannot be used with {other}")
+    if opts.prompt is None and opts.file is None and (opts.no_stdin or sys.stdin is None or sys.stdin.isatty()):
+        raise UsageProblem(f"{flag} needs a prompt, the code before the cursor: pass --prompt TEXT, --file FILE "
+                           "or pipe it on stdin")
+
+
+def read_suffix(opts) -> str | None:
+    """The text of ``--suffix``, or of the file ``--suffix-file`` names as it is (its last line end
+    is code after the cursor too)."""
+    if opts.suffix_file is None:
+        return opts.suffix
+    try:
+        with open(opts.suffix_file, "rb") as f:
+            data = f.read(MAX_PROMPT_BYTES + 1)
+    except OSError as e:
+        raise UsageProblem(f"--suffix-file {opts.suffix_file}: cannot read it ({e.strerror or e})") from None
+    if len(data) > MAX_PROMPT_BYTES:
+        raise UsageProblem(f"--suffix-file {opts.suffix_file} holds more than {MAX_PROMPT_BYTES // 2**20} MiB")
+    return data.decode("utf-8", errors="replace")
 
 
 def combine_prompt(prompt: str | None, stdin_text: str | None) -> str:
@@ -107,5 +138,5 @@ def gather_first_message(prompt: str | None, *, file: str | None = None, read_st
     return text
 
 
-__all__ = ["gather_first_message", "MAX_PROMPT_BYTES", "UsageProblem", "check_command_line_text", "combine_prompt", "gather_prompt", "one_line", "read_prompt_file",
-           "read_stdin_text"]
+__all__ = ["gather_first_message", "MAX_PROMPT_BYTES", "UsageProblem", "check_command_line_text", "check_fim_usage",
+           "combine_prompt", "gather_prompt", "one_line", "read_prompt_file", "read_stdin_text", "read_suffix"]

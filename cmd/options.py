@@ -186,6 +186,12 @@ class Options:
         "--file", "-f", metavar="FILE", help="Read the prompt from this file ('-': stdin); stdin is then not read otherwise.")] = None
     no_stdin: Annotated[bool, typer.Option(
         "--no-stdin", help="Do not read stdin, even when it is a pipe.")] = False
+    suffix: Annotated[str | None, typer.Option(
+        "--suffix", metavar="TEXT",
+        help="Fill in the middle: the prompt is the code before the cursor and TEXT the code after it; a code "
+             "model with fill-in-the-middle tokens writes what goes between.")] = None
+    suffix_file: Annotated[str | None, typer.Option(
+        "--suffix-file", metavar="FILE", help="--suffix, read from this file as it is.")] = None
     chat: Annotated[bool, typer.Option(
         "--chat", help="Chat interactively (the default with no prompt on a terminal). A prompt or piped "
                        "stdin becomes the first message; the chat then goes on reading the terminal.")] = False

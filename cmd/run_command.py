@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,10 +23,11 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.generation_source import single_stream
+from llama_chat.cmd.inputs import read_suffix
 from llama_chat.cmd.load_progress import load_progress
 from llama_chat.cmd.memory_check import check_memory
 from llama_chat.cmd.one_shot import Outcome, run_one_shot
-from llama_chat.cmd.prompt import prompt_ids, thinking_model, with_template_file
+from llama_chat.cmd.prompt import fim_prompt_ids, prompt_ids, thinking_model, with_template_file
 from llama_chat.cmd.render import make_renderer
 from llama_chat.cmd.report import print_summary, seed_to_report, write_json
 from llama_chat.cmd.sanitize import one_line
@@ -153,12 +155,18 @@ def _fileno(stream) -> int | None:
 def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     """Load, generate ``text`` (the prompt, already read and checked) and report; the exit status."""
     started = time.perf_counter()
+    suffix = read_suffix(opts)  # before the load: a file that cannot be read is a usage error at once
     loaded = load(opts, err)
-    think = thinking_model(loaded)
-    ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format,
-                     template=opts.template, thinking=opts.thinking(), think=think)
-    # A chat reply is not a continuation of the prompt text: no leading word-start space.
-    request = opts.request(ids, chat_reply=loaded.chat_format is not None, thinker=think)
+    if suffix is not None:
+        # The middle continues the prefix: framed by the model's FIM tokens, no chat template.
+        fim = fim_prompt_ids(loaded, text, suffix)
+        request = replace(opts.request(fim.ids, chat_reply=False), stop_ids=fim.stop_ids)
+    else:
+        think = thinking_model(loaded)
+        ids = prompt_ids(text, system=opts.system, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format,
+                         template=opts.template, thinking=opts.thinking(), think=think)
+        # A chat reply is not a continuation of the prompt text: no leading word-start space.
+        request = opts.request(ids, chat_reply=loaded.chat_format is not None, thinker=think)
     seed = request.seed
     source = single_stream(loaded, opts)
     source.check(request)  # a prompt longer than the context is bad input, found before any work

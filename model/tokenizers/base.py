@@ -5,6 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+# A code model's fill-in-the-middle tokens by role, as a GGUF file names them
+# (``tokenizer.ggml.{role}_token_id``): prefix, suffix, middle, pad, repository name, file separator.
+# A tokenizer from such a file keeps the ids it names as ``fim_ids`` (``inference/fim.py``).
+FIM_ROLES = ("fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
+
 
 @runtime_checkable
 class Tokenizer(Protocol):

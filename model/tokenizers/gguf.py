@@ -30,7 +30,7 @@ from typing import Any
 
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.gguf import GGUFContents, meta_str
-from llama_chat.model.tokenizers.base import Tokenizer
+from llama_chat.model.tokenizers.base import FIM_ROLES, Tokenizer
 from llama_chat.model.tokenizers.gguf_pre import PRE_TOKENIZERS
 from llama_chat.model.tokenizers.hf import byte_level_decoder
 from llama_chat.model.tokenizers.sentencepiece import STOP_NAMES, ModelProtoInfo, SentencePieceTokenizer
@@ -122,7 +122,7 @@ class _Vocab:
         if bad is not None:
             raise ModelLoadError(f"{name}: metadata 'tokenizer.ggml.token_type' holds {bad!r:.20}, expected 1 to 6")
         ids: dict[str, int | None] = {}
-        for role in ("bos", "eos", "unknown", "padding", "eot", "eom"):
+        for role in ("bos", "eos", "unknown", "padding", "eot", "eom", *FIM_ROLES):
             key = f"tokenizer.ggml.{role}_token_id"
             value = contents.metadata.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -132,6 +132,11 @@ class _Vocab:
             ids[role] = value
         return cls(name, tokens, types, ids, _flag(contents, "tokenizer.ggml.add_bos_token"),
                    _flag(contents, "tokenizer.ggml.add_eos_token"))
+
+    @property
+    def fim_ids(self) -> dict[str, int]:
+        """The fill-in-the-middle ids the file names, by role (``FIM_ROLES``)."""
+        return {role: self.ids[role] for role in FIM_ROLES if self.ids[role] is not None}
 
     def stop_ids(self, specials: dict[str, int], extra: Iterable[int] = ()) -> frozenset[int]:
         stops = {self.ids[r] for r in ("eos", "eot", "eom") if self.ids[r] is not None}
@@ -169,6 +174,7 @@ class GGUFSentencePieceTokenizer(SentencePieceTokenizer):
                          info=ModelProtoInfo(piece_types=list(vocab.types), add_dummy_prefix=add_dummy_prefix))
         self._add_bos_flag = vocab.add_bos
         self._add_eos = bool(vocab.add_eos) and self._eos is not None
+        self.fim_ids = vocab.fim_ids
         self._stops = vocab.stop_ids(self._specials, self._stops)
 
     @property
@@ -326,6 +332,7 @@ class GGUFByteLevelTokenizer(ByteTableTokenizer):
         self._stops = vocab.stop_ids(specials)
         self._add_bos = vocab.add_bos if vocab.add_bos is not None else pre.add_bos
         self._add_eos = bool(vocab.add_eos) and self._eos is not None
+        self.fim_ids = vocab.fim_ids
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         with self._switch:
