@@ -149,7 +149,9 @@ class PromptCache:
         self.folder = self.settings.directory / self.fingerprint.hex()
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()  # the sizes, between the step thread's reads and the writer
-        self._sizes: OrderedDict[Path, int] = OrderedDict()  # every block in the directory, oldest first
+        # Every block in the directory this process has seen, oldest first, and their bytes.
+        self._sizes: OrderedDict[Path, int] = OrderedDict()
+        self._total = 0
         self._known: set[bytes] = set()  # keys this fingerprint has a good block for, as far as seen
         self._bad: set[bytes] = set()  # keys whose block was skipped: written again, not kept
         self._stopped: str | None = None  # why writing stopped
@@ -158,11 +160,6 @@ class PromptCache:
         self._writer = threading.Thread(target=self._write_all, name="prompt-cache-writer", daemon=True)
         self._writer.start()
         atexit.register(self.close, EXIT_FLUSH_S)
-
-    @property
-    def bytes_used(self) -> int:
-        with self._lock:
-            return sum(self._sizes.values())
 
     def has(self, key: bytes) -> bool:
         """Whether a good block of ``key`` is known to be on disk (written or read by this process,
@@ -192,9 +189,7 @@ class PromptCache:
             os.utime(path)  # used now: the last to go
         except OSError:
             pass
-        with self._lock:
-            if path in self._sizes:
-                self._sizes.move_to_end(path)
+        self._seen(path, len(data))
         return data[HEADER.size:]
 
     def _problem(self, key: bytes, data: bytes) -> str | None:
@@ -287,10 +282,15 @@ class PromptCache:
             return
         self._bad.discard(key)
         self.counts.written_blocks += 1
-        with self._lock:
-            self._sizes[path] = HEADER.size + len(body)
-            self._sizes.move_to_end(path)
+        self._seen(path, HEADER.size + len(body))
         self._evict()
+
+    def _seen(self, path: Path, size: int) -> None:
+        """``path`` (of ``size`` bytes) was used now: the last to go."""
+        with self._lock:
+            self._total += size - self._sizes.get(path, 0)
+            self._sizes[path] = size
+            self._sizes.move_to_end(path)
 
     def _stop(self, e: OSError) -> None:
         """Writing failed: say why once, and write nothing more."""
@@ -303,9 +303,10 @@ class PromptCache:
         """The least recently used blocks out, until the directory holds ``max_bytes`` at most."""
         while True:
             with self._lock:
-                if sum(self._sizes.values()) <= self.settings.max_bytes or len(self._sizes) <= 1:
+                if self._total <= self.settings.max_bytes or len(self._sizes) <= 1:
                     return
-                path, _ = self._sizes.popitem(last=False)
+                path, size = self._sizes.popitem(last=False)
+                self._total -= size
             try:
                 path.unlink()
             except FileNotFoundError:
@@ -344,6 +345,7 @@ class PromptCache:
                     found.append((info.st_mtime, Path(entry.path), info.st_size))
         for _, path, size in sorted(found, key=lambda f: f[0]):
             self._sizes[path] = size
+            self._total += size
             if path.parent == self.folder and len(path.stem) == 32:
                 try:
                     self._known.add(bytes.fromhex(path.stem))
