@@ -11,8 +11,8 @@ copies most of the file, with new text between the copied lines), and on open-en
 story, an explanation), and the open-ended ones again sampled (temperature 0.8, a fixed seed: a
 small model's greedy story soon repeats itself, a sampled one much less), each as a one-turn chat
 in the file's own template, or as plain text where the file has none (a base model). ``--tasks``
-picks some of them by name or kind (``--tasks open,"open, sampled" --rounds 5 --tokens 200``: the
-open-ended ones in five interleaved rounds):
+picks some of them by name or kind (``--tasks "edit,story,explain,story t=0.8,explain t=0.8"
+--rounds 5 --tokens 200``: the edits and the open-ended ones, in five interleaved rounds):
 
 * llama-chat, one job: decode tok/s (the tokens after the first over their time) without drafts,
   with lookup, and (``--draft``) with the draft model alone (lookup off), in rounds that rotate
