@@ -28,8 +28,10 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from llama_chat.cmd.anthropic_api import tool_input
+from llama_chat.cmd.batch_input import SETTING_KEYS
 from llama_chat.cmd.openai_api import (ApiError, Generation, bad, dumps, finish_reason, format_setting, read_settings,
                                        read_tools)
+from llama_chat.cmd.options import CONSTRAINT_OPTIONS
 from llama_chat.cmd.serve_app import GenerationResponse, Served, ServerState, _generate, _json_body
 from llama_chat.inference.fim import Infill, NoFimTokens, find_fim_tokens
 from llama_chat.inference.tool_calls import ToolError, check_results
@@ -52,6 +54,10 @@ OPTION_SETTINGS = {"num_predict": "max_tokens", "temperature": "temperature", "t
                    "min_p": "min_p", "typical_p": "typical_p", "repeat_penalty": "repetition_penalty",
                    "repeat_last_n": "repeat_last_n", "presence_penalty": "presence_penalty",
                    "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop"}
+# The command line's other controls (logit_bias, min_new_tokens ...) under their own names, as on the
+# other routes; the constraints are the body's ``format``.
+OPTION_SETTINGS.update({name: name for name in SETTING_KEYS
+                        if name not in OPTION_SETTINGS.values() and name not in CONSTRAINT_OPTIONS})
 # Options about loading and running the model: the server's start decided them, so they are taken
 # and change nothing.
 RUNNER_OPTIONS = ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
