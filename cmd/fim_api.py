@@ -101,6 +101,14 @@ def _files(value: Any) -> tuple[RepoFile, ...]:
     return tuple(files)
 
 
+def _response_fields(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad('"response_fields" must be an array of strings', "response_fields")
+    return tuple(value)
+
+
 def _settings(body: dict[str, Any]) -> dict[str, Any]:
     """The controls under their names. llama-server's -1 means none: no limit on ``n_predict``, a
     random ``seed``; its ``n_predict`` 0 (llama.vim's request that only sends context ahead) is
@@ -157,14 +165,6 @@ class InfillReply:
             if path and value is not None:
                 out[path] = value
         return out
-
-
-def _response_fields(value: Any) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise bad('"response_fields" must be an array of strings', "response_fields")
-    return tuple(value)
 
 
 def timings(c: Completion) -> dict[str, float]:

@@ -146,9 +146,10 @@ def test_past_its_room_the_prompt_keeps_what_is_nearest_the_cursor(coder, raw):
     # Then the prefix's start, then the suffix's end.
     room = len(pre) + len(suf) + 3 - 4
     cut = list(fill_in_the_middle(tokenizer, infill, room=room).ids)
-    assert cut == ids_of(raw, "<|fim_prefix|>") + pre[4:] + ids_of(raw, "<|fim_suffix|>") + suf + ids_of(raw, "<|fim_middle|>")
+    pre_id, suf_id, mid_id = ids_of(raw, "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    assert cut == [pre_id, *pre[4:], suf_id, *suf, mid_id]
     cut = list(fill_in_the_middle(tokenizer, infill, room=len(suf) + 3 - 2).ids)
-    assert cut == ids_of(raw, "<|fim_prefix|>", "<|fim_suffix|>") + suf[:-2] + ids_of(raw, "<|fim_middle|>")
+    assert cut == [pre_id, suf_id, *suf[:-2], mid_id]
 
 
 def write_vocab_file(path: Path, specials: tuple[str, ...], metadata: dict[str, str]) -> Path:
@@ -181,7 +182,8 @@ def test_fim_tokens_are_read_from_gguf_metadata_whatever_their_names(tmp_path):
     assert set(tokens.stop_ids) == {ids["<D>"], ids["<E>"]}
     # The same names without the metadata are nobody's FIM tokens; a file with only some lacks the rest.
     bare = load_gguf_tokenizer(open_gguf(write_vocab_file(tmp_path / "bare.gguf", specials, {})))
-    with pytest.raises(NoFimTokens, match=r"^this model has no fill-in-the-middle tokens \(fim_pre, fim_suf, fim_mid\)$"):
+    whole = r"^this model has no fill-in-the-middle tokens \(fim_pre, fim_suf, fim_mid\)$"
+    with pytest.raises(NoFimTokens, match=whole):
         find_fim_tokens(bare)
     part = load_gguf_tokenizer(open_gguf(write_vocab_file(tmp_path / "part.gguf", specials, {"fim_pre": "<A>"})))
     with pytest.raises(NoFimTokens, match=r"\(fim_suf, fim_mid\)$"):
@@ -253,7 +255,8 @@ def test_infill_takes_llama_vims_context_request_and_refuses_bad_input(server):
     ahead = vim_payload(input_prefix="", input_suffix="", prompt="", n_predict=0, samplers=[], response_fields=[""])
     response = httpx.post(f"{server.url}/infill", json=ahead, timeout=WAIT_S)
     assert response.status_code == 200 and response.json() == {}
-    for change, field in (({"input_extra": {"text": "x"}}, "input_extra"), ({"input_extra": [{"filename": "a"}]}, "input_extra"),
+    for change, field in (({"input_extra": {"text": "x"}}, "input_extra"),
+                          ({"input_extra": [{"filename": "a"}]}, "input_extra"),
                           ({"input_prefix": 3}, "input_prefix"), ({"mirostat": 2}, "mirostat"),
                           ({"top_k": -5}, "top_k")):
         bad = httpx.post(f"{server.url}/infill", json=vim_payload(**change), timeout=WAIT_S)
@@ -282,7 +285,8 @@ def test_a_model_without_fim_tokens_is_one_line_and_a_400(tmp_path):
     tiny = build_tiny_model(tmp_path, max_seq_len=256)
     message = "this model has no fill-in-the-middle tokens (fim_pre, fim_suf, fim_mid)"
     proc = run_cli("-m", str(tiny.path), "--no-stdin", "-p", "def f(", "--suffix", "):", "-n", "4")
-    assert proc.returncode == 2 and proc.stderr.decode().strip().splitlines() == [f"llama-chat: error: {message}"], proc.stderr
+    lines = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 2 and lines == [f"llama-chat: error: {message}"], proc.stderr
     s = start_server(tiny.path)
     try:
         with pytest.raises(openai.BadRequestError) as refused:
