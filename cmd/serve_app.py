@@ -533,7 +533,8 @@ class GenerationResponse:
         # Each choice's reader of tool calls, where the request offers tools the reply may call.
         calls = generation.tools is not None and generation.tools.active
         style = tool_format.id_style if tool_format.id_style != "openai" else self.ID_STYLE
-        self.readers = [ToolStream(tool_format, lambda: call_id(style)) for _ in choices] if calls else None
+        names = [tool.name for tool in generation.tools.offered()] if calls else []
+        self.readers = [ToolStream(tool_format, lambda: call_id(style), names) for _ in choices] if calls else None
         self.reply = reply
         self.choices = choices
         self.prompt_lens = prompt_lens

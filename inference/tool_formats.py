@@ -30,6 +30,7 @@ start with the character a call starts with: text and calls are always told apar
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -78,6 +79,13 @@ FORMATS = {
 }
 GENERIC_TEXT = '{"response": '  # the generic format's reply that is text: a JSON string, then "}"
 HERMES_TRIGGER = "<tool_call>"
+# The forms Qwen-style models slip into under ``auto`` (hermes), read as calls where a listed tool is
+# named: a call in a fenced block (```json, or ``` alone, then the call, then ```), a call alone
+# and bare as the whole reply, and the tags around a list of calls.
+SLIPPED_FORMS = ("fenced", "bare", "listed")
+FENCE_OPENS = ("```json\n", "```\n")
+FENCE_PATTERN = "```(json)?\\n"
+FENCE_CLOSE = "\n```"
 
 
 def detect_format(template: str | None) -> str:
@@ -162,10 +170,25 @@ def _tool_grammar(fmt: ToolFormat, request: ToolRequest, specials: Mapping[str, 
     token = f"<[{specials[fmt.token]}]>" if fmt.token and fmt.token in specials else ""
     free = request.choice.mode == "auto"
     if fmt.name == "hermes" and free:
-        # The lazy rule ends at the first trigger; the text alone may never hold one.
+        # The lazy rules end at the first trigger; the text alone may never hold one. Besides the
+        # tags, the forms small models slip into wake the grammar too (``SLIPPED_FORMS``): a call
+        # in a fenced JSON block, or alone and bare, named by a listed tool's head; a list of
+        # calls inside the tags.
         trigger = HERMES_TRIGGER
-        rules += [f"before[lazy]: /(?s:.*){trigger}/", f"TEXT: /(?s:.*)/ & ~/(?s:.*){trigger}(?s:.*)/"]
-        start = f"TEXT | before {_seq(_q(fmt.open.removeprefix(trigger)), 'call', _q(fmt.close), more)}"
+        names = "|".join(re.escape(tool.name) for tool in tools)
+        head = f'\\{{"name": "({names})"'
+        # A bare call is none of the other lexemes' start: one lexeme at a time reads the reply,
+        # and one that may still go on (the text before a tag) would outlive the call's end.
+        bare = f"~/{head}(?s:.*)/"
+        rules += [f"before[lazy]: /(?s:.*){trigger}/ & {bare}",
+                  f"TEXT: /(?s:.*)/ & ~/(?s:.*)({trigger}|{FENCE_PATTERN}{head})(?s:.*)/ & {bare}"]
+        listed = _seq('"["', "call", "(\", \" call)*" if parallel else "", '"]"')
+        tagged = f"({_seq('call', _q(fmt.close), more)} | {_seq(listed, _q(fmt.close))})"
+        alternatives = ["TEXT", _seq("before", _q(fmt.open.removeprefix(trigger)), tagged), "call"]
+        for i, tool in enumerate(tools):
+            rules.append(f'fence{i}[lazy]: /(?s:.*){FENCE_PATTERN}\\{{"name": "{re.escape(tool.name)}"/ & {bare}')
+            alternatives.append(_seq(f"fence{i}", _q(f', "{fmt.args_key}": '), f"args{i}", '"}"', _q(FENCE_CLOSE)))
+        start = " | ".join(alternatives)
     else:
         calls = _seq(_q(fmt.start), _q(fmt.open), "call", _q(fmt.close), more, _q(fmt.end))
         if token and fmt.name == "llama3_json":

@@ -8,16 +8,21 @@ still turn out to be a call's start (a ``<tool_call`` not yet closed, the spaces
 back until it is known, so no call text reaches the content. Under the format's grammar the calls
 are exactly where the reader expects them; text that departs from the layout (no grammar held it:
 ``tool_choice`` none) is content from that point on.
+
+Given the offered tools' ``names``, a hermes reply is also read in the forms small models slip into
+(``tool_formats.SLIPPED_FORMS``): a call in a fenced block after any text, a bare call as the
+whole reply, and a list of calls inside the tags. A fence or a bare object that does not name a
+listed tool is text.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from llama_chat.inference.tool_calls import NAME, ToolCall
-from llama_chat.inference.tool_formats import GENERIC_TEXT, HERMES_TRIGGER, ToolFormat
+from llama_chat.inference.tool_formats import FENCE_CLOSE, FENCE_OPENS, GENERIC_TEXT, HERMES_TRIGGER, ToolFormat
 
 
 @dataclass(frozen=True)
@@ -40,11 +45,17 @@ class _Call:
 
 
 class ToolStream:
-    """One reply's reader. ``new_id``: the id of each call it finds."""
+    """One reply's reader. ``new_id``: the id of each call it finds; ``names``: the tools offered
+    (for the slipped forms)."""
 
-    def __init__(self, fmt: ToolFormat, new_id: Callable[[], str]) -> None:
+    def __init__(self, fmt: ToolFormat, new_id: Callable[[], str], names: Sequence[str] = ()) -> None:
         self.fmt = fmt
         self.new_id = new_id
+        slipped = fmt.name == "hermes"
+        self._bare_heads = tuple(f'{{"name": "{name}"' for name in names) if slipped else ()
+        self._fences = tuple(fence + head for fence in FENCE_OPENS for head in self._bare_heads)
+        self._triggers = (HERMES_TRIGGER, *self._fences)
+        self._form = "tagged"  # how the call being read is written: tagged, listed, fenced or bare
         self.buffer = ""
         self.state = "start"
         self.content: list[str] = []
@@ -119,18 +130,24 @@ class ToolStream:
             taken = self._expect(fmt.open, final)
             if taken is None:
                 return False
-            self.state = "head" if taken else "plain"
+            self.state = "tag" if taken else "plain"
             return True
+        if state == "tag":
+            return self._tag(final)
         if state == "head":
             return self._head(final)
         if state == "args":
             return self._args()
         if state == "close":
-            taken = self._expect("}" + fmt.close, final)
+            closing = {"tagged": fmt.close, "fenced": FENCE_CLOSE}.get(self._form, "")
+            taken = self._expect("}" + closing, final)
             if taken is None:
                 return False
-            self.state = "between" if taken else "plain"
+            after = {"tagged": "between", "listed": "list"}.get(self._form, "after")
+            self.state = after if taken else "plain"
             return True
+        if state == "list":
+            return self._list(final)
         if state == "between":
             return self._between(final)
         if state == "response":
@@ -141,6 +158,11 @@ class ToolStream:
     def _start(self, final: bool) -> bool:
         fmt = self.fmt
         if fmt.text_before:
+            if any(self.buffer.startswith(head) for head in self._bare_heads):
+                self._form, self.state = "bare", "head"
+                return True
+            if not final and any(head.startswith(self.buffer) for head in self._bare_heads):
+                return False  # a bare call's head, perhaps: not known yet
             self.state = "text"
             return True
         if fmt.name == "generic":
@@ -161,19 +183,25 @@ class ToolStream:
         return True
 
     def _text(self, final: bool) -> bool:
-        """Free text before a ``<tool_call>``: content, less what may be a trigger's start or the
-        spaces before one."""
-        at = self.buffer.find(HERMES_TRIGGER)
-        if at >= 0:
+        """Free text before a ``<tool_call>`` (or a fenced call): content, less what may be a
+        trigger's start or the spaces before one."""
+        found = [(at, trigger) for trigger in self._triggers if (at := self.buffer.find(trigger)) >= 0]
+        if found:
+            at, trigger = min(found)
             self._content(self.buffer[:at].rstrip())
             self.buffer = self.buffer[at:]
-            self.state = "open"
+            if trigger == HERMES_TRIGGER:
+                self.state = "open"
+            else:  # a fenced call: its head is read as a tagged call's is
+                self.buffer = self.buffer[trigger.index("{"):]
+                self._form, self.state = "fenced", "head"
             return True
         if final:
             return False
         keep = len(self.buffer)
-        for k in range(min(len(HERMES_TRIGGER) - 1, len(self.buffer)), 0, -1):
-            if HERMES_TRIGGER.startswith(self.buffer[-k:]):
+        longest = max(map(len, self._triggers))
+        for k in range(min(longest - 1, len(self.buffer)), 0, -1):
+            if any(trigger.startswith(self.buffer[-k:]) for trigger in self._triggers):
                 keep = len(self.buffer) - k
                 break
         head = self.buffer[:keep]
@@ -181,6 +209,31 @@ class ToolStream:
         self._content(shown)
         self.buffer = self.buffer[len(shown):]
         return False
+
+    def _tag(self, final: bool) -> bool:
+        """Inside the tags: one call, or a list of them."""
+        if self.buffer.startswith("["):
+            self.buffer = self.buffer[1:]
+            self._form = "listed"
+        elif not self.buffer and not final:
+            return False
+        self.state = "head"
+        return True
+
+    def _list(self, final: bool) -> bool:
+        """After a call of a list: the next one, or the list's end and the closing tag."""
+        more = self._expect(", ", final)
+        if more:
+            self.state = "head"
+            return True
+        if more is None:
+            return False
+        end = self._expect("]" + self.fmt.close, final)
+        if end is None:
+            return False
+        self._form = "tagged"
+        self.state = "between" if end else "plain"
+        return True
 
     def _head(self, final: bool) -> bool:
         """``{"name": "NAME", "arguments": `` whole: the call starts. A head the reply ended in is

@@ -161,10 +161,10 @@ def test_any_reply_the_grammar_allows_reads_the_same_in_any_pieces(tmp_path, fam
     for seed in range(40):
         rng = random.Random(seed)
         text, ended = _random_reply(compiled, tok, rng, opener=openers if seed % 2 else frozenset())
-        whole = ToolStream(fmt, call_id)
+        whole = ToolStream(fmt, call_id, [t.name for t in tools])
         whole.feed(text)
         whole.finish()
-        pieces = ToolStream(fmt, call_id)
+        pieces = ToolStream(fmt, call_id, [t.name for t in tools])
         deltas, at = [], 0
         while at < len(text):
             size = rng.randint(1, 6)
