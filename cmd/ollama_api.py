@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
@@ -32,9 +32,9 @@ from llama_chat.cmd.batch_input import SETTING_KEYS
 from llama_chat.cmd.openai_api import (ApiError, Generation, bad, dumps, finish_reason, format_setting, read_settings,
                                        read_tools)
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS
-from llama_chat.cmd.serve_app import GenerationResponse, Served, ServerState, _generate, _json_body
+from llama_chat.cmd.serve_app import JSON_HEADERS, GenerationResponse, Served, ServerState, _generate, _json_body
 from llama_chat.inference.fim import Infill, NoFimTokens, find_fim_tokens
-from llama_chat.inference.tool_calls import ToolError, check_results
+from llama_chat.inference.tool_calls import ToolCall, ToolError, check_results
 from llama_chat.inference.tool_formats import FORMATS, ToolFormat, called_tool
 from llama_chat.inference.tool_stream import Delta
 from llama_chat.inference.types import GenerationState
@@ -284,6 +284,7 @@ def _messages(value: Any) -> tuple[Message, ...]:
     if not isinstance(value, list) or not value:
         raise ToolError("messages must be a non-empty list of messages", "messages")
     out: list[Message] = []
+    called: list[CalledTool] = []
     unanswered: list[CalledTool] = []  # the calls of the last assistant message with no result yet
     for i, message in enumerate(value):
         where = f"messages[{i}]"
@@ -298,7 +299,8 @@ def _messages(value: Any) -> tuple[Message, ...]:
         if message.get("images"):
             raise ToolError(f"{where}.images: this model reads no images", f"{where}.images")
         if role == "assistant":
-            unanswered = list(_calls(message.get("tool_calls"), where))
+            unanswered = list(_calls(message.get("tool_calls"), where, len(called)))
+            called += unanswered
             thinking = message.get("thinking")
             if thinking is not None and not isinstance(thinking, str):
                 raise ToolError(f"{where}.thinking must be a string", f"{where}.thinking")
@@ -312,9 +314,11 @@ def _messages(value: Any) -> tuple[Message, ...]:
     return tuple(out)
 
 
-def _calls(value: Any, where: str) -> tuple[CalledTool, ...]:
+def _calls(value: Any, where: str, before: int) -> tuple[CalledTool, ...]:
     """An assistant message's ``tool_calls``: ``{"function": {"name", "arguments": {...}}}``, with
-    an ``id`` where the client kept one, else one of its place."""
+    an ``id`` where the client kept one, else one of its place among the conversation's calls
+    (``before`` came earlier): the same history renders the same prompt, whose pages the cache
+    finds again, and nine letters and digits are an id every template takes (Mistral's demands it)."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -327,7 +331,7 @@ def _calls(value: Any, where: str) -> tuple[CalledTool, ...]:
                 or not isinstance(function.get("arguments", {}), (dict, str)):
             raise ToolError(f'{at} must be {{"function": {{"name": ..., "arguments": {{...}}}}}}', at)
         given = call.get("id")
-        calls.append(called_tool(given if isinstance(given, str) and given else f"call_{where}_{j}",
+        calls.append(called_tool(given if isinstance(given, str) and given else f"call{before + j:05d}",
                                  function["name"], function.get("arguments", {}), f"{at}.function.arguments"))
     return tuple(calls)
 
@@ -388,7 +392,8 @@ class OllamaResponse(GenerationResponse):
         deltas: list[Delta] = reader.feed(text) + (reader.finish() if final else [])
         return "".join(d.content for d in deltas)
 
-    def _piece(self, text: str, thinking: str = "", calls=(), logprobs: list | None = None) -> dict[str, Any]:
+    def _piece(self, text: str, thinking: str = "", calls: Sequence[ToolCall] = (), logprobs: list | None = None
+               ) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.reply.model, "created_at": created_at()}
         if self.api == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -436,8 +441,7 @@ class OllamaResponse(GenerationResponse):
             body = self._last(self._piece(text, completion.reasoning, calls, self._logprobs(choice)),
                               completion.finish_reason)
         self._finished = True
-        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type",
-                                                                                  b"application/json")]})
+        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": dumps(body)})
 
     async def _stream(self, send: Send) -> None:
