@@ -188,6 +188,10 @@ def test_fim_tokens_are_read_from_gguf_metadata_whatever_their_names(tmp_path):
     part = load_gguf_tokenizer(open_gguf(write_vocab_file(tmp_path / "part.gguf", specials, {"fim_pre": "<A>"})))
     with pytest.raises(NoFimTokens, match=r"\(fim_suf, fim_mid\)$"):
         find_fim_tokens(part)
+    # Files converted before the fim_* keys name the first three prefix, suffix and middle (CodeLlama's).
+    old = {"prefix": "<A>", "suffix": "<B>", "middle": "<C>"}
+    tokens = find_fim_tokens(load_gguf_tokenizer(open_gguf(write_vocab_file(tmp_path / "old.gguf", specials, old))))
+    assert (tokens.pre, tokens.suf, tokens.mid, tokens.pad) == (ids["<A>"], ids["<B>"], ids["<C>"], None)
 
 
 # -- the server --------------------------------------------------------------------------------------
@@ -276,6 +280,24 @@ def test_suffix_on_the_command_line_is_the_servers_answer(server, coder, tmp_pat
     suffix_file = tmp_path / "after.py"
     suffix_file.write_text(SUFFIX)
     assert json_result(run_cli(*args, "-p", PREFIX, "--suffix-file", str(suffix_file)))["text"] == result["text"]
+
+
+def test_suffix_goes_with_one_prompt_of_a_model_here(coder, tmp_path):
+    """Each a usage error in one line, before any model is loaded."""
+    model = ("-m", str(coder), "--no-stdin")
+    for args, line in (
+            (("-p", "x", "--suffix", "y", "--suffix-file", "f"), "--suffix and --suffix-file: give one of them"),
+            (("-p", "x", "--suffix", "y", "--chat"), "--suffix fills in the middle of a one-shot prompt; it cannot "
+                                                     "be used with --chat"),
+            (("-p", "x", "--suffix-file", "f", "-s", "Be brief."), "--suffix-file fills in the middle of a one-shot "
+                                                                   "prompt; it cannot be used with --system"),
+            (("--suffix", "y"), "--suffix needs a prompt, the code before the cursor: pass --prompt TEXT, --file "
+                                "FILE or pipe it on stdin"),
+            (("-p", "x", "--suffix-file", str(tmp_path / "missing.py")),
+             f"--suffix-file {tmp_path / 'missing.py'}: cannot read it (No such file or directory)")):
+        proc = run_cli(*model, *args)
+        lines = proc.stderr.decode().strip().splitlines()
+        assert proc.returncode == 2 and lines == [f"llama-chat: error: {line}"], proc.stderr
 
 
 # -- a model without FIM tokens ----------------------------------------------------------------------

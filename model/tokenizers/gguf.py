@@ -38,6 +38,9 @@ from llama_chat.model.tokenizers.table import ByteTableTokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _PAD = re.compile(r"\[PAD\d+\]")
+# The first FIM roles' keys as files converted before llama.cpp named them fim_* (CodeLlama's:
+# ``tokenizer.ggml.prefix_token_id`` ...).
+_OLD_FIM_NAMES = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}
 # Control tokens that end a generation by their name, as llama.cpp's vocabulary code finds them.
 MAX_TOKENS = 1 << 24
 
@@ -122,7 +125,7 @@ class _Vocab:
         if bad is not None:
             raise ModelLoadError(f"{name}: metadata 'tokenizer.ggml.token_type' holds {bad!r:.20}, expected 1 to 6")
         ids: dict[str, int | None] = {}
-        for role in ("bos", "eos", "unknown", "padding", "eot", "eom", *FIM_ROLES):
+        for role in ("bos", "eos", "unknown", "padding", "eot", "eom", *FIM_ROLES, *_OLD_FIM_NAMES.values()):
             key = f"tokenizer.ggml.{role}_token_id"
             value = contents.metadata.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -135,8 +138,11 @@ class _Vocab:
 
     @property
     def fim_ids(self) -> dict[str, int]:
-        """The fill-in-the-middle ids the file names, by role (``FIM_ROLES``)."""
-        return {role: self.ids[role] for role in FIM_ROLES if self.ids[role] is not None}
+        """The fill-in-the-middle ids the file names, by role (``FIM_ROLES``), under the older
+        names where only those are given."""
+        found = {role: self.ids[role] if self.ids[role] is not None else self.ids.get(_OLD_FIM_NAMES.get(role, ""))
+                 for role in FIM_ROLES}
+        return {role: i for role, i in found.items() if i is not None}
 
     def stop_ids(self, specials: dict[str, int], extra: Iterable[int] = ()) -> frozenset[int]:
         stops = {self.ids[r] for r in ("eos", "eot", "eom") if self.ids[r] is not None}
