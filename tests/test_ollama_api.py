@@ -93,6 +93,17 @@ def test_chat_whole_and_streamed_say_the_same(server):
     assert streamed["pieces"] > 2
 
 
+def test_logprobs_whole_and_streamed(server):
+    c = client(server)
+    asked = dict(model="qwen3", messages=ASK, think=False, logprobs=True, top_logprobs=2, options=GREEDY)
+    whole = c.chat(**asked, stream=False)
+    assert len(whole.logprobs) == whole.eval_count - (whole.done_reason == "stop")  # the end token has none
+    assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+               for entry in whole.logprobs)
+    streamed = [entry for part in c.chat(**asked, stream=True) for entry in part.logprobs or ()]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.logprobs]
+
+
 def test_thinking_apart_from_the_answer_and_off(server):
     c = client(server)
     on = c.chat(model="qwen3", messages=ASK, think=True, stream=False, options=GREEDY)
