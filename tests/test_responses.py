@@ -147,3 +147,15 @@ def test_bad_input_is_a_400_in_openais_shape(server, body, words):
     error = response.json()["error"]
     assert words in error["message"] and error["type"] == "invalid_request_error"
     assert create(server, max_output_tokens=2).status == "incomplete"  # nothing else disturbed
+
+
+def test_every_route_renders_the_same_tools_the_same_way(server):
+    ask = [{"role": "user", "content": QUESTION}]
+    chat = server.client().chat.completions.create(
+        model="m", messages=ask, max_tokens=1, tools=[{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather", "parameters": WEATHER}}])
+    response = create(server, max_output_tokens=1, tools=[TOOL])
+    messages = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=WAIT_S).messages.create(
+        model="m", max_tokens=1, messages=ask,
+        tools=[{"name": "get_weather", "description": "The weather", "input_schema": WEATHER}])
+    assert chat.usage.prompt_tokens == response.usage.input_tokens == messages.usage.input_tokens
