@@ -212,6 +212,20 @@ def test_a_completion_with_a_suffix_is_the_hand_built_fim_prompts_completion(ser
     assert client.completions.create(model="coder", prompt=PREFIX, **GREEDY).usage.prompt_tokens != len(hand)
 
 
+def test_ollamas_generate_with_a_suffix_is_the_same_middle(server):
+    import ollama
+
+    fim = server.client().completions.create(model="coder", prompt=PREFIX, suffix=SUFFIX, **GREEDY)
+    generate = ollama.Client(host=server.url, timeout=WAIT_S).generate
+    options = {"temperature": 0, "num_predict": N}
+    whole = generate(model="coder", prompt=PREFIX, suffix=SUFFIX, stream=False, options=options)
+    assert whole.response == fim.choices[0].text and whole.done
+    assert (whole.prompt_eval_count, whole.eval_count) == (fim.usage.prompt_tokens, fim.usage.completion_tokens)
+    parts = generate(model="coder", prompt=PREFIX, suffix=SUFFIX, stream=True, options=options)
+    assert "".join(part.response for part in parts) == whole.response
+    assert "insert" in ollama.Client(host=server.url, timeout=WAIT_S).show(whole.model).capabilities
+
+
 def test_the_fim_pad_and_the_file_separator_end_a_middle_and_nothing_else(server, raw):
     """Biased to the pad (or the next file), the middle ends there; the same prompt sent as ids
     without the suffix is no fill-in-the-middle, and the pad does not end it."""
