@@ -133,6 +133,8 @@ def ollama_routes(state: ServerState, endpoint: Callable) -> list[Route]:
 
 def parse_chat(body: dict[str, Any], *, served: Served) -> Generation:
     _known(body, CHAT_FIELDS)
+    if body.get("messages") in (None, []):  # Ollama's way to load a model: answered at once
+        return Generation(True, (), model=_model(body), stream=_stream(body))
     try:
         messages = _messages(body.get("messages"))
         check_results(messages)
@@ -148,11 +150,13 @@ def parse_chat(body: dict[str, Any], *, served: Served) -> Generation:
 
 def parse_generate(body: dict[str, Any], *, served: Served) -> Generation:
     """A prompt through the chat template (``system`` before it), as it is (``raw``), or as the
-    prefix of a fill-in-the-middle before ``suffix``."""
+    prefix of a fill-in-the-middle before ``suffix``. No prompt: the model is loaded, nothing more."""
     _known(body, GENERATE_FIELDS)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise bad("prompt must be a non-empty string", "prompt")
+    prompt = body.get("prompt") or ""
+    if not isinstance(prompt, str):
+        raise bad("prompt must be a string", "prompt")
+    if not prompt and not body.get("suffix"):
+        return Generation(False, (), model=_model(body), stream=_stream(body))
     for name, what in (("images", "this model reads no images"),
                        ("context", "a previous reply's context is not kept here: send the conversation to /api/chat"),
                        ("template", "this server renders the model's own chat template")):
@@ -375,7 +379,8 @@ class Durations:
 class OllamaResponse(GenerationResponse):
     """The one job of /api/chat (``api`` "chat": a ``message``) or /api/generate (a ``response``)
     sent back as Ollama's objects: one per piece and a last one with ``done``, or that one whole.
-    A reply read for tool calls sends its calls whole, in the piece before the last."""
+    A reply read for tool calls sends its calls whole, in the piece before the last. A request with
+    no prompt has no job: its one object says the model is loaded (``done_reason`` load)."""
 
     def __init__(self, generation: Generation, reply, choices: list[Choice], prompt_lens: list[int],
                  token_bytes: Callable[[int], bytes], tool_format: ToolFormat = FORMATS["generic"], *,
@@ -427,7 +432,16 @@ class OllamaResponse(GenerationResponse):
         rendered = self._logprobs_of(choice)
         return None if rendered is None else rendered["content"]
 
+    async def _loaded(self, send: Send, headers: list) -> None:
+        """The answer to a request with nothing to generate: the model is loaded (and stays so)."""
+        self._finished = True
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": _line({**self._piece(""), "done": True,
+                                                                  "done_reason": "load"})})
+
     async def _whole(self, send: Send) -> None:
+        if not self.choices:
+            return await self._loaded(send, JSON_HEADERS)
         choice = self.choices[0]
         async for _ in choice.parts():
             pass
@@ -445,6 +459,8 @@ class OllamaResponse(GenerationResponse):
         await send({"type": "http.response.body", "body": dumps(body)})
 
     async def _stream(self, send: Send) -> None:
+        if not self.choices:
+            return await self._loaded(send, NDJSON_HEADERS)
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
         choice, sent = self.choices[0], 0
         async for text, thought in choice.parts():

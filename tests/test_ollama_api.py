@@ -93,6 +93,14 @@ def test_chat_whole_and_streamed_say_the_same(server):
     assert streamed["pieces"] > 2
 
 
+def test_a_request_with_no_prompt_loads_the_model(server):
+    c = client(server)
+    loaded = c.generate(model="qwen3")
+    assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+    [streamed] = list(c.chat(model="qwen3", messages=[], stream=True))
+    assert streamed.done and streamed.done_reason == "load" and streamed.message.content == ""
+
+
 def test_logprobs_whole_and_streamed(server):
     c = client(server)
     asked = dict(model="qwen3", messages=ASK, think=False, logprobs=True, top_logprobs=2, options=GREEDY)
