@@ -41,6 +41,7 @@ EDGES = {
     "max_batch": (0, 1),
     "cache_tokens": (0, 1),
     "prompt_cache_size": (0, 1),
+    "reasoning_budget": (-1, 0),
 }
 
 COMMAND = typer.main.get_command(cli.app)
