@@ -142,7 +142,7 @@ def parse_chat(body: dict[str, Any], *, served: Served) -> Generation:
         raise bad(str(e), e.param) from None
     tools = read_tools({"tools": body.get("tools")})
     settings = _settings(body, served)
-    if tools is not None and any(name in settings for name in ("format", "json_schema")):
+    if tools is not None and any(name in settings for name in CONSTRAINT_OPTIONS):
         raise bad("tools and format both constrain the reply: one at a time", "format")
     return Generation(True, (messages,), model=_model(body), stream=_stream(body), settings=settings, tools=tools,
                       logprobs=_logprobs(body), thinking=_thinking(body.get("think"), served))
@@ -223,6 +223,8 @@ def _settings(body: dict[str, Any], served: Served) -> dict[str, Any]:
         raise bad("options must be an object of option values by name", "options")
     values = {}
     for name, value in options.items():
+        if value is None:  # a client's way to leave an option at its default
+            continue
         if name in OPTION_SETTINGS:
             values[name] = value
         elif name == "num_ctx":
