@@ -6,13 +6,15 @@ over ``inference/serving.py``.
     RequestLog          one line per request on stderr, outcomes counted; no traceback ever
     └── CORS            only with --cors-origin
         └── routes      /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions,
-                        /v1/messages
+                        /v1/messages; Ollama's /api/... (``ollama_api.py``); /v1/messages/count_tokens,
+                        /tokenize, /detokenize, /apply-template (``tokens_api.py``)
             └── GenerationResponse   the jobs of one request, streamed as server-sent events or
                                      sent whole; a client that goes away cancels them
                 MessagesResponse     the same, as Anthropic's message and events
+                OllamaResponse       the same, as Ollama's objects (``ollama_api.py``)
 
 Every refusal is an OpenAI error object with a 4xx status (``openai_api.ApiError``), and
-Anthropic's error object on /v1/messages. The model
+Anthropic's error object on /v1/messages, Ollama's on /api/.... The model
 may still be loading: the routes then answer 503, and /health says so.
 """
 
