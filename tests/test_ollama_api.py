@@ -126,7 +126,8 @@ def test_thinking_apart_from_the_answer_and_off(server):
     assert generated.thinking and generated.response == on.message.content
 
 
-def test_the_same_reply_as_chat_completions(server):
+def test_the_same_reply_as_chat_completions_and_messages(server):
+    import anthropic
     import openai
 
     openai_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=WAIT_S)
@@ -137,6 +138,13 @@ def test_the_same_reply_as_chat_completions(server):
     assert ollama_reply.message.thinking == message.model_dump()["reasoning_content"]
     assert (ollama_reply.prompt_eval_count, ollama_reply.eval_count) == \
            (completion.usage.prompt_tokens, completion.usage.completion_tokens)
+    anthropic_client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=WAIT_S)
+    reply = anthropic_client.messages.create(model="m", messages=ASK, max_tokens=16, extra_body={"temperature": 0})
+    blocks = {block.type: block for block in reply.content}
+    assert blocks["text"].text == ollama_reply.message.content
+    assert blocks["thinking"].thinking == ollama_reply.message.thinking
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == \
+           (ollama_reply.prompt_eval_count, ollama_reply.eval_count)
 
 
 def test_tool_calls_and_their_round_trip(server):
@@ -220,6 +228,7 @@ def test_bad_requests_are_400s_in_ollamas_shape(server):
         assert response.status_code == 400 and field in response.json()["error"], response.text
     assert "fill-in-the-middle" in refused(call="generate", suffix="return x")
     assert "images" in refused(call="generate", images=[b"\x89PNG"])
+    assert "one at a time" in refused(tools=TOOLS, format="json")
     # Taken and harmless: a context that fits, runner options, and keep_alive.
     fine = c.chat(model="qwen3", messages=ASK, stream=False, keep_alive="5m",
                   options={**GREEDY, "num_ctx": 2048, "num_thread": 2, "mirostat": 0, "num_predict": -1,
