@@ -29,8 +29,8 @@ from starlette.types import Send
 
 from llama_chat.cmd.anthropic_api import tool_input
 from llama_chat.cmd.batch_input import SETTING_KEYS
-from llama_chat.cmd.openai_api import (ApiError, Generation, bad, dumps, finish_reason, format_setting, read_settings,
-                                       read_tools)
+from llama_chat.cmd.openai_api import (ApiError, Generation, LogprobsWriter, bad, dumps, finish_reason, format_setting,
+                                       read_settings, read_tools)
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS
 from llama_chat.cmd.serve_app import JSON_HEADERS, GenerationResponse, Served, ServerState, _generate, _json_body
 from llama_chat.inference.fim import Infill, NoFimTokens, find_fim_tokens
@@ -390,6 +390,8 @@ class OllamaResponse(GenerationResponse):
         super().__init__(generation, reply, choices, prompt_lens, token_bytes, tool_format)
         self.started_ns = started_ns
         self.api = api
+        if self.logprobs is not None:  # Ollama's entries are a chat's, {token, logprob ...}, on both routes
+            self.logprobs = [LogprobsWriter(True, token_bytes) for _ in choices]
 
     def _read(self, text: str, final: bool = False) -> str:
         """The content of a piece of the reply (calls are taken by the reader, sent at the end)."""

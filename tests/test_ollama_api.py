@@ -110,6 +110,9 @@ def test_logprobs_whole_and_streamed(server):
                for entry in whole.logprobs)
     streamed = [entry for part in c.chat(**asked, stream=True) for entry in part.logprobs or ()]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.logprobs]
+    raw = c.generate(model="qwen3", prompt="Once upon a time", raw=True, logprobs=True, stream=False, options=GREEDY)
+    assert len(raw.logprobs) == raw.eval_count - (raw.done_reason == "stop")
+    assert all(entry.logprob <= 0 for entry in raw.logprobs)
 
 
 def test_thinking_apart_from_the_answer_and_off(server):
