@@ -481,7 +481,9 @@ class OllamaResponse(GenerationResponse):
             calls = () if self.readers is None else self.readers[0].tool_calls()
             if content or calls:
                 await self._send(send, _line(self._piece(content, calls=calls, logprobs=self._logprobs(choice))))
-            await self._send(send, _line(self._last(self._piece(""), completion.finish_reason)))
+            # The logprobs of tokens that wrote nothing since (a call's closing, held text) go last.
+            last = self._piece("", logprobs=self._logprobs(choice))
+            await self._send(send, _line(self._last(last, completion.finish_reason)))
         self._finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
