@@ -35,13 +35,20 @@ from llama_chat.model.chat_format import Message
 
 # Fields that change nothing here: billing, tracing, and what other services keep.
 IGNORED = ("metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier", "include", "truncation",
-           "max_tool_calls", "stream_options")
+           "max_tool_calls", "stream_options", "client_metadata")
 FIELDS = frozenset(("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                     "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id",
                     "reasoning", "background", *OPENAI_SETTINGS, *EXTRA_SETTINGS, *IGNORED))
 # A reply's settings: Responses' own names, then the command line's other controls under theirs.
 SETTINGS = (("max_output_tokens", "max_tokens"),
             *((name, name) for name in (*OPENAI_SETTINGS, *EXTRA_SETTINGS)))
+# Tools that OpenAI's own servers run (and tool groups and free-form tools of its clients'): this
+# server runs none of them, so they are left out of what the model is offered. Clients send them
+# whether or not they are used (Codex CLI always sends web_search), so leaving them out, rather
+# than refusing the request, is what lets such a client work at all.
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use", "computer_use_preview",
+                "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom",
+                "namespace")
 INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 # The states in which a response is cut short (``incomplete``), as OpenAI says it of a token limit.
@@ -265,9 +272,10 @@ def _tools(body: dict[str, Any]) -> ToolRequest | None:
     for i, item in enumerate(value or ()):
         where = f"tools[{i}]"
         kind = item.get("type") if isinstance(item, dict) else None
+        if kind in HOSTED_TOOLS:
+            continue  # not offered: nothing here runs it (a choice that names one is refused)
         if kind != "function":
-            raise ToolError(f"{where}: the built-in tool {kind!r} is not available on this server; only "
-                            f'{{"type": "function", "name": ..., "parameters": ...}} tools are', where)
+            raise ToolError(f"{where}.type must be function, got {kind!r}", f"{where}.type")
         function = {k: item[k] for k in ("name", "description", "parameters") if k in item}
         tools.append(make_tool(item.get("name"), item.get("description"), item.get("parameters"), where, function))
     choice = _tool_choice(body.get("tool_choice"), bool(tools))
@@ -283,6 +291,9 @@ def _tool_choice(value: Any, offered: bool) -> ToolChoice:
         return ToolChoice(value)
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
         return ToolChoice("function", value["name"])
+    if isinstance(value, dict) and value.get("type") in HOSTED_TOOLS:
+        raise ToolError(f"tool_choice: the built-in tool {value['type']!r} is not available on this server; only "
+                        f"function tools are", "tool_choice")
     raise ToolError('tool_choice must be auto, none, required or {"type": "function", "name": ...}', "tool_choice")
 
 
