@@ -163,9 +163,13 @@ def thinking_request(request: Request, tags: ThinkTags | None, thinking: Thinkin
                                    if split else None)
     constraint = request.constraint
     if thinking.budget is not None or constraint is not None:
+        # A model left to think as it likes (auto, nothing opened, no budget) may answer at once: a
+        # model that has the tags in its vocabulary but never thinks keeps its answer's constraint
+        # from the first token.
+        optional = not inside and thinking.mode == "auto" and thinking.budget is None
         constraint = thinking_grammar(constraint, open_tag="" if inside else _lark_tag(tags, tags.start_id, tags.start),
                                       close_tag=_lark_tag(tags, tags.end_id, tags.end), budget=thinking.budget,
-                                      tags_are_tokens=tags.tokens)
+                                      tags_are_tokens=tags.tokens, optional=optional)
     return dataclasses.replace(request, thinking=split, constraint=constraint)
 
 

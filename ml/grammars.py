@@ -187,10 +187,12 @@ ANY_TEXT = "/(?s:.*)/"
 
 
 def thinking_grammar(answer: Constraint | None, *, open_tag: str, close_tag: str, budget: int | None,
-                     tags_are_tokens: bool) -> Constraint:
+                     tags_are_tokens: bool, optional: bool = False) -> Constraint:
     """The constraint of a reply that thinks first: ``open_tag`` (empty where the prompt opened the
     thinking), thinking of at most ``budget`` tokens (None: any), ``close_tag``, a blank line, then
-    ``answer`` (None: any text). ``ControlError`` where the engine refuses it."""
+    ``answer`` (None: any text). ``optional``: the thinking may be left out (a model that thinks
+    when it likes; the answer's constraint never starts with a tag, so either way is known from
+    the first token). ``ControlError`` where the engine refuses it."""
     limit = f"[max_tokens={budget}]" if budget is not None else ""
     if tags_are_tokens:
         # The end token, named by id, is never read as text (ml/constraints.py), so the thinking is any text.
@@ -205,7 +207,9 @@ def thinking_grammar(answer: Constraint | None, *, open_tag: str, close_tag: str
         think = [f"think[lazy, max_tokens={budget}]: /(?s:.*){_lark_escape(json.loads(close_tag))}/"]
         body = _seq_items(open_tag, "think", f"{close_tag}?")
     rest = "@answer" if answer is not None else ANY_TEXT
-    lark = "%llguidance {}\nstart: " + _seq_items(body, '"\\n\\n"', rest) + "\n" + "\n".join(think) + "\n"
+    thinking = _seq_items(body, '"\\n\\n"')
+    lark = ("%llguidance {}\nstart: " + (f"({thinking})? {rest}" if optional else f"{thinking} {rest}") + "\n"
+            + "\n".join(think) + "\n")
     if answer is None:
         return Constraint("grammar", lark)
     return Constraint("grammar", lark, answer=answer)

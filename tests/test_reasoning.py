@@ -176,3 +176,15 @@ def test_the_grammar_names_the_answers_constraint_in_its_description():
     request = thinking_request(Request((5,), constraint=schema), tags, Thinking(), vocab)
     assert request.constraint.describe() == schema.describe()
     assert json.loads(request.constraint.grammar)["grammars"][1]["name"] == "answer"
+
+
+def test_a_model_left_to_think_as_it_likes_may_answer_at_once_or_think_first():
+    vocab = _Vocab()
+    tags = ThinkTags(start_id=vocab.pieces.index(b"<think>"), end_id=vocab.pieces.index(b"</think>"))
+    schema = Constraint.json_schema({"type": "object"})
+    brace = vocab.pieces.index(b"{")
+    for mode, first in (("auto", {tags.start_id, brace}), ("on", {tags.start_id})):
+        request = thinking_request(Request((5,), constraint=schema), tags, Thinking(mode=mode), vocab)
+        processor = Constraints(vocab, [0]).processor(request.constraint)
+        history = TokenHistory([list(request.prompt_ids)], vocab_size=vocab.vocab_size)
+        assert _allowed(processor, history) & {tags.start_id, brace} == first, mode
