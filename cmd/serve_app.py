@@ -658,6 +658,13 @@ class GenerationResponse:
         if calls:
             await self._send(send, event(self.reply.chunk(index, "", logprobs=logprobs, tool_calls=calls)))
 
+    def _deltas(self, text: str, final: bool = False) -> list[Delta]:
+        """A piece of a one-choice reply read for tool calls (plain text where none were offered)."""
+        reader = None if self.readers is None else self.readers[0]
+        if reader is None:
+            return [Delta(content=text)] if text else []
+        return reader.feed(text) + (reader.finish() if final else [])
+
     def _logprobs_of(self, choice: Choice) -> dict[str, Any] | None:
         """The logprobs of the tokens ``choice`` took since its last chunk, where they were asked
         for and there are any (a piece's text may come from tokens an earlier chunk held back)."""
@@ -722,12 +729,6 @@ class MessagesResponse(GenerationResponse):
         end = whole.rfind(completion.text) + len(completion.text) if completion.reasoning else len(completion.text)
         return matched_stop(self.generation.settings.get("stop", ()), whole[end:])
 
-    def _read(self, text: str, final: bool = False) -> list:
-        reader = None if self.readers is None else self.readers[0]
-        if reader is None:
-            return [Delta(content=text)] if text else []
-        return reader.feed(text) + (reader.finish() if final else [])
-
     async def _whole(self, send: Send) -> None:
         choice = self.choices[0]
         async for _ in choice.pieces():
@@ -736,7 +737,7 @@ class MessagesResponse(GenerationResponse):
         if completion.finish_reason is GenerationState.ERROR:
             status, body = 500, error_body(ApiError(500, "generation failed; see the server's log"))
         else:
-            self._read(completion.text, final=True)
+            self._deltas(completion.text, final=True)
             reader = None if self.readers is None else self.readers[0]
             text = completion.text if reader is None else reader.text()
             calls = () if reader is None else reader.tool_calls()
@@ -752,7 +753,7 @@ class MessagesResponse(GenerationResponse):
         choice, sent = self.choices[0], 0
         async for text, thought in choice.parts():
             sent += len(text)
-            events = self.message.thinking(thought) + self.message.pieces(self._read(text))
+            events = self.message.thinking(thought) + self.message.pieces(self._deltas(text))
             if events:
                 await self._send(send, events)
         completion = choice.completion()
@@ -760,7 +761,7 @@ class MessagesResponse(GenerationResponse):
             body = error_body(ApiError(500, "generation failed; see the server's log"))
             await self._send(send, sse("error", body))
         else:
-            tail = self.message.pieces(self._read(completion.text[sent:], final=True))
+            tail = self.message.pieces(self._deltas(completion.text[sent:], final=True))
             called = self.readers is not None and bool(self.readers[0].calls)
             await self._send(send, tail + self.message.end(completion.finish_reason, called,
                                                            completion.completion_tokens, self._stop(completion)))
@@ -779,12 +780,6 @@ class ResponsesResponse(GenerationResponse):
         self.builder = ResponseBuilder(f"resp_{reply.id.removeprefix('chatcmpl-')}", reply.model, generation)
         self.store = store
 
-    def _read(self, text: str, final: bool = False) -> list:
-        reader = None if self.readers is None else self.readers[0]
-        if reader is None:
-            return [Delta(content=text)] if text else []
-        return reader.feed(text) + (reader.finish() if final else [])
-
     def _responses_usage(self) -> dict[str, Any]:
         u = self._usage()
         return responses_usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
@@ -802,7 +797,7 @@ class ResponsesResponse(GenerationResponse):
         if completion.finish_reason is GenerationState.ERROR:
             status, body = 500, ApiError(500, "generation failed; see the server's log", code="generation_failed").body()
         else:
-            self._read(completion.text, final=True)
+            self._deltas(completion.text, final=True)
             reader = None if self.readers is None else self.readers[0]
             text = completion.text if reader is None else reader.text()
             calls = () if reader is None else reader.tool_calls()
@@ -821,14 +816,14 @@ class ResponsesResponse(GenerationResponse):
         choice, sent = self.choices[0], 0
         async for text, thought in choice.parts():
             sent += len(text)
-            events = builder.reasoning(thought) + builder.pieces(self._read(text))
+            events = builder.reasoning(thought) + builder.pieces(self._deltas(text))
             if events:
                 await self._send(send, events)
         completion = choice.completion()
         if completion.finish_reason is GenerationState.ERROR:
             await self._send(send, builder.failed("generation failed; see the server's log"))
         else:
-            tail = builder.pieces(self._read(completion.text[sent:], final=True))
+            tail = builder.pieces(self._deltas(completion.text[sent:], final=True))
             usage_object = self._responses_usage()
             await self._send(send, tail + builder.end(completion.finish_reason, usage_object))
             self._keep(builder.body(status_of(completion.finish_reason), usage_object))
