@@ -161,6 +161,30 @@ def _cpu_has_half_matmul() -> bool:
         return False
 
 
+def biased_project(x: torch.Tensor, layer: torch.nn.Module, bias: torch.Tensor | None,
+                   activation: str | None = None) -> torch.Tensor:
+    """``activation(project(x, layer) + bias)``, ``activation`` None or "gelu" (exact).
+
+    A float32 weight on an x86 CPU goes to oneDNN's inner product with the bias and the GELU in
+    its epilogue: for an encoder's prompt-sized rows over small weights it beats MKL's product and
+    the two passes after it (docs/benchmarks.md, "Embeddings against sentence-transformers").
+    """
+    weight = getattr(layer, "weight", None)
+    if (type(layer) is torch.nn.Linear and bias is not None and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and bias.dtype == torch.float32
+            and weight.is_contiguous() and not torch.compiler.is_compiling() and torch.backends.mkldnn.enabled
+            and _onednn_linear_available()):
+        rows = x.reshape(-1, x.shape[-1])
+        gelu = activation == "gelu"
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "gelu" if gelu else "none", [],
+                                                 "none" if gelu else "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+    out = project(x, layer)
+    if bias is not None:
+        out = out.add_(bias)
+    return F.gelu(out) if activation == "gelu" else out
+
+
 def project(x: torch.Tensor, layer: torch.nn.Module, row_products: bool = False) -> torch.Tensor:
     """``layer``'s bias-free product with ``x``: float weights through ``linear``, int8 ones
     (``quantize.Int8Linear``, which has ``scales``) through ``quantize.int8_linear``, packed GGUF

@@ -120,9 +120,12 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         if self.wqkv is not None:
             q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            qkv = ops.project(x, self.wqkv, layout.row_products)
-            if self.bqkv is not None:
-                qkv = qkv + self.bqkv
+            if self.bo is not None:  # BERT's biases everywhere: the bias in the product
+                qkv = ops.biased_project(x, self.wqkv, self.bqkv)
+            else:
+                qkv = ops.project(x, self.wqkv, layout.row_products)
+                if self.bqkv is not None:
+                    qkv = qkv + self.bqkv
             if rope is None:
                 q = qkv[..., :q_width].view(batch, seq, self.n_heads, self.head_dim)
                 k = qkv[..., q_width:q_width + kv_width].view(batch, seq, self.n_kv_heads, self.head_dim)
@@ -164,8 +167,9 @@ class Attention(nn.Module):
         return self._output(out.transpose(1, 2).reshape(batch, seq, -1), layout)
 
     def _output(self, heads: torch.Tensor, layout: StepLayout) -> torch.Tensor:
-        out = ops.project(heads, self.wo, layout.row_products)
-        return out if self.bo is None else out.add_(self.bo)
+        if self.bo is not None:
+            return ops.biased_project(heads, self.wo, self.bo)
+        return ops.project(heads, self.wo, layout.row_products)
 
 
 class FeedForward(nn.Module):
@@ -191,12 +195,12 @@ class FeedForward(nn.Module):
             del self.w1, self.w3
 
     def forward(self, x: torch.Tensor, row_products: bool = False) -> torch.Tensor:
-        if not self.gated:
-            hidden = ops.project(x, self.w1, row_products)
-            if self.b1 is not None:
-                hidden.add_(self.b1)
-            out = ops.project(_activated(hidden, self.activation), self.w2, row_products)
-            return out if self.b2 is None else out.add_(self.b2)
+        if not self.gated:  # BERT's: the biases (and an exact GELU) in the products
+            if self.activation == "gelu":
+                hidden = ops.biased_project(x, self.w1, self.b1, "gelu")
+            else:
+                hidden = _activated(ops.biased_project(x, self.w1, self.b1), self.activation)
+            return ops.biased_project(hidden, self.w2, self.b2)
         if self.w13 is not None:
             gate, up = ops.project(x, self.w13, row_products).chunk(2, dim=-1)
         else:
@@ -250,9 +254,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: StepLayout,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
-        if self.norm_after_residual:  # BERT's post-LN
-            h = self.attention_norm(x + self.attention(x, rope, layout, cache, layer))
-            return self.ffn_norm(h + self.feed_forward(h, layout.row_products))
+        if self.norm_after_residual:  # BERT's post-LN; the sublayers' outputs are fresh: summed in place
+            h = self.attention_norm(self.attention(x, rope, layout, cache, layer).add_(x))
+            return self.ffn_norm(self.feed_forward(h, layout.row_products).add_(h))
         out = self.attention(self.attention_norm(x), rope, layout, cache, layer)
         h = x + (out if self.attention_post_norm is None else self.attention_post_norm(out))
         out = self.feed_forward(self.ffn_norm(h), layout.row_products)
