@@ -1,6 +1,7 @@
 """The ``llama-chat`` executable: ``llama-chat serve ...`` serves a model (``cmd/serve.py``);
-anything else is the command as it always was (``cmd/app.py``). Neither of the two imports the
-other; both build their typer command the same way (``cmd/typer_command.py``).
+``llama-chat embed`` and ``llama-chat rerank`` run an embedding model or a reranker
+(``cmd/embed_command.py``); anything else is the command as it always was (``cmd/app.py``). None
+of them imports another; all build their typer command the same way (``cmd/typer_command.py``).
 
 Exit statuses are listed in ``exit_status.py``; usage errors are one line on stderr.
 """
@@ -37,13 +38,19 @@ def main() -> None:
     install_sync_handlers()
     # Signals are the main thread's alone: a Ctrl+C at the chat's prompt must wake its wait.
     block_in_new_threads()
-    serving = sys.argv[1:2] == ["serve"]  # the one subcommand
-    name = "llama-chat serve" if serving else "llama-chat"
+    serving = sys.argv[1:2] == ["serve"]
+    encoding = sys.argv[1:2] in (["embed"], ["rerank"])
+    name = f"llama-chat {sys.argv[1]}" if serving or encoding else "llama-chat"
     try:
         with deferred_signals():
             if serving:
                 from llama_chat.cmd.serve import serve_app as command
 
+                args = sys.argv[2:]
+            elif encoding:
+                from llama_chat.cmd.embed_command import embed_app, rerank_app
+
+                command = embed_app if sys.argv[1] == "embed" else rerank_app
                 args = sys.argv[2:]
             else:
                 from llama_chat.cmd.app import app as command

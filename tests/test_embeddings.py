@@ -459,3 +459,63 @@ def test_ollamas_and_langchains_clients_get_the_same_vectors(embedding_server):
                                  check_embedding_ctx_length=False)
     torch.testing.assert_close(torch.tensor(langchain.embed_documents(texts)), reference)
     torch.testing.assert_close(torch.tensor(langchain.embed_query(texts[1])), reference[1])
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def test_llama_chat_embed_writes_a_json_line_per_text_or_an_npy_array(st_folder, tmp_path):
+    import numpy as np
+    from cli_support import run_cli
+
+    folder, model, tokenizer = st_folder
+    texts = TEXTS[:3]
+    expected = reference_embeddings(model, tokenizer, texts, pooling="mean", normalize=True, max_length=MAX_LENGTH)
+    proc = run_cli("embed", "-m", str(folder), *texts)
+    assert proc.returncode == 0, proc.stderr.decode()
+    lines = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2]
+    torch.testing.assert_close(torch.tensor([line["embedding"] for line in lines]), expected, atol=1e-5, rtol=1e-4)
+    out = tmp_path / "vectors.npy"
+    proc = run_cli("embed", "-m", str(folder), "-o", str(out), "--dimensions", "8",
+                   stdin="\n".join(texts).encode() + b"\n\n")
+    assert proc.returncode == 0 and proc.stdout == b"", proc.stderr.decode()
+    saved = torch.from_numpy(np.load(out))
+    torch.testing.assert_close(saved, torch.nn.functional.normalize(expected[:, :8], dim=-1), atol=1e-5, rtol=1e-4)
+
+
+def test_llama_chat_rerank_ranks_the_lines_of_stdin(cross_encoder):
+    from builders_embeddings import reference_scores
+    from cli_support import run_cli
+
+    folder, model, tokenizer = cross_encoder
+    documents = [d for d in DOCUMENTS if "\n" not in d]
+    proc = run_cli("rerank", "-m", str(folder), "--query", QUERY, "--top-n", "3",
+                   stdin="\n".join(documents).encode())
+    assert proc.returncode == 0, proc.stderr.decode()
+    lines = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    expected = reference_scores(model, tokenizer, QUERY, documents, max_length=20)
+    order = sorted(range(len(documents)), key=lambda i: -float(expected[i]))[:3]
+    assert [line["index"] for line in lines] == order
+    assert [line["document"] for line in lines] == [documents[i] for i in order]
+    torch.testing.assert_close(torch.tensor([line["relevance_score"] for line in lines]), expected[order],
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_embed_and_rerank_refuse_bad_input_in_one_line(st_folder, cross_encoder, tiny_meta_dir):
+    from cli_support import run_cli
+
+    for args, stdin, message in (
+            (("embed", "-m", str(tiny_meta_dir), "hi"), None, "is a chat model: it generates text; give -m an "
+                                                                "embedding model"),
+            (("embed", "-m", str(cross_encoder[0]), "hi"), None, "is a reranker"),
+            (("rerank", "-m", str(st_folder[0]), "--query", "q"), b"a\n", "is an embedding model"),
+            (("embed", "-m", str(st_folder[0])), b"\n\n", "stdin: no text to read"),
+            (("embed", "-m", str(st_folder[0]), "--no-truncate", TEXTS[3]), None,
+             "text 1 is 62 tokens long; the model takes at most 24"),
+            (("embed", "-m", str(st_folder[0]), "--dimensions", "33", "a"), None, "dimensions must be from 1 to 32"),
+            (("rerank", "-m", str(cross_encoder[0]), "--query", ""), b"a\n", "--query is an empty string")):
+        proc = run_cli(*args, stdin=stdin)
+        err = proc.stderr.decode()
+        assert proc.returncode == 2 and proc.stdout == b"", (args, err)
+        assert err.count("\n") == 1 and message in err and "Traceback" not in err, (args, err)
