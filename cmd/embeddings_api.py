@@ -133,7 +133,7 @@ async def _embed(served: Served, asked: EmbeddingRequest) -> list[Embedded]:
         ids = [embedder.text_ids(item, truncate=asked.truncate, where=_where(i, asked)) if isinstance(item, str)
                else embedder.token_ids(item, truncate=asked.truncate, where=_where(i, asked))
                for i, item in enumerate(asked.inputs)]
-        return embedder.embed(ids, dimensions=asked.dimensions)
+        return embedder.submit(ids, dimensions=asked.dimensions).result()  # beside other requests' inputs
 
     try:
         # Tokenizing and the forwards are CPU work: off the event loop.

@@ -5,14 +5,17 @@ reranker's relevance scores of documents for a query, batched alike.
 Inputs are sorted by length, longest first, and taken in groups whose padded size stays within
 ``max_batch_tokens`` (and ``max_batch_rows``), so a short text never waits as padding beside a
 long one and no forward grows past the bound. ``Embedder.embed`` and ``Reranker.scores`` are
-blocking PyTorch code: the server runs them in a worker thread, one call at a time (``lock``),
-off the event loop.
+blocking PyTorch code, one call at a time (``lock``). The server's requests go through
+``Embedder.submit``: one thread runs rounds, each taking every request waiting when the last
+ended, so concurrent requests' inputs share padded forwards as the scheduler's jobs share steps.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +61,20 @@ class Embedder:
         self.max_batch_tokens = max(max_batch_tokens, self.pooling.max_tokens)
         self.max_batch_rows = max_batch_rows
         self.lock = threading.Lock()  # one forward at a time: torch's threads are already all busy
+        self._rounds: EmbeddingRounds | None = None
+        self._rounds_made = threading.Lock()
+
+    def submit(self, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None) -> Future[list[Embedded]]:
+        """``embed`` in the rounds' thread, beside other callers' inputs; the vectors come in the future."""
+        with self._rounds_made:
+            if self._rounds is None:
+                self._rounds = EmbeddingRounds(self)
+        return self._rounds.submit(inputs, dimensions)
+
+    def close(self) -> None:
+        """Stop the rounds' thread (after the rounds asked for) where one was started."""
+        if self._rounds is not None:
+            self._rounds.close()
 
     @property
     def width(self) -> int:
@@ -108,12 +125,22 @@ class Embedder:
             raise EmbeddingInputError("this server pools with 'none' (a vector per token); "
                                       "an embedding per input needs mean, cls or last pooling", "input")
         self.check_dimensions(dimensions)
-        vectors: list[torch.Tensor | None] = [None] * len(inputs)
+        return [Embedded(self.finished(v, dimensions), len(ids)) for v, ids in zip(self.pooled(inputs), inputs)]
+
+    def pooled(self, inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The pooled vectors of ``inputs``, in order, before normalizing and cutting. Blocking."""
+        if self.pooling.mode == "none":
+            raise EmbeddingInputError("this server pools with 'none' (a vector per token); "
+                                      "an embedding per input needs mean, cls or last pooling", "input")
+        vectors: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
         with self.lock, torch.inference_mode():
             for group in self.batches([len(ids) for ids in inputs]):
                 for index, vector in zip(group, self._forward([inputs[i] for i in group])):
-                    vectors[index] = finished(vector, normalize=self.pooling.normalize, dimensions=dimensions).cpu()
-        return [Embedded(v, len(ids)) for v, ids in zip(vectors, inputs)]
+                    vectors[index] = vector
+        return vectors
+
+    def finished(self, vector: torch.Tensor, dimensions: int | None) -> torch.Tensor:
+        return finished(vector, normalize=self.pooling.normalize, dimensions=dimensions).cpu()
 
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:
         return length_batches(lengths, self.max_batch_tokens, self.max_batch_rows)
@@ -122,6 +149,74 @@ class Embedder:
         tokens, lengths, _ = padded(self.loaded, rows)
         hidden = self.loaded.model.encode(tokens, lengths)
         return pool(hidden, lengths, self.pooling.mode)
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    inputs: list[Sequence[int]]
+    dimensions: int | None
+    future: Future
+
+
+class EmbeddingRounds:
+    """Many callers' inputs embedded together, on one thread of its own: each round takes every
+    request waiting when the last round ended (whole requests, up to ``MAX_INPUTS`` inputs, one
+    at least), sorts all their inputs by length into the embedder's padded forwards, and hands
+    each request its vectors. ``rounds`` counts them."""
+
+    def __init__(self, embedder: Embedder) -> None:
+        self.embedder = embedder
+        self.rounds = 0
+        self._waiting: deque[_Waiting] = deque()
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="embedding-rounds", daemon=True)
+        self._thread.start()
+
+    def submit(self, inputs: Sequence[Sequence[int]], dimensions: int | None = None) -> Future[list[Embedded]]:
+        self.embedder.check_dimensions(dimensions)
+        future: Future[list[Embedded]] = Future()
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("the embedding rounds are closed")
+            self._waiting.append(_Waiting(list(inputs), dimensions, future))
+            self._changed.notify()
+        return future
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        self._thread.join()
+
+    def _take(self) -> list[_Waiting] | None:
+        with self._changed:
+            while not self._waiting and not self._closed:
+                self._changed.wait()
+            if not self._waiting:
+                return None
+            taken = [self._waiting.popleft()]
+            count = len(taken[0].inputs)
+            while self._waiting and count + len(self._waiting[0].inputs) <= MAX_INPUTS:
+                taken.append(self._waiting.popleft())
+                count += len(taken[-1].inputs)
+            return taken
+
+    def _run(self) -> None:
+        while (taken := self._take()) is not None:
+            try:
+                pooled = self.embedder.pooled([ids for request in taken for ids in request.inputs])
+            except BaseException as e:  # noqa: BLE001 - each request's caller gets the error
+                for request in taken:
+                    request.future.set_exception(e)
+                continue
+            self.rounds += 1
+            start = 0
+            for request in taken:
+                vectors = pooled[start:start + len(request.inputs)]
+                start += len(request.inputs)
+                request.future.set_result([Embedded(self.embedder.finished(v, request.dimensions), len(ids))
+                                           for v, ids in zip(vectors, request.inputs)])
 
 
 class Reranker:

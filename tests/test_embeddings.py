@@ -18,7 +18,7 @@ from llama_chat.inference.embedding import Embedder, EmbeddingInputError
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.loader import load_model
 from llama_chat.model.tokenizers.loading import load_tokenizer
-from serve_support import WAIT_S, start_server, stop_server
+from serve_support import WAIT_S, start_server, stop_server, wait_for
 
 MAX_LENGTH = 24
 TEXTS = [
@@ -117,6 +117,28 @@ def test_padding_and_batching_change_no_vector(st_folder):
     assert [e.tokens for e in batched] == [len(i) for i in ids]
 
 
+def test_requests_waiting_together_share_a_round_and_get_their_own_vectors(st_folder):
+    from llama_chat.inference.embedding import EmbeddingRounds
+
+    embedder = Embedder(load_model(st_folder[0], device="cpu"))
+    requests = [[embedder.text_ids(t, truncate=True) for t in TEXTS[i:i + 2]] for i in range(4)]
+    alone = [embedder.embed(ids, dimensions=8 if i == 2 else None) for i, ids in enumerate(requests)]
+    rounds = EmbeddingRounds(embedder)
+    try:
+        with embedder.lock:  # the first request's round waits on the forwards; the others queue behind it
+            futures = [rounds.submit(requests[0])]
+            wait_for(lambda: not rounds._waiting, "the first request's round to start")
+            futures += [rounds.submit(ids, 8 if i == 2 else None) for i, ids in enumerate(requests[1:], 1)]
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    finally:
+        rounds.close()
+    assert rounds.rounds == 2
+    for got, expected in zip(results, alone):
+        assert [e.tokens for e in got] == [e.tokens for e in expected]
+        torch.testing.assert_close(torch.stack([e.vector for e in got]), torch.stack([e.vector for e in expected]),
+                                   atol=1e-5, rtol=1e-4)
+
+
 def test_batches_are_longest_first_within_the_bounds(st_folder):
     embedder = Embedder(load_model(st_folder[0], device="cpu"), max_batch_tokens=40, max_batch_rows=3)
     lengths = [5, 20, 3, 20, 7, 8, 9, 2]
@@ -190,6 +212,23 @@ def test_openai_client_gets_the_models_embeddings_as_floats_and_base64(st_folder
                      json={"input": texts[1], "encoding_format": "base64"}).json()
     decoded = torch.frombuffer(bytearray(base64.b64decode(raw["data"][0]["embedding"])), dtype=torch.float32)
     torch.testing.assert_close(decoded, got[1])
+
+
+def test_concurrent_requests_each_get_their_own_vectors(embedding_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = embedding_server.client()
+    bodies = [[f"{text} {i}" for text in TEXTS[:3]] for i in range(8)]
+
+    def vectors(texts: list[str]) -> torch.Tensor:
+        reply = client.embeddings.create(model="tiny-st", input=texts, encoding_format="float")
+        return torch.tensor([d.embedding for d in reply.data])
+
+    one_by_one = [vectors(texts) for texts in bodies]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(vectors, bodies))
+    for got, expected in zip(together, one_by_one):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
 def test_ids_embed_as_their_text_and_dimensions_cut(st_folder, embedding_server):
