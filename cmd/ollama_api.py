@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request as HttpRequest
@@ -29,6 +30,7 @@ from starlette.types import Send
 
 from llama_chat.cmd.anthropic_api import tool_input
 from llama_chat.cmd.batch_input import SETTING_KEYS
+from llama_chat.cmd.models import ModelEntry, wall_time
 from llama_chat.cmd.openai_api import (ApiError, Generation, LogprobsWriter, bad, dumps, finish_reason, format_setting,
                                        read_settings, read_tools)
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS
@@ -72,7 +74,8 @@ WHOLE_CONTEXT = -1
 PENALTIES_OFF = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 THINK_LEVELS = ("low", "medium", "high")  # gpt-oss' levels; here each one is thinking on
 ROLES = ("system", "user", "assistant", "tool")
-# Fields that change nothing here: the model stays loaded, and a prompt too long is refused.
+# Fields that change nothing here: a prompt too long is refused, and the one model stays loaded
+# (with several, keep_alive is read before the route runs: ``models_api.py``).
 IGNORED = ("keep_alive", "truncate", "shift")
 COMMON_FIELDS = ("model", "stream", "options", "format", "think", "logprobs", "top_logprobs", *IGNORED)
 CHAT_FIELDS = frozenset((*COMMON_FIELDS, "messages", "tools"))
@@ -102,6 +105,9 @@ def ollama_routes(state: ServerState, endpoint: Callable) -> list[Route]:
                                partial(OllamaResponse, started_ns=started_ns, api="generate"))
 
     async def tags(request: HttpRequest) -> Response:
+        if state.models is not None:
+            return JSONResponse({"models": [_listed(m.served) if m.status == "loaded" and m.served is not None
+                                            else _listed_unloaded(m.entry) for m in state.models.models.values()]})
         served = state.require_ready()
         return JSONResponse({"models": [_listed(served)]})
 
@@ -112,10 +118,10 @@ def ollama_routes(state: ServerState, endpoint: Callable) -> list[Route]:
         return JSONResponse(_shown(served))
 
     async def ps(request: HttpRequest) -> Response:
-        served = state.require_ready()
-        running = {**_listed(served), "size_vram": _size(served) if served.loaded.device.type != "cpu" else 0,
-                   "context_length": _context(served)}
-        return JSONResponse({"models": [running]})
+        if state.models is not None:  # the loaded ones, and when each unloads if left idle
+            return JSONResponse({"models": [{**_running(model.served), "expires_at": wall_time(expires)}
+                                            for model, expires in state.models.loaded()]})
+        return JSONResponse({"models": [_running(state.require_ready())]})
 
     async def version(request: HttpRequest) -> Response:
         return JSONResponse({"version": OLLAMA_VERSION})
@@ -511,9 +517,8 @@ def _size(served: Served) -> int:
     return served.loaded.weights().nbytes
 
 
-def _modified(served: Served) -> tuple[str, int]:
+def _modified(path: Path) -> tuple[str, int]:
     """When the model's files last changed, as Ollama writes it, and in nanoseconds."""
-    path = served.loaded.path
     mtime_ns = path.stat().st_mtime_ns if path.exists() else 0
     when = datetime.fromtimestamp(mtime_ns / 1e9, timezone.utc).isoformat().replace("+00:00", "Z")
     return when, mtime_ns
@@ -528,12 +533,29 @@ def _details(served: Served) -> dict[str, Any]:
             "families": [loaded.args.family], "parameter_size": size, "quantization_level": level}
 
 
-def _listed(served: Served) -> dict[str, Any]:
-    when, mtime_ns = _modified(served)
+def _running(served: Served) -> dict[str, Any]:
+    return {**_listed(served), "size_vram": _size(served) if served.loaded.device.type != "cpu" else 0,
+            "context_length": _context(served)}
+
+
+def _digest(path: Path, mtime_ns: int) -> str:
     # No registry names this model: its digest stands for the file it was loaded from, as it is.
-    digest = hashlib.sha256(f"{served.loaded.path.resolve()}:{mtime_ns}".encode()).hexdigest()
+    return hashlib.sha256(f"{path.resolve()}:{mtime_ns}".encode()).hexdigest()
+
+
+def _listed(served: Served) -> dict[str, Any]:
+    when, mtime_ns = _modified(served.loaded.path)
     return {"name": served.model_id, "model": served.model_id, "modified_at": when, "size": _size(served),
-            "digest": digest, "details": _details(served)}
+            "digest": _digest(served.loaded.path, mtime_ns), "details": _details(served)}
+
+
+def _listed_unloaded(entry: ModelEntry) -> dict[str, Any]:
+    """One of several models, not loaded now: what its files say (its details once it is loaded)."""
+    path = entry.path
+    when, mtime_ns = _modified(path)
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return {"name": entry.name, "model": entry.name, "modified_at": when, "size": sum(f.stat().st_size for f in files),
+            "digest": _digest(path, mtime_ns), "details": {}}
 
 
 def _capabilities(served: Served) -> list[str]:
@@ -565,7 +587,7 @@ def _shown(served: Served) -> dict[str, Any]:
     template = getattr(loaded.chat_format, "template", None) or getattr(loaded.chat_format, "name", "")
     return {"modelfile": f"FROM {loaded.path}\n", "parameters": "", "template": template,
             "details": _details(served), "model_info": info, "capabilities": _capabilities(served),
-            "modified_at": _modified(served)[0]}
+            "modified_at": _modified(loaded.path)[0]}
 
 
 __all__ = ["OLLAMA_VERSION", "OllamaResponse", "error_body", "ollama_routes", "parse_chat", "parse_generate"]

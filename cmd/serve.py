@@ -21,8 +21,10 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Annotated, get_type_hints
 
 import anyio
@@ -33,6 +35,8 @@ from rich.console import Console
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.http_protocol import guarded_protocol
+from llama_chat.cmd.models import (DEFAULT_KEEP_ALIVE, KEEP_ALIVE_HELP, ModelEntry, Models, Unload,
+                                   keep_alive_seconds, model_entries, split_alias)
 from llama_chat.cmd.options import BATCH, Options, ranged
 from llama_chat.cmd.responses_api import DEFAULT_STORED, DEFAULT_STORED_BYTES, ResponseStore
 from llama_chat.cmd.sanitize import one_line
@@ -71,6 +75,14 @@ def _pooling(value: str | None) -> str | None:
     return value
 
 
+def _keep_alive(value: str) -> str:
+    try:
+        keep_alive_seconds(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
 def _tool_format(value: str) -> str:
     if value not in FORMAT_NAMES:
         raise typer.BadParameter(f"expected one of {', '.join(FORMAT_NAMES)}; got {value!r}")
@@ -79,7 +91,11 @@ def _tool_format(value: str) -> str:
 
 @dataclass(frozen=True)
 class ServeOptions:
-    model: _OPTION["model"] = None
+    model: Annotated[list[str] | None, typer.Option(
+        "--model", "-m", metavar="[NAME=]MODEL",
+        help="Model, named as llama-chat's -m names it (--list shows what is there); NAME=MODEL: the name "
+             "requests use. Repeat it to serve several, each loaded when a request names it (default: the "
+             "small model shipped with the package).")] = None
     host: Annotated[str, typer.Option(
         "--host", rich_help_panel=SERVER, metavar="ADDR",
         help="Address to listen on; 0.0.0.0 (or ::) listens on every interface.")] = "127.0.0.1"
@@ -96,6 +112,14 @@ class ServeOptions:
         "--queue-limit", min=0, rich_help_panel=SERVER,
         help="Jobs that may wait beyond the --max-batch running ones (a request asks one per choice); "
              "past it, 429 with Retry-After.")] = DEFAULT_QUEUE_LIMIT
+    models_max: Annotated[int | None, typer.Option(
+        "--models-max", min=1, rich_help_panel=SERVER, metavar="N",
+        help="With several -m: most models loaded at once; a load past it first unloads the least recently "
+             "used idle one (default: all of them).")] = None
+    keep_alive: Annotated[str, typer.Option(
+        "--keep-alive", callback=_keep_alive, rich_help_panel=SERVER, metavar="DURATION",
+        help=f"With several -m: how long an idle model stays loaded, as Ollama's keep_alive ({KEEP_ALIVE_HELP}); "
+             "a request's keep_alive (Ollama's API) overrides it.")] = DEFAULT_KEEP_ALIVE
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", min=1, rich_help_panel=SERVER, metavar="BYTES",
         help="Largest request body; past it, 413.")] = DEFAULT_MAX_BODY_BYTES
@@ -149,8 +173,20 @@ class ServeOptions:
     def options(self) -> Options:
         """The command's ``Options``: what loads the model, and the base of every request. (Its
         ``api_key`` is the key of a remote model's server, not this server's.)"""
-        return Options(**{f.name: getattr(self, f.name) for f in fields(self)
-                          if f.name in Options.__dataclass_fields__ and f.name != "api_key"})
+        values = {f.name: getattr(self, f.name) for f in fields(self)
+                  if f.name in Options.__dataclass_fields__ and f.name not in ("api_key", "model")}
+        return Options(**values, model=split_alias(self.model[0])[1] if self.model else None)
+
+    def for_model(self, source: str) -> ServeOptions:
+        """These options for one of several models: ``source`` loads as ``-m`` names it."""
+        return replace(self, model=[source])
+
+    def names(self) -> tuple[str, ...]:
+        """What the one model answers to besides its own name: ``-m`` as given, and its NAME=."""
+        if not self.model:
+            return ()
+        alias, source = split_alias(self.model[0])
+        return (source,) if alias is None else (alias, source)
 
 
 serve_app = new_app()
@@ -204,22 +240,33 @@ class _UvicornLog(logging.Handler):
 
 def run_serve(opts: ServeOptions) -> int:
     log = ServerLog(quiet=opts.quiet)
-    if is_remote(opts.model):
+    if any(is_remote(split_alias(model)[1]) for model in opts.model or ()):
         log.error("serve runs a model in this process; -m openai:URL is another server's")
         return exit_status.USAGE
     if opts.api_key is not None and not opts.api_key.strip():
         log.error("--api-key is empty")
         return exit_status.USAGE
+    entries: list[ModelEntry] = []
+    if opts.model and len(opts.model) > 1:
+        from llama_chat.model.errors import ModelLoadError
+
+        try:
+            entries = model_entries(opts.model)
+        except (ModelLoadError, ValueError) as e:
+            log.error(one_line(str(e)))
+            return exit_status.USAGE
     try:
         sock = listen(opts.host, opts.port)
     except OSError as e:
         log.error(f"cannot listen on {opts.host}:{opts.port}: {e.strerror or e}")
         return exit_status.FAILURE
-    log.note(f"listening on {_url(sock)}; loading {opts.model or 'the shipped model'}")
+    what = (f"serving {', '.join(repr(e.name) for e in entries)}, each loaded when a request names it" if entries
+            else f"loading {opts.model[0] if opts.model else 'the shipped model'}")
+    log.note(f"listening on {_url(sock)}; {what}")
     if opts.api_key is None and not _loopback(sock.getsockname()[0]):
         log.note("no --api-key: anyone who can reach this address can use the server")
     try:
-        return anyio.run(_serve, opts, sock, log)
+        return anyio.run(_serve, opts, sock, log, entries)
     except KeyboardInterrupt:
         return exit_status.OK
     except Terminated:
@@ -253,7 +300,7 @@ class _Server(uvicorn.Server):
         return nullcontext()
 
 
-async def _serve(opts: ServeOptions, sock: socket.socket, log: ServerLog) -> int:
+async def _serve(opts: ServeOptions, sock: socket.socket, log: ServerLog, entries: list[ModelEntry]) -> int:
     state = ServerState(api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, log=log.note,
                         read_timeout_s=opts.read_timeout,
                         responses=ResponseStore(opts.store_responses, opts.store_responses_bytes))
@@ -279,8 +326,9 @@ async def _serve(opts: ServeOptions, sock: socket.socket, log: ServerLog) -> int
         await tg.start(_watch_signals, stop, log)
         tg.start_soon(run_server)
         try:
-            model = await _load(opts, log, stop)
-            if model is not None:
+            if entries:
+                await _serve_models(opts, state, entries, log, stop, server)
+            elif (model := await _load(opts, log, stop)) is not None:
                 status = await _serve_model(opts, state, model, log, stop, server, server_done)
         except Exception as e:  # noqa: BLE001 - loading failed: one line, and the server stops
             from llama_chat.inference.types import RequestError
@@ -376,23 +424,15 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
     loaded, scheduler = model
     if scheduler is None:
         return await _serve_embeddings(opts, state, loaded, log, stop, server, server_done)
-    serving = Serving(scheduler, queue_limit=opts.queue_limit, metrics=state.metrics)
-    names = frozenset({loaded.name, *([opts.model] if opts.model else [])})
-    # A chat format without a Jinja template (llama2, llama3) cannot show tools: the generic format
-    # describes them in the system message.
-    template = getattr(loaded.chat_format, "template", None)
-    tool_format = resolve_format(opts.tool_format if template is not None else "generic", template)
-    served = Served(loaded, serving, opts.options(), names, int(time.time()), tool_format)
+    served = _chat_served(opts, state, loaded, scheduler)
+    serving = served.serving
     while True:
         try:
             async with scheduler:
                 first = state.phase == "loading"
                 state.ready(served)
                 if first:
-                    log.note(f"ready: model {loaded.name!r} ({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')}), "
-                             f"context {scheduler.max_seq_len} tokens, batch of {opts.max_batch}, queue of {opts.queue_limit}, "
-                             f"tool calls {tool_format.name}; "
-                             f"{_pool_text(scheduler)}")
+                    log.note(_ready_text(opts, served))
                 await stop.wait()
                 state.phase = "stopping"
                 server.should_exit = True  # no new connections; uvicorn waits for the open ones
@@ -419,6 +459,35 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
 async def _serve_embeddings(opts: ServeOptions, state: ServerState, loaded, log: ServerLog, stop: anyio.Event,
                             server, server_done: anyio.Event) -> int:
     """An embedding model's or a reranker's server: its routes answer in worker threads until stopped."""
+    served, what = _encoder_served(opts, loaded)
+    state.ready(served)
+    log.note(f"ready: {what}")
+    await stop.wait()
+    state.phase = "stopping"
+    server.should_exit = True
+    await server_done.wait()
+    return exit_status.OK
+
+
+def _chat_served(opts: ServeOptions, state: ServerState, loaded, scheduler) -> Served:
+    serving = Serving(scheduler, queue_limit=opts.queue_limit, metrics=state.metrics)
+    names = frozenset({loaded.name, *opts.names()})
+    # A chat format without a Jinja template (llama2, llama3) cannot show tools: the generic format
+    # describes them in the system message.
+    template = getattr(loaded.chat_format, "template", None)
+    tool_format = resolve_format(opts.tool_format if template is not None else "generic", template)
+    return Served(loaded, serving, opts.options(), names, int(time.time()), tool_format)
+
+
+def _ready_text(opts: ServeOptions, served: Served) -> str:
+    loaded, scheduler = served.loaded, served.serving.scheduler
+    return (f"ready: model {loaded.name!r} ({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')}), "
+            f"context {scheduler.max_seq_len} tokens, batch of {opts.max_batch}, queue of {opts.queue_limit}, "
+            f"tool calls {served.tool_format.name}; {_pool_text(scheduler)}")
+
+
+def _encoder_served(opts: ServeOptions, loaded) -> tuple[Served, str]:
+    """An embedding model or a reranker as served, and what the ready line says of it."""
     from llama_chat.inference.embedding import Embedder, Reranker
 
     where = f"({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')})"
@@ -430,14 +499,55 @@ async def _serve_embeddings(opts: ServeOptions, state: ServerState, loaded, log:
         pooling = encoder.pooling
         what = (f"embedding model {loaded.name!r} {where}, {encoder.width} dimensions, {pooling.mode} pooling"
                 f"{', normalized' if pooling.normalize else ''}")
-    names = frozenset({loaded.name, *([opts.model] if opts.model else [])})
-    state.ready(Served(loaded, None, opts.options(), names, int(time.time()), embedder=encoder))
-    log.note(f"ready: {what}, up to {encoder.max_tokens} tokens an input")
-    await stop.wait()
-    state.phase = "stopping"
-    server.should_exit = True
-    await server_done.wait()
-    return exit_status.OK
+    names = frozenset({loaded.name, *opts.names()})
+    served = Served(loaded, None, opts.options(), names, int(time.time()), embedder=encoder)
+    return served, f"{what}, up to {encoder.max_tokens} tokens an input"
+
+
+# -- several models ------------------------------------------------------------------------------
+
+
+async def _serve_models(opts: ServeOptions, state: ServerState, entries: list[ModelEntry], log: ServerLog,
+                        stop: anyio.Event, server) -> None:
+    """Several models, each loaded when a request names it (``cmd/models.py``), until stopped."""
+    models = Models(entries, hold=partial(_hold, opts, state, log), max_loaded=opts.models_max,
+                    keep_alive_s=keep_alive_seconds(opts.keep_alive), queue_limit=opts.queue_limit,
+                    log=log.note, log_error=log.error)
+
+    async def close_on_stop() -> None:
+        await stop.wait()
+        state.phase = "stopping"
+        server.should_exit = True  # no new connections; uvicorn waits for the open ones
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(close_on_stop)
+        state.serve_models(models)
+        log.note(f"ready: {len(entries)} models, at most {models.max_loaded} loaded at once, "
+                 f"idle ones unloaded after --keep-alive {opts.keep_alive}")
+        await models.run(stop, opts.shutdown_grace)
+
+
+async def _hold(opts: ServeOptions, state: ServerState, log: ServerLog, entry: ModelEntry,
+                ready: Callable[[Served], None], unload: Unload) -> None:
+    """One of several models: loaded in a worker thread as the one model is, served until
+    ``unload`` says, its open jobs then given ``unload.grace_s``. What it held goes with this frame."""
+    model_opts = opts.for_model(entry.source)
+    loaded, scheduler = await anyio.to_thread.run_sync(_load_model, model_opts, abandon_on_cancel=True)
+    loaded = replace(loaded, name=entry.name)  # reported under the name requests use
+    if scheduler is None:
+        served, what = _encoder_served(model_opts, loaded)
+        ready(served)
+        log.note(f"ready: {what}")
+        await unload.event.wait()
+        return
+    served = _chat_served(model_opts, state, loaded, scheduler)
+    async with scheduler:
+        ready(served)
+        log.note(_ready_text(model_opts, served))
+        await unload.event.wait()
+        cancelled = await served.serving.drain(unload.grace_s)
+        if cancelled:
+            log.note(f"model {entry.name!r}: jobs cancelled: {cancelled}")
 
 
 def _pool_text(scheduler) -> str:

@@ -26,8 +26,10 @@ import json
 import math
 import time
 import uuid
+import weakref
 from functools import partial
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +66,7 @@ from llama_chat.model.safe_input import BadInput, NotText, json_problem, loads
 from llama_chat.model.tokenizers.base import encode_prompt
 
 if TYPE_CHECKING:
+    from llama_chat.cmd.models import Models
     from llama_chat.cmd.options import Options
     from llama_chat.inference.embedding import Embedder, Reranker
     from llama_chat.inference.serving import Choice, Serving
@@ -110,6 +113,14 @@ class Served:
         return self.loaded.name
 
 
+# With several models, the one a request's body names, picked (and loaded) before its route runs
+# (``models_api.with_model``): ``require_ready`` gives it to the route. A weak reference: the
+# contexts that callbacks and tasks copy while the route runs may outlive the request (a kept-alive
+# connection's), and they must not keep an unloaded model's weights in memory. The registry holds
+# the model while the request does.
+PICKED: ContextVar[weakref.ref[Served] | None] = ContextVar("llama_chat_picked", default=None)
+
+
 class ServerState:
     """What the routes read: the phase (loading, ready, restarting after a failure, stopping), the
     model once loaded, limits."""
@@ -124,21 +135,33 @@ class ServerState:
         self.log = log
         self.phase = "loading"
         self.served: Served | None = None
+        self.models: Models | None = None  # several models (``models.py``); then ``served`` stays None
         self.metrics = ServingMetrics()
 
     def ready(self, served: Served) -> None:
         self.served = served
         self.phase = "ready"
 
+    def serve_models(self, models: Models) -> None:
+        self.models = models
+        self.phase = "ready"
+
     def snapshot(self) -> Snapshot:
+        if self.models is not None:
+            return self.models.snapshot()
         if self.served is None or self.served.serving is None:
             return Snapshot(self.served is not None and self.phase == "ready")
         now = self.served.serving.snapshot()
         return Snapshot(self.phase == "ready", now.running, now.queued, now.stats)
 
     def require_ready(self) -> Served:
+        picked = PICKED.get()
+        if picked is not None and (served := picked()) is not None:
+            return served
         if self.phase == "ready" and self.served is not None:
             return self.served
+        if self.phase == "ready" and self.models is not None:
+            raise ApiError(400, "this route names no model, and this server has several", code="model_not_found")
         if self.phase == "loading":
             raise ApiError(503, "the model is loading; try again shortly", code="model_loading",
                            headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
@@ -162,12 +185,18 @@ def shown_path(path: str) -> str:
 
 def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGIApp:
     def endpoint(handler: Callable[[HttpRequest], Awaitable[Response]], *, public: bool = False,
-                 anthropic: bool = False, error_shape: Callable[[ApiError], dict[str, Any]] | None = None):
-        """``error_shape``: an API's own error object for a refusal (Ollama's), where not OpenAI's."""
+                 anthropic: bool = False, error_shape: Callable[[ApiError], dict[str, Any]] | None = None,
+                 picks: bool = True):
+        """``error_shape``: an API's own error object for a refusal (Ollama's), where not OpenAI's.
+        ``picks``: with several models, a POST runs on the one its body names (not /models/...)."""
         async def run(request: HttpRequest) -> Response:
             try:
                 if not public:
                     _authorize(state, request)
+                if state.models is not None and picks and request.method == "POST":
+                    from llama_chat.cmd.models_api import with_model
+
+                    return await with_model(state, request, handler)
                 return await handler(request)
             except ApiError as e:
                 request.scope[LOG_DETAIL] = e.message
@@ -191,10 +220,15 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def models(request: HttpRequest) -> Response:
+        if state.models is not None:
+            return JSONResponse({"object": "list", "data": state.models.listing()})
         served = state.require_ready()
         return JSONResponse({"object": "list", "data": [_model_object(served)]})
 
     async def model(request: HttpRequest) -> Response:
+        if state.models is not None:
+            name = state.models.lookup(request.path_params["name"]).name
+            return JSONResponse(next(item for item in state.models.listing() if item["id"] == name))
         served = state.require_ready()
         _check_model(served, request.path_params["name"], param=None)
         return JSONResponse(_model_object(served))
@@ -260,10 +294,12 @@ def _translated_routes(state: ServerState, endpoint: Callable) -> list[Route]:
     /infill (``fim_api.py``). Their modules
     build on the responses and helpers defined here, so they are imported once this one is."""
     from llama_chat.cmd.fim_api import infill_routes
+    from llama_chat.cmd.models_api import model_routes
     from llama_chat.cmd.ollama_api import ollama_routes
     from llama_chat.cmd.tokens_api import token_routes
 
-    return [*ollama_routes(state, endpoint), *token_routes(state, endpoint), *infill_routes(state, endpoint)]
+    return [*ollama_routes(state, endpoint), *token_routes(state, endpoint), *infill_routes(state, endpoint),
+            *model_routes(state, endpoint)]
 
 
 def _kv_memory_lines(stats) -> str:

@@ -1,0 +1,181 @@
+"""Several models behind one ``llama-chat serve``: loaded when a request names them, unloaded when
+idle, when asked, or to make room under ``--models-max``.
+
+Two servers of tiny random models: a pair (``a`` and ``b``, both may be loaded) and one slot
+(``small`` and ``big``, ``--models-max 1``), where ``small`` is ``a``'s files and ``big`` is large
+enough for its unload to show in the server's resident memory. Every wait is for a condition,
+with a generous bound: the machine is busy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
+from cli_support import STOP_IDS, build_tiny_model
+from serve_support import WAIT_S, start_server, stop_server, wait_for
+
+CONTEXT = 1024
+ASK = [{"role": "user", "content": "Tell me about the fox"}]
+
+
+def _other_model(out_dir: Path, *, seed: int, **sizes) -> Path:
+    """A random model unlike ``build_tiny_model``'s (another seed, other sizes), that never ends on its own."""
+    tok = train_sentencepiece(out_dir / "spm", vocab_size=512)
+    model = random_model(tiny_args(512, max_seq_len=CONTEXT, **sizes), seed=seed)
+    with torch.no_grad():
+        model.output.weight[list(STOP_IDS)] = 0.0
+    write_meta_checkpoint(model, out_dir / "model", tok)
+    return out_dir / "model"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    a = build_tiny_model(tmp_path_factory.mktemp("a"), max_seq_len=CONTEXT).path
+    b = _other_model(tmp_path_factory.mktemp("b"), seed=11)
+    # About a hundred megabytes of weights: their going is plain in the process's resident memory.
+    big = _other_model(tmp_path_factory.mktemp("big"), seed=5, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                       hidden_dim=1536)
+    return a, b, big
+
+
+@pytest.fixture(scope="module")
+def pair(files):
+    a, b, _ = files
+    s = start_server(a, "-m", f"b={b}", "--max-batch", "4")
+    yield s
+    assert stop_server(s) == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def one_slot(files):
+    a, _, big = files
+    # start_server's -m comes first: name it by its folder, "tiny"; then the two named ones.
+    s = start_server(a, "-m", f"small={a}", "-m", f"big={big}", "--models-max", "1")
+    yield s
+    assert stop_server(s) == 0, s.log()
+
+
+def statuses(server) -> dict[str, str]:
+    response = httpx.get(f"{server.url}/v1/models", timeout=WAIT_S)
+    assert response.status_code == 200, response.text
+    return {m["id"]: m["status"] for m in response.json()["data"]}
+
+
+def reply(server, model: str, max_tokens: int = 8) -> str:
+    answer = server.client().chat.completions.create(model=model, messages=ASK, max_tokens=max_tokens, temperature=0)
+    assert answer.model == model and answer.choices[0].finish_reason == "length"
+    return answer.choices[0].message.content
+
+
+def resident_bytes(server) -> int:
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line")
+
+
+# -- the pair -----------------------------------------------------------------------------------
+
+
+def test_models_are_listed_unloaded_then_loaded_on_demand(pair):
+    assert statuses(pair) == {"tiny": "unloaded", "b": "unloaded"}
+    assert "each loaded when a request names it" in pair.log()
+    reply(pair, "b")
+    listed = {m["id"]: m for m in httpx.get(f"{pair.url}/v1/models", timeout=WAIT_S).json()["data"]}
+    assert listed["b"]["status"] == "loaded" and listed["b"]["kind"] == "chat"
+    assert listed["b"]["context_length"] == CONTEXT
+    assert listed["tiny"]["status"] == "unloaded"
+    one = httpx.get(f"{pair.url}/v1/models/b", timeout=WAIT_S).json()
+    assert one["id"] == "b" and one["status"] == "loaded"
+
+
+def test_requests_alternating_between_models_are_each_answered_by_their_own(pair):
+    first = {name: reply(pair, name) for name in ("tiny", "b")}
+    assert first["tiny"] != first["b"]  # two random models: their greedy replies differ
+    for name in ("b", "tiny", "b", "tiny"):
+        assert reply(pair, name) == first[name]
+    assert statuses(pair) == {"tiny": "loaded", "b": "loaded"}
+    # A request that names no model goes to the first one.
+    whole = httpx.post(f"{pair.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, "temperature": 0},
+                       timeout=WAIT_S).json()
+    assert whole["model"] == "tiny" and whole["choices"][0]["message"]["content"] == first["tiny"]
+
+
+def test_concurrent_streams_to_both_models_finish(pair):
+    def stream(model: str) -> tuple[str, str]:
+        chunks = pair.client().chat.completions.create(model=model, messages=ASK, max_tokens=24, stream=True)
+        text, finish = [], None
+        for chunk in chunks:
+            assert chunk.model == model
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        return "".join(text), finish
+
+    names = ["tiny", "b"] * 4
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        results = list(pool.map(stream, names))
+    assert all(finish == "length" and text for text, finish in results), results
+
+
+def test_an_unknown_model_is_a_404_that_names_the_models(pair):
+    with pytest.raises(openai.NotFoundError) as caught:
+        pair.client().chat.completions.create(model="gpt-4o-mini", messages=ASK, max_tokens=4)
+    error = caught.value.body
+    assert error["code"] == "model_not_found" and "'tiny'" in error["message"] and "'b'" in error["message"]
+    ollama = httpx.post(f"{pair.url}/api/chat", json={"model": "nope", "messages": ASK}, timeout=WAIT_S)
+    assert ollama.status_code == 404 and "'b'" in ollama.json()["error"]
+    assert httpx.get(f"{pair.url}/v1/models/nope", timeout=WAIT_S).status_code == 404
+    unload = httpx.post(f"{pair.url}/models/unload", json={"model": "nope"}, timeout=WAIT_S)
+    assert unload.status_code == 404 and unload.json()["error"]["code"] == "model_not_found"
+
+
+def test_keep_alive_zero_unloads_at_once_and_a_duration_later(pair):
+    generate = {"model": "b", "prompt": "Once upon", "stream": False, "options": {"num_predict": 4}}
+    answer = httpx.post(f"{pair.url}/api/generate", json={**generate, "keep_alive": 0}, timeout=WAIT_S)
+    assert answer.status_code == 200, answer.text
+    wait_for(lambda: statuses(pair)["b"] == "unloaded", "b to unload")
+    assert "unloading model 'b': idle past its keep-alive" in pair.log()
+    answer = httpx.post(f"{pair.url}/api/generate", json={**generate, "keep_alive": "1s"}, timeout=WAIT_S)
+    assert answer.status_code == 200, answer.text
+    wait_for(lambda: statuses(pair)["b"] == "unloaded", "b to unload after its keep-alive")
+    bad = httpx.post(f"{pair.url}/api/generate", json={**generate, "keep_alive": "soon"}, timeout=WAIT_S)
+    assert bad.status_code == 400 and "keep_alive" in bad.json()["error"]
+
+
+def test_load_unload_and_ollamas_ps(pair):
+    loaded = httpx.post(f"{pair.url}/models/load", json={"model": "b"}, timeout=WAIT_S)
+    assert loaded.status_code == 200 and loaded.json()["status"] == "loaded", loaded.text
+    running = httpx.get(f"{pair.url}/api/ps", timeout=WAIT_S).json()["models"]
+    assert "b" in [m["name"] for m in running]
+    assert all(m["expires_at"].endswith("Z") and m["context_length"] == CONTEXT for m in running)
+    tags = {m["name"] for m in httpx.get(f"{pair.url}/api/tags", timeout=WAIT_S).json()["models"]}
+    assert tags == {"tiny", "b"}
+    unloaded = httpx.post(f"{pair.url}/models/unload", json={"model": "b"}, timeout=WAIT_S)
+    assert unloaded.status_code == 200 and unloaded.json()["status"] == "unloaded", unloaded.text
+    assert statuses(pair)["b"] == "unloaded"
+    assert "b" not in [m["name"] for m in httpx.get(f"{pair.url}/api/ps", timeout=WAIT_S).json()["models"]]
+
+
+# -- one slot -----------------------------------------------------------------------------------
+
+
+def test_one_slot_a_switch_unloads_the_other_and_gives_its_memory_back(one_slot, pair, files):
+    assert reply(one_slot, "small") == reply(pair, "tiny")  # the same files, the same greedy reply
+    reply(one_slot, "big")
+    assert statuses(one_slot) == {"tiny": "unloaded", "small": "unloaded", "big": "loaded"}
+    with_big = resident_bytes(one_slot)
+    reply(one_slot, "small")
+    assert statuses(one_slot) == {"tiny": "unloaded", "small": "loaded", "big": "unloaded"}
+    assert "unloading model 'big': to make room for 'small' (--models-max 1)" in one_slot.log()
+    assert "unloaded model 'big'" in one_slot.log()
+    weights = sum(f.stat().st_size for f in files[2].iterdir() if f.suffix == ".pth")
+    fallen = with_big - resident_bytes(one_slot)
+    assert fallen > weights // 2, (fallen, weights)
