@@ -219,6 +219,7 @@ class ReplyText:
         self._held = b""  # a tag's start, or a reply's first bytes that may open the thinking
         self._space = b""  # the thinking's trailing whitespace, kept until more thinking follows
         self._thought_started = False
+        self._another = False  # the thinking was opened again after an answer began
         self._answer_started = split is None
 
     # -- what TextStream reads -------------------------------------------------------------------
@@ -250,6 +251,12 @@ class ReplyText:
     def feed(self, token_id: int, data: bytes) -> tuple[str, str]:
         """One token; the answer's and the thinking's text it newly commits."""
         if self.state == ANSWER:
+            tags = self.split.tags if self.split is not None else None
+            if tags is not None and tags.tokens and token_id in (tags.start_id, tags.end_id):
+                # A tag token never spells the answer: a start tag opens another thinking block.
+                if token_id == tags.start_id:
+                    self.state, self._thought_started, self._another = THINKING, False, True
+                return "", ""
             return self._answer(data), ""
         tags = self.split.tags
         if self.state == BEFORE:
@@ -264,15 +271,20 @@ class ReplyText:
                 return "", ""
             return "", self._think(data)
         buf = self._held + data
-        end = tags.end.encode()
+        start, end = tags.start.encode(), tags.end.encode()
+        reasoning = ""
+        # A start tag inside the thinking is dropped, as its token is where the tags are tokens.
+        while (opened := buf.find(start)) >= 0 and not 0 <= buf.find(end) < opened:
+            reasoning += self._think(buf[:opened])
+            buf = buf[opened + len(start):]
         at = buf.find(end)
         if at >= 0:
             self._held = b""
-            reasoning = self._think(buf[:at]) + self._close()
+            reasoning += self._think(buf[:at]) + self._close()
             return self._answer(buf[at + len(end):]), reasoning
-        keep = _partial_suffix(buf, end)
+        keep = max(_partial_suffix(buf, end), _partial_suffix(buf, start))
         self._held = buf[len(buf) - keep:]
-        return "", self._think(buf[:len(buf) - keep])
+        return "", reasoning + self._think(buf[:len(buf) - keep])
 
     def finish(self, *, cut_off: bool = False) -> tuple[str, str]:
         """Everything still held, as ``TextMaker.finish``: the answer's and the thinking's."""
@@ -322,6 +334,9 @@ class ReplyText:
             if not data:
                 return ""
             self._thought_started = True
+            if self._another:  # a later block of thinking, apart from the one before
+                self._another = False
+                data = AFTER_END.encode() + data
         core = data.rstrip(WHITESPACE)
         if not core:
             self._space += data

@@ -21,7 +21,9 @@ TEXT_TAGS = ThinkTags()
 START, END = 1000, 1001
 TOKEN_TAGS = ThinkTags(start_id=START, end_id=END)
 WS = " \t\r\n"
-words = st.text(alphabet=st.sampled_from(list("ab <>/thinkéé🙂\n ")), max_size=30)
+# Text with the tags' pieces in it, whole and cut, so that tags split across pieces come often.
+words = st.lists(st.sampled_from(["<think>", "<th", "ink>", "</", "think>", "<", "a", "b", " ", "\n", "é", "🙂"]),
+                 max_size=12).map("".join)
 
 
 def expected(reply: str, *, inside: bool) -> tuple[str, str]:
@@ -33,7 +35,8 @@ def expected(reply: str, *, inside: bool) -> tuple[str, str]:
             return bare, ""
         body = bare[len("<think>"):]
     thought, tag, answer = body.partition("</think>")
-    return answer.lstrip(WS), thought.strip(WS)
+    # A start tag inside the thinking is dropped (as its token is where the tags are tokens).
+    return answer.lstrip(WS), thought.replace("<think>", "").strip(WS)
 
 
 def run(reply: ReplyText, pieces) -> tuple[str, str, list[tuple[str, str]]]:
@@ -188,3 +191,11 @@ def test_a_model_left_to_think_as_it_likes_may_answer_at_once_or_think_first():
         processor = Constraints(vocab, [0]).processor(request.constraint)
         history = TokenHistory([list(request.prompt_ids)], vocab_size=vocab.vocab_size)
         assert _allowed(processor, history) & {tags.start_id, brace} == first, mode
+
+
+def test_a_second_thinking_block_after_the_answer_began_is_thinking_too():
+    reply = ReplyText(split=ThinkSplit(TOKEN_TAGS))
+    pieces = [(START, b"<think>"), (7, b"a"), (END, b"</think>"), (7, b"\n\nans "), (START, b"<think>"), (7, b"c"),
+              (END, b"</think>"), (7, b" end")]
+    answer, thought, _ = run(reply, pieces)
+    assert (answer, thought) == ("ans  end", "a\n\nc")
