@@ -531,6 +531,8 @@ async def _hold(opts: ServeOptions, state: ServerState, log: ServerLog, entry: M
                 ready: Callable[[Served], None], unload: Unload) -> None:
     """One of several models: loaded in a worker thread as the one model is, served until
     ``unload`` says, its open jobs then given ``unload.grace_s``. What it held goes with this frame."""
+    from llama_chat.inference.embedding import Embedder
+
     model_opts = opts.for_model(entry.source)
     loaded, scheduler = await anyio.to_thread.run_sync(_load_model, model_opts, abandon_on_cancel=True)
     loaded = replace(loaded, name=entry.name)  # reported under the name requests use
@@ -539,6 +541,8 @@ async def _hold(opts: ServeOptions, state: ServerState, log: ServerLog, entry: M
         ready(served)
         log.note(f"ready: {what}")
         await unload.event.wait()
+        if isinstance(served.embedder, Embedder):  # its rounds' thread holds the model
+            await anyio.to_thread.run_sync(served.embedder.close)
         return
     served = _chat_served(model_opts, state, loaded, scheduler)
     async with scheduler:

@@ -1,9 +1,10 @@
 """Several models behind one ``llama-chat serve``: loaded when a request names them, unloaded when
 idle, when asked, or to make room under ``--models-max``.
 
-Two servers of tiny random models: a pair (``a`` and ``b``, both may be loaded) and one slot
-(``small`` and ``big``, ``--models-max 1``), where ``small`` is ``a``'s files and ``big`` is large
-enough for its unload to show in the server's resident memory. Every wait is for a condition,
+Two servers of tiny random models: a pair (``tiny`` and ``b``, both may be loaded, beside an
+embedding model and a folder that fails to load) and one slot (``small`` and ``big``,
+``--models-max 1``, no queue), where ``small`` is ``tiny``'s files and ``big`` is large enough for
+its unload to show in the server's resident memory. Every wait is for a condition,
 with a generous bound: the machine is busy.
 """
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
+from builders_embeddings import save_bert
 from cli_support import STOP_IDS, build_tiny_model
 from serve_support import WAIT_S, start_server, stop_server, wait_for
 
@@ -46,9 +48,13 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pair(files):
+def pair(files, tmp_path_factory):
     a, b, _ = files
-    s = start_server(a, "-m", f"b={b}", "--max-batch", "4")
+    embed = tmp_path_factory.mktemp("embed") / "st"
+    save_bert(embed)
+    broken = tmp_path_factory.mktemp("broken")
+    (broken / "params.json").write_text('{"dim": ')
+    s = start_server(a, "-m", f"b={b}", "-m", f"embed={embed}", "-m", f"broken={broken}", "--max-batch", "4")
     yield s
     assert stop_server(s) == 0, s.log()
 
@@ -57,7 +63,7 @@ def pair(files):
 def one_slot(files):
     a, _, big = files
     # start_server's -m comes first: name it by its folder, "tiny"; then the two named ones.
-    s = start_server(a, "-m", f"small={a}", "-m", f"big={big}", "--models-max", "1")
+    s = start_server(a, "-m", f"small={a}", "-m", f"big={big}", "--models-max", "1", "--queue-limit", "0")
     yield s
     assert stop_server(s) == 0, s.log()
 
@@ -85,7 +91,7 @@ def resident_bytes(server) -> int:
 
 
 def test_models_are_listed_unloaded_then_loaded_on_demand(pair):
-    assert statuses(pair) == {"tiny": "unloaded", "b": "unloaded"}
+    assert statuses(pair) == {"tiny": "unloaded", "b": "unloaded", "embed": "unloaded", "broken": "unloaded"}
     assert "each loaded when a request names it" in pair.log()
     reply(pair, "b")
     listed = {m["id"]: m for m in httpx.get(f"{pair.url}/v1/models", timeout=WAIT_S).json()["data"]}
@@ -101,7 +107,7 @@ def test_requests_alternating_between_models_are_each_answered_by_their_own(pair
     assert first["tiny"] != first["b"]  # two random models: their greedy replies differ
     for name in ("b", "tiny", "b", "tiny"):
         assert reply(pair, name) == first[name]
-    assert statuses(pair) == {"tiny": "loaded", "b": "loaded"}
+    assert statuses(pair)["tiny"] == statuses(pair)["b"] == "loaded"
     # A request that names no model goes to the first one.
     whole = httpx.post(f"{pair.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, "temperature": 0},
                        timeout=WAIT_S).json()
@@ -157,11 +163,30 @@ def test_load_unload_and_ollamas_ps(pair):
     assert "b" in [m["name"] for m in running]
     assert all(m["expires_at"].endswith("Z") and m["context_length"] == CONTEXT for m in running)
     tags = {m["name"] for m in httpx.get(f"{pair.url}/api/tags", timeout=WAIT_S).json()["models"]}
-    assert tags == {"tiny", "b"}
+    assert tags == {"tiny", "b", "embed", "broken"}
     unloaded = httpx.post(f"{pair.url}/models/unload", json={"model": "b"}, timeout=WAIT_S)
     assert unloaded.status_code == 200 and unloaded.json()["status"] == "unloaded", unloaded.text
     assert statuses(pair)["b"] == "unloaded"
     assert "b" not in [m["name"] for m in httpx.get(f"{pair.url}/api/ps", timeout=WAIT_S).json()["models"]]
+
+
+def test_an_embedding_model_beside_the_chat_models(pair):
+    got = pair.client().embeddings.create(model="embed", input=["a fox", "a lazy dog"])
+    assert got.model == "embed" and len(got.data) == 2 and len(got.data[0].embedding) > 1
+    with pytest.raises(openai.BadRequestError):
+        pair.client().chat.completions.create(model="embed", messages=ASK, max_tokens=4)
+    listed = {m["id"]: m for m in httpx.get(f"{pair.url}/v1/models", timeout=WAIT_S).json()["data"]}
+    assert listed["embed"]["status"] == "loaded" and listed["embed"]["kind"] == "embedding"
+
+
+def test_a_model_that_fails_to_load_is_a_500_naming_it_and_the_others_go_on(pair):
+    with pytest.raises(openai.InternalServerError) as caught:
+        pair.client().chat.completions.create(model="broken", messages=ASK, max_tokens=4)
+    error = caught.value.body
+    assert error["code"] == "model_load_failed" and "'broken'" in error["message"]
+    assert "unknown model layout" in error["message"]  # the loader's own words on the folder
+    assert statuses(pair)["broken"] == "unloaded"
+    assert reply(pair, "b")
 
 
 # -- one slot -----------------------------------------------------------------------------------
@@ -179,3 +204,24 @@ def test_one_slot_a_switch_unloads_the_other_and_gives_its_memory_back(one_slot,
     weights = sum(f.stat().st_size for f in files[2].iterdir() if f.suffix == ".pth")
     fallen = with_big - resident_bytes(one_slot)
     assert fallen > weights // 2, (fallen, weights)
+
+
+def test_one_slot_busy_is_a_503_and_a_model_is_never_unloaded_under_its_jobs(one_slot):
+    running = one_slot.client().chat.completions.create(model="big", messages=ASK, max_tokens=CONTEXT // 2,
+                                                        stream=True)
+    next(iter(running))  # its job is generating
+    refused = httpx.post(f"{one_slot.url}/v1/chat/completions",
+                         json={"model": "small", "messages": ASK, "max_tokens": 4}, timeout=WAIT_S)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "models_busy", refused.text
+    assert int(refused.headers["retry-after"]) > 0
+    assert statuses(one_slot)["big"] == "loaded"
+    running.close()  # the client goes away: its job is cancelled, and the slot is free
+
+    def answered() -> bool:
+        response = httpx.post(f"{one_slot.url}/v1/chat/completions",
+                              json={"model": "small", "messages": ASK, "max_tokens": 4}, timeout=WAIT_S)
+        assert response.status_code in (200, 503), response.text
+        return response.status_code == 200
+
+    wait_for(answered, "the slot to be free", every=0.5)
+    assert statuses(one_slot)["big"] == "unloaded"
