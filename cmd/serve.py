@@ -182,11 +182,13 @@ class ServeOptions:
         return replace(self, model=[source])
 
     def names(self) -> tuple[str, ...]:
-        """What the one model answers to besides its own name: ``-m`` as given, and its NAME=."""
-        if not self.model:
-            return ()
-        alias, source = split_alias(self.model[0])
-        return (source,) if alias is None else (alias, source)
+        """What the one model answers to besides its own name: ``-m`` as given."""
+        return (split_alias(self.model[0])[1],) if self.model else ()
+
+    def named(self, loaded):
+        """The one model as reported: under its NAME= where ``-m NAME=MODEL`` gave one."""
+        alias = split_alias(self.model[0])[0] if self.model else None
+        return loaded if alias is None else replace(loaded, name=alias)
 
 
 serve_app = new_app()
@@ -422,6 +424,7 @@ def _load_model(opts: ServeOptions):
 async def _serve_model(opts: ServeOptions, state: ServerState, model, log: ServerLog, stop: anyio.Event, server,
                        server_done: anyio.Event) -> int:
     loaded, scheduler = model
+    loaded = opts.named(loaded)
     if scheduler is None:
         return await _serve_embeddings(opts, state, loaded, log, stop, server, server_done)
     served = _chat_served(opts, state, loaded, scheduler)

@@ -11,6 +11,7 @@ with a generous bound: the machine is busy.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,8 @@ import torch
 
 from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
 from builders_embeddings import save_bert
-from cli_support import STOP_IDS, build_tiny_model
+from cli_support import STOP_IDS, build_tiny_model, run_cli
+from llama_chat.cmd.models import keep_alive_seconds, split_alias
 from serve_support import WAIT_S, start_server, stop_server, wait_for
 
 CONTEXT = 1024
@@ -85,6 +87,43 @@ def resident_bytes(server) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS line")
+
+
+# -- names and durations, without a server -------------------------------------------------------
+
+
+@pytest.mark.parametrize("value,seconds", [
+    (0, 0.0), (30, 30.0), (2.5, 2.5), ("300", 300.0), ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25),
+    ("1.5s", 1.5), (-1, math.inf), ("-1", math.inf), ("-5m", math.inf)])
+def test_keep_alive_is_read_as_ollama_reads_it(value, seconds):
+    assert keep_alive_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "", "m5", "5 m", "5mm", "5x", True, None, [5], "nan"])
+def test_a_keep_alive_that_is_not_a_duration_is_refused(value):
+    with pytest.raises(ValueError, match="keep_alive"):
+        keep_alive_seconds(value)
+
+
+def test_a_name_is_given_before_an_equals_sign(tmp_path):
+    assert split_alias("coder=path/to/file.gguf") == ("coder", "path/to/file.gguf")
+    assert split_alias("qwen2.5:7b=ollama:qwen2.5:7b") == ("qwen2.5:7b", "ollama:qwen2.5:7b")
+    assert split_alias("ollama:qwen2.5") == (None, "ollama:qwen2.5")
+    odd = tmp_path / "a=b"
+    odd.mkdir()
+    assert split_alias(str(odd)) == (None, str(odd))  # a path that holds "=" is a path
+    assert split_alias("=x")[0] is None and split_alias("x=")[0] is None
+
+
+def test_two_models_under_one_name_or_a_missing_one_are_one_line_at_start(files):
+    a = str(files[0])
+    twice = run_cli("serve", "-m", a, "-m", f"tiny={files[1]}", "--port", "0")
+    assert twice.returncode == 2 and b"two models are named 'tiny'" in twice.stderr, twice.stderr
+    missing = run_cli("serve", "-m", a, "-m", "gone=/nonexistent/model.gguf", "--port", "0")
+    assert missing.returncode == 2 and b"/nonexistent/model.gguf" in missing.stderr, missing.stderr
+    assert len(missing.stderr.decode().strip().splitlines()) == 1
+    bad = run_cli("serve", "-m", a, "--keep-alive", "soon")
+    assert bad.returncode == 2 and b"keep_alive" in bad.stderr
 
 
 # -- the pair -----------------------------------------------------------------------------------
@@ -225,3 +264,19 @@ def test_one_slot_busy_is_a_503_and_a_model_is_never_unloaded_under_its_jobs(one
 
     wait_for(answered, "the slot to be free", every=0.5)
     assert statuses(one_slot)["big"] == "unloaded"
+
+
+# -- one model ------------------------------------------------------------------------------------
+
+
+def test_one_model_with_a_name_is_served_as_before_under_it(files):
+    server = start_server(f"solo={files[0]}")
+    try:
+        assert [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=WAIT_S).json()["data"]] == ["solo"]
+        # Any name is answered by the one model, which the response names.
+        answer = server.client().chat.completions.create(model="gpt-4o-mini", messages=ASK, max_tokens=4)
+        assert answer.model == "solo"
+        refused = httpx.post(f"{server.url}/models/load", json={"model": "solo"}, timeout=WAIT_S)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "one_model", refused.text
+    finally:
+        assert stop_server(server) == 0, server.log()
