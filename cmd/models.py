@@ -8,7 +8,7 @@ the least recently used idle model unloaded when ``--models-max`` would be passe
     ├── acquire(name)     the model, loaded first where it is not: a slot is freed by unloading the
     │                     least recently used idle model, else the request waits for one
     ├── release(model)    the request is done: the model's keep-alive starts
-    ├── a holder task     per loaded model: serve.py's ``hold`` loads it in a worker thread and
+    ├── a holder task     per loaded model: serve.py's ``_hold`` loads it in a worker thread and
     │                     serves it until it is asked to unload; then the memory goes back
     └── the reaper        unloads the idle models whose keep-alive ran out
 
@@ -18,7 +18,6 @@ is loading or loaded is never started again: one model is never loaded twice at 
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import math
 import re
@@ -171,7 +170,7 @@ class Model:
 
 
 # ``hold(entry, ready, unload)``: loads the model, calls ``ready`` with it once it serves, and
-# returns once ``unload.event`` is set and its jobs are done (serve.py's ``hold``).
+# returns once ``unload.event`` is set and its jobs are done (serve.py's ``_hold``).
 Hold = Callable[[ModelEntry, Callable[["Served"], None], Unload], Awaitable[None]]
 
 
@@ -192,10 +191,6 @@ class Models:
         self._waiting = 0  # requests waiting for a slot
         self._changed = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.models)
 
     # -- the server's life --------------------------------------------------------------------------
 
@@ -411,16 +406,15 @@ class Models:
 
 def _give_memory_back() -> None:
     """Frees an unloaded model's memory now: the cycles that still hold its tensors, CUDA's cached
-    blocks, and the C heap's free pages (glibc keeps freed small blocks of the weights' and pools'
-    arenas mapped until it is asked to trim them)."""
+    blocks, and the C heap's free memory (the weights' and pools' freed blocks stay resident in
+    glibc's heap until it is trimmed)."""
+    from llama_chat.model.formats.common import release_heap
+
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):
-        pass  # not glibc: its allocator gives memory back on its own terms
+    release_heap()
 
 
 __all__ = ["DEFAULT_KEEP_ALIVE", "Hold", "KEEP_ALIVE_HELP", "Model", "ModelEntry", "Models", "Unload",
