@@ -246,7 +246,7 @@ def test_one_slot_a_switch_unloads_the_other_and_gives_its_memory_back(one_slot,
 
 
 def test_one_slot_busy_is_a_503_and_a_model_is_never_unloaded_under_its_jobs(one_slot):
-    running = one_slot.client().chat.completions.create(model="big", messages=ASK, max_tokens=CONTEXT // 2,
+    running = one_slot.client().chat.completions.create(model="big", messages=ASK, max_tokens=CONTEXT - 64,
                                                         stream=True)
     next(iter(running))  # its job is generating
     refused = httpx.post(f"{one_slot.url}/v1/chat/completions",
