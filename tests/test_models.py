@@ -269,10 +269,12 @@ def test_one_slot_busy_is_a_503_and_a_model_is_never_unloaded_under_its_jobs(one
 # -- one model ------------------------------------------------------------------------------------
 
 
-def test_one_model_with_a_name_is_served_as_before_under_it(files):
+def test_one_model_with_a_name_is_served_as_before_under_it(files, pair):
     server = start_server(f"solo={files[0]}")
     try:
         assert [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=WAIT_S).json()["data"]] == ["solo"]
+        # A one-model server's greedy reply is the one its files give among several.
+        assert reply(server, "solo") == reply(pair, "tiny")
         # Any name is answered by the one model, which the response names.
         answer = server.client().chat.completions.create(model="gpt-4o-mini", messages=ASK, max_tokens=4)
         assert answer.model == "solo"
