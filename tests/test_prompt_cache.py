@@ -46,11 +46,11 @@ class Bytes:
 
 
 def scheduler_of(directory: Path | None, cache_type: str = "f32", lines: list[str] | None = None,
-                 max_bytes: int = ONE_GIB) -> Scheduler:
+                 max_bytes: int = ONE_GIB, seed: int = 11) -> Scheduler:
     settings = None if directory is None else PromptCacheSettings(
         directory, max_bytes, say=(lines.append if lines is not None else lambda line: None))
     # Heads of 32 values (q8_0 pages keep blocks of 32), two of queries to one of keys.
-    model = random_model(tiny_args(VOCAB, n_heads=2, n_kv_heads=1, max_seq_len=256), seed=11)
+    model = random_model(tiny_args(VOCAB, n_heads=2, n_kv_heads=1, max_seq_len=256), seed=seed)
     with torch.no_grad():
         model.output.weight[EOS] = 0.0  # never ends before its budget
     return Scheduler(model, Bytes(), SchedulerOptions(max_batch=1, page_size=8, cache_tokens=512,
@@ -121,10 +121,11 @@ def test_pages_written_by_one_process_give_another_the_same_logits(tmp_path):
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(written[run][1]), rtol=0, atol=1e-5)
 
 
-def test_a_block_of_another_cache_type_is_never_used(tmp_path):
+@pytest.mark.parametrize("other", [{"cache_type": "bf16"}, {"seed": 12}], ids=["cache type", "model"])
+def test_a_block_of_another_cache_type_or_model_is_never_used(tmp_path, other):
     write_here(tmp_path)
     lines: list[str] = []
-    scheduler = scheduler_of(tmp_path, "bf16", lines)
+    scheduler = scheduler_of(tmp_path, lines=lines, **other)
     answer(scheduler)
     # Another fingerprint: another folder, nothing read, nothing skipped.
     assert scheduler.core.counters.disk_tokens == 0 and not lines
