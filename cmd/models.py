@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 
 from llama_chat.cmd.openai_api import ApiError
 from llama_chat.cmd.sanitize import one_line
@@ -194,12 +195,14 @@ class Models:
 
     # -- the server's life --------------------------------------------------------------------------
 
-    async def run(self, stop: anyio.Event, grace_s: float) -> None:
+    async def run(self, stop: anyio.Event, grace_s: float, *,
+                  task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``stop``; then no new request, the open jobs get ``grace_s`` seconds, and
-        every model is unloaded (one still loading is abandoned)."""
+        every model is unloaded (one still loading is abandoned). Models load from ``started``."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self._reap)
+            task_status.started()
             await stop.wait()
             self.stopping = True
             while True:  # a model whose load ends meanwhile is unloaded in turn

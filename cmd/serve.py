@@ -524,10 +524,10 @@ async def _serve_models(opts: ServeOptions, state: ServerState, entries: list[Mo
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(close_on_stop)
+        await tg.start(models.run, stop, opts.shutdown_grace)
         state.serve_models(models)
         log.note(f"ready: {len(entries)} models, at most {models.max_loaded} loaded at once, "
                  f"idle ones unloaded after --keep-alive {opts.keep_alive}")
-        await models.run(stop, opts.shutdown_grace)
 
 
 async def _hold(opts: ServeOptions, state: ServerState, log: ServerLog, entry: ModelEntry,
