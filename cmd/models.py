@@ -76,7 +76,7 @@ def split_alias(value: str) -> tuple[str | None, str]:
 def model_entries(values: Sequence[str]) -> list[ModelEntry]:
     """The ``-m`` values as entries: ``NAME=MODEL`` or a model named as ``--list`` shows it, whose
     name is then the one it loads under (a folder's or file's). ``ModelLoadError`` for a model
-    that is not there; ``ValueError`` for two models under one name."""
+    that is not there."""
     from llama_chat.model.stores import resolve_model  # the stores, not torch
 
     entries: list[ModelEntry] = []
@@ -84,13 +84,39 @@ def model_entries(values: Sequence[str]) -> list[ModelEntry]:
         alias, source = split_alias(value)
         found = resolve_model(source)  # a missing file is said at start, not at the first request
         entries.append(ModelEntry(alias or found.name, source, found.path))
+    return entries
+
+
+def directory_entries(folder: Path) -> list[ModelEntry]:
+    """``--models-dir``: every model in ``folder``, a GGUF or llama2.c file named by its stem or a
+    model folder by its name; other files are passed over. ``ModelLoadError`` where ``folder`` is
+    not a directory."""
+    from llama_chat.model.errors import ModelLoadError
+    from llama_chat.model.loader import GGUF, LLAMA2C, detect_layout  # torch: only with --models-dir
+
+    if not folder.is_dir():
+        raise ModelLoadError(f"--models-dir {folder}: not a directory")
+    entries = []
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith("."):
+            continue
+        try:
+            layout = detect_layout(path)
+        except ModelLoadError:
+            continue  # not a model: a README, a stray file
+        if path.is_dir() or layout in (GGUF, LLAMA2C):
+            entries.append(ModelEntry(path.stem if path.is_file() else path.name, str(path), path))
+    return entries
+
+
+def check_names(entries: Sequence[ModelEntry]) -> None:
+    """``ValueError`` for two models under one name."""
     seen: dict[str, str] = {}
     for entry in entries:
         if entry.name in seen:
             raise ValueError(f"two models are named {entry.name!r} ({seen[entry.name]} and {entry.source}): "
                              "name them with -m NAME=MODEL")
         seen[entry.name] = entry.source
-    return entries
 
 
 def keep_alive_seconds(value: Any) -> float:
@@ -420,6 +446,6 @@ def _give_memory_back() -> None:
     release_heap()
 
 
-__all__ = ["DEFAULT_KEEP_ALIVE", "Hold", "KEEP_ALIVE_HELP", "Model", "ModelEntry", "Models", "Unload",
-           "keep_alive_seconds", "model_entries", "split_alias",
+__all__ = ["DEFAULT_KEEP_ALIVE", "Hold", "KEEP_ALIVE_HELP", "Model", "ModelEntry", "Models", "Unload", "check_names",
+           "directory_entries", "keep_alive_seconds", "model_entries", "split_alias",
            "wall_time"]

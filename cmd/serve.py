@@ -25,6 +25,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 from functools import partial
+from pathlib import Path
 from typing import Annotated, get_type_hints
 
 import anyio
@@ -35,8 +36,8 @@ from rich.console import Console
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.http_protocol import guarded_protocol
-from llama_chat.cmd.models import (DEFAULT_KEEP_ALIVE, KEEP_ALIVE_HELP, ModelEntry, Models, Unload,
-                                   keep_alive_seconds, model_entries, split_alias)
+from llama_chat.cmd.models import (DEFAULT_KEEP_ALIVE, KEEP_ALIVE_HELP, ModelEntry, Models, Unload, check_names,
+                                   directory_entries, keep_alive_seconds, model_entries, split_alias)
 from llama_chat.cmd.options import BATCH, Options, ranged
 from llama_chat.cmd.responses_api import DEFAULT_STORED, DEFAULT_STORED_BYTES, ResponseStore
 from llama_chat.cmd.sanitize import one_line
@@ -112,6 +113,10 @@ class ServeOptions:
         "--queue-limit", min=0, rich_help_panel=SERVER,
         help="Jobs that may wait beyond the --max-batch running ones (a request asks one per choice); "
              "past it, 429 with Retry-After.")] = DEFAULT_QUEUE_LIMIT
+    models_dir: Annotated[Path | None, typer.Option(
+        "--models-dir", rich_help_panel=SERVER, metavar="DIR",
+        help="Serve every model in DIR (a GGUF or llama2.c file by its stem, a model folder by its name), "
+             "beside the -m ones, each loaded when a request names it.")] = None
     models_max: Annotated[int | None, typer.Option(
         "--models-max", min=1, rich_help_panel=SERVER, metavar="N",
         help="With several -m: most models loaded at once; a load past it first unloads the least recently "
@@ -249,13 +254,18 @@ def run_serve(opts: ServeOptions) -> int:
         log.error("--api-key is empty")
         return exit_status.USAGE
     entries: list[ModelEntry] = []
-    if opts.model and len(opts.model) > 1:
+    if (opts.model and len(opts.model) > 1) or opts.models_dir is not None:
         from llama_chat.model.errors import ModelLoadError
 
         try:
-            entries = model_entries(opts.model)
+            entries = model_entries(opts.model or ())
+            entries += directory_entries(opts.models_dir) if opts.models_dir is not None else []
+            check_names(entries)
         except (ModelLoadError, ValueError) as e:
             log.error(one_line(str(e)))
+            return exit_status.USAGE
+        if not entries:
+            log.error(f"--models-dir {opts.models_dir}: no model in it (GGUF or llama2.c files, model folders)")
             return exit_status.USAGE
     try:
         sock = listen(opts.host, opts.port)

@@ -282,3 +282,20 @@ def test_one_model_with_a_name_is_served_as_before_under_it(files, pair):
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "one_model", refused.text
     finally:
         assert stop_server(server) == 0, server.log()
+
+
+def test_a_models_dir_serves_every_model_in_it_beside_the_m_ones(files, tmp_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "beta").symlink_to(files[1], target_is_directory=True)
+    (folder / "README.md").write_text("not a model\n")
+    server = start_server(files[0], "--models-dir", str(folder))
+    try:
+        assert statuses(server) == {"tiny": "unloaded", "beta": "unloaded"}
+        assert reply(server, "beta")
+        assert statuses(server)["beta"] == "loaded"
+    finally:
+        assert stop_server(server) == 0, server.log()
+    (folder / "beta").unlink()
+    empty = run_cli("serve", "--models-dir", str(folder), "--port", "0")
+    assert empty.returncode == 2 and b"no model in it" in empty.stderr, empty.stderr
