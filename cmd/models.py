@@ -355,6 +355,31 @@ class Models:
                 running, queued = running + now.running, queued + now.queued
         return Snapshot(not self.stopping, running, queued)
 
+    def metric_lines(self) -> str:
+        """/metrics' lines of each model, labelled with its name: loaded or not, its jobs running
+        and queued, and its KV pages' resident bytes (the server's own lines count them together)."""
+        gauges = {"llama_chat_model_loaded": "1 while the model is loaded.",
+                  "llama_chat_model_jobs_running": "The model's jobs generating now.",
+                  "llama_chat_model_jobs_queued": "The model's jobs waiting for a batch slot or for cache pages.",
+                  "llama_chat_model_kv_resident_bytes":
+                      "Bytes of the model's KV cache pages written and not given back to the system."}
+        values: dict[str, list[str]] = {name: [] for name in gauges}
+        for model in self.models.values():
+            serving = model.served.serving if model.status == "loaded" and model.served is not None else None
+            now = serving.snapshot() if serving is not None else Snapshot(False)
+            resident = now.stats.kv_resident_bytes if now.stats is not None else 0
+            # Prometheus' label values escape backslashes, quotes and line breaks.
+            label = '{model="%s"}' % model.name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+            for name, value in (("llama_chat_model_loaded", int(model.status == "loaded")),
+                                ("llama_chat_model_jobs_running", now.running),
+                                ("llama_chat_model_jobs_queued", now.queued),
+                                ("llama_chat_model_kv_resident_bytes", resident)):
+                values[name].append(f"{name}{label} {value}")
+        lines = []
+        for name, help in gauges.items():
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", *values[name]]
+        return "\n".join(lines) + "\n"
+
     # -- loading and unloading ----------------------------------------------------------------------
 
     def _taken(self) -> int:

@@ -217,6 +217,8 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
     async def metrics(request: HttpRequest) -> Response:
         snapshot = state.snapshot()
         text = state.metrics.exposition(snapshot) + _kv_memory_lines(snapshot.stats)
+        if state.models is not None:
+            text += state.models.metric_lines()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def models(request: HttpRequest) -> Response:

@@ -201,11 +201,15 @@ def test_load_unload_and_ollamas_ps(pair):
     running = httpx.get(f"{pair.url}/api/ps", timeout=WAIT_S).json()["models"]
     assert "b" in [m["name"] for m in running]
     assert all(m["expires_at"].endswith("Z") and m["context_length"] == CONTEXT for m in running)
+    assert pair.metrics()['llama_chat_model_loaded{model="b"}'] == 1
     tags = {m["name"] for m in httpx.get(f"{pair.url}/api/tags", timeout=WAIT_S).json()["models"]}
     assert tags == {"tiny", "b", "embed", "broken"}
     unloaded = httpx.post(f"{pair.url}/models/unload", json={"model": "b"}, timeout=WAIT_S)
     assert unloaded.status_code == 200 and unloaded.json()["status"] == "unloaded", unloaded.text
     assert statuses(pair)["b"] == "unloaded"
+    metrics = pair.metrics()
+    assert metrics['llama_chat_model_loaded{model="b"}'] == 0
+    assert metrics['llama_chat_model_jobs_running{model="b"}'] == 0 and metrics["llama_chat_ready"] == 1
     assert "b" not in [m["name"] for m in httpx.get(f"{pair.url}/api/ps", timeout=WAIT_S).json()["models"]]
 
 
