@@ -1,59 +1,66 @@
-"""The registry of several models (``cmd/models.py``) on its own: which model loads, which one
-goes, who waits and who is refused. Its ``hold`` here loads nothing: it records the calls and
-serves a record with the fields the registry reads, so each rule shows without a model's weights
-(``test_models.py`` runs the real ones behind a server)."""
+"""The registry of several models (``cmd/models.py``) in this process, without HTTP: which model
+loads, which one goes, who waits and who is refused. The models are real (one tiny checkpoint
+under three names, and a folder that is no model), loaded and held by serve's own ``_hold``,
+which ``Holder`` wraps to record each load and unload."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import anyio
 import pytest
 
+from cli_support import build_tiny_model
 from llama_chat.cmd.models import ModelEntry, Models, Unload
 from llama_chat.cmd.openai_api import ApiError
-from llama_chat.model.errors import ModelLoadError
+from llama_chat.cmd.serve import ServeOptions, ServerLog, _hold
+from llama_chat.cmd.serve_app import ServerState
 
-WAIT_S = 60.0  # a bound on waits that end as soon as the condition holds
+WAIT_S = 120.0  # a bound on waits that end as soon as their condition holds: the machine is busy
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    tiny = build_tiny_model(tmp_path_factory.mktemp("registry"), max_seq_len=256).path
+    broken = tmp_path_factory.mktemp("broken")
+    (broken / "params.json").write_text('{"dim": ')
+    return {"a": tiny, "b": tiny, "c": tiny, "bad": broken}
 
 
 class Holder:
-    """``hold`` for the registry: each load is recorded, and waits for ``gate`` where one is set."""
+    """serve's ``_hold``, each load and unload recorded; a load waits for ``gate`` where one is set."""
 
-    def __init__(self, fail: set[str] = frozenset()) -> None:
+    def __init__(self) -> None:
+        self.opts = ServeOptions(template="llama2", max_batch=2, quiet=True)
+        self.state = ServerState(api_key=None, max_body_bytes=1 << 20, log=None)
         self.loads: list[str] = []
         self.unloads: list[str] = []
-        self.fail = set(fail)
         self.gate: anyio.Event | None = None
 
     async def __call__(self, entry: ModelEntry, ready, unload: Unload) -> None:
         self.loads.append(entry.name)
         if self.gate is not None:
             await self.gate.wait()
-        if entry.name in self.fail:
-            raise ModelLoadError(f"{entry.source}: not a model")
-        serving = SimpleNamespace(open_jobs=0, scheduler=SimpleNamespace(max_seq_len=256))
-        ready(SimpleNamespace(loaded=SimpleNamespace(kind="chat"), embedder=None, serving=serving))
-        await unload.event.wait()
+        await _hold(self.opts, self.state, ServerLog(quiet=True), entry, ready, unload)
         self.unloads.append(entry.name)
 
 
-def run_with(names: list[str], body, *, max_loaded: int | None = None, queue_limit: int = 8,
-             keep_alive_s: float = math.inf, holder: Holder | None = None) -> None:
-    holder = holder or Holder()
+def run_with(folders: dict[str, Path], names: list[str], body, *, max_loaded: int | None = None,
+             queue_limit: int = 8, keep_alive_s: float = math.inf) -> None:
+    holder = Holder()
 
     async def main() -> None:
-        models = Models([ModelEntry(n, f"/models/{n}", Path(f"/models/{n}")) for n in names], hold=holder,
-                        max_loaded=max_loaded, keep_alive_s=keep_alive_s, queue_limit=queue_limit,
-                        log=lambda line: None, log_error=lambda line: None)
+        entries = [ModelEntry(n, str(folders[n]), folders[n]) for n in names]
+        models = Models(entries, hold=holder, max_loaded=max_loaded, keep_alive_s=keep_alive_s,
+                        queue_limit=queue_limit, log=lambda line: None, log_error=lambda line: None)
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
             await tg.start(models.run, stop, 0.0)
             with anyio.fail_after(WAIT_S):
                 await body(models, holder)
             stop.set()
+        assert all(m.status == "unloaded" for m in models.models.values())  # stopping unloads them all
 
     anyio.run(main)
 
@@ -63,104 +70,105 @@ async def until(condition) -> None:
         await anyio.sleep(0.01)
 
 
-def test_requests_for_a_model_loading_wait_for_its_one_load():
-    async def body(models: Models, holder: Holder) -> None:
-        holder.gate = anyio.Event()
-        got = []
-        async with anyio.create_task_group() as tg:
-            for _ in range(3):
-                tg.start_soon(lambda: _append(got, models.acquire("a")))
-            await until(lambda: models.models["a"].status == "loading")
-            holder.gate.set()
-        assert holder.loads == ["a"] and len(got) == 3 and models.models["a"].users == 3
-
-    run_with(["a", "b"], body)
-
-
 async def _append(out: list, acquiring) -> None:
     out.append(await acquiring)
 
 
-def test_past_the_bound_the_least_recently_used_idle_model_goes():
+def test_requests_for_a_model_loading_wait_for_its_one_load(folders):
+    async def body(models: Models, holder: Holder) -> None:
+        holder.gate = anyio.Event()
+        got: list = []
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(_append, got, models.acquire("a"))
+            await until(lambda: models.models["a"].status == "loading")
+            holder.gate.set()
+        assert holder.loads == ["a"] and len(got) == 3 and models.models["a"].users == 3
+
+    run_with(folders, ["a", "b"], body)
+
+
+def test_past_the_bound_the_least_recently_used_idle_model_goes(folders):
     async def body(models: Models, holder: Holder) -> None:
         for name in ("a", "b", "a"):
             models.release(await models.acquire(name))
-        c = await models.acquire("c")  # b was used last before a: b goes
+        c = await models.acquire("c")  # b was used longer ago than a: b goes
         assert holder.unloads == ["b"] and c.status == "loaded"
         assert {n: m.status for n, m in models.models.items()} == {"a": "loaded", "b": "unloaded", "c": "loaded"}
 
-    run_with(["a", "b", "c"], body, max_loaded=2)
+    run_with(folders, ["a", "b", "c"], body, max_loaded=2)
 
 
-def test_a_busy_model_is_never_unloaded_and_the_queue_is_bounded():
+def test_a_model_with_a_request_or_a_job_open_is_never_unloaded(folders):
     async def body(models: Models, holder: Holder) -> None:
-        a = await models.acquire("a")  # held: its request runs
+        a = await models.acquire("a")  # its request runs
         with pytest.raises(ApiError) as caught:
             await models.acquire("b")
         assert caught.value.status == 503 and caught.value.code == "models_busy"
-        assert caught.value.headers["Retry-After"]
-        assert a.status == "loaded" and holder.unloads == []
-        # An idle model with open jobs is busy too.
+        assert int(caught.value.headers["Retry-After"]) > 0
+        # Its request let go, but one of its jobs still open: busy too.
+        serving = a.served.serving
+        [choice] = serving.submit([a.served.opts.request([1, 5, 9], chat_reply=False, max_tokens=200)])
         models.release(a)
-        a.served.serving.open_jobs = 1
         with pytest.raises(ApiError):
             await models.acquire("b")
-        a.served.serving.open_jobs = 0
+        assert a.status == "loaded" and holder.unloads == []
+        await choice.aclose()  # cancelled: the model is idle, and goes for b
+        b = await models.acquire("b")
+        assert b.status == "loaded" and holder.unloads == ["a"]
 
-    run_with(["a", "b"], body, max_loaded=1, queue_limit=0)
+    run_with(folders, ["a", "b"], body, max_loaded=1, queue_limit=0)
 
 
-def test_a_request_waits_for_a_slot_and_takes_it_when_freed():
+def test_a_request_waits_for_a_slot_and_takes_it_when_freed(folders):
     async def body(models: Models, holder: Holder) -> None:
         a = await models.acquire("a")
-        got = []
+        got: list = []
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: _append(got, models.acquire("b")))
-            await anyio.sleep(0.05)
-            assert got == [] and models._waiting == 1
+            tg.start_soon(_append, got, models.acquire("b"))
+            await until(lambda: models._waiting == 1)
+            assert got == [] and a.status == "loaded"
             models.release(a)
         assert got[0].name == "b" and holder.unloads == ["a"] and models._waiting == 0
 
-    run_with(["a", "b"], body, max_loaded=1, queue_limit=1)
+    run_with(folders, ["a", "b"], body, max_loaded=1, queue_limit=1)
 
 
-def test_a_load_that_fails_is_a_500_and_the_next_request_tries_again():
-    holder = Holder(fail={"bad"})
-
+def test_a_load_that_fails_is_a_500_and_the_next_request_tries_again(folders):
     async def body(models: Models, holder: Holder) -> None:
         for _ in range(2):
             with pytest.raises(ApiError) as caught:
                 await models.acquire("bad")
-            assert caught.value.status == 500 and "/models/bad: not a model" in caught.value.message
+            assert caught.value.status == 500 and "unknown model layout" in caught.value.message
         assert holder.loads == ["bad", "bad"] and models.models["bad"].status == "unloaded"
-        models.release(await models.acquire("good"))
+        models.release(await models.acquire("a"))
 
-    run_with(["good", "bad"], body, holder=holder)
+    run_with(folders, ["a", "bad"], body)
 
 
-def test_keep_alive_zero_unloads_when_idle_and_unknown_names_are_404s():
+def test_keep_alive_zero_unloads_when_idle_and_unknown_names_are_404s(folders):
     async def body(models: Models, holder: Holder) -> None:
         models.release(await models.acquire("a"), keep_alive_s=0.0)
         await until(lambda: models.models["a"].status == "unloaded")
-        models.release(await models.acquire(None))  # no name: the first model
-        assert holder.loads == ["a", "a"] and models.models["a"].status == "loaded"  # kept: inf by default
+        models.release(await models.acquire(None))  # no name: the first model, kept (inf) this time
+        assert holder.loads == ["a", "a"] and models.models["a"].status == "loaded"
         assert models.lookup("a:latest").name == "a"
         with pytest.raises(ApiError) as caught:
             models.lookup("gpt-4o-mini")
         assert caught.value.status == 404 and "'a', 'b'" in caught.value.message
 
-    run_with(["a", "b"], body)
+    run_with(folders, ["a", "b"], body)
 
 
-def test_unload_asked_waits_for_the_running_request():
+def test_an_unload_asked_waits_for_the_running_request(folders):
     async def body(models: Models, holder: Holder) -> None:
         a = await models.acquire("a")
-        done = []
+        done: list = []
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: _append(done, models.unload("a")))
-            await anyio.sleep(0.05)
+            tg.start_soon(_append, done, models.unload("a"))
+            await until(lambda: a.evict)
             assert done == [] and a.status == "loaded"
             models.release(a)
-        assert done == [True] and a.status == "unloaded"
+        assert done == [True] and a.status == "unloaded" and holder.unloads == ["a"]
 
-    run_with(["a", "b"], body)
+    run_with(folders, ["a", "b"], body)
