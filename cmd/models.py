@@ -309,12 +309,16 @@ class Models:
         self.release(model)
         return model
 
-    async def unload(self, name: str | None) -> bool:
-        """/models/unload: the model out as soon as it is idle; whether it is out within
-        ``SLOT_WAIT_S`` (its open jobs run to their end first)."""
+    def evict(self, name: str | None) -> Model:
+        """The model out as soon as it is idle (its open requests run to their end first)."""
         model = self.lookup(name)
         model.evict = model.status != "unloaded"
         self._notify()
+        return model
+
+    async def unload(self, name: str | None) -> bool:
+        """/models/unload: ``evict``, and whether the model is out within ``SLOT_WAIT_S``."""
+        model = self.evict(name)
         with anyio.move_on_after(SLOT_WAIT_S):
             while model.status != "unloaded":
                 await self._changed.wait()

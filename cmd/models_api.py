@@ -39,6 +39,8 @@ async def with_model(state: ServerState, request: HttpRequest,
     if name is not None and not isinstance(name, str):
         raise bad("model must be the name of a model", "model")
     keep_alive = _keep_alive(body) if path in KEEP_ALIVE_PATHS else None
+    if keep_alive == 0 and _nothing_to_generate(path, body):
+        return _stopped(path, models.evict(name).name)
     model = await models.acquire(name)
     token = PICKED.set(weakref.ref(model.served))
     try:
@@ -49,6 +51,21 @@ async def with_model(state: ServerState, request: HttpRequest,
     finally:
         PICKED.reset(token)
     return _Held(response, partial(models.release, model, keep_alive))
+
+
+def _nothing_to_generate(path: str, body: dict[str, Any]) -> bool:
+    """Ollama's request that only loads a model, or with keep_alive 0 unloads it (``ollama stop``)."""
+    if path == "/api/chat":
+        return body.get("messages") in (None, [])
+    return path == "/api/generate" and not body.get("prompt") and not body.get("suffix")
+
+
+def _stopped(path: str, name: str) -> Response:
+    """Ollama's answer to ``ollama stop``: the model goes once idle, and is not loaded to say so."""
+    from llama_chat.cmd.ollama_api import created_at
+
+    said = {"message": {"role": "assistant", "content": ""}} if path == "/api/chat" else {"response": ""}
+    return JSONResponse({"model": name, "created_at": created_at(), **said, "done": True, "done_reason": "unload"})
 
 
 def _keep_alive(body: dict[str, Any]) -> float | None:

@@ -213,6 +213,18 @@ def test_load_unload_and_ollamas_ps(pair):
     assert "b" not in [m["name"] for m in httpx.get(f"{pair.url}/api/ps", timeout=WAIT_S).json()["models"]]
 
 
+def test_ollamas_stop_unloads_without_loading(pair):
+    stop = {"model": "b", "keep_alive": 0}
+    loads = pair.log().count(": loading model 'b'")
+    httpx.post(f"{pair.url}/models/load", json={"model": "b"}, timeout=WAIT_S).raise_for_status()
+    said = httpx.post(f"{pair.url}/api/generate", json=stop, timeout=WAIT_S).json()
+    assert said["done"] and said["done_reason"] == "unload" and said["model"] == "b"
+    wait_for(lambda: statuses(pair)["b"] == "unloaded", "b to unload")
+    said = httpx.post(f"{pair.url}/api/chat", json=stop, timeout=WAIT_S).json()  # not loaded: stays so
+    assert said["done_reason"] == "unload" and said["message"]["content"] == ""
+    assert statuses(pair)["b"] == "unloaded" and pair.log().count(": loading model 'b'") == loads + 1
+
+
 def test_an_embedding_model_beside_the_chat_models(pair):
     got = pair.client().embeddings.create(model="embed", input=["a fox", "a lazy dog"])
     assert got.model == "embed" and len(got.data) == 2 and len(got.data[0].embedding) > 1
