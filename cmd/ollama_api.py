@@ -553,7 +553,7 @@ def _listed_unloaded(entry: ModelEntry) -> dict[str, Any]:
     """One of several models, not loaded now: what its files say (its details once it is loaded)."""
     path = entry.path
     when, mtime_ns = _modified(path)
-    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()] if path.exists() else []
     return {"name": entry.name, "model": entry.name, "modified_at": when, "size": sum(f.stat().st_size for f in files),
             "digest": _digest(path, mtime_ns), "details": {}}
 
