@@ -33,10 +33,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llama_chat.cmd.openai_api import ApiError, bad
-from llama_chat.inference.embedding import MAX_INPUTS, Embedded, Embedder, EmbeddingInputError, Reranker
-
+# Not inference/embedding.py's names at start: it imports torch, which the server imports in the
+# thread that loads the model, so that torch's threads start with the signals blocked.
+from llama_chat.ml.controls import MAX_EMBEDDING_INPUTS as MAX_INPUTS
 if TYPE_CHECKING:
     from llama_chat.cmd.serve_app import Served, ServerState
+    from llama_chat.inference.embedding import Embedded
 
 ENCODING_FORMATS = ("float", "base64")
 EMBEDDING_PATHS = ("/v1/embeddings", "/api/embed")
@@ -90,6 +92,8 @@ def embedding_routes(state: ServerState, endpoint: Callable, json_body: Callable
     async def rerank(request: HttpRequest) -> Response:
         served = state.require_ready()
         asked = parse_rerank(await json_body(request))
+        from llama_chat.inference.embedding import EmbeddingInputError, Reranker
+
         reranker = served.embedder
         if not isinstance(reranker, Reranker):
             raise _wrong_kind(served, "ranks no documents; serve a reranker (a BERT cross-encoder) for them")
@@ -123,6 +127,8 @@ def refuse_generation(served: Served) -> None:
 
 
 async def _embed(served: Served, asked: EmbeddingRequest) -> list[Embedded]:
+    from llama_chat.inference.embedding import Embedder, EmbeddingInputError
+
     embedder = served.embedder
     if not isinstance(embedder, Embedder):
         raise _wrong_kind(served, "makes no embeddings; serve an embedding model (a sentence-transformers or "

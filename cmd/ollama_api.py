@@ -42,7 +42,6 @@ from llama_chat.inference.tool_stream import Delta
 from llama_chat.inference.types import GenerationState
 from llama_chat.ml.controls import ControlError, check
 from llama_chat.model.chat_format import CalledTool, Message
-from llama_chat.model.formats.common import parameter_count
 
 if TYPE_CHECKING:
     from llama_chat.inference.serving import Choice
@@ -525,6 +524,10 @@ def _modified(path: Path) -> tuple[str, int]:
 
 
 def _details(served: Served) -> dict[str, Any]:
+    # model/formats imports torch: not at start, where the server's own threads are not yet
+    # blocking signals (the model's loading imports it, in its thread).
+    from llama_chat.model.formats.common import parameter_count
+
     loaded = served.loaded
     count = parameter_count(loaded.args)
     size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
@@ -576,6 +579,8 @@ def _capabilities(served: Served) -> list[str]:
 
 
 def _shown(served: Served) -> dict[str, Any]:
+    from llama_chat.model.formats.common import parameter_count  # as in _details
+
     loaded, args = served.loaded, served.loaded.args
     arch = args.family
     info = {"general.architecture": arch, "general.parameter_count": parameter_count(args),

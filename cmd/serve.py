@@ -69,7 +69,7 @@ POOL_BYTES_UNKNOWN = 4 * 2**30
 
 
 def _pooling(value: str | None) -> str | None:
-    from llama_chat.model.pooling import POOLING_MODES
+    from llama_chat.ml.controls import POOLING_MODES  # torch-free: options are read before torch is imported
 
     if value is not None and value not in POOLING_MODES:
         raise typer.BadParameter(f"expected one of {', '.join(POOLING_MODES)}; got {value!r}")

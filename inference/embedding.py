@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from llama_chat.ml.controls import MAX_EMBEDDING_INPUTS
 from llama_chat.model.loader import LoadedModel
 from llama_chat.model.pooling import POOLING_MODES, Pooling, finished, pool
 
 # Padded tokens in one forward: bounds the activations (and a row's attention scores) of a batch.
 DEFAULT_BATCH_TOKENS = 8192
 DEFAULT_BATCH_ROWS = 64
-# Inputs in one request at most (OpenAI's limit for /v1/embeddings).
-MAX_INPUTS = 2048
+MAX_INPUTS = MAX_EMBEDDING_INPUTS
 # A forward's rows are of like length: a row joins a group whose longest is at most this share,
 # or this many tokens, longer than it. The rest is padding every product computes for nothing:
 # a request's 64 lines of mixed length in one forward were three quarters padding.

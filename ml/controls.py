@@ -157,6 +157,11 @@ def _kind_name(kind: type) -> str:
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20  # a chat's top_logprobs (vLLM's bound too)
 MAX_COMPLETION_LOGPROBS = 5  # a completion's logprobs
+MAX_EMBEDDING_INPUTS = 2048  # inputs (or documents) in one embedding or rerank request: OpenAI's limit
+# How an embedding model pools its hidden states (model/pooling.py): mean, the average of a text's
+# tokens; cls, its first token's state; last, its last token's (decoder embedders); none, every
+# token's state, unpooled.
+POOLING_MODES = ("mean", "cls", "last", "none")
 SERVER_RULES: dict[str, Rule] = {
     # Speculative decoding for one request (inference/speculative.py): prompt lookup, the server's
     # draft model, and "draft_max" (``RULES``) the most tokens drafted in one step.

@@ -12,9 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-# mean: the average of a text's tokens; cls: its first token's state; last: its last token's
-# (decoder embedders); none: every token's state, unpooled.
-POOLING_MODES = ("mean", "cls", "last", "none")
+from llama_chat.ml.controls import POOLING_MODES
 
 
 @dataclass(frozen=True)
