@@ -26,12 +26,13 @@ after it.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llama_chat.inference.decoding import TextMaker
-from llama_chat.ml.controls import THINK_MODES, ControlError
-from llama_chat.ml.grammars import Constraint, thinking_grammar
+from llama_chat.ml.controls import THINK_MODES, ControlError, check
+from llama_chat.ml.grammars import thinking_grammar
 
 if TYPE_CHECKING:
     from llama_chat.inference.types import Request
@@ -88,9 +89,8 @@ class Thinking:
     def __post_init__(self) -> None:
         if self.mode not in THINK_MODES:
             raise ControlError("think", f"must be one of {', '.join(THINK_MODES)}, got {self.mode!r}")
-        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
-                                        or self.budget < 0):
-            raise ControlError("reasoning_budget", f"must be an integer >= 0 (0: no thinking), got {self.budget!r}")
+        if self.budget is not None:
+            check("reasoning_budget", self.budget)
 
     @property
     def off(self) -> bool:
@@ -188,8 +188,7 @@ def _spell(tokenizer: Tokenizer, token_id: int | None, text: str) -> list[int]:
 
 
 def _lark_tag(tags: ThinkTags, token_id: int | None, text: str) -> str:
-    import json
-
+    """A tag as an item of the grammar: its token by id, or its text as a string literal."""
     return f"<[{token_id}]>" if tags.tokens else json.dumps(text)
 
 
