@@ -28,6 +28,12 @@ def qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def record(qwen3) -> dict:
+    """The one-shot reply under ``ARGS`` as --json gives it: what the other views are checked against."""
+    return as_json(qwen3)
+
+
+@pytest.fixture(scope="module")
 def r1(tmp_path_factory):
     return build_tool_model(tmp_path_factory.mktemp("r1"), "r1")
 
@@ -53,8 +59,7 @@ def visible(text: str) -> str:
     return re.sub(r"\x1b(\[[0-9;?]*[A-Za-z]|[78])", "", text)
 
 
-def test_the_thinking_streams_dimmed_then_folds_to_one_line_before_the_answer(qwen3):
-    record = as_json(qwen3)
+def test_the_thinking_streams_dimmed_then_folds_to_one_line_before_the_answer(qwen3, record):
     assert record["reasoning"] and record["reasoning_tokens"] == 6
     shown = on_terminal(qwen3)
     dimmed = shown.index(DIM)
@@ -65,15 +70,13 @@ def test_the_thinking_streams_dimmed_then_folds_to_one_line_before_the_answer(qw
     assert displayable(record["text"])[:3] in visible(shown[fold:])
 
 
-def test_hide_thinking_shows_only_the_line(qwen3):
-    record = as_json(qwen3)
+def test_hide_thinking_shows_only_the_line(qwen3, record):
     shown = visible(on_terminal(qwen3, "--hide-thinking"))
     assert "thought for" in shown
     assert displayable(record["reasoning"]) not in shown
 
 
-def test_a_pipe_gets_the_answer_only(qwen3):
-    record = as_json(qwen3)
+def test_a_pipe_gets_the_answer_only(qwen3, record):
     done = subprocess.run([*llama_chat_command(), "-m", str(qwen3), "-p", "Hello", *ARGS], capture_output=True,
                           env=cli_env(), timeout=WAIT_S * 2)
     assert done.returncode == 0, done.stderr.decode()
@@ -141,15 +144,15 @@ def test_batch_lines_choose_their_thinking_and_records_carry_it(qwen3):
     assert records[3]["error"].startswith("reasoning_budget must be an integer in 0 <= n")
 
 
-def test_a_template_file_replaces_the_models_own_and_a_bad_one_is_one_line(qwen3, tmp_path):
+def test_a_template_file_replaces_the_models_own_and_a_bad_one_is_one_line(qwen3, record, tmp_path):
     opened = tmp_path / "opened.jinja"
     opened.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                       "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
-    record = as_json(qwen3, "--chat-template-file", str(opened), "--reasoning-budget", "4")
+    opened_record = as_json(qwen3, "--chat-template-file", str(opened), "--reasoning-budget", "4")
     end = Tokenizer.from_file(str(qwen3 / "tokenizer.json")).token_to_id("</think>")
     # The prompt opened the thinking: four tokens of it, then the end tag, with no start tag before.
-    assert record["reasoning_tokens"] == 4 and record["token_ids"][4] == end
-    assert record["prompt_tokens"] != as_json(qwen3)["prompt_tokens"]
+    assert opened_record["reasoning_tokens"] == 4 and opened_record["token_ids"][4] == end
+    assert opened_record["prompt_tokens"] != record["prompt_tokens"]
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}")
     done = subprocess.run([*llama_chat_command(), "-m", str(qwen3), "-p", "Hi", "--chat-template-file", str(broken)],
