@@ -4,7 +4,7 @@ it, budgets, constraints after the thinking, history, tags that are plain text, 
 (``-m openai:``) whose server thinks.
 
 The models are random, with Qwen3's template (tags are added tokens) and an R1 distill's (the
-prompt opens the thinking; its tags plain text). A random model never ends its thinking by itself,
+prompt opens the thinking), its tags added tokens or plain text. A random model never ends its thinking by itself,
 so the servers run with a budget, which forces the end tag."""
 
 from __future__ import annotations
@@ -32,6 +32,14 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     model_dir = build_tool_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    server = start_server(model_dir, "--template", "hf", "--reasoning-budget", str(BUDGET))
+    yield server, model_dir
+    assert stop_server(server) == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def r1(tmp_path_factory):
+    model_dir = build_tool_model(tmp_path_factory.mktemp("r1"), "r1")
     server = start_server(model_dir, "--template", "hf", "--reasoning-budget", str(BUDGET))
     yield server, model_dir
     assert stop_server(server) == 0, server.log()
@@ -80,17 +88,17 @@ def raw_split(text: str, *, opened: bool) -> tuple[str, str]:
     return thought.strip(), answer.lstrip()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "r1_text"])
+@pytest.mark.parametrize("family", ["qwen3", "r1", "r1_text"])
 def test_the_thinking_is_the_text_between_the_tags_and_the_content_the_rest(family, request):
     server, _ = request.getfixturevalue(family)
     raw = chat(server, extra_body={"reasoning_format": "none"}).choices[0].message
     assert not (raw.model_extra or {}).get("reasoning_content")
-    thought, answer = raw_split(raw.content, opened=family == "r1_text")
+    thought, answer = raw_split(raw.content, opened=family != "qwen3")  # the R1 template opens it
     reply = chat(server)
     message = reply.choices[0].message
     assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == thought
     assert message.content == answer and "<think>" not in message.content and "</think>" not in message.content
-    if family == "qwen3":  # the tags are tokens: exactly the budget's tokens of thinking
+    if family != "r1_text":  # the tags are tokens: exactly the budget's tokens of thinking
         assert reply.usage.completion_tokens_details.reasoning_tokens == BUDGET
     pieces = streamed(server)
     assert "".join(pieces["reasoning_content"]) == "".join(pieces["reasoning"]) == thought
