@@ -4,8 +4,8 @@ it, budgets, constraints after the thinking, history, tags that are plain text, 
 (``-m openai:``) whose server thinks.
 
 The models are random, with Qwen3's template (tags are added tokens) and an R1 distill's (the
-prompt opens the thinking), its tags added tokens or plain text. A random model never ends its thinking by itself,
-so the servers run with a budget, which forces the end tag."""
+prompt opens the thinking), its tags added tokens or plain text. A random model never ends its
+thinking by itself, so the servers run with a budget, which forces the end tag."""
 
 from __future__ import annotations
 
