@@ -26,8 +26,8 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from llama_chat.cmd.anthropic_api import matched_stop
-from llama_chat.cmd.openai_api import ApiError, Generation, bad, dumps, event, read_settings
-from llama_chat.cmd.serve_app import JSON_HEADERS, SSE_HEADERS, GenerationResponse, _generate
+from llama_chat.cmd.openai_api import ApiError, Generation, bad, event, read_settings
+from llama_chat.cmd.serve_app import SSE_HEADERS, GenerationResponse, _generate
 from llama_chat.inference.fim import UNNAMED_FILE, Infill, RepoFile
 from llama_chat.inference.types import Completion, GenerationState
 
@@ -201,9 +201,7 @@ class InfillResponse(GenerationResponse):
             status, body = 500, FAILED.body()
         else:
             status, body = 200, self.infill.whole(completion, self.token_bytes)
-        self._finished = True
-        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
-        await send({"type": "http.response.body", "body": dumps(body)})
+        await self._send_whole(send, status, body)
 
     async def _stream(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})

@@ -463,9 +463,7 @@ class OllamaResponse(GenerationResponse):
             status = 200
             body = self._last(self._piece(text, completion.reasoning, calls, self._logprobs(choice)),
                               completion.finish_reason)
-        self._finished = True
-        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
-        await send({"type": "http.response.body", "body": dumps(body)})
+        await self._send_whole(send, status, body)
 
     async def _stream(self, send: Send) -> None:
         if not self.choices:

@@ -635,9 +635,7 @@ class GenerationResponse:
                 messages = [ChatMessage(r.text(), tuple(r.tool_calls()), c.reasoning)
                             for r, c in zip(self.readers, completions)]
             status, body = 200, self.reply.whole(completions, self._usage(), logprobs, messages)
-        self._finished = True
-        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
-        await send({"type": "http.response.body", "body": dumps(body)})
+        await self._send_whole(send, status, body)
 
     async def _stream(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -711,6 +709,13 @@ class GenerationResponse:
         entries = choice.take_logprobs()
         return self.logprobs[choice.index].render(entries) if entries else None
 
+    async def _send_whole(self, send: Send, status: int, body: dict[str, Any]) -> None:
+        """The whole answer as one JSON object: the request is finished, so a client leaving now
+        cancels nothing."""
+        self._finished = True
+        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
+        await send({"type": "http.response.body", "body": dumps(body)})
+
     async def _send(self, send: Send, data: bytes) -> None:
         message = {"type": "http.response.body", "body": data, "more_body": True}
         if self._lock is None:
@@ -781,9 +786,7 @@ class MessagesResponse(GenerationResponse):
             calls = () if reader is None else reader.tool_calls()
             status, body = 200, self.message.whole(text, calls, completion.finish_reason, completion.completion_tokens,
                                                    self._stop(completion), completion.reasoning)
-        self._finished = True
-        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
-        await send({"type": "http.response.body", "body": dumps(body)})
+        await self._send_whole(send, status, body)
 
     async def _stream(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -843,9 +846,7 @@ class ResponsesResponse(GenerationResponse):
             body = self.builder.whole(text, calls, completion.reasoning, completion.finish_reason,
                                       self._responses_usage())
             self._keep(body)
-        self._finished = True
-        await send({"type": "http.response.start", "status": status, "headers": JSON_HEADERS})
-        await send({"type": "http.response.body", "body": dumps(body)})
+        await self._send_whole(send, status, body)
 
     async def _stream(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
