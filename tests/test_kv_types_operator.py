@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 PAGE = 4
 TABLES = [[3, 7, 1, 10], [5, 2, 11, 12], [6, 4, 8, 9]]
+SPARE_PAGE = 0  # in no table
 LENGTHS = [10, 6, 15]
 # One step of each type, relative to a value (floats) or to a block's largest value (blocks).
 STEP = {"f16": 2**-10, "bf16": 2**-7, "q8_0": 1 / 100, "q4_0": 1 / 6}
@@ -44,6 +45,16 @@ def prefill_by_operator(model, cache) -> None:
     for table, prompt in zip(TABLES, prompts()):
         for position, token in enumerate(prompt[:-1]):
             cpu_decode.forward_rows(model, [token], [position], [table], cache)
+
+
+def forward_row(model, cache, token: int, position: int, table: list[int], slot: int | None = None):
+    """The model's forward of one token over ``table``'s pages, its keys and values written at
+    ``slot`` (by default the position's own place)."""
+    slot = table[position // PAGE] * PAGE + position % PAGE if slot is None else slot
+    batch = PagedBatch(torch.tensor([slot]), torch.tensor([position]), 1,
+                       torch.tensor([table[:position // PAGE + 1]]), (), position + 1)
+    return model(torch.tensor([[token]]), torch.tensor([[position]]), cache.view(batch),
+                 logits_at=torch.tensor([0]))[0]
 
 
 def some_centers(model, seed: int = 3) -> KeyCenters:
@@ -75,27 +86,28 @@ def test_the_operator_reads_and_writes_pages_as_the_models_forward_does(name, he
         alone = torch.cat([cpu_decode.forward_rows(model, [t], [p], [table], caches[0])
                            for t, p, table in zip(tokens, positions, TABLES)])
         assert torch.equal(got, alone)
-        # The model's forward, over pages the operator wrote up to the last token.
+        # The model's forward over the same pages, the operator's last rows included: its own rows
+        # go to a page no table holds.
+        want = torch.cat([forward_row(model, caches[0], token, position, table, slot=SPARE_PAGE * PAGE)
+                          for token, position, table in zip(tokens, positions, TABLES)])
+        # Its rows at their places, over pages the operator wrote up to the last token: checked
+        # against the operator's rows below.
         prefill_by_operator(model, caches[1])
-        want = []
-        for table, token, position in zip(TABLES, tokens, positions):
-            slot = table[position // PAGE] * PAGE + position % PAGE
-            batch = PagedBatch(torch.tensor([slot]), torch.tensor([position]), 1,
-                               torch.tensor([table[:position // PAGE + 1]]), (), position + 1)
-            want.append(model(torch.tensor([[token]]), torch.tensor([[position]]), caches[1].view(batch),
-                              logits_at=torch.tensor([0]))[0])
+        for token, position, table in zip(tokens, positions, TABLES):
+            forward_row(model, caches[1], token, position, table)
     # Each logit is the end of sums over the model's width, which the operator and the forward add
     # up in their own orders (its vector width and kernel are the CPU's): float32 rounding of at
-    # most width * eps of its size. Centred keys: the operator scales the query and the forward
-    # the keys, and their scores differ by a constant a query (softmax drops it): each rounded at
-    # its own size.
-    want = torch.cat(want)
+    # most width * eps of its size. (Over rows each wrote for itself, one element stored a step of
+    # the type apart would move the logits by far more than the sums' rounding: a q8_0 step is
+    # 1/127 of its block.) Centred keys: the operator scales the query and the forward the keys,
+    # and their scores differ by a constant a query (softmax drops it): each rounded at its own size.
     close = model.args.dim * torch.finfo(torch.float32).eps * float(want.abs().max())
     close = max(close, 2e-3) if centred else close
     assert torch.allclose(got, want, atol=close, rtol=0), ((got - want).abs().max(), close)
+    written = (slice(None), slice(SPARE_PAGE + 1, None))  # the spare page holds rows in one cache only
     for layer in range(model.args.n_layers):
-        for ours, theirs, keys in ((caches[0].keys[layer], caches[1].keys[layer], True),
-                                   (caches[0].values[layer], caches[1].values[layer], False)):
+        for ours, theirs, keys in ((caches[0].keys[layer][written], caches[1].keys[layer][written], True),
+                                   (caches[0].values[layer][written], caches[1].values[layer][written], False)):
             # The last token's keys and values are computed by each in its own order of sums:
             # stored, they may round a step of the type apart, nowhere more.
             a, b = kind.load(ours, torch.float32, keys=keys), kind.load(theirs, torch.float32, keys=keys)
