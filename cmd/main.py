@@ -1,6 +1,7 @@
 """The ``llama-chat`` executable: ``llama-chat serve ...`` serves a model (``cmd/serve.py``);
 ``llama-chat embed`` and ``llama-chat rerank`` run an embedding model or a reranker
-(``cmd/embed_command.py``); anything else is the command as it always was (``cmd/app.py``). None
+(``cmd/embed_command.py``); ``llama-chat ps`` and ``llama-chat stop NAME`` ask a running server
+(``cmd/ps_command.py``); anything else is the command as it always was (``cmd/app.py``). None
 of them imports another; all build their typer command the same way (``cmd/typer_command.py``).
 
 Exit statuses are listed in ``exit_status.py``; usage errors are one line on stderr.
@@ -40,7 +41,8 @@ def main() -> None:
     block_in_new_threads()
     serving = sys.argv[1:2] == ["serve"]
     encoding = sys.argv[1:2] in (["embed"], ["rerank"])
-    name = f"llama-chat {sys.argv[1]}" if serving or encoding else "llama-chat"
+    asking = sys.argv[1:2] in (["ps"], ["stop"])
+    name = f"llama-chat {sys.argv[1]}" if serving or encoding or asking else "llama-chat"
     try:
         with deferred_signals():
             if serving:
@@ -51,6 +53,11 @@ def main() -> None:
                 from llama_chat.cmd.embed_command import embed_app, rerank_app
 
                 command = embed_app if sys.argv[1] == "embed" else rerank_app
+                args = sys.argv[2:]
+            elif asking:
+                from llama_chat.cmd.ps_command import ps_app, stop_app
+
+                command = ps_app if sys.argv[1] == "ps" else stop_app
                 args = sys.argv[2:]
             else:
                 from llama_chat.cmd.app import app as command

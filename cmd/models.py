@@ -1,5 +1,7 @@
 """Several models behind one ``llama-chat serve``: their names, loading on demand, keep-alive, and
-the least recently used idle model unloaded when ``--models-max`` would be passed.
+the least recently used idle model unloaded when ``--models-max`` or the memory budget
+(``--models-memory``) would be passed. A remote entry (``NAME=openai:URL``) is another server's
+model: it takes no slot and no memory here, and its requests are sent on (``models_remote.py``).
 
 ::
 
@@ -7,7 +9,7 @@ the least recently used idle model unloaded when ``--models-max`` would be passe
     │                     a request that names none)
     ├── acquire(name)     the model, loaded first where it is not: a slot is freed by unloading the
     │                     least recently used idle model, else the request waits for one
-    ├── release(model)    the request is done: the model's keep-alive starts
+    ├── release(model)    the request is done: the model's keep-alive starts (a pinned one stays)
     ├── a holder task     per loaded model: serve.py's ``_hold`` loads it in a worker thread and
     │                     serves it until it is asked to unload; then the memory goes back
     └── the reaper        unloads the idle models whose keep-alive ran out
@@ -34,6 +36,7 @@ import anyio.abc
 
 from llama_chat.cmd.openai_api import ApiError
 from llama_chat.cmd.sanitize import one_line
+from llama_chat.inference.remote import RemoteSpec, is_remote
 from llama_chat.inference.serving import Snapshot
 
 if TYPE_CHECKING:
@@ -43,7 +46,13 @@ DEFAULT_KEEP_ALIVE = "5m"  # Ollama's
 # How long a request waits for a model slot (every one busy under --models-max) before a 503.
 SLOT_WAIT_S = 60.0
 SLOT_RETRY_AFTER_S = 5
-STATUSES = ("unloaded", "loading", "loaded", "unloading")
+STATUSES = ("unloaded", "loading", "loaded", "unloading", "remote")
+# The memory budget by default: what the machine has free at start, less this share of it (the
+# server's own growth, the page cache the model files need while they load).
+MEMORY_MARGIN = 0.1
+_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
+_SIZE_UNIT = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+MEMORY_HELP = 'bytes, or with a unit: "512M", "16G", "1.5GiB"'
 # A name given with NAME=MODEL: what a client may send as ``model`` (Ollama's name:tag included).
 _ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 # Go's durations, as Ollama reads keep_alive: "5m", "1h30m", "30s", "250ms".
@@ -56,12 +65,43 @@ KEEP_ALIVE_HELP = 'a duration such as "5m", "30s" or "1h", or a number of second
 
 
 @dataclass(frozen=True)
+class ModelSettings:
+    """What a ``--models`` file sets for one model over the server's options (None: the server's)."""
+
+    context: int | None = None  # -c
+    cache_type: str | None = None
+    draft: str | None = None
+    template: str | None = None
+    keep_alive_s: float | None = None  # --keep-alive, in seconds
+    pinned: bool = False  # loaded at start and never unloaded for room or idleness
+    api_key: str | None = None  # a remote entry's server's key
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     """One ``-m``: the name requests use (and /v1/models lists), and what loads it."""
 
     name: str
     source: str
-    path: Path  # where the model's files are (``--list``'s names resolved)
+    # Where the model's files are (``--list``'s names resolved); a remote entry's is its URL,
+    # where nothing is on disk (Ollama's /api/tags then sizes it 0).
+    path: Path
+    settings: ModelSettings = ModelSettings()
+    size: int = 0  # bytes of its files: its share of the memory budget before it is loaded
+
+    @property
+    def remote(self) -> bool:
+        return is_remote(self.source)
+
+
+def files_size(path: Path) -> int:
+    """Bytes of a model's files (a file, or every file in its folder; links followed)."""
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+    except OSError:
+        return 0
 
 
 def split_alias(value: str) -> tuple[str | None, str]:
@@ -77,14 +117,27 @@ def model_entries(values: Sequence[str]) -> list[ModelEntry]:
     """The ``-m`` values as entries: ``NAME=MODEL`` or a model named as ``--list`` shows it, whose
     name is then the one it loads under (a folder's or file's). ``ModelLoadError`` for a model
     that is not there."""
+    return [model_entry(*split_alias(value)) for value in values]
+
+
+def model_entry(alias: str | None, source: str, settings: ModelSettings = ModelSettings()) -> ModelEntry:
+    """One model to serve: ``source`` as ``-m`` names it, or ``openai:URL[#NAME]``, whose name is
+    ``alias``, else the remote's ``#NAME``. ``ModelLoadError`` for a model that is not there or a
+    URL that is no URL (a server that does not answer is found out by its requests)."""
+    from llama_chat.model.errors import ModelLoadError
     from llama_chat.model.stores import resolve_model  # the stores, not torch
 
-    entries: list[ModelEntry] = []
-    for value in values:
-        alias, source = split_alias(value)
-        found = resolve_model(source)  # a missing file is said at start, not at the first request
-        entries.append(ModelEntry(alias or found.name, source, found.path))
-    return entries
+    if is_remote(source):
+        try:
+            spec = RemoteSpec.parse(source)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        name = alias or spec.model
+        if name is None:
+            raise ModelLoadError(f"{source}: name the remote model, NAME={source}")
+        return ModelEntry(name, source, Path(source), settings)
+    found = resolve_model(source)  # a missing file is said at start, not at the first request
+    return ModelEntry(alias or found.name, source, found.path, settings, files_size(found.path))
 
 
 def directory_entries(folder: Path) -> list[ModelEntry]:
@@ -105,7 +158,8 @@ def directory_entries(folder: Path) -> list[ModelEntry]:
         except ModelLoadError:
             continue  # not a model: a README, a stray file
         if path.is_dir() or layout in (GGUF, LLAMA2C):
-            entries.append(ModelEntry(path.stem if path.is_file() else path.name, str(path), path))
+            entries.append(ModelEntry(path.stem if path.is_file() else path.name, str(path), path,
+                                      size=files_size(path)))
     return entries
 
 
@@ -150,6 +204,26 @@ def _duration(text: str) -> float:
     return sign * total
 
 
+def memory_bytes(text: str) -> int:
+    """A size as ``--models-memory`` takes it: bytes, or with a unit (K, M, G, T; powers of 1024;
+    "B" and "iB" after it are allowed). ``ValueError`` for anything else."""
+    found = _SIZE.fullmatch(text.strip())
+    if found is None or (found.group(3) and not found.group(2) and found.group(3).lower() == "ib"):
+        raise ValueError(f"{text!r:.60} is not a size: {MEMORY_HELP}")
+    size = int(float(found.group(1)) * _SIZE_UNIT[found.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"{text!r:.60}: a size above 0 is needed")
+    return size
+
+
+def default_memory_budget() -> int | None:
+    """What the machine has free now, less ``MEMORY_MARGIN``; None where that cannot be read."""
+    from llama_chat.model.memory_budget import available_bytes  # torch-free
+
+    free = available_bytes()
+    return None if free is None else int(free * (1 - MEMORY_MARGIN))
+
+
 def wall_time(seconds: float) -> str:
     """A time as Ollama writes it (``expires_at``); for ever: the last second of year 9999."""
     when = datetime.max.replace(tzinfo=timezone.utc) if math.isinf(seconds) else (
@@ -182,18 +256,33 @@ class Model:
     loads: int = 0  # how many loads were started; ``failed`` is the one that failed last
     failed: int = 0
     error: str = ""
+    upstream: str | None = None  # a remote entry's name on its server, once asked (``models_remote``)
     kind: str | None = None
     context: int | None = None
     unload: Unload = field(default_factory=Unload)
+
+    def __post_init__(self) -> None:
+        if self.entry.remote:
+            self.status = "remote"
 
     @property
     def name(self) -> str:
         return self.entry.name
 
+    @property
+    def pinned(self) -> bool:
+        return self.entry.settings.pinned
+
     def idle(self) -> bool:
         """Loaded and nobody's: no request holds it, and its scheduler has no open job."""
         serving = self.served.serving if self.served is not None else None
         return self.status == "loaded" and self.users == 0 and (serving is None or serving.open_jobs == 0)
+
+    def memory(self) -> int:
+        """Its share of the memory budget: its files, and its KV pages written once loaded."""
+        serving = self.served.serving if self.status == "loaded" and self.served is not None else None
+        stats = serving.snapshot().stats if serving is not None else None
+        return self.entry.size + (stats.kv_resident_bytes if stats is not None else 0)
 
 
 # ``hold(entry, ready, unload)``: loads the model, calls ``ready`` with it once it serves, and
@@ -205,11 +294,14 @@ class Models:
     """The served models; ``run`` holds them, the routes ``acquire`` and ``release`` them."""
 
     def __init__(self, entries: Sequence[ModelEntry], *, hold: Hold, max_loaded: int | None, keep_alive_s: float,
-                 queue_limit: int, log: Callable[[str], None], log_error: Callable[[str], None]) -> None:
+                 queue_limit: int, log: Callable[[str], None], log_error: Callable[[str], None],
+                 memory_budget: int | None = None) -> None:
         self.models = {entry.name: Model(entry) for entry in entries}
         self.default = entries[0].name
         self.hold = hold
         self.max_loaded = max_loaded or len(entries)
+        self.memory_budget = memory_budget  # bytes the loaded models may take together; None: no bound
+        self.remote_client: Any = None  # the HTTP client of the remote entries (``models_remote``)
         self.keep_alive_s = keep_alive_s
         self.queue_limit = queue_limit
         self.log, self.log_error = log, log_error
@@ -228,6 +320,9 @@ class Models:
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self._reap)
+            for model in self.models.values():
+                if model.pinned and self._taken() < self.max_loaded and self._fits(model):
+                    self._start(model)
             task_status.started()
             await stop.wait()
             self.stopping = True
@@ -261,7 +356,7 @@ class Models:
             while True:
                 if self.stopping:
                     raise ApiError(503, "the server is shutting down", code="shutting_down")
-                if model.status == "loaded":
+                if model.status in ("loaded", "remote"):
                     model.users += 1
                     model.last_used = time.monotonic()
                     return model
@@ -271,13 +366,20 @@ class Models:
                     if load and model.failed == load:
                         raise ApiError(500, f"the model {model.name!r} failed to load: {model.error}",
                                        code="model_load_failed")
-                    if self._taken() < self.max_loaded:
+                    if self.memory_budget is not None and model.entry.size > self.memory_budget:
+                        raise ApiError(507, f"the model {model.name!r} ({_gigabytes(model.entry.size)}) is larger "
+                                            f"than the memory budget ({_gigabytes(self.memory_budget)}, "
+                                            "--models-memory)", code="model_too_large")
+                    full = self._taken() >= self.max_loaded
+                    if not full and self._fits(model):
                         self._start(model)
                         load = model.loads
                         continue
                     victim = self._least_recently_used_idle()
                     if victim is not None:
-                        self._unload(victim, 0.0, f"to make room for {model.name!r} (--models-max {self.max_loaded})")
+                        bound = (f"--models-max {self.max_loaded}" if full else
+                                 f"the memory budget, {_gigabytes(self.memory_budget or 0)}")
+                        self._unload(victim, 0.0, f"to make room for {model.name!r} ({bound})")
                     elif any(m.status == "unloading" for m in self.models.values()):
                         pass  # a slot is being freed: wait for it, outside the queue
                     elif deadline is None:
@@ -300,8 +402,15 @@ class Models:
         model.users = max(model.users - 1, 0)  # 0 already where its scheduler failed or the server stopped
         now = time.monotonic()
         model.last_used = now
-        model.expires = now + (self.keep_alive_s if keep_alive_s is None else keep_alive_s)
+        if keep_alive_s is None:
+            keep_alive_s = self.keep_alive_of(model)
+        model.expires = math.inf if model.pinned else now + keep_alive_s
         self._notify()
+
+    def keep_alive_of(self, model: Model) -> float:
+        """How long ``model`` stays loaded once idle: its own (``--models`` file), else --keep-alive."""
+        own = model.entry.settings.keep_alive_s
+        return self.keep_alive_s if own is None else own
 
     async def load(self, name: str | None) -> Model:
         """/models/load: the model loaded (or already), its keep-alive started."""
@@ -312,6 +421,9 @@ class Models:
     def evict(self, name: str | None) -> Model:
         """The model out as soon as it is idle (its open requests run to their end first)."""
         model = self.lookup(name)
+        if model.entry.remote:
+            raise ApiError(400, f"the model {model.name!r} is another server's ({model.entry.source}): it is not "
+                                "loaded or unloaded here", param="model", code="remote_model")
         model.evict = model.status != "unloaded"
         self._notify()
         return model
@@ -332,6 +444,10 @@ class Models:
         for model in self.models.values():
             item: dict[str, Any] = {"id": model.name, "object": "model", "created": self.created,
                                     "owned_by": "llama-chat", "status": model.status}
+            if model.entry.remote:
+                item["url"] = model.entry.source.removeprefix("openai:").partition("#")[0]
+            if model.pinned:
+                item["pinned"] = True
             if model.context is not None:
                 item["context_length"] = model.context
             if model.kind is not None:
@@ -345,7 +461,7 @@ class Models:
         now, wall = time.monotonic(), time.time()
         for model in self.models.values():
             if model.status == "loaded" and model.served is not None:
-                left = model.expires - now if model.users == 0 else self.keep_alive_s
+                left = model.expires - now if model.users == 0 else self.keep_alive_of(model)
                 out.append((model, wall + max(left, 0.0)))
         return out
 
@@ -387,10 +503,17 @@ class Models:
     # -- loading and unloading ----------------------------------------------------------------------
 
     def _taken(self) -> int:
-        return sum(m.status != "unloaded" for m in self.models.values())
+        return sum(m.status in ("loading", "loaded", "unloading") for m in self.models.values())
+
+    def memory_used(self) -> int:
+        """The budget's bytes the models loading, loaded or unloading take now."""
+        return sum(m.memory() for m in self.models.values() if m.status in ("loading", "loaded", "unloading"))
+
+    def _fits(self, model: Model) -> bool:
+        return self.memory_budget is None or self.memory_used() + model.entry.size <= self.memory_budget
 
     def _least_recently_used_idle(self) -> Model | None:
-        idle = [m for m in self.models.values() if m.idle()]
+        idle = [m for m in self.models.values() if m.idle() and not m.pinned]
         return min(idle, key=lambda m: m.last_used) if idle else None
 
     def _busy(self) -> ApiError:
@@ -451,7 +574,7 @@ class Models:
         while True:
             now, soonest = time.monotonic(), math.inf
             for model in self.models.values():
-                if not model.idle():
+                if not model.idle() or (model.pinned and not model.evict):
                     continue
                 if model.evict or model.expires <= now:
                     self._unload(model, 0.0, "asked to" if model.evict else "idle past its keep-alive")
@@ -460,6 +583,12 @@ class Models:
             changed = self._changed
             with anyio.move_on_after(None if math.isinf(soonest) else soonest - now):
                 await changed.wait()
+
+
+def _gigabytes(n: int) -> str:
+    from llama_chat.model.memory_budget import gigabytes  # torch-free
+
+    return gigabytes(n)
 
 
 def _give_memory_back() -> None:
@@ -475,6 +604,6 @@ def _give_memory_back() -> None:
     release_heap()
 
 
-__all__ = ["DEFAULT_KEEP_ALIVE", "Hold", "KEEP_ALIVE_HELP", "Model", "ModelEntry", "Models", "Unload", "check_names",
-           "directory_entries", "keep_alive_seconds", "model_entries", "split_alias",
-           "wall_time"]
+__all__ = ["DEFAULT_KEEP_ALIVE", "Hold", "KEEP_ALIVE_HELP", "MEMORY_HELP", "Model", "ModelEntry", "ModelSettings",
+           "Models", "Unload", "check_names", "default_memory_budget", "directory_entries", "files_size",
+           "keep_alive_seconds", "memory_bytes", "model_entries", "model_entry", "split_alias", "wall_time"]

@@ -42,6 +42,14 @@ async def with_model(state: ServerState, request: HttpRequest,
     if keep_alive == 0 and _nothing_to_generate(path, body):
         return _stopped(path, models.evict(name).name)
     model = await models.acquire(name)
+    if model.entry.remote:
+        from llama_chat.cmd.models_remote import forward
+
+        try:
+            return _Held(await forward(models, model, request, body), partial(models.release, model))
+        except BaseException:
+            models.release(model)
+            raise
     token = PICKED.set(weakref.ref(model.served))
     try:
         response = await handler(request)

@@ -36,9 +36,11 @@ from rich.console import Console
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.http_protocol import guarded_protocol
-from llama_chat.cmd.models import (DEFAULT_KEEP_ALIVE, KEEP_ALIVE_HELP, ModelEntry, Models, Unload, check_names,
-                                   directory_entries, keep_alive_seconds, model_entries, split_alias)
+from llama_chat.cmd.models import (DEFAULT_KEEP_ALIVE, KEEP_ALIVE_HELP, MEMORY_HELP, ModelEntry, Models, Unload,
+                                   check_names, default_memory_budget, directory_entries, keep_alive_seconds,
+                                   memory_bytes, model_entries, split_alias)
 from llama_chat.cmd.options import BATCH, Options, ranged
+from llama_chat.cmd.ps_command import DEFAULT_HOST, DEFAULT_PORT
 from llama_chat.cmd.responses_api import DEFAULT_STORED, DEFAULT_STORED_BYTES, ResponseStore
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.serve_app import Served, ServerState, build_app
@@ -53,7 +55,6 @@ from llama_chat.inference.types import sole_exception
 
 # The options of the model and its batching, defined once in options.py.
 _OPTION = get_type_hints(Options, include_extras=True)
-DEFAULT_PORT = 8080
 DEFAULT_QUEUE_LIMIT = 64
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
@@ -84,6 +85,15 @@ def _keep_alive(value: str) -> str:
     return value
 
 
+def _memory(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            memory_bytes(value)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    return value
+
+
 def _tool_format(value: str) -> str:
     if value not in FORMAT_NAMES:
         raise typer.BadParameter(f"expected one of {', '.join(FORMAT_NAMES)}; got {value!r}")
@@ -96,10 +106,11 @@ class ServeOptions:
         "--model", "-m", metavar="[NAME=]MODEL",
         help="Model, named as llama-chat's -m names it (--list shows what is there); NAME=MODEL: the name "
              "requests use. Repeat it to serve several, each loaded when a request names it (default: the "
-             "small model shipped with the package).")] = None
+             "small model shipped with the package); NAME=openai:URL[#MODEL] beside them: another server's "
+             "model, its requests sent on.")] = None
     host: Annotated[str, typer.Option(
         "--host", rich_help_panel=SERVER, metavar="ADDR",
-        help="Address to listen on; 0.0.0.0 (or ::) listens on every interface.")] = "127.0.0.1"
+        help="Address to listen on; 0.0.0.0 (or ::) listens on every interface.")] = DEFAULT_HOST
     port: Annotated[int, typer.Option(
         "--port", min=0, max=65535, rich_help_panel=SERVER,
         help="Port to listen on; 0: any free port (the log says which).")] = DEFAULT_PORT
@@ -117,6 +128,15 @@ class ServeOptions:
         "--models-dir", rich_help_panel=SERVER, metavar="DIR",
         help="Serve every model in DIR (a GGUF or llama2.c file by its stem, a model folder by its name), "
              "beside the -m ones, each loaded when a request names it.")] = None
+    models_file: Annotated[Path | None, typer.Option(
+        "--models", rich_help_panel=SERVER, metavar="FILE",
+        help="Serve the models a TOML file lists ([[model]] tables: path, alias, context, cache_type, draft, "
+             "template, keep_alive, pinned; docs/serve.md), beside the -m ones.")] = None
+    models_memory: Annotated[str | None, typer.Option(
+        "--models-memory", callback=_memory, rich_help_panel=SERVER, metavar="SIZE",
+        help=f"With several models: the most memory their weights and KV pages take together ({MEMORY_HELP}); a "
+             "load past it first unloads the least recently used idle one (default: the memory free at "
+             "start, less a tenth).")] = None
     models_max: Annotated[int | None, typer.Option(
         "--models-max", min=1, rich_help_panel=SERVER, metavar="N",
         help="With several -m: most models loaded at once; a load past it first unloads the least recently "
@@ -182,9 +202,13 @@ class ServeOptions:
                   if f.name in Options.__dataclass_fields__ and f.name not in ("api_key", "model")}
         return Options(**values, model=split_alias(self.model[0])[1] if self.model else None)
 
-    def for_model(self, source: str) -> ServeOptions:
-        """These options for one of several models: ``source`` loads as ``-m`` names it."""
-        return replace(self, model=[source])
+    def for_model(self, entry: ModelEntry) -> ServeOptions:
+        """These options for one of several models: its source loads as ``-m`` names it, with what
+        its ``--models`` file sets over the server's options."""
+        s = entry.settings
+        return replace(self, model=[entry.source], ctx_size=s.context if s.context is not None else self.ctx_size,
+                       cache_type=s.cache_type or self.cache_type, draft=s.draft or self.draft,
+                       template=s.template or self.template)
 
     def names(self) -> tuple[str, ...]:
         """What the one model answers to besides its own name: ``-m`` as given."""
@@ -247,18 +271,22 @@ class _UvicornLog(logging.Handler):
 
 def run_serve(opts: ServeOptions) -> int:
     log = ServerLog(quiet=opts.quiet)
-    if any(is_remote(split_alias(model)[1]) for model in opts.model or ()):
-        log.error("serve runs a model in this process; -m openai:URL is another server's")
+    several = (opts.model and len(opts.model) > 1) or opts.models_dir is not None or opts.models_file is not None
+    if not several and opts.model and is_remote(split_alias(opts.model[0])[1]):
+        log.error("serve runs a model in this process; -m openai:URL is another server's (beside a model of "
+                  "this one's, with -m NAME=openai:URL, its requests are sent on)")
         return exit_status.USAGE
     if opts.api_key is not None and not opts.api_key.strip():
         log.error("--api-key is empty")
         return exit_status.USAGE
     entries: list[ModelEntry] = []
-    if (opts.model and len(opts.model) > 1) or opts.models_dir is not None:
+    if several:
+        from llama_chat.cmd.models_file import read_models_file
         from llama_chat.model.errors import ModelLoadError
 
         try:
             entries = model_entries(opts.model or ())
+            entries += read_models_file(opts.models_file) if opts.models_file is not None else []
             entries += directory_entries(opts.models_dir) if opts.models_dir is not None else []
             check_names(entries)
         except (ModelLoadError, ValueError) as e:
@@ -523,21 +551,33 @@ def _encoder_served(opts: ServeOptions, loaded) -> tuple[Served, str]:
 async def _serve_models(opts: ServeOptions, state: ServerState, entries: list[ModelEntry], log: ServerLog,
                         stop: anyio.Event, server) -> None:
     """Several models, each loaded when a request names it (``cmd/models.py``), until stopped."""
+    budget = memory_bytes(opts.models_memory) if opts.models_memory is not None else default_memory_budget()
     models = Models(entries, hold=partial(_hold, opts, state, log), max_loaded=opts.models_max,
                     keep_alive_s=keep_alive_seconds(opts.keep_alive), queue_limit=opts.queue_limit,
-                    log=log.note, log_error=log.error)
+                    log=log.note, log_error=log.error, memory_budget=budget)
 
     async def close_on_stop() -> None:
         await stop.wait()
         state.phase = "stopping"
         server.should_exit = True  # no new connections; uvicorn waits for the open ones
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(close_on_stop)
-        await tg.start(models.run, stop, opts.shutdown_grace)
-        state.serve_models(models)
-        log.note(f"ready: {len(entries)} models, at most {models.max_loaded} loaded at once, "
-                 f"idle ones unloaded after --keep-alive {opts.keep_alive}")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close_on_stop)
+            await tg.start(models.run, stop, opts.shutdown_grace)
+            state.serve_models(models)
+            log.note(f"ready: {len(entries)} models, at most {models.max_loaded} loaded at once"
+                     f"{_budget_text(budget)}, idle ones unloaded after --keep-alive {opts.keep_alive}")
+    finally:
+        if models.remote_client is not None:
+            with anyio.CancelScope(shield=True):
+                await models.remote_client.aclose()
+
+
+def _budget_text(budget: int | None) -> str:
+    from llama_chat.model.memory_budget import gigabytes  # torch-free
+
+    return "" if budget is None else f" within {gigabytes(budget)} of memory"
 
 
 async def _hold(opts: ServeOptions, state: ServerState, log: ServerLog, entry: ModelEntry,
@@ -546,7 +586,7 @@ async def _hold(opts: ServeOptions, state: ServerState, log: ServerLog, entry: M
     ``unload`` says, its open jobs then given ``unload.grace_s``. What it held goes with this frame."""
     from llama_chat.inference.embedding import Embedder
 
-    model_opts = opts.for_model(entry.source)
+    model_opts = opts.for_model(entry)
     loaded, scheduler = await anyio.to_thread.run_sync(_load_model, model_opts, abandon_on_cancel=True)
     loaded = replace(loaded, name=entry.name)  # reported under the name requests use
     if scheduler is None:
