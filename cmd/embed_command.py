@@ -3,15 +3,17 @@ ranking, on the command line.
 
 ``embed`` takes texts as arguments, from ``--file`` (one a line; ``-``: stdin) or, with neither,
 from the lines of stdin, and writes one JSON line per text (``{"index", "tokens", "embedding"}``)
-or, with ``-o FILE.npy``, one float32 array of a row per text. ``rerank --query Q`` ranks the
-lines of stdin (or of ``--file``) and writes one JSON line per line, highest relevance first
-(``{"index", "relevance_score", "document"}``). A problem is one line on stderr and a non-zero exit.
+or, with ``-o FILE.npy``, one float32 array of a row per text; on a terminal, a progress line on
+stderr while it works. ``rerank --query Q`` ranks the lines of stdin (or of ``--file``) and writes
+one JSON line per line, highest relevance first (``{"index", "relevance_score", "document"}``). A
+problem is one line on stderr and a non-zero exit.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, get_type_hints
@@ -48,6 +50,9 @@ class EmbedOptions:
     truncate: Annotated[bool, typer.Option(
         "--truncate/--no-truncate", rich_help_panel=INPUT,
         help="Cut a text past the model's length (default), or refuse it.")] = True
+    prompt_name: Annotated[str | None, typer.Option(
+        "--prompt-name", rich_help_panel=INPUT, metavar="NAME",
+        help="Put the model's prompt NAME before each text (e.g. query: Qwen3-Embedding's instruction).")] = None
     device: _OPTION["device"] = "auto"
     dtype: _OPTION["dtype"] = "auto"
 
@@ -61,6 +66,9 @@ class RerankOptions:
         help="Read the documents from FILE, one a line (default and '-': stdin).")] = None
     top_n: Annotated[int | None, typer.Option(
         "--top-n", min=1, rich_help_panel=INPUT, metavar="N", help="Write the N most relevant only.")] = None
+    instruction: Annotated[str | None, typer.Option(
+        "--instruction", rich_help_panel=INPUT, metavar="TEXT",
+        help="The task, for a decoder reranker (Qwen3-Reranker; default: its model card's).")] = None
     device: _OPTION["device"] = "auto"
     dtype: _OPTION["dtype"] = "auto"
 
@@ -92,8 +100,17 @@ def run_embed(opts: EmbedOptions) -> int:
         loaded = _load(opts.model, opts.device, opts.dtype, err, "embedding")
         embedder = Embedder(loaded, pooling=opts.pooling)
         try:
-            ids = [embedder.text_ids(t, truncate=opts.truncate, where=f"text {i + 1}") for i, t in enumerate(texts)]
-            embedded = embedder.embed(ids, dimensions=opts.dimensions)
+            prompt = embedder.prompt(opts.prompt_name, param="--prompt-name")
+            ids = [embedder.text_ids(t, truncate=opts.truncate, where=f"text {i + 1}", prompt=prompt)
+                   for i, t in enumerate(texts)]
+            embedder.check_dimensions(opts.dimensions, "--dimensions")
+            progress = Progress(err.file, len(ids)) if err.is_terminal else None
+            try:
+                embedded = embedder.embed(ids, dimensions=opts.dimensions,
+                                          on_progress=progress.update if progress is not None else None)
+            finally:
+                if progress is not None:
+                    progress.clear()
         except EmbeddingInputError as e:
             raise Refused(str(e)) from None
     except Refused as e:
@@ -118,9 +135,9 @@ def run_rerank(opts: RerankOptions) -> int:
 
         reranker = Reranker(_load(opts.model, opts.device, opts.dtype, err, "rerank"))
         try:
-            scores, _ = reranker.scores(opts.query, documents)
+            scores, _ = reranker.scores(opts.query, documents, opts.instruction)
         except EmbeddingInputError as e:
-            raise Refused(str(e).replace("query is", "--query is")) from None
+            raise Refused(f"--{e}") from None
     except Refused as e:
         return _refused(err, str(e))
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:opts.top_n]
@@ -163,9 +180,42 @@ def _load(model: str | None, device: str, dtype: str, err: Console, kind: str):
     if loaded.kind != kind:
         does = {"chat": "a chat model: it generates text", "embedding": "an embedding model: it makes embeddings",
                 "rerank": "a reranker: it ranks documents"}[loaded.kind]
-        wanted = "an embedding model" if kind == "embedding" else "a reranker (a BERT cross-encoder)"
+        wanted = "an embedding model" if kind == "embedding" else "a reranker (a cross-encoder or Qwen3-Reranker)"
         raise Refused(f"the model {loaded.name!r} is {does}; give -m {wanted}")
     return loaded
+
+
+# The progress line is redrawn at most this often: a terminal kept busy slows nothing.
+PROGRESS_EVERY_S = 0.1
+
+
+class Progress:
+    """One line on stderr, redrawn in place as the forwards end: texts done of all, texts/s."""
+
+    def __init__(self, file, total: int) -> None:
+        self.file = file
+        self.total = total
+        self.start = self.drawn = time.perf_counter()
+        self.shown = False
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.drawn < PROGRESS_EVERY_S and done < self.total:
+            return
+        self.drawn = now
+        width = 24
+        filled = width * done // max(1, self.total)
+        rate = done / max(1e-9, now - self.start)
+        self.file.write(f"\r\x1b[K[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} texts  "
+                        f"{rate:.0f} texts/s")
+        self.file.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.file.write("\r\x1b[K")
+            self.file.flush()
+            self.shown = False
 
 
 def _refused(err: Console, message: str) -> int:

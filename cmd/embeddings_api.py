@@ -13,8 +13,14 @@ the length is cut unless ``truncate`` is false, and errors are ``{"error": messa
 Token ids stand for a text's tokens: the model's markers ([CLS] and [SEP]) go around them as
 around a text's, so a text and its ids embed alike.
 
-Rerank: ``{model, query, documents, top_n, return_documents}``, each document a string or
-``{"text": ...}``; the answer ``{id, model, results: [{index, relevance_score, document?}], usage}``,
+A model's prompts (Qwen3-Embedding's query instruction, from its sentence-transformers files) are
+asked for as text-embeddings-inference and sentence-transformers name them (``prompt_name``), or
+by the part the inputs play as Cohere says it (``input_type``: ``search_query``) or Jina
+(``task``: ``retrieval.query``); a part the model has no prompt for means none. Texts get the
+prompt; token ids are taken as they are.
+
+Rerank: ``{model, query, documents, top_n, return_documents, instruction}``, each document a
+string or ``{"text": ...}``, ``instruction`` a decoder reranker's (Qwen3-Reranker's) task; the answer ``{id, model, results: [{index, relevance_score, document?}], usage}``,
 the results by relevance, highest first, ``top_n`` of them.
 """
 
@@ -56,6 +62,8 @@ class EmbeddingRequest:
     encoding_format: str = "float"
     dimensions: int | None = None
     truncate: bool = False  # cut a text past the model's length instead of refusing it
+    prompt: str | None = None  # the name of the model's prompt to put before each text (None: its default)
+    strict_prompt: bool = True  # a prompt the model lacks is refused (not: a client's hint, meaning none)
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class RerankRequest:
     documents: tuple[str, ...]
     top_n: int | None = None
     return_documents: bool = False
+    instruction: str | None = None
 
 
 def embedding_routes(state: ServerState, endpoint: Callable, json_body: Callable[[HttpRequest], Awaitable[dict]]
@@ -96,9 +105,11 @@ def embedding_routes(state: ServerState, endpoint: Callable, json_body: Callable
 
         reranker = served.embedder
         if not isinstance(reranker, Reranker):
-            raise _wrong_kind(served, "ranks no documents; serve a reranker (a BERT cross-encoder) for them")
+            raise _wrong_kind(served, "ranks no documents; serve a reranker (a cross-encoder or Qwen3-Reranker) "
+                                      "for them")
         try:
-            scores, tokens = await anyio.to_thread.run_sync(reranker.scores, asked.query, asked.documents)
+            scores, tokens = await anyio.to_thread.run_sync(reranker.scores, asked.query, asked.documents,
+                                                            asked.instruction)
         except EmbeddingInputError as e:
             raise bad(str(e), e.param) from None
         return JSONResponse(rerank_reply(served.model_id, asked, scores, tokens))
@@ -136,7 +147,9 @@ async def _embed(served: Served, asked: EmbeddingRequest) -> list[Embedded]:
 
     def run() -> list[Embedded]:
         embedder.check_dimensions(asked.dimensions)
-        ids = [embedder.text_ids(item, truncate=asked.truncate, where=_where(i, asked)) if isinstance(item, str)
+        prompt = embedder.prompt(asked.prompt, strict=asked.strict_prompt)
+        ids = [embedder.text_ids(item, truncate=asked.truncate, where=_where(i, asked), prompt=prompt)
+               if isinstance(item, str)
                else embedder.token_ids(item, truncate=asked.truncate, where=_where(i, asked))
                for i, item in enumerate(asked.inputs)]
         return embedder.submit(ids, dimensions=asked.dimensions).result()  # beside other requests' inputs
@@ -188,7 +201,7 @@ def parse_openai(body: dict[str, Any]) -> EmbeddingRequest:
     if encoding not in ENCODING_FORMATS:
         raise bad(f"encoding_format must be {' or '.join(ENCODING_FORMATS)}, found {encoding!r:.40}",
                   "encoding_format")
-    return EmbeddingRequest(_model(body), _inputs(body), encoding, _dimensions(body))
+    return EmbeddingRequest(_model(body), _inputs(body), encoding, _dimensions(body), False, *_prompt(body))
 
 
 def parse_ollama(body: dict[str, Any]) -> EmbeddingRequest:
@@ -198,7 +211,7 @@ def parse_ollama(body: dict[str, Any]) -> EmbeddingRequest:
     inputs = _inputs(body)
     if any(not isinstance(item, str) for item in inputs):
         raise bad("input must be a string or a list of strings", "input")
-    return EmbeddingRequest(_model(body), inputs, "float", _dimensions(body), truncate)
+    return EmbeddingRequest(_model(body), inputs, "float", _dimensions(body), truncate, *_prompt(body))
 
 
 def parse_rerank(body: dict[str, Any]) -> RerankRequest:
@@ -222,7 +235,10 @@ def parse_rerank(body: dict[str, Any]) -> RerankRequest:
     return_documents = body.get("return_documents", False)
     if not isinstance(return_documents, bool):
         raise bad(f"return_documents must be true or false, found {return_documents!r:.40}", "return_documents")
-    return RerankRequest(_model(body), query, tuple(texts), top_n, return_documents)
+    instruction = body.get("instruction")
+    if instruction is not None and not isinstance(instruction, str):
+        raise bad(f"instruction must be a string, found {instruction!r:.40}", "instruction")
+    return RerankRequest(_model(body), query, tuple(texts), top_n, return_documents, instruction)
 
 
 def _model(body: dict[str, Any]) -> str | None:
@@ -230,6 +246,24 @@ def _model(body: dict[str, Any]) -> str | None:
     if model is not None and not isinstance(model, str):
         raise bad(f"model must be a string, found {model!r:.40}", "model")
     return model
+
+
+# The part an input plays, as Cohere (input_type) and Jina (task) name it, by sentence-transformers'
+# prompt names (Qwen3-Embedding's, e5's: "query", "document").
+_ROLES = {"search_query": "query", "search_document": "document", "retrieval.query": "query",
+          "retrieval.passage": "document"}
+
+
+def _prompt(body: dict[str, Any]) -> tuple[str | None, bool]:
+    """The prompt's name and whether it must be the model's (``EmbeddingRequest``)."""
+    for field, strict in (("prompt_name", True), ("input_type", False), ("task", False)):
+        value = body.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise bad(f"{field} must be a string, found {value!r:.40}", field)
+        return (value, True) if strict else (_ROLES.get(value, value), False)
+    return None, True
 
 
 def _dimensions(body: dict[str, Any]) -> int | None:

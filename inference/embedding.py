@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -90,10 +90,25 @@ class Embedder:
     def max_tokens(self) -> int:
         return self.pooling.max_tokens
 
-    def text_ids(self, text: str, *, truncate: bool, where: str = "input") -> list[int]:
-        """A text's ids with the model's markers; past the model's length: cut, or refused."""
+    def prompt(self, name: str | None, *, strict: bool = True, param: str = "prompt_name") -> str:
+        """The text the model puts before an input for the prompt ``name`` (None: its default).
+        A name the model lacks is refused where ``strict``, else means no prompt (a client's hint,
+        such as Cohere's ``input_type``, that this model has no instruction for)."""
+        try:
+            return self.pooling.prompt(name)
+        except KeyError:
+            if not strict:
+                return ""
+            names = ", ".join(repr(n) for n, _ in self.pooling.prompts) or "none"
+            raise EmbeddingInputError(f"{param} {name!r:.40} is not one of the model's prompts ({names})",
+                                      param) from None
+
+    def text_ids(self, text: str, *, truncate: bool, where: str = "input", prompt: str = "") -> list[int]:
+        """A text's ids with the model's markers, after ``prompt`` (``self.prompt``'s text) as
+        sentence-transformers puts it; past the model's length: cut, or refused."""
         if not text:
             raise EmbeddingInputError(f"{where} is an empty string", where)
+        text = prompt + text
         if self.pooling.lowercase:
             text = text.lower()
         return self.token_ids(self.loaded.tokenizer.encode(text), truncate=truncate, where=where)
@@ -124,24 +139,32 @@ class Embedder:
             raise EmbeddingInputError(f"{param} must be from 1 to {self.width} (the model's width), "
                                       f"found {dimensions}", param)
 
-    def embed(self, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None) -> list[Embedded]:
-        """The vectors of ``inputs`` (token ids with their markers), in order. Blocking."""
+    def embed(self, inputs: Sequence[Sequence[int]], *, dimensions: int | None = None,
+              on_progress: Callable[[int], None] | None = None) -> list[Embedded]:
+        """The vectors of ``inputs`` (token ids with their markers), in order. Blocking.
+        ``on_progress`` is told how many inputs are done after each forward."""
         if self.pooling.mode == "none":
             raise EmbeddingInputError("this server pools with 'none' (a vector per token); "
                                       "an embedding per input needs mean, cls or last pooling", "input")
         self.check_dimensions(dimensions)
-        return [Embedded(self.finished(v, dimensions), len(ids)) for v, ids in zip(self.pooled(inputs), inputs)]
+        return [Embedded(self.finished(v, dimensions), len(ids))
+                for v, ids in zip(self.pooled(inputs, on_progress), inputs)]
 
-    def pooled(self, inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def pooled(self, inputs: Sequence[Sequence[int]], on_progress: Callable[[int], None] | None = None
+               ) -> list[torch.Tensor]:
         """The pooled vectors of ``inputs``, in order, before normalizing and cutting. Blocking."""
         if self.pooling.mode == "none":
             raise EmbeddingInputError("this server pools with 'none' (a vector per token); "
                                       "an embedding per input needs mean, cls or last pooling", "input")
         vectors: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
+        done = 0
         with self.lock, torch.inference_mode():
             for group in self.batches([len(ids) for ids in inputs]):
                 for index, vector in zip(group, self._forward([inputs[i] for i in group])):
                     vectors[index] = vector
+                done += len(group)
+                if on_progress is not None:
+                    on_progress(done)
         return vectors
 
     def finished(self, vector: torch.Tensor, dimensions: int | None) -> torch.Tensor:
@@ -225,8 +248,10 @@ class EmbeddingRounds:
 
 
 class Reranker:
-    """A cross-encoder reranker ready for requests: each document read beside the query
-    (``[CLS] query [SEP] document [SEP]``, token types 0 then 1), scored by the model's head."""
+    """A reranker ready for requests. A cross-encoder reads each document beside the query
+    (``[CLS] query [SEP] document [SEP]``, token types 0 then 1), scored by the model's head; a
+    decoder reranker (Qwen3-Reranker) reads its prompt around the instruction, query and document,
+    scored by its answer (``Ranking.answers``)."""
 
     def __init__(self, loaded: LoadedModel, *, max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  max_batch_rows: int = DEFAULT_BATCH_ROWS) -> None:
@@ -242,6 +267,10 @@ class Reranker:
     @property
     def max_tokens(self) -> int:
         return self.ranking.max_tokens
+
+    @property
+    def takes_instruction(self) -> bool:
+        return self.ranking.prompt is not None
 
     def pair_ids(self, query: Sequence[int], document: Sequence[int]) -> tuple[list[int], list[int]]:
         """The ids and token types of a query and a document together, cut to the model's length
@@ -259,23 +288,50 @@ class Reranker:
         b = [*document[:second], tokenizer.eos_id]
         return a + b, [0] * len(a) + [1] * len(b)
 
-    def scores(self, query: str, documents: Sequence[str]) -> tuple[list[float], int]:
+    def prompt_ids(self, query: str, document: str, instruction: str | None = None) -> list[int]:
+        """A decoder reranker's prompt for one document, its middle cut at its end to fit the
+        model's length, as the model card's tokenizing cuts it."""
+        prompt = self.ranking.prompt
+        assert prompt is not None
+        tokenizer = self.loaded.tokenizer
+        special = getattr(tokenizer, "encode_allowing_special", tokenizer.encode)
+        prefix, suffix = special(prompt.prefix), special(prompt.suffix)
+        body = tokenizer.encode(prompt.body.format(instruction=instruction or prompt.instruction, query=query,
+                                                   document=document))
+        return [*prefix, *body[:max(0, self.max_tokens - len(prefix) - len(suffix))], *suffix]
+
+    def scores(self, query: str, documents: Sequence[str], instruction: str | None = None) -> tuple[list[float], int]:
         """Each document's relevance to ``query``, in order, and the tokens read. Blocking."""
         if not query:
             raise EmbeddingInputError("query is an empty string", "query")
-        encode = self.loaded.tokenizer.encode
-        query_ids = encode(query)
-        pairs = [self.pair_ids(query_ids, encode(d)) for d in documents]
-        relevance: list[float] = [0.0] * len(pairs)
+        if instruction is not None and not self.takes_instruction:
+            raise EmbeddingInputError("instruction is for a decoder reranker (Qwen3-Reranker); this model is a "
+                                      "cross-encoder, which reads none", "instruction")
+        if instruction == "":
+            raise EmbeddingInputError("instruction is an empty string", "instruction")
+        if self.ranking.answers is not None:
+            rows = [(self.prompt_ids(query, d, instruction), None) for d in documents]
+        else:
+            encode = self.loaded.tokenizer.encode
+            query_ids = encode(query)
+            rows = [self.pair_ids(query_ids, encode(d)) for d in documents]
+        relevance: list[float] = [0.0] * len(rows)
         with self.lock, torch.inference_mode():
-            for group in length_batches([len(ids) for ids, _ in pairs], self.max_batch_tokens, self.max_batch_rows):
-                tokens, lengths, types = padded(self.loaded, [pairs[i][0] for i in group],
-                                                [pairs[i][1] for i in group])
-                logits = self.loaded.model.classify(tokens, lengths, types)[:, 0]
-                values = torch.sigmoid(logits) if self.ranking.sigmoid else logits
-                for i, value in zip(group, values.tolist()):
+            for group in length_batches([len(ids) for ids, _ in rows], self.max_batch_tokens, self.max_batch_rows):
+                types = None if self.ranking.answers is not None else [rows[i][1] for i in group]
+                tokens, lengths, types = padded(self.loaded, [rows[i][0] for i in group], types)
+                for i, value in zip(group, self._relevance(tokens, lengths, types).tolist()):
                     relevance[i] = value
-        return relevance, sum(len(ids) for ids, _ in pairs)
+        return relevance, sum(len(ids) for ids, _ in rows)
+
+    def _relevance(self, tokens: torch.Tensor, lengths: torch.Tensor, types: torch.Tensor | None) -> torch.Tensor:
+        model = self.loaded.model
+        if self.ranking.answers is not None:
+            # The softmax of "yes" and "no", "yes"'s share: the sigmoid of their difference.
+            yes, no = model.answer_logits(tokens, lengths, list(self.ranking.answers)).unbind(-1)
+            return torch.sigmoid(yes - no)
+        logits = model.classify(tokens, lengths, types)[:, 0]
+        return torch.sigmoid(logits) if self.ranking.sigmoid else logits
 
 
 def _markers(tokenizer) -> tuple[list[int], list[int]]:

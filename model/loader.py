@@ -249,7 +249,12 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
         fmt = chat_format_from_template(meta_str(contents, "tokenizer.chat_template"), tokenizer, chat_format,
                                         where=f"{contents.path.name}: tokenizer.chat_template")
     else:
-        fmt = _chat_format(model_dir, tokenizer, chat_format)
+        from llama_chat.model.formats.sentence_transformers import decoder_ranking, is_decoder_reranker
+
+        if is_decoder_reranker(model_dir, args):  # asked "yes" or "no", never prompted otherwise
+            fmt, ranking = None, decoder_ranking(str(model_dir), args, tokenizer)
+        else:
+            fmt = _chat_format(model_dir, tokenizer, chat_format)
     if name is None and is_default_model(model_dir):
         name = DEFAULT_MODEL_NAME  # the name -m takes for it
     if name is None:

@@ -416,6 +416,14 @@ class Transformer(nn.Module):
         first = self.encode(tokens, lengths, types)[:, 0]
         return self.classifier(torch.tanh(self.pooler(first))).float()
 
+    @torch.no_grad()
+    def answer_logits(self, tokens: torch.Tensor, lengths: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """A decoder's float32 logits of the tokens ``ids`` after each right-padded row (as
+        ``encode``) ``(batch, len(ids))``: a reranker scored on its answer (Qwen3-Reranker)."""
+        hidden = self.encode(tokens, lengths)
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+        return ops.project(last, self.output).float()[:, ids]
+
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout,
                 cache: KVCache | None, types: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's output for ``tokens``, their keys and values written into ``cache``."""

@@ -221,3 +221,53 @@ def save_qwen3_embedder(folder: Path, *, seed: int = 0, max_seq_length: int = 32
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="</s>", pad_token="</s>")
     return model, tokenizer
+
+
+def save_qwen3_reranker(folder: Path, *, seed: int = 0, positions: int = 128):
+    """A random tiny ``Qwen3ForCausalLM`` folder that is a Qwen3-Reranker as llama.cpp's converter
+    finds one (its README's title); its byte-level tokenizer has "yes" and "no" as tokens, the chat
+    markers as special tokens and no markers around a text, as Qwen3's. Returns (model, tokenizer)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    from tokenizer_builders import CORPUS, write_bytelevel_tokenizer_json
+
+    path = write_bytelevel_tokenizer_json(folder, vocab_size=420, lines=CORPUS + ["yes", "no"] * 40)
+    raw = Tokenizer.from_file(str(path))
+    raw.post_processor = processors.ByteLevel(trim_offsets=False)
+    raw.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    raw.add_tokens(["<think>", "</think>"])
+    raw.save(str(path))
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=raw.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=positions,
+                         tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # "yes" and "no" apart, so that the scores spread
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(folder)
+    (folder / "README.md").write_text("---\nlicense: apache-2.0\n---\n# Qwen3-Reranker-tiny\n\nA test model.\n")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="</s>", pad_token="</s>",
+                                        padding_side="left")
+    return model, tokenizer
+
+
+def reference_decoder_scores(model, tokenizer, query: str, documents: list[str], *, max_length: int,
+                             instruction: str | None = None) -> torch.Tensor:
+    """Qwen3-Reranker's model card, line for line: the prompt around each pair, the middle cut to
+    fit, left padding, and the softmax of the "yes" and "no" logits at the last position."""
+    from llama_chat.model.pooling import QWEN3_RERANK_PROMPT as P
+
+    instruction = instruction or P.instruction
+    prefix = tokenizer.encode(P.prefix, add_special_tokens=False)
+    suffix = tokenizer.encode(P.suffix, add_special_tokens=False)
+    pairs = [P.body.format(instruction=instruction, query=query, document=d) for d in documents]
+    inputs = tokenizer(pairs, padding=False, truncation="longest_first", return_attention_mask=False,
+                       max_length=max_length - len(prefix) - len(suffix))
+    inputs["input_ids"] = [prefix + ids + suffix for ids in inputs["input_ids"]]
+    inputs = tokenizer.pad(inputs, padding=True, return_tensors="pt", max_length=max_length)
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    with torch.no_grad():
+        logits = model(**inputs).logits[:, -1, :]
+    pair = torch.nn.functional.log_softmax(torch.stack([logits[:, no], logits[:, yes]], dim=1), dim=1)
+    return pair[:, 1].exp()

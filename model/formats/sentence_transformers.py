@@ -7,6 +7,11 @@ of sentence-transformers 2-5, or ``pooling_mode`` of 6), then ``Normalize``. A `
 other module is refused in one line. ``sentence_bert_config.json`` gives ``max_seq_length`` and
 ``do_lower_case``. A Hugging Face ``BertModel`` folder without ``modules.json`` is pooled as
 sentence-transformers pools it: the mean of its tokens, not normalized.
+``config_sentence_transformers.json`` names the texts put before inputs (``prompts``, and
+``default_prompt_name``): Qwen3-Embedding's query instruction.
+
+A Qwen3 causal model whose README is Qwen3-Reranker's is a decoder reranker, found as llama.cpp's
+converter finds it (the folder's config says nothing else of it).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 from llama_chat.model.args import ModelArgs, integer
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.formats.json_files import read_json
-from llama_chat.model.pooling import Pooling, Ranking
+from llama_chat.model.pooling import QWEN3_RERANK_PROMPT, Pooling, Ranking
 
 # sentence-transformers' names for the pooling modes, ours beside them.
 _MODES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
@@ -56,8 +61,46 @@ def read_pooling(model_dir: Path, args: ModelArgs) -> Pooling:
         raise ModelLoadError(f"{config_path}: {e}") from None
     if max_tokens < 3:
         raise ModelLoadError(f"{config_path}: max_seq_length {max_tokens} leaves no room for a token")
+    prompts, default_prompt = _prompts(model_dir / "config_sentence_transformers.json")
     return Pooling(_MODES[mode], normalize=normalize, max_tokens=max_tokens,
-                   lowercase=bool(config.get("do_lower_case", False)))
+                   lowercase=bool(config.get("do_lower_case", False)), prompts=prompts, default_prompt=default_prompt)
+
+
+def _prompts(path: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    if not path.is_file():
+        return (), None
+    config = read_json(path)
+    prompts = config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise ModelLoadError(f"{path}: prompts must map names to texts")
+    default = config.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ModelLoadError(f"{path}: default_prompt_name {default!r:.40} is not one of its prompts")
+    return tuple(prompts.items()), default
+
+
+def is_decoder_reranker(model_dir: Path, args: ModelArgs) -> bool:
+    """A Qwen3-Reranker folder: a qwen3 causal model whose README is that model card's."""
+    readme = model_dir / "README.md"
+    if args.family != "qwen3" or args.encoder or args.pooled or not readme.is_file():
+        return False
+    try:
+        return "# Qwen3-Reranker" in readme.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+
+
+def decoder_ranking(where: str, args: ModelArgs, tokenizer) -> Ranking:
+    """Qwen3-Reranker's scoring: its "yes" and "no" tokens' ids, its prompt, the model's context."""
+    answers = []
+    for word in ("yes", "no"):
+        ids = tokenizer.encode(word)
+        if len(ids) != 1:
+            raise ModelLoadError(f"{where}: a decoder reranker answers 'yes' or 'no', and its vocabulary has no "
+                                 f"{word!r} token")
+        answers.append(ids[0])
+    return Ranking(sigmoid=False, max_tokens=args.max_seq_len, answers=(answers[0], answers[1]),
+                   prompt=QWEN3_RERANK_PROMPT)
 
 
 def read_ranking(model_dir: Path, args: ModelArgs) -> Ranking:

@@ -1,0 +1,46 @@
+"""Decoder rerankers (Qwen3-Reranker): its prompt around the instruction, query and document, scored
+by the softmax of its "yes" and "no" logits, against the model card's code on transformers'
+``Qwen3ForCausalLM`` with the same random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builders_embeddings import reference_decoder_scores, save_qwen3_reranker
+from llama_chat.inference.embedding import EmbeddingInputError, Reranker
+from llama_chat.model.loader import load_model
+
+POSITIONS = 384
+QUERY = "the quick fox"
+DOCUMENTS = ["a", "The fox liked to play with the rabbit and the bird near the river.", "東京は大きな都市です 😀 👩‍👩‍👧",
+             "Once upon a time there was a little fox who lived in the forest. " * 12,  # past the length: cut
+             "yes", "no <think> the cat"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_reranker(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qr") / "qwen3-reranker"
+    model, tokenizer = save_qwen3_reranker(folder, seed=11, positions=POSITIONS)
+    return folder, model, tokenizer
+
+
+def test_a_qwen3_reranker_scores_as_its_model_card_does(qwen3_reranker):
+    folder, model, tokenizer = qwen3_reranker
+    loaded = load_model(folder, device="cpu")
+    assert (loaded.kind, loaded.chat_format, loaded.ranking.max_tokens) == ("rerank", None, POSITIONS)
+    reranker = Reranker(loaded, max_batch_tokens=1)  # one document a forward, then all in one
+    alone, tokens = reranker.scores(QUERY, DOCUMENTS)
+    together, _ = Reranker(loaded, max_batch_tokens=10_000).scores(QUERY, DOCUMENTS)
+    expected = reference_decoder_scores(model, tokenizer, QUERY, DOCUMENTS, max_length=POSITIONS)
+    torch.testing.assert_close(torch.tensor(alone), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(together), expected, atol=1e-5, rtol=0)
+    assert (expected - 0.5).abs().min() > 0.1  # away from a half: a swapped "yes" and "no" shows
+    assert len(reranker.prompt_ids(QUERY, DOCUMENTS[3])) == POSITIONS
+    assert tokens == sum(len(reranker.prompt_ids(QUERY, d)) for d in DOCUMENTS)
+    instruction = "Given a question, find the passage that answers it"
+    told, _ = reranker.scores(QUERY, DOCUMENTS, instruction)
+    torch.testing.assert_close(torch.tensor(told), reference_decoder_scores(
+        model, tokenizer, QUERY, DOCUMENTS, max_length=POSITIONS, instruction=instruction), atol=1e-5, rtol=0)
+    with pytest.raises(EmbeddingInputError, match="instruction is an empty string"):
+        reranker.scores(QUERY, DOCUMENTS, "")
