@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from cli_support import build_tiny_model
-from llama_chat.cmd.models import ModelEntry, Models, Unload
+from llama_chat.cmd.models import ModelEntry, Models, ModelSettings, Unload, files_size
 from llama_chat.cmd.openai_api import ApiError
 from llama_chat.cmd.serve import ServeOptions, ServerLog, _hold
 from llama_chat.cmd.serve_app import ServerState
@@ -47,13 +47,16 @@ class Holder:
 
 
 def run_with(folders: dict[str, Path], names: list[str], body, *, max_loaded: int | None = None,
-             queue_limit: int = 8, keep_alive_s: float = math.inf) -> None:
+             queue_limit: int = 8, keep_alive_s: float = math.inf, memory_budget: int | None = None,
+             pinned: tuple[str, ...] = ()) -> None:
     holder = Holder()
 
     async def main() -> None:
-        entries = [ModelEntry(n, str(folders[n]), folders[n]) for n in names]
+        entries = [ModelEntry(n, str(folders[n]), folders[n], ModelSettings(pinned=n in pinned),
+                              files_size(folders[n])) for n in names]
         models = Models(entries, hold=holder, max_loaded=max_loaded, keep_alive_s=keep_alive_s,
-                        queue_limit=queue_limit, log=lambda line: None, log_error=lambda line: None)
+                        queue_limit=queue_limit, log=lambda line: None, log_error=lambda line: None,
+                        memory_budget=memory_budget)
         stop = anyio.Event()
         async with anyio.create_task_group() as tg:
             await tg.start(models.run, stop, 0.0)
@@ -172,3 +175,42 @@ def test_an_unload_asked_waits_for_the_running_request(folders):
         assert done == [True] and a.status == "unloaded" and holder.unloads == ["a"]
 
     run_with(folders, ["a", "b"], body)
+
+
+def test_past_the_memory_budget_the_least_recently_used_idle_model_goes(folders):
+    size = files_size(folders["a"])
+
+    async def body(models: Models, holder: Holder) -> None:
+        for name in ("a", "b", "a"):
+            models.release(await models.acquire(name))
+        assert models.memory_used() >= 2 * size
+        c = await models.acquire("c")  # a third one's files pass the budget: b, used longer ago, goes
+        assert holder.unloads == ["b"] and c.status == "loaded"
+        assert models.memory_used() <= models.memory_budget
+
+    # Room for two models' files and the KV pages their short replies write, not for three.
+    run_with(folders, ["a", "b", "c"], body, memory_budget=int(2.6 * size))
+
+
+def test_a_model_larger_than_the_memory_budget_is_refused_without_loading(folders):
+    async def body(models: Models, holder: Holder) -> None:
+        with pytest.raises(ApiError) as caught:
+            await models.acquire("a")
+        assert caught.value.status == 507 and caught.value.code == "model_too_large"
+        assert holder.loads == []
+
+    run_with(folders, ["a", "b"], body, memory_budget=files_size(folders["a"]) // 2)
+
+
+def test_a_pinned_model_loads_at_start_and_is_never_unloaded_for_room_or_idleness(folders):
+    async def body(models: Models, holder: Holder) -> None:
+        a = models.models["a"]
+        await until(lambda: a.status == "loaded")  # nobody asked for it
+        models.release(await models.acquire("a"), keep_alive_s=0.0)  # pinned: it stays
+        models.release(await models.acquire("b"))
+        await anyio.sleep(0.05)  # the reaper's turn, which would have unloaded a unpinned
+        c = await models.acquire("c")  # a was used longer ago than b, but it is pinned: b goes
+        assert holder.unloads == ["b"] and a.status == "loaded" and c.status == "loaded"
+        assert [item.get("pinned") for item in models.listing()] == [True, None, None]
+
+    run_with(folders, ["a", "b", "c"], body, max_loaded=2, pinned=("a",))
