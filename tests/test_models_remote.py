@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -198,3 +199,26 @@ def test_a_models_file_problem_stops_serve_at_start(files, tmp_path):
     refused = run_cli("serve", "--models", str(listed), "--port", "0")
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.decode().count("\n") == 1 and "pinned: expected true or false" in refused.stderr.decode()
+
+
+def test_while_one_model_loads_the_streams_of_another_go_on(trio):
+    httpx.post(f"{trio.url}/models/unload", json={"model": "b"}, timeout=WAIT_S).raise_for_status()
+    arrivals: list[float] = []
+    loading: list[float] = []
+    chunks = trio.client().chat.completions.create(model="a", messages=ASK, max_tokens=CONTEXT - 64, stream=True)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for chunk in chunks:
+            arrivals.append(time.monotonic())
+            if len(arrivals) == 4:
+                loaded = pool.submit(lambda: (time.monotonic(), httpx.post(
+                    f"{trio.url}/models/load", json={"model": "b"}, timeout=WAIT_S), time.monotonic()))
+            if len(arrivals) > 4 and loaded.done():
+                started, answer, ended = loaded.result()
+                assert answer.status_code == 200, answer.text
+                loading = [started, ended]
+                break
+    chunks.close()
+    during = [t for t in arrivals if loading[0] < t < loading[1]]
+    gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:]) if later > loading[0]]
+    assert len(during) >= 2, (len(arrivals), loading)  # the stream went on while b loaded
+    assert max(gaps) < loading[1] - loading[0], (max(gaps), loading)
