@@ -135,7 +135,8 @@ def operator_variant_env(tmp_path_factory):
                 env = dict(os.environ, CXX=str(wrapper), LLAMA_CHAT_KERNEL_DIR=str(_variant_dir(flags, root)))
                 if not wrapper.exists():
                     compiler = shutil.which(os.environ.get("CXX") or "c++")
-                    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags}\n')
+                    # -O1: a variant is built to check its code, not its speed, in half the compile.
+                    wrapper.write_text(f'#!/bin/sh\nexec "{compiler}" "$@" {flags} -O1\n')
                     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
                     # A build that fails leaves its note for the test's own process to report.
                     subprocess.run([sys.executable, "-c", OPERATOR_VARIANT_LOAD], env=env, capture_output=True,

@@ -34,7 +34,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from builders import OPERATOR_VARIANT_LOAD, decode_one, train_sentencepiece  # noqa: E402
+from builders import (OPERATOR_VARIANT_LOAD, decode_one, skip_where_the_native_build_lacks,  # noqa: E402
+                      train_sentencepiece)
 from builders_gguf import DEFAULT_ROPE, T, hf_config, hf_llama, write_gguf  # noqa: E402
 from cli_support import cli_env, llama_chat_command, run_cli  # noqa: E402
 from llama_chat.ml import half, ops  # noqa: E402
@@ -52,6 +53,7 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 BUILDS = [pytest.param("", id="native"),
           pytest.param("-mno-avx512f", id="avx2", marks=pytest.mark.skipif(not X86, reason="x86 only")),
           pytest.param("-mno-avx", id="scalar", marks=pytest.mark.skipif(not X86, reason="x86 only"))]
+TAKES_AWAY = {"-mno-avx512f": "__AVX512F__", "-mno-avx": "__AVX__"}
 CPU_DIR = Path(cpu_kernels.__file__).parent
 UNIT = 2.0 ** -24  # float32's unit roundoff
 PROMPT_LEN = 40  # more rows than the operator takes: the prompt goes through the tiles
@@ -255,6 +257,7 @@ torch.save([(kernels.matvec(x, w), kernels.matvec(x, w.float())) for x, w in cas
 @pytest.mark.parametrize("flags", BUILDS[1:])
 def test_the_operator_built_without_avx512_gives_float16_products_equal_to_float32_ones(tmp_path, flags,
                                                                                         operator_variant_env):
+    skip_where_the_native_build_lacks(TAKES_AWAY[flags])
     cases = [_half_case(torch.float16, rows, 29, k, seed=rows) for rows in range(1, 17) for k in (5, 64, 300)]
     prompts = [_half_case(torch.float16, rows, n, k, seed=rows) for rows, n, k in SHAPES if rows > 16]
     torch.save(cases + prompts, tmp_path / "cases.pt")
