@@ -53,6 +53,9 @@ MEMORY_MARGIN = 0.1
 _SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
 _SIZE_UNIT = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 MEMORY_HELP = 'bytes, or with a unit: "512M", "16G", "1.5GiB"'
+# A model loading takes up to twice its files: the file's pages mapped and read, and the tensors
+# they are copied into (both resident until the load ends and the map closes).
+LOADING_FACTOR = 2
 # A name given with NAME=MODEL: what a client may send as ``model`` (Ollama's name:tag included).
 _ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 # Go's durations, as Ollama reads keep_alive: "5m", "1h30m", "30s", "250ms".
@@ -279,7 +282,10 @@ class Model:
         return self.status == "loaded" and self.users == 0 and (serving is None or serving.open_jobs == 0)
 
     def memory(self) -> int:
-        """Its share of the memory budget: its files, and its KV pages written once loaded."""
+        """Its share of the memory budget: its files (twice while it loads), and its KV pages
+        written once loaded."""
+        if self.status == "loading":
+            return LOADING_FACTOR * self.entry.size
         serving = self.served.serving if self.status == "loaded" and self.served is not None else None
         stats = serving.snapshot().stats if serving is not None else None
         return self.entry.size + (stats.kv_resident_bytes if stats is not None else 0)
@@ -366,10 +372,11 @@ class Models:
                     if load and model.failed == load:
                         raise ApiError(500, f"the model {model.name!r} failed to load: {model.error}",
                                        code="model_load_failed")
-                    if self.memory_budget is not None and model.entry.size > self.memory_budget:
-                        raise ApiError(507, f"the model {model.name!r} ({_gigabytes(model.entry.size)}) is larger "
-                                            f"than the memory budget ({_gigabytes(self.memory_budget)}, "
-                                            "--models-memory)", code="model_too_large")
+                    if self.memory_budget is not None and LOADING_FACTOR * model.entry.size > self.memory_budget:
+                        raise ApiError(507, f"the model {model.name!r} ({_gigabytes(model.entry.size)}, twice that "
+                                            "while it loads) does not fit the memory budget "
+                                            f"({_gigabytes(self.memory_budget)}, --models-memory)",
+                                       code="model_too_large")
                     full = self._taken() >= self.max_loaded
                     if not full and self._fits(model):
                         self._start(model)
@@ -510,7 +517,8 @@ class Models:
         return sum(m.memory() for m in self.models.values() if m.status in ("loading", "loaded", "unloading"))
 
     def _fits(self, model: Model) -> bool:
-        return self.memory_budget is None or self.memory_used() + model.entry.size <= self.memory_budget
+        need = LOADING_FACTOR * model.entry.size
+        return self.memory_budget is None or self.memory_used() + need <= self.memory_budget
 
     def _least_recently_used_idle(self) -> Model | None:
         idle = [m for m in self.models.values() if m.idle() and not m.pinned]
