@@ -1,10 +1,14 @@
 """Tiny random BERT models and WordPiece vocabularies, saved as a Hugging Face ``BertModel``
-folder and as a sentence-transformers folder (modules.json, pooling, normalization, length)."""
+folder and as a sentence-transformers folder (modules.json, pooling, normalization, length);
+tiny Qwen3 embedders and rerankers; the references they are checked against; and ``embed_cli``,
+the embed and rerank commands run in this process."""
 
 from __future__ import annotations
 
+import io
 import json
 import string
+import sys
 from pathlib import Path
 
 import torch
@@ -191,10 +195,16 @@ def write_bert_gguf(path: Path, model, *, qtype=None, pooling_type: int = 1, lea
     return path
 
 
+# Qwen3-Embedding's prompts, as its config_sentence_transformers.json names them.
+QWEN3_EMBEDDING_PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages that answer "
+                                    "the query\nQuery:", "document": ""}
+
+
 def save_qwen3_embedder(folder: Path, *, seed: int = 0, max_seq_length: int = 32):
     """A random tiny ``Qwen3Model`` in a sentence-transformers folder pooled at the last token and
-    normalized, as Qwen3-Embedding is; its byte-level tokenizer appends ``</s>`` to every text, as
-    Qwen3-Embedding's appends its end of text. Returns (model, transformers' tokenizer)."""
+    normalized, with its query prompt, as Qwen3-Embedding is; its byte-level tokenizer appends
+    ``</s>`` to every text, as Qwen3-Embedding's appends its end of text. Returns (model,
+    transformers' tokenizer)."""
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
 
@@ -219,6 +229,8 @@ def save_qwen3_embedder(folder: Path, *, seed: int = 0, max_seq_length: int = 32
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
                                                                   "pooling_mode": "lasttoken"}))
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": QWEN3_EMBEDDING_PROMPTS, "default_prompt_name": None, "similarity_fn_name": "cosine"}))
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="</s>", pad_token="</s>")
     return model, tokenizer
 
@@ -271,3 +283,27 @@ def reference_decoder_scores(model, tokenizer, query: str, documents: list[str],
         logits = model(**inputs).logits[:, -1, :]
     pair = torch.nn.functional.log_softmax(torch.stack([logits[:, no], logits[:, yes]], dim=1), dim=1)
     return pair[:, 1].exp()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def embed_cli(monkeypatch, capsys, *args: str, stdin: str = "", terminal: bool = False) -> tuple[int, str, str]:
+    """``llama-chat embed|rerank ARGS`` in this process, as ``cmd/main.py`` runs it (a parser's
+    usage error as one line), stdin given: (status, stdout, stderr). ``terminal``: stderr is one."""
+    from llama_chat.cmd.embed_command import embed_app, rerank_app
+    from llama_chat.cmd.main import ClickException, usage_error
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    err = _Terminal() if terminal else None
+    if err is not None:
+        monkeypatch.setattr(sys, "stderr", err)
+    app = embed_app if args[0] == "embed" else rerank_app
+    try:
+        status = app(args=list(args[1:]), prog_name=f"llama-chat {args[0]}", standalone_mode=False)
+    except ClickException as e:
+        status = usage_error(e, f"llama-chat {args[0]}")
+    out, captured = capsys.readouterr()
+    return status, out, err.getvalue() if err is not None else captured

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+from dataclasses import replace
 
 import httpx
 import openai
@@ -292,20 +293,6 @@ def test_an_embedding_model_refuses_to_chat_and_lists_its_kind(embedding_server)
     assert httpx.get(f"{embedding_server.url}/health", timeout=WAIT_S).status_code == 200
 
 
-def test_a_chat_model_refuses_embeddings(tiny_meta_dir):
-    server = start_server(tiny_meta_dir)
-    try:
-        client = server.client()
-        with pytest.raises(openai.BadRequestError) as e:
-            client.embeddings.create(model="m", input="hello")
-        assert "is a chat model" in e.value.message
-        refused = httpx.post(f"{server.url}/api/embed", json={"input": "hello"}, timeout=WAIT_S)
-        assert refused.status_code == 400 and "is a chat model" in refused.json()["error"]
-        assert client.models.list().data[0].kind == "chat"
-    finally:
-        assert stop_server(server) == 0, server.log()
-
-
 # -- reranking -------------------------------------------------------------------------------------
 
 QUERY = "the quick fox"
@@ -453,7 +440,7 @@ def test_a_bert_gguf_file_missing_a_tensor_is_refused_in_one_line(tmp_path):
 
 
 def test_a_qwen3_embedder_is_pooled_at_its_last_token_as_transformers(tmp_path):
-    from builders_embeddings import save_qwen3_embedder
+    from builders_embeddings import QWEN3_EMBEDDING_PROMPTS, save_qwen3_embedder
 
     model, tokenizer = save_qwen3_embedder(tmp_path / "qwen3-embedding", seed=8, max_seq_length=32)
     loaded = load_model(tmp_path / "qwen3-embedding", device="cpu")
@@ -467,6 +454,20 @@ def test_a_qwen3_embedder_is_pooled_at_its_last_token_as_transformers(tmp_path):
     expected = reference_embeddings(model, tokenizer, texts, pooling="lasttoken", normalize=True, max_length=32)
     assert _cosines(ours, expected).min() > 0.9999
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+    # A query after its instruction, as sentence-transformers' encode(prompt_name="query") reads it
+    # (at the model's whole length: the instruction alone is longer than 32 of these tokens).
+    embedder = Embedder(replace(loaded, pooling=replace(loaded.pooling, max_tokens=128)))
+    prompt = embedder.prompt("query")
+    assert prompt == QWEN3_EMBEDDING_PROMPTS["query"] and embedder.prompt(None) == embedder.prompt("document") == ""
+    ids = [embedder.text_ids(t, truncate=True, prompt=prompt) for t in texts]
+    assert 32 < len(ids[1]) < 128
+    ours = torch.stack([e.vector for e in embedder.embed(ids)])
+    expected = reference_embeddings(model, tokenizer, [prompt + t for t in texts], pooling="lasttoken",
+                                    normalize=True, max_length=128)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(EmbeddingInputError, match=r"prompt_name 'passage' is not one of the model's prompts "
+                                                  r"\('query', 'document'\)"):
+        embedder.prompt("passage")
 
 
 def test_a_qwen3_gguf_file_with_a_pooling_type_embeds_at_its_last_token(tmp_path, sp_model_path):
@@ -506,8 +507,9 @@ def test_ollamas_and_langchains_clients_get_the_same_vectors(embedding_server):
 # -- the command line ------------------------------------------------------------------------------
 
 
-def test_llama_chat_embed_writes_a_json_line_per_text_or_an_npy_array(st_folder, tmp_path):
+def test_llama_chat_embed_writes_a_json_line_per_text_or_an_npy_array(st_folder, tmp_path, monkeypatch, capsys):
     import numpy as np
+    from builders_embeddings import embed_cli
     from cli_support import run_cli
 
     folder, model, tokenizer = st_folder
@@ -518,12 +520,23 @@ def test_llama_chat_embed_writes_a_json_line_per_text_or_an_npy_array(st_folder,
     lines = [json.loads(line) for line in proc.stdout.decode().splitlines()]
     assert [line["index"] for line in lines] == [0, 1, 2]
     torch.testing.assert_close(torch.tensor([line["embedding"] for line in lines]), expected, atol=1e-5, rtol=1e-4)
-    out = tmp_path / "vectors.npy"
-    proc = run_cli("embed", "-m", str(folder), "-o", str(out), "--dimensions", "8",
-                   stdin="\n".join(texts).encode() + b"\n\n")
-    assert proc.returncode == 0 and proc.stdout == b"", proc.stderr.decode()
+    out = tmp_path / "vectors.npy"  # the lines of stdin this time, in this process: the process adds nothing new
+    status, stdout, err = embed_cli(monkeypatch, capsys, "embed", "-m", str(folder), "-o", str(out),
+                                    "--dimensions", "8", stdin="\n".join(texts) + "\n\n")
+    assert status == 0 and stdout == "", err
     saved = torch.from_numpy(np.load(out))
     torch.testing.assert_close(saved, torch.nn.functional.normalize(expected[:, :8], dim=-1), atol=1e-5, rtol=1e-4)
+
+
+def test_llama_chat_embed_shows_its_progress_on_a_terminal_only(st_folder, monkeypatch, capsys):
+    from builders_embeddings import embed_cli
+
+    texts = "".join(f"{TEXTS[i % 3]} {i}\n" for i in range(300))
+    status, out, err = embed_cli(monkeypatch, capsys, "embed", "-m", str(st_folder[0]), stdin=texts, terminal=True)
+    assert status == 0 and len(out.splitlines()) == 300
+    assert "300/300 texts" in err and err.startswith("\r\x1b[K[") and err.endswith("\r\x1b[K")  # drawn, then gone
+    status, out, err = embed_cli(monkeypatch, capsys, "embed", "-m", str(st_folder[0]), stdin=texts)
+    assert status == 0 and len(out.splitlines()) == 300 and "texts" not in err
 
 
 def test_llama_chat_rerank_ranks_the_lines_of_stdin(cross_encoder):
@@ -544,20 +557,32 @@ def test_llama_chat_rerank_ranks_the_lines_of_stdin(cross_encoder):
                                atol=1e-5, rtol=1e-4)
 
 
-def test_embed_and_rerank_refuse_bad_input_in_one_line(st_folder, cross_encoder, tiny_meta_dir):
+def test_embed_and_rerank_refuse_bad_input_in_one_line(st_folder, cross_encoder, tiny_meta_dir, monkeypatch,
+                                                        capsys):
+    from builders_embeddings import embed_cli
     from cli_support import run_cli
 
+    # The real process once: the exit status and stderr as a user's shell sees them.
+    proc = run_cli("embed", "-m", str(tiny_meta_dir), "hi")
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and proc.stdout == b"" and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "is a chat model: it generates text; give -m an embedding model" in err
+    # The rest in this process, run as the process runs them: each its own line and status.
+    st, ce = str(st_folder[0]), str(cross_encoder[0])
     for args, stdin, message in (
-            (("embed", "-m", str(tiny_meta_dir), "hi"), None, "is a chat model: it generates text; give -m an "
-                                                                "embedding model"),
-            (("embed", "-m", str(cross_encoder[0]), "hi"), None, "is a reranker"),
-            (("rerank", "-m", str(st_folder[0]), "--query", "q"), b"a\n", "is an embedding model"),
-            (("embed", "-m", str(st_folder[0])), b"\n\n", "stdin: no text to read"),
-            (("embed", "-m", str(st_folder[0]), "--no-truncate", TEXTS[3]), None,
-             "text 1 is 62 tokens long; the model takes at most 24"),
-            (("embed", "-m", str(st_folder[0]), "--dimensions", "33", "a"), None, "dimensions must be from 1 to 32"),
-            (("rerank", "-m", str(cross_encoder[0]), "--query", ""), b"a\n", "--query is an empty string")):
-        proc = run_cli(*args, stdin=stdin)
-        err = proc.stderr.decode()
-        assert proc.returncode == 2 and proc.stdout == b"", (args, err)
+            (("embed", "-m", ce, "hi"), "", "is a reranker"),
+            (("rerank", "-m", st, "--query", "q"), "a\n", "is an embedding model"),
+            (("embed", "-m", st), "\n\n", "stdin: no text to read"),
+            (("embed", "-m", st, "--no-truncate", TEXTS[3]), "", "text 1 is 62 tokens long; the model takes at most 24"),
+            (("embed", "-m", st, "--dimensions", "33", "a"), "", "--dimensions must be from 1 to 32"),
+            (("embed", "-m", st, "--dimensions", "0", "a"), "", "greater than or equal to 1"),
+            (("embed", "-m", st, "--prompt-name", "query", "a"), "", "--prompt-name 'query' is not one of the "
+                                                                     "model's prompts (none)"),
+            (("embed", "-m", st, "--pooling", "max", "a"), "", "--pooling must be mean, cls or last"),
+            (("embed", "-m", st, "-o", "vectors.txt", "a"), "", "expected a .npy file name"),
+            (("rerank", "-m", ce, "--query", ""), "a\n", "--query is an empty string"),
+            (("rerank", "-m", ce, "--query", "q", "--instruction", "x"), "a\n", "--instruction is for a decoder "
+                                                                               "reranker")):
+        status, out, err = embed_cli(monkeypatch, capsys, *args, stdin=stdin)
+        assert status == 2 and out == "", (args, err)
         assert err.count("\n") == 1 and message in err and "Traceback" not in err, (args, err)

@@ -44,3 +44,25 @@ def test_a_qwen3_reranker_scores_as_its_model_card_does(qwen3_reranker):
         model, tokenizer, QUERY, DOCUMENTS, max_length=POSITIONS, instruction=instruction), atol=1e-5, rtol=0)
     with pytest.raises(EmbeddingInputError, match="instruction is an empty string"):
         reranker.scores(QUERY, DOCUMENTS, "")
+
+
+def test_llama_chat_rerank_ranks_with_a_decoder_reranker_and_its_instruction(qwen3_reranker, monkeypatch, capsys):
+    import json
+
+    from builders_embeddings import embed_cli
+
+    folder, model, tokenizer = qwen3_reranker
+    documents = [d for d in DOCUMENTS if "\n" not in d]
+    instruction = "Find the passage about animals"
+    status, out, err = embed_cli(monkeypatch, capsys, "rerank", "-m", str(folder), "--query", QUERY,
+                                 "--instruction", instruction, stdin="\n".join(documents))
+    assert status == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    expected = reference_decoder_scores(model, tokenizer, QUERY, documents, max_length=POSITIONS,
+                                        instruction=instruction)
+    order = sorted(range(len(documents)), key=lambda i: -float(expected[i]))
+    assert [line["index"] for line in lines] == order
+    torch.testing.assert_close(torch.tensor([line["relevance_score"] for line in lines]), expected[order],
+                               atol=1e-5, rtol=0)
+    status, out, err = embed_cli(monkeypatch, capsys, "embed", "-m", str(folder), "a")
+    assert status == 2 and out == "" and "is a reranker: it ranks documents; give -m an embedding model" in err
