@@ -258,7 +258,7 @@ def test_one_slot_a_switch_unloads_the_other_and_gives_its_memory_back(one_slot,
     assert "unloaded model 'big'" in one_slot.log()
     weights = sum(f.stat().st_size for f in files[2].iterdir() if f.suffix == ".pth")
     fallen = with_big - resident_bytes(one_slot)
-    assert fallen > weights // 2, (fallen, weights)
+    assert fallen >= 0.8 * weights, (fallen, weights)
 
 
 def test_one_slot_busy_is_a_503_and_a_model_is_never_unloaded_under_its_jobs(one_slot):
