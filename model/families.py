@@ -148,6 +148,17 @@ _GGUF_BERT = (
     ("layer_output_norm.weight", "ffn_norm.weight"), ("layer_output_norm.bias", "ffn_norm.bias"),
 )
 
+# nomic-bert (nomic-embed-text) as llama.cpp's converter writes it: BERT's post-LN encoder with
+# rotary positions (NEOX halves), q, k and v in one tensor, SwiGLU (``ffn_gate`` the activated
+# half) and no biases but the norms'. It has no Hugging Face form without remote code: files only.
+_GGUF_NOMIC_BERT = (
+    ("attn_qkv.weight", "attention.wqkv.weight"), ("attn_output.weight", "attention.wo.weight"),
+    ("attn_output_norm.weight", "attention_norm.weight"), ("attn_output_norm.bias", "attention_norm.bias"),
+    ("ffn_gate.weight", "feed_forward.w1.weight"), ("ffn_up.weight", "feed_forward.w3.weight"),
+    ("ffn_down.weight", "feed_forward.w2.weight"),
+    ("layer_output_norm.weight", "ffn_norm.weight"), ("layer_output_norm.bias", "ffn_norm.bias"),
+)
+
 FAMILIES = (
     Family("llama", ("llama",), "llama", _HF_LLAMA, _GGUF_LLAMA, gguf_halves=False),
     Family("mistral", ("mistral",), None, _HF_LLAMA),  # Mistral's GGUF files are "llama"
@@ -162,6 +173,7 @@ FAMILIES = (
            hf_ignored=("embeddings.position_ids",), hf_name_prefix="bert.",
            hf_head_names=(("pooler.dense.weight", "pooler.weight"), ("pooler.dense.bias", "pooler.bias"),
                           ("classifier.weight", "classifier.weight"), ("classifier.bias", "classifier.bias"))),
+    Family("nomic-bert", (), "nomic-bert", (), _GGUF_NOMIC_BERT, gguf_top_names=_GGUF_BERT_TOP[1:4]),
 )
 GGUF_ARCHITECTURES = tuple(f.gguf_arch for f in FAMILIES if f.gguf_arch is not None)
 HF_TYPES = tuple(t for f in FAMILIES for t in f.hf_types)
@@ -225,6 +237,15 @@ def bert_args(*, dim: int, n_layers: int, n_heads: int, vocab_size: int, hidden_
                      activation=activation, qkv_bias=True, encoder=True, position_table=positions,
                      type_vocab_size=type_vocab_size, layer_norm=True, norm_after_residual=True, gated_ffn=False,
                      linear_biases=True, labels=labels)
+
+
+def nomic_bert_args(*, dim: int, n_layers: int, n_heads: int, vocab_size: int, hidden_dim: int, norm_eps: float,
+                    context: int, rope_theta: float, type_vocab_size: int) -> ModelArgs:
+    """nomic-bert's switches of the one model: BERT's but for rotary positions, SwiGLU, no biases."""
+    return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, vocab_size=vocab_size,
+                     hidden_dim=hidden_dim, norm_eps=norm_eps, max_seq_len=context, rope_theta=rope_theta,
+                     family="nomic-bert", activation="silu", encoder=True, type_vocab_size=type_vocab_size,
+                     layer_norm=True, norm_after_residual=True, gated_ffn=True)
 
 
 def _bert_args(config: dict[str, Any]) -> ModelArgs:

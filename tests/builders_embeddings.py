@@ -9,6 +9,7 @@ import io
 import json
 import string
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -151,17 +152,7 @@ def write_bert_gguf(path: Path, model, *, qtype=None, pooling_type: int = 1, lea
     writer.add_causal_attention(False)
     writer.add_pooling_type(gguf.PoolingType(4 if hasattr(model, "classifier") else pooling_type))
     writer.add_file_type({T.F32: 0, T.F16: 1}.get(qtype, 7))
-    tokens = vocab_tokens()
-    phantom = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t
-               for t in tokens]
-    writer.add_tokenizer_model("bert")
-    writer.add_token_list(phantom)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_type_count(c.type_vocab_size)
-    for role, token in (("bos", "[CLS]"), ("sep", "[SEP]"), ("unk", "[UNK]"), ("pad", "[PAD]"), ("mask", "[MASK]")):
-        getattr(writer, f"add_{role}_token_id")(tokens.index(token))
-    writer.add_add_bos_token(True)
-    writer.add_add_sep_token(True)
+    _write_wordpiece_vocab(writer, c.type_vocab_size)
     top = {"embeddings.word_embeddings.weight": "token_embd.weight",
            "embeddings.position_embeddings.weight": "position_embd.weight",
            "embeddings.token_type_embeddings.weight": "token_types.weight",
@@ -198,6 +189,118 @@ def write_bert_gguf(path: Path, model, *, qtype=None, pooling_type: int = 1, lea
 # Qwen3-Embedding's prompts, as its config_sentence_transformers.json names them.
 QWEN3_EMBEDDING_PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages that answer "
                                     "the query\nQuery:", "document": ""}
+
+
+def _write_wordpiece_vocab(writer, type_count: int) -> None:
+    """``vocab_tokens`` as llama.cpp's converter writes a WordPiece vocabulary: ``▁`` before a whole
+    word, ``##`` taken off a piece inside one, ``[CLS]`` as bos and ``[SEP]`` as the separator."""
+    import gguf
+
+    tokens = vocab_tokens()
+    phantom = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t
+               for t in tokens]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(phantom)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_type_count(type_count)
+    for role, token in (("bos", "[CLS]"), ("sep", "[SEP]"), ("unk", "[UNK]"), ("pad", "[PAD]"), ("mask", "[MASK]")):
+        getattr(writer, f"add_{role}_token_id")(tokens.index(token))
+    writer.add_add_bos_token(True)
+    writer.add_add_sep_token(True)
+
+
+@dataclass(frozen=True)
+class NomicBert:
+    """A tiny random nomic-bert's sizes and weights, named as llama.cpp's converter names them
+    (its q and k rows in the halves order that llama.cpp rotates as NEOX)."""
+
+    dim: int
+    heads: int
+    eps: float
+    theta: float
+    weights: dict[str, torch.Tensor]
+
+
+def nomic_bert(*, seed: int = 0, dim: int = 32, heads: int = 4, layers: int = 2, hidden: int = 48,
+               theta: float = 1000.0) -> NomicBert:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, mean: float = 0.0, std: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std + mean
+
+    w = {"token_embd.weight": rand(len(vocab_tokens()), dim, std=0.5), "token_types.weight": rand(2, dim, std=0.5),
+         "token_embd_norm.weight": rand(dim, mean=1.0), "token_embd_norm.bias": rand(dim)}
+    for i in range(layers):
+        w |= {f"blk.{i}.attn_qkv.weight": rand(3 * dim, dim), f"blk.{i}.attn_output.weight": rand(dim, dim),
+              f"blk.{i}.attn_output_norm.weight": rand(dim, mean=1.0), f"blk.{i}.attn_output_norm.bias": rand(dim),
+              f"blk.{i}.ffn_up.weight": rand(hidden, dim), f"blk.{i}.ffn_gate.weight": rand(hidden, dim),
+              f"blk.{i}.ffn_down.weight": rand(dim, hidden),
+              f"blk.{i}.layer_output_norm.weight": rand(dim, mean=1.0), f"blk.{i}.layer_output_norm.bias": rand(dim)}
+    return NomicBert(dim, heads, 1e-12, theta, w)
+
+
+def write_nomic_bert_gguf(path: Path, model: NomicBert, *, context: int = 64, pooling_type: int = 1,
+                          leave_out: tuple[str, ...] = ()) -> Path:
+    """``model`` as llama.cpp's converter writes a ``nomic-bert`` file (nomic-embed-text): float32."""
+    import gguf
+    import numpy as np
+
+    w = model.weights
+    writer = gguf.GGUFWriter(str(path), "nomic-bert")
+    writer.add_context_length(context)
+    writer.add_embedding_length(model.dim)
+    writer.add_feed_forward_length(w["blk.0.ffn_up.weight"].shape[0])
+    writer.add_block_count(sum(name.endswith(".attn_qkv.weight") for name in w))
+    writer.add_head_count(model.heads)
+    writer.add_layer_norm_eps(model.eps)
+    writer.add_causal_attention(False)
+    writer.add_rope_freq_base(model.theta)
+    writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    writer.add_file_type(0)
+    _write_wordpiece_vocab(writer, w["token_types.weight"].shape[0])
+    for name, tensor in w.items():
+        if name not in leave_out:
+            writer.add_tensor(name, tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def nomic_bert_hidden(model: NomicBert, ids: list[int]) -> torch.Tensor:
+    """One text's last hidden states ``(len(ids), dim)``, spelled out from llama.cpp's graph for
+    nomic-bert (``src/models/bert.cpp``): token embedding plus type 0, a LayerNorm; per layer the
+    fused q/k/v, NEOX rotary (the halves of each head), attention over every token, the output
+    added to the layer's input and normed, then ``down(silu(gate x) * up x)`` added and normed."""
+    F = torch.nn.functional
+    w, dim, heads = model.weights, model.dim, model.heads
+    head_dim, n = dim // heads, len(ids)
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x, (dim,), w[f"{name}.weight"], w[f"{name}.bias"], model.eps)
+
+    x = norm(w["token_embd.weight"][ids] + w["token_types.weight"][0], "token_embd_norm")
+    freqs = model.theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * freqs[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1).float(), torch.cat([angles.sin()] * 2, -1).float()
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:  # (n, heads, head_dim), NEOX: pairs (i, i + head_dim / 2)
+        first, second = t[..., :head_dim // 2], t[..., head_dim // 2:]
+        return t * cos[:, None] + torch.cat([-second, first], -1) * sin[:, None]
+
+    layer = 0
+    while f"blk.{layer}.attn_qkv.weight" in w:
+        b = f"blk.{layer}"
+        q, k, v = (x @ w[f"{b}.attn_qkv.weight"].T).view(n, 3, heads, head_dim).unbind(1)
+        q, k = rotate(q), rotate(k)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / head_dim ** 0.5
+        attended = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, dim)
+        x = norm(attended @ w[f"{b}.attn_output.weight"].T + x, f"{b}.attn_output_norm")
+        ffn = (F.silu(x @ w[f"{b}.ffn_gate.weight"].T) * (x @ w[f"{b}.ffn_up.weight"].T)) @ w[f"{b}.ffn_down.weight"].T
+        x = norm(ffn + x, f"{b}.layer_output_norm")
+        layer += 1
+    return x
 
 
 def save_qwen3_embedder(folder: Path, *, seed: int = 0, max_seq_length: int = 32):

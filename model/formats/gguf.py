@@ -383,6 +383,8 @@ def _args(contents: GGUFContents, tokenizer_vocab: int | None, family: Family) -
         raise ModelLoadError(f"{name}: missing tensor 'token_embd.weight'")
     if family.name == "bert":
         return _bert_args(contents, embedding)
+    if family.name == "nomic-bert":
+        return _nomic_bert_args(contents, embedding)
     vocab = contents.metadata.get(f"{arch}.vocab_size")
     if vocab is None:
         vocab = embedding.shape[0] if len(embedding.shape) == 2 else tokenizer_vocab
@@ -454,6 +456,29 @@ def _bert_args(contents: GGUFContents, embedding: TensorInfo) -> ModelArgs:
             positions=meta_int(contents, "bert.context_length"),
             type_vocab_size=types.shape[0] if types is not None else 0,
             labels=classifier.shape[0] if classifier is not None and len(classifier.shape) == 2 else 0)
+    except ModelLoadError as e:
+        raise config_error(contents.path.name, e) from None
+
+
+def _nomic_bert_args(contents: GGUFContents, embedding: TensorInfo) -> ModelArgs:
+    """A ``nomic-bert`` file's sizes; llama.cpp requires its token types' table, and so do we."""
+    from llama_chat.model.families import nomic_bert_args
+
+    arch = contents.architecture
+    types = contents.tensors.get("token_types.weight")
+    if types is None:
+        raise ModelLoadError(f"{contents.path.name}: missing tensor 'token_types.weight'")
+    if meta_flag(contents, f"{arch}.attention.causal") is True:
+        raise ModelLoadError(f"{contents.path.name}: metadata '{arch}.attention.causal' is true; a nomic-bert "
+                             "encoder attends both ways")
+    try:
+        return nomic_bert_args(
+            dim=meta_int(contents, f"{arch}.embedding_length"), n_layers=meta_int(contents, f"{arch}.block_count"),
+            n_heads=meta_int(contents, f"{arch}.attention.head_count"), vocab_size=embedding.shape[0],
+            hidden_dim=meta_int(contents, f"{arch}.feed_forward_length"),
+            norm_eps=meta_float(contents, f"{arch}.attention.layer_norm_epsilon", 1e-12),
+            context=meta_int(contents, f"{arch}.context_length"),
+            rope_theta=meta_float(contents, f"{arch}.rope.freq_base", 10000.0), type_vocab_size=types.shape[0])
     except ModelLoadError as e:
         raise config_error(contents.path.name, e) from None
 
