@@ -12,8 +12,16 @@ same ``/v1/embeddings`` requests of ``--batch`` sentences in turns: ``llama-serv
 and ``llama-chat serve``, each on ``--threads`` threads; their vectors are compared with
 sentence-transformers' too.
 
+With ``--beside-chat``, one ``llama-chat serve -m chat=default -m emb=DIR`` (the shipped chat
+model and the embedding model, each loaded once and warmed) is measured three ways for
+``--seconds`` each: chat streams alone (back-to-back greedy ``/v1/completions`` streams, their
+decode tokens/s from the first token to the last), embedding requests alone (``--batch``
+sentences a request, back to back, sentences/s), and both at once. The two shares of the work
+done together (each rate beside the other over its rate alone) should sum to about one: the
+decode falls no more than in proportion to the embedding work it makes room for.
+
     python benchmarks/bench_embeddings.py [--model DIR] [--sentences 1000] [--batch 64] [--threads 2] [--rounds 3]
-                                          [--llama-server]
+                                          [--llama-server] [--beside-chat [--seconds 20]]
 """
 
 from __future__ import annotations
@@ -134,6 +142,90 @@ def against_llama_server(folder: Path, texts: list[str], reference: torch.Tensor
     print(f"llama-chat serve: {len(texts) / ours_s:8.1f} sentences/s  ({theirs_s / ours_s:.2f}x)")
 
 
+def chat_streams(url: str, until: float, counts: list[tuple[int, float]]) -> None:
+    """Greedy streams back to back until ``until``: each one's (tokens after the first, seconds
+    from its first token to its last) appended to ``counts``."""
+    import json
+
+    import httpx
+
+    body = {"model": "chat", "prompt": "Once upon a time", "max_tokens": 256, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=600) as client:
+        while time.perf_counter() < until:
+            first = last = None
+            tokens = 0
+            with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
+                for line in reply.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+                    elif event["choices"] and event["choices"][0].get("text"):
+                        last = time.perf_counter()
+                        first = first or last
+            if first is not None and last > first and tokens > 1:
+                counts.append((tokens - 1, last - first))
+
+
+def embedding_requests(url: str, texts: list[str], batch: int, until: float, counts: list[tuple[int, float]]) -> None:
+    """Requests of ``batch`` sentences back to back until ``until``: (sentences, seconds) each."""
+    import httpx
+
+    with httpx.Client(timeout=600) as client:
+        start = 0
+        while time.perf_counter() < until:
+            chunk = [texts[(start + i) % len(texts)] for i in range(batch)]
+            start += batch
+            began = time.perf_counter()
+            client.post(f"{url}/v1/embeddings", json={"model": "emb", "input": chunk}).raise_for_status()
+            counts.append((batch, time.perf_counter() - began))
+
+
+def rate(counts: list[tuple[int, float]]) -> float:
+    return sum(n for n, _ in counts) / max(1e-9, sum(s for _, s in counts))
+
+
+def beside_chat(folder: Path, texts: list[str], args) -> None:
+    """Chat decode alone, embeddings alone and both at once, on one server (``--beside-chat``)."""
+    import threading
+
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = started([sys.executable, "-c", "from llama_chat.cmd.main import main; main()", "serve", "-m", "chat=default",
+                    "-m", f"emb={folder}", "--port", url.rsplit(":", 1)[1], "-q"], url, env)
+    try:
+        warm: list = []
+        chat_streams(url, time.perf_counter() + 1, warm)  # each model loaded and warmed before measuring
+        embedding_requests(url, texts, args.batch, time.perf_counter() + 1, warm)
+        chat_alone: list = []
+        chat_streams(url, time.perf_counter() + args.seconds, chat_alone)
+        emb_alone: list = []
+        embedding_requests(url, texts, args.batch, time.perf_counter() + args.seconds, emb_alone)
+        chat_with: list = []
+        emb_with: list = []
+        until = time.perf_counter() + args.seconds
+        worker = threading.Thread(target=embedding_requests, args=(url, texts, args.batch, until, emb_with))
+        worker.start()
+        chat_streams(url, until, chat_with)
+        worker.join()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    chat_share, emb_share = rate(chat_with) / rate(chat_alone), rate(emb_with) / rate(emb_alone)
+    label = folder.parent.name if folder.name == "model" else folder.name  # the package's folder is "model"
+    print(f"one serve: chat=default (the shipped model) and emb={label}, {args.threads} threads, "
+          f"{args.seconds:g} s each way, requests of {args.batch} sentences")
+    print(f"chat decode alone:      {rate(chat_alone):8.1f} tokens/s ({len(chat_alone)} streams)")
+    print(f"embeddings alone:       {rate(emb_alone):8.1f} sentences/s ({len(emb_alone)} requests)")
+    print(f"chat decode beside:     {rate(chat_with):8.1f} tokens/s ({chat_share:.2f} of alone, "
+          f"{len(chat_with)} streams)")
+    print(f"embeddings beside chat: {rate(emb_with):8.1f} sentences/s ({emb_share:.2f} of alone, "
+          f"{len(emb_with)} requests)")
+    print(f"shares together: {chat_share + emb_share:.2f} (1.00: the work shared in proportion)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
@@ -142,9 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--llama-server", action="store_true")
+    parser.add_argument("--beside-chat", action="store_true")
+    parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = args.model or packaged_model()
+    if args.beside_chat:
+        beside_chat(folder, sentences(args.sentences), args)
+        return 0
 
     from sentence_transformers import SentenceTransformer
 
