@@ -296,9 +296,14 @@ class Reranker:
         tokenizer = self.loaded.tokenizer
         special = getattr(tokenizer, "encode_allowing_special", tokenizer.encode)
         prefix, suffix = special(prompt.prefix), special(prompt.suffix)
+        room = self.max_tokens - len(prefix) - len(suffix)
+        if room < 1:
+            raise EmbeddingInputError(f"the model's context of {self.max_tokens} tokens is shorter than its rerank "
+                                      f"prompt ({len(prefix) + len(suffix)} tokens); serve it with a longer one",
+                                      "model")
         body = tokenizer.encode(prompt.body.format(instruction=instruction or prompt.instruction, query=query,
                                                    document=document))
-        return [*prefix, *body[:max(0, self.max_tokens - len(prefix) - len(suffix))], *suffix]
+        return [*prefix, *body[:room], *suffix]
 
     def scores(self, query: str, documents: Sequence[str], instruction: str | None = None) -> tuple[list[float], int]:
         """Each document's relevance to ``query``, in order, and the tokens read. Blocking."""

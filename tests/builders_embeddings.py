@@ -240,10 +240,15 @@ def nomic_bert(*, seed: int = 0, dim: int = 32, heads: int = 4, layers: int = 2,
 
 
 def write_nomic_bert_gguf(path: Path, model: NomicBert, *, context: int = 64, pooling_type: int = 1,
-                          leave_out: tuple[str, ...] = ()) -> Path:
-    """``model`` as llama.cpp's converter writes a ``nomic-bert`` file (nomic-embed-text): float32."""
+                          qtype=None, leave_out: tuple[str, ...] = ()) -> Path:
+    """``model`` as llama.cpp's converter writes a ``nomic-bert`` file (nomic-embed-text): matrices
+    in ``qtype`` (F32 by default), the embeddings' tables and the norms in F32."""
     import gguf
     import numpy as np
+
+    from builders_gguf import T, encode_tensor
+
+    qtype = T.F32 if qtype is None else qtype
 
     w = model.weights
     writer = gguf.GGUFWriter(str(path), "nomic-bert")
@@ -256,11 +261,16 @@ def write_nomic_bert_gguf(path: Path, model: NomicBert, *, context: int = 64, po
     writer.add_causal_attention(False)
     writer.add_rope_freq_base(model.theta)
     writer.add_pooling_type(gguf.PoolingType(pooling_type))
-    writer.add_file_type(0)
+    writer.add_file_type({T.F32: 0, T.F16: 1}.get(qtype, 7))
     _write_wordpiece_vocab(writer, w["token_types.weight"].shape[0])
     for name, tensor in w.items():
-        if name not in leave_out:
-            writer.add_tensor(name, tensor.numpy().astype(np.float32))
+        x = tensor.numpy().astype(np.float32)
+        if name in leave_out:
+            continue
+        if x.ndim == 1 or not name.startswith("blk."):
+            writer.add_tensor(name, x)
+        else:
+            writer.add_tensor(name, encode_tensor(x, qtype), raw_dtype=None if qtype in (T.F32, T.F16) else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

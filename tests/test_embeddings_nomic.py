@@ -36,6 +36,23 @@ def test_a_nomic_bert_file_embeds_as_llama_cpps_graph(tmp_path, pooling_type, mo
     torch.testing.assert_close(ours, torch.nn.functional.normalize(pooled, dim=-1), atol=1e-5, rtol=1e-4)
 
 
+def test_a_q8_0_nomic_bert_file_keeps_its_blocks_and_its_vectors(tmp_path):
+    from builders_gguf import T
+    from llama_chat.ml.packed import PackedLinear
+
+    model = nomic_bert(seed=33, dim=64, hidden=64)  # rows of whole Q8_0 blocks (32 values)
+    loaded = load_model(write_nomic_bert_gguf(tmp_path / "nomic-q8_0.gguf", model, qtype=T.Q8_0), device="cpu")
+    embedder = Embedder(loaded)  # q, k and v fused again: the file's blocks, in our rotary's pairs
+    layer = loaded.model.layers[0]
+    assert isinstance(layer.attention.wqkv, PackedLinear) and isinstance(layer.feed_forward.w13, PackedLinear)
+    ids = [embedder.text_ids(t, truncate=True) for t in TEXTS]
+    ours = torch.stack([e.vector for e in embedder.embed(ids)])
+    with torch.no_grad():
+        expected = torch.stack([nomic_bert_hidden(model, row).mean(0) for row in ids])
+    cosines = torch.nn.functional.cosine_similarity(ours, expected, dim=-1)
+    assert cosines.min() > 0.99, cosines
+
+
 def test_a_nomic_bert_file_missing_a_tensor_is_refused_in_one_line(tmp_path):
     model = nomic_bert(seed=32)
     path = write_nomic_bert_gguf(tmp_path / "broken.gguf", model, leave_out=("blk.1.ffn_gate.weight",))

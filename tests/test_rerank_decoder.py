@@ -44,6 +44,9 @@ def test_a_qwen3_reranker_scores_as_its_model_card_does(qwen3_reranker):
         model, tokenizer, QUERY, DOCUMENTS, max_length=POSITIONS, instruction=instruction), atol=1e-5, rtol=0)
     with pytest.raises(EmbeddingInputError, match="instruction is an empty string"):
         reranker.scores(QUERY, DOCUMENTS, "")
+    short = load_model(folder, device="cpu", max_seq_len=64)  # a context its prompt does not fit in
+    with pytest.raises(EmbeddingInputError, match="the model's context of 64 tokens is shorter than its rerank prompt"):
+        Reranker(short).scores(QUERY, DOCUMENTS)
 
 
 def test_llama_chat_rerank_ranks_with_a_decoder_reranker_and_its_instruction(qwen3_reranker, monkeypatch, capsys):
