@@ -294,8 +294,9 @@ def gather(model: nn.Module) -> DecodeWeights | None:
     """The tensors the operator reads from ``model``, or None when it cannot read them.
 
     Before they are gathered, the weights move onto 2 MiB pages (``cpu_kernels.large_pages_block``):
-    a step then misses the TLB once per 2 MiB it reads instead of once per 4 KiB
-    (docs/benchmark-log.md, "Measurements once in the CPU operator's comments"). A float32 checkpoint's weights thereby stop being its
+    a step then misses the TLB once per 2 MiB it reads instead of once per 4 KiB (the old
+    benchmark log's "Measurements once in the CPU operator's comments", in git:
+    ``git show fcfebb0:docs/benchmark-log.md``). A float32 checkpoint's weights thereby stop being its
     memory-mapped file: they are read whole here rather than as the first steps touch them.
     """
     if not _readable(model):

@@ -290,9 +290,9 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = 
 
 
 # Rows up to which a greedy pick takes ``argmax_rows``, on the calling thread; torch's threaded
-# argmax of vocabulary-wide rows was several times slower at 4 to 64 rows (docs/benchmark-log.md,
-# "Measurements once in the CPU operator's comments"), so the bound only keeps a very large step
-# off one thread.
+# argmax of vocabulary-wide rows was several times slower at 4 to 64 rows (the old benchmark log,
+# "Measurements once in the CPU operator's comments": `git show fcfebb0:docs/benchmark-log.md`), so
+# the bound only keeps a very large step off one thread.
 MAX_ARGMAX_ROWS = 256
 
 
