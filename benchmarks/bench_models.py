@@ -13,21 +13,25 @@ folders, so that each is a model of its own files. Then, in one run:
   20 ms for the peak. Then every model is unloaded (``POST /models/unload``) and VmRSS read
   again. Checks: the peak above idle within the budget; the last figure within 20 % of idle.
 * speed: ``serve -m m1`` and ``serve -m m1 -m m2 -m m3`` with all three loaded (m2 and m3 idle
-  beside m1), both started before the first measure. ``--rounds`` rounds, each of
-  ``--streams`` streamed completions of ``--new`` tokens to m1, one after another, on one server
-  then the other (the order swapped every round): time to first token and decode tok/s
-  (tokens after the first over the time from the first text event to the last), each round's
-  median, and the ratio of the two servers' medians within the round; the median of those
-  ratios is printed (a busy machine's speed swings between minutes).
+  beside m1), both started before the first measure. ``--pairs`` pairs of streamed completions
+  of ``--new`` tokens to m1, one on each server back to back (which goes first alternates): time
+  to first token and decode tok/s (tokens after the first over the time from the first text
+  event to the last), and each pair's ratio, beside over alone. The median of the ratios and
+  their quartiles are printed: on a busy machine a stream's speed swings by tens of percent from
+  one second to the next, and only ratios of neighbours taken many times say anything. Beside
+  the wall-clock figures, the same in the server's CPU time (the sum over its threads of
+  ``/proc/PID/task/*/schedstat``, read by the client when it sends, at the first text event and
+  at the end): what the model's work costs, which other processes on the cores do not change.
 
 Prints one JSON line per measurement and Markdown tables last; exits 1 if a check fails.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_models.py [--requests 200] [--rounds 5] [--streams 4] [--new 128]
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_models.py [--requests 200] [--pairs 60] [--new 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -43,7 +47,7 @@ import httpx
 import torch
 
 from bench_gpu import write_checkpoint
-from bench_serve import CONFIG, child_env, emit, free_port, listed, llama_chat, rss_mib, stop, stream_one
+from bench_serve import CONFIG, child_env, emit, free_port, llama_chat, post as post_stream, rss_mib, sse_data, stop
 
 START_S = 300.0
 REQUEST_S = 600.0
@@ -136,34 +140,70 @@ def churn(models: list[str], work: str, requests: int, size: int) -> dict:
     return row
 
 
-def timed(url: str, new: int, streams: int) -> tuple[float, float]:
-    """Median TTFT (ms) and decode tok/s of ``streams`` streamed completions one after another."""
-    ttft, decode = [], []
-    for i in range(streams):
-        seen = anyio.run(stream_one, url, f"Story {i}: once upon a time", new)
-        if seen.finish_reason != "length" or len(seen.events) < 2:
-            sys.exit(f"{url}: a stream ended {seen.finish_reason} after {len(seen.events)} events")
-        ttft.append((seen.events[0] - seen.sent) * 1000)
-        decode.append((seen.tokens - 1) / (seen.events[-1] - seen.events[0]))
-    return statistics.median(ttft), statistics.median(decode)
+def cpu_ns(pid: int) -> int:
+    """The CPU time of ``pid``'s threads, in nanoseconds (the scheduler's own count)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total
 
 
-def speed(models: list[str], work: str, rounds: int, streams: int, new: int) -> dict:
+async def measured_stream(url: str, pid: int, prompt: str, new: int) -> dict[str, float]:
+    """One streamed completion to the server's first model: TTFT and decode tok/s by the wall
+    clock, and the same in the server's CPU time (ms to the first token, ms a token after it)."""
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    cpu0, sent = cpu_ns(pid), time.perf_counter()
+    reader, writer, headers = await post_stream(url, "/v1/completions", body)
+    events: list[float] = []
+    cpu_first, tokens, finish = 0, 0, None
+    try:
+        async for data in sse_data(reader, headers):
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                if choice.get("text"):
+                    if not events:
+                        cpu_first = cpu_ns(pid)
+                    events.append(time.perf_counter())
+                finish = choice.get("finish_reason") or finish
+    finally:
+        writer.close()
+    cpu_end = cpu_ns(pid)
+    if finish != "length" or len(events) < 2 or tokens < 2:
+        sys.exit(f"{url}: a stream ended {finish} after {len(events)} events")
+    return {"ttft_ms": (events[0] - sent) * 1000, "tok_s": (tokens - 1) / (events[-1] - events[0]),
+            "cpu_ttft_ms": (cpu_first - cpu0) / 1e6, "cpu_ms_per_token": (cpu_end - cpu_first) / 1e6 / (tokens - 1)}
+
+
+def timed(server: tuple[subprocess.Popen, str], new: int, i: int) -> dict[str, float]:
+    proc, url = server
+    return anyio.run(measured_stream, url, proc.pid, f"Story {i}: once upon a time", new)
+
+
+def speed(models: list[str], work: str, pairs: int, new: int) -> dict:
     names = [os.path.basename(m) for m in models]
     alone, alone_url = start(models[:1], work, "alone")
     beside, beside_url = start(models, work, "beside", "--keep-alive", "-1")
     try:
         for name in names:
             post(beside_url, "/models/load", name)
-        for url in (alone_url, beside_url):
-            timed(url, 16, 1)  # warm-up: the first touch of the weights and the kernels
+        servers = {"alone": (alone, alone_url), "beside": (beside, beside_url)}
+        for server in servers.values():
+            timed(server, 16, 0)  # warm-up: the first touch of the weights and the kernels
         rows = []
-        for r in range(rounds):
-            order = [("alone", alone_url), ("beside", beside_url)]
-            measured = {which: timed(url, new, streams) for which, url in (order if r % 2 == 0 else order[::-1])}
-            row = {"round": r, "alone_ttft_ms": measured["alone"][0], "beside_ttft_ms": measured["beside"][0],
-                   "alone_tok_s": measured["alone"][1], "beside_tok_s": measured["beside"][1]}
-            emit(measure="speed", **{k: round(v, 2) for k, v in row.items()})
+        for i in range(pairs):
+            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
+            measured = {which: timed(servers[which], new, i) for which in order}
+            row = {"pair": i, **{f"{which}_{k}": v for which, m in measured.items() for k, v in m.items()}}
+            emit(measure="speed", **{k: round(v, 3) for k, v in row.items()})
             rows.append(row)
         loaded = [m["id"] for m in httpx.get(f"{beside_url}/v1/models", timeout=60).json()["data"]
                   if m["status"] == "loaded"]
@@ -173,15 +213,19 @@ def speed(models: list[str], work: str, rounds: int, streams: int, new: int) -> 
     return {"rows": rows, "loaded_beside": loaded}
 
 
+def quartiles(values: list[float]) -> str:
+    q1, q2, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return f"{statistics.median(values):.3f} ({q1:.3f} - {q3:.3f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200, help="churn: requests alternating between the models")
-    parser.add_argument("--rounds", type=int, default=5, help="speed: rounds of both servers")
-    parser.add_argument("--streams", type=int, default=4, help="speed: streams per server per round")
-    parser.add_argument("--new", type=int, default=128, help="speed: tokens of each stream")
+    parser.add_argument("--pairs", type=int, default=60, help="speed: pairs of streams, one on each server")
+    parser.add_argument("--new", type=int, default=64, help="speed: tokens of each stream")
     args = parser.parse_args()
-    if args.requests < 3 or args.rounds < 1 or args.streams < 1 or args.new < 2:
-        parser.error("--requests at least 3, --rounds and --streams at least 1, --new at least 2")
+    if args.requests < 3 or args.pairs < 1 or args.new < 2:
+        parser.error("--requests at least 3, --pairs at least 1, --new at least 2")
 
     with tempfile.TemporaryDirectory(prefix="bench_models_") as work:
         first = os.path.join(work, "m1")
@@ -189,7 +233,7 @@ def main() -> None:
         models = [first] + [shutil.copytree(first, os.path.join(work, f"m{i}")) for i in (2, 3)]
         size = sum(os.path.getsize(os.path.join(first, f)) for f in os.listdir(first))
         churned = churn(models, work, args.requests, size)
-        timings = speed(models, work, args.rounds, args.streams, args.new)
+        timings = speed(models, work, args.pairs, args.new)
 
     problems = []
     within_budget = churned["rss_peak_mib"] - churned["rss_idle_mib"] <= churned["budget_mib"]
@@ -201,8 +245,12 @@ def main() -> None:
     if churned["exit"] != 0:
         problems.append(f"the churn server exited {churned['exit']}")
     rows = timings["rows"]
-    decode = [r["beside_tok_s"] / r["alone_tok_s"] for r in rows]
-    ttft = [r["beside_ttft_ms"] / r["alone_ttft_ms"] for r in rows]
+    def ratios(key: str, inverse: bool = False) -> list[float]:
+        return [(r[f"alone_{key}"] / r[f"beside_{key}"]) if inverse else (r[f"beside_{key}"] / r[f"alone_{key}"])
+                for r in rows]
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
     load = os.getloadavg()
     print()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}; "
@@ -222,17 +270,21 @@ def main() -> None:
           f"({churned['rss_last_mib'] / churned['rss_idle_mib']:.2f}x) | <= {1 + RETURN_WITHIN:.2f}x |")
     print()
     print(f"| m1 beside m2 and m3 (loaded: {', '.join(timings['loaded_beside'])}) against m1 alone, "
-          f"{args.rounds} rounds of {args.streams} streams x {args.new} tokens | median (per round) | target |")
+          f"{args.pairs} pairs of streams x {args.new} tokens | median (quartiles) | target |")
     print("|---|---|---|")
-    print(f"| decode tok/s alone | {statistics.median(r['alone_tok_s'] for r in rows):.0f} "
-          f"({listed([r['alone_tok_s'] for r in rows])}) | |")
-    print(f"| decode tok/s beside | {statistics.median(r['beside_tok_s'] for r in rows):.0f} "
-          f"({listed([r['beside_tok_s'] for r in rows])}) | |")
-    print(f"| decode, beside over alone | {statistics.median(decode):.3f} "
-          f"({listed(decode, '.3f')}) | within {SPEED_WITHIN:.0%} |")
-    print(f"| TTFT alone / beside | {statistics.median(r['alone_ttft_ms'] for r in rows):.1f} / "
-          f"{statistics.median(r['beside_ttft_ms'] for r in rows):.1f} ms | |")
-    print(f"| TTFT, beside over alone | {statistics.median(ttft):.3f} ({listed(ttft, '.3f')}) | "
+    print(f"| decode tok/s alone / beside (wall clock) | {median('alone_tok_s'):.0f} / {median('beside_tok_s'):.0f} | |")
+    print(f"| decode speed, beside over alone, per pair (wall clock) | {quartiles(ratios('tok_s'))} | "
+          f"within {SPEED_WITHIN:.0%} |")
+    print(f"| decode, the server's CPU ms a token, alone / beside | {median('alone_cpu_ms_per_token'):.3f} / "
+          f"{median('beside_cpu_ms_per_token'):.3f} | |")
+    print(f"| decode speed by CPU time, beside over alone, per pair | "
+          f"{quartiles(ratios('cpu_ms_per_token', inverse=True))} | within {SPEED_WITHIN:.0%} |")
+    print(f"| TTFT alone / beside (wall clock) | {median('alone_ttft_ms'):.1f} / {median('beside_ttft_ms'):.1f} ms | |")
+    print(f"| TTFT, beside over alone, per pair (wall clock) | {quartiles(ratios('ttft_ms'))} | "
+          f"within {SPEED_WITHIN:.0%} |")
+    print(f"| TTFT in the server's CPU ms, alone / beside | {median('alone_cpu_ttft_ms'):.2f} / "
+          f"{median('beside_cpu_ttft_ms'):.2f} | |")
+    print(f"| TTFT by CPU time, beside over alone, per pair | {quartiles(ratios('cpu_ttft_ms'))} | "
           f"within {SPEED_WITHIN:.0%} |")
     for problem in problems:
         print(f"check failed: {problem}", file=sys.stderr)

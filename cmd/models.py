@@ -525,7 +525,9 @@ class Models:
         return min(idle, key=lambda m: m.last_used) if idle else None
 
     def _busy(self) -> ApiError:
-        return ApiError(503, f"every model slot (--models-max {self.max_loaded}) is busy; try again shortly",
+        budget = "" if self.memory_budget is None else f", --models-memory {_gigabytes(self.memory_budget)}"
+        return ApiError(503, f"every loaded model is busy, and no other fits beside them (--models-max "
+                             f"{self.max_loaded}{budget}); try again shortly",
                         code="models_busy", headers={"Retry-After": str(SLOT_RETRY_AFTER_S)})
 
     def _notify(self) -> None:
