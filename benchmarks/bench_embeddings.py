@@ -14,14 +14,20 @@ sentence-transformers' too.
 
 With ``--beside-chat``, one ``llama-chat serve -m chat=default -m emb=DIR`` (the shipped chat
 model and the embedding model, each loaded once and warmed) is measured three ways for
-``--seconds`` each: chat streams alone (back-to-back greedy ``/v1/completions`` streams, their
+``--seconds`` each, in turns, ``--rounds`` times: chat streams alone (back-to-back greedy ``/v1/completions`` streams, their
 decode tokens/s from the first token to the last), embedding requests alone (``--batch``
 sentences a request, back to back, sentences/s), and both at once. The two shares of the work
 done together (each rate beside the other over its rate alone) should sum to about one: the
 decode falls no more than in proportion to the embedding work it makes room for.
 
+With ``--paths``, the model's vectors by every path a user takes are compared with
+sentence-transformers' ``encode``: ``llama-chat embed -m DIR -o FILE.npy``, ``llama-chat serve -m
+DIR`` through ``/v1/embeddings`` (floats and base64) and ``/api/embed``, and the folder converted
+to F32 GGUF by llama.cpp's own converter (its source only: nothing built) through ``llama-chat
+embed``.
+
     python benchmarks/bench_embeddings.py [--model DIR] [--sentences 1000] [--batch 64] [--threads 2] [--rounds 3]
-                                          [--llama-server] [--beside-chat [--seconds 20]]
+                                          [--llama-server] [--beside-chat [--seconds 20]] [--paths]
 """
 
 from __future__ import annotations
@@ -200,23 +206,24 @@ def beside_chat(folder: Path, texts: list[str], args) -> None:
         chat_streams(url, time.perf_counter() + 1, warm)  # each model loaded and warmed before measuring
         embedding_requests(url, texts, args.batch, time.perf_counter() + 1, warm)
         chat_alone: list = []
-        chat_streams(url, time.perf_counter() + args.seconds, chat_alone)
         emb_alone: list = []
-        embedding_requests(url, texts, args.batch, time.perf_counter() + args.seconds, emb_alone)
         chat_with: list = []
         emb_with: list = []
-        until = time.perf_counter() + args.seconds
-        worker = threading.Thread(target=embedding_requests, args=(url, texts, args.batch, until, emb_with))
-        worker.start()
-        chat_streams(url, until, chat_with)
-        worker.join()
+        for _ in range(args.rounds):  # the three ways in turns: a shared machine's load drifts over minutes
+            chat_streams(url, time.perf_counter() + args.seconds, chat_alone)
+            embedding_requests(url, texts, args.batch, time.perf_counter() + args.seconds, emb_alone)
+            until = time.perf_counter() + args.seconds
+            worker = threading.Thread(target=embedding_requests, args=(url, texts, args.batch, until, emb_with))
+            worker.start()
+            chat_streams(url, until, chat_with)
+            worker.join()
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     chat_share, emb_share = rate(chat_with) / rate(chat_alone), rate(emb_with) / rate(emb_alone)
     label = folder.parent.name if folder.name == "model" else folder.name  # the package's folder is "model"
     print(f"one serve: chat=default (the shipped model) and emb={label}, {args.threads} threads, "
-          f"{args.seconds:g} s each way, requests of {args.batch} sentences")
+          f"{args.rounds} rounds of {args.seconds:g} s each way, requests of {args.batch} sentences")
     print(f"chat decode alone:      {rate(chat_alone):8.1f} tokens/s ({len(chat_alone)} streams)")
     print(f"embeddings alone:       {rate(emb_alone):8.1f} sentences/s ({len(emb_alone)} requests)")
     print(f"chat decode beside:     {rate(chat_with):8.1f} tokens/s ({chat_share:.2f} of alone, "
@@ -224,6 +231,62 @@ def beside_chat(folder: Path, texts: list[str], args) -> None:
     print(f"embeddings beside chat: {rate(emb_with):8.1f} sentences/s ({emb_share:.2f} of alone, "
           f"{len(emb_with)} requests)")
     print(f"shares together: {chat_share + emb_share:.2f} (1.00: the work shared in proportion)")
+
+
+def cli_vectors(model: Path, texts: list[str], work: Path, env: dict[str, str]) -> torch.Tensor:
+    """``llama-chat embed -m MODEL --file TEXTS -o FILE.npy``'s vectors."""
+    import numpy as np
+
+    (work / "texts.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    out = work / "vectors.npy"
+    subprocess.run([sys.executable, "-c", "from llama_chat.cmd.main import main; main()", "embed", "-m", str(model),
+                    "--file", str(work / "texts.txt"), "-o", str(out)], check=True, env=env)
+    return torch.from_numpy(np.load(out))
+
+
+def every_path(folder: Path, texts: list[str], reference: torch.Tensor, args) -> None:
+    """The vectors by each path a user takes, beside sentence-transformers' (``--paths``)."""
+    import base64
+    import tempfile
+
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from llama_cpp_peer import LlamaCpp, _sdist, _source, convert
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    found: dict[str, torch.Tensor] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        found["llama-chat embed -o FILE.npy (folder)"] = cli_vectors(folder, texts, work, env)
+        url = f"http://127.0.0.1:{free_port()}"
+        proc = started([sys.executable, "-c", "from llama_chat.cmd.main import main; main()", "serve", "-m",
+                        str(folder), "--port", url.rsplit(":", 1)[1], "-q"], url, env)
+        try:
+            found["serve /v1/embeddings, float (folder)"] = served_vectors(url, texts, args.batch)
+            rows, ollama = [], []
+            with httpx.Client(timeout=600) as client:
+                for start in range(0, len(texts), args.batch):
+                    chunk = texts[start:start + args.batch]
+                    reply = client.post(f"{url}/v1/embeddings", json={"input": chunk, "encoding_format": "base64"})
+                    rows += [torch.frombuffer(bytearray(base64.b64decode(d["embedding"])), dtype=torch.float32)
+                             for d in sorted(reply.json()["data"], key=lambda d: d["index"])]
+                    ollama += client.post(f"{url}/api/embed", json={"input": chunk}).json()["embeddings"]
+            found["serve /v1/embeddings, base64 (folder)"] = torch.stack(rows)
+            found["serve /api/embed (folder)"] = torch.tensor(ollama)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        cache = Path.home() / ".cache" / "llama-chat-bench"
+        source = _source(cache, _sdist(cache, print))
+        peer = LlamaCpp(source, Path(), Path(), source.parent.parent.name, "unknown", 0.0, False)
+        gguf = work / "model-f32.gguf"
+        convert(peer, folder, gguf, "f32")
+        found["llama-chat embed -o FILE.npy (F32 GGUF)"] = cli_vectors(gguf, texts, work, env)
+    print(f"{len(texts)} sentences; cosine to sentence-transformers' encode, min / mean; largest difference")
+    for path, vectors in found.items():
+        cosines = torch.nn.functional.cosine_similarity(vectors.float(), reference.float(), dim=-1)
+        print(f"{path:42s} {cosines.min():.7f} / {cosines.mean():.7f}; {(vectors - reference).abs().max():.1e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", action="store_true")
     parser.add_argument("--beside-chat", action="store_true")
     parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--paths", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = args.model or packaged_model()
@@ -271,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"llama-chat:            {len(texts) / ours_s:8.1f} sentences/s  ({theirs_s / ours_s:.2f}x)")
     if args.llama_server:
         against_llama_server(folder, texts, reference, args)
+    if args.paths:
+        every_path(folder, texts, reference, args)
     return 0
 
 

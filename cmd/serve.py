@@ -527,8 +527,9 @@ def _ready_text(opts: ServeOptions, served: Served) -> str:
             f"tool calls {served.tool_format.name}; {_pool_text(scheduler)}")
 
 
-def _encoder_served(opts: ServeOptions, loaded) -> tuple[Served, str]:
-    """An embedding model or a reranker as served, and what the ready line says of it."""
+def _encoder_served(opts: ServeOptions, loaded, *, beside_chat: bool = False) -> tuple[Served, str]:
+    """An embedding model or a reranker as served, and what the ready line says of it;
+    ``beside_chat``: one of several models, whose embedding rounds yield to a chat model's decode."""
     from llama_chat.inference.embedding import Embedder, Reranker
 
     where = f"({loaded.device.type}, {str(loaded.dtype).removeprefix('torch.')})"
@@ -536,7 +537,7 @@ def _encoder_served(opts: ServeOptions, loaded) -> tuple[Served, str]:
         encoder = Reranker(loaded)
         what = f"reranker {loaded.name!r} {where}, {'sigmoid' if encoder.ranking.sigmoid else 'raw'} scores"
     else:
-        encoder = Embedder(loaded, pooling=opts.pooling)
+        encoder = Embedder(loaded, pooling=opts.pooling, beside_chat=beside_chat)
         pooling = encoder.pooling
         what = (f"embedding model {loaded.name!r} {where}, {encoder.width} dimensions, {pooling.mode} pooling"
                 f"{', normalized' if pooling.normalize else ''}")
@@ -590,7 +591,7 @@ async def _hold(opts: ServeOptions, state: ServerState, log: ServerLog, entry: M
     loaded, scheduler = await anyio.to_thread.run_sync(_load_model, model_opts, abandon_on_cancel=True)
     loaded = replace(loaded, name=entry.name)  # reported under the name requests use
     if scheduler is None:
-        served, what = _encoder_served(model_opts, loaded)
+        served, what = _encoder_served(model_opts, loaded, beside_chat=True)
         ready(served)
         log.note(f"ready: {what}")
         await unload.event.wait()

@@ -7,11 +7,13 @@ Inputs are sorted by length, longest first, and taken in groups whose padded siz
 long one and no forward grows past the bound. ``Embedder.embed`` and ``Reranker.scores`` are
 blocking PyTorch code, one call at a time (``lock``). The server's requests go through
 ``Embedder.submit``: one thread runs rounds, each taking every request waiting when the last
-ended, so concurrent requests' inputs share padded forwards as the scheduler's jobs share steps.
+ended, so concurrent requests' inputs share padded forwards as the scheduler's jobs share steps;
+beside a chat model that thread runs at a lower priority (``BESIDE_CHAT_NICENESS``).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -33,6 +35,11 @@ MAX_INPUTS = MAX_EMBEDDING_INPUTS
 # a request's 64 lines of mixed length in one forward were three quarters padding.
 PADDING_SHARE = 0.25
 PADDING_TOKENS = 8
+# The niceness of the rounds' thread (and of the threads its forwards start) beside a chat model:
+# a chat stream is read as it comes and an embedding request is read whole, so the decode goes
+# first and the embeddings take the cores it leaves. On equal terms the embeddings' forwards, on
+# all the cores, took them from the decode (docs/benchmarks.md, "Embeddings beside chat").
+BESIDE_CHAT_NICENESS = 10
 
 
 class EmbeddingInputError(ValueError):
@@ -55,7 +62,8 @@ class Embedder:
     """An embedding model ready for requests: its tokenizer, pooling and batching rule."""
 
     def __init__(self, loaded: LoadedModel, *, pooling: str | None = None,
-                 max_batch_tokens: int = DEFAULT_BATCH_TOKENS, max_batch_rows: int = DEFAULT_BATCH_ROWS) -> None:
+                 max_batch_tokens: int = DEFAULT_BATCH_TOKENS, max_batch_rows: int = DEFAULT_BATCH_ROWS,
+                 beside_chat: bool = False) -> None:
         if loaded.pooling is None:
             raise ValueError(f"the model {loaded.name!r} generates text; it does not make embeddings")
         if pooling is not None and pooling not in POOLING_MODES:
@@ -65,6 +73,7 @@ class Embedder:
         self.pooling: Pooling = loaded.pooling.with_mode(pooling)
         self.max_batch_tokens = max(max_batch_tokens, self.pooling.max_tokens)
         self.max_batch_rows = max_batch_rows
+        self.beside_chat = beside_chat  # the rounds yield the cores to a chat model's decode
         self.lock = threading.Lock()  # one forward at a time: torch's threads are already all busy
         self._rounds: EmbeddingRounds | None = None
         self._rounds_made = threading.Lock()
@@ -231,6 +240,9 @@ class EmbeddingRounds:
             return taken
 
     def _run(self) -> None:
+        if self.embedder.beside_chat:
+            # Before the first forward: the threads it starts for torch's products inherit this.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BESIDE_CHAT_NICENESS)
         while (taken := self._take()) is not None:
             try:
                 pooled = self.embedder.pooled([ids for request in taken for ids in request.inputs])

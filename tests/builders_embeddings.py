@@ -420,3 +420,8 @@ def embed_cli(monkeypatch, capsys, *args: str, stdin: str = "", terminal: bool =
         status = usage_error(e, f"llama-chat {args[0]}")
     out, captured = capsys.readouterr()
     return status, out, err.getvalue() if err is not None else captured
+
+
+def thread_niceness(pid: int) -> list[int]:
+    """Each thread's nice value (field 19 of /proc/PID/task/TID/stat, counted after the name)."""
+    return [int(stat.read_text().rpartition(")")[2].split()[16]) for stat in Path(f"/proc/{pid}/task").glob("*/stat")]

@@ -233,6 +233,9 @@ def test_concurrent_requests_each_get_their_own_vectors(embedding_server):
         together = list(pool.map(vectors, bodies))
     for got, expected in zip(together, one_by_one):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    from builders_embeddings import thread_niceness
+
+    assert set(thread_niceness(embedding_server.proc.pid)) == {0}  # alone, its rounds yield to nothing
 
 
 def test_ids_embed_as_their_text_and_dimensions_cut(st_folder, embedding_server):

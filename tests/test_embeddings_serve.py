@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from builders_embeddings import (QWEN3_EMBEDDING_PROMPTS, reference_decoder_scores, reference_embeddings,
-                                 save_qwen3_embedder, save_qwen3_reranker)
+                                 save_qwen3_embedder, save_qwen3_reranker, thread_niceness)
+from llama_chat.inference.embedding import BESIDE_CHAT_NICENESS
 from serve_support import WAIT_S, start_server, stop_server, wait_for
 
 QUERY = "the quick fox"
@@ -130,3 +131,5 @@ def test_a_chat_stream_keeps_streaming_while_embeddings_are_made(models):
     # Embedding replies came while the answer streamed (each is a few milliseconds of a tiny model's
     # forwards; the answer is 48 steps), and each was whole.
     assert during > before and set(made) == {len(DOCUMENTS) * 8}
+    # The embedding rounds' thread yields to the decode: its niceness, and the threads it started.
+    assert max(thread_niceness(server.proc.pid)) == BESIDE_CHAT_NICENESS
