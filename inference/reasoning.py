@@ -34,12 +34,11 @@ from llama_chat.inference.decoding import TextMaker
 from llama_chat.ml.controls import THINK_MODES, ControlError, check
 from llama_chat.ml.grammars import thinking_grammar
 
+from llama_chat.inference.types import END_TAG, START_TAG, Request, ThinkSplit, ThinkTags
+
 if TYPE_CHECKING:
-    from llama_chat.inference.types import Request
     from llama_chat.model.tokenizers.base import Tokenizer
 
-START_TAG = "<think>"
-END_TAG = "</think>"
 # What the families write after the end tag, before the answer (and what off writes for them).
 AFTER_END = "\n\n"
 # Whitespace around the thinking and before the answer is not part of either: every template and
@@ -47,32 +46,6 @@ AFTER_END = "\n\n"
 WHITESPACE = b" \t\r\n"
 # How many of a prompt's last tokens are read to tell whether it ends inside the thinking.
 PROMPT_TAIL_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class ThinkTags:
-    """How a model marks its thinking: the tags' text, their token ids where the vocabulary has
-    them, and whether its chat template reads ``enable_thinking``."""
-
-    start: str = START_TAG
-    end: str = END_TAG
-    start_id: int | None = None
-    end_id: int | None = None
-    switch: bool = False
-
-    @property
-    def tokens(self) -> bool:
-        """Split on ids (both tags are tokens), not on text."""
-        return self.start_id is not None and self.end_id is not None
-
-
-@dataclass(frozen=True)
-class ThinkSplit:
-    """What a request's reply splitter needs: the tags, and whether the prompt ends inside the
-    thinking (the R1 distills' and Qwen3-2507's templates open it in the generation prompt)."""
-
-    tags: ThinkTags
-    inside: bool = False
 
 
 @dataclass(frozen=True)

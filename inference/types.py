@@ -12,9 +12,40 @@ import uuid
 from dataclasses import dataclass, field
 
 from llama_chat.ml.controls import MAX_TOP_LOGPROBS, BeamParams, ControlError, SamplingParams, check, check_stop
-from llama_chat.inference.reasoning import ThinkSplit
 from llama_chat.ml.grammars import Constraint
 from llama_chat.model.tokenizers.base import Tokenizer
+
+# -- a thinking model's tags --------------------------------------------------------------------
+
+START_TAG = "<think>"
+END_TAG = "</think>"
+
+
+@dataclass(frozen=True)
+class ThinkTags:
+    """How a model marks its thinking: the tags' text, their token ids where the vocabulary has
+    them, and whether its chat template reads ``enable_thinking``."""
+
+    start: str = START_TAG
+    end: str = END_TAG
+    start_id: int | None = None
+    end_id: int | None = None
+    switch: bool = False
+
+    @property
+    def tokens(self) -> bool:
+        """Split on ids (both tags are tokens), not on text."""
+        return self.start_id is not None and self.end_id is not None
+
+
+@dataclass(frozen=True)
+class ThinkSplit:
+    """What a request's reply splitter needs: the tags, and whether the prompt ends inside the
+    thinking (the R1 distills' and Qwen3-2507's templates open it in the generation prompt)."""
+
+    tags: ThinkTags
+    inside: bool = False
+
 
 # -- states --------------------------------------------------------------------------------------
 

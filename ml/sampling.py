@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -21,8 +21,13 @@ from llama_chat.ml.cpu import kernels as cpu_kernels
 # The settings live in a module without torch, so the command line can check them instantly.
 from llama_chat.ml.controls import SamplingParams
 
-if TYPE_CHECKING:
-    from llama_chat.ml.processors import Controls, TokenHistory
+
+class Controls(Protocol):
+    """A request's processors and warpers (``ml/processors.Controls``): the logits ready for
+    ``sample``, and the settings it should draw with, given the row's token history."""
+
+    def prepare(self, history: Any, logits: torch.Tensor) -> tuple[torch.Tensor, SamplingParams]: ...
+
 
 __all__ = ["Draw", "SamplingMode", "SamplingParams", "apply_top_p", "choose", "draw_uniforms", "finite_best", "sample",
            "sample_in_graph"]
@@ -168,7 +173,7 @@ Draw = Callable[[torch.Tensor, SamplingParams, "torch.Generator | torch.Tensor |
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, randomness: torch.Generator | torch.Tensor | None,
-           *, controls: Controls | None = None, history: TokenHistory | None = None, draw: Draw = sample) -> torch.Tensor:
+           *, controls: Controls | None = None, history: Any = None, draw: Draw = sample) -> torch.Tensor:
     """The one sampler: ``(rows, vocab)`` logits -> ``(rows,)`` token ids.
 
     ``controls`` (the request's processors and warpers, over each row's ``history``) prepare the

@@ -17,14 +17,12 @@ second rotary.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from llama_chat.ml.ops import LinearRope, LongRope, RopeScaling
-from llama_chat.model.args import ModelArgs, integer, number
+from llama_chat.model.args import ConfigError, ModelArgs, integer, number
 from llama_chat.model.errors import ModelLoadError
 
 
@@ -362,41 +360,7 @@ def _window_layers(family: Family, config: dict[str, Any], n_layers: int) -> tup
     return tuple(range(n_layers))
 
 
-def hf_rope(rs: dict[str, Any], config: dict[str, Any]) -> RopeScaling | LinearRope | LongRope | None:
-    """A config's rotary scaling (``rope_scaling`` or ``rope_parameters``): Llama 3.1's, linear or
-    LongRoPE; another type is refused in one line."""
-    kind = rs.get("rope_type", rs.get("type")) if rs else None
-    if kind in (None, "default"):
-        return None
-    if kind == "llama3":
-        return RopeScaling(
-            factor=number(rs["factor"], "rope_scaling factor"),
-            low_freq_factor=number(rs["low_freq_factor"], "rope_scaling low_freq_factor"),
-            high_freq_factor=number(rs["high_freq_factor"], "rope_scaling high_freq_factor"),
-            original_max_position_embeddings=integer(rs["original_max_position_embeddings"],
-                                                     "rope_scaling original_max_position_embeddings"),
-        )
-    if kind == "linear":
-        return LinearRope(number(rs["factor"], "rope_scaling factor"))
-    if kind in ("longrope", "su"):
-        original = rs.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
-        original = integer(original, "original_max_position_embeddings")
-        factor = rs.get("factor")
-        factor = number(factor, "rope_scaling factor") if factor is not None else \
-            integer(config.get("max_position_embeddings", original), "max_position_embeddings") / original
-        attention = rs.get("attention_factor")
-        if attention is None:
-            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        return LongRope(tuple(number(f, "rope_scaling short_factor") for f in rs["short_factor"]),
-                        tuple(number(f, "rope_scaling long_factor") for f in rs["long_factor"]),
-                        original, number(attention, "rope_scaling attention_factor"))
-    raise ModelLoadError(f"config.json: rope_scaling type {kind!r:.40} is not supported "
-                         "(expected llama3, linear or longrope)")
-
-
 def _replaced(args: ModelArgs, switches: dict[str, Any], where: str) -> ModelArgs:
-    from llama_chat.model.args import ConfigError
-
     try:
         return replace(args, **switches)
     except ConfigError as e:

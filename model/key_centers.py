@@ -29,11 +29,11 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from llama_chat.ml.kv_centers import KeyCenters
 from llama_chat.ml.user_cache import user_cache_dir
 from llama_chat.model.paged_kv_cache import PagedBatch, PagedKVCache
 
@@ -52,14 +52,6 @@ _PAGE = 16  # the measuring pass's pages (its own pool, thrown away)
 # What a kept measure was made by: a change to the paragraph or the formula changes it, and the
 # measures kept before are then not read.
 MEASURE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class KeyCenters:
-    """Per layer, ``(kv_heads, head_dim)`` float32: a q4_0 page keeps ``(k - shift) / scale``."""
-
-    shift: list[torch.Tensor]
-    scale: list[torch.Tensor]
 
 
 def of_model(model, tokenizer, *, source: str | Path | None = None) -> KeyCenters | None:

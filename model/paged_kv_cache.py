@@ -20,16 +20,13 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from llama_chat.ml import ops
+from llama_chat.ml.kv_centers import KeyCenters
 from llama_chat.model.kv_cache import mapped_zeros
 from llama_chat.model.kv_types import Center, KVType, of_dtype
-
-if TYPE_CHECKING:
-    from llama_chat.model.key_centers import KeyCenters
 
 # Page 0 is never handed to a sequence: padding tokens write their keys there and padded block
 # table entries point at it, so a static-shaped step never needs a branch for "no page".

@@ -13,13 +13,12 @@ from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.model import cpu_decode
 from llama_chat.model.key_centers import KeyCenters
 from llama_chat.model.kv_types import TYPES
-from llama_chat.model.paged_kv_cache import PagedBatch, PagedKVCache
+from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedBatch, PagedKVCache
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernels")
 
 PAGE = 4
 TABLES = [[3, 7, 1, 10], [5, 2, 11, 12], [6, 4, 8, 9]]
-SPARE_PAGE = 0  # in no table
 LENGTHS = [10, 6, 15]
 # One step of each type, relative to a value (floats) or to a block's largest value (blocks).
 STEP = {"f16": 2**-10, "bf16": 2**-7, "q8_0": 1 / 100, "q4_0": 1 / 6}
@@ -87,8 +86,8 @@ def test_the_operator_reads_and_writes_pages_as_the_models_forward_does(name, he
                            for t, p, table in zip(tokens, positions, TABLES)])
         assert torch.equal(got, alone)
         # The model's forward over the same pages, the operator's last rows included: its own rows
-        # go to a page no table holds.
-        want = torch.cat([forward_row(model, caches[0], token, position, table, slot=SPARE_PAGE * PAGE)
+        # go to the scratch page, which no table holds.
+        want = torch.cat([forward_row(model, caches[0], token, position, table, slot=SCRATCH_PAGE * PAGE)
                           for token, position, table in zip(tokens, positions, TABLES)])
         # Its rows at their places, over pages the operator wrote up to the last token: checked
         # against the operator's rows below.
@@ -104,7 +103,7 @@ def test_the_operator_reads_and_writes_pages_as_the_models_forward_does(name, he
     close = model.args.dim * torch.finfo(torch.float32).eps * float(want.abs().max())
     close = max(close, 2e-3) if centred else close
     assert torch.allclose(got, want, atol=close, rtol=0), ((got - want).abs().max(), close)
-    written = (slice(None), slice(SPARE_PAGE + 1, None))  # the spare page holds rows in one cache only
+    written = (slice(None), slice(SCRATCH_PAGE + 1, None))  # the scratch page holds rows in one cache only
     for layer in range(model.args.n_layers):
         for ours, theirs, keys in ((caches[0].keys[layer][written], caches[1].keys[layer][written], True),
                                    (caches[0].values[layer][written], caches[1].values[layer][written], False)):

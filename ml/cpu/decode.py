@@ -22,7 +22,7 @@ import torch
 from llama_chat.ml.packed import PackedWeight
 
 if TYPE_CHECKING:
-    from llama_chat.model.key_centers import KeyCenters
+    from llama_chat.ml.kv_centers import KeyCenters
 
 # Outputs per panel of packed float32 weights (``panels.h``).
 PANEL = 16
