@@ -238,11 +238,6 @@ constexpr bool kSignTrick =
     K == Packed::q8_0;
 #endif
 
-// Calls with many rows take tiles of weight rows ("Many rows" below), whose products of unsigned
-// codes must not saturate: Q8_0 without VNNI keeps the sign trick's path.
-template <Packed K>
-constexpr bool kTiled = !kSignTrick<K>;
-
 // Calls with at least this many input rows take the tiles: decoding a tile costs about what
 // eight rows of the other path do (benchmarks/bench_packed.py --rows 4 8 16).
 constexpr int64_t kTiledFromRows = 12;
@@ -252,8 +247,17 @@ constexpr int64_t kTiledFromRows = 12;
 // 1 and 3 in their high ones. RoundedBlocks::paired lays the rounded rows out alike.
 constexpr int kPairedOrder[8] = {0, 2, 1, 3, 4, 6, 5, 7};
 
-// Rows [0, rows) of x (each k long, `stride` apart) into `out`, whose vectors are reused.
-inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride, RoundedBlocks& out) {
+// Runs body(0, n) on the calling thread; a caller with threads passes its own split of [0, n).
+struct Serially {
+  template <class Body>
+  void operator()(int64_t n, const Body& body) const { body(0, n); }
+};
+
+// Rows [0, rows) of x (each k long, `stride` apart) into `out`, whose vectors are reused; the
+// rows are rounded in the ranges `split` gives (each row on its own: any split, the same bytes).
+template <class Split = Serially>
+inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride, RoundedBlocks& out,
+                         const Split& split = {}) {
   out.rows = rows;
   out.k = k;
   out.padded = (k + kQuantGroup - 1) / kQuantGroup * kQuantGroup;
@@ -263,24 +267,26 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
   out.step_sums.assign(static_cast<size_t>(rows * blocks), 0.f);
   out.sums.assign(static_cast<size_t>(rows * blocks), 0);
   out.half_sums.assign(static_cast<size_t>(rows * blocks * 2), 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * stride;
-    int8_t* q = out.q.data() + r * out.padded;
-    float* steps = out.steps.data() + r * blocks;
-    float* step_sums = out.step_sums.data() + r * blocks;
-    int32_t* sums = out.sums.data() + r * blocks;
-    int16_t* halves = out.half_sums.data() + r * blocks * 2;
-    for (int64_t b = 0; b * kQuantBlock < k; ++b) {
-      const int64_t n = std::min(kQuantBlock, k - b * kQuantBlock);
+  split(rows, [&](int64_t first, int64_t stop) {
+    for (int64_t r = first; r < stop; ++r) {
+      const float* xr = x + r * stride;
+      int8_t* q = out.q.data() + r * out.padded;
+      float* steps = out.steps.data() + r * blocks;
+      float* step_sums = out.step_sums.data() + r * blocks;
+      int32_t* sums = out.sums.data() + r * blocks;
+      int16_t* halves = out.half_sums.data() + r * blocks * 2;
+      for (int64_t b = 0; b * kQuantBlock < k; ++b) {
+        const int64_t n = std::min(kQuantBlock, k - b * kQuantBlock);
 #ifdef LLAMA_CHAT_AVX2
-      if (n == kQuantBlock) {
-        round_block32(xr + b * kQuantBlock, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
-        continue;
-      }
+        if (n == kQuantBlock) {
+          round_block32(xr + b * kQuantBlock, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
+          continue;
+        }
 #endif
-      round_block(xr + b * kQuantBlock, n, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
+        round_block(xr + b * kQuantBlock, n, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
+      }
     }
-  }
+  });
 #ifdef LLAMA_CHAT_WIDE_VNNI
   // A row alone reads Q4_K and Q5_K blocks against these (packed_dot_wide); tiles never do.
   if (rows < kTiledFromRows) {
@@ -292,7 +298,7 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
 #endif
 #ifdef LLAMA_CHAT_AVX2
   // A row alone reads q (packed_dot_rows), and so do the tiles that calls of many rows take.
-  if (rows < 2 || (rows >= kTiledFromRows && kTiled<Packed::q8_0>)) return;
+  if (rows < 2 || rows >= kTiledFromRows) return;
   out.interleaved.resize(out.q.size());
   for (int64_t at = 0; at < static_cast<int64_t>(out.q.size()); at += kQuantGroup) {
     __m256i v[8];
@@ -841,6 +847,12 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 // from the cache. The result is the same bits as packed_dot_rows: a block's integer sum is exact
 // in any order, and each row's float sums are kept as the old path's lanes keep them (block b in
 // lane b mod 8), in the same order, then added as horizontal_sum adds lanes.
+//
+// Without VNNI (AVX2) the four-product sums are vpmaddubsw's int16 pairs, added as int16 over as
+// many codes as cannot overflow before one vpmaddwd widens them (kPairRun), and Q8_0's signed
+// codes take the sign trick here too (magnitudes in `codes`, the codes in `signs`). A tile is
+// taken a range of blocks and a block of input rows at a time (kChunkBlocks, kRowBlock), so that
+// what a pass reads stays in L1 and L2 however long the rows and however many.
 
 
 // The vector a tile's lanes fill, its float operations vectors.h's: 8 rows of 32-bit lanes in
@@ -848,6 +860,20 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 struct Lanes8 : Floats8 {
   using I = __m256i;
   static constexpr int kRows = 8;
+#ifdef LLAMA_CHAT_VNNI
+  static constexpr bool kPairs = false;
+#else
+  // Without VNNI a four-product sum is vpmaddubsw (pairs into int16) then vpmaddwd (into int32):
+  // the pairs of several codes are added as int16 first where they cannot overflow, and widened
+  // once (tile_sums).
+  static constexpr bool kPairs = true;
+  static I pairs(I u, I y) { return _mm256_maddubs_epi16(u, y); }
+  static I iadd16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I widen(I t) { return _mm256_madd_epi16(t, _mm256_set1_epi16(1)); }
+  static I widen_by(I t, I by) { return _mm256_madd_epi16(t, by); }
+  static I ishl5(I a) { return _mm256_slli_epi32(a, 5); }
+  static I isign(I y, I w) { return _mm256_sign_epi8(y, w); }
+#endif
   // Input rows a pass takes together, their sums in registers (32 vector registers with
   // AVX-512, 16 without).
 #if defined(__AVX512VL__)
@@ -870,6 +896,7 @@ struct Lanes8 : Floats8 {
 struct Lanes16 : Floats16 {
   using I = __m512i;
   static constexpr int kRows = 16;
+  static constexpr bool kPairs = false;
   static constexpr int kPassRows = 8;
   static I izero() { return _mm512_setzero_si512(); }
   static I iload(const int32_t* p) { return _mm512_load_si512(p); }
@@ -915,11 +942,17 @@ struct DecodedTile {
   std::vector<float, AlignedAllocator<float>> scale;      // [b * n + j]: the block's a
   std::vector<float, AlignedAllocator<float>> offset;     // [b * n + j]: the block's c
   std::vector<int32_t, AlignedAllocator<int32_t>> halves;  // [(2b + h) * n + j]: Q6_K's scale of half h
+  std::vector<int32_t, AlignedAllocator<int32_t>> signs;   // as codes: Q8_0's signed codes (sign trick)
+  // Q6_K, as int16 pairs: [(2b + h) * n + j] half h's scale twice, [(2 blocks + b) * n + j] the
+  // scales of halves 0 and 1
+  std::vector<int32_t, AlignedAllocator<int32_t>> halves16;
 
-  void resize(int64_t block_count, int64_t rows) {
+  void resize(Packed kind, bool sign_trick, int64_t block_count, int64_t rows) {
     blocks = block_count;
     n = rows;
     codes.resize(static_cast<size_t>(blocks * 8 * n));
+    if (sign_trick) signs.resize(codes.size());
+    if (kind == Packed::q6_k) halves16.resize(static_cast<size_t>(blocks * 3 * n));
     scale.resize(static_cast<size_t>(blocks * n));
     offset.resize(static_cast<size_t>(blocks * n));
     halves.resize(static_cast<size_t>(blocks * 2 * n));
@@ -933,7 +966,7 @@ void decode_tile(const uint8_t* data, int64_t row_bytes, int64_t first, int64_t 
                  DecodedTile& tile) {
   constexpr bool super = kPackedLayouts[static_cast<int>(K)].values == kQuantGroup;
   constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
-  tile.resize(blocks, rows);
+  tile.resize(K, kSignTrick<K>, blocks, rows);
   const int64_t n = rows, groups = (blocks + 7) / 8;
   Group w[8];
   for (int64_t eighth = 0; eighth < rows; eighth += 8) {
@@ -942,7 +975,7 @@ void decode_tile(const uint8_t* data, int64_t row_bytes, int64_t first, int64_t 
       const int in_group = static_cast<int>(std::min<int64_t>(8, blocks - 8 * g));
       for (int64_t j = 0; j < 8; ++j) {
         if (j >= here) {
-          for (int b = 0; b < 8; ++b) w[j].u[b] = _mm256_setzero_si256();
+          for (int b = 0; b < 8; ++b) w[j].u[b] = w[j].signs[b] = _mm256_setzero_si256();
           w[j].scale = w[j].offset = _mm256_setzero_ps();
           continue;
         }
@@ -965,6 +998,12 @@ void decode_tile(const uint8_t* data, int64_t row_bytes, int64_t first, int64_t 
         transpose_8x8(v);
         for (int c = 0; c < 8; ++c)
           _mm256_store_si256(reinterpret_cast<__m256i*>(tile.codes.data() + (b * 8 + c) * n + eighth), v[c]);
+        if constexpr (kSignTrick<K>) {
+          for (int j = 0; j < 8; ++j) v[j] = w[j].signs[bb];
+          transpose_8x8(v);
+          for (int c = 0; c < 8; ++c)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(tile.signs.data() + (b * 8 + c) * n + eighth), v[c]);
+        }
         _mm256_store_si256(reinterpret_cast<__m256i*>(tile.scale.data() + b * n + eighth), scales[bb]);
         _mm256_store_si256(reinterpret_cast<__m256i*>(tile.offset.data() + b * n + eighth), offsets[bb]);
         if constexpr (K == Packed::q6_k) {
@@ -972,6 +1011,11 @@ void decode_tile(const uint8_t* data, int64_t row_bytes, int64_t first, int64_t 
             const uint8_t* p = data + (first + eighth + j) * row_bytes + g * bytes;
             tile.halves[(2 * b) * n + eighth + j] = j < here ? static_cast<int8_t>(p[192 + 2 * bb]) : 0;
             tile.halves[(2 * b + 1) * n + eighth + j] = j < here ? static_cast<int8_t>(p[192 + 2 * bb + 1]) : 0;
+            const uint32_t first16 = static_cast<uint16_t>(tile.halves[(2 * b) * n + eighth + j]),
+                           second16 = static_cast<uint16_t>(tile.halves[(2 * b + 1) * n + eighth + j]);
+            tile.halves16[(2 * b) * n + eighth + j] = static_cast<int32_t>(first16 | first16 << 16);
+            tile.halves16[(2 * b + 1) * n + eighth + j] = static_cast<int32_t>(second16 | second16 << 16);
+            tile.halves16[(2 * blocks + b) * n + eighth + j] = static_cast<int32_t>(first16 | second16 << 16);
           }
         }
       }
@@ -985,34 +1029,98 @@ LLAMA_CHAT_HOT int32_t word_at(const int8_t* p) {
   return word;
 }
 
-// Input rows [r0, r0 + R) against a tile: sums[i] lane j is row r0 + i with the tile's row j.
+// Codes a run of int16 pair sums takes before it is widened to int32 (vpmaddubsw's pairs, then
+// int16 additions; Lanes8::kPairs): a pair is at most 2 * 127 * the largest code, and the run's
+// sum must stay within int16. Four-bit codes (up to 15) take a whole block (8 words: 16 pairs of
+// at most 3810 each, 30480), five-bit ones half (31496), Q6_K's six-bit ones a quarter (32004),
+// Q8_0's magnitudes (up to 128, sign trick) one word. The sums are exact integers either way.
+template <Packed K>
+constexpr int kPairRun = K == Packed::q6_k ? 2 : (K == Packed::q5_0 || K == Packed::q5_1 || K == Packed::q5_k) ? 4
+                         : K == Packed::q8_0 ? 1 : 8;
+
+// s[i] = words [C0, C1) of block b of rounded row r0 + i against the tile's codes, each lane the
+// exact integer sum of its weight row's products.
+template <Packed K, class L, int R, int C0, int C1>
+LLAMA_CHAT_HOT void tile_sums(const DecodedTile& tile, const RoundedBlocks& in, int64_t r0, int64_t b,
+                              typename L::I* s, typename L::I by = L::izero()) {
+  using I = typename L::I;
+  constexpr int64_t n = L::kRows;
+  const int32_t* codes = tile.codes.data() + b * 8 * n;
+  if constexpr (L::kPairs) {
+    constexpr int G = kPairRun<K>;
+    const int32_t* signs = kSignTrick<K> ? tile.signs.data() + b * 8 * n : nullptr;
+#pragma GCC unroll 8
+    for (int c = C0; c < C1; c += G) {
+      I t[R];
+#pragma GCC unroll 8
+      for (int cc = c; cc < c + G; ++cc) {
+        const I wv = L::iload(codes + cc * n);
+        I sv;
+        if constexpr (kSignTrick<K>) sv = L::iload(signs + cc * n);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+          I y = L::iset1(word_at(in.q_of(r0 + i) + 32 * b + 4 * cc));
+          if constexpr (kSignTrick<K>) y = L::isign(y, sv);
+          const I p = L::pairs(wv, y);
+          t[i] = cc == c ? p : L::iadd16(t[i], p);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        // Q6_K's pairs are widened by its half's scale (tile_pass), the others' by ones.
+        const I wide = K == Packed::q6_k ? L::widen_by(t[i], by) : L::widen(t[i]);
+        s[i] = c == C0 ? wide : L::iadd(s[i], wide);
+      }
+    }
+  } else {
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) s[i] = L::izero();
+#pragma GCC unroll 8
+    for (int c = C0; c < C1; ++c) {
+      const I wv = L::iload(codes + c * n);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) s[i] = L::idot(s[i], wv, L::iset1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
+    }
+  }
+}
+
+// Input rows [r0, r0 + R) against blocks [b0, b1) of a tile: lanes[i][l] lane j goes on adding
+// row r0 + i's products with the tile's row j over the blocks b = l mod 8 (zeros before the
+// first blocks). Taken a range of blocks at a time, every sum still adds its blocks in order.
 template <Packed K, class L, int R>
-LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, int64_t r0, typename L::Vec* sums) {
+LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, int64_t r0, int64_t b0, int64_t b1,
+                              typename L::Vec (*lanes)[8]) {
   using I = typename L::I;
   using F = typename L::Vec;
   constexpr int64_t n = L::kRows;
-  F lanes[R][8];
   for (int l = 0; l < 8; ++l) {
     F acc[R];
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[i] = L::zero();
-    for (int64_t b = l; b < tile.blocks; b += 8) {
-      const int32_t* codes = tile.codes.data() + b * 8 * n;
+    for (int i = 0; i < R; ++i) acc[i] = lanes[i][l];
+    for (int64_t b = b0 + ((l - b0) % 8 + 8) % 8; b < b1; b += 8) {
       I s[R];
-      if constexpr (K == Packed::q6_k) {
+      if constexpr (K == Packed::q6_k && L::kPairs) {
+        // Each half's pair sums widened by vpmaddwd with the half's scale instead of ones, and
+        // both halves' zero points in one vpmaddwd of the input's two half sums with the two
+        // scales: sc0 * (raw0 - 32 hs0) + sc1 * (raw1 - 32 hs1), the integer of the branch below.
+        tile_sums<K, L, R, 0, 4>(tile, in, r0, b, s, L::iload(tile.halves16.data() + (2 * b) * n));
+        I second[R];
+        tile_sums<K, L, R, 4, 8>(tile, in, r0, b, second, L::iload(tile.halves16.data() + (2 * b + 1) * n));
+        const I pair = L::iload(tile.halves16.data() + (2 * tile.blocks + b) * n);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+          int32_t both;
+          std::memcpy(&both, in.half_sums_of(r0 + i) + 2 * b, sizeof both);
+          s[i] = L::isub(L::iadd(s[i], second[i]), L::ishl5(L::widen_by(L::iset1(both), pair)));
+        }
+      } else if constexpr (K == Packed::q6_k) {
         // Each half's sum less its zero point, times the half's scale: the same integer as the
         // old path's scaled halves less 32 times the scaled input sums.
         I first_half[R];
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-#pragma GCC unroll 8
-          for (int i = 0; i < R; ++i) s[i] = L::izero();
-#pragma GCC unroll 4
-          for (int c = 4 * h; c < 4 * h + 4; ++c) {
-            const I wv = L::iload(codes + c * n);
-#pragma GCC unroll 8
-            for (int i = 0; i < R; ++i) s[i] = L::idot(s[i], wv, L::iset1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
-          }
+          if (h == 0) tile_sums<K, L, R, 0, 4>(tile, in, r0, b, s);
+          else tile_sums<K, L, R, 4, 8>(tile, in, r0, b, s);
           const I scale = L::iload(tile.halves.data() + (2 * b + h) * n);
 #pragma GCC unroll 8
           for (int i = 0; i < R; ++i) {
@@ -1022,14 +1130,7 @@ LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, 
           }
         }
       } else {
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) s[i] = L::izero();
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {
-          const I wv = L::iload(codes + c * n);
-#pragma GCC unroll 8
-          for (int i = 0; i < R; ++i) s[i] = L::idot(s[i], wv, L::iset1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
-        }
+        tile_sums<K, L, R, 0, 8>(tile, in, r0, b, s);
         if constexpr (kZeroShift<K> > 0) {
 #pragma GCC unroll 8
           for (int i = 0; i < R; ++i) s[i] = L::isub(s[i], L::iset1(in.sums_of(r0 + i)[b] << kZeroShift<K>));
@@ -1046,46 +1147,54 @@ LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, 
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) lanes[i][l] = acc[i];
   }
-  // horizontal_sum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-  for (int i = 0; i < R; ++i) {
-    const F* a = lanes[i];
-    sums[i] = L::add(L::add(L::add(a[0], a[4]), L::add(a[2], a[6])), L::add(L::add(a[1], a[5]), L::add(a[3], a[7])));
-  }
 }
+
+// A row's eight lanes added in horizontal_sum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+template <class L>
+LLAMA_CHAT_HOT typename L::Vec lanes_sum(const typename L::Vec* a) {
+  return L::add(L::add(L::add(a[0], a[4]), L::add(a[2], a[6])), L::add(L::add(a[1], a[5]), L::add(a[3], a[7])));
+}
+
+// A tile's blocks are taken this many at a time (its codes for them about 16 KiB, held in L1
+// while every pass of input rows reads them), and the input rows this many at a time (their
+// rounded values for those blocks, 2 KiB a row, held in L2 while every pass reads its rows): a
+// long row (the feed-forward's down projection, 8,960 or more inputs) decoded whole was read
+// from L2 by every pass, and a prompt's rows from L3 by every tile.
+template <class L>
+constexpr int64_t kChunkBlocks = (16 << 10) / (32 * L::kRows);
+constexpr int64_t kRowBlock = 64;
 
 template <bool Add, Packed K>
 void packed_tiles_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_first, int64_t row_stop, int64_t first,
                      int64_t stop, float* out, int64_t row_stride) {
   using L = TileLanes;
-  const int64_t row_bytes = packed_row_bytes(K, in.k);
+  using F = typename L::Vec;
+  const int64_t row_bytes = packed_row_bytes(K, in.k), blocks = in.k / kQuantBlock;
   DecodedTile tile;
-  typename L::Vec sums[L::kPassRows];
+  std::vector<F, AlignedAllocator<F>> state(static_cast<size_t>(kRowBlock * 8));
+  F(*lanes)[8] = reinterpret_cast<F(*)[8]>(state.data());
   alignas(64) float values[L::kRows];
   for (int64_t tile_first = first; tile_first < stop; tile_first += L::kRows) {
     const int64_t count = std::min<int64_t>(L::kRows, stop - tile_first);
-    decode_tile<K>(data, row_bytes, tile_first, count, in.k / kQuantBlock, L::kRows, tile);
-    auto put = [&](int64_t r, int rows) {
-      for (int i = 0; i < rows; ++i) {
-        L::store(values, sums[i]);
-        float* o = out + (r + i - row_first) * row_stride + (tile_first - first);
+    decode_tile<K>(data, row_bytes, tile_first, count, blocks, L::kRows, tile);
+    for (int64_t rb = row_first; rb < row_stop; rb += kRowBlock) {
+      const int64_t re = std::min(row_stop, rb + kRowBlock);
+      for (int64_t i = 0; i < (re - rb) * 8; ++i) state[i] = L::zero();
+      for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks<L>) {
+        const int64_t b1 = std::min(blocks, b0 + kChunkBlocks<L>);
+        int64_t r = rb;
+        for (; r + L::kPassRows <= re; r += L::kPassRows) tile_pass<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
+        for (; r + 2 <= re; r += 2) tile_pass<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
+        if (r < re) tile_pass<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
+      }
+      for (int64_t r = rb; r < re; ++r) {
+        L::store(values, lanes_sum<L>(lanes[r - rb]));
+        float* o = out + (r - row_first) * row_stride + (tile_first - first);
         for (int64_t j = 0; j < count; ++j) {
           if constexpr (Add) o[j] += values[j];
           else o[j] = values[j];
         }
       }
-    };
-    int64_t r = row_first;
-    for (; r + L::kPassRows <= row_stop; r += L::kPassRows) {
-      tile_pass<K, L, L::kPassRows>(tile, in, r, sums);
-      put(r, L::kPassRows);
-    }
-    for (; r + 2 <= row_stop; r += 2) {
-      tile_pass<K, L, 2>(tile, in, r, sums);
-      put(r, 2);
-    }
-    if (r < row_stop) {
-      tile_pass<K, L, 1>(tile, in, r, sums);
-      put(r, 1);
     }
   }
 }
@@ -1108,10 +1217,8 @@ void packed_range_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
     else slot = v;
   };
 #ifdef LLAMA_CHAT_AVX2
-  if constexpr (kTiled<K>) {
-    if (in.rows >= kTiledFromRows)  // as round_blocks decided (it left out what tiles do not read)
-      return packed_tiles_of<Add, K>(data, in, row_first, row_stop, first, stop, out, row_stride);
-  }
+  if (in.rows >= kTiledFromRows)  // as round_blocks decided (it left out what tiles do not read)
+    return packed_tiles_of<Add, K>(data, in, row_first, row_stop, first, stop, out, row_stride);
   const int64_t tile = packed_tile_rows(row_bytes);
   for (int64_t tile_first = first; tile_first < stop; tile_first += tile) {
     const int64_t tile_stop = std::min(stop, tile_first + tile);
