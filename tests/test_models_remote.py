@@ -157,7 +157,7 @@ def test_ps_lists_the_loaded_models_and_stop_unloads_one(trio):
     lines = listed.stdout.decode().splitlines()
     assert lines[0].split() == ["NAME", "SIZE", "CONTEXT", "UNTIL"]
     row = next(line.split() for line in lines if line.startswith("b "))
-    assert str(B_CONTEXT) in row and "minutes from now" in " ".join(row)  # b's own keep_alive, 10m
+    assert str(B_CONTEXT) in row and "9 minutes from now" in " ".join(row)  # b's own keep_alive, 10m, not 5m
     stopped = run_cli("stop", "b", "--url", trio.url)
     assert stopped.returncode == 0 and not stopped.stdout, stopped.stderr
     assert statuses(trio)["b"] == "unloaded"
