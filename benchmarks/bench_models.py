@@ -6,7 +6,8 @@ Three stories15M-sized models (dim 288, 6 layers, vocab 32,000; random float32 w
 folders, so that each is a model of its own files. Then, in one run:
 
 * churn: ``serve -m m1 -m m2 -m m3 --models-max 2 --models-memory BUDGET`` (BUDGET: 3.5 times one
-  model's files: one model loaded and another loading, which takes twice its files, and room). Its resident memory (``VmRSS``) at start, then "idle": after one model was
+  model's files: one model loaded and another loading, which takes twice its files, and room).
+  Its resident memory (``VmRSS``) at start, then "idle": after one model was
   loaded, answered and unloaded (torch and the operator in, no model). ``--requests`` short
   greedy requests then alternate m1, m2, m3 one after another (with two slots, each request
   unloads the model the next one names: a load per request), while a thread reads VmRSS every
@@ -272,7 +273,8 @@ def main() -> None:
     print(f"| m1 beside m2 and m3 (loaded: {', '.join(timings['loaded_beside'])}) against m1 alone, "
           f"{args.pairs} pairs of streams x {args.new} tokens | median (quartiles) | target |")
     print("|---|---|---|")
-    print(f"| decode tok/s alone / beside (wall clock) | {median('alone_tok_s'):.0f} / {median('beside_tok_s'):.0f} | |")
+    print(f"| decode tok/s alone / beside (wall clock) | {median('alone_tok_s'):.0f} / "
+          f"{median('beside_tok_s'):.0f} | |")
     print(f"| decode speed, beside over alone, per pair (wall clock) | {quartiles(ratios('tok_s'))} | "
           f"within {SPEED_WITHIN:.0%} |")
     print(f"| decode, the server's CPU ms a token, alone / beside | {median('alone_cpu_ms_per_token'):.3f} / "

@@ -327,7 +327,7 @@ class Models:
             self._tg = tg
             tg.start_soon(self._reap)
             for model in self.models.values():
-                if model.pinned and self._taken() < self.max_loaded and self._fits(model):
+                if model.pinned and not model.entry.remote and self._taken() < self.max_loaded and self._fits(model):
                     self._start(model)
             task_status.started()
             await stop.wait()

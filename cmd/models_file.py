@@ -73,6 +73,10 @@ KEYS: dict[str, Callable[[Any], Any]] = {
     "template": _choice(FORMAT_NAMES), "keep_alive": keep_alive_seconds, "pinned": _flag, "api_key": _text}
 
 
+# What only a model of this process takes (another server loads and sizes its own).
+LOCAL_KEYS = ("context", "cache_type", "draft", "template", "keep_alive", "pinned")
+
+
 def read_models_file(file: Path) -> list[ModelEntry]:
     """The models ``file`` lists, in its order; ``ModelsFileError`` (one line) for anything wrong.
     A missing model is ``ModelLoadError``, as for ``-m``, with the file and the model named."""
@@ -99,6 +103,9 @@ def read_models_file(file: Path) -> list[ModelEntry]:
         source = _source(values["path"], file.parent)
         if "api_key" in values and not is_remote(source):
             raise ModelsFileError(f"{where}: api_key is a remote model's (openai:URL)")
+        local = [key for key in LOCAL_KEYS if key in values]
+        if local and is_remote(source):
+            raise ModelsFileError(f"{where}: {local[0]} is a local model's; {source} is another server's")
         settings = ModelSettings(context=values.get("context"), cache_type=values.get("cache_type"),
                                  draft=_source(values["draft"], file.parent) if "draft" in values else None,
                                  template=values.get("template"), keep_alive_s=values.get("keep_alive"),

@@ -42,8 +42,9 @@ _API_KEY_ENV = "OPENAI_API_KEY"  # as ``-m openai:URL`` on the command line read
 def client_of(models: Models) -> httpx.AsyncClient:
     """The registry's one client for its remote entries: their connections are kept between requests."""
     if models.remote_client is None:
-        models.remote_client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s(), connect=CONNECT_TIMEOUT_S),
-                                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+        timeout = httpx.Timeout(read_timeout_s(), connect=CONNECT_TIMEOUT_S)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+        models.remote_client = httpx.AsyncClient(timeout=timeout, limits=limits)
     return models.remote_client
 
 

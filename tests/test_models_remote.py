@@ -177,6 +177,7 @@ def test_ps_lists_the_loaded_models_and_stop_unloads_one(trio):
     ('[[model]]\npath = "{a}"\ncontext = "big"\n', "model 1: context: expected a number"),
     ('[[model]]\npath = "openai:ftp://x"\nalias = "r"\n', "model 1: openai:ftp://x: expected openai:http"),
     ('[[model]]\npath = "{a}"\napi_key = "k"\n', "api_key is a remote model's"),
+    ('[[model]]\nalias = "r"\npath = "openai:http://x/v1"\npinned = true\n', "model 1: pinned is a local model's"),
     ('models = 1\n', "unknown key 'models'"),
     ('[[model]\n', "not TOML"),
     ('', "no [[model]] table"),
