@@ -139,6 +139,9 @@ def test_a_remote_that_does_not_answer_is_a_502_and_the_rest_go_on(trio):
     assert caught.value.status_code == 502 and caught.value.body["code"] == "remote_unreachable"
     assert "'dead'" in caught.value.body["message"]
     assert stream(trio, "b", 4) and stream(trio, "far", 4)
+    with pytest.raises(openai.BadRequestError) as caught:  # the remote server's refusal, as it said it
+        trio.client().chat.completions.create(model="far", messages=ASK, max_tokens=4, temperature=-1)
+    assert caught.value.body["param"] == "temperature"
     ollama = httpx.post(f"{trio.url}/api/chat", json={"model": "far", "messages": ASK}, timeout=WAIT_S)
     assert ollama.status_code == 400 and "another server's" in ollama.json()["error"]
 
