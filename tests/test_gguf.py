@@ -325,7 +325,7 @@ def _rewrite(src: Path, dst: Path, *, drop: set[str] = frozenset(), change: dict
 
 def test_bad_metadata_is_named(tmp_path, good_file):
     assert _error(_rewrite(good_file, tmp_path / "a.gguf", arch="falcon")) == (
-        "a.gguf: architecture 'falcon' is not supported (expected one of llama, qwen2, qwen3, gemma2, gemma3, phi3, bert)")
+        "a.gguf: architecture 'falcon' is not supported (expected one of llama, qwen2, qwen3, gemma2, gemma3, phi3, bert, nomic-bert)")
     assert _error(_rewrite(good_file, tmp_path / "b.gguf", drop={"llama.block_count"})) == (
         "b.gguf: missing metadata 'llama.block_count'")
     message = _error(_rewrite(good_file, tmp_path / "c.gguf", change={"llama.block_count": 10**6}))
