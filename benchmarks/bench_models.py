@@ -24,9 +24,17 @@ folders, so that each is a model of its own files. Then, in one run:
   ``/proc/PID/task/*/schedstat``, read by the client when it sends, at the first text event and
   at the end): what the model's work costs, which other processes on the cores do not change.
 
+With ``--llama-server [PATH]`` (default: the build of ``llama_cpp_peer.py`` in its cache, never
+built here), the churn runs on GGUF files instead, both for llama-chat and for llama.cpp's
+``llama-server`` in router mode (``--models-dir DIR --models-max 2``, each model in a child
+process of its own) on the same three files: a stories15M-shaped checkpoint with a SentencePiece
+tokenizer (``bench_gguf.py``'s), converted to F32 by llama.cpp's own ``convert_hf_to_gguf.py``.
+The resident memory is then the process tree's (the router and its children), for both.
+
 Prints one JSON line per measurement and Markdown tables last; exits 1 if a check fails.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_models.py [--requests 200] [--pairs 60] [--new 64]
+        [--llama-server [PATH]]
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import anyio
 import httpx
@@ -57,6 +66,7 @@ RETURN_WITHIN = 0.20  # the last RSS against the idle one
 SPEED_WITHIN = 0.03  # a model's speed beside others against alone
 # The memory budget, in models' files: one loaded and another loading (which takes twice its files).
 BUDGET_MODELS = 3.5
+PEER_CACHE = Path(os.environ.get("LLAMA_CHAT_BENCH_CACHE", Path.home() / ".cache" / "llama-chat-bench"))
 
 
 def start(models: list[str], work: str, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -93,8 +103,31 @@ def post(url: str, path: str, model: str) -> None:
         sys.exit(f"{path} {model}: {answer.status_code}: {answer.text[:300]}")
 
 
+def tree_rss_mib(pid: int) -> float:
+    """VmRSS of ``pid`` and of every process below it (llama-server's router runs each model in a
+    child of its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        one = todo.pop()
+        try:
+            total += rss_mib(one)
+        except (OSError, AttributeError):
+            continue  # gone meanwhile
+        todo += children.get(one, [])
+    return total
+
+
 class PeakRss:
-    """The highest VmRSS of ``pid`` read every ``RSS_EVERY_S`` while it runs."""
+    """The highest VmRSS of ``pid``'s process tree read every ``RSS_EVERY_S`` while it runs."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.peak, self._done = pid, 0.0, threading.Event()
@@ -110,19 +143,29 @@ class PeakRss:
 
     def _run(self) -> None:
         while not self._done.is_set():
-            self.peak = max(self.peak, rss_mib(self.pid))
+            self.peak = max(self.peak, tree_rss_mib(self.pid))
             time.sleep(RSS_EVERY_S)
 
 
 def churn(models: list[str], work: str, requests: int, size: int) -> dict:
     budget = int(BUDGET_MODELS * size)
-    proc, url = start(models, work, "churn", "--models-max", "2", "--models-memory", str(budget), "--keep-alive", "-1")
-    names = [os.path.basename(m) for m in models]
+    server = start(models, work, "churn", "--models-max", "2", "--models-memory", str(budget), "--keep-alive", "-1")
+    row = churn_on(server, [Path(m).stem for m in models], requests)
+    row["loads"] = open(os.path.join(work, "churn.log"), errors="replace").read().count(": loading model ")
+    row["budget_mib"] = round(budget / 2**20, 1)
+    emit(measure="churn", **row)
+    return row
+
+
+def churn_on(server: tuple[subprocess.Popen, str], names: list[str], requests: int) -> dict:
+    """The churn on a started server (stopped at the end): its tree's RSS at start, idle, at its
+    peak and after the last unload."""
+    proc, url = server
     try:
-        at_start = rss_mib(proc.pid)
+        at_start = tree_rss_mib(proc.pid)
         ask(url, names[0])
         post(url, "/models/unload", names[0])
-        idle = rss_mib(proc.pid)
+        idle = settled_rss(proc.pid)
         began = time.perf_counter()
         with PeakRss(proc.pid) as peak:
             for i in range(requests):
@@ -130,14 +173,89 @@ def churn(models: list[str], work: str, requests: int, size: int) -> dict:
         seconds = time.perf_counter() - began
         for name in names:
             post(url, "/models/unload", name)
-        last = rss_mib(proc.pid)
+        last = settled_rss(proc.pid)
     finally:
         code = stop(proc)
-    loads = open(os.path.join(work, "churn.log"), errors="replace").read().count(": loading model ")
-    row = {"requests": requests, "loads": loads, "seconds": round(seconds, 1), "budget_mib": round(budget / 2**20, 1),
-           "rss_start_mib": round(at_start, 1), "rss_idle_mib": round(idle, 1), "rss_peak_mib": round(peak.peak, 1),
-           "rss_last_mib": round(last, 1), "exit": code}
-    emit(measure="churn", **row)
+    return {"requests": requests, "seconds": round(seconds, 1), "rss_start_mib": round(at_start, 1),
+            "rss_idle_mib": round(idle, 1), "rss_peak_mib": round(peak.peak, 1), "rss_last_mib": round(last, 1),
+            "exit": code}
+
+
+def settled_rss(pid: int, timeout_s: float = 30.0) -> float:
+    """The tree's RSS once it stops falling (a router's child exits a moment after its unload
+    is answered): two readings 0.5 s apart within 1 %."""
+    deadline, before = time.monotonic() + timeout_s, tree_rss_mib(pid)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = tree_rss_mib(pid)
+        if now >= before * 0.99:
+            return now
+        before = now
+    return before
+
+
+# -- llama.cpp's router --------------------------------------------------------------------------
+
+
+def find_llama_server(given: str) -> Path | None:
+    if given != "auto":
+        return Path(given) if Path(given).is_file() else None
+    found = sorted(PEER_CACHE.glob("build/*/bin/llama-server"))
+    return found[-1] if found else None
+
+
+def gguf_models(work: str) -> list[str]:
+    """Three copies of a stories15M-shaped F32 GGUF, written by llama.cpp's own converter."""
+    import bench_gguf
+
+    source = sorted(PEER_CACHE.glob("src/*/vendor/llama.cpp"))
+    if not source:
+        sys.exit(f"no llama.cpp source under {PEER_CACHE}/src (bench_gguf.py fetches it)")
+    folder = Path(work)
+    tokenizer = bench_gguf.write_tokenizer(folder / "tokenizer" / "tokenizer.model")
+    shape = bench_gguf.Shape("stories15M", dim=CONFIG["dim"], n_layers=CONFIG["n_layers"], n_heads=CONFIG["n_heads"],
+                             n_kv_heads=CONFIG["n_kv_heads"], hidden=CONFIG["hidden"], ctx=2048, tied=False)
+    hf = bench_gguf.write_checkpoint(shape, folder / "hf", tokenizer)
+    (folder / "gguf").mkdir()
+    first = folder / "gguf" / "m1.gguf"
+    env = {**os.environ, "PYTHONPATH": str(source[-1] / "gguf-py")}
+    done = subprocess.run([sys.executable, str(source[-1] / "convert_hf_to_gguf.py"), str(hf), "--outfile", str(first),
+                           "--outtype", "f32"], capture_output=True, text=True, env=env)
+    if done.returncode:
+        sys.exit(f"convert_hf_to_gguf.py failed: {done.stderr[-600:]}")
+    return [str(first)] + [str(shutil.copy(first, folder / "gguf" / f"m{i}.gguf")) for i in (2, 3)]
+
+
+def start_router(binary: Path, folder: str, work: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(os.path.join(work, "llama-server.log"), "wb")
+    proc = subprocess.Popen([str(binary), "--models-dir", folder, "--models-max", "2", "--host", "127.0.0.1",
+                             "--port", str(port), "-t", str(os.cpu_count() or 1), "-c", "2048"],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"llama-server exited {proc.returncode}: {open(log.name, errors='replace').read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    sys.exit("llama-server did not answer /health 200 in time")
+
+
+def router_churn(binary: Path, models: list[str], work: str, requests: int) -> dict:
+    proc, url = start_router(binary, os.path.dirname(models[0]), work)
+    listed = httpx.get(f"{url}/models", timeout=60).json()
+    names = sorted(m["id"] for m in listed["data"])
+    if len(names) != len(models):
+        stop(proc)
+        sys.exit(f"llama-server's router lists {names}, not the {len(models)} files")
+    row = churn_on((proc, url), names, requests)
+    emit(measure="router_churn", **row)
     return row
 
 
@@ -224,16 +342,29 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200, help="churn: requests alternating between the models")
     parser.add_argument("--pairs", type=int, default=60, help="speed: pairs of streams, one on each server")
     parser.add_argument("--new", type=int, default=64, help="speed: tokens of each stream")
+    parser.add_argument("--llama-server", nargs="?", const="auto", default=None, metavar="PATH",
+                        help="the churn on GGUF files, beside llama-server's router on them (default PATH: "
+                             "llama_cpp_peer.py's build in its cache)")
     args = parser.parse_args()
     if args.requests < 3 or args.pairs < 1 or args.new < 2:
         parser.error("--requests at least 3, --pairs at least 1, --new at least 2")
 
+    binary = find_llama_server(args.llama_server) if args.llama_server is not None else None
+    if args.llama_server is not None and binary is None:
+        parser.error(f"no llama-server at {args.llama_server} (auto: under {PEER_CACHE}/build)")
+    router = None
     with tempfile.TemporaryDirectory(prefix="bench_models_") as work:
-        first = os.path.join(work, "m1")
-        write_checkpoint(CONFIG, first, torch.device("cpu"), torch.float32)
-        models = [first] + [shutil.copytree(first, os.path.join(work, f"m{i}")) for i in (2, 3)]
-        size = sum(os.path.getsize(os.path.join(first, f)) for f in os.listdir(first))
+        if binary is not None:
+            models = gguf_models(work)
+            size = os.path.getsize(models[0])
+        else:
+            first = os.path.join(work, "m1")
+            write_checkpoint(CONFIG, first, torch.device("cpu"), torch.float32)
+            models = [first] + [shutil.copytree(first, os.path.join(work, f"m{i}")) for i in (2, 3)]
+            size = sum(os.path.getsize(os.path.join(first, f)) for f in os.listdir(first))
         churned = churn(models, work, args.requests, size)
+        if binary is not None:
+            router = router_churn(binary, models, work, args.requests)
         timings = speed(models, work, args.pairs, args.new)
 
     problems = []
@@ -259,7 +390,7 @@ def main() -> None:
     print()
     print(f"| churn: {churned['requests']} requests over 3 models, `--models-max 2` | value | target |")
     print("|---|---|---|")
-    print(f"| one model's files | {size / 2**20:.0f} MiB | |")
+    print(f"| one model's files{' (F32 GGUF)' if binary is not None else ''} | {size / 2**20:.0f} MiB | |")
     print(f"| loads (one per request: each unloads the model the next one names) | {churned['loads']} "
           f"in {churned['seconds']:.0f} s | |")
     print(f"| RSS at start / idle (a model loaded, answered, unloaded) | {churned['rss_start_mib']:.0f} / "
@@ -269,6 +400,17 @@ def main() -> None:
           f"{churned['budget_mib']:.0f} MiB |")
     print(f"| RSS after the last unload, against idle | {churned['rss_last_mib']:.0f} MiB "
           f"({churned['rss_last_mib'] / churned['rss_idle_mib']:.2f}x) | <= {1 + RETURN_WITHIN:.2f}x |")
+    if router is not None:
+        print()
+        print(f"| the same on llama-server's router ({binary}), the same files | value |")
+        print("|---|---|")
+        print(f"| {router['requests']} requests | {router['seconds']:.0f} s |")
+        print(f"| RSS of the router and its children at start / idle | {router['rss_start_mib']:.0f} / "
+              f"{router['rss_idle_mib']:.0f} MiB |")
+        print(f"| peak RSS, above idle | {router['rss_peak_mib']:.0f} MiB, "
+              f"{router['rss_peak_mib'] - router['rss_idle_mib']:.0f} MiB |")
+        print(f"| RSS after the last unload, against idle | {router['rss_last_mib']:.0f} MiB "
+              f"({router['rss_last_mib'] / router['rss_idle_mib']:.2f}x) |")
     print()
     print(f"| m1 beside m2 and m3 (loaded: {', '.join(timings['loaded_beside'])}) against m1 alone, "
           f"{args.pairs} pairs of streams x {args.new} tokens | median (quartiles) | target |")
