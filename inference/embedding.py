@@ -326,7 +326,7 @@ class Reranker:
                                       "cross-encoder, which reads none", "instruction")
         if instruction == "":
             raise EmbeddingInputError("instruction is an empty string", "instruction")
-        if self.ranking.answers is not None:
+        if self.ranking.prompt is not None:
             rows = [(self.prompt_ids(query, d, instruction), None) for d in documents]
         else:
             encode = self.loaded.tokenizer.encode
@@ -335,7 +335,7 @@ class Reranker:
         relevance: list[float] = [0.0] * len(rows)
         with self.lock, torch.inference_mode():
             for group in length_batches([len(ids) for ids, _ in rows], self.max_batch_tokens, self.max_batch_rows):
-                types = None if self.ranking.answers is not None else [rows[i][1] for i in group]
+                types = None if self.ranking.prompt is not None else [rows[i][1] for i in group]
                 tokens, lengths, types = padded(self.loaded, [rows[i][0] for i in group], types)
                 for i, value in zip(group, self._relevance(tokens, lengths, types).tolist()):
                     relevance[i] = value
@@ -343,9 +343,13 @@ class Reranker:
 
     def _relevance(self, tokens: torch.Tensor, lengths: torch.Tensor, types: torch.Tensor | None) -> torch.Tensor:
         model = self.loaded.model
-        if self.ranking.answers is not None:
+        if self.ranking.answers is not None or self.ranking.head is not None:
             # The softmax of "yes" and "no", "yes"'s share: the sigmoid of their difference.
-            yes, no = model.answer_logits(tokens, lengths, list(self.ranking.answers)).unbind(-1)
+            if self.ranking.answers is not None:
+                logits = model.answer_logits(tokens, lengths, list(self.ranking.answers))
+            else:
+                logits = model.last_states(tokens, lengths).float() @ self.ranking.head.to(tokens.device).T
+            yes, no = logits.unbind(-1)
             return torch.sigmoid(yes - no)
         logits = model.classify(tokens, lengths, types)[:, 0]
         return torch.sigmoid(logits) if self.ranking.sigmoid else logits

@@ -232,10 +232,13 @@ def load_model(path: Path | str, *, device: str | torch.device = "auto", dtype: 
 
         fmt = None
         if contents is not None:
-            from llama_chat.model.formats.gguf import gguf_pooling, gguf_ranking
+            from llama_chat.model.formats.gguf import (gguf_decoder_ranking, gguf_pooling, gguf_ranking,
+                                                       is_decoder_reranker)
 
             if args.labels:
                 ranking = gguf_ranking(contents, args)
+            elif is_decoder_reranker(contents):
+                ranking = gguf_decoder_ranking(contents, args)
             else:
                 pooling = gguf_pooling(contents, args)
         elif args.labels:

@@ -81,6 +81,9 @@ class Ranking:
     # the last position, "yes"'s share) and its prompt; None: a cross-encoder.
     answers: tuple[int, int] | None = None
     prompt: RerankPrompt | None = None
+    # A decoder reranker's file without its output (llama.cpp's converter keeps only the "yes" and
+    # "no" rows of it, as ``cls.output``): those rows, ``(2, dim)`` float32.
+    head: torch.Tensor | None = None
 
 
 def pool(hidden: torch.Tensor, lengths: torch.Tensor, mode: str) -> list[torch.Tensor]:

@@ -417,12 +417,16 @@ class Transformer(nn.Module):
         return self.classifier(torch.tanh(self.pooler(first))).float()
 
     @torch.no_grad()
+    def last_states(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Each right-padded row's state at its last token (as ``encode``), ``(batch, dim)``."""
+        hidden = self.encode(tokens, lengths)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+
+    @torch.no_grad()
     def answer_logits(self, tokens: torch.Tensor, lengths: torch.Tensor, ids: list[int]) -> torch.Tensor:
         """A decoder's float32 logits of the tokens ``ids`` after each right-padded row (as
         ``encode``) ``(batch, len(ids))``: a reranker scored on its answer (Qwen3-Reranker)."""
-        hidden = self.encode(tokens, lengths)
-        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
-        return ops.project(last, self.output).float()[:, ids]
+        return ops.project(self.last_states(tokens, lengths), self.output).float()[:, ids]
 
     def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout,
                 cache: KVCache | None, types: torch.Tensor | None = None) -> torch.Tensor:

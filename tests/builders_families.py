@@ -10,6 +10,7 @@ Gemma's norms are stored as ``1 + w``; Phi-3's fused ``qkv_proj`` and ``gate_up_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -97,10 +98,12 @@ def _tensor_name(family: str, hf_name: str) -> str:
 
 
 def write_family_gguf(path: Path, hf, family: str, sp_model: Path, *, qtype: T = T.F32,
-                      leave_out: tuple[str, ...] = (), pooling_type: int | None = None) -> Path:
+                      leave_out: tuple[str, ...] = (), pooling_type: int | None = None,
+                      more: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """``hf`` as llama.cpp's converter writes a file of its family; matrices in ``qtype``; the
     tensors named in ``leave_out`` (GGUF names) left out, as a broken file would; with
-    ``pooling_type``, an embedding model's file (the converter's for a sentence-transformers folder)."""
+    ``pooling_type``, an embedding model's file (the converter's for a sentence-transformers folder);
+    ``more`` adds what a kind of file has beyond its family's (a reranker's head)."""
     c = hf.config
     arch = ARCH[family]
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -139,6 +142,8 @@ def write_family_gguf(path: Path, hf, family: str, sp_model: Path, *, qtype: T =
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     add_sentencepiece_vocab(writer, sp_model, c.vocab_size)
+    if more is not None:
+        more(writer)
     for hf_name, tensor in hf.state_dict().items():
         if "rotary_emb" in hf_name or (hf_name == "lm_head.weight" and c.tie_word_embeddings):
             continue

@@ -9,6 +9,7 @@ import torch
 
 from builders_embeddings import reference_decoder_scores, save_qwen3_reranker
 from llama_chat.inference.embedding import EmbeddingInputError, Reranker
+from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.loader import load_model
 
 POSITIONS = 384
@@ -69,3 +70,40 @@ def test_llama_chat_rerank_ranks_with_a_decoder_reranker_and_its_instruction(qwe
                                atol=1e-5, rtol=0)
     status, out, err = embed_cli(monkeypatch, capsys, "embed", "-m", str(folder), "a")
     assert status == 2 and out == "" and "is a reranker: it ranks documents; give -m an embedding model" in err
+
+
+def test_a_qwen3_reranker_gguf_file_scores_as_llama_cpp_does(tmp_path, sp_model_path):
+    """llama.cpp's converter writes Qwen3-Reranker as a qwen3 file of pooling type rank whose
+    output is only its "yes" and "no" rows (``cls.output``); llama.cpp scores it by their softmax
+    at the last token. The reference: transformers' logits of those two ids on the same prompt."""
+    import numpy as np
+    import sentencepiece as spm
+    from builders_families import hf_family_model, write_family_gguf
+
+    vocab = spm.SentencePieceProcessor(model_file=str(sp_model_path)).vocab_size()
+    hf = hf_family_model("qwen3", vocab, seed=12, max_position_embeddings=512)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20.0)
+    yes, no = 7, 11  # the file says which rows are which by their order alone
+
+    def head(writer) -> None:
+        writer.add_classifier_output_labels(["yes", "no"])
+        rows = hf.lm_head.weight.detach()[[yes, no]].float().numpy()
+        writer.add_tensor("cls.output.weight", rows.astype(np.float32))
+
+    path = write_family_gguf(tmp_path / "qwen3-reranker.gguf", hf, "qwen3", sp_model_path, pooling_type=4,
+                             leave_out=("output.weight",), more=head)
+    loaded = load_model(path, device="cpu")
+    assert (loaded.kind, loaded.chat_format, loaded.args.pooled) == ("rerank", None, True)
+    reranker = Reranker(loaded)
+    scores, _ = reranker.scores(QUERY, DOCUMENTS)
+    rows = [reranker.prompt_ids(QUERY, d) for d in DOCUMENTS]
+    with torch.no_grad():
+        logits = torch.stack([hf(torch.tensor([ids])).logits[0, -1, [yes, no]] for ids in rows])
+    expected = torch.softmax(logits, dim=-1)[:, 0]
+    assert (expected - 0.5).abs().min() > 0.05
+    torch.testing.assert_close(torch.tensor(scores), expected, atol=1e-5, rtol=0)
+    qwen2 = write_family_gguf(tmp_path / "qwen2-rank.gguf", hf_family_model("qwen2", vocab, seed=13), "qwen2",
+                              sp_model_path, pooling_type=4, more=head)
+    with pytest.raises(ModelLoadError, match="^qwen2-rank.gguf: a qwen2 file of pooling type 4 \\(rank\\) is not"):
+        load_model(qwen2, device="cpu")

@@ -190,6 +190,8 @@ def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> 
     for info in contents.tensors.values():
         if info.name in _READ_INTO_ARGS:
             continue  # read into args.rope_scaling by _args
+        if info.name == "cls.output.weight" and args.pooled:
+            continue  # a decoder reranker's "yes" and "no" rows: read by gguf_decoder_ranking
         meta = meta_name(info.name, layer_names, top_names)
         if meta is None:
             raise ModelLoadError(f"{name}: unexpected tensor {info.name!r:.80}")
@@ -502,6 +504,37 @@ def gguf_pooling(contents: GGUFContents, args: ModelArgs) -> Pooling:
 def gguf_ranking(contents: GGUFContents, args: ModelArgs) -> Ranking:
     """A reranker file's scoring: the sigmoid of its classifier's logit, as for its Hugging Face folder."""
     return Ranking(sigmoid=True, max_tokens=args.position_table or args.max_seq_len)
+
+
+def is_decoder_reranker(contents: GGUFContents) -> bool:
+    """A decoder's file whose pooling type is rank (llama.cpp's converter writes Qwen3-Reranker so)."""
+    arch = contents.architecture
+    return arch != "bert" and meta_int(contents, f"{arch}.pooling_type", 0) == RANK_POOLING
+
+
+def gguf_decoder_ranking(contents: GGUFContents, args: ModelArgs) -> Ranking:
+    """Qwen3-Reranker's file as llama.cpp's converter writes it: its output's "yes" and "no" rows
+    as ``cls.output`` (``classifier.output_labels`` in that order), scored by their softmax at the
+    last token, as llama.cpp scores a qwen3 file of pooling type rank; the model card's prompt."""
+    from llama_chat.model.formats.common import realize
+    from llama_chat.model.pooling import QWEN3_RERANK_PROMPT
+
+    name, arch = contents.path.name, contents.architecture
+    if arch != "qwen3":
+        raise ModelLoadError(f"{name}: a {arch} file of pooling type {RANK_POOLING} (rank) is not supported "
+                             "(a decoder reranker is a qwen3 file: Qwen3-Reranker)")
+    info = contents.tensors.get("cls.output.weight")
+    if info is None or tuple(info.shape) != (2, args.dim):
+        found = "missing" if info is None else f"of shape {tuple(info.shape)}"
+        raise ModelLoadError(f"{name}: tensor 'cls.output.weight' is {found}; a decoder reranker's holds its "
+                             f"'yes' and 'no' rows, (2, {args.dim})")
+    labels = contents.metadata.get(f"{arch}.classifier.output_labels")
+    if labels is not None and list(labels) != ["yes", "no"]:
+        raise ModelLoadError(f"{name}: metadata '{arch}.classifier.output_labels' is {labels!r:.60}, expected "
+                             "['yes', 'no']")
+    data = torch.from_file(str(contents.path), shared=False, size=contents.file_size, dtype=torch.uint8)
+    head = realize(tensor_view(data, info, name), torch.device("cpu"), torch.float32).clone()
+    return Ranking(sigmoid=False, max_tokens=args.max_seq_len, head=head, prompt=QWEN3_RERANK_PROMPT)
 
 
 def meta_flag(contents: GGUFContents, key: str) -> bool | None:
