@@ -20,8 +20,9 @@ by the part the inputs play as Cohere says it (``input_type``: ``search_query``)
 prompt; token ids are taken as they are.
 
 Rerank: ``{model, query, documents, top_n, return_documents, instruction}``, each document a
-string or ``{"text": ...}``, ``instruction`` a decoder reranker's (Qwen3-Reranker's) task; the answer ``{id, model, results: [{index, relevance_score, document?}], usage}``,
-the results by relevance, highest first, ``top_n`` of them.
+string or ``{"text": ...}``, ``instruction`` a decoder reranker's (Qwen3-Reranker's) task; the
+answer ``{id, model, results: [{index, relevance_score, document?}], usage}``, the results by
+relevance, highest first, ``top_n`` of them.
 """
 
 from __future__ import annotations
