@@ -14,6 +14,7 @@ beside a chat model that thread runs at a lower priority (``BESIDE_CHAT_NICENESS
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -240,9 +241,14 @@ class EmbeddingRounds:
             return taken
 
     def _run(self) -> None:
-        if self.embedder.beside_chat:
+        if self.embedder.beside_chat and sys.platform.startswith("linux"):
             # Before the first forward: the threads it starts for torch's products inherit this.
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BESIDE_CHAT_NICENESS)
+            # Only Linux gives a thread a niceness of its own (elsewhere the call names a process);
+            # there, and where it is refused, the rounds share the cores on equal terms.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BESIDE_CHAT_NICENESS)
+            except OSError:
+                pass
         while (taken := self._take()) is not None:
             try:
                 pooled = self.embedder.pooled([ids for request in taken for ids in request.inputs])
