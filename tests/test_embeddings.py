@@ -442,7 +442,7 @@ def test_a_bert_gguf_file_missing_a_tensor_is_refused_in_one_line(tmp_path):
 # -- decoder embedders -----------------------------------------------------------------------------
 
 
-def test_a_qwen3_embedder_is_pooled_at_its_last_token_as_transformers(tmp_path):
+def test_a_qwen3_embedder_is_pooled_at_its_last_token_as_transformers(tmp_path, monkeypatch, capsys):
     from builders_embeddings import QWEN3_EMBEDDING_PROMPTS, save_qwen3_embedder
 
     model, tokenizer = save_qwen3_embedder(tmp_path / "qwen3-embedding", seed=8, max_seq_length=32)
@@ -471,6 +471,16 @@ def test_a_qwen3_embedder_is_pooled_at_its_last_token_as_transformers(tmp_path):
     with pytest.raises(EmbeddingInputError, match=r"prompt_name 'passage' is not one of the model's prompts "
                                                   r"\('query', 'document'\)"):
         embedder.prompt("passage")
+    # The command's --prompt-name: the query's prompt before each line, cut at the folder's 32 tokens.
+    from builders_embeddings import embed_cli
+
+    status, out, err = embed_cli(monkeypatch, capsys, "embed", "-m", str(tmp_path / "qwen3-embedding"),
+                                 "--prompt-name", "query", *texts[:2])
+    assert status == 0, err
+    short = Embedder(loaded)
+    expected = short.embed([short.text_ids(t, truncate=True, prompt=prompt) for t in texts[:2]])
+    torch.testing.assert_close(torch.tensor([json.loads(line)["embedding"] for line in out.splitlines()]),
+                               torch.stack([e.vector for e in expected]))
 
 
 def test_a_qwen3_gguf_file_with_a_pooling_type_embeds_at_its_last_token(tmp_path, sp_model_path):
