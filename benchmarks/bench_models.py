@@ -106,6 +106,18 @@ def post(url: str, path: str, model: str) -> None:
 def tree_rss_mib(pid: int) -> float:
     """VmRSS of ``pid`` and of every process below it (llama-server's router runs each model in a
     child of its own)."""
+    return sum(rss_of(one) for one in tree(pid))
+
+
+def rss_of(pid: int) -> float:
+    try:
+        return rss_mib(pid)
+    except (OSError, AttributeError):
+        return 0.0  # gone meanwhile
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -115,15 +127,12 @@ def tree_rss_mib(pid: int) -> float:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(parent, []).append(int(entry))
-    total, todo = 0.0, [pid]
+    found, todo = [], [pid]
     while todo:
         one = todo.pop()
-        try:
-            total += rss_mib(one)
-        except (OSError, AttributeError):
-            continue  # gone meanwhile
+        found.append(one)
         todo += children.get(one, [])
-    return total
+    return found
 
 
 class PeakRss:
@@ -164,7 +173,7 @@ def churn_on(server: tuple[subprocess.Popen, str], names: list[str], requests: i
     try:
         at_start = tree_rss_mib(proc.pid)
         ask(url, names[0])
-        post(url, "/models/unload", names[0])
+        unload(url, names[0])
         idle = settled_rss(proc.pid)
         began = time.perf_counter()
         with PeakRss(proc.pid) as peak:
@@ -172,7 +181,7 @@ def churn_on(server: tuple[subprocess.Popen, str], names: list[str], requests: i
                 ask(url, names[i % len(names)])
         seconds = time.perf_counter() - began
         for name in names:
-            post(url, "/models/unload", name)
+            unload(url, name)
         last = settled_rss(proc.pid)
     finally:
         code = stop(proc)
@@ -181,10 +190,20 @@ def churn_on(server: tuple[subprocess.Popen, str], names: list[str], requests: i
             "exit": code}
 
 
-def settled_rss(pid: int, timeout_s: float = 30.0) -> float:
-    """The tree's RSS once it stops falling (a router's child exits a moment after its unload
-    is answered): two readings 0.5 s apart within 1 %."""
-    deadline, before = time.monotonic() + timeout_s, tree_rss_mib(pid)
+def unload(url: str, name: str) -> None:
+    """``POST /models/unload``; llama-server's router refuses a model that is not running (400)."""
+    answer = httpx.post(f"{url}/models/unload", json={"model": name}, timeout=REQUEST_S)
+    if answer.status_code != 200 and "not running" not in answer.text:
+        sys.exit(f"/models/unload {name}: {answer.status_code}: {answer.text[:300]}")
+
+
+def settled_rss(pid: int, timeout_s: float = 60.0) -> float:
+    """The tree's RSS once its children are gone (a router's model exits a moment after its
+    unload is answered) and it stops falling: two readings 0.5 s apart within 1 %."""
+    deadline = time.monotonic() + timeout_s
+    while len(tree(pid)) > 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    before = tree_rss_mib(pid)
     while time.monotonic() < deadline:
         time.sleep(0.5)
         now = tree_rss_mib(pid)
