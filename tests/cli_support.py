@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -17,6 +18,7 @@ import sentencepiece as spm
 import torch
 
 from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
+from forkserver import FORKS_ENV, ForkServer, needs_own_start
 
 # Escape sequences: CSI and the like (colours, cursor shown or hidden, erase line), and the
 # two-byte save and restore cursor (ESC 7, ESC 8).
@@ -93,16 +95,37 @@ def cli_env(**extra: str) -> dict[str, str]:
 RUN_TIMEOUT_S = 240
 
 
+_fork_server: list[ForkServer] = []
+
+
 def run_cli(*args: str, stdin: bytes | None = None, timeout: float = RUN_TIMEOUT_S, **env: str) -> subprocess.CompletedProcess:
-    """Run the installed command to completion; stdin is /dev/null unless bytes are given."""
-    return subprocess.run(
-        [*llama_chat_command(), *args],
-        input=stdin,
-        stdin=subprocess.DEVNULL if stdin is None else None,
-        capture_output=True,
-        timeout=timeout,
-        env=cli_env(**env),
-    )
+    """Run the command to completion; stdin is /dev/null unless bytes are given. Forked from a
+    process that imported it once (``forkserver.py``) where nothing the start reads differs."""
+    argv, run_env = [*llama_chat_command(), *args], cli_env(**env)
+    server = fork_server()
+    if server is None or needs_own_start(run_env, server.env):
+        return subprocess.run(argv, input=stdin, stdin=subprocess.DEVNULL if stdin is None else None,
+                              capture_output=True, timeout=timeout, env=run_env)
+    return server.run(argv, input=stdin, env=run_env, timeout=timeout)
+
+
+def popen_cli(argv: list[str], env: dict[str, str], **streams) -> subprocess.Popen:
+    """``subprocess.Popen(argv, env=env, **streams)`` for a command that runs until it is stopped
+    (a server), forked where ``run_cli`` would fork it."""
+    server = fork_server()
+    if server is None or needs_own_start(env, server.env):
+        return subprocess.Popen(argv, env=env, **streams)
+    return server.popen(argv, env=env, **streams)
+
+
+def fork_server() -> ForkServer | None:
+    """This worker's fork server, started on first use; None where forks are off."""
+    if os.environ.get(FORKS_ENV, "1") == "0":
+        return None
+    if not _fork_server:
+        _fork_server.append(ForkServer(cli_env()))
+        atexit.register(_fork_server[0].close)
+    return _fork_server[0]
 
 
 def json_result(proc: subprocess.CompletedProcess) -> dict:

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 
-from cli_support import cli_env, llama_chat_command
+from cli_support import cli_env, llama_chat_command, popen_cli
+from forkserver import ForkedProcess
 
 START_S = 240.0  # the process starting, torch imported and the model loaded
 WAIT_S = 120.0  # one request, or a condition to come true
@@ -21,7 +22,7 @@ WAIT_S = 120.0  # one request, or a condition to come true
 
 @dataclass
 class Server:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     url: str
     lines: list[str]  # its stderr so far
     health: list[int] = field(default_factory=list)  # the /health statuses seen while it started
@@ -56,9 +57,8 @@ def wait_for(condition, what: str, timeout: float = WAIT_S, every: float = 0.05)
 
 
 def start_server(model_dir: Path, *args: str, **env: str) -> Server:
-    proc = subprocess.Popen(
-        [*llama_chat_command(), "serve", "-m", str(model_dir), "--port", "0", "--template", "llama2", *args],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env(**env))
+    proc = popen_cli([*llama_chat_command(), "serve", "-m", str(model_dir), "--port", "0", "--template", "llama2", *args],
+                     cli_env(**env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     lines: list[str] = []
 
     def read() -> None:  # always drained, so the server never blocks on a full pipe

@@ -16,7 +16,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from cli_support import ANSI, build_tiny_model, cli_env, finish, full_pipe, json_result, llama_chat_command, run_cli
+from cli_support import (ANSI, build_tiny_model, cli_env, finish, full_pipe, json_result, llama_chat_command, popen_cli,
+                         run_cli)
+from forkserver import FORKS_ENV
 from llama_chat.cmd import signals as cli_signals
 from llama_chat.cmd.batch import READ_AHEAD
 from llama_chat.cmd.sanitize import displayable
@@ -44,7 +46,8 @@ def start(tiny, *args: str, **popen) -> subprocess.Popen:
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.PIPE)
     popen.setdefault("stdin", subprocess.DEVNULL)
-    return subprocess.Popen([*llama_chat_command(), "-m", str(tiny.path), *args], env=cli_env(), **popen)
+    env = cli_env(**popen.pop("env", {}))
+    return popen_cli([*llama_chat_command(), "-m", str(tiny.path), *args], env, **popen)
 
 
 def read_some(fd: int, timeout: float = WAIT_S) -> bytes:
@@ -88,11 +91,11 @@ def signal_pending(proc: subprocess.Popen, signum: int) -> bool:
     return bool(pending & (1 << (signum - 1)))
 
 
-def start_blocked_on_output(tiny, *args: str) -> tuple[subprocess.Popen, int, int]:
+def start_blocked_on_output(tiny, *args: str, **popen) -> tuple[subprocess.Popen, int, int]:
     """Start the command on a full stdout pipe and wait until it is blocked writing its first
     text; returns ``(process, read_fd, filler_bytes)``."""
     read_fd, write_fd, filled = full_pipe()
-    proc = start(tiny, *args, stdout=write_fd)
+    proc = start(tiny, *args, stdout=write_fd, **popen)
     os.close(write_fd)
     wait_until(lambda: blocked_writing_a_pipe(proc), "the command is blocked writing its first text")
     return proc, read_fd, filled
@@ -142,16 +145,17 @@ def test_only_the_main_thread_takes_signals(tiny, batch):
     """Every other thread (the step thread, anyio's stdin reader, torch's helpers) blocks the
     signals the main thread acts on (inference/thread_signals.py). Looked at while the command is
     held writing its first text to a full pipe, with the batch reader waiting on an open stdin."""
+    real_start = {FORKS_ENV: "0"}  # never forked: what its imports start is looked at too
     if batch:
         read_fd, write_fd, filled = full_pipe()
-        proc = start(tiny, "--batch", "-t", "0", "-n", "40", stdin=subprocess.PIPE, stdout=write_fd)
+        proc = start(tiny, "--batch", "-t", "0", "-n", "40", stdin=subprocess.PIPE, stdout=write_fd, env=real_start)
         os.close(write_fd)
         # More jobs than one trip of the reader takes: it takes the rest, then waits for more.
         proc.stdin.write(b'{"prompt": "Once upon a time"}\n' * (READ_AHEAD + 2))
         proc.stdin.flush()
         wait_until(lambda: blocked_writing_a_pipe(proc), "the command is blocked writing its first result")
     else:
-        proc, read_fd, filled = start_blocked_on_output(tiny, *LONG)
+        proc, read_fd, filled = start_blocked_on_output(tiny, *LONG, env=real_start)
     assert len(blocked_signals(proc.pid)) >= 2  # the main thread and the step thread at least
     assert threads_taking_signals(proc.pid) == []
     send_and_wait_taken(proc, signal.SIGINT)
@@ -164,8 +168,9 @@ def test_only_the_main_thread_takes_signals(tiny, batch):
 @needs_proc
 def test_only_the_main_thread_takes_signals_in_the_server(tiny):
     """The same in ``llama-chat serve``, whose model is loaded in one of anyio's threads, after a
-    request; SIGTERM then still drains and ends it with status 0."""
-    server = start_server(tiny.path)
+    request; SIGTERM then still drains and ends it with status 0. Started as the installed command
+    starts, never forked: what is checked is also what its imports start."""
+    server = start_server(tiny.path, **{FORKS_ENV: "0"})
     try:
         reply = server.client().completions.create(model="tiny", prompt="Once upon a time", max_tokens=8)
         assert reply.choices[0].text

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import pexpect
 import pytest
 from tokenizers import Tokenizer
 
-from cli_support import cli_env, llama_chat_command
+from cli_support import cli_env, llama_chat_command, run_cli
 from llama_chat.cmd.sanitize import displayable
 from terminal_support import WAIT_S
 from tool_builders import build_tool_model
@@ -39,8 +38,7 @@ def r1(tmp_path_factory):
 
 
 def as_json(model, *args: str) -> dict:
-    done = subprocess.run([*llama_chat_command(), "-m", str(model), "-p", "Hello", *ARGS, *args, "--json"],
-                          capture_output=True, env=cli_env(), timeout=WAIT_S * 2)
+    done = run_cli("-m", str(model), "-p", "Hello", *ARGS, *args, "--json", timeout=WAIT_S * 2)
     assert done.returncode == 0, done.stderr.decode()
     return json.loads(done.stdout)
 
@@ -77,8 +75,7 @@ def test_hide_thinking_shows_only_the_line(qwen3, record):
 
 
 def test_a_pipe_gets_the_answer_only(qwen3, record):
-    done = subprocess.run([*llama_chat_command(), "-m", str(qwen3), "-p", "Hello", *ARGS], capture_output=True,
-                          env=cli_env(), timeout=WAIT_S * 2)
+    done = run_cli("-m", str(qwen3), "-p", "Hello", *ARGS, timeout=WAIT_S * 2)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode() == displayable(record["text"]) + "\n"
 
@@ -135,8 +132,8 @@ def test_batch_lines_choose_their_thinking_and_records_carry_it(qwen3):
     lines = "\n".join(json.dumps(line) for line in (
         {"prompt": "Hello", "reasoning_budget": 3}, {"prompt": "Hello", "think": "off"},
         {"prompt": "Hello", "think": "maybe"}, {"prompt": "Hello", "reasoning_budget": -2})) + "\n"
-    done = subprocess.run([*llama_chat_command(), "-m", str(qwen3), "--batch", "-t", "0", "-n", "12", "--ordered"],
-                          input=lines.encode(), capture_output=True, env=cli_env(), timeout=WAIT_S * 2)
+    done = run_cli("-m", str(qwen3), "--batch", "-t", "0", "-n", "12", "--ordered", stdin=lines.encode(),
+                   timeout=WAIT_S * 2)
     records = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert records[0]["reasoning_tokens"] == 3 and records[0]["reasoning"]
     assert "reasoning" not in records[1] and records[1]["prompt_tokens"] > records[0]["prompt_tokens"]
@@ -155,8 +152,7 @@ def test_a_template_file_replaces_the_models_own_and_a_bad_one_is_one_line(qwen3
     assert opened_record["prompt_tokens"] != record["prompt_tokens"]
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}")
-    done = subprocess.run([*llama_chat_command(), "-m", str(qwen3), "-p", "Hi", "--chat-template-file", str(broken)],
-                          capture_output=True, env=cli_env(), timeout=WAIT_S * 2)
+    done = run_cli("-m", str(qwen3), "-p", "Hi", "--chat-template-file", str(broken), timeout=WAIT_S * 2)
     err = done.stderr.decode()
     assert done.returncode == 2 and str(broken) in err and "Traceback" not in err and len(err.splitlines()) == 1, err
 

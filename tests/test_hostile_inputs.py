@@ -22,7 +22,7 @@ import torch
 
 from builders import random_model, tiny_args, write_meta_checkpoint
 from builders_formats import write_hf_checkpoint, write_meta_shards
-from cli_support import cli_env, llama_chat_command
+from cli_support import run_cli
 from llama_chat.cmd import app as cli_app
 from llama_chat.cmd import main as cli_main
 
@@ -177,8 +177,7 @@ THROUGH_THE_COMMAND = [
 @pytest.fixture(scope="module")
 def command_results(cases):
     def run(args: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run([*llama_chat_command(), *args], stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=TIMEOUT, env=cli_env())
+        return run_cli(*args, timeout=TIMEOUT)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {name: pool.submit(run, cases[name][0]) for name in THROUGH_THE_COMMAND}
@@ -238,9 +237,7 @@ def test_padded_vocabulary_ids_are_never_sampled(tmp_path, sp_model_path, sp_voc
     with torch.no_grad():
         model.output.weight[sp_vocab_size:] = model.output.weight[:pad] * 0 + 5.0  # huge logits
     out = write_meta_checkpoint(model, tmp_path / "padded", sp_model_path)
-    proc = subprocess.run([*llama_chat_command(), "-m", str(out), "-p", "hi", "-n", "12", "--json", "-t", "1.0",
-                           "--seed", "3"], stdin=subprocess.DEVNULL, capture_output=True, timeout=TIMEOUT,
-                          env=cli_env())
+    proc = run_cli("-m", str(out), "-p", "hi", "-n", "12", "--json", "-t", "1.0", "--seed", "3", timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr.decode()
     ids = json.loads(proc.stdout)["token_ids"]
     assert ids and max(ids) < sp_vocab_size

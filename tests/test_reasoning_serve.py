@@ -10,14 +10,13 @@ thinking by itself, so the servers run with a budget, which forces the end tag."
 from __future__ import annotations
 
 import json
-import subprocess
 
 import anthropic
 import jsonschema
 import openai
 import pytest
 
-from cli_support import cli_env, llama_chat_command
+from cli_support import run_cli
 from serve_support import WAIT_S, start_server, stop_server
 from tool_builders import build_tool_model, hf_tokenizer
 
@@ -219,8 +218,8 @@ def test_anthropic_refuses_a_budget_at_or_above_max_tokens(qwen3):
 def test_a_remote_thinking_model_thinks_as_a_local_one(qwen3):
     server, _ = qwen3
     local = chat(server).choices[0].message
-    done = subprocess.run([*llama_chat_command(), "-m", f"openai:{server.url}/v1", "-p", MESSAGES[0]["content"],
-                           "-t", "0", "-n", "24", "--json"], capture_output=True, env=cli_env(), timeout=WAIT_S * 2)
+    done = run_cli("-m", f"openai:{server.url}/v1", "-p", MESSAGES[0]["content"], "-t", "0", "-n", "24", "--json",
+                   timeout=WAIT_S * 2)
     assert done.returncode == 0, done.stderr.decode()
     record = json.loads(done.stdout)
     assert record["reasoning"] == local.model_extra["reasoning_content"]
