@@ -171,9 +171,10 @@ def report(rows: list[dict]) -> None:
     peaks = [r["int8_gops"] for r in rows if r.get("int8_gops")]
     peak = max(peaks) if peaks else None
     head = next((r for r in rows if "cpu" in r), {})
+    named = next((r["int8_name"] for r in rows if r.get("int8_gops") == peak), "?")
     loads = [r["load_1min"] for r in rows if "load_1min" in r]
     print(f"\nCPU: {head.get('cpu', '?')}, {head.get('threads', '?')} threads; int8 peak "
-          f"{peak and f'{peak:.1f}'} GOPS ({head.get('int8_name', '?')}, all threads, best of the run); "
+          f"{peak and f'{peak:.1f}'} GOPS ({named}, all threads, best of the run); "
           f"load average (1 min) {min(loads, default=0):.1f}-{max(loads, default=0):.1f}\n")
     print("| shape | type | tokens | llama-chat tok/s | llama-bench tok/s | ratio | % of int8 peak | 4096 / 512 |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -249,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         _, shape = long_shape(key)
         for n in lengths:
             prompts[key, n] = prefill_prompt(cache / "prompts" / str(shape.vocab), tokenizer_for(cache, shape), n)
+    short = cache / "prompt-short.txt"
+    short.write_text(bench_gguf.SHORT_PROMPT)
     emit(cpu=bench_peak.cpu_model(), threads=args.threads, llama_cpp=peer.commit, sdist=peer.version,
          command="python benchmarks/bench_prefill.py " + " ".join(sys.argv[1:] if argv is None else argv),
          llama_chat=bench_gguf.llama_chat_revision())
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     for (key, ftype), path in files.items():
         emit(shape=key, type=ftype, macs_per_token=product_macs_per_token(path))
         try:  # untimed: builds the kernels if their cache is cold, and reads the file in
-            run_llama_chat(path, prompts[key, lengths[0]], 1, CTX, env, extra=["--lookup", "off"])
+            run_llama_chat(path, short, 1, CTX, env, extra=["--lookup", "off"])
         except RunFailed as e:
             log(f"llama-chat failed on {path.name}: {e}")
             continue
