@@ -6,8 +6,9 @@ over the rate that the CPU's own instructions reach in a loop that does nothing 
 
 A small C++ library (the source below, compiled with ``$CXX`` or ``c++ -O2 -march=native`` into
 a temporary folder, loaded with ctypes) runs, for each instruction sequence this CPU has, a
-register-blocked loop: twelve independent accumulators, each instruction's inputs in registers,
-so that nothing but the instructions' throughput bounds it. It runs on one thread and on every
+register-blocked loop: independent accumulators (twelve; six in the AVX2 int8 loops, written in
+assembly), each instruction's inputs in registers, so that nothing but the instructions'
+throughput bounds it. It runs on one thread and on every
 thread asked for (``std::thread``, each with its own loop), best of ``--repeats`` runs.
 A multiply-add is one product added to a sum (an int8 x int8 product counts one, whatever
 instruction sums it):
