@@ -14,11 +14,13 @@ sentence-transformers' too.
 
 With ``--beside-chat``, one ``llama-chat serve -m chat=default -m emb=DIR`` (the shipped chat
 model and the embedding model, each loaded once and warmed) is measured three ways for
-``--seconds`` each, in turns, ``--rounds`` times: chat streams alone (back-to-back greedy ``/v1/completions`` streams, their
-decode tokens/s from the first token to the last), embedding requests alone (``--batch``
-sentences a request, back to back, sentences/s), and both at once. The two shares of the work
-done together (each rate beside the other over its rate alone) should sum to about one: the
-decode falls no more than in proportion to the embedding work it makes room for.
+``--seconds`` each, in turns, ``--rounds`` times: chat streams alone (back-to-back greedy
+``/v1/completions`` streams, their decode tokens/s from the first token to the last), embedding
+requests alone (``--batch`` sentences a request, back to back, sentences/s), and both at once.
+Each rate beside the other over its rate alone is its share; the two shares should sum to one or
+more: neither falls more than in proportion to the other's work. Beside a chat model the
+embedding rounds run at a lower priority (``BESIDE_CHAT_NICENESS``), so the decode keeps its
+speed and the embeddings take the rest.
 
 With ``--paths``, the model's vectors by every path a user takes are compared with
 sentence-transformers' ``encode``: ``llama-chat embed -m DIR -o FILE.npy``, ``llama-chat serve -m
@@ -26,8 +28,13 @@ DIR`` through ``/v1/embeddings`` (floats and base64) and ``/api/embed``, and the
 to F32 GGUF by llama.cpp's own converter (its source only: nothing built) through ``llama-chat
 embed``.
 
+With ``--nomic``, an outside check of the ``nomic-bert`` reader: a tiny random nomic-bert written
+as llama.cpp's converter writes one (the tests' ``builders_embeddings.write_nomic_bert_gguf``;
+there is no trained nomic-embed-text to be had here), embedded by ``llama-server --embedding`` and
+by ``Embedder`` on the same file and the same lines, the vectors compared.
+
     python benchmarks/bench_embeddings.py [--model DIR] [--sentences 1000] [--batch 64] [--threads 2] [--rounds 3]
-                                          [--llama-server] [--beside-chat [--seconds 20]] [--paths]
+                                          [--llama-server] [--beside-chat [--seconds 20]] [--paths] [--nomic]
 """
 
 from __future__ import annotations
@@ -289,6 +296,43 @@ def every_path(folder: Path, texts: list[str], reference: torch.Tensor, args) ->
         print(f"{path:42s} {cosines.min():.7f} / {cosines.mean():.7f}; {(vectors - reference).abs().max():.1e}")
 
 
+def nomic_against_llama_server(texts: list[str], args) -> None:
+    """``--nomic``: a tiny nomic-bert file's vectors from llama-server and from us."""
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from builders_embeddings import nomic_bert, write_nomic_bert_gguf
+
+    from llama_chat.inference.embedding import Embedder
+    from llama_chat.model.loader import load_model
+
+    # The build --llama-server makes (llama_cpp_peer.py), used as it is: never built again here.
+    server = max((Path.home() / ".cache" / "llama-chat-bench" / "build").glob("*/bin/llama-server"), default=None)
+    if server is None:
+        raise SystemExit("llama-server is not built yet: run this script with --llama-server once")
+    texts = [t[:300] for t in texts]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_nomic_bert_gguf(Path(tmp) / "nomic-tiny.gguf", nomic_bert(seed=1, dim=64, heads=4, hidden=96),
+                                     context=512)
+        embedder = Embedder(load_model(path, device="cpu"))
+        ours = torch.stack([e.vector for e in embedder.embed([embedder.text_ids(t, truncate=True) for t in texts])])
+        url = f"http://127.0.0.1:{free_port()}"
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        proc = started([str(server), "-m", str(path), "--embedding", "--pooling", "mean",
+                        "-t", str(args.threads), "-c", str(512 * 8), "-np", "8", "-b", "4096", "-ub", "4096",
+                        "--port", url.rsplit(":", 1)[1]], url, env)
+        try:
+            theirs = served_vectors(url, texts, args.batch)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    cosines = torch.nn.functional.cosine_similarity(ours, theirs.float(), dim=-1)
+    print(f"{server} (llama-cpp-python {server.parent.parent.name}'s llama.cpp): a tiny random nomic-bert "
+          f"(dim 64, 2 layers, mean pooling), {len(texts)} lines")
+    print(f"ours against llama-server --embedding: cosine min {cosines.min():.7f}, mean {cosines.mean():.7f}; "
+          f"largest difference {(ours - theirs).abs().max():.1e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
@@ -300,11 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beside-chat", action="store_true")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--paths", action="store_true")
+    parser.add_argument("--nomic", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = args.model or packaged_model()
     if args.beside_chat:
         beside_chat(folder, sentences(args.sentences), args)
+        return 0
+    if args.nomic:
+        nomic_against_llama_server(sentences(args.sentences), args)
         return 0
 
     from sentence_transformers import SentenceTransformer
