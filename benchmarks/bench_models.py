@@ -327,7 +327,7 @@ def timed(server: tuple[subprocess.Popen, str], new: int, i: int) -> dict[str, f
 
 
 def speed(models: list[str], work: str, pairs: int, new: int) -> dict:
-    names = [os.path.basename(m) for m in models]
+    names = [Path(m).stem for m in models]
     alone, alone_url = start(models[:1], work, "alone")
     beside, beside_url = start(models, work, "beside", "--keep-alive", "-1")
     try:
