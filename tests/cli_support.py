@@ -10,15 +10,17 @@ import re
 import select
 import subprocess
 import sys
+import termios
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import pexpect
 import sentencepiece as spm
 import torch
 
 from builders import random_model, tiny_args, train_sentencepiece, write_meta_checkpoint
-from forkserver import FORKS_ENV, ForkServer, needs_own_start
+from forkserver import FORKS_ENV, ForkServer, forked_spawn, needs_own_start
 
 # Escape sequences: CSI and the like (colours, cursor shown or hidden, erase line), and the
 # two-byte save and restore cursor (ESC 7, ESC 8).
@@ -109,13 +111,27 @@ def run_cli(*args: str, stdin: bytes | None = None, timeout: float = RUN_TIMEOUT
     return server.run(argv, input=stdin, env=run_env, timeout=timeout)
 
 
-def popen_cli(argv: list[str], env: dict[str, str], **streams) -> subprocess.Popen:
-    """``subprocess.Popen(argv, env=env, **streams)`` for a command that runs until it is stopped
-    (a server), forked where ``run_cli`` would fork it."""
+def popen_cli(argv: list[str], env: dict[str, str], *, terminal: bool = False, **streams) -> subprocess.Popen:
+    """``subprocess.Popen(argv, env=env, **streams)``, forked where ``run_cli`` would fork it.
+    ``terminal``: stdin is a pseudo-terminal, made the command's controlling terminal."""
     server = fork_server()
     if server is None or needs_own_start(env, server.env):
-        return subprocess.Popen(argv, env=env, **streams)
-    return server.popen(argv, env=env, **streams)
+        return subprocess.Popen(argv, env=env, preexec_fn=_controlling_terminal if terminal else None, **streams)
+    return server.popen(argv, env=env, terminal=terminal, **streams)
+
+
+def _controlling_terminal() -> None:
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def spawn_cli(args: list[str], env: dict[str, str], **spawn) -> pexpect.spawn:
+    """``pexpect.spawn`` of the command with ``args``, forked where ``run_cli`` would fork it."""
+    command = llama_chat_command()
+    server = fork_server()
+    if server is None or needs_own_start(env, server.env) or "preexec_fn" in spawn:
+        return pexpect.spawn(command[0], [*command[1:], *args], env=env, **spawn)
+    return forked_spawn(server)(command[0], [*command[1:], *args], env=env, **spawn)
 
 
 def fork_server() -> ForkServer | None:

@@ -16,6 +16,7 @@ The server's side: ``python tests/forkserver.py SOCKET``. The tests' side: ``For
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import selectors
@@ -25,6 +26,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 from pathlib import Path
@@ -33,8 +35,9 @@ from pathlib import Path
 FORKS_ENV = "LLAMA_CHAT_TEST_FORKS"
 # What the interpreter, OpenMP or torch read once, at start or at import: a run whose
 # environment sets one of these to another value than the server's starts on its own.
+# (The terminal's variables, TERM, NO_COLOR, COLUMNS and LINES, are read as the command runs.)
 START_UP_PREFIXES = ("PYTHON", "LC_", "LANG", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "CUDA",
-                     "LD_", "MALLOC_", "NO_COLOR", "TERM", "COLUMNS", "LINES")
+                     "LD_", "MALLOC_")
 # Of those, read again at each use: the compile cache's folder, which the tests' own process sets
 # once it compiles (inference/decode_step.py).
 READ_AT_USE = {"TORCHINDUCTOR_CACHE_DIR"}
@@ -115,9 +118,15 @@ def _run(request: dict, fds: list[int], main) -> None:
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if request.get("terminal"):
+            os.setsid()  # a session of its own, whose controlling terminal its stdin becomes
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        if request.get("terminal"):
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        # As the interpreter sets it at start: line by line to a terminal, in blocks otherwise.
+        sys.stdout.reconfigure(line_buffering=os.isatty(1))
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -183,10 +192,11 @@ class ForkServer:
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
     def popen(self, argv: list[str], *, env: dict[str, str], stdin=None, stdout=None, stderr=None,
-              cwd: str | None = None) -> ForkedProcess:
+              cwd: str | None = None, terminal: bool = False) -> ForkedProcess:
         """A forked run with ``subprocess.Popen``'s face for what the tests use of it; each of the
         three streams is ``subprocess.PIPE`` (a pipe, as the attribute of that name),
-        ``subprocess.DEVNULL``, a descriptor or a file, or None (this process's own)."""
+        ``subprocess.DEVNULL``, a descriptor or a file, or None (this process's own). ``terminal``:
+        stdin is a terminal, which becomes the run's controlling terminal, in a session of its own."""
         ends, theirs = {}, []
         for name, how, fd, reading in (("stdin", stdin, 0, False), ("stdout", stdout, 1, True),
                                        ("stderr", stderr, 2, True)):
@@ -204,7 +214,7 @@ class ForkServer:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(self.path)
-            request = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd()}).encode()
+            request = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "terminal": terminal}).encode()
             socket.send_fds(connection, [request], theirs)
             pid = _STATUS.unpack(_receive(connection, _STATUS.size, time.monotonic() + 60))[0]
         except BaseException:
@@ -287,6 +297,52 @@ class ForkedProcess:
         self.returncode = _STATUS.unpack(self._received)[0]
         self._connection.close()
         return self.returncode
+
+
+def forked_spawn(server: ForkServer):
+    """``pexpect.spawn`` for runs forked by ``server``: the same object, on a pseudo-terminal that
+    is the run's controlling terminal."""
+    import pexpect
+    import ptyprocess
+
+    class ForkedPty(ptyprocess.PtyProcess):
+        def __init__(self, forked: ForkedProcess, fd: int) -> None:
+            super().__init__(forked.pid, fd)
+            self.forked = forked
+
+        def isalive(self) -> bool:
+            return not self.terminated and not self._ended(self.forked.poll())
+
+        def wait(self) -> int | None:
+            self._ended(self.forked.wait())
+            return self.exitstatus
+
+        def _ended(self, code: int | None) -> bool:
+            if code is None:
+                return False
+            self.terminated = True
+            self.exitstatus, self.signalstatus = (code, None) if code >= 0 else (None, -code)
+            self.status = code
+            return True
+
+    class ForkedSpawn(pexpect.spawn):
+        def _spawnpty(self, args, env=None, cwd=None, dimensions=None, echo=True, **_):
+            primary, secondary = os.openpty()
+            rows, columns = dimensions or (24, 80)
+            fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+            if not echo:
+                attrs = termios.tcgetattr(secondary)
+                attrs[3] &= ~termios.ECHO
+                termios.tcsetattr(secondary, termios.TCSANOW, attrs)
+            try:
+                argv = [a.decode() if isinstance(a, bytes) else a for a in args]
+                forked = server.popen(argv, env=dict(env if env is not None else os.environ), stdin=secondary,
+                                      stdout=secondary, stderr=secondary, cwd=cwd, terminal=True)
+            finally:
+                os.close(secondary)
+            return ForkedPty(forked, primary)
+
+    return ForkedSpawn
 
 
 def _receive(connection: socket.socket, size: int, deadline: float) -> bytes:

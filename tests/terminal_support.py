@@ -9,7 +9,6 @@ import os
 import re
 import select
 import struct
-import subprocess
 import termios
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import sentencepiece as spm
 import torch
 
 from builders import random_model, tiny_args, write_meta_checkpoint
-from cli_support import cli_env, llama_chat_command
+from cli_support import cli_env, llama_chat_command, popen_cli
 
 WAIT_S = 60.0  # how long to wait for something that must happen, on however busy a machine
 
@@ -74,13 +73,8 @@ class Pty:
         attrs[3] |= termios.ECHO | termios.ECHOCTL | termios.ISIG | termios.ICANON
         termios.tcsetattr(secondary, termios.TCSANOW, attrs)
 
-        def become_controlling_terminal() -> None:
-            os.setsid()
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-        self.proc = subprocess.Popen([*llama_chat_command(), *args], stdin=secondary, stdout=secondary,
-                                     stderr=secondary, preexec_fn=become_controlling_terminal,
-                                     env=cli_env(TERM="xterm-256color", **env))
+        self.proc = popen_cli([*llama_chat_command(), *args], cli_env(TERM="xterm-256color", **env), stdin=secondary,
+                              stdout=secondary, stderr=secondary, terminal=True)
         os.close(secondary)
         self.shown = b""
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from builders import random_model, tiny_args, write_meta_checkpoint
-from cli_support import build_tiny_model, cli_env, llama_chat_command, run_cli
+from cli_support import build_tiny_model, cli_env, llama_chat_command, run_cli, spawn_cli
 from llama_chat.cmd.generation_source import SINGLE_STREAM_PAGE_SIZE as CHAT_PAGE_SIZE
 from llama_chat.model.tokenizers.tiktoken import NUM_SPECIAL_TOKENS, read_ranks
 from terminal_support import Pty, held_bytes_model, save_and_leave, screen
@@ -64,9 +64,8 @@ def held(tmp_path_factory, sp_model_path) -> Path:
 
 
 def spawn(*args: str, tmp_path) -> pexpect.spawn:
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], *args], env=cli_env(XDG_STATE_HOME=str(tmp_path)),
-                          timeout=WAIT_S, encoding="utf-8", dimensions=(40, 160))
+    child = spawn_cli([*args], env=cli_env(XDG_STATE_HOME=str(tmp_path)),
+                      timeout=WAIT_S, encoding="utf-8", dimensions=(40, 160))
     child.expect_exact(">>> ")
     return child
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pexpect
 import pytest
 import torch
 
 from builders import random_model, tiny_args, write_meta_checkpoint
-from cli_support import build_tiny_model, cli_env, command_request, json_result, llama_chat_command, run_cli
+from cli_support import build_tiny_model, cli_env, command_request, json_result, run_cli, spawn_cli
 from llama_chat.inference.beam import BeamLimits, BeamSearch
 from llama_chat.inference.scheduler import Scheduler
 from llama_chat.inference.types import GenerationState
@@ -152,11 +151,10 @@ def chat_model(tmp_path_factory, sp_model_path, sp_vocab_size) -> Path:
 
 
 def test_chat_set_changes_every_control_and_beam_replies(chat_model, tmp_path):
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", str(chat_model), "--template", "llama2", "-n", "6", "-t", "0",
-                                   "--no-history"],
-                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
-                          dimensions=(40, 200))
+    child = spawn_cli(["-m", str(chat_model), "--template", "llama2", "-n", "6", "-t", "0",
+                       "--no-history"],
+                      env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
+                      dimensions=(40, 200))
     child.expect_exact(">>> ")
     for setting, shown in [("top-k=5", "top_k = 5"), ("min_p=0.1", "min_p = 0.1"), ("typical_p=0.9", "typical_p = 0.9"),
                            ("repeat_penalty=1.3", "repetition_penalty = 1.3"), ("repeat_last_n=32", "repeat_last_n = 32"),
@@ -191,10 +189,9 @@ def test_chat_set_changes_every_control_and_beam_replies(chat_model, tmp_path):
 
 
 def test_chat_set_takes_name_value_or_name_equals_value_and_suggests_a_name(chat_model, tmp_path):
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", str(chat_model), "--template", "llama2", "-n", "4", "--no-history"],
-                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
-                          dimensions=(40, 200))
+    child = spawn_cli(["-m", str(chat_model), "--template", "llama2", "-n", "4", "--no-history"],
+                      env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
+                      dimensions=(40, 200))
     child.expect_exact(">>> ")
     for typed, shown in [("/set temperature 0.5", "temperature = 0.5"), ("/set temperature=0", "temperature = 0.0"),
                          ("/set top-k 7", "top_k = 7"), ("/set stop </s>", "stop = ['</s>']"),

@@ -12,7 +12,7 @@ import pexpect
 import pytest
 from tokenizers import Tokenizer
 
-from cli_support import cli_env, llama_chat_command, run_cli
+from cli_support import cli_env, run_cli, spawn_cli
 from llama_chat.cmd.sanitize import displayable
 from terminal_support import WAIT_S
 from tool_builders import build_tool_model
@@ -44,9 +44,8 @@ def as_json(model, *args: str) -> dict:
 
 
 def on_terminal(model, *args: str) -> str:
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", str(model), "-p", "Hello", *ARGS, *args], env=cli_env(),
-                          timeout=WAIT_S, encoding="utf-8", dimensions=(40, 160))
+    child = spawn_cli(["-m", str(model), "-p", "Hello", *ARGS, *args], env=cli_env(),
+                      timeout=WAIT_S, encoding="utf-8", dimensions=(40, 160))
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0, child.before
@@ -82,10 +81,9 @@ def test_a_pipe_gets_the_answer_only(qwen3, record):
 
 def test_think_off_on_the_command_line_and_in_the_chat(qwen3, tmp_path):
     assert "reasoning" not in as_json(qwen3, "--think", "off")
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", str(qwen3), *ARGS, "--no-history"],
-                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
-                          dimensions=(40, 160))
+    child = spawn_cli(["-m", str(qwen3), *ARGS, "--no-history"],
+                      env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
+                      dimensions=(40, 160))
     child.expect_exact(">>> ")
     child.sendline("Hello")
     child.expect_exact("thought for")
@@ -105,14 +103,13 @@ def test_think_off_on_the_command_line_and_in_the_chat(qwen3, tmp_path):
 
 
 def test_ctrl_c_during_the_thinking_keeps_it_as_thinking_not_as_content(r1, tmp_path):
-    cmd = llama_chat_command()
     # The template opens the thinking; no budget, and the end tags banned: it thinks until stopped.
     vocab = Tokenizer.from_file(str(r1 / "tokenizer.json"))
     banned = [f"{vocab.token_to_id(t)}=-inf" for t in ("</think>", "<|im_end|>", "<|endoftext|>")]
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", str(r1), "-t", "0", "-n", "4000", "--no-history",
-                                   *(a for b in banned for a in ("--logit-bias", b))],
-                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
-                          dimensions=(40, 160))
+    child = spawn_cli(["-m", str(r1), "-t", "0", "-n", "4000", "--no-history",
+                       *(a for b in banned for a in ("--logit-bias", b))],
+                      env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, encoding="utf-8",
+                      dimensions=(40, 160))
     child.expect_exact(">>> ")
     child.sendline("Hello")
     child.expect("(?s)(\x1b\\[2m.*?){5}")  # five pieces of the thinking drawn, dimmed

@@ -599,14 +599,13 @@ def test_batch_lines_each_with_their_own_constraint(tiny, tmp_path):
 def test_chat_set_format_and_schema(tiny, tmp_path):
     import pexpect
 
-    from cli_support import cli_env, llama_chat_command
+    from cli_support import cli_env, spawn_cli
 
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(CLI_SCHEMA))
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", str(tiny.path), "--template", "llama2", "-t", "0", "-n", "300"],
-                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=120, encoding="utf-8",
-                          dimensions=(40, 160))
+    child = spawn_cli(["-m", str(tiny.path), "--template", "llama2", "-t", "0", "-n", "300"],
+                      env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=120, encoding="utf-8",
+                      dimensions=(40, 160))
     child.expect_exact(">>> ")
     child.sendline("/set regex [a-z]{2")
     child.expect_exact("unclosed counted repetition")

@@ -256,12 +256,11 @@ def test_the_command_runs_a_packed_gguf_and_stats_name_its_format(files):
 def test_the_chats_stats_name_the_weights(files, tmp_path):
     import pexpect
 
-    from cli_support import cli_env, llama_chat_command
+    from cli_support import cli_env, spawn_cli
 
-    command = llama_chat_command()
-    child = pexpect.spawn(command[0], [*command[1:], "-m", str(files["q4_k", True]), "--template", "llama2", "-n", "4",
-                                       "-t", "0"], env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=120,
-                          encoding="utf-8", dimensions=(40, 200))
+    child = spawn_cli(["-m", str(files["q4_k", True]), "--template", "llama2", "-n", "4",
+                       "-t", "0"], env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=120,
+                      encoding="utf-8", dimensions=(40, 200))
     child.expect_exact(">>> ")
     child.sendline("hello")
     child.expect_exact(">>> ")

@@ -21,7 +21,7 @@ import httpx
 import pexpect
 import pytest
 
-from cli_support import build_tiny_model, cli_env, llama_chat_command
+from cli_support import build_tiny_model, cli_env, spawn_cli
 from serve_support import WAIT_S, start_server, stop_server, wait_for
 from test_hostile_inputs_2 import _gguf_bytes, one_error, run
 
@@ -285,9 +285,8 @@ def test_a_deep_batch_line_is_its_own_error_and_the_other_lines_run(tmp_path, ti
 
 
 def test_a_chat_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(tmp_path, tiny):
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", str(tiny.path), "--template", "llama2", "-t", "0", "-n", "4"],
-                          env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, dimensions=(40, 400))
+    child = spawn_cli(["-m", str(tiny.path), "--template", "llama2", "-t", "0", "-n", "4"],
+                      env=cli_env(XDG_STATE_HOME=str(tmp_path)), timeout=WAIT_S, dimensions=(40, 400))
     try:
         child.expect_exact(b">>> ")
         child.sendline(b"hi \xff there")

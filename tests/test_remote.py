@@ -20,7 +20,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from cli_support import build_tiny_model, cli_env, llama_chat_command, run_cli
+from cli_support import build_tiny_model, cli_env, run_cli, spawn_cli
 from llama_chat.inference.remote import (DialogCarrier, RemoteError, RemoteRequestError, RemoteSource, TextCarrier,
                                          connect)
 from llama_chat.inference.types import GenerationState, Request
@@ -192,10 +192,9 @@ def test_a_batch_runs_against_a_remote_model(server, tmp_path):
 
 def chat_of_two_turns(server, tmp_path) -> pexpect.spawn:
     """The chat against the server on a pty, after two short greedy turns, at its prompt."""
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-m", spec(server), "-t", "0", "-n", "6", "--no-history"],
-                          env=cli_env(XDG_STATE_HOME=str(tmp_path), OPENAI_API_KEY=KEY), timeout=WAIT_S,
-                          encoding="utf-8", dimensions=(40, 160))
+    child = spawn_cli(["-m", spec(server), "-t", "0", "-n", "6", "--no-history"],
+                      env=cli_env(XDG_STATE_HOME=str(tmp_path), OPENAI_API_KEY=KEY), timeout=WAIT_S,
+                      encoding="utf-8", dimensions=(40, 160))
     child.expect_exact("chatting with tiny")
     child.expect_exact(">>> ")
     for message in ("Tell me about the fox", "And the dog?"):
