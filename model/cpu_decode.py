@@ -12,13 +12,13 @@ parts of a head, Gemma's scaled embedding, GeGLU, output norms, windows, scores'
 caps, and each layer's rotary table (``step_switches``). A model with a switch it lacks
 (``operator_gaps``) keeps the layers.
 
-* ``Transformer.forward`` hands it a forward when ``takes`` says so: one token of one row, on the
-  CPU, without gradients, over a ``KVCache``, with fused projections whose weights the operator
-  reads (float32, bfloat16, float16, int8 with per-row scales, or GGUF's packed blocks:
-  ``ml/packed.py``; a GGUF file's 16-bit weights are ``ml/half.py``'s layers),
-  the operator loaded (``forward``);
-* the scheduler hands it a step of one-token rows over its page pool, each row with its own
-  position and block table (``takes_rows``, ``forward_rows``).
+* the engine's ``ModelStep`` asks ``operator_for`` for a ``Decoder`` of one token of one row over
+  a dense ``KVCache`` where ``takes`` says it reads the model: on the CPU, without gradients, with
+  fused projections whose weights the operator reads (float32, bfloat16, float16, int8 with
+  per-row scales, or GGUF's packed blocks: ``ml/packed.py``; a GGUF file's 16-bit weights are
+  ``ml/half.py``'s layers), the operator loaded. The model's own ``forward`` never calls it;
+* the scheduler's backends hand it a step of one-token rows over its page pool, each row with its
+  own position and block table (``takes_rows``, ``operator_for``, ``forward_rows``).
 
 The tensors the operator reads are gathered once per model and kept: the norms as float32 copies,
 everything else as the model's own tensors, whose weights are first moved into one block of
