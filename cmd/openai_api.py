@@ -33,7 +33,7 @@ from llama_chat.model.chat_format import Message
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
                414: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
-               500: "server_error", 503: "server_error"}
+               500: "server_error", 502: "server_error", 503: "server_error", 507: "server_error"}
 
 # Our finish reasons in OpenAI's words, and only its words: a job cut off by the server's shutdown
 # was cut short, as one that ran out of tokens is; one that failed is answered with an error.
