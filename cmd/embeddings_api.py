@@ -30,7 +30,7 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +40,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llama_chat.cmd.openai_api import ApiError, bad
+from llama_chat.cmd.serve_app import ServerState, _json_body
+from llama_chat.cmd.served import Served, wrong_kind
 # Not inference/embedding.py's names at start: it imports torch, which the server imports in the
 # thread that loads the model, so that torch's threads start with the signals blocked.
 from llama_chat.ml.controls import MAX_EMBEDDING_INPUTS as MAX_INPUTS
+
 if TYPE_CHECKING:
-    from llama_chat.cmd.serve_app import Served, ServerState
     from llama_chat.inference.embedding import Embedded
 
 ENCODING_FORMATS = ("float", "base64")
@@ -77,9 +79,11 @@ class RerankRequest:
     instruction: str | None = None
 
 
-def embedding_routes(state: ServerState, endpoint: Callable, json_body: Callable[[HttpRequest], Awaitable[dict]]
-                     ) -> list[Route]:
+def embedding_routes(state: ServerState, endpoint: Callable) -> list[Route]:
     """The routes, wrapped by the server's ``endpoint`` (the key, OpenAI's error object)."""
+
+    async def json_body(request: HttpRequest) -> dict:
+        return await _json_body(state, request)
 
     async def openai_embeddings(request: HttpRequest) -> Response:
         served = state.require_ready()
@@ -106,7 +110,7 @@ def embedding_routes(state: ServerState, endpoint: Callable, json_body: Callable
 
         reranker = served.embedder
         if not isinstance(reranker, Reranker):
-            raise _wrong_kind(served, "ranks no documents; serve a reranker (a cross-encoder or Qwen3-Reranker) "
+            raise wrong_kind(served, "ranks no documents; serve a reranker (a cross-encoder or Qwen3-Reranker) "
                                       "for them")
         try:
             scores, tokens = await anyio.to_thread.run_sync(reranker.scores, asked.query, asked.documents,
@@ -120,30 +124,12 @@ def embedding_routes(state: ServerState, endpoint: Callable, json_body: Callable
             *(Route(path, endpoint(rerank), methods=["POST"]) for path in RERANK_PATHS)]
 
 
-_DOES = {"chat": "generates text", "embedding": "makes embeddings (POST /v1/embeddings)",
-         "rerank": "ranks documents (POST /v1/rerank)"}
-
-
-def _wrong_kind(served: Served, what_not: str) -> ApiError:
-    kind = served.loaded.kind
-    article = "an" if kind == "embedding" else "a"
-    name = {"rerank": "reranker", "embedding": "embedding model", "chat": "chat model"}[kind]
-    return bad(f"the model {served.model_id!r} is {article} {name}: it {_DOES[kind]} and {what_not}", "model",
-               code="unsupported_model")
-
-
-def refuse_generation(served: Served) -> None:
-    """A chat or completion asked of an embedding model or a reranker: a 400 naming what it is for."""
-    if served.embedder is not None:
-        raise _wrong_kind(served, "generates no text")
-
-
 async def _embed(served: Served, asked: EmbeddingRequest) -> list[Embedded]:
     from llama_chat.inference.embedding import Embedder, EmbeddingInputError
 
     embedder = served.embedder
     if not isinstance(embedder, Embedder):
-        raise _wrong_kind(served, "makes no embeddings; serve an embedding model (a sentence-transformers or "
+        raise wrong_kind(served, "makes no embeddings; serve an embedding model (a sentence-transformers or "
                                   "BERT folder) for them")
 
     def run() -> list[Embedded]:

@@ -40,7 +40,7 @@ from llama_chat.inference.remote import RemoteSpec, is_remote
 from llama_chat.inference.serving import Snapshot
 
 if TYPE_CHECKING:
-    from llama_chat.cmd.serve_app import Served
+    from llama_chat.cmd.served import Served
 
 DEFAULT_KEEP_ALIVE = "5m"  # Ollama's
 # How long a request waits for a model slot (every one busy under --models-max) before a 503.

@@ -34,7 +34,8 @@ from llama_chat.cmd.models import ModelEntry, wall_time
 from llama_chat.cmd.openai_api import (ApiError, Generation, LogprobsWriter, bad, dumps, finish_reason, format_setting,
                                        read_settings, read_tools)
 from llama_chat.cmd.options import CONSTRAINT_OPTIONS
-from llama_chat.cmd.serve_app import JSON_HEADERS, GenerationResponse, Served, ServerState, _generate, _json_body
+from llama_chat.cmd.serve_app import JSON_HEADERS, GenerationResponse, ServerState, _generate, _json_body
+from llama_chat.cmd.served import Served
 from llama_chat.inference.fim import Infill, NoFimTokens, find_fim_tokens
 from llama_chat.inference.tool_calls import ToolCall, ToolError, check_results
 from llama_chat.inference.tool_formats import FORMATS, ToolFormat, called_tool

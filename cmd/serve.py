@@ -43,7 +43,13 @@ from llama_chat.cmd.options import BATCH, Options, ranged
 from llama_chat.cmd.ps_command import DEFAULT_HOST, DEFAULT_PORT
 from llama_chat.cmd.responses_api import DEFAULT_STORED, DEFAULT_STORED_BYTES, ResponseStore
 from llama_chat.cmd.sanitize import one_line
-from llama_chat.cmd.serve_app import Served, ServerState, build_app
+from llama_chat.cmd.embeddings_api import embedding_routes
+from llama_chat.cmd.fim_api import infill_routes
+from llama_chat.cmd.models_api import model_routes, with_model
+from llama_chat.cmd.ollama_api import ollama_routes
+from llama_chat.cmd.serve_app import ServerState, build_app
+from llama_chat.cmd.served import Served
+from llama_chat.cmd.tokens_api import token_routes
 from llama_chat.cmd.signals import hard_exit, install_sync_handlers
 from llama_chat.cmd.startup import STOP_SIGNALS, Terminated
 from llama_chat.cmd.typer_command import GroupedHelp, command, new_app
@@ -344,7 +350,8 @@ async def _serve(opts: ServeOptions, sock: socket.socket, log: ServerLog, entrie
     state = ServerState(api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, log=log.note,
                         read_timeout_s=opts.read_timeout,
                         responses=ResponseStore(opts.store_responses, opts.store_responses_bytes))
-    app = build_app(state, cors_origins=tuple(opts.cors_origin or ()))
+    app = build_app(state, cors_origins=tuple(opts.cors_origin or ()), pick=with_model,
+                    routes=(embedding_routes, ollama_routes, token_routes, infill_routes, model_routes))
     config = uvicorn.Config(app, http=guarded_protocol(opts.read_timeout), lifespan="off", log_config=None,
                             access_log=False, server_header=False, ws="none",
                             timeout_graceful_shutdown=int(opts.shutdown_grace + CONNECTIONS_MARGIN_S))

@@ -28,9 +28,8 @@ import time
 import uuid
 import weakref
 from functools import partial
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -44,16 +43,16 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
 from llama_chat.cmd.anthropic_api import MessageReply, error_body, matched_stop, parse_messages, sse
-from llama_chat.cmd.embeddings_api import embedding_routes, refuse_generation
 from llama_chat.cmd.http_protocol import CLOSE, head_refusal
 from llama_chat.cmd.openai_api import (ApiError, ChatMessage, Generation, LogprobsWriter, Reply, StreamEvents, bad,
                                        dumps, event, parse_chat, parse_completion, tool_call_deltas, usage)
-from llama_chat.cmd.prompt import dialog_ids, thinking_model
+from llama_chat.cmd.prompt import dialog_ids
 from llama_chat.cmd.responses_api import (ResponseBuilder, ResponseStore, not_found, parse_responses,
                                           responses_usage, status_of)
 from llama_chat.cmd.sanitize import one_line
+from llama_chat.cmd.served import Served, refuse_generation
 from llama_chat.inference.fim import FimPrompt, Infill, NoFimTokens, fill_in_the_middle
-from llama_chat.inference.reasoning import Thinking, ThinkTags, thinking_request
+from llama_chat.inference.reasoning import Thinking, thinking_request
 from llama_chat.inference.serving import NotAccepting, Overloaded, ServingMetrics, Snapshot
 from llama_chat.inference.tool_calls import call_id
 from llama_chat.inference.tool_formats import FORMATS, ToolFormat, prepare_dialog, tool_grammar
@@ -67,10 +66,7 @@ from llama_chat.model.tokenizers.base import encode_prompt
 
 if TYPE_CHECKING:
     from llama_chat.cmd.models import Models
-    from llama_chat.cmd.options import Options
-    from llama_chat.inference.embedding import Embedder, Reranker
-    from llama_chat.inference.serving import Choice, Serving
-    from llama_chat.model.loader import LoadedModel
+    from llama_chat.inference.serving import Choice
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
                     "/api/chat", "/api/generate", "/infill")
@@ -88,29 +84,6 @@ SHOWN_PATH_CHARS = 200
 # keep an arena of memory of their own), while small ones go on beside them.
 LARGE_BODY_BYTES = 64 * 1024
 LARGE_BODIES_AT_ONCE = 2
-
-
-@dataclass(frozen=True)
-class Served:
-    """The loaded model as the routes use it."""
-
-    loaded: LoadedModel
-    serving: Serving
-    opts: Options  # the command's options: the base of every request (``Options.request``)
-    names: frozenset[str]  # the names it answers to; ``loaded.name`` is the one listed and reported
-    created: int
-    tool_format: ToolFormat = FORMATS["generic"]  # how its replies write tool calls (--tool-format)
-    # An embedding model's or a reranker's (then ``serving`` is None: no generation).
-    embedder: Embedder | Reranker | None = None
-    # A thinking model's tags and tokenizer (``cmd/prompt.thinking_model``); None: it does not think.
-    think: tuple[ThinkTags, Any] | None = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "think", thinking_model(self.loaded) if self.loaded.kind == "chat" else None)
-
-    @property
-    def model_id(self) -> str:
-        return self.loaded.name
 
 
 # With several models, the one a request's body names, picked (and loaded) before its route runs
@@ -183,7 +156,17 @@ def shown_path(path: str) -> str:
 # -- routes ----------------------------------------------------------------------------------------
 
 
-def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGIApp:
+# A module's routes (``embeddings_api``, ``ollama_api``, ...), made with the server's state and its
+# ``endpoint`` wrapper.
+RouteMaker = Callable[["ServerState", Callable], list[Route]]
+# With several models: the model a POST's body names, acquired around its route (``models_api``).
+Picker = Callable[["ServerState", HttpRequest, Callable[[HttpRequest], Awaitable[Response]]], Awaitable[Response]]
+
+
+def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = (), routes: Sequence[RouteMaker] = (),
+              pick: Picker | None = None) -> ASGIApp:
+    """The server's app: its own routes, then ``routes``' (the modules that build on this one are
+    passed in by ``serve.py``, which imports them all; none is imported here)."""
     def endpoint(handler: Callable[[HttpRequest], Awaitable[Response]], *, public: bool = False,
                  anthropic: bool = False, error_shape: Callable[[ApiError], dict[str, Any]] | None = None,
                  picks: bool = True):
@@ -193,10 +176,8 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
             try:
                 if not public:
                     _authorize(state, request)
-                if state.models is not None and picks and request.method == "POST":
-                    from llama_chat.cmd.models_api import with_model
-
-                    return await with_model(state, request, handler)
+                if state.models is not None and picks and request.method == "POST" and pick is not None:
+                    return await pick(state, request, handler)
                 return await handler(request)
             except ApiError as e:
                 request.scope[LOG_DETAIL] = e.message
@@ -279,8 +260,7 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
         Route("/v1/messages", endpoint(messages, anthropic=True), methods=["POST"]),
         Route("/v1/responses", endpoint(responses), methods=["POST"]),
         Route("/v1/responses/{id}", endpoint(stored_response), methods=["GET", "DELETE"]),
-        *embedding_routes(state, endpoint, lambda request: _json_body(state, request)),
-        *_translated_routes(state, endpoint),
+        *(route for make in routes for route in make(state, endpoint)),
     ]
     middleware = [Middleware(RequestLog, state=state)]
     if cors_origins:
@@ -289,19 +269,6 @@ def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> ASGI
                                      allow_headers=["Authorization", "Content-Type", "X-Api-Key",
                                                     "Anthropic-Version"]))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: http_error})
-
-
-def _translated_routes(state: ServerState, endpoint: Callable) -> list[Route]:
-    """Ollama's API (``ollama_api.py``), the token routes (``tokens_api.py``) and llama-server's
-    /infill (``fim_api.py``). Their modules
-    build on the responses and helpers defined here, so they are imported once this one is."""
-    from llama_chat.cmd.fim_api import infill_routes
-    from llama_chat.cmd.models_api import model_routes
-    from llama_chat.cmd.ollama_api import ollama_routes
-    from llama_chat.cmd.tokens_api import token_routes
-
-    return [*ollama_routes(state, endpoint), *token_routes(state, endpoint), *infill_routes(state, endpoint),
-            *model_routes(state, endpoint)]
 
 
 def _kv_memory_lines(stats) -> str:

@@ -23,12 +23,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llama_chat.cmd.anthropic_api import parse_count
-from llama_chat.cmd.embeddings_api import refuse_generation
 from llama_chat.cmd.openai_api import bad, parse_chat
 from llama_chat.cmd.prompt import dialog_ids, dialog_text
 from llama_chat.cmd.sanitize import one_line
-from llama_chat.cmd.serve_app import (LARGE_BODY_BYTES, Served, ServerState, _check_model, _parse_body, _prompt_ids,
-                                      _read_body, dialog_parts, request_thinking)
+from llama_chat.cmd.serve_app import (LARGE_BODY_BYTES, ServerState, _check_model, _parse_body, _prompt_ids, _read_body,
+                                      dialog_parts, request_thinking)
+from llama_chat.cmd.served import Served, refuse_generation
 from llama_chat.model.chat_format import encode_allowing_special
 from llama_chat.model.tokenizers.base import Tokenizer, encode_prompt
 
