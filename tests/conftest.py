@@ -41,6 +41,14 @@ LONGEST_FIRST = ("test_tools.py", "test_hostile_inputs_2.py", "test_cli_one_shot
                  "test_cli_terminal.py", "test_remote.py", "test_cli_signals.py", "test_f16_weights.py")
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """One worker more than the cores (``--numprocesses=logical`` in pyproject.toml, at most
+    ``--maxprocesses``): a worker spends part of its time waiting on the command's processes and
+    servers it started, and a third worker on two cores keeps both busy (docs/benchmarks.md, "The
+    test suite")."""
+    return (os.cpu_count() or 1) + 1
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
