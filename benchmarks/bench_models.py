@@ -57,7 +57,7 @@ import httpx
 import torch
 
 from bench_gpu import write_checkpoint
-from bench_serve import CONFIG, child_env, emit, free_port, llama_chat, post as post_stream, rss_mib, sse_data, stop
+from bench_serve import CONFIG, emit, launch, llama_chat, post as post_stream, rss_mib, sse_data, stop
 
 START_S = 300.0
 REQUEST_S = 600.0
@@ -70,24 +70,9 @@ PEER_CACHE = Path(os.environ.get("LLAMA_CHAT_BENCH_CACHE", Path.home() / ".cache
 
 
 def start(models: list[str], work: str, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(os.path.join(work, f"{name}.log"), "wb")
     args = [arg for model in models for arg in ("-m", model)]
-    proc = subprocess.Popen([*llama_chat(), "serve", *args, "--port", str(port), "--template", "none", *extra],
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"{name}: the server exited {proc.returncode}: {open(log.name, errors='replace').read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    sys.exit(f"{name}: the server did not answer /health 200 in time")
+    return launch(lambda port: [*llama_chat(), "serve", *args, "--port", str(port), "--template", "none", *extra],
+                  os.path.join(work, f"{name}.log"), f"{name}: the server")
 
 
 def ask(url: str, model: str, new: int = 8) -> None:
@@ -246,24 +231,9 @@ def gguf_models(work: str) -> list[str]:
 
 
 def start_router(binary: Path, folder: str, work: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(os.path.join(work, "llama-server.log"), "wb")
-    proc = subprocess.Popen([str(binary), "--models-dir", folder, "--models-max", "2", "--host", "127.0.0.1",
-                             "--port", str(port), "-t", str(os.cpu_count() or 1), "-c", "2048"],
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"llama-server exited {proc.returncode}: {open(log.name, errors='replace').read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    sys.exit("llama-server did not answer /health 200 in time")
+    return launch(lambda port: [str(binary), "--models-dir", folder, "--models-max", "2", "--host", "127.0.0.1",
+                                "--port", str(port), "-t", str(os.cpu_count() or 1), "-c", "2048"],
+                  os.path.join(work, "llama-server.log"), "llama-server", env=dict(os.environ))
 
 
 def router_churn(binary: Path, models: list[str], work: str, requests: int) -> dict:

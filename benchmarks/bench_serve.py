@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -138,15 +138,23 @@ def free_port() -> int:
 
 
 def start_server(model: str, work: str) -> tuple[subprocess.Popen, str]:
+    return launch(lambda port: [*llama_chat(), "serve", "-m", model, "--port", str(port), "--max-batch", str(MAX_BATCH)],
+                  os.path.join(work, "serve.log"))
+
+
+def launch(argv_on: Callable[[int], list[str]], log_path: str, what: str = "the server",
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A server started with ``argv_on(port)`` on a free port, its output in ``log_path``, once its
+    /health says 200; its process and URL (the script exits in one line if it fails to start)."""
     port = free_port()
-    log = open(os.path.join(work, "serve.log"), "wb")
-    proc = subprocess.Popen([*llama_chat(), "serve", "-m", model, "--port", str(port), "--max-batch", str(MAX_BATCH)],
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env())
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(argv_on(port), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            env=child_env() if env is None else env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            sys.exit(f"the server exited {proc.returncode}: {open(log.name, errors='replace').read()[-2000:]}")
+            sys.exit(f"{what} exited {proc.returncode}: {open(log.name, errors='replace').read()[-2000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=10).status_code == 200:
                 return proc, url
@@ -154,7 +162,7 @@ def start_server(model: str, work: str) -> tuple[subprocess.Popen, str]:
             pass
         time.sleep(0.2)
     proc.kill()
-    sys.exit("the server did not answer /health 200 in time")
+    sys.exit(f"{what} did not answer /health 200 in time")
 
 
 def rss_mib(pid: int) -> float:
