@@ -97,8 +97,8 @@ def serve(path: str) -> None:
                     _run(json.loads(message), fds, llama_chat.cmd.main.main)
                 for fd in fds:
                     os.close(fd)
-                connection.sendall(_STATUS.pack(pid))
                 children[pid] = connection
+                _send(connection, pid)
             else:
                 os.read(wake_read, 4096)
                 while children:
@@ -108,7 +108,16 @@ def serve(path: str) -> None:
                     connection = children.pop(pid, None)
                     if connection is not None:
                         with connection:
-                            connection.sendall(_STATUS.pack(os.waitstatus_to_exitcode(status)))
+                            _send(connection, os.waitstatus_to_exitcode(status))
+
+
+def _send(connection: socket.socket, number: int) -> None:
+    """A pid or an exit status to the test that asked; one that went away (a test that failed
+    before it waited) does not end the server."""
+    try:
+        connection.sendall(_STATUS.pack(number))
+    except OSError:
+        pass
 
 
 def _run(request: dict, fds: list[int], main) -> None:
