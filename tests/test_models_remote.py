@@ -1,6 +1,7 @@
 """Several models behind one ``llama-chat serve``, one of them another server's: two tiny GGUF
 models of this process and ``far=openai:URL``, a second ``serve`` of the first GGUF alone. The
-second server is also the one-model server whose greedy text the others are held to.
+second server is also the one-model server whose greedy text the others are held to; ``b`` is held
+to a third, started for that test alone.
 
 The main server reads its models from a ``--models`` file (its settings applied per model: ``b``'s
 context and keep-alive), beside a remote entry whose URL answers nothing. ``llama-chat ps`` and
@@ -95,8 +96,13 @@ def stream(server, model: str, max_tokens: int = 12) -> str:
     return "".join(text)
 
 
-def test_alternating_concurrent_streams_are_each_answered_by_their_model(trio, far):
+def test_alternating_concurrent_streams_are_each_answered_by_their_model(trio, far, files):
     alone = stream(far, "a")  # the one-model server's greedy text
+    b_alone = start_server(files["b"], "--ctx-size", str(B_CONTEXT))
+    try:
+        b_text = stream(b_alone, "b")  # b's, on a server of its own with its own context
+    finally:
+        assert stop_server(b_alone) == 0, b_alone.log()
     assert statuses(trio)["far"] == "remote"
     names = ["a", "b", "far"] * 3
     with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
@@ -105,7 +111,7 @@ def test_alternating_concurrent_streams_are_each_answered_by_their_model(trio, f
     for name, text in zip(names, texts):
         by_name.setdefault(name, set()).add(text)
     assert by_name["a"] == by_name["far"] == {alone}, by_name
-    assert len(by_name["b"]) == 1 and by_name["b"] != {alone}  # another random model: another greedy text
+    assert by_name["b"] == {b_text} != {alone}  # another random model: another greedy text
     listed = {m["id"]: m for m in httpx.get(f"{trio.url}/v1/models", timeout=WAIT_S).json()["data"]}
     assert listed["b"]["context_length"] == B_CONTEXT and listed["a"]["context_length"] == CONTEXT
     assert listed["far"]["url"] == f"{far.url}/v1" and listed["far"]["context_length"] == CONTEXT
