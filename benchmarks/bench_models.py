@@ -16,8 +16,8 @@ folders, so that each is a model of its own files. Then, in one run:
 * speed: ``serve -m m1`` and ``serve -m m1 -m m2 -m m3`` with all three loaded (m2 and m3 idle
   beside m1), both started before the first measure. ``--pairs`` pairs of streamed completions
   of ``--new`` tokens to m1 (a prompt of about 200 tokens), one on each server back to back
-  (which goes first alternates): time to first token and decode tok/s (tokens after the first over the time from the first text
-  event to the last), and each pair's ratio, beside over alone. The median of the ratios and
+  (which goes first alternates): time to first token and decode tok/s (tokens after the first
+  over the time from the first text event to the last), and each pair's ratio, beside over alone. The median of the ratios and
   their quartiles are printed: on a busy machine a stream's speed swings by tens of percent from
   one second to the next, and only ratios of neighbours taken many times say anything. Beside
   the wall-clock figures, the same in the server's CPU time (the sum over its threads of
