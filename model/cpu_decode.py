@@ -75,38 +75,31 @@ def step_switches(args) -> Switches:
 
 @dataclass
 class DecodeWeights:
-    """The operator's view of one model: what it reads besides the token and the cache."""
+    """What of one model the operator reads besides the token and the cache, kept on the model
+    (``_weights_of``): the one record per layer of its weight rows (``rows``, made once by
+    ``gather``) and, for steps of several rows, a second one of float32 panels (``packed_weights``),
+    made at the first such step; and the decoders made of them."""
 
     key: tuple
-    layers: list[LayerWeights]
-    final_norm: torch.Tensor
-    output: Projection
+    rows: StepWeights
     decoders: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
-    packed: tuple[list[LayerWeights], Projection] | None = None  # ``packed_weights``, once made
-    made: dict[bool, StepWeights] = field(default_factory=dict)  # ``step_weights``, by ``packed``
+    packed: StepWeights | None = None  # ``packed_weights``, once made
 
-    def step_weights(self, model: nn.Module, packed: bool = False) -> StepWeights:
-        """What the operator reads of ``model`` (made once); with ``packed``, float32 weights as
-        panels where ``packed_weights`` makes them."""
-        found = self.made.get(packed)
-        if found is None:
-            args = model.args
-            layers, output = self.packed_weights() if packed else (self.layers, self.output)
-            ropes = [model.rope_table(self.final_norm.device, local=args.local_rope(i)) for i in range(args.n_layers)]
-            found = self.made[packed] = StepWeights(_embedding(model), layers, self.final_norm, output, ropes,
-                                                    args.n_heads, args.n_kv_heads, args.norm_eps, step_switches(args))
-        return found
+    def step_weights(self, packed: bool = False) -> StepWeights:
+        """What the operator reads; with ``packed``, float32 weights as panels where
+        ``packed_weights`` makes them."""
+        return self.packed_weights() if packed else self.rows
 
-    def packed_weights(self) -> tuple[list[LayerWeights], Projection]:
-        """The layers and the classifier for the batched step (and a single stream's, below
-        ``PANELS_ALONE_AT_MOST``): float32 ones packed as panels of 16 outputs (``ml/cpu/panels.h``),
-        a second copy, made once; the classifier only when its outputs are a multiple of 16, and
-        nothing when the copy would pass ``PANELS_AT_MOST``."""
+    def packed_weights(self) -> StepWeights:
+        """The weights for the batched step (and a single stream's, below ``PANELS_ALONE_AT_MOST``):
+        float32 ones packed as panels of 16 outputs (``ml/cpu/panels.h``), a second copy, made
+        once; the classifier only when its outputs are a multiple of 16, and the weight rows
+        themselves when the copy would pass ``PANELS_AT_MOST``."""
         if self.packed is None:
             chosen = self._packable()
             slots = [_panel_bytes(w) for w in chosen]
             if not chosen or sum(slots) > PANELS_AT_MOST:
-                self.packed = (self.layers, self.output)
+                self.packed = self.rows
                 return self.packed
             block = cpu_kernels.large_pages_block(sum(slots))
             if block is None:
@@ -121,22 +114,24 @@ class DecodeWeights:
 
             layers = [dataclasses.replace(layer, qkv=panels(layer.qkv), out=panels(layer.out),
                                           gate_up=panels(layer.gate_up), down=panels(layer.down))
-                      for layer in self.layers]
-            self.packed = (layers, panels(self.output))
+                      for layer in self.rows.layers]
+            self.packed = dataclasses.replace(self.rows, layers=layers, output=panels(self.rows.output))
         return self.packed
 
     def panel_bytes(self) -> int:
         """The size of the copy ``packed_weights`` makes, or would make below its limit."""
-        return _panels_size([p.weight for layer in self.layers for p in layer.projections()], self.output.weight)
+        return _panels_size([p.weight for layer in self.rows.layers for p in layer.projections()],
+                            self.rows.output.weight)
 
     def packs_for(self, alone: bool) -> bool:
         """Whether a step takes the packed weights: steps of several rows do (up to
         ``PANELS_AT_MOST``); a single stream's as ``_alone_packs`` says."""
-        return not alone or _alone_packs(self.layers[0].qkv.weight.dtype, self.panel_bytes())
+        return not alone or _alone_packs(self.rows.layers[0].qkv.weight.dtype, self.panel_bytes())
 
     def _packable(self) -> list[torch.Tensor]:
-        weights = [p.weight for layer in self.layers for p in layer.projections()] + [self.output.weight]
-        return [w for w in weights if _packable(w, w is self.output.weight)]
+        output = self.rows.output.weight
+        weights = [p.weight for layer in self.rows.layers for p in layer.projections()] + [output]
+        return [w for w in weights if _packable(w, w is output)]
 
 
 # The packed copy of a model's float32 weights is made only up to this size: a 110M-parameter
@@ -303,16 +298,21 @@ def gather(model: nn.Module) -> DecodeWeights | None:
         return None
     _to_large_pages([p for layer in model.layers for p in _projections(layer)] + [model.output])
     model.tie_weights()  # a tied packed embedding reads the moved classifier's blocks
+    args = model.args
+    final_norm = _float_copy(model.norm.weight)
     layers = []
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attention = layer.attention
         qkv, out, gate_up, down = (_weight(p) for p in _projections(layer))
         layers.append(LayerWeights(
             qkv, out, gate_up, down, _float_copy(layer.attention_norm.weight), _float_copy(layer.ffn_norm.weight),
+            model.rope_table(final_norm.device, local=args.local_rope(i)),
             qkv_bias=_float_copy(attention.bqkv), q_norm=_norm_copy(attention.q_norm),
             k_norm=_norm_copy(attention.k_norm), attention_post_norm=_norm_copy(layer.attention_post_norm),
             ffn_post_norm=_norm_copy(layer.ffn_post_norm)))
-    return DecodeWeights(_key(model), layers, _float_copy(model.norm.weight), _weight(model.output))
+    rows = StepWeights(_embedding(model), layers, final_norm, _weight(model.output), args.n_heads, args.n_kv_heads,
+                       args.norm_eps, step_switches(args))
+    return DecodeWeights(_key(model), rows)
 
 
 def _float_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -394,7 +394,7 @@ def decoder(model: nn.Module, cache: KVCache) -> Decoder:
         raise ValueError("the one-call step cannot read this model's weights")
     made = found.decoders.get(cache)
     if made is None or made.keys_ptr != cache.keys[0].data_ptr():
-        weights = found.step_weights(model, packed=found.packs_for(alone=True))
+        weights = found.step_weights(packed=found.packs_for(alone=True))
         made = found.decoders[cache] = Decoder(weights, [k[0] for k in cache.keys], [v[0] for v in cache.values])
     return made
 
@@ -427,8 +427,8 @@ class PagedDecoder(decode.RowsDecoder):
         found = _weights_of(model)
         if found is None:
             raise ValueError("the one-call step cannot read this model's weights")
-        super().__init__(found.step_weights(model, packed=found.packs_for(alone=True)),
-                         lambda: found.step_weights(model, packed=found.packs_for(alone=False)),
+        super().__init__(found.step_weights(packed=found.packs_for(alone=True)),
+                         lambda: found.step_weights(packed=found.packs_for(alone=False)),
                          cache.keys, cache.values, cache.page_size, cache.key_centers)
         # Whether steps of several rows read panels: then prompts' chunks are worth taking as
         # rows too (``BatchCore``), a step of them being as long as a few decode steps.

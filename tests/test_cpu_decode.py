@@ -172,7 +172,7 @@ def test_the_step_follows_a_cast_of_the_model():
         model.to(torch.bfloat16)
         cache = KVCache.for_model(model.args, 1, dtype=torch.bfloat16)
         assert cpu_decode.takes(model, torch.tensor([[1]]), cache)
-        assert model._cpu_decode.layers[0].qkv.weight.dtype == torch.bfloat16
+        assert model._cpu_decode.rows.layers[0].qkv.weight.dtype == torch.bfloat16
         assert decode_one(model, 1, 0, cache).dtype == torch.float32
 
 
@@ -201,7 +201,7 @@ def test_the_weights_move_onto_large_pages_with_their_values_and_ties(monkeypatc
         assert block.data_ptr() % cpu_kernels.LARGE_PAGE == 0
     assert all(torch.equal(a, b) for a, b in zip(moved, before))
     assert model.tok_embeddings.weight is model.output.weight
-    assert model._cpu_decode.output.weight.data_ptr() == model.output.weight.data_ptr()
+    assert model._cpu_decode.rows.output.weight.data_ptr() == model.output.weight.data_ptr()
     got, _ = _steps(model, torch.float32, prompt, tokens, monkeypatch, one_call=True)
     assert torch.allclose(got, want, atol=1e-4, rtol=0)
 
@@ -395,7 +395,7 @@ def _rows_logits(model, tokens: list[int], packed: bool) -> torch.Tensor:
         if packed:
             decoder = cpu_decode.PagedDecoder(model, cache)
         else:
-            rows = cpu_decode._weights_of(model).step_weights(model)
+            rows = cpu_decode._weights_of(model).step_weights()
             decoder = RowsDecoder(rows, lambda: rows, cache.keys, cache.values, cache.page_size)
         for position in range(2):  # the second step attends over the first
             logits = decoder(tokens, [position] * len(tokens), [[r] for r in range(len(tokens))])
@@ -414,29 +414,28 @@ def test_packed_weights_give_the_logits_of_weight_rows(rows, vocab, dim_heads, h
     model.fuse_projections()
     tokens = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(seed)).tolist()
     packed = _rows_logits(model, tokens, packed=True)
-    layers, output = cpu_decode._weights_of(model).packed_weights()
-    assert all(p.panels for layer in layers for p in layer.projections())
-    assert output.weight.dim() == (3 if vocab % 16 == 0 else 2)
+    panels = cpu_decode._weights_of(model).packed_weights()
+    assert all(p.panels for layer in panels.layers for p in layer.projections())
+    assert panels.output.weight.dim() == (3 if vocab % 16 == 0 else 2)
     torch.testing.assert_close(packed, _rows_logits(model, tokens, packed=False), atol=1e-4, rtol=1e-4)
 
 
 def test_weights_are_packed_once_within_the_limit_and_never_int8(monkeypatch):
     model = _model("float32", vocab_size=128)
     found = cpu_decode._weights_of(model)
-    layers, output = found.packed_weights()
-    assert found.packed_weights()[0] is layers
-    for layer, packed_layer in zip(found.layers, layers):
+    panels = found.packed_weights()
+    assert found.packed_weights() is panels
+    for layer, packed_layer in zip(found.rows.layers, panels.layers):
         for rows, packed in zip(layer.projections(), packed_layer.projections()):
             n, k = rows.weight.shape
             assert packed.weight.shape == (-(-n // 16), k, 16)
             assert torch.equal(packed.weight.transpose(1, 2).reshape(-1, k)[:n], rows.weight)
-    assert torch.equal(output.weight.transpose(1, 2).reshape(-1, model.args.dim), found.output.weight)
+    assert torch.equal(panels.output.weight.transpose(1, 2).reshape(-1, model.args.dim), found.rows.output.weight)
     monkeypatch.setattr(cpu_decode, "PANELS_AT_MOST", 1000)
     small = cpu_decode._weights_of(_model("float32", seed=1))
-    layers, output = small.packed_weights()
-    assert layers is small.layers and output is small.output
+    assert small.packed_weights() is small.rows
     quantized = _model("int8")
-    quantized_layers = cpu_decode._weights_of(quantized).packed_weights()[0]
+    quantized_layers = cpu_decode._weights_of(quantized).packed_weights().layers
     assert not any(p.panels for layer in quantized_layers for p in layer.projections())
 
 
@@ -508,7 +507,7 @@ def test_steps_of_one_row_make_no_packed_copy_the_single_stream_does_not_take(mo
         decoder([5], [0], [[0]])
         assert found.packed is None
         decoder([5, 6], [1, 0], [[0], [1]])
-        assert found.packed is not None and found.packed[1].panels
+        assert found.packed is not None and found.packed.output.panels
 
 
 def test_the_step_model_is_checked_when_made():
@@ -517,7 +516,7 @@ def test_the_step_model_is_checked_when_made():
     import dataclasses
 
     model = _model("float32")
-    weights = cpu_decode._weights_of(model).step_weights(model)
+    weights = cpu_decode._weights_of(model).step_weights()
     cache = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
     assert RowsDecoder(weights, lambda: weights, cache.keys, cache.values, cache.page_size)([1], [0], [[0]]).shape == (
         1, 97)
@@ -532,7 +531,7 @@ def test_the_step_model_is_checked_when_made():
     # The step reads a layer's parts by name: one it does not know is refused, not ignored.
     with pytest.raises(RuntimeError, match="layer 0 has a part named 'qkv_bais'"):
         torch.classes.llama_chat_cpu.StepModel(
-            [{**layers[0].tensors(), "qkv_bais": layers[0].attention_norm, "rope": weights.ropes[0],
+            [{**layers[0].tensors(), "qkv_bais": layers[0].attention_norm,
               "keys": cache.keys[0], "values": cache.values[0]}],
             {"norm": weights.final_norm, "output": weights.output.weight},
             {"heads": 2.0, "kv_heads": 2.0, "eps": 1e-5, "page_size": 4.0}, [])

@@ -821,50 +821,35 @@ const float* float_vector_or_none(const char* what, int64_t layer, const std::op
 
 using Named = c10::Dict<std::string, at::Tensor>;
 
-// One layer's tensors, read by name from ml/cpu/decode.py's `LayerWeights.tensors()` (with the
-// layer's rotary table, keys and values added): the one record of a layer that both sides share.
+// The names a layer's tensors go by (ml/cpu/decode.py's `LayerWeights.tensors()`, with the
+// layer's keys and values added): the one record of a layer that both sides share.
 //
 // The four products (each an (n, k) float32, bfloat16, float16 or int8 matrix, float32 panels,
 // or packed blocks: `matrix_of`), each with its `.scales` where it has them (int8's per output;
 // packed blocks' (kind, rows) layout); the attention's and feed-forward's norms; the family's
 // parts of a layer where it has them (Qwen's q/k/v biases and q and k heads' norms, Gemma's
 // norms of the attention's and feed-forward's outputs), float32; the rotary table, float32
-// (positions, head_dim / 2, 2), the cosine and sine of each pair's angle; and the keys and values
-// (`cache_of`; a dense cache's sequence is one page).
-struct LayerTensors {
-  at::Tensor qkv, out, gate_up, down;
-  std::optional<at::Tensor> qkv_scales, out_scales, gate_up_scales, down_scales;
-  at::Tensor attention_norm, ffn_norm, rope, keys, values;
-  std::optional<at::Tensor> qkv_bias, q_norm, k_norm, attention_post_norm, ffn_post_norm, key_shift, key_scale;
+// (positions, head_dim / 2, 2), the cosine and sine of each pair's angle; the keys and values
+// (`cache_of`), and q4_0 keys' shift and scale where the cache keeps them.
+const std::vector<std::string>& layer_names() {
+  static const std::vector<std::string> names = {
+      "qkv", "qkv.scales", "out", "out.scales", "gate_up", "gate_up.scales", "down", "down.scales",
+      "attention_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm", "attention_post_norm", "ffn_post_norm",
+      "rope", "keys", "values", "key_shift", "key_scale"};
+  return names;
+}
 
-  LayerTensors(const Named& named, int64_t layer) {
-    static const std::vector<std::string> kNames = {
-        "qkv", "qkv.scales", "out", "out.scales", "gate_up", "gate_up.scales", "down", "down.scales",
-        "attention_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm", "attention_post_norm", "ffn_post_norm",
-        "rope", "keys", "values", "key_shift", "key_scale"};
-    for (const auto& entry : named)
-      TORCH_CHECK(std::find(kNames.begin(), kNames.end(), entry.key()) != kNames.end(), "decode_step: layer ", layer,
-                  " has a part named '", entry.key(), "' that no step reads");
-    const auto required = [&](const char* name) {
-      const auto found = named.find(name);
-      TORCH_CHECK(found != named.end(), "decode_step: layer ", layer, " lacks its ", name);
-      return found->value();
-    };
-    const auto optional = [&](const char* name) -> std::optional<at::Tensor> {
-      const auto found = named.find(name);
-      if (found == named.end()) return std::nullopt;
-      return found->value();
-    };
-    qkv = required("qkv"), out = required("out"), gate_up = required("gate_up"), down = required("down");
-    qkv_scales = optional("qkv.scales"), out_scales = optional("out.scales");
-    gate_up_scales = optional("gate_up.scales"), down_scales = optional("down.scales");
-    attention_norm = required("attention_norm"), ffn_norm = required("ffn_norm");
-    rope = required("rope"), keys = required("keys"), values = required("values");
-    qkv_bias = optional("qkv_bias"), q_norm = optional("q_norm"), k_norm = optional("k_norm");
-    attention_post_norm = optional("attention_post_norm"), ffn_post_norm = optional("ffn_post_norm");
-    key_shift = optional("key_shift"), key_scale = optional("key_scale");
-  }
-};
+at::Tensor required(const Named& named, int64_t layer, const char* name) {
+  const auto found = named.find(name);
+  TORCH_CHECK(found != named.end(), "decode_step: layer ", layer, " lacks its ", name);
+  return found->value();
+}
+
+std::optional<at::Tensor> optional(const Named& named, const char* name) {
+  const auto found = named.find(name);
+  if (found == named.end()) return std::nullopt;
+  return found->value();
+}
 
 // A layer as a step reads it: its products laid out (`Matrix`), its vectors as pointers, its
 // cache as views through the step's block tables. Null pointers: parts the model has none of.
@@ -905,28 +890,30 @@ int64_t whole_number(const Numbers& numbers, const char* name) {
 
 // What a step reads besides its inputs: one model's weights and shape, and the cache its steps
 // write (torch.classes.llama_chat_cpu.StepModel). The Python side (ml/cpu/decode.py) makes one per
-// model and cache, once; it is checked when made. It holds the tensors, and a step lays them out
-// from where they are then (`layers`), so a weight whose storage was replaced in place is read
-// where it now is.
+// model and cache, once. Each layer is laid out (`Layer`) and checked here, from its named
+// tensors, once: a step only points its caches at its rows' block tables. The tensors' storages
+// are held, so a weight whose storage is later replaced in place is still read where it was.
 struct StepModel : torch::CustomClassHolder {
-  std::vector<LayerTensors> tensors;
-  std::vector<int64_t> windows;  // per layer, or none
-  at::Tensor final_norm, output;
-  std::optional<at::Tensor> output_scales;
+  std::vector<Layer> laid;
+  std::vector<c10::Storage> held;
+  Matrix classifier;
+  const float* final_norm = nullptr;
   int64_t n_layers = 0, dim = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, q_width = 0, kv_width = 0, ffn = 0;
   int64_t vocab = 0, page_size = 0, pages = 0, positions = 0;
   double eps = 0.0;
   float embedding_scale = 1.f, attention_scale = 0.f, attention_cap = 0.f, final_cap = 0.f;  // a cap of 0: none
   bool gelu = false, post_norms = false;
 
-  // `layers`: each layer's named tensors; `top`: the final `norm`, the classifier's `output` and
-  // its `output.scales` where it has them; `numbers`: as `Numbers` says; `windows`: each layer's
-  // window (0: its whole past), or none.
-  StepModel(std::vector<Named> layers_, Named top, Numbers numbers, std::vector<int64_t> windows_)
-      : windows(std::move(windows_)) {
-    n_layers = static_cast<int64_t>(layers_.size());
+  // `layers`: each layer's named tensors (`layer_names`); `top`: the final `norm`, the
+  // classifier's `output` and its `output.scales` where it has them; `numbers`: as `Numbers`
+  // says; `windows`: each layer's window (0: its whole past), or none.
+  StepModel(std::vector<Named> layers, Named top, Numbers numbers, std::vector<int64_t> windows) {
+    n_layers = static_cast<int64_t>(layers.size());
     TORCH_CHECK(n_layers > 0, "decode_step: a model of no layers");
-    for (int64_t l = 0; l < n_layers; ++l) tensors.emplace_back(layers_[static_cast<size_t>(l)], l);
+    for (int64_t l = 0; l < n_layers; ++l)
+      for (const auto& entry : layers[static_cast<size_t>(l)])
+        TORCH_CHECK(std::find(layer_names().begin(), layer_names().end(), entry.key()) != layer_names().end(),
+                    "decode_step: layer ", l, " has a part named '", entry.key(), "' that no step reads");
     TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == n_layers,
                 "decode_step: a window per layer, or none");
     for (const int64_t window : windows) TORCH_CHECK(window >= 0, "decode_step: a window of ", window, " keys");
@@ -934,9 +921,6 @@ struct StepModel : torch::CustomClassHolder {
       TORCH_CHECK(entry.key() == "norm" || entry.key() == "output" || entry.key() == "output.scales",
                   "decode_step: the model has a part named '", entry.key(), "' that no step reads");
     TORCH_CHECK(top.contains("norm") && top.contains("output"), "decode_step: the final norm and the classifier");
-    final_norm = top.at("norm");
-    output = top.at("output");
-    if (top.contains("output.scales")) output_scales = top.at("output.scales");
 
     n_heads = whole_number(numbers, "heads");
     n_kv_heads = whole_number(numbers, "kv_heads");
@@ -955,76 +939,87 @@ struct StepModel : torch::CustomClassHolder {
     TORCH_CHECK(n_heads % n_kv_heads == 0, "decode_step: ", n_heads, " heads do not group over ", n_kv_heads,
                 " key/value heads");
 
-    const LayerTensors& first = tensors[0];
-    TORCH_CHECK(first.keys.dim() == 4, "decode_step: keys must be (kv_heads, pages, page_size, head_dim)");
-    dim = final_norm.numel();
+    // The shapes come from the first layer and the final norm; every layer is checked against them.
+    const Named& first = layers[0];
+    const at::Tensor keys = required(first, 0, "keys"), rope = required(first, 0, "rope");
+    const at::Tensor norm = top.at("norm");
+    TORCH_CHECK(keys.dim() == 4, "decode_step: keys must be (kv_heads, pages, page_size, head_dim)");
+    dim = norm.numel();
     // A row of blocks does not say its head's size: the rotary table does (checked below).
-    head_dim = first.keys.scalar_type() == at::kByte && first.rope.dim() == 3 ? 2 * first.rope.size(1)
-                                                                               : first.keys.size(-1);
-    pages = first.keys.size(1);
+    head_dim = keys.scalar_type() == at::kByte && rope.dim() == 3 ? 2 * rope.size(1) : keys.size(-1);
+    pages = keys.size(1);
     TORCH_CHECK(head_dim % 2 == 0, "decode_step: odd head size ", head_dim);
     q_width = n_heads * head_dim;
     kv_width = n_kv_heads * head_dim;
     attention_scale = query_scale > 0.0 ? static_cast<float>(query_scale) : 1.f / std::sqrt(static_cast<float>(head_dim));
     // down is (dim, ffn), or its panels, or packed blocks of dim rows
-    const at::Tensor& down = first.down;
-    ffn = down.scalar_type() == at::kByte ? packed_inputs(down, first.down_scales, dim)
+    const at::Tensor down = required(first, 0, "down");
+    ffn = down.scalar_type() == at::kByte ? packed_inputs(down, optional(first, "down.scales"), dim)
                                           : down.size(down.dim() == 3 ? 1 : -1);
-    positions = first.rope.dim() == 3 ? first.rope.size(0) : 0;
+    positions = rope.dim() == 3 ? rope.size(0) : 0;
+    post_norms = first.contains("attention_post_norm");
+
+    final_norm = float_vector("final norm", n_layers, norm, dim);
+    const at::Tensor output = top.at("output");
+    const std::optional<at::Tensor> output_scales = optional(top, "output.scales");
+    // A classifier given as panels has a multiple of 16 outputs: nothing else says how many.
+    const int64_t classes = output.dim() == 3 ? output.size(0) * kPanel : output.size(0);
+    classifier = matrix_of("the classifier", n_layers, output, output_scales, classes, dim);
+    vocab = classifier.n;
+    for (const auto& entry : top) held.push_back(entry.value().storage());
     for (int64_t l = 0; l < n_layers; ++l) {
-      const at::Tensor& rope = tensors[static_cast<size_t>(l)].rope;
-      TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
-                      rope.size(0) == positions && rope.size(1) == head_dim / 2 && rope.size(2) == 2,
-                  "decode_step: the rotary table of layer ", l, " must be float32 (", positions, ", ", head_dim / 2,
-                  ", 2), as long as the first layer's");
+      const Named& named = layers[static_cast<size_t>(l)];
+      laid.push_back(layer_of(named, l, windows.empty() ? 0 : windows[static_cast<size_t>(l)]));
+      for (const auto& entry : named) held.push_back(entry.value().storage());
     }
-    post_norms = first.attention_post_norm.has_value();
-    vocab = classifier().n;
-    layers(nullptr, 0);  // checks every layer's tensors
+  }
+
+  // One layer laid out from its named tensors, each checked against the model's shape.
+  Layer layer_of(const Named& t, int64_t l, int64_t window) const {
+    Layer layer;
+    layer.qkv = matrix_of("qkv", l, required(t, l, "qkv"), optional(t, "qkv.scales"), q_width + 2 * kv_width, dim);
+    layer.out = matrix_of("out", l, required(t, l, "out"), optional(t, "out.scales"), dim, q_width);
+    layer.gate_up = matrix_of("gate_up", l, required(t, l, "gate_up"), optional(t, "gate_up.scales"), 2 * ffn, dim);
+    layer.down = matrix_of("down", l, required(t, l, "down"), optional(t, "down.scales"), dim, ffn);
+    layer.attention_norm = float_vector("attention_norm", l, required(t, l, "attention_norm"), dim);
+    layer.ffn_norm = float_vector("ffn_norm", l, required(t, l, "ffn_norm"), dim);
+    layer.qkv_bias = float_vector_or_none("qkv_bias", l, optional(t, "qkv_bias"), q_width + 2 * kv_width);
+    layer.q_norm = float_vector_or_none("q_norm", l, optional(t, "q_norm"), head_dim);
+    layer.k_norm = float_vector_or_none("k_norm", l, optional(t, "k_norm"), head_dim);
+    // Every layer has both output norms, or none does: a step's stages are counted by it.
+    const auto attention_post_norm = optional(t, "attention_post_norm"), ffn_post_norm = optional(t, "ffn_post_norm");
+    TORCH_CHECK(attention_post_norm.has_value() == post_norms && ffn_post_norm.has_value() == post_norms,
+                "decode_step: layer ", l, (post_norms ? " lacks" : " has"), " output norms");
+    layer.attention_post_norm = float_vector_or_none("attention_post_norm", l, attention_post_norm, dim);
+    layer.ffn_post_norm = float_vector_or_none("ffn_post_norm", l, ffn_post_norm, dim);
+    const at::Tensor rope = required(t, l, "rope");
+    TORCH_CHECK(rope.scalar_type() == at::kFloat && rope.is_contiguous() && rope.dim() == 3 &&
+                    rope.size(0) == positions && rope.size(1) == head_dim / 2 && rope.size(2) == 2,
+                "decode_step: the rotary table of layer ", l, " must be float32 (", positions, ", ", head_dim / 2,
+                ", 2), as long as the first layer's");
+    layer.rope = rope.data_ptr<float>();
+    layer.window = window;
+    layer.keys = cache_of("keys", l, required(t, l, "keys"), n_kv_heads, head_dim, page_size);
+    layer.values = cache_of("values", l, required(t, l, "values"), n_kv_heads, head_dim, page_size);
+    const auto key_shift = optional(t, "key_shift"), key_scale = optional(t, "key_scale");
+    TORCH_CHECK(key_shift.has_value() == key_scale.has_value() &&
+                    (!key_shift.has_value() || (layer.keys.kind == KV::Q4_0 && head_dim <= CacheView::kMaxRotated)),
+                "decode_step: layer ", l, " has a key shift and scale for q4_0 keys only, both or neither");
+    layer.keys.shift = float_vector_or_none("key_shift", l, key_shift, n_kv_heads * head_dim);
+    layer.keys.scale = float_vector_or_none("key_scale", l, key_scale, n_kv_heads * head_dim);
+    return layer;
   }
 
   // The layers as a step reads them, each row's cache slots found through its block table
   // (`width` pages a row).
   std::vector<Layer> layers(const int64_t* tables, int64_t width) const {
-    std::vector<Layer> laid(static_cast<size_t>(n_layers));
-    for (int64_t l = 0; l < n_layers; ++l) {
-      const LayerTensors& t = tensors[static_cast<size_t>(l)];
-      Layer& layer = laid[static_cast<size_t>(l)];
-      layer.qkv = matrix_of("qkv", l, t.qkv, t.qkv_scales, q_width + 2 * kv_width, dim);
-      layer.out = matrix_of("out", l, t.out, t.out_scales, dim, q_width);
-      layer.gate_up = matrix_of("gate_up", l, t.gate_up, t.gate_up_scales, 2 * ffn, dim);
-      layer.down = matrix_of("down", l, t.down, t.down_scales, dim, ffn);
-      layer.attention_norm = float_vector("attention_norm", l, t.attention_norm, dim);
-      layer.ffn_norm = float_vector("ffn_norm", l, t.ffn_norm, dim);
-      layer.qkv_bias = float_vector_or_none("qkv_bias", l, t.qkv_bias, q_width + 2 * kv_width);
-      layer.q_norm = float_vector_or_none("q_norm", l, t.q_norm, head_dim);
-      layer.k_norm = float_vector_or_none("k_norm", l, t.k_norm, head_dim);
-      // Every layer has both output norms, or none does: a step's stages are counted by it.
-      TORCH_CHECK(t.attention_post_norm.has_value() == post_norms && t.ffn_post_norm.has_value() == post_norms,
-                  "decode_step: layer ", l, (post_norms ? " lacks" : " has"), " output norms");
-      layer.attention_post_norm = float_vector_or_none("attention_post_norm", l, t.attention_post_norm, dim);
-      layer.ffn_post_norm = float_vector_or_none("ffn_post_norm", l, t.ffn_post_norm, dim);
-      layer.rope = t.rope.data_ptr<float>();
-      layer.window = windows.empty() ? 0 : windows[static_cast<size_t>(l)];
-      layer.keys = cache_of("keys", l, t.keys, n_kv_heads, head_dim, page_size);
-      layer.values = cache_of("values", l, t.values, n_kv_heads, head_dim, page_size);
-      TORCH_CHECK(t.key_shift.has_value() == t.key_scale.has_value() &&
-                      (!t.key_shift.has_value() || (layer.keys.kind == KV::Q4_0 && head_dim <= CacheView::kMaxRotated)),
-                  "decode_step: layer ", l, " has a key shift and scale for q4_0 keys only, both or neither");
-      layer.keys.shift = float_vector_or_none("key_shift", l, t.key_shift, n_kv_heads * head_dim);
-      layer.keys.scale = float_vector_or_none("key_scale", l, t.key_scale, n_kv_heads * head_dim);
+    std::vector<Layer> step = laid;
+    for (Layer& layer : step)
       for (CacheView* view : {&layer.keys, &layer.values}) {
         view->tables = tables;
         view->width = width;
       }
-    }
-    return laid;
-  }
-
-  Matrix classifier() const {
-    // A classifier given as panels has a multiple of 16 outputs: nothing else says how many.
-    const int64_t classes = output.dim() == 3 ? output.size(0) * kPanel : output.size(0);
-    return matrix_of("the classifier", n_layers, output, output_scales, classes, dim);
+    return step;
   }
 };
 
@@ -1305,7 +1300,7 @@ class StepThread {
                           sizeof(float) * static_cast<size_t>(dim));
             final_rows = scratch_.chosen.data();
           }
-          in_ = scratch_.normalized(final_rows, out_rows, m.final_norm.data_ptr<float>(), dim, m.eps, classifier);
+          in_ = scratch_.normalized(final_rows, out_rows, m.final_norm, dim, m.eps, classifier);
         },
         [&](int64_t first, int64_t stop) {
           range_products(classifier, in_, first, stop, out + first, vocab);
@@ -1341,7 +1336,7 @@ class StepThread {
 // largest logit below picks_below, a NaN counting as largest (torch.argmax).
 void run_step(const StepModel& model, const StepInputs& step, float* out) {
   const std::vector<Layer> layers = model.layers(step.tables, step.width);
-  const Matrix classifier = model.classifier();
+  const Matrix& classifier = model.classifier;
   const int threads = std::max(at::get_num_threads(), 1);
   SharedStep shared(model, step, layers, out, threads);
 

@@ -61,11 +61,14 @@ class Projection:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One layer as the step reads it: the one record of a layer, which ``decode.cpp`` reads by
-    these names (``LayerTensors``). The four products in the operator's order, the attention's and
-    feed-forward's norms (float32), and the family's parts of a layer, float32, or None where the
-    model has none (Llama's): Qwen2's q/k/v biases, the q and k heads' norm weights (Qwen3's and
-    Gemma 3's), and the norms of the attention's and feed-forward's outputs (Gemma's)."""
+    """One layer as the step reads it: the one record of a layer, made once per model
+    (``model/cpu_decode.py``), which ``decode.cpp`` lays out by these names (``StepModel``). The
+    four products in the operator's order, the attention's and feed-forward's norms (float32), the
+    layer's rotary table (float32 (positions, head_dim / 2, 2): cos and sin of each pair's angle;
+    Gemma 3's windowed layers have a table of their own), and the family's parts of a layer,
+    float32, or None where the model has none (Llama's): Qwen2's q/k/v biases, the q and k heads'
+    norm weights (Qwen3's and Gemma 3's), and the norms of the attention's and feed-forward's
+    outputs (Gemma's)."""
 
     qkv: Projection
     out: Projection
@@ -73,6 +76,7 @@ class LayerWeights:
     down: Projection
     attention_norm: torch.Tensor
     ffn_norm: torch.Tensor
+    rope: torch.Tensor
     qkv_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -100,15 +104,12 @@ class LayerWeights:
 @dataclass(frozen=True)
 class StepWeights:
     """What the step reads of one model besides the tokens and the cache: its layers, the final
-    norm (float32) and the classifier, with each layer's rotary table and the family's switches."""
+    norm (float32) and the classifier, with the family's switches."""
 
     embedding: torch.Tensor | PackedWeight  # float rows, or blocks expanded a row at a time as read
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     output: Projection
-    # Per layer, float32 (positions, head_dim / 2, 2): cos and sin of each pair's angle (Gemma 3's
-    # windowed layers have a table of their own).
-    ropes: list[torch.Tensor]
     n_heads: int
     n_kv_heads: int
     norm_eps: float
@@ -130,8 +131,8 @@ class StepWeights:
         """The operator's ``StepModel`` of these weights over a cache of these keys and values (per
         layer ``(kv_heads, pages, page_size, head_dim)``, keys kept by ``centers`` where given),
         checked once, for any number of steps."""
-        layers = [{**layer.tensors(), "rope": rope, "keys": k, "values": v}
-                  for layer, rope, k, v in zip(self.layers, self.ropes, keys, values, strict=True)]
+        layers = [{**layer.tensors(), "keys": k, "values": v}
+                  for layer, k, v in zip(self.layers, keys, values, strict=True)]
         if centers is not None:
             for layer, shift, scale in zip(layers, centers.shift, centers.scale, strict=True):
                 layer["key_shift"], layer["key_scale"] = shift, scale
