@@ -6,6 +6,7 @@ import atexit
 import fcntl
 import json
 import os
+import resource
 import re
 import select
 import subprocess
@@ -100,38 +101,55 @@ RUN_TIMEOUT_S = 240
 _fork_server: list[ForkServer] = []
 
 
-def run_cli(*args: str, stdin: bytes | None = None, timeout: float = RUN_TIMEOUT_S, **env: str) -> subprocess.CompletedProcess:
-    """Run the command to completion; stdin is /dev/null unless bytes are given. Forked from a
-    process that imported it once (``forkserver.py``) where nothing the start reads differs."""
+def run_cli(*args: str, stdin: bytes | None = None, timeout: float = RUN_TIMEOUT_S, address_space: int | None = None,
+            **env: str) -> subprocess.CompletedProcess:
+    """Run the command to completion; stdin is /dev/null unless bytes are given; ``address_space``:
+    its ``RLIMIT_AS`` in bytes. Forked from a process that imported it once (``forkserver.py``)
+    where nothing the start reads differs."""
     argv, run_env = [*llama_chat_command(), *args], cli_env(**env)
     server = fork_server()
     if server is None or needs_own_start(run_env, server.env):
         return subprocess.run(argv, input=stdin, stdin=subprocess.DEVNULL if stdin is None else None,
-                              capture_output=True, timeout=timeout, env=run_env)
-    return server.run(argv, input=stdin, env=run_env, timeout=timeout)
+                              capture_output=True, timeout=timeout, env=run_env,
+                              preexec_fn=_limits(address_space=address_space))
+    return server.run(argv, input=stdin, env=run_env, timeout=timeout, address_space=address_space)
 
 
-def popen_cli(argv: list[str], env: dict[str, str], *, terminal: bool = False, **streams) -> subprocess.Popen:
+def popen_cli(argv: list[str], env: dict[str, str], *, terminal: bool = False, address_space: int | None = None,
+              **streams) -> subprocess.Popen:
     """``subprocess.Popen(argv, env=env, **streams)``, forked where ``run_cli`` would fork it.
-    ``terminal``: stdin is a pseudo-terminal, made the command's controlling terminal."""
+    ``terminal``: stdin is a pseudo-terminal, made the command's controlling terminal;
+    ``address_space``: the run's ``RLIMIT_AS`` in bytes."""
     server = fork_server()
-    if server is None or needs_own_start(env, server.env):
-        return subprocess.Popen(argv, env=env, preexec_fn=_controlling_terminal if terminal else None, **streams)
-    return server.popen(argv, env=env, terminal=terminal, **streams)
+    # Arguments that are not text (bytes outside UTF-8) cannot be sent: the request is JSON.
+    if server is None or needs_own_start(env, server.env) or any(isinstance(arg, bytes) for arg in argv):
+        return subprocess.Popen(argv, env=env, preexec_fn=_limits(terminal, address_space), **streams)
+    return server.popen(argv, env=env, terminal=terminal, address_space=address_space, **streams)
 
 
-def _controlling_terminal() -> None:
-    os.setsid()
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+def _limits(terminal: bool = False, address_space: int | None = None):
+    """What a run started as installed does before it starts: as the fork server's child does."""
+    if not terminal and address_space is None:
+        return None
+
+    def limit() -> None:
+        if terminal:
+            os.setsid()
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        if address_space is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+    return limit
 
 
-def spawn_cli(args: list[str], env: dict[str, str], **spawn) -> pexpect.spawn:
-    """``pexpect.spawn`` of the command with ``args``, forked where ``run_cli`` would fork it."""
+def spawn_cli(args: list[str], env: dict[str, str], address_space: int | None = None, **spawn) -> pexpect.spawn:
+    """``pexpect.spawn`` of the command with ``args``, forked where ``run_cli`` would fork it
+    (``address_space``: its ``RLIMIT_AS`` in bytes)."""
     command = llama_chat_command()
     server = fork_server()
     if server is None or needs_own_start(env, server.env) or "preexec_fn" in spawn:
+        spawn.setdefault("preexec_fn", _limits(address_space=address_space))
         return pexpect.spawn(command[0], [*command[1:], *args], env=env, **spawn)
-    return forked_spawn(server)(command[0], [*command[1:], *args], env=env, **spawn)
+    return forked_spawn(server, address_space)(command[0], [*command[1:], *args], env=env, **spawn)
 
 
 def fork_server() -> ForkServer | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -136,6 +137,8 @@ def _run(request: dict, fds: list[int], main) -> None:
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         # As the interpreter sets it at start: line by line to a terminal, in blocks otherwise.
         sys.stdout.reconfigure(line_buffering=os.isatty(1))
+        if request.get("address_space"):  # as a start under ``preexec_fn=setrlimit`` would have it
+            resource.setrlimit(resource.RLIMIT_AS, (request["address_space"],) * 2)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -188,10 +191,10 @@ class ForkServer:
         self._folder.cleanup()
 
     def run(self, argv: list[str], *, input: bytes | None, env: dict[str, str], timeout: float,
-            cwd: str | None = None) -> subprocess.CompletedProcess:
+            cwd: str | None = None, address_space: int | None = None) -> subprocess.CompletedProcess:
         """``subprocess.run(argv, input=input, capture_output=True, ...)``, forked."""
         proc = self.popen(argv, env=env, stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, address_space=address_space)
         try:
             out, err = proc.communicate(input, timeout)
         except subprocess.TimeoutExpired as e:
@@ -201,11 +204,12 @@ class ForkServer:
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
     def popen(self, argv: list[str], *, env: dict[str, str], stdin=None, stdout=None, stderr=None,
-              cwd: str | None = None, terminal: bool = False) -> ForkedProcess:
+              cwd: str | None = None, terminal: bool = False, address_space: int | None = None) -> ForkedProcess:
         """A forked run with ``subprocess.Popen``'s face for what the tests use of it; each of the
         three streams is ``subprocess.PIPE`` (a pipe, as the attribute of that name),
         ``subprocess.DEVNULL``, a descriptor or a file, or None (this process's own). ``terminal``:
-        stdin is a terminal, which becomes the run's controlling terminal, in a session of its own."""
+        stdin is a terminal, which becomes the run's controlling terminal, in a session of its own.
+        ``address_space``: the run's ``RLIMIT_AS``, in bytes."""
         ends, theirs = {}, []
         for name, how, fd, reading in (("stdin", stdin, 0, False), ("stdout", stdout, 1, True),
                                        ("stderr", stderr, 2, True)):
@@ -223,7 +227,8 @@ class ForkServer:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(self.path)
-            request = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "terminal": terminal}).encode()
+            request = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "terminal": terminal,
+                                  "address_space": address_space}).encode()
             socket.send_fds(connection, [request], theirs)
             pid = _STATUS.unpack(_receive(connection, _STATUS.size, time.monotonic() + 60))[0]
         except BaseException:
@@ -308,9 +313,9 @@ class ForkedProcess:
         return self.returncode
 
 
-def forked_spawn(server: ForkServer):
+def forked_spawn(server: ForkServer, address_space: int | None = None):
     """``pexpect.spawn`` for runs forked by ``server``: the same object, on a pseudo-terminal that
-    is the run's controlling terminal."""
+    is the run's controlling terminal (``address_space``: its ``RLIMIT_AS``)."""
     import pexpect
     import ptyprocess
 
@@ -346,7 +351,8 @@ def forked_spawn(server: ForkServer):
             try:
                 argv = [a.decode() if isinstance(a, bytes) else a for a in args]
                 forked = server.popen(argv, env=dict(env if env is not None else os.environ), stdin=secondary,
-                                      stdout=secondary, stderr=secondary, cwd=cwd, terminal=True)
+                                      stdout=secondary, stderr=secondary, cwd=cwd, terminal=True,
+                                      address_space=address_space)
             finally:
                 os.close(secondary)
             return ForkedPty(forked, primary)

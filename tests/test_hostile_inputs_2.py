@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
 import signal
 import struct
 import subprocess
@@ -29,7 +28,7 @@ import torch
 from builders import random_model, tiny_args
 from builders_formats import hf_config, hf_state, write_hf_checkpoint
 from builders_gguf import write_gguf
-from cli_support import cli_env, llama_chat_command
+from cli_support import cli_env, llama_chat_command, popen_cli, spawn_cli
 from llama_chat.model.errors import ModelLoadError
 from llama_chat.model.stores import list_models, resolve_model
 
@@ -38,15 +37,18 @@ TIMEOUT = 240  # generous, for a busy two-core machine; only a hang reaches it
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def _limited() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-
-
 def run(*args: str | bytes, stdin: bytes | None = None, stdout=subprocess.PIPE, **env: str) -> subprocess.CompletedProcess:
-    """The installed command under the memory limit, to completion."""
-    return subprocess.run([*llama_chat_command(), *args], input=stdin,
-                          stdin=subprocess.DEVNULL if stdin is None else None, stdout=stdout,
-                          stderr=subprocess.PIPE, timeout=TIMEOUT, env=cli_env(**env), preexec_fn=_limited)
+    """The command under the memory limit, to completion."""
+    argv = [*llama_chat_command(), *args]
+    proc = popen_cli(argv, cli_env(**env), address_space=MEMORY_LIMIT,
+                     stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, stdout=stdout,
+                     stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(stdin, timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def one_error(proc: subprocess.CompletedProcess, status: int = 2) -> str:
@@ -96,9 +98,9 @@ def test_each_bad_batch_line_is_one_error_record_and_the_others_run(tmp_path):
 def test_a_million_lines_stream_in_bounded_memory_and_stop_at_the_first_ctrl_c(tmp_path):
     src = tmp_path / "million.txt"
     src.write_bytes(b"a\n" * 1_000_000)
-    proc = subprocess.Popen([*llama_chat_command(), "--batch", str(src), "-t", "0", "-n", "1"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=cli_env(), preexec_fn=_limited)
+    proc = popen_cli([*llama_chat_command(), "--batch", str(src), "-t", "0", "-n", "1"], cli_env(),
+                     address_space=MEMORY_LIMIT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE)
     try:
         got = b""
         deadline = time.monotonic() + TIMEOUT
@@ -181,9 +183,8 @@ def test_load_and_save_problems_are_one_line_and_the_chat_goes_on(tmp_path):
     history = tmp_path / "state" / "llama-chat" / "history"
     history.parent.mkdir(parents=True)
     os.mkfifo(history)  # neither read nor written through: replaced by the first message's history
-    cmd = llama_chat_command()
-    child = pexpect.spawn(cmd[0], [*cmd[1:], "-t", "0", "-n", "4"], env=cli_env(XDG_STATE_HOME=str(tmp_path / "state")),
-                          timeout=TIMEOUT, encoding="utf-8", dimensions=(40, 400), preexec_fn=_limited)
+    child = spawn_cli(["-t", "0", "-n", "4"], cli_env(XDG_STATE_HOME=str(tmp_path / "state")),
+                      address_space=MEMORY_LIMIT, timeout=TIMEOUT, encoding="utf-8", dimensions=(40, 400))
     try:
         child.expect_exact(">>> ")
         for command, message in cases:
@@ -378,8 +379,8 @@ def test_list_into_a_pipe_that_closes_exits_141_quietly(tmp_path):
         path = store / "manifests" / "registry.ollama.ai" / "library" / f"model-{i:04d}" / "latest"
         path.parent.mkdir(parents=True)
         path.write_text(manifest)
-    proc = subprocess.Popen([*llama_chat_command(), "--list"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=cli_env(OLLAMA_MODELS=str(store)), preexec_fn=_limited)
+    proc = popen_cli([*llama_chat_command(), "--list"], cli_env(OLLAMA_MODELS=str(store)), address_space=MEMORY_LIMIT,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout.read(1) == b"M"
     proc.stdout.close()  # `| head -c 1`
     err = proc.stderr.read()
