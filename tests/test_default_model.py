@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -119,11 +118,10 @@ GOLDEN_BYTE_TOKENS = [
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    from cli_support import RUN_TIMEOUT_S, llama_chat_command
+    from cli_support import run_cli
 
-    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
-    run = subprocess.run([*llama_chat_command(), *args], capture_output=True, text=True, encoding="utf-8",
-                         env=env, timeout=RUN_TIMEOUT_S)
+    run = run_cli(*args, NO_COLOR="1", COLUMNS="200")
+    run = subprocess.CompletedProcess(run.args, run.returncode, run.stdout.decode(), run.stderr.decode())
     assert run.returncode == 0, run.stderr
     return run
 
