@@ -3,14 +3,15 @@
 Scores are sums of log-probabilities after the logits processors (which see each beam's own
 history, so a repetition penalty applies per beam, as in transformers). At each step the
 ``keep = max(2, 1 + n_eos) * num_beams`` best continuations over all beams are taken (or drawn
-without replacement, when sampling); those of them that end (an end-of-sequence token, the token
-budget, the context, the clock) and rank among the first ``num_beams`` become finished
-hypotheses scored ``sum / length ** length_penalty``, where ``length`` counts generated tokens
-including the end token; the best ``num_beams`` of the rest go on. The KV cache has one row per
-beam and is reordered after each step. The search ends by ``early_stopping``:
-``True`` as soon as ``num_beams`` hypotheses have finished; ``False`` when the best running beam,
-scored at its current length, cannot beat the worst finished one; ``"never"`` when it cannot even
-at the longest length allowed (with a positive length penalty).
+without replacement, when sampling: ``sampling.draw_distinct``, with ``keep`` uniforms a step from
+the request's seed, so a seeded search draws the same on every device); those of them that end
+(an end-of-sequence token, the token budget, the context, the clock) and rank among the first
+``num_beams`` become finished hypotheses scored ``sum / length ** length_penalty``, where
+``length`` counts generated tokens including the end token; the best ``num_beams`` of the rest
+go on. The KV cache has one row per beam and is reordered after each step. The search ends by
+``early_stopping``: ``True`` as soon as ``num_beams`` hypotheses have finished; ``False`` when the
+best running beam, scored at its current length, cannot beat the worst finished one; ``"never"``
+when it cannot even at the longest length allowed (with a positive length penalty).
 
 ``BeamSearch`` is blocking: ``prefill`` a chunk at a time, then ``step`` until it returns False,
 each call one forward. ``beam_run`` drives it in a step worker thread of its own, so a cancel
@@ -35,6 +36,7 @@ from llama_chat.inference.types import BeamCompletion, BeamText, DamagedScores, 
 from llama_chat.ml.constraints import GrammarMask
 from llama_chat.ml.controls import BeamParams, SamplingParams
 from llama_chat.ml.processors import TokenHistory, make_logits_processors, make_warpers
+from llama_chat.ml.sampling import Uniforms, draw_distinct, finite_best
 from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
 
@@ -94,7 +96,7 @@ class BeamSearch:
         # Beam sampling keeps one id more than there are end tokens, so a beam can always go on.
         self.warpers = make_warpers(params, min_keep=1 + len(self.stop_ids))
         self.keep = max(2, 1 + len(self.stop_ids)) * n
-        self.generator = torch.Generator(device).manual_seed(seed) if not params.greedy else None
+        self.uniforms = Uniforms(seed) if not params.greedy else None
         self.fed = 0  # prompt tokens prefilled (into row 0)
         self.length = 0  # tokens generated per running beam
         self.running_scores = torch.full((n,), _OUT, device=device)
@@ -168,11 +170,10 @@ class BeamSearch:
         for warper in self.warpers:
             log_probs = warper(self.history, log_probs)
         total = (log_probs + self.running_scores[:, None]).view(-1)
-        if self.generator is not None:
-            probabilities = torch.softmax(total, dim=-1)
-            if not bool(torch.isfinite(probabilities).all()):  # multinomial would fail without saying why
+        if self.uniforms is not None:
+            if not bool(finite_best(total[None])[0]):  # no draw from them means anything
                 raise DamagedScores()
-            candidates = torch.multinomial(probabilities, self.keep, replacement=False, generator=self.generator)
+            candidates = draw_distinct(total[None], self.uniforms.take(self.keep, self.device)[None])[0]
             scores = total[candidates]
         else:
             scores, candidates = torch.topk(total, self.keep)

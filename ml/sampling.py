@@ -1,18 +1,28 @@
-"""Next-token sampling for a batch of rows: temperature, nucleus (top-p), seeded draw.
+"""Every token drawn, in one family: the greedy pick, the seeded draw, and beams' draws.
 
 ``choose`` is the one sampler every generation path calls for a token it draws on the host (the
-scheduler's rows, the engine's eager steps): a request's controls, then ``sample``.
-``sample`` is a short pipeline: scale, filter, draw. The other controls of ``SamplingParams``
-(top-k, min-p, typical-p, penalties, n-grams, logit bias) are Hugging Face's logits processors in
-``ml/processors.py`` (``Controls``); they run before ``sample``, which then only draws. Every step
-works on a whole ``(batch, vocab)`` tensor at once. ``sample_in_graph`` is the same draw for a
-compiled step, and the one draw that is not the host's.
+scheduler's rows through ``sample_rows``, speculative verification): a request's controls, then
+``sample``. ``sample`` is a short pipeline: scale, filter, draw. The other controls of
+``SamplingParams`` (top-k, min-p, typical-p, penalties, n-grams, logit bias) are Hugging Face's
+logits processors in ``ml/processors.py`` (``Controls``); they run before ``sample``, which then
+only draws. Every step works on a whole ``(batch, vocab)`` tensor at once.
+
+The forms of the one draw, equal token for token (tests/test_draws.py):
+
+- greedy: ``pick``, the operator's native pick where it is built (``ml/cpu/pick.h``, also inside
+  its decode step), ``torch.argmax`` otherwise and in a graph;
+- sampled: ``sample`` on the host, ``sample_in_graph`` in a compiled step or CUDA graph, both
+  ending in ``_draw``, one float64 uniform per row (``draw_uniforms``);
+- beams: ``draw_distinct``, ``_draw`` repeated with the drawn ones taken out.
+
+The tie rule, everywhere: a greedy pick is the lowest id among the largest (a NaN counting as
+largest, as torch.argmax has it); a nucleus ranks its candidates by value, equal values by id.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -29,8 +39,8 @@ class Controls(Protocol):
     def prepare(self, history: Any, logits: torch.Tensor) -> tuple[torch.Tensor, SamplingParams]: ...
 
 
-__all__ = ["Draw", "SamplingMode", "SamplingParams", "apply_top_p", "choose", "draw_uniforms", "finite_best", "sample",
-           "sample_in_graph"]
+__all__ = ["Draw", "Row", "SamplingMode", "SamplingParams", "Uniforms", "apply_top_p", "choose", "draw_distinct",
+           "draw_uniforms", "finite_best", "pick", "sample", "sample_in_graph", "sample_rows"]
 
 
 # Candidate pool sizes tried before sorting the whole vocabulary: a top-k of a few hundred costs a
@@ -74,8 +84,16 @@ def _nucleus(logits: torch.Tensor, top_p: float) -> _Nucleus:
         nucleus = _in_pool(*_ranked(*torch.topk(logits, k, dim=-1)), log_total, top_p)
         if nucleus is not None:
             return nucleus
+    return _sorted_nucleus(logits, log_total, top_p)
+
+
+def _sorted_nucleus(logits: torch.Tensor, log_total: torch.Tensor, top_p: float | torch.Tensor) -> _Nucleus:
+    """The nucleus over a full sort: no host sync and no shape that depends on the values, so a
+    graph takes it as it is; stable, so equal values rank by id as in every pool."""
     values, ids = torch.sort(logits, dim=-1, descending=True, stable=True)
-    return _in_pool(values, ids, log_total, top_p, whole=True)
+    nucleus = _in_pool(values, ids, log_total, top_p, whole=True)
+    assert nucleus is not None  # a whole row always holds its nucleus
+    return nucleus
 
 
 def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,15 +103,17 @@ def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torc
     return values, ids.gather(-1, order)
 
 
-def _in_pool(values: torch.Tensor, ids: torch.Tensor, log_total: torch.Tensor, top_p: float, *,
+def _in_pool(values: torch.Tensor, ids: torch.Tensor, log_total: torch.Tensor, top_p: float | torch.Tensor, *,
              whole: bool = False) -> _Nucleus | None:
     """The nucleus within a ranked pool, or None where some row's pool holds less than ``top_p``
-    of its mass (then the nucleus may reach past it); a ``whole`` row's pool is the row."""
+    of its mass (then the nucleus may reach past it) or keeps a value equal to the pool's least
+    (``torch.topk`` may cut a run of equal values anywhere, where the rule wants the lowest ids);
+    a ``whole`` row's pool is the row."""
     probs = torch.exp(values - log_total)
     cumulative = torch.cumsum(probs, dim=-1)
-    if not whole and not bool((cumulative[:, -1] >= top_p).all()):
-        return None
     keep = (cumulative - probs) < top_p
+    if not whole and not bool(((cumulative[:, -1] >= top_p) & ~(keep & (values == values[:, -1:])).any(dim=-1)).all()):
+        return None
     return _Nucleus(ids, values, probs * keep, keep)
 
 
@@ -123,15 +143,33 @@ def _draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return torch.minimum(index, last).squeeze(-1)
 
 
+class Uniforms:
+    """A seed's float64 uniforms in [0, 1), in order, taken a few at a time: the same numbers, on
+    every device, as one ``draw_uniforms`` of them all (the host's generator makes them)."""
+
+    def __init__(self, seed: int) -> None:
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def take(self, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.rand(count, dtype=torch.float64, generator=self._generator).to(device)
+
+
 def draw_uniforms(count: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``count`` float64 uniforms in [0, 1) from ``seed``, the same on every device.
 
     A request draws them all at its start and samples the token after position ``p`` with
     uniform ``p``, so that a step needs no generator: the eager step and a compiled or
-    CUDA-graph step then make the same choices from the same seed.
+    CUDA-graph step then make the same choices from the same seed. A beam search, which draws
+    several a step, takes them from ``Uniforms`` as it goes.
     """
-    generator = torch.Generator().manual_seed(seed)
-    return torch.rand(count, dtype=torch.float64, generator=generator).to(device)
+    return Uniforms(seed).take(count, device)
+
+
+def pick(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy pick of each row of ``(rows, vocab)`` logits: the lowest id among its largest, a
+    NaN counting as largest. The operator's native pick (``ml/cpu/pick.h``) where it is built and
+    pays, ``torch.argmax`` (the same rule, and the form a graph traces) otherwise."""
+    return cpu_kernels.argmax(logits)
 
 
 def finite_best(logits: torch.Tensor) -> torch.Tensor:
@@ -154,17 +192,22 @@ def sample(
     if logits.dim() != 2:
         raise ValueError(f"logits must be (batch, vocab), got shape {tuple(logits.shape)}")
     if params.greedy:
-        return cpu_kernels.argmax(logits)
+        return pick(logits)
     if isinstance(randomness, torch.Tensor):
         uniform = randomness
     else:
         uniform = torch.rand(logits.shape[0], dtype=torch.float64, generator=randomness, device=logits.device)
     scaled = logits.float() / params.temperature
-    if params.top_p < 1.0:
-        # Draw among the sorted candidates only: the nucleus is usually tiny.
-        nucleus = _nucleus(scaled, params.top_p)
-        return nucleus.ids.gather(-1, _draw(nucleus.weights, uniform)[:, None]).squeeze(-1)
-    return _draw(torch.softmax(scaled, dim=-1), uniform)
+    # Draw among the ranked candidates only: the nucleus is usually tiny.
+    return _drawn(scaled, _nucleus(scaled, params.top_p) if params.top_p < 1.0 else None, uniform)
+
+
+def _drawn(scaled: torch.Tensor, nucleus: _Nucleus | None, uniform: torch.Tensor) -> torch.Tensor:
+    """The end of every sampled draw: each row's token by its uniform, over the whole vocabulary
+    in id order, or over its nucleus ranked likeliest first."""
+    if nucleus is None:
+        return _draw(torch.softmax(scaled, dim=-1), uniform)
+    return nucleus.ids.gather(-1, _draw(nucleus.weights, uniform)[:, None]).squeeze(-1)
 
 
 # (logits (rows, vocab), settings, randomness) -> (rows,) token ids: ``sample``'s signature, the
@@ -204,16 +247,116 @@ def sample_in_graph(logits: torch.Tensor, mode: SamplingMode, temperature: torch
     """``sample`` without host syncs or data-dependent shapes, for a compiled step or CUDA graph.
 
     ``temperature`` and ``top_p`` are tensors (so new values need no new graph), ``uniform`` one
-    float64 per row. The nucleus is taken over a full sort instead of ``sample``'s candidate
-    pools, whose size is chosen on the host; for the same uniform both pick the same token.
+    float64 per row. The nucleus is the one ``sample`` falls back to, over a full sort, where
+    ``sample`` first tries candidate pools whose size is chosen on the host; for the same uniform
+    both pick the same token, and a greedy row ``pick``'s.
     """
     if mode is SamplingMode.GREEDY:
         return logits.argmax(dim=-1)
     scaled = logits.float() / temperature
-    if mode is SamplingMode.FULL:
-        return _draw(torch.softmax(scaled, dim=-1), uniform)
-    values, ids = torch.sort(scaled, dim=-1, descending=True)
-    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))
-    cumulative = torch.cumsum(probs, dim=-1)
-    keep = (cumulative - probs) < top_p
-    return ids.gather(-1, _draw(probs * keep, uniform)[:, None]).squeeze(-1)
+    nucleus = None
+    if mode is SamplingMode.NUCLEUS:
+        nucleus = _sorted_nucleus(scaled, torch.logsumexp(scaled, dim=-1, keepdim=True), top_p)
+    return _drawn(scaled, nucleus, uniform)
+
+
+def draw_distinct(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """``(rows, count)`` distinct ids per row of ``(rows, n)`` ``scores`` (log-weights, finite
+    at the best), drawn without replacement with probabilities proportional to ``exp(scores)``:
+    ``torch.multinomial``'s distribution, from ``uniforms`` (``(rows, count)`` float64) instead of
+    a generator. Draw ``j`` is ``_draw`` with uniform ``j`` over the weights the earlier draws
+    left. Where fewer than ``count`` ids of a row have any weight, the rest follow by score, equal
+    ones by id (as a greedy top-k ranks them).
+    """
+    weights = torch.softmax(scores.float(), dim=-1)
+    rows, count = uniforms.shape
+    drawn = torch.empty(rows, count, dtype=torch.long, device=scores.device)
+    enough = bool(((weights > 0).sum(dim=-1) >= count).all())
+    ranking = None if enough else torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    taken = None if enough else torch.zeros_like(weights, dtype=torch.bool)
+    for j in range(count):
+        index = _draw(weights, uniforms[:, j])
+        if ranking is not None and taken is not None:
+            # A row with no weight left takes its best id not yet drawn.
+            first_left = (~taken.gather(-1, ranking)).int().argmax(dim=-1, keepdim=True)
+            index = torch.where(weights.sum(dim=-1) > 0, index, ranking.gather(-1, first_left).squeeze(-1))
+            taken.scatter_(-1, index[:, None], True)
+        drawn[:, j] = index
+        weights.scatter_(-1, index[:, None], 0.0)
+    return drawn
+
+
+class _RowRequest(Protocol):
+    @property
+    def sampling(self) -> SamplingParams: ...
+
+    @property
+    def logprobs(self) -> int | None: ...
+
+
+class _History(Protocol):
+    def append(self, rows: list[list[int]]) -> None: ...
+
+
+class Row(Protocol):
+    """What ``sample_rows`` reads and writes of a row's job (``inference/jobs.Job``): its request's
+    settings, its tokens so far, its uniforms (``draw_uniforms``), its controls and the history
+    they read, and where the drawn token's logprobs go."""
+
+    @property
+    def request(self) -> _RowRequest: ...
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+    @property
+    def uniforms(self) -> torch.Tensor | None: ...
+
+    @property
+    def controls(self) -> Controls | None: ...
+
+    @property
+    def history(self) -> _History | None: ...
+
+    drawn_logprobs: Any
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[Row | None], picks: torch.Tensor | None,
+                sample_ids: int | None, drawn: Sequence[bool] = (), *,
+                logprobs: Callable[[torch.Tensor, int, int], Any], damaged: Callable[[], Exception]) -> list[int]:
+    """One token per row of a step: ``pick`` for greedy rows, the job's own settings and seed
+    otherwise (None: a padding row).
+
+    ``picks``: the rows' greedy picks where the step made them already (the operator). Only the
+    first ``sample_ids`` logits are candidates. The token after position ``p`` is drawn with the
+    job's uniform ``p``, so a seeded job picks the same tokens batched or alone. A job that asks
+    for logprobs (its request's ``logprobs``) gets ``logprobs(raw row, token, top)`` on
+    ``drawn_logprobs``; no other row pays. Raises ``damaged()`` where a job's logits hold NaN or
+    +inf (damaged weights, an overflow): no token drawn from them means anything. (A lone greedy
+    row's pick, made without its logits, is not looked at: every job's first token comes through
+    here.) ``drawn``: rows whose pick the step drew already, with the job's uniform (a compiled
+    step's).
+    """
+    if picks is None:
+        picks = pick(logits[:, :sample_ids])
+    hopeless = ~finite_best(logits[:, :sample_ids])
+    for i, row in enumerate(rows):
+        if row is None or (row.controls is None and (row.request.sampling.greedy or i < len(drawn) and drawn[i])):
+            continue
+        last = len(row.tokens) - 1
+        uniform = None if row.uniforms is None else row.uniforms[last:last + 1]
+        picks[i] = choose(logits[i:i + 1, :sample_ids], row.request.sampling, uniform, controls=row.controls,
+                          history=row.history)[0]
+    # Marked -1, the damaged rows come back with the picks: still one transfer a step.
+    chosen = picks.masked_fill(hopeless.to(picks.device), -1).tolist()
+    if any(token < 0 and row is not None for row, token in zip(rows, chosen)):
+        raise damaged()
+    for i, (row, token) in enumerate(zip(rows, chosen)):
+        if row is None:
+            continue
+        if row.history is not None:
+            row.history.append([token])
+        top = row.request.logprobs
+        if top is not None:
+            row.drawn_logprobs = logprobs(logits[i, :sample_ids], token, top)
+    return chosen
