@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from cli_support import ANSI, build_tiny_model, cli_env, json_result, llama_chat_command, run_cli
+from cli_support import ANSI, build_tiny_model, cli_env, json_result, llama_chat_command, popen_cli, run_cli
 
 WAIT_S = 120.0
 
@@ -99,9 +99,8 @@ def test_ctrl_c_writes_what_finished_and_exits_130(tiny, tmp_path):
     # The tiny model never ends on its own: these run until the context is full, unless stopped.
     long = [json.dumps({"prompt": f"long {i}", "id": f"l{i}"}) for i in range(3)]
     src.write_text("\n".join(long + short) + "\n")
-    proc = subprocess.Popen([*llama_chat_command(), "-m", str(tiny.path), "--batch", str(src), "-t", "0",
-                             "--max-batch", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, env=cli_env())
+    proc = popen_cli([*llama_chat_command(), "-m", str(tiny.path), "--batch", str(src), "-t", "0", "--max-batch", "8"],
+                     cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
         got = b""
         deadline = time.monotonic() + WAIT_S
