@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from llama_chat.model import tensor_names as names
 from llama_chat.model.args import ConfigError, ModelArgs, integer, number
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.tensor_names import TensorNames
 
 
 @dataclass(frozen=True)
@@ -31,147 +33,23 @@ class Family:
     name: str
     hf_types: tuple[str, ...]  # config.json's model_type values
     gguf_arch: str | None  # general.architecture
-    # Hugging Face layer tensor (after "model.layers.N.") -> ours; the families' common ones below.
-    hf_layer_names: tuple[tuple[str, str], ...] = ()
-    gguf_layer_names: tuple[tuple[str, str], ...] = ()
+    names: TensorNames  # its tensors' names, ours beside each format's (``tensor_names.py``)
     gguf_halves: bool = True  # the GGUF file's q/k rows are in the halves order (NEOX rotary)
     norm_shift: bool = False  # Hugging Face weights hold w of a (1 + w) norm (Gemma); GGUF's hold 1 + w
-    # Where a Hugging Face file's layers sit, and its tensors outside the layers (beyond Llama's).
-    hf_layer_prefix: str = "model.layers."
-    hf_top_names: tuple[tuple[str, str], ...] = ()
-    hf_ignored: tuple[str, ...] = ()  # tensors read by none of our paths
-    hf_head_names: tuple[tuple[str, str], ...] = ()  # a classifier's head; left unread without one
-    gguf_top_names: tuple[tuple[str, str], ...] = ()  # a GGUF file's tensors outside the layers, beyond Llama's
-    hf_name_prefix: str = ""  # a prefix some files put before every name ("bert." in a classifier's)
 
-
-_HF_ATTENTION = (
-    ("self_attn.q_proj.weight", "attention.wq.weight"),
-    ("self_attn.k_proj.weight", "attention.wk.weight"),
-    ("self_attn.v_proj.weight", "attention.wv.weight"),
-    ("self_attn.o_proj.weight", "attention.wo.weight"),
-    ("input_layernorm.weight", "attention_norm.weight"),
-)
-_HF_FFN = (
-    ("mlp.gate_proj.weight", "feed_forward.w1.weight"),
-    ("mlp.down_proj.weight", "feed_forward.w2.weight"),
-    ("mlp.up_proj.weight", "feed_forward.w3.weight"),
-)
-_HF_LLAMA = _HF_ATTENTION + _HF_FFN + (("post_attention_layernorm.weight", "ffn_norm.weight"),)
-_HF_BIAS = (
-    ("self_attn.q_proj.bias", "attention.bq"),
-    ("self_attn.k_proj.bias", "attention.bk"),
-    ("self_attn.v_proj.bias", "attention.bv"),
-)
-_HF_QK_NORM = (
-    ("self_attn.q_norm.weight", "attention.q_norm.weight"),
-    ("self_attn.k_norm.weight", "attention.k_norm.weight"),
-)
-# Gemma's post_attention_layernorm is the attention output's norm, not the feed-forward's input's.
-_HF_GEMMA = _HF_ATTENTION + _HF_FFN + (
-    ("post_attention_layernorm.weight", "attention_post_norm.weight"),
-    ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
-    ("post_feedforward_layernorm.weight", "ffn_post_norm.weight"),
-)
-# Phi-3's fused tensors are split by ``split_fused``, into these names' parts.
-_HF_PHI3 = (
-    ("self_attn.qkv_proj.weight", "attention.wqkv.weight"),
-    ("self_attn.o_proj.weight", "attention.wo.weight"),
-    ("mlp.gate_up_proj.weight", "feed_forward.w13.weight"),
-    ("mlp.down_proj.weight", "feed_forward.w2.weight"),
-    ("input_layernorm.weight", "attention_norm.weight"),
-    ("post_attention_layernorm.weight", "ffn_norm.weight"),
-)
-
-_GGUF_LLAMA = (
-    ("attn_q.weight", "attention.wq.weight"),
-    ("attn_k.weight", "attention.wk.weight"),
-    ("attn_v.weight", "attention.wv.weight"),
-    ("attn_output.weight", "attention.wo.weight"),
-    ("ffn_gate.weight", "feed_forward.w1.weight"),
-    ("ffn_down.weight", "feed_forward.w2.weight"),
-    ("ffn_up.weight", "feed_forward.w3.weight"),
-    ("attn_norm.weight", "attention_norm.weight"),
-    ("ffn_norm.weight", "ffn_norm.weight"),
-)
-_GGUF_BIAS = (("attn_q.bias", "attention.bq"), ("attn_k.bias", "attention.bk"), ("attn_v.bias", "attention.bv"))
-_GGUF_QK_NORM = (("attn_q_norm.weight", "attention.q_norm.weight"), ("attn_k_norm.weight", "attention.k_norm.weight"))
-_GGUF_POST_NORMS = (("post_attention_norm.weight", "attention_post_norm.weight"),
-                    ("post_ffw_norm.weight", "ffn_post_norm.weight"))
-_GGUF_PHI3 = (
-    ("attn_qkv.weight", "attention.wqkv.weight"),
-    ("attn_output.weight", "attention.wo.weight"),
-    ("ffn_up.weight", "feed_forward.w13.weight"),
-    ("ffn_down.weight", "feed_forward.w2.weight"),
-    ("attn_norm.weight", "attention_norm.weight"),
-    ("ffn_norm.weight", "ffn_norm.weight"),
-)
-
-_HF_BERT_TOP = (
-    ("embeddings.word_embeddings.weight", "tok_embeddings.weight"),
-    ("embeddings.position_embeddings.weight", "pos_embeddings.weight"),
-    ("embeddings.token_type_embeddings.weight", "type_embeddings.weight"),
-    ("embeddings.LayerNorm.weight", "embedding_norm.weight"),
-    ("embeddings.LayerNorm.bias", "embedding_norm.bias"),
-)
-# BERT's norms come after each sublayer's sum with the residual (``ModelArgs.norm_after_residual``):
-# the attention's output norm is our ``attention_norm``, the feed-forward's our ``ffn_norm``.
-_HF_BERT = (
-    ("attention.self.query.weight", "attention.wq.weight"), ("attention.self.query.bias", "attention.bq"),
-    ("attention.self.key.weight", "attention.wk.weight"), ("attention.self.key.bias", "attention.bk"),
-    ("attention.self.value.weight", "attention.wv.weight"), ("attention.self.value.bias", "attention.bv"),
-    ("attention.output.dense.weight", "attention.wo.weight"), ("attention.output.dense.bias", "attention.bo"),
-    ("attention.output.LayerNorm.weight", "attention_norm.weight"),
-    ("attention.output.LayerNorm.bias", "attention_norm.bias"),
-    ("intermediate.dense.weight", "feed_forward.w1.weight"), ("intermediate.dense.bias", "feed_forward.b1"),
-    ("output.dense.weight", "feed_forward.w2.weight"), ("output.dense.bias", "feed_forward.b2"),
-    ("output.LayerNorm.weight", "ffn_norm.weight"), ("output.LayerNorm.bias", "ffn_norm.bias"),
-)
-
-# llama.cpp's converter's names for BERT: "cls" is the pooler, "cls.output" the classifier.
-_GGUF_BERT_TOP = (
-    ("position_embd.weight", "pos_embeddings.weight"), ("token_types.weight", "type_embeddings.weight"),
-    ("token_embd_norm.weight", "embedding_norm.weight"), ("token_embd_norm.bias", "embedding_norm.bias"),
-    ("cls.weight", "pooler.weight"), ("cls.bias", "pooler.bias"),
-    ("cls.output.weight", "classifier.weight"), ("cls.output.bias", "classifier.bias"),
-)
-_GGUF_BERT = (
-    ("attn_q.weight", "attention.wq.weight"), ("attn_q.bias", "attention.bq"),
-    ("attn_k.weight", "attention.wk.weight"), ("attn_k.bias", "attention.bk"),
-    ("attn_v.weight", "attention.wv.weight"), ("attn_v.bias", "attention.bv"),
-    ("attn_output.weight", "attention.wo.weight"), ("attn_output.bias", "attention.bo"),
-    ("attn_output_norm.weight", "attention_norm.weight"), ("attn_output_norm.bias", "attention_norm.bias"),
-    ("ffn_up.weight", "feed_forward.w1.weight"), ("ffn_up.bias", "feed_forward.b1"),
-    ("ffn_down.weight", "feed_forward.w2.weight"), ("ffn_down.bias", "feed_forward.b2"),
-    ("layer_output_norm.weight", "ffn_norm.weight"), ("layer_output_norm.bias", "ffn_norm.bias"),
-)
-
-# nomic-bert (nomic-embed-text) as llama.cpp's converter writes it: BERT's post-LN encoder with
-# rotary positions (NEOX halves), q, k and v in one tensor, SwiGLU (``ffn_gate`` the activated
-# half) and no biases but the norms'. It has no Hugging Face form without remote code: files only.
-_GGUF_NOMIC_BERT = (
-    ("attn_qkv.weight", "attention.wqkv.weight"), ("attn_output.weight", "attention.wo.weight"),
-    ("attn_output_norm.weight", "attention_norm.weight"), ("attn_output_norm.bias", "attention_norm.bias"),
-    ("ffn_gate.weight", "feed_forward.w1.weight"), ("ffn_up.weight", "feed_forward.w3.weight"),
-    ("ffn_down.weight", "feed_forward.w2.weight"),
-    ("layer_output_norm.weight", "ffn_norm.weight"), ("layer_output_norm.bias", "ffn_norm.bias"),
-)
 
 FAMILIES = (
-    Family("llama", ("llama",), "llama", _HF_LLAMA, _GGUF_LLAMA, gguf_halves=False),
-    Family("mistral", ("mistral",), None, _HF_LLAMA),  # Mistral's GGUF files are "llama"
-    Family("qwen2", ("qwen2",), "qwen2", _HF_LLAMA + _HF_BIAS, _GGUF_LLAMA + _GGUF_BIAS),
-    Family("qwen3", ("qwen3",), "qwen3", _HF_LLAMA + _HF_QK_NORM, _GGUF_LLAMA + _GGUF_QK_NORM),
-    Family("gemma2", ("gemma2",), "gemma2", _HF_GEMMA, _GGUF_LLAMA + _GGUF_POST_NORMS, norm_shift=True),
-    Family("gemma3", ("gemma3_text", "gemma3"), "gemma3", _HF_GEMMA + _HF_QK_NORM,
-           _GGUF_LLAMA + _GGUF_POST_NORMS + _GGUF_QK_NORM, norm_shift=True),
-    Family("phi3", ("phi3",), "phi3", _HF_PHI3, _GGUF_PHI3),
-    Family("bert", ("bert",), "bert", _HF_BERT, _GGUF_BERT, gguf_halves=False, gguf_top_names=_GGUF_BERT_TOP,
-           hf_layer_prefix="encoder.layer.", hf_top_names=_HF_BERT_TOP,
-           hf_ignored=("embeddings.position_ids",), hf_name_prefix="bert.",
-           hf_head_names=(("pooler.dense.weight", "pooler.weight"), ("pooler.dense.bias", "pooler.bias"),
-                          ("classifier.weight", "classifier.weight"), ("classifier.bias", "classifier.bias"))),
-    Family("nomic-bert", (), "nomic-bert", (), _GGUF_NOMIC_BERT, gguf_top_names=_GGUF_BERT_TOP[1:4]),
+    Family("llama", ("llama",), "llama", TensorNames(names.LLAMA), gguf_halves=False),
+    Family("mistral", ("mistral",), None, TensorNames(names.LLAMA)),  # Mistral's GGUF files are "llama"
+    Family("qwen2", ("qwen2",), "qwen2", TensorNames(names.LLAMA + names.QKV_BIAS)),
+    Family("qwen3", ("qwen3",), "qwen3", TensorNames(names.LLAMA + names.QK_NORM)),
+    Family("gemma2", ("gemma2",), "gemma2", TensorNames(names.GEMMA), norm_shift=True),
+    Family("gemma3", ("gemma3_text", "gemma3"), "gemma3", TensorNames(names.GEMMA + names.QK_NORM), norm_shift=True),
+    Family("phi3", ("phi3",), "phi3", TensorNames(names.PHI3)),
+    Family("bert", ("bert",), "bert",
+           TensorNames(names.BERT, names.BERT_TOP, hf_layer_prefix="encoder.layer.", hf_name_prefix="bert.",
+                       head=names.BERT_HEAD, hf_ignored=("embeddings.position_ids",)), gguf_halves=False),
+    Family("nomic-bert", (), "nomic-bert", TensorNames(names.NOMIC_BERT, names.NOMIC_BERT_TOP)),
 )
 GGUF_ARCHITECTURES = tuple(f.gguf_arch for f in FAMILIES if f.gguf_arch is not None)
 HF_TYPES = tuple(t for f in FAMILIES for t in f.hf_types)

@@ -128,6 +128,18 @@ def test_unexpected_tensor(meta_dir):
     assert "unexpected tensor 'layers.9.extra.weight'" in _error(meta_dir)
 
 
+def test_a_layer_named_twice_in_a_hugging_face_file_is_refused(tmp_path, tokenizer_model, vocab):
+    # "model.layers.1" and "model.layers.01" are one layer (model/tensor_names.py): the second is
+    # not read over the first.
+    from safetensors.torch import load_file, save_file
+
+    out = write_hf_checkpoint(random_model(tiny_args(vocab)), tmp_path / "hf", tokenizer_model)
+    state = load_file(out / "model.safetensors")
+    state["model.layers.01.input_layernorm.weight"] = state["model.layers.1.input_layernorm.weight"].clone()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert "names 'layers.1.attention_norm.weight' a second time" in _error(out)
+
+
 def test_missing_shard(tmp_path, tokenizer_model, vocab):
     out = write_meta_shards(random_model(tiny_args(vocab)), tmp_path / "meta", tokenizer_model, n_shards=3)
     (out / "consolidated.01.pth").unlink()

@@ -23,7 +23,6 @@ Hugging Face checkpoint, so a mistake here shows as different logits.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from llama_chat.model.formats.common import (
     release_pages,
 )
 from llama_chat.model.formats.gguf_header import MAGIC, read_header
+from llama_chat.model.tensor_names import GGUF
 from llama_chat.model.pooling import Pooling, Ranking
 from llama_chat.ml.blocks import (
     BLOCKS,
@@ -59,12 +59,6 @@ ARCHITECTURES = GGUF_ARCHITECTURES
 # embedding, and how much of the file is resident before its pages are given back.
 CHUNK_VALUES = 1 << 22
 
-_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
-_TOP_NAMES = {
-    "token_embd.weight": "tok_embeddings.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "output.weight",
-}
 ROPE_FREQS = "rope_freqs.weight"
 # Phi-3's LongRoPE divisors, read into args.rope_scaling.
 LONG_FACTORS, SHORT_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
@@ -184,15 +178,13 @@ def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> 
         raise ModelLoadError(f"{name}: describes a model of {parameter_count(args):,} parameters, but the file "
                              f"holds only {contents.file_size:,} bytes")
     data = torch.from_file(str(contents.path), shared=False, size=contents.file_size, dtype=torch.uint8)
-    layer_names = dict(family.gguf_layer_names)
-    top_names = {**_TOP_NAMES, **dict(family.gguf_top_names)}
     state: dict[str, Weight] = {}
     for info in contents.tensors.values():
         if info.name in _READ_INTO_ARGS:
             continue  # read into args.rope_scaling by _args
         if info.name == "cls.output.weight" and args.pooled:
             continue  # a decoder reranker's "yes" and "no" rows: read by gguf_decoder_ranking
-        meta = meta_name(info.name, layer_names, top_names)
+        meta = family.names.ours(info.name, GGUF)
         if meta is None:
             raise ModelLoadError(f"{name}: unexpected tensor {info.name!r:.80}")
         weight = tensor_view(data, info, name)
@@ -203,15 +195,6 @@ def read_gguf(contents: GGUFContents, *, tokenizer_vocab: int | None = None) -> 
                 raise ModelLoadError(f"{name}: tensor {info.name!r:.80} names {piece_name!r} a second time")
             state[piece_name] = _in_pairs(piece_name, piece, args) if family.gguf_halves else piece
     return Checkpoint(args=args, state=state, origin={k: name for k in state}, files=(contents.path,))
-
-
-def meta_name(gguf_name: str, layer_names: Mapping[str, str], top_names: Mapping[str, str] = _TOP_NAMES) -> str | None:
-    if gguf_name in top_names:
-        return top_names[gguf_name]
-    m = _LAYER.fullmatch(gguf_name)
-    if m and m.group(2) in layer_names:
-        return f"layers.{int(m.group(1))}.{layer_names[m.group(2)]}"
-    return None
 
 
 def _split_rows(meta: str, weight: Weight, parts: tuple[tuple[str, int], ...]) -> list[tuple[str, Weight]]:

@@ -21,13 +21,8 @@ from llama_chat.model.formats.common import (
 from llama_chat.model.families import Family, check_fused, hf_args, interleave_rows, rotated_heads
 from llama_chat.model.formats.json_files import read_json
 from llama_chat.model.errors import ModelLoadError
+from llama_chat.model.tensor_names import HF
 
-_TOP_NAMES = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Old exports carry their rotary frequencies as a buffer; we build our own table.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 
@@ -49,19 +44,20 @@ def read_hf(model_dir: Path) -> Checkpoint:
     if is_sentence_transformers(model_dir) and not args.encoder:
         args = replace(args, pooled=True)  # a decoder embedder (Qwen3-Embedding)
     loaded, origin, files = _read_tensors(model_dir, args)
-    layer_names = dict(family.hf_layer_names)
-    heads = dict(family.hf_head_names)
+    names = family.names
     state: dict[str, Weight] = {}
     renamed_origin: dict[str, str] = {}
     for hf_name, tensor in loaded.items():
-        short = hf_name.removeprefix(family.hf_name_prefix)
-        if _IGNORED.fullmatch(hf_name) or short in family.hf_ignored or (short in heads and not args.labels):
+        short = hf_name.removeprefix(names.hf_name_prefix)
+        if _IGNORED.fullmatch(hf_name) or short in names.hf_ignored:
             continue
-        name = heads[short] if short in heads else meta_name(hf_name, layer_names, family)
+        name = names.ours(short, HF)
         if name is None and args.pooled:  # a bare decoder's names (``Qwen3Model``): no "model." before them
-            name = meta_name(f"model.{hf_name}", layer_names, family)
+            name = names.ours(f"model.{short}", HF)
         if name is None:
             raise ModelLoadError(f"{origin[hf_name]}: unexpected tensor {hf_name!r}")
+        if name in names.head and not args.labels:
+            continue
         parts = check_fused(name, tensor.shape[0], args, origin[hf_name]) if tensor.dim() == 2 else None
         if parts is None:
             pieces = [(name, tensor)]
@@ -72,28 +68,11 @@ def read_hf(model_dir: Path) -> Checkpoint:
                 pieces.append((f"{layer}.{part}", tensor[start:start + rows]))
                 start += rows
         for piece_name, piece in pieces:
+            if piece_name in state:  # "layers.1" and "layers.01" name the same layer
+                raise ModelLoadError(f"{origin[hf_name]}: tensor {hf_name!r:.80} names {piece_name!r} a second time")
             state[piece_name] = _as_ours(piece_name, piece, args, family.norm_shift, origin[hf_name])
             renamed_origin[piece_name] = origin[hf_name]
     return Checkpoint(args=args, state=state, origin=renamed_origin, files=tuple(files))
-
-
-def meta_name(hf_name: str, layer_names: dict[str, str], family: Family | None = None) -> str | None:
-    if family is not None and family.hf_layer_prefix != "model.layers.":  # an encoder's names (BERT)
-        hf_name = hf_name.removeprefix(family.hf_name_prefix)
-        top = dict(family.hf_top_names)
-        if hf_name in top:
-            return top[hf_name]
-        prefix, _, rest = hf_name.partition(family.hf_layer_prefix)
-        number, _, inner = rest.partition(".")
-        if not prefix and number.isdigit() and inner in layer_names:
-            return f"layers.{int(number)}.{layer_names[inner]}"
-        return None
-    if hf_name in _TOP_NAMES:
-        return _TOP_NAMES[hf_name]
-    m = _LAYER.fullmatch(hf_name)
-    if m and m.group(2) in layer_names:
-        return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
-    return None
 
 
 def _as_ours(name: str, tensor: torch.Tensor, args: ModelArgs, norm_shift: bool, file: str) -> Weight:
