@@ -108,20 +108,27 @@ def test_a_cache_that_cannot_be_written_falls_back_in_one_line(tmp_path):
     assert found["loaded"] is False and found["failure"].startswith(f"cannot write its cache {blocker / 'kernels'}")
 
 
-def test_two_processes_building_at_once_both_load_a_whole_library(built, tmp_path):
+@pytest.mark.parametrize("lock", ["taken", "blocked"])
+def test_two_processes_starting_at_once_build_once_and_both_load_a_whole_library(built, tmp_path, lock):
     # A stand-in compiler writes the library the suite loaded (every run that loads the operator
-    # tests the real build). Its link waits until both processes are linking, then writes in two
-    # steps, so the two builds overlap however the machine schedules them; its compiles of each
-    # source (``-c``) write an empty object.
+    # tests the real build). Its compiles of each source (``-c``) write an empty object. Its link
+    # writes in two steps; where the build lock cannot be taken (a folder in its place), both
+    # processes build, and each link first waits until both are linking, so that the two builds
+    # overlap however the machine schedules them: the rename must still give each a whole library.
     started, kernel_dir = tmp_path / "started", tmp_path / "kernels"
     started.mkdir()
+    kernel_dir.mkdir()
+    linkers = 1 if lock == "taken" else 2
+    if lock == "blocked":
+        (kernel_dir / built.name).with_suffix(".lock").mkdir()
     compiler = tmp_path / "cc"
     compiler.write_text(f"""#!/bin/sh
 for arg; do [ "$previous" = -o ] && out="$arg"; [ "$arg" = -c ] && compiling=1; previous="$arg"; done
 [ -n "$compiling" ] && : > "$out" && exit 0
 touch "{started}/$$"
 waited=0
-while [ "$(ls "{started}" | wc -l)" -lt 2 ] && [ $waited -lt 1200 ]; do sleep 0.1; waited=$((waited + 1)); done
+while [ "$(ls "{started}" | wc -l)" -lt {linkers} ] && [ $waited -lt 1200 ]; do sleep 0.1; waited=$((waited + 1)); done
+sleep 0.5
 head -c {built.stat().st_size // 2} "{built}" > "$out" && sleep 0.2 && cat "{built}" > "$out"
 """)
     compiler.chmod(0o755)
@@ -133,8 +140,8 @@ head -c {built.stat().st_size // 2} "{built}" > "$out" && sleep 0.2 && cat "{bui
         out, err = child.communicate(timeout=TIMEOUT)
         assert child.returncode == 0, err
         assert json.loads(out.strip().splitlines()[-1]) == {"loaded": True, "failure": None}
-    assert len(list(started.iterdir())) == 2  # both built
-    libraries = sorted(p.name for p in kernel_dir.iterdir())
+    assert len(list(started.iterdir())) == linkers  # with the lock, the second loads the first's build
+    libraries = sorted(p.name for p in kernel_dir.iterdir() if p.suffix != ".lock")
     assert libraries == [built.name], libraries  # no half-written leftovers
     assert cpu_kernels._untrusted(kernel_dir / libraries[0]) is None
 

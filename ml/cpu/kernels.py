@@ -18,9 +18,12 @@ The cache is trusted only as far as it is checked, since a file loaded into the 
 with it and a damaged one can crash it outright (a library cut short ends the process with
 SIGBUS when it is mapped):
 
+* a build holds a lock file beside the library, so processes started together (test workers, a
+  server and a command) build it once and the others load that build;
 * a build is compiled under a temporary name, sealed (its size and SHA-256 appended as a
   trailer, which the dynamic loader ignores) and renamed into place, so two processes building
-  at once each load a whole library and neither ever sees half of one;
+  at once (where the lock cannot be taken) each load a whole library and neither ever sees half
+  of one;
 * a library is loaded only if it is a regular file whose trailer matches its bytes (anything
   else, a truncated file or an unrelated library under the name, is built again), and kept only
   if every operator the sources define is there once it is loaded (else PyTorch's products, and
@@ -49,6 +52,7 @@ that fails, does too: the operator is a speed-up, never a requirement.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -56,6 +60,7 @@ import platform
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -202,7 +207,8 @@ def load(build: bool = True) -> bool:
         except OSError as e:
             _state["failure"] = f"cannot write its cache {target.parent} ({e.strerror or e})"
             return False
-        problem = _build(target)
+        with _building(target):  # a process beside this one building the same file: its build is loaded
+            problem = None if _untrusted(target) is None else _build(target)
         if problem is not None:
             _state["failure"] = problem
             try:
@@ -230,6 +236,34 @@ def load(build: bool = True) -> bool:
     _register_fake()
     _state["loaded"] = True
     return True
+
+
+@contextlib.contextmanager
+def _building(target: Path):
+    """Held while ``target`` is built: test workers or a server and a command started together on
+    a fresh machine would each compile the whole library at once, on the same cores. The lock is
+    a regular file beside the target, taken for at most ``BUILD_TIMEOUT_S``; where it cannot be
+    made or is something else (a FIFO, say), the build goes on without it."""
+    try:
+        fd = os.open(target.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW
+                     | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            deadline = time.monotonic() + BUILD_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
 
 
 def _failure_note(marker: Path) -> str | None:
