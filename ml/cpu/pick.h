@@ -1,7 +1,8 @@
 // Greedy picks: where a run of logits is largest, the first place on ties, a NaN counting as
-// larger than any number (as torch.argmax has it). Shared by argmax_rows (kernels.cpp) and the
-// one-call decode step (decode.cpp), which picks from each range of the classifier's outputs
-// as it writes them.
+// larger than any number (as torch.argmax has it): the native form of ml/sampling.py's `pick`,
+// under the one tie rule of every draw (tests/test_draws.py checks the forms equal). Shared by
+// argmax_rows (kernels.cpp) and the one-call decode step (decode.cpp), which picks from each
+// range of the classifier's outputs as it writes them.
 #pragma once
 
 #include "dot.h"
