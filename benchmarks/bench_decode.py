@@ -17,7 +17,7 @@ ones). Measured, per config and dtype (float32; bfloat16 for the Python systems;
 * prefill tok/s and time to first token of a 128-token prompt (llama2.c feeds a prompt one token
   at a time, at its decode speed, so it has no prefill figure);
 * peak RSS of the process (``os.wait4``);
-* llama-chat through what the command runs a prompt on (``generation_source.single_stream``: a
+* llama-chat through what the command runs a prompt on (``generation_source.make_source``: a
   one-job batch of the scheduler, its step thread and channel), eager and with ``--compile``
   (the compiled lone step; its warm-up, with a cold compile cache, is reported apart and done
   before timing), in float32, bfloat16 and ``--quantize int8`` (on float32 weights);
@@ -263,9 +263,8 @@ def long_prompt(c: dict) -> tuple[int, ...]:
 
 
 def llama_chat_worker(args, c: dict) -> dict:
-    from types import SimpleNamespace
-
-    from llama_chat.cmd.generation_source import single_stream
+    from llama_chat.cmd.generation_source import make_source
+    from llama_chat.cmd.source_settings import LoadSettings, SourceSettings
     from llama_chat.inference.types import Request
     from llama_chat.ml.sampling import SamplingParams
     from llama_chat.model.loader import load_model
@@ -275,7 +274,8 @@ def llama_chat_worker(args, c: dict) -> dict:
     loaded = load_model(args.path, device="cpu", dtype=args.dtype, max_seq_len=c["seq"])
     load_s = time.perf_counter() - t
     # What the command runs a prompt on (a one-job batch of the scheduler, on the CPU).
-    source = single_stream(loaded, SimpleNamespace(compile=args.compile, quantize=args.quantize))
+    source = make_source(loaded, SourceSettings(LoadSettings(quantize=args.quantize), compile=args.compile,
+                                                cache_type=None, lookup="off"))
     t = time.perf_counter()
     source.warm_up(greedy)
     source.generate(Request((BOS,), sampling=greedy, max_tokens=16))

@@ -42,7 +42,6 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import anyio
 import torch
@@ -171,11 +170,12 @@ def machine() -> str:
 def source(loaded, mode: str, jobs: int, draft: str | None = None):
     """A scheduler of ``jobs`` jobs in ``mode``: off (no drafts), on (lookup), draft (the draft
     model, lookup off)."""
-    from llama_chat.cmd.generation_source import many_jobs, single_stream
+    from llama_chat.cmd.generation_source import make_source
+    from llama_chat.cmd.source_settings import BATCH_JOBS, ONE_STREAM, LoadSettings, SourceSettings
 
-    opts = SimpleNamespace(compile=False, quantize="none", cache_type="auto", lookup="on" if mode == "on" else "off",
-                           draft=draft if mode == "draft" else None, draft_max=8, dtype="auto", ctx_size=None)
-    return single_stream(loaded, opts) if jobs == 1 else many_jobs(loaded, opts, max_batch=jobs, cache_tokens=None)
+    return make_source(loaded, SourceSettings(
+        LoadSettings(), jobs=ONE_STREAM if jobs == 1 else BATCH_JOBS, max_batch=jobs, compile=False, cache_type="auto",
+        lookup="on" if mode == "on" else "off", draft=draft if mode == "draft" else None, draft_max=8))
 
 
 def one_job(scheduler, ids: list[int], tokens: int, sampling):

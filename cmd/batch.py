@@ -34,7 +34,7 @@ from rich.console import Console
 
 from llama_chat.cmd import exit_status
 from llama_chat.cmd.batch_input import BadLine, BatchReader, JobLine
-from llama_chat.cmd.generation_source import many_jobs
+from llama_chat.cmd.generation_source import make_source
 from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.cmd.prompt import prompt_ids, thinking_model
 from llama_chat.cmd.report import failure_line, reasoning_fields
@@ -339,8 +339,9 @@ def plural(count: int, noun: str) -> str:
 
 
 def run_batch(opts: Options, reader: BatchReader, color: str, err: Console) -> int:
-    loaded = load(opts, err)
-    scheduler = many_jobs(loaded, opts, max_batch=opts.max_batch, cache_tokens=opts.cache_tokens)
+    settings = opts.source_settings()
+    loaded = load(settings.load, err)
+    scheduler = make_source(loaded, settings)
     warm_up(scheduler, opts.sampling(), err, quiet=False)
 
     progress = ProgressBar(err) if err.is_terminal else None

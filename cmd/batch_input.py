@@ -55,9 +55,8 @@ class BadLine:
 def check_batch_options(opts: Options) -> bool:
     """Whether this is a ``--batch`` run; raise ``UsageProblem`` for options that do not fit it."""
     if opts.batch is None:
-        for name, flag in (("ordered", "--ordered"),):
-            if getattr(opts, name):
-                raise UsageProblem(f"{flag} needs --batch")
+        if opts.ordered:
+            raise UsageProblem("--ordered needs --batch")
         return False
     if opts.chat:
         raise UsageProblem("--batch and --chat cannot be used together")

@@ -12,11 +12,9 @@
 The replies run on the scheduler (``inference/scheduler.py``), one job at a time: the pages of a
 turn stay in its page table under their prefix keys, so the next reply finds the conversation so
 far there and prefills only the tokens after it (the new user message, not the whole dialog),
-as any job of ``--batch`` that starts with the same tokens would. A reply running alone on
-consecutive pages takes the compiled step where the one-prompt engine would compile
-(``inference/paged_step.py``). On CUDA the chat keeps the one-prompt engine, whose CUDA graph
-needs its dense cache at fixed addresses; it reuses the longest common prefix the same way
-(``generation_source.py`` chooses). Beam search runs beside either, with a cache of its own
+as any job of ``--batch`` that starts with the same tokens would; a reply running alone takes
+the lone job's backend (``inference/batch_step.py``). The source is made as every command's is
+(``generation_source.make_source``). Beam search runs beside it, with a cache of its own
 (``inference/beam.py``).
 
 Signals: at the prompt (outside the event loop) Ctrl+C raises ``KeyboardInterrupt``: on an empty
@@ -54,7 +52,7 @@ from llama_chat.cmd.sanitize import one_line
 from llama_chat.cmd.signals import install_sync_handlers, interruptible_prompt, no_control_echo
 from llama_chat.cmd.typeahead import Typed, held_typing
 from llama_chat.cmd.sanitize import displayable
-from llama_chat.cmd.generation_source import single_stream
+from llama_chat.cmd.generation_source import make_source
 from llama_chat.inference.reasoning import ThinkTags
 from llama_chat.inference.types import Completion, GenerationState, Request, Timings
 from llama_chat.ml.controls import THINK_MODES
@@ -391,8 +389,8 @@ class ChatRunner:
                 f"{seed}{self.pages_text()}" + (f"  {weights_text(self.weights())}" if self.weights else ""))
 
     def pages_text(self) -> str:
-        """Where the conversation's keys are: the scheduler's page table (nothing for the engine, or
-        for a remote model, whose counters have no pages)."""
+        """Where the conversation's keys are: the scheduler's page table (nothing for a remote
+        model, whose counters have no pages)."""
         st = getattr(self.chat.backend, "stats", None)
         if st is None or not st.page_size:
             return ""
@@ -498,11 +496,12 @@ def run_chat(opts: Options, first: str | None, color: str, err: Console) -> int:
 def _chat(opts: Options, first: str | None, color: str, err: Console) -> int:
     from llama_chat.cmd.run_command import load, warm_up
 
-    loaded = load(opts, err)
+    settings = opts.source_settings()
+    loaded = load(settings.load, err)
     if loaded.chat_format is None:
         raise UsageProblem(f"cannot chat with {loaded.name}: it has no chat format (a plain completion model); "
                            f"choose one with --template llama2|llama3|hf, or pass a prompt with -p")
-    backend = single_stream(loaded, opts)
+    backend = make_source(loaded, settings)
     settings = Settings(opts)
     chat = Chat(backend, loaded.chat_format, settings, system=opts.system, think=thinking_model(loaded))
     runner = ChatRunner(chat, opts, color, err, loaded.name, weights=getattr(loaded, "weights", None))

@@ -64,7 +64,7 @@ class Settings:
         controls["logit_bias"] = [f"{token}={bias}" for token, bias in sampling.logit_bias]
         return {**controls, "seed": opts.seed, "max_tokens": opts.max_tokens, "max_time": opts.max_time,
                 "stop": list(opts.stop), **{f.name: getattr(beams, f.name) for f in fields(BeamParams)},
-                **{name: getattr(opts, name) for name in CONSTRAINT_OPTIONS}}
+                **opts.constraint_texts()}
 
 
 def split_setting(arg: str) -> tuple[str, str | None]:
@@ -93,7 +93,7 @@ def apply_setting(name: str, value: str, settings: Settings) -> Settings:
     default = value.lower() in _NONE
     if name in LISTS:
         item = parse_logit_bias(value) if name == "logit_bias" and not default else value
-        parsed = () if default else (*getattr(opts, name), item)
+        parsed = () if default else (*(opts.stop if name == "stop" else opts.logit_bias), item)
         if name == "stop":
             check_stop(parsed)
     elif default:

@@ -166,6 +166,7 @@ def _lines(file: Path | None) -> list[str]:
 def _load(model: str | None, device: str, dtype: str, err: Console, kind: str):
     """The model, loaded as the other commands load one; refused unless it is of ``kind``."""
     from llama_chat.cmd.run_command import load
+    from llama_chat.cmd.source_settings import LoadSettings
     from llama_chat.inference.remote import is_remote
     from llama_chat.model.errors import ModelLoadError
 
@@ -174,7 +175,7 @@ def _load(model: str | None, device: str, dtype: str, err: Console, kind: str):
     from llama_chat.cmd.inputs import UsageProblem
 
     try:
-        loaded = load(Options(model=model, device=device, dtype=dtype), err)
+        loaded = load(LoadSettings(model=model, device=device, dtype=dtype), err)
     except (ModelLoadError, UsageProblem) as e:
         raise Refused(str(e)) from None
     if loaded.kind != kind:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from llama_chat.cmd.sanitize import one_line
 from llama_chat.model.safe_input import BadInput, check_text
+
+if TYPE_CHECKING:
+    from llama_chat.cmd.options import Options
 
 # More than any context holds (131072 tokens are well under 1 MiB of text); the bound keeps
 # `yes | llama-chat` or a huge file from filling memory before the prompt is even tokenized.
@@ -18,15 +21,12 @@ class UsageProblem(ValueError):
     """Input the command cannot use; reported as a usage error (exit status 2)."""
 
 
-# Options whose text reaches the tokenizer, by their flags.
-TEXT_OPTIONS = (("prompt", "--prompt"), ("system", "--system"), ("stop", "--stop"), ("suffix", "--suffix"))
-
-
-def check_command_line_text(opts) -> None:
+def check_command_line_text(opts: Options) -> None:
     """``UsageProblem`` when an option's text is not text: bytes that are not UTF-8 on the command
     line (``-p $'hi \\xff'``) reach Python as lone surrogates, which no tokenizer can encode."""
-    for name, flag in TEXT_OPTIONS:
-        value = getattr(opts, name, None)
+    # The options whose text reaches the tokenizer.
+    for flag, value in (("--prompt", opts.prompt), ("--system", opts.system), ("--stop", opts.stop),
+                        ("--suffix", opts.suffix)):
         for text in (value,) if isinstance(value, str) else value or ():
             try:
                 check_text(text, flag)
@@ -59,7 +59,7 @@ def read_prompt_file(name: str) -> str:
         raise UsageProblem(f"--file {name}: cannot read it ({e.strerror or e})") from None
 
 
-def check_fim_usage(opts) -> None:
+def check_fim_usage(opts: Options) -> None:
     """``--suffix`` or ``--suffix-file`` (one of them) go with a one-shot prompt: the code before
     the cursor, from ``--prompt``, ``--file`` or a pipe."""
     flag = "--suffix" if opts.suffix is not None else "--suffix-file" if opts.suffix_file is not None else None
@@ -75,7 +75,7 @@ def check_fim_usage(opts) -> None:
                            "or pipe it on stdin")
 
 
-def read_suffix(opts) -> str | None:
+def read_suffix(opts: Options) -> str | None:
     """The text of ``--suffix``, or of the file ``--suffix-file`` names as it is (its last line end
     is code after the cursor too)."""
     if opts.suffix_file is None:

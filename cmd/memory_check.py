@@ -10,21 +10,20 @@ from llama_chat.cmd.inputs import UsageProblem
 from llama_chat.model import memory_budget
 
 if TYPE_CHECKING:
-    from llama_chat.cmd.options import Options
+    from llama_chat.cmd.source_settings import LoadSettings
 
 
-def check_memory(opts: Options, loaded) -> None:
+def check_memory(settings: LoadSettings, loaded) -> None:
     """``UsageProblem`` naming the first option whose buffers need more than the memory available."""
     model = getattr(loaded, "model", None)
     if model is None:  # a remote model: its server sizes its own caches
         return
-    batch = getattr(opts, "batch", None) is not None
-    ctx = getattr(opts, "ctx_size", None)
+    room = settings.room
     sizes = memory_budget.CacheSizes(
-        ctx_tokens=model.args.max_seq_len if ctx is not None and not batch else None,
-        beams=max(1, getattr(opts, "num_beams", 1)),
-        cache_tokens=getattr(opts, "cache_tokens", None) if batch else None,
-        max_batch=getattr(opts, "max_batch", None) if batch else None)
+        ctx_tokens=model.args.max_seq_len if settings.ctx_size is not None and not room.batch else None,
+        beams=max(1, room.beams),
+        cache_tokens=room.cache_tokens if room.batch else None,
+        max_batch=room.max_batch if room.batch else None)
     try:
         memory_budget.check(model, sizes)
     except memory_budget.TooLarge as e:

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
+from llama_chat.cmd.source_settings import BATCH_JOBS, ONE_STREAM, CacheRoom, LoadSettings, SourceSettings
 from llama_chat.inference.reasoning import Thinking, ThinkTags, thinking_request
 from llama_chat.inference.types import Request, new_request_id
 from llama_chat.ml.controls import (CACHE_TYPES, COLOR_MODES, COMPILE_MIN_PARAMETERS, DEFAULT_CACHE_BYTES_CAP,
@@ -386,11 +387,14 @@ class Options:
     def beams(self) -> BeamParams:
         return BeamParams(**{f.name: getattr(self, f.name) for f in fields(BeamParams)})
 
+    def constraint_texts(self) -> dict[str, str | None]:
+        """The constraint options' texts by name (``CONSTRAINT_OPTIONS``, the one list of them)."""
+        return {name: getattr(self, name) for name in CONSTRAINT_OPTIONS}
+
     def constraint(self) -> Constraint | None:
         """What the replies must match (``ml/grammars.py``); ``ControlError`` when more than one
         of --json-schema, --format json, --regex and --grammar is given."""
-        made = [make_constraint(name, getattr(self, name)) for name in CONSTRAINT_OPTIONS
-                if getattr(self, name) is not None]
+        made = [make_constraint(name, text) for name, text in self.constraint_texts().items() if text is not None]
         made = [c for c in made if c is not None]  # --format none
         if len(made) > 1:
             raise ControlError("structured output", "takes one of --json-schema, --format json, --regex and "
@@ -416,6 +420,24 @@ class Options:
             return request
         tags, tokenizer = thinker
         return thinking_request(request, tags, opts.thinking(), tokenizer)
+
+    def load_settings(self) -> LoadSettings:
+        """What loads the model, and what its caches must have room for."""
+        return LoadSettings(
+            model=self.model, device=self.device, dtype=self.dtype, ctx_size=self.ctx_size, quantize=self.quantize,
+            template=self.template, chat_template_file=self.chat_template_file, download=self.download,
+            remote_model=self.remote_model, api_key=self.api_key, quiet=self.json,
+            room=CacheRoom(batch=self.batch is not None, beams=self.num_beams, cache_tokens=self.cache_tokens,
+                           max_batch=self.max_batch))
+
+    def source_settings(self) -> SourceSettings:
+        """What the command's source is made from (``generation_source.make_source``): one stream
+        for a prompt or a chat, many jobs with ``--batch``."""
+        return SourceSettings(
+            self.load_settings(), jobs=ONE_STREAM if self.batch is None else BATCH_JOBS, max_batch=self.max_batch,
+            cache_tokens=self.cache_tokens, cache_type=self.cache_type, compile=self.compile, lookup=self.lookup,
+            draft=self.draft, draft_max=self.draft_max, prompt_cache=self.prompt_cache,
+            prompt_cache_size=self.prompt_cache_size)
 
     def with_settings(self, **changes: Any) -> Options:
         """These options with ``changes`` (by option name). A constraint named there replaces the

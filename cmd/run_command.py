@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from llama_chat.cmd import exit_status
-from llama_chat.cmd.generation_source import single_stream
+from llama_chat.cmd.generation_source import make_source
 from llama_chat.cmd.inputs import read_suffix
 from llama_chat.cmd.load_progress import load_progress
 from llama_chat.cmd.memory_check import check_memory
@@ -39,36 +39,35 @@ from llama_chat.model.stores import resolve_model
 
 if TYPE_CHECKING:
     from llama_chat.cmd.options import Options
-    from llama_chat.inference.engine import Engine
+    from llama_chat.cmd.source_settings import LoadSettings
     from llama_chat.inference.scheduler import Scheduler
     from llama_chat.ml.sampling import SamplingParams
     from llama_chat.model.loader import LoadedModel
 
 
-def load(opts: Options, err: Console) -> LoadedModel | RemoteModel:
-    if is_remote(opts.model):
+def load(settings: LoadSettings, err: Console) -> LoadedModel | RemoteModel:
+    if is_remote(settings.model):
         # Another machine's model (inference/remote.py): nothing is loaded here, the server is asked.
-        with_template_file(object(), getattr(opts, "chat_template_file", None))  # refused: its server's template
-        return connect(opts.model, model=getattr(opts, "remote_model", None), template=opts.template,
-                       api_key=getattr(opts, "api_key", None) or os.environ.get("OPENAI_API_KEY"))
+        with_template_file(object(), settings.chat_template_file)  # refused: its server's template
+        return connect(settings.model, model=settings.remote_model, template=settings.template,
+                       api_key=settings.api_key or os.environ.get("OPENAI_API_KEY"))
     from llama_chat.model.loader import default_model_dir, load_model  # torch: a local model's command only
 
-    if opts.model is None:
+    if settings.model is None:
         path, name = default_model_dir(), None
     else:
         # A path, a Hugging Face id (org/name) or ollama:NAME[:TAG]; a download only with --download.
-        resolved = resolve_model(str(opts.model), download=getattr(opts, "download", False),
-                                 progress=err.is_terminal)
+        resolved = resolve_model(str(settings.model), download=settings.download, progress=err.is_terminal)
         path, name = resolved.path, resolved.name
     # The bar (stderr on a terminal, big checkpoints only) is erased on success, error or Ctrl+C.
     with load_progress(name or Path(path).name or str(path), console=err) as on_progress:
         # --quantize int8 is applied while loading, so the float model never exists whole.
-        loaded = load_model(path, device=opts.device, dtype=opts.dtype, chat_format=opts.template,
-                            max_seq_len=getattr(opts, "ctx_size", None), on_progress=on_progress, name=name,
-                            quantize=getattr(opts, "quantize", "none"))
-    loaded = with_template_file(loaded, getattr(opts, "chat_template_file", None))
-    check_memory(opts, loaded)  # -c, --cache-tokens, --max-batch against the memory left
-    prepare_cpu_kernels(loaded, getattr(opts, "quantize", "none"), err, quiet=getattr(opts, "json", False))
+        loaded = load_model(path, device=settings.device, dtype=settings.dtype, chat_format=settings.template,
+                            max_seq_len=settings.ctx_size, on_progress=on_progress, name=name,
+                            quantize=settings.quantize)
+    loaded = with_template_file(loaded, settings.chat_template_file)
+    check_memory(settings, loaded)  # -c, --cache-tokens, --max-batch against the memory left
+    prepare_cpu_kernels(loaded, settings.quantize, err, quiet=settings.quiet)
     return loaded
 
 
@@ -124,7 +123,7 @@ def slow_notice(err: Console, status: str, line: str, *, quiet: bool) -> Iterato
         timer.cancel()
 
 
-def warm_up(source: Engine | Scheduler, sampling: SamplingParams, err: Console, *, quiet: bool) -> None:
+def warm_up(source: Scheduler, sampling: SamplingParams, err: Console, *, quiet: bool) -> None:
     """Compile and capture the decode step before the prompt is timed, saying so on a terminal.
 
     A compile that fails is reported in one line and decoding goes on without it.
@@ -156,7 +155,8 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
     """Load, generate ``text`` (the prompt, already read and checked) and report; the exit status."""
     started = time.perf_counter()
     suffix = read_suffix(opts)  # before the load: a file that cannot be read is a usage error at once
-    loaded = load(opts, err)
+    settings = opts.source_settings()
+    loaded = load(settings.load, err)
     if suffix is not None:
         # The middle continues the prefix: framed by the model's FIM tokens, no chat template.
         fim = fim_prompt_ids(loaded, text, suffix)
@@ -168,7 +168,7 @@ def run_command(opts: Options, text: str, color: str, err: Console) -> int:
         # A chat reply is not a continuation of the prompt text: no leading word-start space.
         request = opts.request(ids, chat_reply=loaded.chat_format is not None, thinker=think)
     seed = request.seed
-    source = single_stream(loaded, opts)
+    source = make_source(loaded, settings)
     source.check(request)  # a prompt longer than the context is bad input, found before any work
     warm_up(source, request.sampling, err, quiet=opts.json)
     load_s = time.perf_counter() - started  # --stats: the wait before the prompt's timings begin

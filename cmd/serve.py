@@ -43,6 +43,7 @@ from llama_chat.cmd.options import BATCH, Options, ranged
 from llama_chat.cmd.ps_command import DEFAULT_HOST, DEFAULT_PORT
 from llama_chat.cmd.responses_api import DEFAULT_STORED, DEFAULT_STORED_BYTES, ResponseStore
 from llama_chat.cmd.sanitize import one_line
+from llama_chat.cmd.source_settings import SERVER_JOBS, SourceSettings
 from llama_chat.cmd.embeddings_api import embedding_routes
 from llama_chat.cmd.fim_api import infill_routes
 from llama_chat.cmd.models_api import model_routes, with_model
@@ -71,8 +72,6 @@ CONNECTIONS_MARGIN_S = 5.0
 LISTEN_BACKLOG = 2048
 RESTART_PAUSE_S = 0.5  # after the scheduler failed: not a busy loop if it fails again at once
 SERVER = "Server"
-# The paged cache's most bytes by default where the machine's free memory cannot be read.
-POOL_BYTES_UNKNOWN = 4 * 2**30
 
 
 def _pooling(value: str | None) -> str | None:
@@ -207,6 +206,11 @@ class ServeOptions:
         values = {f.name: getattr(self, f.name) for f in fields(self)
                   if f.name in Options.__dataclass_fields__ and f.name not in ("api_key", "model")}
         return Options(**values, model=split_alias(self.model[0])[1] if self.model else None)
+
+    def source_settings(self) -> SourceSettings:
+        """What makes the scheduler (``generation_source.make_source``): the command's options as
+        every command's, for a server's many jobs (its pool sized to the memory free)."""
+        return replace(self.options().source_settings(), jobs=SERVER_JOBS)
 
     def for_model(self, entry: ModelEntry) -> ServeOptions:
         """These options for one of several models: its source loads as ``-m`` names it, with what
@@ -423,46 +427,20 @@ async def _load(opts: ServeOptions, log: ServerLog, stop: anyio.Event):
     return result[0] if result else None
 
 
-def pool_tokens(token_bytes: int, context: int, max_batch: int, available: int | None) -> int:
-    """The paged cache's tokens when ``--cache-tokens`` is not given: every batch slot at the
-    full context, within half the memory the machine has left once the weights are loaded
-    (``available``; None: unknown, and then ``POOL_BYTES_UNKNOWN``), but always one whole context.
-
-    The pool is reserved, not touched: it takes memory only where jobs write (page_table.py), so
-    this is the most it may take, not what it takes at rest.
-    """
-    budget = POOL_BYTES_UNKNOWN if available is None else available // 2
-    return max(context, min(max_batch * context, budget // token_bytes))
-
-
 def _load_model(opts: ServeOptions):
-    from llama_chat.cmd.generation_source import prompt_cache, speculation
+    """``(loaded, scheduler)``, in a worker thread: the model loaded as every command loads it,
+    its scheduler made by ``generation_source`` as every command's is, then warmed up. An
+    embedding model or a reranker: no cache, no scheduler (None)."""
+    from llama_chat.cmd.generation_source import make_source
     from llama_chat.cmd.run_command import load, warm_up
-    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
-    from llama_chat.model.errors import ModelLoadError
-    from llama_chat.model.kv_types import for_device
-    from llama_chat.model.memory_budget import available_on
 
-    options = opts.options()
+    settings = opts.source_settings()
     err = Console(stderr=True, highlight=False, quiet=opts.quiet)
-    loaded = load(options, err)
-    if loaded.kind != "chat":  # an embedding model or a reranker: no cache, no scheduler
+    loaded = load(settings.load, err)
+    if loaded.kind != "chat":
         return loaded, None
-    a = loaded.model.args
-    try:
-        kv_type = for_device(opts.cache_type, loaded.device, loaded.dtype)
-        kv_type.check(a.head_dim)
-    except ValueError as e:  # a type this device or this model's heads cannot keep: one line
-        raise ModelLoadError(str(e)) from None
-    token_bytes = 2 * a.n_layers * a.n_kv_heads * kv_type.token_bytes(a.head_dim)
-    cache_tokens = opts.cache_tokens or pool_tokens(token_bytes, a.max_seq_len, opts.max_batch,
-                                                    available_on(loaded.device))
-    scheduler = Scheduler.from_loaded(loaded, SchedulerOptions(
-        max_batch=opts.max_batch, cache_tokens=cache_tokens, quantize=options.quantize,
-        compile=bool(opts.compile), cache_type=kv_type.name,
-        speculation=speculation(options, loaded, jobs=opts.max_batch, server=True),
-        prompt_cache=prompt_cache(options)))
-    warm_up(scheduler, options.sampling(), err, quiet=opts.quiet)
+    scheduler = make_source(loaded, settings)
+    warm_up(scheduler, opts.options().sampling(), err, quiet=opts.quiet)
     return loaded, scheduler
 
 

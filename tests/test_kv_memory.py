@@ -108,7 +108,7 @@ def test_a_cache_on_another_device_gives_nothing_back():
 
 
 def test_the_serve_pool_fills_the_batch_within_half_the_free_memory_but_holds_a_context():
-    from llama_chat.cmd.serve import POOL_BYTES_UNKNOWN, pool_tokens
+    from llama_chat.cmd.generation_source import POOL_BYTES_UNKNOWN, pool_tokens
 
     assert pool_tokens(1000, 2048, 16, 10**12) == 16 * 2048  # room for every slot
     assert pool_tokens(1000, 2048, 16, 20 * 10**6) == 10**4  # half of 20 MB, at 1 KB a token
@@ -210,6 +210,40 @@ def test_a_cache_type_the_models_heads_cannot_take_is_one_line(sp_model_path):
     with pytest.raises(ValueError, match=r"^--cache-type q4_0 needs a head size that is a multiple of 32, "
                                          r"and this model's is 16$"):
         Scheduler(model, tokenizer, SchedulerOptions(cache_type="q4_0"))
+
+
+def test_every_command_gets_its_cache_type_and_pool_from_the_one_composition_root(sp_model_path):
+    """A prompt's, --batch's and serve's sources are made by ``generation_source.make_source``: a
+    type the model's heads cannot keep is the same one line (``ModelLoadError``: exit status 2,
+    a server's load error) for each, and each command's pool is sized there."""
+    import torch
+
+    from builders import random_model, tiny_args
+    from llama_chat.cmd.generation_source import cache_type, make_source, pool_size, pool_tokens
+    from llama_chat.cmd.source_settings import BATCH_JOBS, ONE_STREAM, SERVER_JOBS, LoadSettings, SourceSettings
+    from llama_chat.model.errors import ModelLoadError
+    from llama_chat.model.loader import LoadedModel
+    from llama_chat.model.memory_budget import available_on
+    from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
+
+    tokenizer = SentencePieceTokenizer(sp_model_path)
+    model = random_model(tiny_args(tokenizer.vocab_size), seed=2)  # heads of 16
+    loaded = LoadedModel(model, model.args, tokenizer, None, Path(sp_model_path), "tiny", torch.device("cpu"),
+                         torch.float32, "meta")
+    for jobs in (ONE_STREAM, BATCH_JOBS, SERVER_JOBS):
+        with pytest.raises(ModelLoadError, match=r"^--cache-type q4_0 needs a head size that is a multiple of 32"):
+            make_source(loaded, SourceSettings(LoadSettings(), jobs=jobs, cache_type="q4_0"))
+    assert cache_type(SourceSettings(LoadSettings()), loaded).name == "f16"  # auto on the CPU
+    assert cache_type(SourceSettings(LoadSettings(), compile=True), loaded).name == "f32"  # read as it is
+    kind = cache_type(SourceSettings(LoadSettings(), cache_type="bf16"), loaded)
+    a = model.args
+    sizes = {jobs: pool_size(SourceSettings(LoadSettings(), jobs=jobs, max_batch=4), loaded, kind)
+             for jobs in (ONE_STREAM, BATCH_JOBS, SERVER_JOBS)}
+    served = pool_tokens(2 * a.n_layers * a.n_kv_heads * kind.token_bytes(a.head_dim), a.max_seq_len, 4,
+                         available_on(loaded.device))
+    assert sizes == {ONE_STREAM: a.max_seq_len, BATCH_JOBS: None, SERVER_JOBS: served}
+    given = SourceSettings(LoadSettings(), jobs=SERVER_JOBS, cache_tokens=100)
+    assert pool_size(given, loaded, kind) == 100
 
 
 def test_once_no_job_is_left_the_core_frees_its_buffers_and_trims_the_heap(sp_model_path, monkeypatch):
