@@ -27,9 +27,9 @@ import torch
 
 from llama_chat.inference.batch_step import CoreSettings, StepBackends, StepPlan, consecutive
 from llama_chat.inference.draft_model import DraftRunner, guess_share
-from llama_chat.inference.jobs import Job
+from llama_chat.inference.decode_step import LoneGraph
+from llama_chat.inference.jobs import Draw, Job
 from llama_chat.inference.page_table import PageTable, page_keys
-from llama_chat.inference.paged_step import LoneRowStep
 from llama_chat.inference.prefill import PrefillSizer
 from llama_chat.inference.speculative import DraftCosts, Lookup, ModelDraft, Speculation
 from llama_chat.inference.types import GenerationState, TokenEvent, state_after
@@ -91,7 +91,7 @@ class BatchCore:
         self.claims: dict[bytes, Job] = {}  # prompt pages being prefilled, by prefix key
         self.counters = Counters()
         self.last_written: tuple[int, ...] = ()  # the tokens the last job released had in its pages
-        self._lone_step: LoneRowStep | None = None
+        self._lone_step: LoneGraph | None = None
         # Made at the first step, in the step thread: whether the CPU operator takes the model
         # depends on the thread's inference mode.
         self._backends: StepBackends | None = None
@@ -112,12 +112,12 @@ class BatchCore:
         return self._draft_runner or None
 
     @property
-    def lone_step(self) -> LoneRowStep | None:
-        """A compiled step for a sequence running alone, if one was made (``paged_step.py``)."""
+    def lone_step(self) -> LoneGraph | None:
+        """The static step of a job running alone, if one was made (``decode_step.py``)."""
         return self._lone_step
 
     @lone_step.setter
-    def lone_step(self, step: LoneRowStep | None) -> None:
+    def lone_step(self, step: LoneGraph | None) -> None:
         self._lone_step = step
         self._backends = None  # made again, with it, at the next step
 
@@ -141,7 +141,7 @@ class BatchCore:
         with torch.inference_mode():
             if self._backends is None:
                 self._backends = StepBackends.make(self.model, self.cache, self.settings, device=self.device,
-                                                   sample_ids=self.sample_ids, lone_step=self._lone_step)
+                                                   sample_ids=self.sample_ids, lone=self._lone_step)
             if self.speculation is not None and self.speculation.draft is not None:
                 self._runner()
         return self._backends
@@ -170,8 +170,7 @@ class BatchCore:
                 return StepResult(tuple(events), tuple(released + finished), idle=not events)
             self._settled = False
             backend = backends.choose(plan)
-            if (backend.wants_consecutive and len(plan.rows) == 1 and not plan.runs
-                    and not self.settings.static_shapes):
+            if backend.wants_consecutive and len(plan.rows) == 1 and not plan.runs:
                 # Alone in this step and, with no prompt being prefilled, likely in the next ones.
                 job = plan.rows[0]
                 if not consecutive(job.pages):
@@ -245,7 +244,7 @@ class BatchCore:
             hits += read
             # In ascending order: pages taken together are often a run of consecutive ones, and a
             # lone sequence on consecutive pages reads them as one slice (and may take the
-            # compiled step, paged_step.py).
+            # static step, decode_step.py).
             job.pages = hits + sorted(self.pages.allocate(need - len(read)))
             job.keys = keys[:len(hits)]
             job.tokens = list(prompt)
@@ -268,6 +267,8 @@ class BatchCore:
                 job.controls = make_controls(params, eos_ids=job.stop_ids, constraint=job.constraint)
                 job.history = TokenHistory([list(prompt)], vocab_size=self.sample_ids or self.model.args.vocab_size,
                                            device=self.device, window=params.repeat_last_n)
+            if job.controls is None and job.request.logprobs is None:
+                job.draw = Draw.GREEDY if params.greedy else Draw.SAMPLED
             self.counters.cached_tokens += job.cached_tokens
             self.active.append(job)
         self.waiting = still

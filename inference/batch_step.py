@@ -12,26 +12,33 @@ holds. The backends:
 - ``OperatorDecodes``: the same call for the batch's common step, every row decoding, laid out
   without the lists the other plans need;
 - ``LoneGreedy``: one row decoding greedily, its token picked inside the operator;
-- ``CompiledLone``: one row on consecutive pages through the compiled graph of ``paged_step.py``
-  (the packed forward where its window does not fit).
+- ``GraphedLone``: one row on consecutive pages through the static step of ``decode_step.py``
+  (compiled, and on CUDA a CUDA graph, the next step queued before the token is read); the
+  packed forward where its window does not fit;
+- ``BucketedDecodes``: one-token rows through their batch bucket's compiled graph
+  (``bucket_step.py``), with static shapes.
 
-``StepBackends.choose`` picks one per step, from the plan and what the settings made available.
+``StepBackends.make`` builds them once and fixes which one takes each kind of step (``Kind``): a
+step looks its kind up, and nothing is chosen again.
 Nothing here decides who runs or which pages they hold, nor counts what ran: the core does.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
 
-from llama_chat.inference.bucket_step import BUCKETS, BucketSteps
-from llama_chat.inference.jobs import Job
-from llama_chat.inference.paged_step import LoneRowStep
+from llama_chat.inference.bucket_step import BucketSteps
+from llama_chat.inference.decode_step import LoneGraph
+from llama_chat.inference.jobs import Draw, Job
 from llama_chat.inference.types import DamagedScores, TokenLogprobs
 from llama_chat.ml.cpu import kernels as cpu_kernels
+from llama_chat.ml import sampling
 from llama_chat.ml.sampling import choose, finite_best
 from llama_chat.model import cpu_decode
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedBatch, PagedKVCache
@@ -95,44 +102,6 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def sample_rows(logits: torch.Tensor, jobs: Sequence[Job | None], picks: torch.Tensor | None,
-                sample_ids: int | None, drawn: Sequence[bool] = ()) -> list[int]:
-    """One token per row: argmax for greedy rows, the job's own settings and seed otherwise.
-
-    ``picks``: the rows' argmax where the step made them already (the operator). Only the first
-    ``sample_ids`` logits are candidates. The token after position ``p`` is drawn with the job's
-    uniform ``p``, as the one-request engine does, so a seeded job picks the same tokens batched
-    or alone. A job that asks for logprobs (``Request.logprobs``) gets its token's on
-    ``job.drawn_logprobs``, from its row's raw logits (``token_logprobs``); no other row pays.
-    Raises ``DamagedScores`` where a job's logits hold NaN or +inf (damaged weights, an overflow):
-    no token drawn from them means anything. (A lone greedy row's pick, made without its logits,
-    is not looked at: every job's first token comes through here.) ``drawn``: rows whose pick the
-    step drew already, with the job's uniform (a compiled step's, ``bucket_step.py``).
-    """
-    if picks is None:
-        picks = cpu_kernels.argmax(logits[:, :sample_ids])
-    damaged = ~finite_best(logits[:, :sample_ids])
-    for i, job in enumerate(jobs):
-        if job is None or (job.controls is None and (job.request.sampling.greedy or i < len(drawn) and drawn[i])):
-            continue
-        last = len(job.tokens) - 1
-        uniform = None if job.uniforms is None else job.uniforms[last:last + 1]
-        picks[i] = choose(logits[i:i + 1, :sample_ids], job.request.sampling, uniform, controls=job.controls,
-                          history=job.history)[0]
-    # Marked -1, the damaged rows come back with the picks: still one transfer a step.
-    chosen = picks.masked_fill(damaged.to(picks.device), -1).tolist()
-    if any(token < 0 and job is not None for job, token in zip(jobs, chosen)):
-        raise DamagedScores()
-    for i, (job, token) in enumerate(zip(jobs, chosen)):
-        if job is None:
-            continue
-        if job.history is not None:
-            job.history.append([token])
-        if job.request.logprobs is not None:
-            job.drawn_logprobs = token_logprobs(logits[i, :sample_ids], token, job.request.logprobs)
-    return chosen
-
-
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """``token``'s log-probability under one row's ``logits`` (before any processor: what the model
     said, ``TokenLogprobs``), and the ``top`` most likely ids with theirs, most likely first."""
@@ -142,6 +111,10 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
         values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
         pairs = tuple(zip(ids.tolist(), values.tolist()))
     return TokenLogprobs(float(logprobs[token]), pairs)
+
+
+# The one row sampler (ml/sampling.py), with this layer's logprobs record and error.
+sample_rows = partial(sampling.sample_rows, logprobs=token_logprobs, damaged=DamagedScores)
 
 
 def verify(logits: torch.Tensor, picks: torch.Tensor | None, job: Job, draft: list[int],
@@ -180,10 +153,10 @@ class PackedForward:
     one-token rows first (attending together over their gathered pages), then each prompt chunk
     (causal over its own sequence's pages)."""
 
-    wants_consecutive = True
-
     def __init__(self, model: Transformer, cache: PagedKVCache, settings: CoreSettings, *, device: torch.device,
                  sample_ids: int | None) -> None:
+        # A lone row reads consecutive pages as one slice, except with static shapes.
+        self.wants_consecutive = not settings.static_shapes
         self.model = model
         self.cache = cache
         self.settings = settings
@@ -365,26 +338,27 @@ class LoneGreedy:
                                      self.sample_ids)]
 
 
-class CompiledLone:
-    """One row on consecutive pages through the compiled graph of a lone sequence
-    (``paged_step.LoneRowStep``); the packed forward where its window runs off the pool or
+class GraphedLone:
+    """One row on consecutive pages through the static step (``decode_step.LoneGraph``), which
+    draws its token in the step; the packed forward where its window runs off the pool or
     compiling failed."""
 
     wants_consecutive = True
 
-    def __init__(self, step: LoneRowStep, packed: PackedForward) -> None:
+    def __init__(self, step: LoneGraph, packed: PackedForward) -> None:
         self.step = step
         self.packed = packed
 
     def run(self, plan: StepPlan) -> Drawn:
         job = plan.rows[0]
-        position = job.fed
-        used = job.pages[:position // self.packed.settings.page_size + 1]
-        if consecutive(used):
-            logits = self.step.logits(job.tokens[position], position, used[0])
-            if logits is not None:
+        size = self.packed.settings.page_size
+        used = job.pages[:job.fed // size + 1]
+        if consecutive(used) and consecutive(job.pages):
+            token = self.step.token(job, job.pages, size)
+            if token is not None:
                 self.packed.cache.drop_mirrors()  # a row fed past the packed forward's mirror
-                return plan.rows, sample_rows(logits, plan.rows, None, self.packed.sample_ids)
+                return plan.rows, [token]
+        self.step.discard()
         return self.packed.run(plan)
 
 
@@ -423,65 +397,73 @@ def prompts_as_rows(settings: CoreSettings, decoder: cpu_decode.PagedDecoder) ->
     return settings.max_batch > 1 and decoder.packs_several
 
 
+class Kind(enum.IntEnum):
+    """What a step feeds, as far as the choice of its backend goes (``kind_of``)."""
+
+    DRAFTS = 0  # rows with drafts (speculative.py)
+    RUNS = 1  # prompt chunks of several tokens
+    DECODES = 2  # several rows, every one decoding
+    ROWS = 3  # one-token rows of which some feed a prompt
+    # One row decoding, by how its job draws (``jobs.Draw``, fixed when it is admitted):
+    LONE_GREEDY = 4
+    LONE_SAMPLED = 5
+    LONE_OTHER = 6
+
+
+_LONE = {Draw.GREEDY: Kind.LONE_GREEDY, Draw.SAMPLED: Kind.LONE_SAMPLED, Draw.OTHER: Kind.LONE_OTHER}
+
+
+def kind_of(plan: StepPlan) -> Kind:
+    if plan.drafts:
+        return Kind.DRAFTS
+    if plan.runs:
+        return Kind.RUNS
+    if len(plan.rows) > 1 or not plan.decodes_only:
+        return Kind.DECODES if plan.decodes_only else Kind.ROWS
+    return _LONE[plan.rows[0].draw]
+
+
 @dataclass(frozen=True)
 class StepBackends:
-    """The backends a core's steps may take, made once, and the choice among them."""
+    """The backends a core's steps take, made once, and the one fixed for each kind of step."""
 
-    packed: PackedForward
-    rows: OperatorRows | None  # None: the operator does not take this model here, or shapes are static
-    decodes: OperatorDecodes | None
-    lone_greedy: LoneGreedy | None
-    compiled_lone: CompiledLone | None
-    prompts_as_rows: bool
+    table: tuple[Backend, ...]  # by ``Kind``
+    verifies_drafts: bool  # whether a step may feed drafts (the operator's rows take them)
     step_tokens: int  # most tokens a step's plan may feed
-    buckets: BucketedDecodes | None = None  # with static shapes and ``CoreSettings.bucket_graphs``
+    lone_greedy: Backend | None = None  # the operator's pick, when the operator reads the model here
+    rows: Backend | None = None
 
     @classmethod
     def make(cls, model: Transformer, cache: PagedKVCache, settings: CoreSettings, *, device: torch.device,
-             sample_ids: int | None, lone_step: LoneRowStep | None) -> StepBackends:
+             sample_ids: int | None, lone: LoneGraph | None) -> StepBackends:
         """In the step thread (in inference mode: the operator's check reads it)."""
         packed = PackedForward(model, cache, settings, device=device, sample_ids=sample_ids)
-        compiled = None if lone_step is None or settings.static_shapes else CompiledLone(lone_step, packed)
+        graphed = None if lone is None else GraphedLone(lone, packed)
         decoder = None if device.type != "cpu" or settings.static_shapes else cpu_decode.operator_for(model, cache)
         if decoder is None:
-            buckets = None
+            many: Backend = packed
             if settings.static_shapes and settings.bucket_graphs is not None:
                 backend, mode = settings.bucket_graphs
-                buckets = BucketedDecodes(BucketSteps(model, cache, max_seq_len=settings.max_seq_len,
-                                                      sample_ids=sample_ids, backend=backend, mode=mode), packed)
-            return cls(packed, None, None, None, compiled, False, settings.step_tokens, buckets)
+                many = BucketedDecodes(BucketSteps(model, cache, max_seq_len=settings.max_seq_len,
+                                                   sample_ids=sample_ids, backend=backend, mode=mode), packed)
+            table = {Kind.DRAFTS: packed, Kind.RUNS: packed, Kind.DECODES: many, Kind.ROWS: many,
+                     Kind.LONE_GREEDY: graphed or many, Kind.LONE_SAMPLED: graphed or many, Kind.LONE_OTHER: many}
+            return cls(tuple(table[k] for k in Kind), False, settings.step_tokens)
         as_rows = prompts_as_rows(settings, decoder)
         step_tokens = settings.step_tokens
         if as_rows:
             step_tokens = min(step_tokens, max(ONE_CALL_PROMPT_ROWS, 2 * settings.max_batch))
-        return cls(packed, OperatorRows(decoder, cache, settings, sample_ids),
-                   OperatorDecodes(decoder, cache, settings, sample_ids), LoneGreedy(decoder, cache, settings, sample_ids),
-                   compiled, as_rows, step_tokens)
-
-    @property
-    def verifies_drafts(self) -> bool:
-        """Whether a step may feed drafts: the operator's rows draw from every row of one alike,
-        alone or beside others, as a job's steps one at a time would."""
-        return self.rows is not None
+        rows = OperatorRows(decoder, cache, settings, sample_ids)
+        lone_greedy = LoneGreedy(decoder, cache, settings, sample_ids)
+        # With --compile a lone row keeps the compiled graph; one whose draw needs the host (the
+        # processors, logprobs) the packed forward, as a compiled run's other steps.
+        table = {Kind.DRAFTS: rows, Kind.RUNS: rows if as_rows else packed,
+                 Kind.DECODES: OperatorDecodes(decoder, cache, settings, sample_ids),
+                 Kind.ROWS: rows,
+                 Kind.LONE_GREEDY: graphed or lone_greedy, Kind.LONE_SAMPLED: graphed or rows,
+                 Kind.LONE_OTHER: rows if graphed is None else packed}
+        return cls(tuple(table[k] for k in Kind), True, step_tokens, lone_greedy, rows)
 
     def choose(self, plan: StepPlan) -> Backend:
         """The backend of a step of ``plan`` (a plan with at least one row or run)."""
-        rows = plan.rows
-        if plan.drafts:  # made only where the operator's rows are (``verifies_drafts``)
-            return self.rows
-        if self.buckets is not None and not plan.runs and len(rows) <= BUCKETS[-1]:
-            return self.buckets
-        if plan.runs:
-            return self.rows if self.prompts_as_rows else self.packed
-        if self.rows is not None:
-            if len(rows) > 1:
-                return self.decodes if plan.decodes_only else self.rows
-            if self.compiled_lone is None:  # with --compile a lone row keeps the compiled graph
-                job = rows[0]
-                # The operator's own pick makes no logits: a job asking for logprobs needs them.
-                lone = (plan.decodes_only and job.controls is None and job.request.sampling.greedy
-                        and job.request.logprobs is None)
-                return self.lone_greedy if lone else self.rows
-        if self.compiled_lone is not None and len(rows) == 1 and plan.decodes_only and rows[0].controls is None:
-            return self.compiled_lone
-        return self.packed
+        return self.table[kind_of(plan)]

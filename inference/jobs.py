@@ -3,11 +3,12 @@
 A ``Job`` is shared by two sides with a strict split of who writes what: the event loop writes
 ``cancelled`` and ``received`` (plain Python values, read by the step thread at its next step),
 the step thread writes everything about tokens and pages. ``JobStream`` is what a caller iterates:
-the job's token events made into text responses, as ``Engine.stream`` does for one request.
+the job's token events made into text responses.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -22,6 +23,14 @@ from llama_chat.inference.types import (Completion, GenerationState, Request, Re
                                         TokenLogprobs)
 from llama_chat.ml.constraints import GrammarMask
 from llama_chat.ml.processors import Controls, TokenHistory
+
+
+class Draw(enum.Enum):
+    """How a job's tokens are drawn, as far as a step's backend goes (fixed at its admission)."""
+
+    GREEDY = "greedy"  # the best token, no processors, no logprobs: an operator or graph may pick it
+    SAMPLED = "sampled"  # temperature and top-p alone, no logprobs: a graph may draw it
+    OTHER = "other"  # processors or logprobs: drawn on the host, from its logits
 
 
 @dataclass(eq=False)
@@ -54,6 +63,7 @@ class Job:
     lookup: Lookup | None = None  # its prompt-lookup drafts (speculative.py), where the scheduler drafts
     model_draft: ModelDraft | None = None  # its place in the draft model's pool, where there is one
     drafting: Pace | None = None  # the drafter of the draft in the step running
+    draw: Draw = Draw.OTHER
     # -- the event loop's end of the job: set once its pages are back in the pool --
     released: anyio.Event = field(default_factory=anyio.Event)
 

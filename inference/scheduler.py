@@ -13,9 +13,8 @@
 concurrently from other tasks. ``stream.cancel()`` (or leaving an ``async with stream`` block
 early) stops that job alone; its pages are released at the next step.
 
-The shape is the one-request engine's (``engine.py``): one task drives the blocking forward
-through the step worker thread, a few steps queued ahead; each job has a bounded channel of token
-events. A job whose consumer has not taken ``buffer_size`` events yet sits out the next steps
+One task drives the blocking forward through the step worker thread, a few steps queued ahead;
+each job has a bounded channel of token events. A job whose consumer has not taken ``buffer_size`` events yet sits out the next steps
 (the others go on), so a slow reader slows its own job without memory growing. Everything that
 decides which job runs and which pages it uses happens in the step thread (``batch_core.py``);
 the event loop only submits, flags cancels and delivers events.
@@ -37,15 +36,15 @@ from llama_chat.inference.batch_core import BatchCore, CoreSettings, StepResult
 from llama_chat.inference.beam import BeamModel, BeamRun, beam_run
 from llama_chat.inference.cache_prefix import align_to_cached
 from llama_chat.inference.jobs import Job, JobStream
-from llama_chat.inference.model_step import StepOptions
-from llama_chat.inference.paged_step import LoneRowStep
+from llama_chat.inference.decode_step import LoneGraph
 from llama_chat.inference.prefill import CPU_MOST_TOKENS, PrefillSizer
 from llama_chat.inference.speculative import Speculation
 from llama_chat.inference.step_worker import StepWorker
 from llama_chat.inference.types import (Completion, GenerationState, Request, RequestError, SchedulerStats, TokenEvent,
                                         check_constraint, check_request, sole_exception, stop_ids_of)
 from llama_chat.ml.constraints import Constraints, GrammarMask
-from llama_chat.ml.controls import DEFAULT_CACHE_BYTES_CAP, DEFAULT_CACHE_TOKENS_CAP, DEFAULT_MAX_BATCH
+from llama_chat.ml.controls import (COMPILE_MIN_PARAMETERS, DEFAULT_CACHE_BYTES_CAP, DEFAULT_CACHE_TOKENS_CAP,
+                                   DEFAULT_MAX_BATCH)
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.quantize import apply_quantization
 from llama_chat.ml.sampling import SamplingParams
@@ -84,8 +83,8 @@ class SchedulerOptions:
     # Drafts by prompt lookup or a draft model, verified in one step (inference/speculative.py);
     # None: no drafts.
     speculation: Speculation | None = None
-    # Compile the step of a sequence running alone (inference/paged_step.py), on the CPU: None
-    # where the one-prompt engine would compile (StepOptions.for_device), as for a chat.
+    # Compile the static step of a job running alone (inference/decode_step.py): None where it
+    # pays (``compiles_lone``), as for a chat.
     compile: bool | None = False
     # Full pages also kept on disk and read back by later processes (model/prompt_cache.py); None: not.
     prompt_cache: PromptCacheSettings | None = None
@@ -96,79 +95,120 @@ class SchedulerOptions:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
+def compiles_lone(device: torch.device, parameters: int, compile: bool | None, *, quantized: bool,
+                  dtype: torch.dtype, one_call: bool) -> bool:
+    """Whether a job running alone takes a compiled step: when asked, else where it pays. On CUDA
+    a model big enough to pay for the compile; on the CPU a float32 model of that size that our
+    one-call operator does not read (it beats every compiled step there: docs/benchmarks.md, "CPU
+    decode against llama2.c and transformers"). In bfloat16 it was no reliable gain on a CPU
+    without bf16 instructions; int8 weights compile only when asked (fbgemm's product stays one
+    opaque call in the graph, which gained too little for its cold compile)."""
+    if compile is not None:
+        return compile
+    big = parameters >= COMPILE_MIN_PARAMETERS
+    if device.type == "cuda":
+        return big
+    return device.type == "cpu" and big and dtype == torch.float32 and not quantized and not one_call
+
+
+def lone_graph(model: Transformer, core: BatchCore, options: SchedulerOptions, *, quantized: bool) -> LoneGraph | None:
+    """The static step of a job running alone (``decode_step.py``), where one is made: on CUDA
+    for a single stream, a CUDA graph (compiled where ``compiles_lone``); elsewhere compiled where
+    ``compiles_lone``. It reads the pages as they are: a type read converted keeps the other steps."""
+    first = next(model.parameters())
+    device, dtype = first.device, first.dtype
+    if not core.cache.reads_as(dtype):
+        return None
+    parameters = sum(p.numel() for p in model.parameters())
+    one_call = device.type == "cpu" and cpu_decode.supports(model)
+    compile = compiles_lone(device, parameters, options.compile, quantized=quantized, dtype=dtype, one_call=one_call)
+    cuda = device.type == "cuda"
+    if not (compile or cuda and options.max_batch == 1):
+        return None
+    return LoneGraph(model, core.cache, max_seq_len=core.settings.max_seq_len, sample_ids=core.sample_ids,
+                     compile=compile, cuda_graph=cuda, row_products=compile and not cuda)
+
+
+def build_core(model: Transformer, tokenizer: Tokenizer, options: SchedulerOptions, *,
+               source: str | Path | None = None) -> BatchCore:
+    """A scheduler's parts, made once: the model prepared (quantized, its products packed, its
+    projections fused), the core's settings, its paged cache, prompt cache, constraints,
+    speculation and the lone job's static step. Everything a step does is decided here."""
+    first = next(model.parameters())
+    device, dtype = first.device, first.dtype
+    quantized = apply_quantization(model, options.quantize)
+    cpu_kernels.prepare(model)  # before anything is compiled: a compiled graph keeps its products
+    draft = None if options.speculation is None else options.speculation.draft
+    if draft is not None:  # its operator reads fused projections, as the target's does
+        cpu_kernels.prepare(draft)
+        draft.fuse_projections()
+    # Fewer products per layer; before anything is compiled, so that nothing fused later can
+    # change what a compiled graph reads.
+    model.fuse_projections()
+    if device.type == "cuda":
+        # cuDNN's attention builds an execution plan for every new key length, which costs more
+        # than the attention itself at every prefill chunk; flash and memory-efficient attention
+        # do not.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    cuda = device.type == "cuda"
+    max_seq_len = min(options.max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
+    a = model.args
+    kv_type = for_device(options.cache_type, device, dtype)
+    kv_type.check(a.head_dim)
+    token_bytes = 2 * a.n_layers * a.n_kv_heads * kv_type.token_bytes(a.head_dim)
+    cache_tokens = options.cache_tokens or max(max_seq_len, min(
+        options.max_batch * max_seq_len, DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CACHE_BYTES_CAP // token_bytes))
+    page_size = options.page_size
+    # A single stream's chunks share their step with nobody, and each forward of GGUF blocks
+    # expands every weight again (prefill's tiles): from a short first chunk on, the sizer took
+    # that expansion for a cost per token and kept the chunks short, so the prompt paid it
+    # many times over. Its chunks start at the CPU's longest.
+    prefill_chunk = options.prefill_chunk or (1024 if cuda else 64 if options.max_batch > 1 else CPU_MOST_TOKENS)
+    sizer = None if options.prefill_chunk else PrefillSizer.for_model(a.n_layers, cuda=cuda, first=prefill_chunk)
+    longest = prefill_chunk if sizer is None else sizer.most
+    settings = CoreSettings(
+        max_batch=options.max_batch,
+        num_pages=-(-cache_tokens // page_size) + 1,  # + the scratch page
+        page_size=page_size,
+        prefill_chunk=prefill_chunk,
+        step_tokens=options.step_tokens or max(longest, options.max_batch) + options.max_batch,
+        buffer_size=options.buffer_size,
+        static_shapes=cuda if options.static_shapes is None else options.static_shapes,
+        max_seq_len=max_seq_len,
+        bucket_graphs=options.bucket_graphs,
+    )
+    vocab = getattr(tokenizer, "vocab_size", None)
+    sample_ids = vocab if vocab is not None and vocab < model.args.vocab_size else None
+    core = BatchCore(model, settings, device=device, dtype=kv_type, token_bytes=tokenizer.token_bytes,
+                     sample_ids=sample_ids)
+    core.sizer = sizer
+    if kv_type.centers_keys:  # before any key is written: q4_0 keys are kept by the model's measure
+        core.cache.center_keys_by(key_centers.of_model(model, tokenizer, source=source))
+        if draft is not None:
+            core.draft_centers = key_centers.of_model(draft, tokenizer)
+    if options.prompt_cache is not None:
+        core.prompt_cache = PromptCache.for_pool(options.prompt_cache, core.cache, model, source,
+                                                 dtype=dtype, quantize=options.quantize)
+    core.constraints = Constraints(tokenizer, stop_ids_of(tokenizer))
+    core.speculation = options.speculation
+    core.lone_step = lone_graph(model, core, options, quantized=quantized)
+    return core
+
+
 class Scheduler:
     """Owns a model, its paged KV cache and the job queue; see the module's docstring."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, options: SchedulerOptions = SchedulerOptions(),
-                 *, name: str = "", source: str | Path | None = None) -> None:
-        first = next(model.parameters())
-        device, dtype = first.device, first.dtype
-        parameters = sum(p.numel() for p in model.parameters())
-        quantized = apply_quantization(model, options.quantize)
-        cpu_kernels.prepare(model)  # before anything is compiled: a compiled graph keeps its products
-        draft = None if options.speculation is None else options.speculation.draft
-        if draft is not None:  # its operator reads fused projections, as the target's does
-            cpu_kernels.prepare(draft)
-            draft.fuse_projections()
-        # As the one-prompt engine does (fewer products per layer); also before anything is
-        # compiled, so that an engine made later for the same model cannot change what a
-        # compiled graph reads.
-        model.fuse_projections()
-        cuda = device.type == "cuda"
-        max_seq_len = min(options.max_seq_len or model.args.max_seq_len, model.args.max_seq_len)
-        a = model.args
-        kv_type = for_device(options.cache_type, device, dtype)
-        kv_type.check(a.head_dim)
-        token_bytes = 2 * a.n_layers * a.n_kv_heads * kv_type.token_bytes(a.head_dim)
-        cache_tokens = options.cache_tokens or max(max_seq_len, min(
-            options.max_batch * max_seq_len, DEFAULT_CACHE_TOKENS_CAP, DEFAULT_CACHE_BYTES_CAP // token_bytes))
-        page_size = options.page_size
-        # A single stream's chunks share their step with nobody, and each forward of GGUF blocks
-        # expands every weight again (prefill's tiles): from a short first chunk on, the sizer took
-        # that expansion for a cost per token and kept the chunks short, so the prompt paid it
-        # many times over. Its chunks start at the CPU's longest.
-        prefill_chunk = options.prefill_chunk or (1024 if cuda else 64 if options.max_batch > 1 else CPU_MOST_TOKENS)
-        sizer = None if options.prefill_chunk else PrefillSizer.for_model(a.n_layers, cuda=cuda, first=prefill_chunk)
-        longest = prefill_chunk if sizer is None else sizer.most
-        settings = CoreSettings(
-            max_batch=options.max_batch,
-            num_pages=-(-cache_tokens // page_size) + 1,  # + the scratch page
-            page_size=page_size,
-            prefill_chunk=prefill_chunk,
-            step_tokens=options.step_tokens or max(longest, options.max_batch) + options.max_batch,
-            buffer_size=options.buffer_size,
-            static_shapes=cuda if options.static_shapes is None else options.static_shapes,
-            max_seq_len=max_seq_len,
-            bucket_graphs=options.bucket_graphs,
-        )
+                 *, name: str = "", source: str | Path | None = None, core: BatchCore | None = None) -> None:
+        """``core``: the parts made (``build_core``); made here from the rest when not given."""
+        self.core = core if core is not None else build_core(model, tokenizer, options, source=source)
         self.model = model
-        self._dtype = dtype  # the model's: a beam search's own cache is kept in it
+        self._dtype = next(model.parameters()).dtype  # the model's: a beam search's own cache is kept in it
         self.tokenizer = tokenizer
         self.options = options
         self.name = name
         self.stop_ids = stop_ids_of(tokenizer)
         self._strip = bool(getattr(tokenizer, "strips_leading_space", False))
-        vocab = getattr(tokenizer, "vocab_size", None)
-        sample_ids = vocab if vocab is not None and vocab < model.args.vocab_size else None
-        self.core = BatchCore(model, settings, device=device, dtype=kv_type, token_bytes=tokenizer.token_bytes,
-                              sample_ids=sample_ids)
-        self.core.sizer = sizer
-        if kv_type.centers_keys:  # before any key is written: q4_0 keys are kept by the model's measure
-            self.core.cache.center_keys_by(key_centers.of_model(model, tokenizer, source=source))
-            if draft is not None:
-                self.core.draft_centers = key_centers.of_model(draft, tokenizer)
-        if options.prompt_cache is not None:
-            self.core.prompt_cache = PromptCache.for_pool(options.prompt_cache, self.core.cache, model, source,
-                                                          dtype=dtype, quantize=options.quantize)
-        self.core.constraints = Constraints(tokenizer, self.stop_ids)
-        self.core.speculation = options.speculation
-        one_call = device.type == "cpu" and cpu_decode.supports(model)
-        step = StepOptions.for_device(device, parameters, options.compile, quantized=quantized, dtype=dtype,
-                                      one_call=one_call)
-        # The compiled step reads the pages as they are: a type read converted keeps the packed forward.
-        if step.compile and not settings.static_shapes and self.core.cache.reads_as(dtype):
-            self.core.lone_step = LoneRowStep(model, self.core.cache, row_products=step.row_products,
-                                              backend=step.backend)
         self._jobs: dict[str, Job] = {}
         self._wake = anyio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -295,9 +335,10 @@ class Scheduler:
 
     @property
     def compiles(self) -> bool:
-        """Whether a sequence running alone takes a compiled step (made by ``warm_up``, or by the
+        """Whether a job running alone takes a compiled step (made by ``warm_up``, or by the
         first such step)."""
-        return self.core.lone_step is not None and self.core.lone_step.failure is None
+        lone = self.core.lone_step
+        return lone is not None and lone.compile and lone.failure is None
 
     @property
     def device(self) -> torch.device:

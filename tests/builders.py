@@ -175,3 +175,43 @@ def cached_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
             logits = decode_one(model, token, pos, cache)
             pos += 1
     return out
+
+
+class IdsTokenizer:
+    """Token ids only: no stop tokens, every token one byte; ``vocab_size`` ids have text."""
+
+    stop_ids: frozenset[int] = frozenset()
+    eos_id = None
+    special_tokens: dict[str, int] = {}
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        self.vocab_size = vocab_size
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"x"
+
+
+def single_stream(model: Transformer, tokenizer=None, *, static: bool = False, backend="aot_eager", **options):
+    """A scheduler of one job at a time, as a prompt or a chat runs (``SchedulerOptions`` from
+    ``options``). ``static``: a lone job's decode steps through the static step
+    (``decode_step.LoneGraph``), compiled by ``backend`` (aot_eager: the same graph as inductor's
+    without a C++ build; None: not compiled)."""
+    from llama_chat.inference.decode_step import LoneGraph
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+
+    scheduler = Scheduler(model, tokenizer or IdsTokenizer(), SchedulerOptions(**{"max_batch": 1, **options}))
+    if static:
+        core = scheduler.core
+        core.lone_step = LoneGraph(model, core.cache, max_seq_len=core.settings.max_seq_len,
+                                   sample_ids=core.sample_ids, compile=backend is not None, cuda_graph=False,
+                                   backend=backend or "inductor", row_products=backend is not None)
+    return scheduler
+
+
+def greedy_ids(scheduler, prompt, n: int) -> list[int]:
+    """The greedy tokens of one job of ``prompt``, ``n`` of them (None: until it ends)."""
+    from llama_chat.inference.types import Request
+    from llama_chat.ml.sampling import SamplingParams
+
+    return list(scheduler.generate(Request(tuple(prompt), sampling=SamplingParams(temperature=0.0),
+                                           max_tokens=n)).token_ids)

@@ -12,7 +12,6 @@ import torch
 from builders import random_model, tiny_args, train_sentencepiece
 from builders_formats import hf_config, hf_state
 from llama_chat.inference.beam import BeamLimits, BeamSearch
-from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import GenerationState, Request, stop_ids_of
 from llama_chat.ml.controls import BeamParams, SamplingParams
@@ -153,13 +152,13 @@ def engine_pair(tokenizer):
     model = random_model(tiny_args(tokenizer.vocab_size, max_seq_len=128), seed=2)
     with torch.no_grad():
         model.output.weight[sorted(stop_ids_of(tokenizer))] = 0.0  # the end token never wins
-    # The twin first: an engine fuses the model's projections, whose names transformers lacks.
+    # The twin first: a scheduler fuses the model's projections, whose names transformers lacks.
     return model, hf_twin(model)
 
 
 def test_greedy_with_repetition_penalty_and_no_repeat_ngram_matches_transformers(engine_pair, tokenizer):
     model, hf = engine_pair
-    engine = Engine(model, tokenizer, options=EngineOptions(prefill_chunk=4))
+    engine = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, prefill_chunk=4))
     prompt = tuple(tokenizer.encode("the cat sat on the mat and the cat", bos=True))
     params = SamplingParams(temperature=0.0, repetition_penalty=1.3, no_repeat_ngram_size=3)
     got = engine.generate(Request(prompt, sampling=params, max_tokens=40))
@@ -172,35 +171,9 @@ def test_greedy_with_repetition_penalty_and_no_repeat_ngram_matches_transformers
     assert list(plain.token_ids) != want  # the controls changed something
 
 
-def test_engine_beams_returns_scored_hypotheses_and_leaves_its_cache_alone(engine_pair, tokenizer):
-    model, _ = engine_pair
-    engine = Engine(model, tokenizer)
-    prompt = tuple(tokenizer.encode("once upon a time", bos=True))
-    first = engine.generate(Request(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=5,
-                                    reuse_cache=True))
-    cached = engine.cached_ids
-    request = Request(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=6,
-                      beams=BeamParams(num_beams=4, num_return=3))
-
-    async def run():
-        steps = []
-        async with engine.beams(request) as beams:
-            async for progress in beams:
-                steps.append(progress.step)
-        return steps, beams.completion()
-
-    steps, done = anyio.run(run)
-    assert steps == list(range(1, 7))
-    assert len(done.beams) == 3 and done.steps == 6
-    assert [b.score for b in done.beams] == sorted((b.score for b in done.beams), reverse=True)
-    assert all(b.finish_reason is GenerationState.MAX_TOKENS and len(b.token_ids) == 6 for b in done.beams)
-    assert len({b.token_ids for b in done.beams}) == 3
-    assert engine.cached_ids == cached and first.token_ids
-
-
-def test_scheduler_beams_are_the_engines_and_leave_its_pages_alone(engine_pair, tokenizer):
-    """One driver (``beam.beam_run``) behind both sources: the same hypotheses and scores, and
-    the scheduler's page table keeps what the last job left."""
+def test_scheduler_beams_return_scored_hypotheses_and_leave_its_pages_alone(engine_pair, tokenizer):
+    """Beam search (``beam.beam_run``) with a cache and a thread of its own: the scheduler's page
+    table keeps what the last job left."""
     model, _ = engine_pair
     prompt = tuple(tokenizer.encode("once upon a time", bos=True))
     request = Request(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=6,
@@ -212,28 +185,24 @@ def test_scheduler_beams_are_the_engines_and_leave_its_pages_alone(engine_pair, 
             async for _ in s:
                 pass
         before = scheduler.cached_ids, scheduler.stats.pages_cached
+        steps = []
         async with scheduler.beams(request) as beams:
-            async for _ in beams:
-                pass
-        return before, beams.completion()
+            async for progress in beams:
+                steps.append(progress.step)
+        return before, steps, beams.completion()
 
-    before, done = anyio.run(run)
-
-    async def on_engine():
-        async with Engine(model, tokenizer).beams(request) as beams:
-            async for _ in beams:
-                pass
-        return beams.completion()
-
-    want = anyio.run(on_engine)
-    assert [(b.token_ids, b.score, b.finish_reason) for b in done.beams] == \
-        [(b.token_ids, b.score, b.finish_reason) for b in want.beams]
+    before, steps, done = anyio.run(run)
+    assert steps == list(range(1, 7))
+    assert len(done.beams) == 3 and done.steps == 6
+    assert [b.score for b in done.beams] == sorted((b.score for b in done.beams), reverse=True)
+    assert all(b.finish_reason is GenerationState.MAX_TOKENS and len(b.token_ids) == 6 for b in done.beams)
+    assert len({b.token_ids for b in done.beams}) == 3
     assert (scheduler.cached_ids, scheduler.stats.pages_cached) == before and before[1] > 0
 
 
 def test_max_time_ends_with_its_own_reason(engine_pair, tokenizer):
     model, _ = engine_pair
-    engine = Engine(model, tokenizer)
+    engine = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1))
     prompt = tuple(tokenizer.encode("once", bos=True))
     done = engine.generate(Request(prompt, sampling=SamplingParams(temperature=0.0), max_time=1e-9))
     assert done.finish_reason is GenerationState.MAX_TIME and len(done.token_ids) == 1

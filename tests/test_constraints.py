@@ -25,7 +25,6 @@ from builders import random_model, tiny_args
 from builders_formats import hf_config, hf_state
 from builders_gguf import write_gguf
 from llama_chat.inference.beam import BeamLimits, BeamSearch
-from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import GenerationState, Request, RequestError, check_constraint, stop_ids_of
 from llama_chat.ml.constraints import Constraints, GrammarMask, Vocabulary
@@ -110,7 +109,7 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def engine(model, tokenizer):
-    return Engine(model, tokenizer, options=EngineOptions(compile=False))
+    return Scheduler(model, tokenizer, SchedulerOptions(max_batch=1))
 
 
 def prompt_ids(tokenizer, text: str = PROMPT_TEXT) -> tuple[int, ...]:
@@ -222,7 +221,7 @@ MULTIBYTE = {"type": "object",
 def test_every_backend_spells_multibyte_text_validly(backends, name):
     tok = backends[name]
     model = random_model(tiny_args(tok.vocab_size, max_seq_len=256), seed=2)
-    engine = Engine(model, tok, options=EngineOptions(compile=False))
+    engine = Scheduler(model, tok, SchedulerOptions(max_batch=1))
     constraint = Constraint.json_schema(MULTIBYTE)
     partial = 0
     for seed in range(8):
@@ -428,7 +427,7 @@ def test_greedy_with_a_constraint_picks_the_free_choice_wherever_it_is_allowed(t
     constraints = Constraints(tokenizer, stop_ids_of(tokenizer))
     for seed in range(10):
         model = random_model(tiny_args(tokenizer.vocab_size, max_seq_len=256), seed=100 + seed)
-        engine = Engine(model, tokenizer, options=EngineOptions(compile=False))
+        engine = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1))
         prompt = prompt_ids(tokenizer)
         bound = engine.generate(Request(prompt, sampling=GREEDY, max_tokens=100, constraint=constraint)).token_ids
         free = engine.generate(Request(prompt, sampling=GREEDY, max_tokens=len(bound))).token_ids

@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import decode_one, random_model, tiny_args
-from llama_chat.inference.model_step import ModelStep, StepOptions
+from builders import decode_one, greedy_ids, random_model, single_stream, tiny_args
+from llama_chat.inference.batch_step import Kind
+from llama_chat.inference.scheduler import compiles_lone
 from llama_chat.ml import quantize
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.cpu.decode import RowsDecoder
@@ -103,26 +104,26 @@ def test_any_shape_matches_the_layers(dim_heads, hidden, layers, prompt, seed):
 
 def test_greedy_tokens_are_the_layers_tokens(monkeypatch):
     model = _model("float32", seed=3)
-    fast = ModelStep(model, options=StepOptions())
+    fast = single_stream(model)
+    fast.warm_up()  # its backends made now, with the operator
     _layer_by_layer(monkeypatch)
-    layers = ModelStep(model, options=StepOptions())
-    assert fast.one_call is not None and layers.one_call is None
-
-    def tokens(step, picks_in_step):
-        decode = step.decode([1, 5, 9], 0, GREEDY, 0)
-        assert decode.picks_in_step is picks_in_step  # the fast step picks inside the operator
-        return [decode.next_token() for _ in range(40)]
-
-    assert tokens(fast, True) == tokens(layers, False)
+    monkeypatch.setattr(cpu_decode, "takes_rows", lambda *args: False)  # the paged operator too
+    layers = single_stream(model)
+    layers.warm_up()
+    # The fast step picks inside the operator; the other has no operator to pick with.
+    assert type(fast.core.prepare().table[Kind.LONE_GREEDY]).__name__ == "LoneGreedy"
+    assert type(layers.core.prepare().table[Kind.LONE_GREEDY]).__name__ == "PackedForward"
+    assert greedy_ids(fast, [1, 5, 9], 40) == greedy_ids(layers, [1, 5, 9], 40)
 
 
 def test_the_prepared_call_checks_its_token_and_position():
     model = _model("float32", max_seq_len=8)
-    step = ModelStep(model, options=StepOptions())
-    with pytest.raises(IndexError, match="past the cache length 8"):
-        step.forward([[1]], [8])
-    with pytest.raises(IndexError, match="outside the vocabulary"):
-        step.forward([[97]], [0])
+    with torch.inference_mode():
+        decoder = cpu_decode.decoder(model, KVCache.for_model(model.args, 1))
+        with pytest.raises(IndexError, match="past the cache length 8"):
+            decoder(1, 8)
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            decoder(97, 0)
 
 
 def test_threads_do_not_change_the_result():
@@ -280,11 +281,12 @@ def test_a_position_past_the_cache_is_an_error():
         decode_one(model, 1, 8, KVCache.for_model(model.args, 1))
 
 
-def test_the_engine_decodes_without_compiling_where_the_operator_reads_the_model():
+def test_a_single_stream_decodes_without_compiling_where_the_operator_reads_the_model():
     model = _model("float32")
-    options = StepOptions.for_device(torch.device("cpu"), 10**9, one_call=cpu_decode.supports(model))
-    assert not options.compile
-    assert StepOptions.for_device(torch.device("cpu"), 10**9).compile
+    one_call = cpu_decode.supports(model)
+    assert not compiles_lone(torch.device("cpu"), 10**9, None, quantized=False, dtype=torch.float32,
+                             one_call=one_call)
+    assert compiles_lone(torch.device("cpu"), 10**9, None, quantized=False, dtype=torch.float32, one_call=False)
 
 
 def test_rows_of_a_paged_step_equal_the_packed_step():

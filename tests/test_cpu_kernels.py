@@ -11,9 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import random_model, tiny_args
+from builders import greedy_ids, random_model, single_stream, tiny_args
 from cli_support import build_tiny_model, run_cli
-from llama_chat.inference.model_step import ModelStep, StepOptions
 from llama_chat.ml import quantize
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.sampling import SamplingParams
@@ -123,16 +122,12 @@ def test_a_compiled_step_calls_the_kernels_and_decodes_the_eager_tokens(dtype, m
     monkeypatch.setattr(cpu_decode, "takes", lambda *args: False)
     model = random_model(tiny_args(300, max_seq_len=96), seed=5).to(dtype)
     model.fuse_projections()
-    eager = ModelStep(model, options=StepOptions())
-    compiled = ModelStep(model, options=StepOptions(static=True, compile=True, row_products=True),
-                         max_seq_len=96)
+    eager = single_stream(model)
+    compiled = single_stream(model, static=True, backend="inductor")
     prompt = [5, 17, 42, 7]
-    with torch.inference_mode():
-        want = eager.decode(prompt, 0, GREEDY, 0)
-        want_ids = [want.next_token() for _ in range(30)]
-        got = compiled.decode(prompt, 0, GREEDY, 0)
-        got_ids = [got.next_token() for _ in range(30)]
-    assert compiled.static is not None and compiled.static_failure is None
+    want_ids = greedy_ids(eager, prompt, 30)
+    got_ids = greedy_ids(compiled, prompt, 30)
+    assert compiled.core.lone_step.failure is None and compiled.core.lone_step.steps >= 29
     graph_ops = torch._dynamo.utils.counters["graph_break"]
     assert not graph_ops, graph_ops
     assert got_ids == want_ids
@@ -148,15 +143,14 @@ def test_a_model_decodes_the_same_tokens_on_either_product(kind, monkeypatch):
         for layer in model.modules():  # PyTorch's int8 products that keep the activations exact,
             if isinstance(layer, quantize.Int8Linear):  # as ours do (fbgemm's round them)
                 layer.packed = layer.packed_key = None
-    step = ModelStep(model, options=StepOptions())
+    step = single_stream(model)
     prompt = [9, 4, 120, 33, 2]
     runs = {}
     for loaded in (True, False):
         monkeypatch.setitem(cpu_kernels._state, "loaded", loaded)
+        runs[loaded] = greedy_ids(step, prompt, 24)
         with torch.inference_mode():
-            decode = step.decode(prompt, 0, GREEDY, 0)
-            runs[loaded] = [decode.next_token() for _ in range(24)]
-            logits = step.forward([prompt], [0])[0]
+            logits = model(torch.tensor([prompt]))[0, -1]
         runs[f"logits {loaded}"] = logits
     assert runs[True] == runs[False]
     scale = runs["logits False"].abs().max()

@@ -1,19 +1,18 @@
-"""The static decode step: same tokens as the eager path, compiled once for every position."""
+"""The static decode step of a job running alone (``decode_step.LoneGraph``), run eagerly here (the
+compiled and graphed runs are test_paged_step.py's and the GPU's): the tokens of the other steps,
+greedy and sampled in the step, its next step queued ahead, and the model pieces it is made of."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from builders import random_model, tiny_args
-from llama_chat.inference import decode_step
-from llama_chat.inference.decode_step import WINDOW_STEP, StaticStep, StaticStepOptions
-from llama_chat.inference.engine import Engine, EngineOptions
-from llama_chat.inference.model_step import EagerDecode, ModelStep, StaticDecode, StepOptions
-from llama_chat.inference.types import Request
+from builders import tiny_args
+from llama_chat.inference.decode_step import LoneGraph
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+from llama_chat.inference.types import GenerationState, Request
 from llama_chat.ml import ops
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, draw_uniforms, sample, sample_in_graph
-from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.transformer import Transformer
 
 VOCAB = 300
@@ -30,9 +29,33 @@ def model() -> Transformer:
     return m.eval()
 
 
-def decode_tokens(step: ModelStep, prompt: list[int], n: int, params: SamplingParams, seed: int) -> list[int]:
-    decode = step.decode(prompt, 0, params, seed)
-    return [decode.next_token() for _ in range(n)]
+class _NoTokenizer:
+    """Token ids only: no stop tokens, every token one byte; ``vocab_size`` ids have text."""
+
+    stop_ids: frozenset[int] = frozenset()
+    eos_id = None
+    special_tokens: dict[str, int] = {}
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        self.vocab_size = vocab_size
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"x"
+
+
+def single(model, *, static: bool, vocab_size: int | None = None) -> Scheduler:
+    """One job at a time; ``static``: its decode steps through the static step, not compiled."""
+    scheduler = Scheduler(model, _NoTokenizer(vocab_size), SchedulerOptions(max_batch=1, page_size=8))
+    if static:
+        core = scheduler.core
+        core.lone_step = LoneGraph(model, core.cache, max_seq_len=core.settings.max_seq_len,
+                                   sample_ids=core.sample_ids, compile=False, cuda_graph=False)
+    return scheduler
+
+
+def decode_tokens(scheduler: Scheduler, prompt: list[int], n: int | None, params: SamplingParams,
+                  seed: int) -> list[int]:
+    return list(scheduler.generate(Request(tuple(prompt), sampling=params, seed=seed, max_tokens=n)).token_ids)
 
 
 def test_grouped_attention_matches_repeated_heads():
@@ -60,114 +83,34 @@ def test_sampling_in_graph_picks_what_sample_picks(params):
 
 
 @pytest.mark.parametrize("params", [GREEDY, NUCLEUS, FULL], ids=["greedy", "nucleus", "full"])
-def test_static_step_gives_the_eager_tokens(model, params):
-    eager = ModelStep(model, options=StepOptions())
-    static = ModelStep(model, options=StepOptions(static=True))
+def test_static_step_gives_the_eager_tokens_with_its_next_step_queued_ahead(model, params):
+    static, eager = single(model, static=True), single(model, static=False)
     prompt = [5, 17, 42, 7, 99]
-    assert isinstance(static.decode(prompt, 0, params, 1), StaticDecode)
-    assert isinstance(eager.decode(prompt, 0, params, 1), EagerDecode)
     for seed in (1, 2):
+        before = static.core.lone_step.steps
         assert decode_tokens(static, prompt, 40, params, seed) == decode_tokens(eager, prompt, 40, params, seed)
+        # Every token but the first (the prompt's) came from the static step, and the step queued
+        # after the last one ran too, its keys past the job's end.
+        assert static.core.lone_step.steps - before == 40
 
 
-def test_static_step_stops_queueing_at_the_end_of_the_cache(model):
-    step = ModelStep(model, options=StepOptions(static=True), max_seq_len=24)
-    eager = ModelStep(model, options=StepOptions(), max_seq_len=24)
+def test_static_step_stops_queueing_at_the_end_of_the_context(model):
+    small = Transformer(tiny_args(VOCAB, max_seq_len=24))
+    small.load_state_dict(model.state_dict(), strict=False)
     prompt = list(range(3, 13))
-    # Tokens for positions 10..23: the last one is sampled after feeding position 22.
-    assert decode_tokens(step, prompt, 14, GREEDY, 0) == decode_tokens(eager, prompt, 14, GREEDY, 0)
-
-
-def test_compiled_step_compiles_once_across_positions_and_requests(monkeypatch):
-    dynamo = pytest.importorskip("torch._dynamo")
-    from torch._dynamo.utils import counters
-
-    model = Transformer(tiny_args(VOCAB, max_seq_len=400))  # fresh: no state left by other tests
-    model.init_weights(std=0.05, generator=torch.Generator().manual_seed(3))
-    dynamo.reset()
-    counters.clear()
-    # Every guard evaluated, so that a step which would not match its graph recompiles and shows.
-    monkeypatch.setattr(decode_step, "SKIP_GUARDS", False)
-    # Whether dynamo recompiles does not depend on the backend; aot_eager spares a C++ build.
-    compiled = ModelStep(model, options=StepOptions(static=True, compile=True, backend="aot_eager"),
-                         max_seq_len=400)
-    eager = ModelStep(model, options=StepOptions())
-    prompt = [5, 17, 42, 7, 99]
-    first = decode_tokens(compiled, prompt, 300, GREEDY, 0)
-    frames = counters["stats"]["unique_graphs"]
-    assert frames == 1, dict(counters["stats"])
-    second = decode_tokens(compiled, prompt[:3], 50, GREEDY, 0)
-    assert counters["stats"]["unique_graphs"] == frames, dict(counters["stats"])
-    assert not counters["recompiles"], dict(counters["recompiles"])
-    assert first == decode_tokens(eager, prompt, 300, GREEDY, 0)
-    assert second == decode_tokens(eager, prompt[:3], 50, GREEDY, 0)
-
-
-def test_compiled_sampling_step_gives_the_eager_tokens(model):
-    compiled = ModelStep(model, options=StepOptions(static=True, compile=True), max_seq_len=400)
-    eager = ModelStep(model, options=StepOptions())
-    prompt = [5, 17, 42]
-    assert decode_tokens(compiled, prompt, 60, NUCLEUS, 4) == decode_tokens(eager, prompt, 60, NUCLEUS, 4)
-
-
-def test_a_compile_that_fails_leaves_the_eager_step(model):
-    def broken_compiler(graph, inputs):
-        raise RuntimeError("no C++ compiler found\nmore detail")
-
-    step = ModelStep(model, options=StepOptions(static=True, compile=True, backend=broken_compiler))
-    eager = ModelStep(model, options=StepOptions())
-    prompt = [5, 17, 42]
-    decode = step.decode(prompt, 0, GREEDY, 0)
-    assert isinstance(decode, EagerDecode) and step.static is None
-    assert "no C++ compiler found" in step.static_failure and "more detail" not in step.static_failure
-    assert [decode.next_token() for _ in range(20)] == decode_tokens(eager, prompt, 20, GREEDY, 0)
-    engine = Engine(model, _NoTokenizer(), options=EngineOptions(compile=False))
-    engine.step = ModelStep(model, options=StepOptions(static=True, compile=True, backend=broken_compiler))
-    engine.warm_up(GREEDY)
-    assert not engine.compiles and "no C++ compiler found" in engine.compile_failure
-
-
-def test_the_step_attends_over_a_window_that_grows_with_the_position(model):
-    step = ModelStep(model, options=StepOptions(static=True), max_seq_len=400)
-    static = step.static
-    assert static.capacity == 400 and step.cache.max_seq_len == 401  # one spare slot
-    assert static._window(0).shape[0] == WINDOW_STEP
-    assert static._window(WINDOW_STEP - 1).shape[0] == WINDOW_STEP
-    assert static._window(WINDOW_STEP).shape[0] == 2 * WINDOW_STEP
-    assert static._window(399).shape[0] == 400
-    # Across every window boundary the tokens stay the eager path's.
-    eager = ModelStep(model, options=StepOptions())
-    assert decode_tokens(step, [5, 17], 395, GREEDY, 0) == decode_tokens(eager, [5, 17], 395, GREEDY, 0)
-
-
-def test_engine_static_path_end_to_end(model):
-    engine = Engine(model, _NoTokenizer(), options=EngineOptions(compile=False))
-    engine.step = ModelStep(model, options=StepOptions(static=True))
-    reference = Engine(model, _NoTokenizer())
-    request = Request((5, 17, 42), sampling=NUCLEUS, seed=9, max_tokens=30)
-    assert engine.generate(request).token_ids == reference.generate(request).token_ids
-
-
-def test_static_step_refuses_a_batched_cache(model):
-    cache = KVCache.for_model(model.args, rows=2)
-    with pytest.raises(ValueError, match="one sequence"):
-        StaticStep(model, cache, torch.device("cpu"), StaticStepOptions())
+    # Tokens for positions 10..23: the last one is drawn after feeding position 22.
+    static = single(small, static=True)
+    done = static.generate(Request(tuple(prompt), sampling=GREEDY))
+    assert done.finish_reason is GenerationState.CONTEXT_FULL and len(done.token_ids) == 14
+    assert list(done.token_ids) == decode_tokens(single(small, static=False), prompt, None, GREEDY, 0)
+    # Positions 10..22 gave tokens; the step queued ahead at 23, the context's last slot, drew
+    # one nobody took, and none was queued past it.
+    assert static.core.lone_step.steps == 14
 
 
 def test_uniforms_are_the_same_for_a_seed():
     assert torch.equal(draw_uniforms(10, 3), draw_uniforms(10, 3))
     assert not torch.equal(draw_uniforms(10, 3), draw_uniforms(10, 4))
-
-
-class _NoTokenizer:
-    """Token ids only: no stop tokens, every token one byte."""
-
-    stop_ids: frozenset[int] = frozenset()
-    eos_id = None
-    special_tokens: dict[str, int] = {}
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return b"x"
 
 
 def test_fused_projections_give_the_same_logits():
@@ -198,21 +141,12 @@ def test_ids_past_the_tokenizer_are_never_sampled(static):
     model.init_weights(std=0.05, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():  # the padding rows would win every draw if they could
         model.output.weight[250:] = model.output.weight[250:].sign() * 5
-    step = ModelStep(model, options=StepOptions(static=static), sample_ids=250)
+    limited = single(model, static=static, vocab_size=250)
     for params in (GREEDY, FULL):
-        tokens = decode_tokens(step, [5, 17, 42], 30, params, 1)
+        tokens = decode_tokens(limited, [5, 17, 42], 30, params, 1)
         assert max(tokens) < 250, tokens
-    unlimited = ModelStep(model, options=StepOptions(static=static))
+    unlimited = single(model, static=static)
     assert max(decode_tokens(unlimited, [5, 17, 42], 30, GREEDY, 1)) >= 250
-
-
-def test_compiled_row_products_give_the_eager_tokens(model):
-    # Projections as multiply-and-sum, compiled: another summation order, the same greedy tokens.
-    compiled = ModelStep(model, options=StepOptions(static=True, compile=True, row_products=True),
-                         max_seq_len=400)
-    eager = ModelStep(model, options=StepOptions())
-    prompt = [5, 17, 42]
-    assert decode_tokens(compiled, prompt, 40, GREEDY, 0) == decode_tokens(eager, prompt, 40, GREEDY, 0)
 
 
 def test_linear_as_row_products_matches():

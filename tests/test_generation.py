@@ -1,4 +1,4 @@
-"""Text made in the engine: responses, stop strings, the leading space, and a cache kept across requests."""
+"""Text made by one job at a time: responses, stop strings, the leading space, and pages kept across requests."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from builders import random_model, tiny_args, train_sentencepiece
 from llama_chat.inference.decoding import TextMaker
-from llama_chat.inference.engine import Engine, EngineOptions
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import GenerationState, Request
-from llama_chat.ml.sampling import SamplingParams, sample
+from llama_chat.ml.grammars import Constraint
+from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -28,23 +29,14 @@ def model(tokenizer):
     return random_model(tiny_args(tokenizer.vocab_size, max_seq_len=256), seed=1)
 
 
-def no_stop(stop_ids):
-    """The sampler, with stop tokens banned, so that greedy runs last as long as asked."""
-    banned = sorted(stop_ids)
-
-    def sampler(logits, params, uniforms):
-        logits = logits.clone()
-        logits[:, banned] = float("-inf")
-        return sample(logits, params, uniforms)
-
-    return sampler
+def single(model, tokenizer) -> Scheduler:
+    """A scheduler of one job at a time, as a prompt or a chat runs."""
+    return Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, page_size=8, prefill_chunk=8))
 
 
 @pytest.fixture()
 def engine(model, tokenizer):
-    e = Engine(model, tokenizer, options=EngineOptions(prefill_chunk=8))
-    e._sampler = no_stop(e.stop_ids)
-    return e
+    return single(model, tokenizer)
 
 
 def ids(tokenizer, text="Once upon a time"):
@@ -107,7 +99,7 @@ def test_text_is_held_only_while_it_could_start_a_stop_string():
     assert maker.finish() == ""
 
 
-# -- the engine's responses ---------------------------------------------------------------------------
+# -- the responses ------------------------------------------------------------------------------------
 
 
 async def responses(engine, request):
@@ -128,16 +120,11 @@ def test_responses_carry_the_text_and_the_last_one_the_reason(engine, tokenizer)
 def test_a_chat_reply_drops_the_word_start_space(model, tokenizer):
     words = tokenizer.encode("the cat sat", bos=False)
     assert tokenizer.token_bytes(words[0]).startswith(b" ")
-
-    def spell(logits, params, uniforms):  # the same words, whatever the logits say
-        spell.calls += 1
-        return torch.tensor([words[(spell.calls - 1) % len(words)]])
-
-    engine = Engine(model, tokenizer, draw=spell)
-    spell.calls = 0
-    plain = engine.generate(Request(ids(tokenizer), sampling=GREEDY, max_tokens=len(words)))
-    spell.calls = 0
-    reply = engine.generate(Request(ids(tokenizer), sampling=GREEDY, max_tokens=len(words), chat_reply=True))
+    spelled = Constraint("regex", " the cat sat")  # the same words, whatever the logits say
+    scheduler = single(model, tokenizer)
+    plain = scheduler.generate(Request(ids(tokenizer), sampling=GREEDY, max_tokens=20, constraint=spelled))
+    reply = scheduler.generate(Request(ids(tokenizer), sampling=GREEDY, max_tokens=20, constraint=spelled,
+                                       chat_reply=True))
     assert plain.text == " the cat sat" and reply.text == "the cat sat"
 
 
@@ -158,7 +145,7 @@ def test_greedy_with_a_stop_string_split_across_tokens_is_the_answer_cut_before_
 # -- the cache kept between requests ------------------------------------------------------------------
 
 
-def test_a_request_prefills_only_what_follows_the_common_prefix_and_matches_a_fresh_engine(
+def test_a_request_prefills_only_what_follows_the_common_prefix_and_matches_a_fresh_scheduler(
         model, tokenizer, engine):
     first = Request(ids(tokenizer), sampling=GREEDY, max_tokens=20, reuse_cache=True)
     done = engine.generate(first)
@@ -166,24 +153,15 @@ def test_a_request_prefills_only_what_follows_the_common_prefix_and_matches_a_fr
     assert engine.cached_ids == first.prompt_ids + done.token_ids[:-1]  # the last one was never fed
     follow = first.prompt_ids + done.token_ids + tuple(tokenizer.encode(" and then", bos=False))
     second = engine.generate(Request(follow, sampling=GREEDY, max_tokens=20, reuse_cache=True))
-    assert second.cached_tokens == len(first.prompt_ids) + len(done.token_ids) - 1
+    # Full pages of what was fed are found again.
+    assert second.cached_tokens == (len(first.prompt_ids) + len(done.token_ids) - 1) // 8 * 8
     assert second.prefilled_tokens == len(follow) - second.cached_tokens
 
-    fresh = Engine(model, tokenizer, options=EngineOptions(prefill_chunk=8))
-    fresh._sampler = engine._sampler
-    alone = fresh.generate(Request(follow, sampling=GREEDY, max_tokens=20))
+    alone = single(model, tokenizer).generate(Request(follow, sampling=GREEDY, max_tokens=20))
     assert alone.token_ids == second.token_ids and alone.cached_tokens == 0
 
 
-def test_without_reuse_cache_the_whole_prompt_is_prefilled(engine, tokenizer):
-    request = Request(ids(tokenizer), sampling=GREEDY, max_tokens=5)
-    engine.generate(request)
-    assert engine.generate(request).cached_tokens == 0
-    again = engine.generate(Request(request.prompt_ids, sampling=GREEDY, max_tokens=5, reuse_cache=True))
-    assert again.cached_tokens == len(request.prompt_ids) - 1  # the last prompt token is fed again
-
-
-def test_a_cancel_keeps_only_what_the_consumer_took(model, tokenizer, engine):
+def test_a_cancel_leaves_pages_that_hold_what_they_say(model, tokenizer, engine):
     request = Request(ids(tokenizer), sampling=GREEDY, max_tokens=100, reuse_cache=True)
 
     async def take(n):
@@ -196,11 +174,14 @@ def test_a_cancel_keeps_only_what_the_consumer_took(model, tokenizer, engine):
         return got
 
     got = anyio.run(take, 5)
-    assert engine.cached_ids == request.prompt_ids + tuple(got)
-    # What the cache says it holds is what it holds: the next turn matches a fresh engine.
-    follow = request.prompt_ids + tuple(got) + tuple(tokenizer.encode(" and", bos=False))
+    # The pages hold the prompt and the tokens fed; those agree with what the consumer took.
+    taken = request.prompt_ids + tuple(got)
+    held = engine.cached_ids
+    assert held[:len(request.prompt_ids)] == request.prompt_ids
+    assert held[:len(taken)] == taken[:len(held)]
+    # What the pages say they hold is what they hold: the next turn matches a fresh scheduler.
+    follow = taken + tuple(tokenizer.encode(" and", bos=False))
     second = engine.generate(Request(follow, sampling=GREEDY, max_tokens=10, reuse_cache=True))
-    assert second.cached_tokens == len(request.prompt_ids) + 5
-    fresh = Engine(model, tokenizer)
-    fresh._sampler = engine._sampler
-    assert fresh.generate(Request(follow, sampling=GREEDY, max_tokens=10)).token_ids == second.token_ids
+    assert second.cached_tokens >= (len(request.prompt_ids) + 4) // 8 * 8
+    assert single(model, tokenizer).generate(Request(follow, sampling=GREEDY, max_tokens=10)).token_ids == \
+        second.token_ids

@@ -1,4 +1,5 @@
-"""The scheduler's compiled step for a sequence running alone: the eager tokens, one graph for every
+"""The scheduler's static step for a job running alone (``decode_step.LoneGraph``), compiled on the
+CPU as a CUDA graph runs it on CUDA: the eager tokens, its step queued ahead, one graph for every
 window and first page, and the packed step when compiling fails."""
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import torch
 from builders import endless_model
 from llama_chat.inference import decode_step
 from llama_chat.inference.decode_step import WINDOW_STEP
-from llama_chat.inference.engine import Engine, EngineOptions
-from llama_chat.inference.paged_step import LoneRowStep
+from llama_chat.inference.decode_step import LoneGraph
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
@@ -41,26 +41,39 @@ def one_at_a_time(scheduler: Scheduler, requests: list[Request]):
 
 
 def alone(model, sp_tokenizer, request: Request) -> list[int]:
-    return list(Engine(model, sp_tokenizer, options=EngineOptions(compile=False)).generate(request).token_ids)
+    """The tokens of the eager steps (no compiled step), one job alone."""
+    scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=1, page_size=8, compile=False))
+    return list(scheduler.generate(request).token_ids)
 
 
-def test_a_lone_job_takes_the_compiled_step_and_gives_the_engine_tokens(model, sp_tokenizer):
+def lone_graph(scheduler: Scheduler, backend) -> LoneGraph:
+    """A static step compiled by ``backend`` (aot_eager: the same graph without a C++ build), as
+    ``Scheduler`` makes it with ``compile``."""
+    core = scheduler.core
+    core.lone_step = LoneGraph(scheduler.model, core.cache, max_seq_len=core.settings.max_seq_len,
+                               sample_ids=core.sample_ids, compile=True, cuda_graph=False, backend=backend,
+                               row_products=True)
+    return core.lone_step
+
+
+def test_a_lone_job_takes_the_compiled_step_and_gives_the_eager_tokens(model, sp_tokenizer):
     """Inductor, as on a user's machine: a reply past a window boundary, then the next turn of the
-    same conversation on top of its pages, each token as the eager one-prompt engine picks it."""
+    same conversation on top of its pages (sampled, drawn in the graph), each token as the eager
+    steps pick it."""
     scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=1, page_size=8, compile=True))
     scheduler.warm_up()
     assert scheduler.compiles, scheduler.compile_failure
     first = Request(prompt_of(40, 1, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=WINDOW_STEP + 20)
     a, = one_at_a_time(scheduler, [first])
-    # A one-prompt engine made for the same model meanwhile (the chat makes one for beam search)
-    # changes nothing the compiled graph reads.
+    # Another scheduler made for the same model meanwhile changes nothing the compiled graph reads.
     assert list(a.token_ids) == alone(model, sp_tokenizer, first)
     second_ids = list(first.prompt_ids) + list(a.token_ids) + prompt_of(6, 2, sp_tokenizer.vocab_size)[1:]
     second = Request(second_ids, sampling=NUCLEUS, seed=3, max_tokens=30)
     b, = one_at_a_time(scheduler, [second])
     assert b.cached_tokens > WINDOW_STEP  # the first turn's pages, found in the page table
     assert list(b.token_ids) == alone(model, sp_tokenizer, second)
-    # Every decode step but each job's first (which comes with its prompt) was the compiled one.
+    # Every decode step but each job's first (which comes with its prompt) was the compiled one,
+    # and each job's last one queued a step ahead that nobody took.
     assert scheduler.core.lone_step.steps >= (WINDOW_STEP + 19) + 29
 
 
@@ -74,8 +87,7 @@ def test_the_lone_step_compiles_once_across_windows_and_first_pages(model, sp_to
     monkeypatch.setattr(decode_step, "SKIP_GUARDS", False)
     scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=1, page_size=8))
     # Whether dynamo recompiles does not depend on the backend; aot_eager spares a C++ build.
-    lone = LoneRowStep(model, scheduler.core.cache, row_products=True, backend="aot_eager")
-    scheduler.core.lone_step = lone
+    lone = lone_graph(scheduler, "aot_eager")
     requests = [Request(prompt_of(5, 4, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=3 * WINDOW_STEP),
                 Request(prompt_of(30, 5, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=40)]
     done = one_at_a_time(scheduler, requests)
@@ -90,7 +102,7 @@ def test_a_lone_step_that_fails_to_compile_leaves_the_packed_step(model, sp_toke
         raise RuntimeError("no C++ compiler found\nmore detail")
 
     scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=1, page_size=8))
-    scheduler.core.lone_step = LoneRowStep(model, scheduler.core.cache, row_products=True, backend=broken_compiler)
+    lone_graph(scheduler, broken_compiler)
     scheduler.warm_up()
     assert not scheduler.compiles
     assert "no C++ compiler found" in scheduler.compile_failure and "more detail" not in scheduler.compile_failure
@@ -102,8 +114,7 @@ def test_a_lone_step_that_fails_to_compile_leaves_the_packed_step(model, sp_toke
 def test_batches_take_the_packed_step_and_a_lone_job_the_compiled_one(model, sp_tokenizer):
     """Two jobs at once share the packed step; the one left alone goes on compiled."""
     scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=4, page_size=8))
-    lone = LoneRowStep(model, scheduler.core.cache, row_products=True, backend="aot_eager")
-    scheduler.core.lone_step = lone
+    lone = lone_graph(scheduler, "aot_eager")
     requests = [Request(prompt_of(12, 8, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=10, request_id="short"),
                 Request(prompt_of(9, 9, sp_tokenizer.vocab_size), sampling=GREEDY, max_tokens=60, request_id="long")]
 

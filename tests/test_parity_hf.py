@@ -16,8 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from builders import cached_greedy, separate_greedy_choices, train_sentencepiece  # noqa: E402
-from llama_chat.inference.engine import Engine, EngineOptions  # noqa: E402
-from llama_chat.inference.model_step import ModelStep, StepOptions  # noqa: E402
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions  # noqa: E402
+from llama_chat.inference.types import Request  # noqa: E402
 from llama_chat.ml.sampling import SamplingParams  # noqa: E402
 from llama_chat.model.loader import DEFAULT_MAX_SEQ_LEN, load_model  # noqa: E402
 
@@ -115,16 +115,14 @@ def _loaded_gqa(tmp_path: Path, tokenizer_model: Path, dtype: str = "float32"):
 
 
 def test_compiled_cpu_step_gives_transformers_greedy_tokens(tmp_path, tokenizer_model):
-    # The fast float32 path as --compile runs it on a CPU: the static step, fused projections
-    # spelled as multiply-and-sum, compiled by inductor.
+    # The fast float32 path as --compile runs it on a CPU: the lone job's static step, fused
+    # projections spelled as multiply-and-sum, compiled by inductor.
     model, prompt, want = _loaded_gqa(tmp_path, tokenizer_model)
-    options = StepOptions.for_device(torch.device("cpu"), 0, compile=True)
-    assert options.static and options.compile and options.row_products
-    step = ModelStep(model, options=options)
-    with torch.inference_mode():
-        decode = step.decode(prompt, 0, GREEDY, 0)
-        ours = [decode.next_token() for _ in range(NEW_TOKENS)]
-    assert ours == want
+    scheduler = Scheduler(model, _Ids(), SchedulerOptions(max_batch=1, compile=True))
+    assert scheduler.compiles and scheduler.core.lone_step.row_products
+    ours = scheduler.generate(Request(tuple(prompt), sampling=GREEDY, max_tokens=NEW_TOKENS)).token_ids
+    assert list(ours) == want
+    assert scheduler.core.lone_step.steps >= NEW_TOKENS - 1
 
 
 @pytest.mark.parametrize(("dtype", "quantize", "least"), [("bfloat16", "none", 26), ("float32", "int8", 20)])
@@ -136,13 +134,14 @@ def test_bf16_and_int8_follow_transformers_tokens(tmp_path, tokenizer_model, dty
     tiny models have large random weights, where a small change of the logits flips close
     choices). Broken weights or kernels would agree about once."""
     model, prompt, want = _loaded_gqa(tmp_path, tokenizer_model, dtype)
-    engine = Engine(model, _Ids(), options=EngineOptions(compile=False, quantize=quantize))
-    step = engine.step
-    with torch.inference_mode():
-        logits = step.forward([prompt], [0])
-        agree = int(int(logits[0].argmax()) == want[0])
-        for i, token in enumerate(want[:-1]):
-            agree += int(int(step.forward([[token]], [PROMPT_LEN + i])[0].argmax()) == want[i + 1])
+    # One token a job, each on the pages the one before left (pages of one token): the prompt's
+    # prefill, then each of transformers' tokens fed alone.
+    scheduler = Scheduler(model, _Ids(), SchedulerOptions(max_batch=1, page_size=1, quantize=quantize))
+    agree = 0
+    for i in range(NEW_TOKENS):
+        done = scheduler.generate(Request(tuple(prompt + want[:i]), sampling=GREEDY, max_tokens=1))
+        assert done.cached_tokens == (0 if i == 0 else PROMPT_LEN + i - 1)
+        agree += int(done.token_ids[0] == want[i])
     print(f"{dtype} {quantize}: {agree} of {NEW_TOKENS} next tokens agree")
     assert agree >= least
 

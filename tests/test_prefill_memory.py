@@ -18,9 +18,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from builders import decode_one, random_model, tiny_args, train_sentencepiece  # noqa: E402
+from builders import IdsTokenizer, decode_one, random_model, tiny_args, train_sentencepiece  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, write_gguf  # noqa: E402
-from llama_chat.inference.model_step import ModelStep  # noqa: E402
+from llama_chat.inference.scheduler import SchedulerOptions, build_core  # noqa: E402
 from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
 from llama_chat.model.formats.common import in_file_mapping  # noqa: E402
 from llama_chat.model.kv_cache import KVCache  # noqa: E402
@@ -32,7 +32,7 @@ needs_kernels = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ c
 MEMORY_SLACK = 1.1  # the rule's allowance over the file's bytes
 PROMPT = 512
 CONTEXT = 1024  # the model's context, as a user runs it: twice the prompt, as in bench_gguf.py's 110M run
-FIRST_CHUNK = 64  # the engine's first prefill chunk on the CPU
+FIRST_CHUNK = 64  # the shortest prefill chunk on the CPU
 
 
 def _layer_calls(model: Transformer) -> list[int]:
@@ -130,7 +130,8 @@ def files(tmp_path_factory, sp_model) -> dict[str, Path]:
 def test_a_tied_packed_embedding_reads_the_classifiers_moved_blocks(files, monkeypatch):
     model = load_model(files["small"], device="cpu").model
     assert model.tok_embeddings.data is model.output.data  # one buffer, the file's
-    ModelStep(model, max_seq_len=CONTEXT)  # the step's state: blocks fused and moved onto large pages
+    # The scheduler's state: blocks fused and moved onto large pages.
+    build_core(model, IdsTokenizer(), SchedulerOptions(max_batch=1, max_seq_len=CONTEXT))
     assert model.tok_embeddings.data.data_ptr() == model.output.data.data_ptr()
     if not in_file_mapping(model.output.data):  # moved (where the system gives large pages)
         assert not in_file_mapping(model.tok_embeddings.data)
@@ -155,9 +156,9 @@ def _greedy(model: Transformer, prompt: torch.Tensor, n: int) -> list[int]:
     return ids
 
 
-# Run in a fresh process: the model loaded as a user's run loads it, the decode step's state made,
-# and a prompt prefilled in a worker thread as the engine does it (a first chunk, then the rest with
-# the last logits); then the process's peak resident set.
+# Run in a fresh process: the model loaded as a user's run loads it, its projections fused, and a
+# prompt prefilled by the model's forward in a worker thread (a first chunk, then the rest, which
+# the forward takes in pieces) over a dense cache; then the process's peak resident set.
 _PREFILL_CHILD = """
 import json, sys, threading
 from pathlib import Path
@@ -168,24 +169,30 @@ def status_bytes(field):
             return int(line.split()[1]) * 1024
 
 path, context, length, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+import torch
 from llama_chat.ml.cpu import kernels
-from llama_chat.inference.model_step import ModelStep
+from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.loader import load_model
 
 kernels.load()
 model = load_model(path, device="cpu").model
-step = ModelStep(model, max_seq_len=context)
+model.fuse_projections()
+cache = KVCache.for_model(model.args, 1, max_seq_len=context)
 vocab = model.args.vocab_size
 prompt = [3 + i * 7919 % (vocab - 3) for i in range(length)]
 
+def forward(ids, start):
+    with torch.inference_mode():
+        model(torch.tensor([ids]), torch.arange(start, start + len(ids)).unsqueeze(0), cache, last_only=True)
+
 def prefill():
-    step.forward([prompt[:first]], [0])
-    step.forward([prompt[first:]], [first])
+    forward(prompt[:first], 0)
+    forward(prompt[first:], first)
 
 worker = threading.Thread(target=prefill)
 worker.start()
 worker.join()
-kv = sum(t.numel() * t.element_size() for t in (*step.cache.keys, *step.cache.values))
+kv = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
 print(json.dumps({"peak": status_bytes("VmHWM"), "kv": kv, "file": Path(path).stat().st_size,
                   "rows": model.rows_per_forward()}))
 """

@@ -6,10 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from builders import random_model, tiny_args
-from llama_chat.inference.model_step import ModelStep, StepOptions
+from builders import greedy_ids, random_model, single_stream, tiny_args
 from llama_chat.ml import ops
-from llama_chat.ml.sampling import SamplingParams
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # 24,000 x 64: just past ONEDNN_MIN_WEIGHT, and a classifier's shape (many outputs, few inputs).
@@ -46,14 +44,12 @@ def test_greedy_tokens_and_logits_do_not_depend_on_the_kernel(monkeypatch):
     # The classifier (64 x 32,000) is past the threshold: every decode step and the prompt's
     # last position go through oneDNN where it is available, through MKL with the threshold raised.
     model = random_model(tiny_args(32_000), seed=3)
-    step = ModelStep(model, options=StepOptions())
-    greedy = SamplingParams(temperature=0.0)
+    step = single_stream(model)
     prompt = [1, 500, 31_000, 42, 7_000]
 
     def run() -> tuple[list[int], torch.Tensor]:
+        ids = greedy_ids(step, prompt, 40)
         with torch.inference_mode():
-            decode = step.decode(prompt, 0, greedy, 0)
-            ids = [decode.next_token() for _ in range(40)]
             logits = model(torch.tensor([prompt + ids]))
         return ids, logits
 

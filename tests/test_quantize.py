@@ -7,12 +7,29 @@ import torch
 
 from builders import random_model, tiny_args, weights_only_int8
 from cli_support import run_cli
-from llama_chat.inference.model_step import ModelStep, StepOptions
+from llama_chat.inference.decode_step import LoneGraph
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+from llama_chat.inference.types import Request
 from llama_chat.ml import quantize
 from llama_chat.ml.quantize import Int8Linear, int8_linear, quantize_int8, quantize_model
 from llama_chat.ml.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+class _Ids:
+    """Token ids only: no stop tokens, every token one byte."""
+
+    stop_ids: frozenset[int] = frozenset()
+    eos_id = None
+    special_tokens: dict[str, int] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"x"
+
+
+def greedy_ids(scheduler: Scheduler, prompt: list[int], n: int) -> list[int]:
+    return list(scheduler.generate(Request(tuple(prompt), sampling=GREEDY, max_tokens=n)).token_ids)
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -89,23 +106,19 @@ def test_quantized_model_decodes_the_float_tokens():
     # fbgemm's product (x86) also rounds the activations to 7 bits, one range for all 12 rows of
     # this random model's large activations; the shipped model's perplexity moves by 0.3 % with it.
     assert _relative(got_logits, want_logits) < 0.15
-    float_step = ModelStep(model, options=StepOptions())
-    int8_step = ModelStep(int8, options=StepOptions.for_device(torch.device("cpu"), 0, None, quantized=True))
-    assert int8_step.static is None  # int8 on the CPU decodes eagerly (fbgemm cannot be traced)
+    single = SchedulerOptions(max_batch=1, page_size=1)
+    float_source, int8_source = Scheduler(model, _Ids(), single), Scheduler(int8, _Ids(), single)
+    assert int8_source.core.lone_step is None  # int8 on the CPU decodes uncompiled (fbgemm cannot be traced)
     ids = prompt[0].tolist()
-    with torch.inference_mode():
-        want = float_step.decode(ids, 0, GREEDY, 0)
-        want_ids = [want.next_token() for _ in range(20)]
-        # Fed the float model's tokens one at a time (the one-row decode kernel at each step), the
-        # int8 model picks the same next token at most steps. A random model this size
-        # amplifies any difference, so its own greedy run may part from the float one after a
-        # few tokens; the same test with transformers' tokens is in test_parity_hf.
-        int8_step.forward([ids], [0])
-        agree = 0
-        for pos, token in enumerate(want_ids[:-1], start=len(ids)):
-            agree += int(int8_step.forward([[token]], [pos])[0].argmax()) == want_ids[pos - len(ids) + 1]
-        got = int8_step.decode(ids, 0, GREEDY, 0)
-        got_ids = [got.next_token() for _ in range(5)]
+    want_ids = greedy_ids(float_source, ids, 20)
+    # Fed the float model's tokens one at a time (a job a token, on the pages the one before left),
+    # the int8 model picks the same next token at most steps. A random model this size amplifies
+    # any difference, so its own greedy run may part from the float one after a few tokens; the
+    # same test with transformers' tokens is in test_parity_hf.
+    agree = 0
+    for i in range(1, 20):
+        agree += greedy_ids(int8_source, ids + want_ids[:i], 1) == want_ids[i:i + 1]
+    got_ids = greedy_ids(int8_source, ids, 5)
     assert agree >= 15, agree  # of 19; unrelated weights would agree about once
     assert got_ids == want_ids[:5]
 
@@ -126,14 +139,11 @@ def test_a_compiled_int8_step_keeps_fbgemms_product_and_decodes_the_eager_tokens
     model = random_model(tiny_args(300, max_seq_len=96), seed=5)
     model.fuse_projections()
     quantize_model(model)
-    eager = ModelStep(model, options=StepOptions())
-    compiled = ModelStep(model, options=StepOptions(static=True, compile=True, row_products=True,
-                                                    backend="aot_eager"), max_seq_len=96)
+    eager = Scheduler(model, _Ids(), SchedulerOptions(max_batch=1))
+    compiled = Scheduler(model, _Ids(), SchedulerOptions(max_batch=1))
+    core = compiled.core
+    core.lone_step = LoneGraph(model, core.cache, max_seq_len=core.settings.max_seq_len, sample_ids=None,
+                               compile=True, cuda_graph=False, backend="aot_eager", row_products=True)
     prompt = [5, 17, 42, 7]
-    with torch.inference_mode():
-        want = eager.decode(prompt, 0, GREEDY, 0)
-        want_ids = [want.next_token() for _ in range(30)]
-        got = compiled.decode(prompt, 0, GREEDY, 0)
-        assert compiled.static is not None and compiled.static_failure is None
-        got_ids = [got.next_token() for _ in range(30)]
-    assert got_ids == want_ids
+    assert greedy_ids(compiled, prompt, 30) == greedy_ids(eager, prompt, 30)
+    assert core.lone_step.failure is None and core.lone_step.steps >= 29

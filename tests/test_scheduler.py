@@ -9,12 +9,11 @@ import torch
 
 from builders import endless_model
 from llama_chat.inference import batch_step
-from llama_chat.inference.batch_step import StepBackends
-from llama_chat.inference.engine import Engine
+from llama_chat.inference.batch_step import Kind, StepBackends
 from llama_chat.inference.jobs import Job
-from llama_chat.inference.paged_step import LoneRowStep
+from llama_chat.inference.decode_step import LoneGraph
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
-from llama_chat.inference.types import GenerationState, PromptTooLong, Request, RequestError
+from llama_chat.inference.types import GenerationState, PromptTooLong, Request, RequestError, stop_ids_of
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model import cpu_decode, paged_kv_cache
 from llama_chat.model.chat_format import Llama2ChatFormat, Message
@@ -22,6 +21,7 @@ from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
 EOS = 2
+ALONE = SchedulerOptions(max_batch=1)  # one job at a time: the reference a batch's jobs are held to
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def test_64_mixed_jobs_batched_give_the_ids_of_each_job_alone(model, tokenizer):
     requests = [Request(random_prompt(g, int(torch.randint(1, 200, (1,), generator=g)), tokenizer.vocab_size),
                         sampling=GREEDY, max_tokens=int(torch.randint(1, 48, (1,), generator=g)), request_id=f"j{i}")
                 for i in range(64)]
-    engine = Engine(model, tokenizer)
-    alone = {r.request_id: engine.generate(r) for r in requests}
+    single = Scheduler(model, tokenizer, ALONE)
+    alone = {r.request_id: single.generate(r) for r in requests}
     results, stats = batched(model, tokenizer, requests, max_batch=64, page_size=16)
     assert stats.jobs_finished == 64 and stats.pages_in_use == 0
     assert stats.mixed_steps > 0  # prompt chunks and decodes did share forwards
@@ -102,7 +102,7 @@ def test_static_shapes_give_the_same_ids(model, tokenizer):
     assert {k: v.token_ids for k, v in plain.items()} == {k: v.token_ids for k, v in padded.items()}
 
 
-def test_seeded_sampling_and_stop_strings_per_job_match_the_engine(model, tokenizer):
+def test_seeded_sampling_and_stop_strings_per_job_match_each_job_alone(model, tokenizer):
     g = torch.Generator().manual_seed(13)
     requests = [
         Request(random_prompt(g, 30, tokenizer.vocab_size), sampling=SamplingParams(temperature=0.9, top_p=0.9),
@@ -112,14 +112,14 @@ def test_seeded_sampling_and_stop_strings_per_job_match_the_engine(model, tokeni
                 seed=3, max_tokens=20, request_id="controls"),
         Request(random_prompt(g, 40, tokenizer.vocab_size), sampling=GREEDY, max_tokens=30, request_id="greedy"),
     ]
-    engine = Engine(model, tokenizer)
-    alone = {r.request_id: engine.generate(r) for r in requests}
+    single = Scheduler(model, tokenizer, ALONE)
+    alone = {r.request_id: single.generate(r) for r in requests}
     # A stop string: part of the greedy job's own text, so it must cut there.
     text = alone["greedy"].text
     stop = text[len(text) // 2:len(text) // 2 + 3]
     requests.append(Request(requests[2].prompt_ids, sampling=GREEDY, max_tokens=30, request_id="stopped",
                             stop=(stop,)))
-    alone["stopped"] = engine.generate(requests[-1])
+    alone["stopped"] = single.generate(requests[-1])
     results, stats = batched(model, tokenizer, requests)
     for r in requests:
         assert results[r.request_id].token_ids[:len(alone[r.request_id].token_ids)] == alone[r.request_id].token_ids
@@ -133,8 +133,8 @@ def test_jobs_sharing_a_512_token_prefix_prefill_it_once(model, tokenizer):
     prefix = random_prompt(g, 512, tokenizer.vocab_size)
     suffixes = [torch.randint(3, tokenizer.vocab_size, (n,), generator=g).tolist() for n in (9, 20, 33, 5)]
     requests = [Request(prefix + s, sampling=GREEDY, max_tokens=6, request_id=f"p{i}") for i, s in enumerate(suffixes)]
-    engine = Engine(model, tokenizer)
-    alone = {r.request_id: engine.generate(r).token_ids for r in requests}
+    single = Scheduler(model, tokenizer, ALONE)
+    alone = {r.request_id: single.generate(r).token_ids for r in requests}
     results, stats = batched(model, tokenizer, requests, max_batch=8, page_size=16)
     assert {k: v.token_ids for k, v in results.items()} == alone
     # The first job prefills the 512 shared tokens (32 pages); the three others find them.
@@ -171,8 +171,8 @@ def test_cancelling_one_job_frees_its_pages_and_the_others_finish_unchanged(mode
     keep = [Request(random_prompt(g, 20 + 10 * i, tokenizer.vocab_size), sampling=GREEDY, max_tokens=60,
                     request_id=f"k{i}") for i in range(2)]
     victim = Request(random_prompt(g, 50, tokenizer.vocab_size), sampling=GREEDY, max_tokens=400, request_id="v")
-    engine = Engine(model, tokenizer)
-    alone = {r.request_id: list(engine.generate(r).token_ids) for r in keep}
+    single = Scheduler(model, tokenizer, ALONE)
+    alone = {r.request_id: list(single.generate(r).token_ids) for r in keep}
 
     async def main():
         async with Scheduler(model, tokenizer, SchedulerOptions(page_size=16, buffer_size=2)) as s:
@@ -244,7 +244,7 @@ def test_the_chat_next_turn_reuses_its_pages(model, tokenizer):
     expected = min(common, len(second_ids) - 1) // 8 * 8
     assert expected >= len(first_ids) // 8 * 8 > 0
     assert second.cached_tokens == expected
-    assert second.token_ids == Engine(model, tokenizer).generate(
+    assert second.token_ids == Scheduler(model, tokenizer, ALONE).generate(
         Request(second_ids, sampling=GREEDY, max_tokens=10, chat_reply=True)).token_ids
 
 
@@ -284,13 +284,13 @@ def test_pages_outlive_the_event_loop_and_a_stop_mid_job_frees_them(model, token
     assert scheduler.stats.pages_in_use == 0
     again = anyio.run(one, Request(prompt + [7, 8], sampling=GREEDY, max_tokens=5, request_id="c"))
     assert first.cached_tokens == 0 and again.cached_tokens == 64
-    assert again.token_ids == Engine(model, tokenizer).generate(Request(prompt + [7, 8], sampling=GREEDY,
+    assert again.token_ids == Scheduler(model, tokenizer, ALONE).generate(Request(prompt + [7, 8], sampling=GREEDY,
                                                                          max_tokens=5)).token_ids
 
 
 def test_a_chat_reply_runner_on_the_scheduler_reuses_the_last_turn(model, tokenizer):
     """``cmd/one_shot.run_one_shot``, which runs each chat reply, given the scheduler instead of
-    the one-prompt engine: the second turn prefills only what the first did not leave in pages."""
+    one job alone: the second turn prefills only what the first did not leave in pages."""
     from llama_chat.cmd.one_shot import run_one_shot
 
     chat = Llama2ChatFormat(tokenizer)
@@ -410,7 +410,9 @@ def test_a_step_past_the_mirror_drops_it(model, tokenizer, monkeypatch, between)
         monkeypatch.setattr(StepBackends, "choose", spied)
         core = Scheduler(model, tokenizer, SchedulerOptions(page_size=4, buffer_size=1)).core
         if between == "a alone, compiled":  # aot_eager: the same graph without a C++ build
-            core.lone_step = LoneRowStep(model, core.cache, row_products=True, backend="aot_eager")
+            core.lone_step = LoneGraph(model, core.cache, max_seq_len=core.settings.max_seq_len,
+                                       sample_ids=core.sample_ids, compile=True, cuda_graph=False,
+                                       backend="aot_eager", row_products=True)
         jobs = {name: Job(Request(prompts[name], sampling=GREEDY, max_tokens=30, request_id=name), 0.0, None,
                           frozenset()) for name in "abcde"}
         core.incoming.extend((jobs["a"], jobs["b"]))
@@ -425,7 +427,7 @@ def test_a_step_past_the_mirror_drops_it(model, tokenizer, monkeypatch, between)
         return logits, backends
 
     mirrored, backends = step_logits()
-    assert between != "a alone, compiled" or backends.count("CompiledLone") == 1
+    assert between != "a alone, compiled" or backends.count("GraphedLone") == 1
     if between == "the operator":
         if "OperatorDecodes" not in backends:
             pytest.skip("the one-call CPU step is not loaded here")
@@ -433,12 +435,13 @@ def test_a_step_past_the_mirror_drops_it(model, tokenizer, monkeypatch, between)
                             "LoneGreedy", "PackedForward", "OperatorDecodes"]
     monkeypatch.setattr(paged_kv_cache, "MIRROR_MAX_BYTES", 0)
     gathered, _ = step_logits()
-    assert len(mirrored) == len(gathered) == len(schedule) - backends.count("LoneGreedy")  # it takes no logits
+    # The operator's pick and the static step take no logits.
+    assert len(mirrored) == len(gathered) == len(schedule) - backends.count("LoneGreedy") - backends.count("GraphedLone")
     for got, want in zip(mirrored, gathered):
         assert torch.allclose(got, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("short, max_batch", [("lone_greedy", 1), ("decodes", 4)],
+@pytest.mark.parametrize("short, max_batch", [(Kind.LONE_GREEDY, 1), (Kind.DECODES, 4)],
                          ids=["a lone greedy job", "a batch decoding"])
 def test_the_short_steps_give_the_general_steps_tokens_and_counters(model, tokenizer, monkeypatch, short, max_batch):
     # Two steps skip the general plan's lists (batch_step.py): a lone greedy job's, the operator's
@@ -456,18 +459,18 @@ def test_the_short_steps_give_the_general_steps_tokens_and_counters(model, token
 
     def spied(self, plan):
         backend = choose(self, plan)
-        if backend is getattr(self, short):
+        if backend is self.table[short]:
             took.update(job.request_id for job in plan.rows)
         return backend
 
     monkeypatch.setattr(StepBackends, "choose", spied)
     fast, fast_stats = batched(model, tokenizer, requests, max_batch=max_batch)
     # A lone sampled job is not greedy: it takes the general step.
-    assert took == ({"long", "short"} if short == "lone_greedy" else {"long", "short", "sampled"})
+    assert took == ({"long", "short"} if short == Kind.LONE_GREEDY else {"long", "short", "sampled"})
 
     def general(self, plan):
         backend = choose(self, plan)
-        return self.rows if backend is getattr(self, short) else backend
+        return self.rows if backend is self.table[short] else backend
 
     monkeypatch.setattr(StepBackends, "choose", general)
     planned, planned_stats = batched(model, tokenizer, requests, max_batch=max_batch)
@@ -642,3 +645,21 @@ def test_warm_up_makes_the_steps_backends_before_the_first_job(model, tokenizer,
     request = Request([1, 5, 6, 7], sampling=GREEDY, max_tokens=3)
     assert len(scheduler.generate(request).token_ids) == 3
     assert made == [1]
+
+
+def test_a_job_that_fills_the_context_ends_there(tokenizer):
+    model = endless_model(tokenizer.vocab_size, seed=5, eos=EOS, max_seq_len=120)
+    ids = (1,) + (100,) * 109
+    done = Scheduler(model, tokenizer, ALONE).generate(Request(ids, sampling=GREEDY))
+    assert done.finish_reason is GenerationState.CONTEXT_FULL
+    assert len(ids) + done.completion_tokens == 120
+
+
+def test_every_declared_end_marker_stops():
+    class Llama3Like:
+        stop_ids = frozenset({128009})
+        eos_id = 128001
+        special_tokens = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|eom_id|>": 128008,
+                          "<|eot_id|>": 128009, "<|start_header_id|>": 128006}
+
+    assert stop_ids_of(Llama3Like()) == {128001, 128008, 128009}
