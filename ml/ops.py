@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,8 @@ PLAIN_ATTENTION = AttentionRule()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) -> torch.Tensor:
-    """``x @ weight.T``; with ``row_products``, spelled as a multiply and a sum over the inputs.
+    """``x @ weight.T`` by the product of the weight's dtype (``_PRODUCTS``: a lookup, not a chain
+    of tests); with ``row_products``, spelled as a multiply and a sum over the inputs.
 
     A product of a few rows on the CPU (a decode step) goes to our matrix-vector operator when it
     is loaded (``cpu_kernels``), eager or compiled: it reads the weights at the memory's speed.
@@ -87,21 +89,46 @@ def linear(x: torch.Tensor, weight: torch.Tensor, row_products: bool = False) ->
     fuses it into one reduction that reads the weights faster than MKL's one-row ``sgemv``. Run
     eagerly it would materialise ``weight``-sized products: never use it outside a compiled step.
     """
+    return _PRODUCTS.get(weight.dtype, _plain_product)(x, weight, row_products)
+
+
+def _float32_product(x: torch.Tensor, weight: torch.Tensor, row_products: bool) -> torch.Tensor:
+    """A float32 weight's: the operator's for few rows, oneDNN's where it beats MKL's, else MKL's."""
     if cpu_kernels.takes(x, weight):
         return cpu_kernels.matvec(x, weight)
     if row_products:
         return (x.unsqueeze(-2) * weight).sum(-1)
-    if half.mixed(x, weight):  # a GGUF file's 16-bit weights under float32 rows
-        return half.product(x, weight)
-    if _slow_half_matmul(x, weight):
-        # Half-precision matrix products on a CPU without bf16/fp16 instructions run far slower
-        # than float32's; converting the weight costs less than that once a chunk has rows.
-        return F.linear(x.float(), weight.float()).to(x.dtype)
     if _onednn_pays(x, weight):
         rows = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
+
+
+def _half_product(x: torch.Tensor, weight: torch.Tensor, row_products: bool) -> torch.Tensor:
+    """A 16-bit weight's: under float32 rows (a GGUF file's 16-bit weights) ``half.product``;
+    under rows of its own dtype the operator's for few rows, else the library's, in float32 where
+    this CPU's half-precision product is slow."""
+    if cpu_kernels.takes(x, weight):
+        return cpu_kernels.matvec(x, weight)
+    if row_products:
+        return (x.unsqueeze(-2) * weight).sum(-1)
+    if half.mixed(x, weight):
+        return half.product(x, weight)
+    if _slow_half_matmul(x, weight):
+        # Half-precision matrix products on a CPU without bf16/fp16 instructions run far slower
+        # than float32's; converting the weight costs less than that once a chunk has rows.
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+    return F.linear(x, weight)
+
+
+def _plain_product(x: torch.Tensor, weight: torch.Tensor, row_products: bool) -> torch.Tensor:
+    if row_products:
+        return (x.unsqueeze(-2) * weight).sum(-1)
+    return F.linear(x, weight)
+
+
+_PRODUCTS = {torch.float32: _float32_product, torch.bfloat16: _half_product, torch.float16: _half_product}
 
 
 # Where oneDNN's float32 inner product beats MKL's (``F.linear``) on an x86 CPU: a weight of at
@@ -186,15 +213,37 @@ def biased_project(x: torch.Tensor, layer: torch.nn.Module, bias: torch.Tensor |
 
 
 def project(x: torch.Tensor, layer: torch.nn.Module, row_products: bool = False) -> torch.Tensor:
-    """``layer``'s bias-free product with ``x``: float weights through ``linear``, int8 ones
-    (``quantize.Int8Linear``, which has ``scales``) through ``quantize.int8_linear``, packed GGUF
-    blocks (``packed.PACKED_LAYERS``) through their own product."""
-    if isinstance(layer, packed.PACKED_LAYERS):
-        return layer(x)
-    scales = getattr(layer, "scales", None)
-    if scales is not None:
-        return quantize.int8_linear(x, layer.weight, scales, row_products, layer.packed, layer.packed_key)
+    """``layer``'s bias-free product with ``x``, by the kind of layer the loader made
+    (``_PROJECTIONS``): float weights through ``linear``, int8 ones (``quantize.Int8Linear``)
+    through ``quantize.int8_linear``, packed GGUF blocks (``packed.PACKED_LAYERS``) through their
+    own product."""
+    kind = _PROJECTIONS.get(type(layer))
+    if kind is None:
+        kind = _PROJECTIONS[type(layer)] = _projection_of(type(layer))
+    return kind(x, layer, row_products)
+
+
+def _float_projection(x: torch.Tensor, layer: torch.nn.Module, row_products: bool) -> torch.Tensor:
     return linear(x, layer.weight, row_products)
+
+
+def _int8_projection(x: torch.Tensor, layer: torch.nn.Module, row_products: bool) -> torch.Tensor:
+    return quantize.int8_linear(x, layer.weight, layer.scales, row_products, layer.packed, layer.packed_key)
+
+
+def _packed_projection(x: torch.Tensor, layer: torch.nn.Module, row_products: bool) -> torch.Tensor:
+    return layer(x)
+
+
+_PROJECTIONS = {torch.nn.Linear: _float_projection, half.HalfLinear: _float_projection,
+                quantize.Int8Linear: _int8_projection, packed.PackedLinear: _packed_projection,
+                packed.PackedConcat: _packed_projection}
+
+
+def _projection_of(kind: type) -> Callable:
+    """A layer class's product: that of the first of its bases that has one (a float weight's
+    where none does)."""
+    return next((_PROJECTIONS[base] for base in kind.__mro__ if base in _PROJECTIONS), _float_projection)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: Rope | None = None,
