@@ -15,7 +15,7 @@ folders, so that each is a model of its own files. Then, in one run:
   again. Checks: the peak above idle within the budget; the last figure within 20 % of idle.
 * speed: ``serve -m m1`` and ``serve -m m1 -m m2 -m m3`` with all three loaded (m2 and m3 idle
   beside m1), both started before the first measure. ``--pairs`` pairs of streamed completions
-  of ``--new`` tokens to m1 (a prompt of about 200 tokens), one on each server back to back
+  of ``--new`` tokens to m1 (a prompt of 382 tokens), one on each server back to back
   (which goes first alternates): time to first token and decode tok/s (tokens after the first
   over the time from the first text event to the last), and each pair's ratio, beside over alone. The median of the ratios and
   their quartiles are printed: on a busy machine a stream's speed swings by tens of percent from
@@ -291,12 +291,13 @@ async def measured_stream(url: str, pid: int, prompt: str, new: int) -> dict[str
             "cpu_ttft_ms": (cpu_first - cpu0) / 1e6, "cpu_ms_per_token": (cpu_end - cpu_first) / 1e6 / (tokens - 1)}
 
 
-# A prompt of about 200 tokens, so that the first token waits on a prefill and not only on the
-# request's round trip, whose few milliseconds swing more than the 3 % the comparison asks.
+# A prompt of a few hundred tokens (the numbered vocabulary spells these words in pieces), so
+# that the first token waits on a prefill and not only on the request's round trip, whose few
+# milliseconds swing more than the 3 % the comparison asks.
 PASSAGE = (" The old lighthouse stood at the edge of the cliff, and every night its keeper climbed the"
            " hundred steps to light the lamp. Ships passed far out at sea, and the sailors counted on the"
            " beam to find the harbour through fog and rain. One winter the storms came early, the road to"
-           " the village washed away, and the keeper was alone with the wind for many weeks.") * 3
+           " the village washed away, and the keeper was alone with the wind for many weeks.")
 
 
 def timed(server: tuple[subprocess.Popen, str], new: int, i: int) -> dict[str, float]:
