@@ -112,8 +112,10 @@ def _in_pool(values: torch.Tensor, ids: torch.Tensor, log_total: torch.Tensor, t
     probs = torch.exp(values - log_total)
     cumulative = torch.cumsum(probs, dim=-1)
     keep = (cumulative - probs) < top_p
-    if not whole and not bool(((cumulative[:, -1] >= top_p) & ~(keep & (values == values[:, -1:])).any(dim=-1)).all()):
-        return None
+    if not whole:
+        cut = (keep & (values == values[:, -1:])).any(dim=-1)
+        if not bool(((cumulative[:, -1] >= top_p) & ~cut).all()):
+            return None
     return _Nucleus(ids, values, probs * keep, keep)
 
 
