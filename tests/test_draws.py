@@ -22,7 +22,8 @@ SAMPLED = [SamplingParams(temperature=0.8, top_p=1.0), SamplingParams(temperatur
 
 def logits_with_ties(rows: int, vocab: int, seed: int) -> torch.Tensor:
     """Half-unit steps (many equal values, the largest often shared); row 0's largest at two
-    places on purpose; a flat row and a row mostly impossible where there are rows enough."""
+    places on purpose; a flat row, a row mostly impossible and a peaked one (its nucleus among
+    the values near its largest) where there are rows enough."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.round(torch.randn(rows, vocab, generator=g) * 8) / 2
     top = logits[0].max() + 1
@@ -31,6 +32,8 @@ def logits_with_ties(rows: int, vocab: int, seed: int) -> torch.Tensor:
         logits[-1] = 0.25
     if rows > 2:
         logits[1, 1::2] = float("-inf")
+    if rows > 3:
+        logits[2, 100:130] += 12
     return logits
 
 

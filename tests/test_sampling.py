@@ -104,14 +104,6 @@ def test_flat_rows_fall_back_to_a_full_sort_with_the_same_nucleus(monkeypatch):
             assert kept == reference_nucleus(row, 0.9)
 
 
-def test_pooled_and_full_sort_sampling_agree(monkeypatch):
-    logits = random_logits(32, 32000, seed=12)
-    params = SamplingParams(temperature=0.8, top_p=0.95)
-    pooled = sample(logits, params, seeded(13))
-    monkeypatch.setattr(sampling, "_CANDIDATE_POOLS", ())
-    assert torch.equal(sample(logits, params, seeded(13)), pooled)
-
-
 def test_impossible_tokens_are_never_drawn():
     logits = torch.full((20000, 100), float("-inf"))
     logits[:, [3, 50, 99]] = torch.tensor([0.0, 1.0, -1.0])
@@ -202,22 +194,3 @@ def test_near_largest_is_every_place_within_the_margin_in_order(operator, size):
         spoiled = row.clone()
         spoiled[size // 2] = bad
         assert operator.near_largest(spoiled, 6.0, size) is None
-
-
-@pytest.mark.parametrize("vocab", [50, 4099, 32000])
-def test_a_rows_draw_through_the_values_near_its_largest_is_the_pools_draw(operator, monkeypatch, vocab):
-    """The same nucleus in the same order, so the same token from the same uniform: peaked rows
-    (the near values hold top_p), flat ones (they do not: the pools decide) and rows of ties."""
-    rows = [random_logits(1, vocab, seed=s, scale=scale) for s, scale in enumerate((0.05, 1.0, 3.0, 8.0))]
-    peaked = random_logits(1, vocab, seed=9, scale=2.0)
-    peaked[0, :30] += 12
-    rows.append(peaked)
-    rows.append(torch.round(random_logits(1, vocab, seed=10, scale=4.0) * 2) / 2)  # many equal values
-    uniforms = torch.linspace(0, 1, 13, dtype=torch.float64)[:-1]
-    for top_p in (0.5, 0.95):
-        params = SamplingParams(temperature=0.8, top_p=top_p)
-        near = [[int(sample(row, params, u.view(1))) for u in uniforms] for row in rows]
-        with monkeypatch.context() as m:
-            m.setattr(operator, "near_largest", lambda *args: None)
-            pooled = [[int(sample(row, params, u.view(1))) for u in uniforms] for row in rows]
-        assert near == pooled
