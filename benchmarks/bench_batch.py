@@ -3,9 +3,8 @@
 On a stories15M-sized model (dim 288, 6 layers, 6 heads, vocab 32,000, context 256; random
 float32 weights, seeded; the end-of-sequence row zeroed so nothing stops early), greedy:
 
-* single-stream decode through the fast path: ``Engine.generate`` (the one-prompt engine, its
-  dense KV cache and step thread), decode tok/s as the engine reports it;
-* single-stream decode through the paged cache: one job in the ``Scheduler``, the same measure;
+* single-stream decode: one job in the ``Scheduler`` (``max_batch=1``, as a prompt or a chat
+  runs), decode tok/s as it reports it;
 * 16 and 64 jobs submitted together to the ``Scheduler``: all generated tokens over the wall time
   from submitting the first to the last one finishing (prefill included, so it is a lower bound
   on the decode rate);
@@ -23,11 +22,15 @@ of those is printed: on a shared machine whose speed swings from one minute to t
 is steadier than a ratio of medians (both are printed). One JSON line per measurement, then
 a Markdown table.
 
-With ``--compile`` both single-stream paths are also measured compiled, in pairs: the engine's
-static step and the scheduler's step for a job running alone (``inference/paged_step.py``), each
-made and warmed up once.
+With ``--compile`` the single stream is also measured compiled (the lone job's static step,
+``inference/decode_step.py``), made and warmed up once.
+
+With ``--baseline DIR`` (a folder holding another tree as ``llama_chat``, e.g. a ``git worktree``
+linked there), the single stream, 16 and 64 jobs are measured in child processes, this tree's and
+the baseline's alternately in each run, and the table gives this tree over the baseline.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_batch.py [--runs 3] [--new 200] [--threads 2] [--compile]
+        [--baseline /tmp/oldpkg]
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import anyio
 import torch
 
-from llama_chat.inference.engine import Engine, EngineOptions
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
@@ -54,7 +58,7 @@ PROMPT = 8  # tokens per prompt: short, so that decoding dominates
 
 
 class ByteTokenizer:
-    """Just enough of a tokenizer for the engine: every id is one byte of text."""
+    """Just enough of a tokenizer for the scheduler: every id is one byte of text."""
 
     vocab_size = 32000
     eos_id = 2
@@ -78,12 +82,6 @@ def build_model(seed: int = 0) -> Transformer:
 def prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [[1] + torch.randint(3, 32000, (PROMPT - 1,), generator=g).tolist() for _ in range(n)]
-
-
-def single_fast(model, tokenizer, new: int) -> float:
-    engine = Engine(model, tokenizer, options=EngineOptions(compile=False))
-    done = engine.generate(Request(prompts(1, 1)[0], sampling=GREEDY, max_tokens=new))
-    return done.timings.decode_tok_s
 
 
 async def _scheduled(model, tokenizer, n: int, new: int, max_batch: int) -> tuple[float, list]:
@@ -155,20 +153,80 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+TREE_MEASURES = ("single_paged", "jobs16", "jobs64")
+
+
+def child_run(args) -> None:
+    """In a child process: warm up, then each of ``TREE_MEASURES`` once, one JSON object."""
+    torch.set_num_threads(args.threads)
+    model, tokenizer = build_model(), ByteTokenizer()
+    measures = {"single_paged": lambda: single_paged(model, tokenizer, args.new),
+                "jobs16": lambda: together(model, tokenizer, 16, args.new),
+                "jobs64": lambda: together(model, tokenizer, 64, args.new)}
+    for fn in measures.values():
+        fn()
+    print(json.dumps({name: fn() for name, fn in measures.items()}), flush=True)
+
+
+def against_baseline(args) -> None:
+    """This tree and ``--baseline``, each in a child process, alternately in each run."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"this": os.path.dirname(here) if os.path.basename(here) == "llama_chat" else None,
+             "baseline": args.baseline}
+    results: dict[str, dict[str, list[float]]] = {t: {m: [] for m in TREE_MEASURES} for t in trees}
+    cpu: dict[str, list[float]] = {t: [] for t in trees}
+    for run in range(args.runs):
+        for tree in (("this", "baseline") if run % 2 == 0 else ("baseline", "this")):
+            env = dict(os.environ)
+            if trees[tree]:
+                env["PYTHONPATH"] = trees[tree]
+            else:
+                env.pop("PYTHONPATH", None)
+            before = os.times()
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--new", str(args.new),
+                                   "--threads", str(args.threads)], env=env, capture_output=True, text=True,
+                                  check=True)
+            after = os.times()
+            cpu[tree].append(after.children_user + after.children_system - before.children_user
+                             - before.children_system)
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            for name, value in got.items():
+                results[tree][name].append(value)
+            print(json.dumps({"run": run, "tree": tree, **{k: round(v, 1) for k, v in got.items()},
+                              "cpu_s": round(cpu[tree][-1], 1), "load_avg": os.getloadavg()}), flush=True)
+    print()
+    print(f"this tree against --baseline {args.baseline}, {args.threads} threads, {args.runs} runs alternated")
+    print()
+    print("| measure | this tree tok/s (median) | baseline tok/s (median) | this / baseline (median of per-run ratios) |")
+    print("|---|---|---|---|")
+    labels = {"single_paged": "single stream (Scheduler, 1 job)", "jobs16": "16 jobs together",
+              "jobs64": "64 jobs together"}
+    for name in TREE_MEASURES:
+        ours, theirs = results["this"][name], results["baseline"][name]
+        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        print(f"| {labels[name]} | {statistics.median(ours):.0f} | {statistics.median(theirs):.0f} | {ratio:.2f}x |")
+    print(f"| child process CPU s (warm-up and all three) | {statistics.median(cpu['this']):.1f} | "
+          f"{statistics.median(cpu['baseline']):.1f} | |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new", type=int, default=200, help="tokens generated per job")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--compile", action="store_true",
-                        help="also both single-stream paths compiled (the engine's static step, the "
-                             "scheduler's lone-sequence step), each made and warmed up once")
+                        help="also the single stream compiled (the lone job's static step), made and warmed up once")
+    parser.add_argument("--baseline", help="a folder holding another tree as llama_chat: measure both, alternately")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child_run(args)
+    if args.baseline:
+        return against_baseline(args)
     torch.set_num_threads(args.threads)
     model, tokenizer = build_model(), ByteTokenizer()
 
     measures = {
-        "single_fast": lambda: single_fast(model, tokenizer, args.new),
         "single_paged": lambda: single_paged(model, tokenizer, args.new),
         "jobs16": lambda: together(model, tokenizer, 16, args.new),
         "jobs64": lambda: together(model, tokenizer, 64, args.new),
@@ -177,15 +235,11 @@ def main() -> None:
         "ceiling": lambda: compute_ceiling(model)[1],
     }
     if args.compile:
-        engine = Engine(model, tokenizer, options=EngineOptions(compile=True))
-        engine.warm_up(GREEDY)
         # Room for every run's pages: no run evicts another's, which could leave a job's pages
         # out of order (and a lone job on pages that are not consecutive takes the packed step).
         room = (2 * args.runs + 2) * model.args.max_seq_len
         scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, compile=True, cache_tokens=room))
         scheduler.warm_up()
-        measures["single_fast_compiled"] = lambda: engine.generate(
-            Request(prompts(1, 1)[0], sampling=GREEDY, max_tokens=args.new)).timings.decode_tok_s
         measures["single_paged_compiled"] = lambda: anyio.run(_one_job, scheduler, args.new).timings.decode_tok_s
     for fn in measures.values():  # warm-up: first-touch of the weights, allocator, kernels
         fn()
@@ -196,21 +250,10 @@ def main() -> None:
         results[name].append(value)
         print(json.dumps({"run": run, "measure": name, "tok_s": round(value, 1)}), flush=True)
 
-    # The two single-stream paths first, in pairs back to back (twice as many runs: their ratio is
-    # the closest one and the one most easily lost in a busy machine's swings); then the rest.
-    for run in range(2 * args.runs):
-        measure(run, "single_fast")
-        measure(run, "single_paged")
-        if args.compile:
-            measure(run, "single_fast_compiled")
-            measure(run, "single_paged_compiled")
     for run in range(args.runs):
-        for name in ("single_fast", "jobs16", "jobs64", "bare1", "bare16", "ceiling"):
+        for name in ("single_paged", *(("single_paged_compiled",) if args.compile else ()), "jobs16", "jobs64",
+                     "bare1", "bare16", "ceiling"):
             measure(run, name)
-    # Batch ratios are against the single-stream runs made beside them, in the second phase.
-    fast_pairs = results["single_fast"][:2 * args.runs]
-    results["single_fast_batch"] = results["single_fast"][2 * args.runs:]
-    results["single_fast"] = fast_pairs
 
     med = {k: statistics.median(v) for k, v in results.items()}
     print(json.dumps({"load_avg": os.getloadavg(), "threads": args.threads, "torch": torch.__version__,
@@ -219,18 +262,14 @@ def main() -> None:
     print("| measure | tok/s (median) | runs | ratio (median of per-run ratios) | ratio of medians |")
     print("|---|---|---|---|---|")
     rows = [
-        ("single stream, fast path (Engine)", "single_fast", None),
-        ("single stream, paged cache (Scheduler, 1 job)", "single_paged", ("single_fast", "x fast path")),
-        ("single stream, fast path compiled (--compile)", "single_fast_compiled", None),
-        ("single stream, paged cache compiled (--compile)", "single_paged_compiled",
-         ("single_fast_compiled", "x fast path compiled")),
-        ("single stream, fast path, beside the batch runs", "single_fast_batch", None),
-        ("16 jobs together", "jobs16", ("single_fast_batch", "x single stream")),
-        ("64 jobs together", "jobs64", ("single_fast_batch", "x single stream")),
+        ("single stream (Scheduler, 1 job)", "single_paged", None),
+        ("single stream compiled (--compile)", "single_paged_compiled", ("single_paged", "x eager")),
+        ("16 jobs together", "jobs16", ("single_paged", "x single stream")),
+        ("64 jobs together", "jobs64", ("single_paged", "x single stream")),
         ("bare dense forward, 1 row", "bare1", None),
         ("bare dense forward, 16 rows (layer by layer)", "bare16", ("bare1", "x 1 row")),
         ("compute ceiling for any number of jobs (GEMM multiply-adds/s over a token's)", "ceiling",
-         ("single_fast_batch", "x single stream")),
+         ("single_paged", "x single stream")),
     ]
     for label, key, ratio in rows:
         if key not in results:

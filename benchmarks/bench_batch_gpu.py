@@ -4,7 +4,7 @@ The batching issue's GPU targets, on a TinyLlama-sized model in bfloat16 (config
 ``bench_gpu.py``, random weights written once as a Hugging Face checkpoint, ids 0-2 never
 winning so nothing stops early), greedy, in one run:
 
-* single-stream decode through the engine (``Engine.generate``, decode tok/s as it reports);
+* single-stream decode through a scheduler of one job (``Scheduler.generate``, decode tok/s as it reports);
 * 16 and 64 jobs submitted together to the ``Scheduler``: all generated tokens over the wall
   time from the first submit to the last job's end (prefill included);
 * Hugging Face eager ``generate`` given the same 64 prompts as one left-padded batch, exactly
@@ -130,7 +130,6 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "bench-batch-gpu"))
     args = ap.parse_args()
 
-    from llama_chat.inference.engine import Engine, EngineOptions
     from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
     from llama_chat.ml.sampling import SamplingParams
     from llama_chat.model.loader import load_model
@@ -146,7 +145,8 @@ def main() -> None:
             write_checkpoint(c, path, device, dtype)
         jobs = prompts(c["vocab"])
         loaded = load_model(path, device=device, dtype=args.dtype)
-        engine = Engine.from_loaded(loaded, options=EngineOptions(compile=args.compile))
+        # As a prompt's run makes it: one job at a time, its decode steps a CUDA graph.
+        engine = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=1, compile=args.compile))
         engine.warm_up(SamplingParams(temperature=0.0))
         single_stream(engine, jobs[0], 16)
         # As ``llama-chat --batch`` makes and warms up its scheduler.

@@ -6,7 +6,7 @@ vocabulary is a Llama-2-style byte-fallback BPE (``tokenizer.json`` with Metaspa
 ``<0xNN>`` pieces) trained here on the Python standard library's sources, so that the constraint
 engine walks a real token trie; nothing is downloaded (``--tokenizer DIR`` reuses one).
 
-Each model decodes ``--new`` tokens greedily after a short prompt through ``Engine.generate``
+Each model decodes ``--new`` tokens greedily after a short prompt through ``Scheduler.generate`` (one job at a time)
 (the one-shot command's path), once per setting per round, in a rotating order so that a slow
 moment of a busy machine does not land on one setting only; the ratio to ``free`` is taken per
 round and its median reported, with the median tok/s:
@@ -49,7 +49,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from llama_chat.inference.engine import Engine, EngineOptions  # noqa: E402
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions  # noqa: E402
 from llama_chat.inference.types import GenerationState, Request, stop_ids_of  # noqa: E402
 from llama_chat.ml.constraints import Constraints, GrammarMask  # noqa: E402
 from llama_chat.ml.controls import SamplingParams  # noqa: E402
@@ -57,7 +57,9 @@ from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
 from llama_chat.ml.grammars import Constraint  # noqa: E402
 from llama_chat.ml.processors import TokenHistory, make_controls  # noqa: E402
 from llama_chat.ml.sampling import sample  # noqa: E402
+from llama_chat.model import cpu_decode  # noqa: E402
 from llama_chat.model.args import ModelArgs  # noqa: E402
+from llama_chat.model.kv_cache import KVCache  # noqa: E402
 from llama_chat.model.tokenizers.hf import HFTokenizer  # noqa: E402
 from llama_chat.model.transformer import Transformer  # noqa: E402
 
@@ -127,12 +129,12 @@ class _AskedConstraints(Constraints):
         return GrammarMask(self.compile(constraint), extra_stop_ids=extra_stop_ids, ahead=False)
 
 
-def decode_rates(engine: Engine, prompt: tuple[int, ...], new: int, rounds: int) -> dict[str, list[float]]:
+def decode_rates(engine: Scheduler, prompt: tuple[int, ...], new: int, rounds: int) -> dict[str, list[float]]:
     schema = Constraint.json_schema(SCHEMA)
-    default, asked = engine.constraints, _AskedConstraints(engine.tokenizer, engine.stop_ids)
+    default, asked = engine.core.constraints, _AskedConstraints(engine.tokenizer, engine.stop_ids)
 
     def run(name: str, tokens: int, seed: int) -> float:
-        engine.constraints = asked if name == "schema, masks when asked" else default
+        engine.core.constraints = asked if name == "schema, masks when asked" else default
         request = Request(prompt, sampling=GREEDY, max_tokens=tokens, seed=seed,
                           constraint=None if name == "free" else schema)
         done = engine.generate(request)
@@ -146,7 +148,7 @@ def decode_rates(engine: Engine, prompt: tuple[int, ...], new: int, rounds: int)
         order = SETTINGS[r % len(SETTINGS):] + SETTINGS[:r % len(SETTINGS)]
         for name in order:
             rates[name].append(run(name, new, r))
-    engine.constraints = default
+    engine.core.constraints = default
     return rates
 
 
@@ -160,11 +162,32 @@ def summary(rates: dict[str, list[float]]) -> list[dict]:
 STEP_KINDS = ("operator's pick", "eager step with a processor", "eager step with the schema")
 
 
-def paired_steps(engine: Engine, prompt: list[int], steps: int) -> dict[str, list[float]]:
+class _DenseStep:
+    """The model over a dense cache of one row, and the operator's one-call step over it where it
+    reads the model: one kind of step at a time, with nothing around it."""
+
+    def __init__(self, model: Transformer, vocab: int) -> None:
+        model.fuse_projections()
+        self.model = model
+        self.cache = KVCache.for_model(model.args, 1)
+        with torch.inference_mode():
+            self.one_call = cpu_decode.operator_for(model, self.cache)
+        self.sample_ids = vocab if vocab < model.args.vocab_size else None
+
+    def forward(self, rows: list[list[int]], starts: list[int]) -> torch.Tensor:
+        if self.one_call is not None and len(rows) == 1 and len(rows[0]) == 1:
+            return self.one_call(rows[0][0], starts[0])
+        tokens = torch.tensor(rows, dtype=torch.long)
+        positions = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(tokens.shape[1])
+        return self.model(tokens, positions, self.cache, last_only=True)[:, -1, :]
+
+
+def paired_steps(engine: Scheduler, prompt: list[int], steps: int) -> dict[str, list[float]]:
     """Seconds of each kind of decode step, in turns at every position of a constrained decode."""
-    step, vocab = engine.step, engine.tokenizer.vocab_size
+    vocab = engine.tokenizer.vocab_size
+    step = _DenseStep(engine.model, vocab)
     schema_sampler = make_controls(GREEDY, eos_ids=engine.stop_ids,
-                                  constraint=engine.constraints.processor(Constraint.json_schema(SCHEMA)))
+                                  constraint=engine.core.constraints.processor(Constraint.json_schema(SCHEMA)))
     bias_sampler = make_controls(SamplingParams(temperature=0.0, logit_bias=((5, -1.0),)), eos_ids=engine.stop_ids)
     schema_history = TokenHistory([prompt], vocab_size=vocab)
     bias_history = TokenHistory([prompt], vocab_size=vocab)
@@ -244,11 +267,11 @@ def mask_cost(constraints: Constraints, steps: int) -> dict[str, float]:
             "advance, median": statistics.median(advances) * 1e6}
 
 
-def bench(name: str, model: Transformer, tokenizer, new: int, rounds: int) -> tuple[Engine, dict]:
-    engine = Engine(model, tokenizer, options=EngineOptions(compile=False))
+def bench(name: str, model: Transformer, tokenizer, new: int, rounds: int) -> tuple[Scheduler, dict]:
+    engine = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1))
     prompt = tuple(tokenizer.encode(PROMPT, bos=True))
     start = time.perf_counter()
-    engine.constraints.compile(Constraint.json_schema(SCHEMA))
+    engine.core.constraints.compile(Constraint.json_schema(SCHEMA))
     first = time.perf_counter() - start
     rows = summary(decode_rates(engine, prompt, new, rounds))
     for row in rows:
@@ -290,7 +313,7 @@ def main() -> None:
     if not args.skip_big:
         results.append(bench("TinyLlama-sized", tinyllama(eos), tokenizer, args.big_new, args.big_rounds)[1])
 
-    print(f"\nrandom float32 models, vocabulary of {VOCAB} (byte-fallback BPE), greedy, Engine.generate, "
+    print(f"\nrandom float32 models, vocabulary of {VOCAB} (byte-fallback BPE), greedy, Scheduler.generate, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after\n")
     print("| model | setting | new tokens x rounds | decode tok/s (median) | min | max | vs free (median of "

@@ -21,8 +21,8 @@ ones). Measured, per config and dtype (float32; bfloat16 for the Python systems;
   one-job batch of the scheduler, its step thread and channel), eager and with ``--compile``
   (the compiled lone step; its warm-up, with a cold compile cache, is reported apart and done
   before timing), in float32, bfloat16 and ``--quantize int8`` (on float32 weights);
-* for reference, where llama-chat's step is our one-call CPU operator, the same step over a
-  dense cache in a bare loop in that process ("operator alone": the step, a greedy pick, the
+* for reference, where llama-chat's step is our one-call CPU operator, the same step over
+  consecutive pages in a bare loop in that process ("operator alone": the step, a greedy pick, the
   token fed back), so that what the scheduler costs around it shows as the difference;
 * the machine's read bandwidth (a float32 sum over 512 MiB, median of 7); the bound is that over
   the bytes of weights read per token, and "of bound" is a system's decode speed over it;
@@ -298,20 +298,24 @@ def llama_chat_worker(args, c: dict) -> dict:
 
 
 def operator_alone(model, args) -> dict | None:
-    """Decode tok/s of the operator's one-call step over a dense cache in a bare loop on this
+    """Decode tok/s of the operator's one-call step over consecutive pages in a bare loop on this
     thread (the step with its greedy pick, the next token fed back): what the scheduler, its step
     thread, the channel and the Python around each token cost is the difference from the row."""
-    from llama_chat.inference.model_step import ModelStep
+    from llama_chat.model import cpu_decode
+    from llama_chat.model.paged_kv_cache import PagedKVCache
 
-    one_call = ModelStep(model).one_call
-    if one_call is None:
-        return None
+    size = 16
+    cache = PagedKVCache.for_model(model.args, num_pages=-(-args.new // size) + 1, page_size=size)
+    pages = list(range(1, cache.num_pages))
     rates = []
     with torch.inference_mode():
+        decoder = cpu_decode.operator_for(model, cache)
+        if decoder is None:
+            return None
         for _ in range(args.runs):
             token, times = BOS, []
             for position in range(args.new):
-                token = one_call.pick(token, position)
+                token = decoder.pick(token, position, pages[:position // size + 1])
                 times.append(time.perf_counter())
             rates.append((len(times) - 1) / (times[-1] - times[0]))
     return spread(rates)

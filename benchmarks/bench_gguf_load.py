@@ -46,7 +46,9 @@ def _status_kb(field: str) -> int:
 def _packed_child(path: str) -> None:
     import torch
 
-    from llama_chat.inference.model_step import ModelStep
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+    from llama_chat.inference.types import Request
+    from llama_chat.ml.sampling import SamplingParams
     from llama_chat.ml.cpu import kernels as cpu_kernels
     from llama_chat.model.loader import load_model
 
@@ -57,12 +59,12 @@ def _packed_child(path: str) -> None:
     load_s = time.perf_counter() - t0
     after_load_kb = _status_kb("VmHWM")
     summary = loaded.weights()
-    step = ModelStep(loaded.model)  # as the engine makes it: projections fused, the KV cache allocated
-    kv_bytes = sum(t.numel() * t.element_size() for t in (*step.cache.keys, *step.cache.values))
+    # As a prompt's run makes it: projections fused, the paged cache allocated.
+    source = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=1))
+    cache = source.core.cache
+    kv_bytes = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
     t0 = time.perf_counter()
-    logits = step.forward([list(range(1, 9))], [0])
-    for pos in range(8, 16):
-        logits = step.forward([[int(logits[0].argmax())]], [pos])
+    source.generate(Request(tuple(range(1, 9)), sampling=SamplingParams(temperature=0.0), max_tokens=9))
     decode_s = time.perf_counter() - t0
     print(json.dumps({"format": summary.format, "weight_bytes": loaded.weights().nbytes, "kv_bytes": kv_bytes,
                       "baseline_kb": baseline_kb, "after_load_kb": after_load_kb, "vmhwm_kb": _status_kb("VmHWM"),

@@ -4,9 +4,9 @@ For each config, random bfloat16 weights are written once as a Hugging Face chec
 llama2.c-style ``tokenizer.bin`` of the same vocabulary size, so every sampled id has bytes) and
 measured, greedy, batch 1, by:
 
-* llama-chat's engine, loaded by ``load_model`` and driven by ``Engine.complete``: the step
-  thread, the bounded channel and the compiled CUDA-graph decode step that the command uses;
-* a bare loop over the same decode step (no thread, no channel), the engine's upper bound;
+* llama-chat's scheduler of one job, loaded by ``load_model`` and driven by
+  ``Scheduler.complete``: the step thread, the bounded channel and the lone job's CUDA-graph
+  decode step (``inference/decode_step.py``) that the command uses;
 * Hugging Face ``generate``, eager and with ``cache_implementation="static"`` (its own
   compiled fast path);
 * the device's copy bandwidth, from which the bound is bandwidth / bytes of weights per token;
@@ -31,7 +31,7 @@ import tempfile
 import time
 
 # As the command does (cmd/app.py): OpenMP helpers that spin after each parallel region would
-# take the cores from the other thread's forward, and the bare loop and the step thread alternate.
+# take the cores from the other thread's forward.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
@@ -122,7 +122,7 @@ def sync(device: torch.device) -> None:
 
 
 def llama_chat_round(key: str, path: str, device: torch.device, dtype: str, args, prompt, long_prompt) -> dict:
-    from llama_chat.inference.engine import Engine, EngineOptions
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
     from llama_chat.inference.types import Request
     from llama_chat.ml.sampling import SamplingParams
     from llama_chat.model.loader import load_model
@@ -134,7 +134,7 @@ def llama_chat_round(key: str, path: str, device: torch.device, dtype: str, args
     loaded = load_model(path, device=device, dtype=dtype, max_seq_len=args.ctx)
     sync(device)
     load_s = time.perf_counter() - t
-    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=args.compile))
+    engine = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=1, compile=args.compile))
     t = time.perf_counter()
     engine.warm_up(greedy)
     sync(device)
@@ -142,7 +142,7 @@ def llama_chat_round(key: str, path: str, device: torch.device, dtype: str, args
     from torch._dynamo.utils import counters
 
     emit(system="llama_chat_setup", config=key, load_s=load_s, warm_up_s=warm_s, compiled=engine.compiles,
-         ctx=engine.max_seq_len, prefill_chunk=engine.prefill_chunk,
+         ctx=engine.max_seq_len, prefill_chunk=engine.core.settings.prefill_chunk,
          inductor={k: v for k, v in counters["inductor"].items() if "cache" in k})
 
     engine.generate(Request(prompt, sampling=greedy, max_tokens=16))  # first prefill shapes, allocator
@@ -157,9 +157,6 @@ def llama_chat_round(key: str, path: str, device: torch.device, dtype: str, args
     for _ in range(args.runs):
         done = engine.generate(Request(long_prompt, sampling=greedy, max_tokens=1))
         prefill.append(done.timings.prefill_tok_s)
-    bare = []
-    for _ in range(args.runs):
-        bare.append(bare_loop(engine, prompt, args.new))
     sampled = None
     if args.sampled:  # temperature and top-p: a second graph, compiled here, outside the timings
         nucleus = SamplingParams(temperature=0.8, top_p=0.95)
@@ -169,8 +166,7 @@ def llama_chat_round(key: str, path: str, device: torch.device, dtype: str, args
         sampled = engine.generate(Request(prompt, sampling=nucleus, seed=1, max_tokens=args.new)).timings.decode_tok_s
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     row = dict(system="llama_chat", config=key, decode_tok_s=spread(decode), ttft_16_s=spread(ttft),
-               prefill_512_tok_s=spread(prefill), bare_loop_tok_s=spread(bare),
-               engine_over_bare=statistics.median(decode) / statistics.median(bare),
+               prefill_512_tok_s=spread(prefill),
                sampled_top_p_decode_tok_s=sampled, peak_gpu_gib=peak)
     emit(**row)
     row["tokens"] = tokens
@@ -182,30 +178,16 @@ def llama_chat_round(key: str, path: str, device: torch.device, dtype: str, args
     return row
 
 
-def bare_loop(engine, prompt, n: int) -> float:
-    """Decode tok/s of the engine's own decode step in a plain loop: no thread, no channel."""
-    from llama_chat.ml.sampling import SamplingParams
-
-    decode = engine.step.decode(list(prompt), 0, SamplingParams(temperature=0.0), 0)
-    decode.next_token()
-    sync(engine.step.device)
-    t = time.perf_counter()
-    for _ in range(n - 1):
-        decode.next_token()
-    return (n - 1) / (time.perf_counter() - t)
-
-
 def bf16_check(loaded, engine, prompt, device, logits: bool) -> dict:
     """The compiled step's greedy tokens against the eager step's, and one forward's logits."""
-    from llama_chat.inference.model_step import ModelStep, StepOptions
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+    from llama_chat.inference.types import Request
     from llama_chat.ml.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
-    eager = ModelStep(loaded.model, options=StepOptions(), max_seq_len=engine.max_seq_len)
-    d = eager.decode(list(prompt), 0, greedy, 0)
-    eager_ids = [d.next_token() for _ in range(64)]
-    d = engine.step.decode(list(prompt), 0, greedy, 0)
-    compiled_ids = [d.next_token() for _ in range(64)]
+    eager = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=1, compile=False))
+    eager_ids = list(eager.generate(Request(tuple(prompt), sampling=greedy, max_tokens=64)).token_ids)
+    compiled_ids = list(engine.generate(Request(tuple(prompt), sampling=greedy, max_tokens=64)).token_ids)
     same = next((i for i, (a, b) in enumerate(zip(eager_ids, compiled_ids)) if a != b), 64)
     emit(system="bf16_step_vs_eager", greedy_ids_equal_until=same, of=64)
     if not logits:
@@ -258,7 +240,7 @@ def second_run_warm_up(path: str, dtype: str, args, env: dict) -> None:
 def warm_up_only(path: str, args) -> None:
     from torch._dynamo.utils import counters
 
-    from llama_chat.inference.engine import Engine, EngineOptions
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
     from llama_chat.ml.sampling import SamplingParams
     from llama_chat.model.loader import load_model
 
@@ -266,7 +248,7 @@ def warm_up_only(path: str, args) -> None:
     t = time.perf_counter()
     loaded = load_model(path, device=device, dtype="bfloat16" if device.type == "cuda" else "float32",
                         max_seq_len=args.ctx)
-    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=args.compile))
+    engine = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=1, compile=args.compile))
     sync(device)
     load_s = time.perf_counter() - t
     t = time.perf_counter()
@@ -343,14 +325,14 @@ def fp32_parity(key: str, c: dict, work: str, device, args, prompt) -> None:
     if not os.path.exists(path):
         write_checkpoint(c, path, device, torch.float32)
     hf_ids = hf_round_fp32(path, device, prompt)
-    from llama_chat.inference.engine import Engine, EngineOptions
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
     from llama_chat.inference.types import Request
     from llama_chat.ml.sampling import SamplingParams
     from llama_chat.model.loader import load_model
 
     loaded = load_model(path, device=device, dtype="float32", max_seq_len=args.ctx)
     # The same static step in a CUDA graph, uncompiled: the bf16 rows compare compiled with eager.
-    engine = Engine.from_loaded(loaded, options=EngineOptions(compile=False))
+    engine = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=1, compile=False))
     ours = list(engine.generate(Request(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=48)).token_ids)
     same = next((i for i, (a, b) in enumerate(zip(hf_ids, ours)) if a != b), len(ours))
     emit(system="fp32_parity", config=key, identical=hf_ids == ours, first_difference=same, n=len(ours))
@@ -446,9 +428,9 @@ def main() -> None:
 
 def print_table(table, device_name: str) -> None:
     print(f"\n{device_name}, bfloat16, batch 1, greedy; decode tok/s median (min-max)\n")
-    print("| config | llama-chat | bare loop | HF eager | HF static | bound | llama-chat / HF static | "
+    print("| config | llama-chat | HF eager | HF static | bound | llama-chat / HF static | "
           "of bound | prefill 512 (ours / HF eager) | TTFT 16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for key, c, ours, hf, bound in table:
         d = ours["decode_tok_s"]
         eager = hf.get("hf_eager", {}).get("decode_tok_s", {}).get("median")
@@ -456,7 +438,7 @@ def print_table(table, device_name: str) -> None:
         hf_prefill = hf.get("hf_eager", {}).get("prefill_512_tok_s", {}).get("median")
         ratio = f"{d['median'] / static:.2f}x" if static else "-"
         print(f"| {c['name']} | {d['median']:.0f} ({d['min']:.0f}-{d['max']:.0f}) | "
-              f"{ours['bare_loop_tok_s']['median']:.0f} | {eager or 0:.0f} | {static or 0:.0f} | {bound:.0f} | "
+              f"{eager or 0:.0f} | {static or 0:.0f} | {bound:.0f} | "
               f"{ratio} | {d['median'] / bound:.0%} | {ours['prefill_512_tok_s']['median']:.0f} / "
               f"{hf_prefill or 0:.0f} | {ours['ttft_16_s']['median'] * 1e3:.1f} ms |")
 

@@ -2,9 +2,10 @@
 
 Both runs use the same model in the same process and generate the same greedy tokens:
 
-* bare: a decode step over a dense cache (``ModelStep.decode``) called in a plain loop on the
-  main thread: where our CPU operator reads the model, its one-call step with the greedy pick made
-  inside it; under ``--compile``, the compiled static step;
+* bare: where our CPU operator reads the model, its one-call step over consecutive pages with
+  the greedy pick made inside it, called in a plain loop on the main thread (the prompt fed as
+  rows of one call first); under ``--compile``, or where the operator does not read the model,
+  ``Scheduler.generate`` with nothing around it;
 * pipeline: what ``llama-chat -p`` runs, ``run_one_shot`` over a one-job batch of the scheduler
   (its pages, its step thread fed a few steps ahead, the job's bounded channel), the signal
   watcher, the StreamDecoder, and the plain renderer writing every token to a pipe read by a
@@ -39,7 +40,8 @@ import torch
 
 from llama_chat.cmd.one_shot import run_one_shot
 from llama_chat.cmd.render import PlainRenderer
-from llama_chat.inference.model_step import ModelStep, StepOptions
+from llama_chat.model import cpu_decode
+from llama_chat.model.paged_kv_cache import PagedKVCache
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
@@ -85,12 +87,27 @@ def build_model(args: ModelArgs, seed: int = 0) -> Transformer:
     return model.eval()
 
 
-def bare_step_loop(step: ModelStep, prompt: list[int], n: int) -> tuple[float, list[int]]:
-    """A dense cache's decode step (the compiled one under --compile) called in a plain loop."""
+def bare_step_loop(source: Scheduler, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    """The operator's one-call step over consecutive pages in a plain loop (its pick made
+    inside it), after one call of the prompt's rows; ``Scheduler.generate`` where it compiles or
+    the operator does not read the model."""
+    size = source.page_size
+    # A pool of its own: the scheduler's pages keep the prefixes its runs left.
+    cache = PagedKVCache.for_model(source.model.args, -(-(len(prompt) + n) // size) + 1, size)
+    with torch.inference_mode():
+        decoder = None if source.compiles else cpu_decode.operator_for(source.model, cache)
+    if decoder is None:
+        start = time.perf_counter()
+        done = source.generate(Request(tuple(prompt), sampling=SamplingParams(temperature=0.0), max_tokens=n))
+        return time.perf_counter() - start, list(done.token_ids)
+    pages = list(range(1, cache.num_pages))
+    width = -(-(len(prompt) + n) // size)
     start = time.perf_counter()
     with torch.inference_mode():
-        decode = step.decode(prompt, 0, SamplingParams(temperature=0.0), 0)
-        out = [decode.next_token() for _ in range(n)]
+        _, picks = decoder.with_picks(prompt, list(range(len(prompt))), [pages[:width]] * len(prompt))
+        out = [int(picks[-1])]
+        for position in range(len(prompt), len(prompt) + n - 1):
+            out.append(decoder.pick(out[-1], position, pages[:position // size + 1]))
     return time.perf_counter() - start, out
 
 
@@ -134,10 +151,7 @@ def main() -> None:
     source = Scheduler(model, SyntheticTokenizer(opts.vocab), SchedulerOptions(
         max_batch=1, page_size=8, cache_tokens=opts.context, compile=opts.compile, cache_type="f32"))
     source.warm_up(SamplingParams(temperature=0.0))
-    step = ModelStep(model, options=StepOptions(static=opts.compile, compile=opts.compile, row_products=opts.compile))
-    if opts.compile:
-        step.prepare_static(SamplingParams(temperature=0.0))
-    bare = partial(bare_step_loop, step)
+    bare = partial(bare_step_loop, source)
     prompt = [1] + [259 + (i * 7919) % (opts.vocab - 259) for i in range(opts.prompt_tokens - 1)]
     n = opts.tokens
     assert len(prompt) + n <= opts.context, "prompt plus tokens must fit the context"

@@ -2,8 +2,8 @@
 
 A random float32 model of stories15M's shape (dim 288, 6 layers, 6 heads, vocabulary 32,000,
 context 256) decodes ``--new`` tokens from a ``--prompt``-token random prompt through
-``Engine.generate`` (the step thread and channel the command uses; the eager step, which is the
-one the controls run on), once per setting per round. The settings run in a rotating order each
+``Scheduler.generate`` on a scheduler of one job (the step thread and channel the command uses;
+the controls run on the step that draws on the host), once per setting per round. The settings run in a rotating order each
 round, so a slow moment of a busy machine does not land on one of them only; the ratio to greedy
 is taken per round (both measured seconds apart) and its median reported, with the median tok/s.
 
@@ -43,7 +43,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from llama_chat.inference.engine import Engine, EngineOptions  # noqa: E402
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions  # noqa: E402
 from llama_chat.inference.types import Request  # noqa: E402
 from llama_chat.ml.controls import SamplingParams  # noqa: E402
 from llama_chat.ml.processors import TokenHistory, make_controls  # noqa: E402
@@ -89,7 +89,7 @@ def stories15m() -> Transformer:
     return model.eval()
 
 
-def decode_rates(engine: Engine, prompt: tuple[int, ...], new: int, rounds: int) -> dict[str, list[float]]:
+def decode_rates(engine: Scheduler, prompt: tuple[int, ...], new: int, rounds: int) -> dict[str, list[float]]:
     names = list(SETTINGS)
     rates: dict[str, list[float]] = {name: [] for name in names}
     for name in names:  # warm-up: first-call costs (allocations, the n-gram index) out of the timing
@@ -187,7 +187,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]  # others' work on a shared machine shows here
     torch.manual_seed(0)
     model = stories15m()
-    engine = Engine(model, BenchTokenizer(), options=EngineOptions(compile=False))
+    engine = Scheduler(model, BenchTokenizer(), SchedulerOptions(max_batch=1))
     prompt = tuple([1] + torch.randint(3, VOCAB, (args.prompt - 1,), generator=torch.Generator().manual_seed(2)).tolist())
     rates = {} if args.skip_runs else decode_rates(engine, prompt, args.new, args.rounds)
     base = rates.get("greedy", [])

@@ -40,7 +40,7 @@ def _child() -> None:
 
     t_torch = time.perf_counter()
     from llama_chat.cmd.prompt import prompt_ids
-    from llama_chat.inference.engine import Engine
+    from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
     from llama_chat.inference.types import Request
     from llama_chat.ml.sampling import SamplingParams
     from llama_chat.model.loader import default_model_dir, load_model
@@ -49,8 +49,8 @@ def _child() -> None:
     loaded = load_model(default_model_dir())
     t_load = time.perf_counter()
     ids = prompt_ids(PROMPT, system=None, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
-    engine = Engine.from_loaded(loaded)
-    done = engine.generate(Request(ids, sampling=SamplingParams(temperature=0.0), max_tokens=1))
+    source = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=1))
+    done = source.generate(Request(ids, sampling=SamplingParams(temperature=0.0), max_tokens=1))
     t_first = time.perf_counter()
     assert done.completion_tokens == 1
     print(json.dumps({

@@ -3,7 +3,7 @@
     python scripts/evaluate_default_model.py [--model DIR] [--json out.json]
 
 Prompts go through the command line's own path (``load_model``, the model's chat format via
-``cmd.prompt.prompt_ids``, ``Engine.stream``, whose responses carry the text), at
+``cmd.prompt.prompt_ids``, ``Scheduler.stream``, whose responses carry the text), at
 temperature 0.8 and top-p 0.95, one fixed seed per sample. Reported:
 
 (a) words: the share of generated words (runs of letters) that are words of the training corpus;
@@ -28,7 +28,7 @@ import anyio
 from default_model import corpus, vocabulary
 from default_model.tokenizer import is_emoji_char
 from llama_chat.cmd.prompt import prompt_ids
-from llama_chat.inference.engine import Engine
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.loader import default_model_dir, load_model
@@ -92,7 +92,7 @@ def whole_emoji(sample: Sample, known: set[str]) -> list[str]:
     return whole
 
 
-async def run(engine: Engine, loaded, sample: Sample, temperature: float) -> None:
+async def run(engine: Scheduler, loaded, sample: Sample, temperature: float) -> None:
     ids = prompt_ids(sample.prompt, system=None, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
     request = Request(ids, sampling=SamplingParams(temperature=temperature, top_p=0.95), seed=sample.seed,
                       max_tokens=MAX_TOKENS)
@@ -163,7 +163,7 @@ def main() -> None:
     vocab = {w for doc in corpus.documents(SEED, TRAIN_DOCS) for seg in doc for w in corpus.words(seg)}
     known = known_emoji()
     loaded = load_model(a.model or default_model_dir(), device="cpu")
-    engine = Engine.from_loaded(loaded)
+    engine = Scheduler.from_loaded(loaded, SchedulerOptions(max_batch=1))
     samples = build_samples(a.samples)
     t0 = time.perf_counter()
     for s in samples:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import anyio
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 

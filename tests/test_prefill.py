@@ -8,7 +8,7 @@ import anyio
 
 from builders import random_model, tiny_args
 from llama_chat.inference.batch_core import BatchCore
-from llama_chat.inference.prefill import CHUNK_STEP, PREFILL_BUDGET_S, PrefillSizer
+from llama_chat.inference.prefill import CHUNK_STEP, PrefillSizer
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
