@@ -58,6 +58,26 @@ def test_every_row_count_gives_each_row_the_bits_it_gives_alone(cpu_kernels_load
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "q8_0"])
+def test_every_row_count_from_1_to_600_on_a_narrow_weight(cpu_kernels_loaded, kind):
+    # Every count, not only the edges above, for the kinds of the prefill benchmark's files (the
+    # passes of 4, 2 and 1 rows and the blocks of 64 rows are the same code for every kind). One
+    # block (a super-block) of inputs keeps the calls cheap, and the rows alone are taken 11 at a
+    # time: below the tiles (12 rows) each row gives the bits it gives alone (the test above).
+    assert cpu_kernels_loaded, cpu_kernels.failure()
+    weight = random_weight(kind, 9, in_features_for(kind, 1), seed=41)  # a tile and a row of a second
+    x = torch.randn(MOST_ROWS, weight.in_features, generator=torch.Generator().manual_seed(41))
+    alone = torch.cat([product(x[r:r + 11], weight) for r in range(0, MOST_ROWS, 11)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a call this small spends most of its time waking a helper thread
+    try:
+        for rows in range(1, MOST_ROWS + 1):
+            assert torch.equal(product(x[:rows], weight), alone[:rows]), f"{kind}: {rows} rows differ from alone"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
 def test_a_weight_of_one_row_and_inputs_of_one_block_take_the_tiles_too(cpu_kernels_loaded):
     for kind in packed.PACKED_TYPES:
         weight = random_weight(kind, 1, in_features_for(kind, 1), seed=2)
