@@ -97,7 +97,9 @@ class LoneGraph:
         self.mode = SamplingMode.GREEDY
         model.rope_tables(device)  # built now, or the first trace would guard on its absence
         self._run = self._step
-        self._compiled = False  # guards are skipped only once there is a graph to run
+        # The sampling modes whose graphs are compiled: guards are skipped only for those, or a
+        # new mode's first step would run another mode's graph.
+        self._compiled: set[SamplingMode] = set()
         if compile:
             use_persistent_compile_cache()
             inductor = {}
@@ -207,7 +209,7 @@ class LoneGraph:
                     self._graphs.clear()
                 self._graphs[key] = graph
             graph.replay()
-        elif self.compile and SKIP_GUARDS and self._compiled:
+        elif self.compile and SKIP_GUARDS and self.mode in self._compiled:
             # Every guard but those that tell the graphs apart is skipped: the step is called with
             # the same objects every time, and checking them all cost a 2-core CPU half a
             # millisecond a step (a tenth of a stories15M-sized step).
@@ -215,7 +217,8 @@ class LoneGraph:
                 self._run(self.mode, window)
         else:
             self._run(self.mode, window)
-            self._compiled = self.compile
+            if self.compile:
+                self._compiled.add(self.mode)
         self.steps += 1
         self._queue_read()
         return True
@@ -264,7 +267,8 @@ class LoneGraph:
             t[:, :, position:position + runs].copy_(kept)
         self.token_buffer.copy_(token)
         self.position.copy_(at)
-        self._compiled = self.compile
+        if self.compile:
+            self._compiled.add(mode)
 
     def _capture(self, window: KVCache) -> torch.cuda.CUDAGraph:
         # Warm-up on a side stream, as CUDA graph capture requires: it compiles, picks kernels and

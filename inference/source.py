@@ -5,17 +5,22 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from llama_chat.inference.types import Request, SchedulerStats
 
 
+@runtime_checkable
 class Source(Protocol):
     """One request at a time (``stream``), or many (``async with source:`` then ``submit``)."""
 
     name: str
-    compiles: bool  # whether the first request waits for a compile
-    compile_failure: str | None  # why compiling failed, if it did
+
+    @property
+    def compiles(self) -> bool: ...  # whether the first request waits for a compile
+
+    @property
+    def compile_failure(self) -> str | None: ...  # why compiling failed, if it did
 
     @property
     def max_seq_len(self) -> int: ...

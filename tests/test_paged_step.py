@@ -58,8 +58,8 @@ def lone_graph(scheduler: Scheduler, backend) -> LoneGraph:
 
 def test_a_lone_job_takes_the_compiled_step_and_gives_the_eager_tokens(model, sp_tokenizer):
     """Inductor, as on a user's machine: a reply past a window boundary, then the next turn of the
-    same conversation on top of its pages (sampled, drawn in the graph), each token as the eager
-    steps pick it."""
+    same conversation on top of its pages, each token as the eager steps pick it. (One cold
+    compile: sampled draws in the graph are test_decode_step.py's, and a new mode's graph below.)"""
     scheduler = Scheduler(model, sp_tokenizer, SchedulerOptions(max_batch=1, page_size=8, compile=True))
     scheduler.warm_up()
     assert scheduler.compiles, scheduler.compile_failure
@@ -68,7 +68,7 @@ def test_a_lone_job_takes_the_compiled_step_and_gives_the_eager_tokens(model, sp
     # Another scheduler made for the same model meanwhile changes nothing the compiled graph reads.
     assert list(a.token_ids) == alone(model, sp_tokenizer, first)
     second_ids = list(first.prompt_ids) + list(a.token_ids) + prompt_of(6, 2, sp_tokenizer.vocab_size)[1:]
-    second = Request(second_ids, sampling=NUCLEUS, seed=3, max_tokens=30)
+    second = Request(second_ids, sampling=GREEDY, max_tokens=30)
     b, = one_at_a_time(scheduler, [second])
     assert b.cached_tokens > WINDOW_STEP  # the first turn's pages, found in the page table
     assert list(b.token_ids) == alone(model, sp_tokenizer, second)
@@ -95,6 +95,10 @@ def test_the_lone_step_compiles_once_across_windows_and_first_pages(model, sp_to
     assert not counters["recompiles"], dict(counters["recompiles"])
     assert lone.steps >= 3 * WINDOW_STEP - 1 + 39
     assert [list(c.token_ids) for c in done] == [alone(model, sp_tokenizer, r) for r in requests]
+    # A job of another sampling mode: its own graph, not the greedy one run without its guards.
+    monkeypatch.setattr(decode_step, "SKIP_GUARDS", True)
+    sampled = Request(prompt_of(12, 6, sp_tokenizer.vocab_size), sampling=NUCLEUS, seed=3, max_tokens=30)
+    assert list(one_at_a_time(scheduler, [sampled])[0].token_ids) == alone(model, sp_tokenizer, sampled)
 
 
 def test_a_lone_step_that_fails_to_compile_leaves_the_packed_step(model, sp_tokenizer):

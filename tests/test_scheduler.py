@@ -12,6 +12,7 @@ from llama_chat.inference import batch_step
 from llama_chat.inference.batch_step import Kind, StepBackends
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.decode_step import LoneGraph
+from llama_chat.inference.source import Source
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import GenerationState, PromptTooLong, Request, RequestError, stop_ids_of
 from llama_chat.ml.sampling import SamplingParams
@@ -640,6 +641,7 @@ def test_warm_up_makes_the_steps_backends_before_the_first_job(model, tokenizer,
     make = StepBackends.make.__func__
     monkeypatch.setattr(StepBackends, "make", classmethod(lambda cls, *a, **k: made.append(1) or make(cls, *a, **k)))
     scheduler = Scheduler(model, tokenizer, SchedulerOptions(max_batch=1))
+    assert isinstance(scheduler, Source)  # the face the commands use
     scheduler.warm_up()
     assert made == [1]
     request = Request([1, 5, 6, 7], sampling=GREEDY, max_tokens=3)
