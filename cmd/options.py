@@ -319,8 +319,7 @@ class Options:
         "--prompt-cache", metavar="DIR",
         help="Keep the KV pages of prompts on disk in DIR, and read them back in later runs and servers "
              f"instead of computing them again (a long system prompt's first token); {PROMPT_CACHE_DEFAULT_DIR}: "
-             "$XDG_CACHE_HOME/llama-chat/prompt-cache (by default under ~/.cache). Default: off; not for one "
-             "stream on a GPU, whose cache is its own.")] = None
+             "$XDG_CACHE_HOME/llama-chat/prompt-cache (by default under ~/.cache). Default: off.")] = None
     prompt_cache_size: Annotated[int, ranged(
         "prompt_cache_size", "--prompt-cache-size", metavar="MIB",
         help="--prompt-cache: most MiB its blocks take, {range}; the least recently used go first.")] = \
