@@ -49,11 +49,17 @@ def make_source(loaded: LoadedModel | RemoteModel, settings: SourceSettings) -> 
     """The source of a command's requests: a remote model's server, or a scheduler of one job
     (``ONE_STREAM``) or of up to ``--max-batch`` (``BATCH_JOBS``, ``SERVER_JOBS``), made from what is
     decided below. ``ModelLoadError`` (one line, exit status 2) for a cache type this device or
-    model cannot keep and for a draft model that cannot be used; ``UsageProblem`` for a prompt
-    cache folder that cannot be written."""
+    model cannot keep, for a draft model that cannot be used and for a model that makes vectors,
+    not text; ``UsageProblem`` for a prompt cache folder that cannot be written."""
     one = settings.jobs == ONE_STREAM
     if isinstance(loaded, RemoteModel):  # the server batches, max_batch requests at a time
         return RemoteSource(loaded) if one else RemoteSource(loaded, max_batch=settings.max_batch)
+    if loaded.kind != "chat":
+        from llama_chat.model.errors import ModelLoadError
+
+        what, command = ("a reranker", "rerank") if loaded.kind == "rerank" else ("an embedding model", "embed")
+        raise ModelLoadError(f"{loaded.path} is {what}, which writes no text: use `llama-chat {command}` or "
+                             "`llama-chat serve`")
     from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 
     jobs = 1 if one else settings.max_batch

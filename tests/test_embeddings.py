@@ -580,8 +580,14 @@ def test_embed_and_rerank_refuse_bad_input_in_one_line(st_folder, cross_encoder,
     err = proc.stderr.decode()
     assert proc.returncode == 2 and proc.stdout == b"" and err.count("\n") == 1 and "Traceback" not in err, err
     assert "is a chat model: it generates text; give -m an embedding model" in err
-    # The rest in this process, run as the process runs them: each its own line and status.
     st, ce = str(st_folder[0]), str(cross_encoder[0])
+    # And the other way round: the commands that generate, given a model that writes no text.
+    for args, said in ((("-m", st, "-p", "hi", "-n", "2", "--no-stdin"), "is an embedding model, which writes no text"),
+                       (("-m", ce, "--batch", "-"), "is a reranker, which writes no text: use `llama-chat rerank`")):
+        proc = run_cli(*args, stdin=b"hi\n")
+        err = proc.stderr.decode()
+        assert proc.returncode == 2 and proc.stdout == b"" and err.count("\n") == 1 and said in err, (args, err)
+    # The rest in this process, run as the process runs them: each its own line and status.
     for args, stdin, message in (
             (("embed", "-m", ce, "hi"), "", "is a reranker"),
             (("rerank", "-m", st, "--query", "q"), "a\n", "is an embedding model"),
