@@ -432,6 +432,7 @@ class StepBackends:
     step_tokens: int  # most tokens a step's plan may feed
     lone_greedy: Backend | None = None  # the operator's pick, when the operator reads the model here
     rows: Backend | None = None
+    buckets: BucketedDecodes | None = None  # with static shapes and ``CoreSettings.bucket_graphs``
 
     @classmethod
     def make(cls, model: Transformer, cache: PagedKVCache, settings: CoreSettings, *, device: torch.device,
@@ -441,14 +442,15 @@ class StepBackends:
         graphed = None if lone is None else GraphedLone(lone, packed)
         decoder = None if device.type != "cpu" or settings.static_shapes else cpu_decode.operator_for(model, cache)
         if decoder is None:
-            many: Backend = packed
+            buckets = None
             if settings.static_shapes and settings.bucket_graphs is not None:
                 backend, mode = settings.bucket_graphs
-                many = BucketedDecodes(BucketSteps(model, cache, max_seq_len=settings.max_seq_len,
-                                                   sample_ids=sample_ids, backend=backend, mode=mode), packed)
+                buckets = BucketedDecodes(BucketSteps(model, cache, max_seq_len=settings.max_seq_len,
+                                                      sample_ids=sample_ids, backend=backend, mode=mode), packed)
+            many: Backend = buckets or packed
             table = {Kind.DRAFTS: packed, Kind.RUNS: packed, Kind.DECODES: many, Kind.ROWS: many,
                      Kind.LONE_GREEDY: graphed or many, Kind.LONE_SAMPLED: graphed or many, Kind.LONE_OTHER: many}
-            return cls(tuple(table[k] for k in Kind), False, settings.step_tokens)
+            return cls(tuple(table[k] for k in Kind), False, settings.step_tokens, buckets=buckets)
         as_rows = prompts_as_rows(settings, decoder)
         step_tokens = settings.step_tokens
         if as_rows:

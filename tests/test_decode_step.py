@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from builders import tiny_args
-from llama_chat.inference.decode_step import LoneGraph
-from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+from builders import IdsTokenizer, single_stream, tiny_args
+from llama_chat.inference.scheduler import Scheduler
 from llama_chat.inference.types import GenerationState, Request
 from llama_chat.ml import ops
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, draw_uniforms, sample, sample_in_graph
@@ -29,28 +28,9 @@ def model() -> Transformer:
     return m.eval()
 
 
-class _NoTokenizer:
-    """Token ids only: no stop tokens, every token one byte; ``vocab_size`` ids have text."""
-
-    stop_ids: frozenset[int] = frozenset()
-    eos_id = None
-    special_tokens: dict[str, int] = {}
-
-    def __init__(self, vocab_size: int | None = None) -> None:
-        self.vocab_size = vocab_size
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return b"x"
-
-
 def single(model, *, static: bool, vocab_size: int | None = None) -> Scheduler:
     """One job at a time; ``static``: its decode steps through the static step, not compiled."""
-    scheduler = Scheduler(model, _NoTokenizer(vocab_size), SchedulerOptions(max_batch=1, page_size=8))
-    if static:
-        core = scheduler.core
-        core.lone_step = LoneGraph(model, core.cache, max_seq_len=core.settings.max_seq_len,
-                                   sample_ids=core.sample_ids, compile=False, cuda_graph=False)
-    return scheduler
+    return single_stream(model, IdsTokenizer(vocab_size), static=static, backend=None, page_size=8)
 
 
 def decode_tokens(scheduler: Scheduler, prompt: list[int], n: int | None, params: SamplingParams,

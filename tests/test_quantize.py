@@ -5,31 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from builders import random_model, tiny_args, weights_only_int8
+from builders import IdsTokenizer, greedy_ids, random_model, single_stream, tiny_args, weights_only_int8
 from cli_support import run_cli
-from llama_chat.inference.decode_step import LoneGraph
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
-from llama_chat.inference.types import Request
 from llama_chat.ml import quantize
 from llama_chat.ml.quantize import Int8Linear, int8_linear, quantize_int8, quantize_model
 from llama_chat.ml.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-class _Ids:
-    """Token ids only: no stop tokens, every token one byte."""
-
-    stop_ids: frozenset[int] = frozenset()
-    eos_id = None
-    special_tokens: dict[str, int] = {}
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return b"x"
-
-
-def greedy_ids(scheduler: Scheduler, prompt: list[int], n: int) -> list[int]:
-    return list(scheduler.generate(Request(tuple(prompt), sampling=GREEDY, max_tokens=n)).token_ids)
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -107,7 +90,7 @@ def test_quantized_model_decodes_the_float_tokens():
     # this random model's large activations; the shipped model's perplexity moves by 0.3 % with it.
     assert _relative(got_logits, want_logits) < 0.15
     single = SchedulerOptions(max_batch=1, page_size=1)
-    float_source, int8_source = Scheduler(model, _Ids(), single), Scheduler(int8, _Ids(), single)
+    float_source, int8_source = Scheduler(model, IdsTokenizer(), single), Scheduler(int8, IdsTokenizer(), single)
     assert int8_source.core.lone_step is None  # int8 on the CPU decodes uncompiled (fbgemm cannot be traced)
     ids = prompt[0].tolist()
     want_ids = greedy_ids(float_source, ids, 20)
@@ -139,11 +122,8 @@ def test_a_compiled_int8_step_keeps_fbgemms_product_and_decodes_the_eager_tokens
     model = random_model(tiny_args(300, max_seq_len=96), seed=5)
     model.fuse_projections()
     quantize_model(model)
-    eager = Scheduler(model, _Ids(), SchedulerOptions(max_batch=1))
-    compiled = Scheduler(model, _Ids(), SchedulerOptions(max_batch=1))
+    eager, compiled = single_stream(model), single_stream(model, static=True)
     core = compiled.core
-    core.lone_step = LoneGraph(model, core.cache, max_seq_len=core.settings.max_seq_len, sample_ids=None,
-                               compile=True, cuda_graph=False, backend="aot_eager", row_products=True)
     prompt = [5, 17, 42, 7]
     assert greedy_ids(compiled, prompt, 30) == greedy_ids(eager, prompt, 30)
     assert core.lone_step.failure is None and core.lone_step.steps >= 29
