@@ -15,10 +15,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from builders import cached_greedy, separate_greedy_choices, train_sentencepiece  # noqa: E402
-from llama_chat.inference.scheduler import Scheduler, SchedulerOptions  # noqa: E402
+from builders import cached_greedy, decode_one, separate_greedy_choices, train_sentencepiece  # noqa: E402
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions, build_core  # noqa: E402
 from llama_chat.inference.types import Request  # noqa: E402
 from llama_chat.ml.sampling import SamplingParams  # noqa: E402
+from llama_chat.model.kv_cache import KVCache  # noqa: E402
 from llama_chat.model.loader import DEFAULT_MAX_SEQ_LEN, load_model  # noqa: E402
 
 PROMPT_LEN = 64
@@ -134,14 +135,15 @@ def test_bf16_and_int8_follow_transformers_tokens(tmp_path, tokenizer_model, dty
     tiny models have large random weights, where a small change of the logits flips close
     choices). Broken weights or kernels would agree about once."""
     model, prompt, want = _loaded_gqa(tmp_path, tokenizer_model, dtype)
-    # One token a job, each on the pages the one before left (pages of one token): the prompt's
-    # prefill, then each of transformers' tokens fed alone.
-    scheduler = Scheduler(model, _Ids(), SchedulerOptions(max_batch=1, page_size=1, quantize=quantize))
-    agree = 0
-    for i in range(NEW_TOKENS):
-        done = scheduler.generate(Request(tuple(prompt + want[:i]), sampling=GREEDY, max_tokens=1))
-        assert done.cached_tokens == (0 if i == 0 else PROMPT_LEN + i - 1)
-        agree += int(done.token_ids[0] == want[i])
+    # Prepared as a scheduler prepares it (quantized, products packed, projections fused), then fed
+    # transformers' tokens one at a time over a dense cache (the one-call step where it reads it).
+    build_core(model, _Ids(), SchedulerOptions(max_batch=1, quantize=quantize))
+    cache = KVCache.for_model(model.args, 1, max_seq_len=PROMPT_LEN + NEW_TOKENS)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]), torch.arange(PROMPT_LEN).unsqueeze(0), cache, last_only=True)
+        agree = int(int(logits[0, -1].argmax()) == want[0])
+        for i, token in enumerate(want[:-1]):
+            agree += int(int(decode_one(model, token, PROMPT_LEN + i, cache)[0, -1].argmax()) == want[i + 1])
     print(f"{dtype} {quantize}: {agree} of {NEW_TOKENS} next tokens agree")
     assert agree >= least
 
