@@ -9,7 +9,14 @@ Exit statuses are listed in ``exit_status.py``; usage errors are one line on std
 
 from __future__ import annotations
 
-from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds
+import signal
+
+# A Ctrl+C is recorded from this module's first line on, while ``startup`` itself is imported
+# (on a busy machine that takes long enough to be hit), and acted on as ``deferred_signals`` acts.
+_early: list[int] = []
+_before = signal.signal(signal.SIGINT, lambda signum, frame: _early.append(signum))
+
+from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds, exit_cancelled  # noqa: E402
 
 # First of all, before any module opens a file that could take over fd 1 or 2 (`llama-chat >&-`).
 ensure_std_fds()
@@ -24,6 +31,9 @@ with deferred_signals(exit_now=True):
     from llama_chat.cmd.sanitize import one_line
     from llama_chat.cmd.signals import install_sync_handlers
     from llama_chat.inference.thread_signals import block_in_new_threads
+signal.signal(signal.SIGINT, _before)
+if _early:
+    exit_cancelled(_early[0])
 
 # typer carries its own copy of click; its exceptions all derive from this one.
 ClickException = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")

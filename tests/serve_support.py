@@ -26,6 +26,7 @@ class Server:
     url: str
     lines: list[str]  # its stderr so far
     health: list[int] = field(default_factory=list)  # the /health statuses seen while it started
+    reader: threading.Thread | None = None  # the thread that reads its stderr into ``lines``
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=WAIT_S)
@@ -42,6 +43,10 @@ class Server:
         return values
 
     def log(self) -> str:
+        """Its stderr so far; all of it once it has ended (its last lines may still be in the pipe
+        when its exit status is read)."""
+        if self.reader is not None and self.proc.poll() is not None:
+            self.reader.join(WAIT_S)
         return "\n".join(self.lines)
 
 
@@ -65,14 +70,15 @@ def start_server(model_dir: Path, *args: str, **env: str) -> Server:
         for raw in proc.stderr:
             lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
 
     def address() -> str | None:
         assert proc.poll() is None, "\n".join(lines)
         found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", "\n".join(lines))
         return found and found.group(1)
 
-    server = Server(proc, wait_for(address, "the server to listen", START_S), lines)
+    server = Server(proc, wait_for(address, "the server to listen", START_S), lines, reader=reader)
 
     def healthy() -> bool:
         assert proc.poll() is None, server.log()
