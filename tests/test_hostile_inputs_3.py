@@ -247,7 +247,7 @@ def test_huge_enums_at_once_keep_the_server_within_its_memory_and_answering(serv
     for t in threads:
         t.join(WAIT_S)
     statuses = sorted(a.status_code for a in answers)
-    assert statuses.count(400) == 24 and len(statuses) == 28, statuses
+    assert statuses.count(400) == 24 and len(statuses) == 28, [(a.status_code, a.text[:300]) for a in answers]
     assert all(s in (200, 429) for s in statuses[:4]), [a.text for a in answers]
     assert set(health) == {200}
     assert peak_rss(server) < MEMORY_RULE
