@@ -15,8 +15,8 @@ when it cannot even at the longest length allowed (with a positive length penalt
 
 ``BeamSearch`` is blocking: ``prefill`` a chunk at a time, then ``step`` until it returns False,
 each call one forward. ``beam_run`` drives it in a step worker thread of its own, so a cancel
-lands between two calls; it needs only a ``BeamModel`` (what the scheduler or the engine serving
-the request knows of its model), and its cache is its own, one row per beam: the caller's pages
+lands between two calls; it needs only a ``BeamModel`` (what the scheduler serving the request
+knows of its model), and its cache is its own, one row per beam: the caller's pages
 or cache and what it records as cached are left as they were. ``result`` gives the best
 ``num_return`` hypotheses.
 """
@@ -256,7 +256,7 @@ class BeamSearch:
 
 @dataclass(frozen=True)
 class BeamModel:
-    """What a beam search needs of the scheduler or engine whose model it runs."""
+    """What a beam search needs of the scheduler whose model it runs."""
 
     model: Transformer
     max_seq_len: int

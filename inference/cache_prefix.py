@@ -1,8 +1,7 @@
 """What a cache holds, matched against the next prompt: for a chat's turns, one after another.
 
-The one-prompt engine (its dense KV cache) and the scheduler (its page table) both remember which
-tokens they last wrote; a chat's next prompt is first aligned to them here, so that the model's
-own tokens are reused where they spell the same text.
+The scheduler's page table remembers which tokens it last wrote; a chat's next prompt is first
+aligned to them here, so that the model's own tokens are reused where they spell the same text.
 """
 
 from __future__ import annotations

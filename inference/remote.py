@@ -1,5 +1,5 @@
 """A generation source on another machine: an OpenAI-compatible server (``-m openai:URL``) behind
-the same stream of responses as the engine and the scheduler, so the one-shot command, the chat
+the same stream of responses as the scheduler's, so the one-shot command, the chat
 and ``--batch`` run against it unchanged.
 
 ::
@@ -385,8 +385,8 @@ class RemoteOptions:
 
 
 class RemoteSource:
-    """A remote model as a generation source: ``stream`` (one request, as the engine) or
-    ``async with`` + ``submit`` (many, as the scheduler, at most ``max_batch`` at once)."""
+    """A remote model as a generation source (``inference/source.Source``): ``stream`` (one
+    request) or ``async with`` + ``submit`` (many, at most ``max_batch`` at once)."""
 
     def __init__(self, model: RemoteModel, *, max_batch: int = DEFAULT_MAX_BATCH) -> None:
         self.model = model

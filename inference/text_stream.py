@@ -1,9 +1,9 @@
-"""Token events made into text responses: what the one-request engine and the scheduler share.
+"""Token events made into text responses.
 
-``engine.EngineStream`` (one request on the engine's step thread) and ``jobs.JobStream`` (one job of
-the scheduler) both read ``TokenEvent`` items from a channel and turn each into a ``Response``
-carrying the text its token commits and what is held back. This is that part, once; each keeps
-what differs: how it counts what was taken, what ends it, how it stops its producer.
+``jobs.JobStream`` (one job of the scheduler) reads ``TokenEvent`` items from a channel and turns
+each into a ``Response`` carrying the text its token commits and what is held back. This is that
+part; the job's stream keeps what is its own: how it counts what was taken, what ends it, how it
+stops its producer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What crosses the boundaries of the engine, in one place: requests in, token events and text
+"""What crosses the boundaries of the generation core, in one place: requests in, token events and text
 responses out, what a finished generation amounts to, why it ended, and the errors in what was asked.
 
 Everything here is a frozen dataclass of Python scalars, tuples, ``bytes`` and ``str``, so an item
@@ -406,10 +406,6 @@ def check_constraint(request: Request, constraints) -> None:
             constraints.compile(request.constraint)
         except ControlError as e:
             raise RequestError(str(e)) from None
-
-
-class EngineBusy(RuntimeError):
-    """A second request reached an engine that serves one at a time."""
 
 
 def sole_exception(group: BaseExceptionGroup) -> BaseException:

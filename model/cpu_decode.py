@@ -12,8 +12,8 @@ parts of a head, Gemma's scaled embedding, GeGLU, output norms, windows, scores'
 caps, and each layer's rotary table (``step_switches``). A model with a switch it lacks
 (``operator_gaps``) keeps the layers.
 
-* the engine's ``ModelStep`` asks ``operator_for`` for a ``Decoder`` of one token of one row over
-  a dense ``KVCache`` where ``takes`` says it reads the model: on the CPU, without gradients, with
+* ``decoder`` gives a ``Decoder`` of one token of one row over a dense ``KVCache`` (the tests'
+  reference for the paged step) where ``takes`` says it reads the model: on the CPU, without gradients, with
   fused projections whose weights the operator reads (float32, bfloat16, float16, int8 with
   per-row scales, or GGUF's packed blocks: ``ml/packed.py``; a GGUF file's 16-bit weights are
   ``ml/half.py``'s layers), the operator loaded. The model's own ``forward`` never calls it;
@@ -47,7 +47,7 @@ from llama_chat.model.paged_kv_cache import PagedKVCache
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The cache types the operator reads (model/kv_types.py): floats, and q8_0 and q4_0 blocks as bytes.
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
-# The models whose engines' caches (in their first parameter's dtype) it reads: a float16 model's
+# The models whose caches (in their first parameter's dtype) it reads: a float16 model's
 # norms are not the float32 the step takes.
 MODEL_DTYPES = (torch.float32, torch.bfloat16)
 # What of a family's layer the operator computes beyond a Llama's (``ModelArgs.llama_layout``'s

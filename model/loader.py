@@ -74,7 +74,7 @@ class LoadedModel:
         return "rerank" if self.ranking is not None else "chat" if self.pooling is None else "embedding"
 
     def weights(self) -> WeightsSummary:
-        """The weights' format and bytes as they are now (after any fusing an engine did)."""
+        """The weights' format and bytes as they are now (after any fusing the scheduler did)."""
         return weights_summary(self)
 
 
@@ -93,7 +93,7 @@ class WeightsSummary:
 
 
 def weights_summary(loaded: LoadedModel) -> WeightsSummary:
-    """``loaded``'s weights as they are now (after any fusing or quantizing an engine did)."""
+    """``loaded``'s weights as they are now (after any fusing or quantizing the scheduler did)."""
     from llama_chat.ml.packed import PACKED_TYPES, PackedConcat
     from llama_chat.ml.quantize import Int8Linear
 

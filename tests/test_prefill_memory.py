@@ -21,7 +21,6 @@ gguf = pytest.importorskip("gguf")
 from builders import IdsTokenizer, decode_one, random_model, tiny_args, train_sentencepiece  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, write_gguf  # noqa: E402
 from llama_chat.inference.scheduler import SchedulerOptions, build_core  # noqa: E402
-from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
 from llama_chat.model.formats.common import in_file_mapping  # noqa: E402
 from llama_chat.model.kv_cache import KVCache  # noqa: E402
 from llama_chat.model.loader import load_model  # noqa: E402
