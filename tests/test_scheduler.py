@@ -3,11 +3,13 @@ frees its pages, slow consumers hold back only their own job, and a chat turn re
 
 from __future__ import annotations
 
+import threading
+
 import anyio
 import pytest
 import torch
 
-from builders import endless_model
+from builders import endless_model, single_stream
 from llama_chat.inference import batch_step
 from llama_chat.inference.batch_step import Kind, StepBackends
 from llama_chat.inference.jobs import Job
@@ -21,6 +23,7 @@ from llama_chat.model.chat_format import Llama2ChatFormat, Message
 from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
 GREEDY = SamplingParams(temperature=0.0)
+WAIT_S = 120.0  # for a step held by a test to be released, on however busy a machine
 EOS = 2
 ALONE = SchedulerOptions(max_batch=1)  # one job at a time: the reference a batch's jobs are held to
 
@@ -665,3 +668,71 @@ def test_every_declared_end_marker_stops():
                           "<|eot_id|>": 128009, "<|start_header_id|>": 128006}
 
     assert stop_ids_of(Llama3Like()) == {128001, 128008, 128009}
+
+
+def held_steps(scheduler: Scheduler, hold_at: int) -> tuple[list[int], threading.Event, threading.Event]:
+    """The scheduler's step calls counted, the ``hold_at``-th held while it runs until released:
+    (the count, one item a call; set while held; the release)."""
+    calls, holding, release = [], threading.Event(), threading.Event()
+    step = scheduler.core.step
+
+    def held(*args, **kwargs):
+        calls.append(len(calls) + 1)
+        if len(calls) == hold_at:
+            holding.set()
+            assert release.wait(WAIT_S), "never released"
+        return step(*args, **kwargs)
+
+    scheduler.core.step = held
+    return calls, holding, release
+
+
+def cancelled_while_held(scheduler: Scheduler, request: Request, calls: list[int], holding: threading.Event,
+                         release: threading.Event) -> dict[str, int]:
+    """``request`` streamed, cancelled while a step is held, then the step released: the calls
+    made when the cancel landed, when the stream's scope had ended, and a while later."""
+    seen: dict[str, int] = {}
+
+    async def main():
+        scope = anyio.CancelScope()
+
+        async def consume():
+            with scope:
+                async with scheduler.stream(request) as stream:
+                    async for _ in stream:
+                        pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            with anyio.fail_after(WAIT_S):
+                while not holding.is_set():
+                    await anyio.sleep(0.001)
+            seen["at_cancel"] = len(calls)
+            scope.cancel()
+            for _ in range(3):  # the cancelled tasks handle it
+                await anyio.sleep(0)
+            release.set()
+        seen["after"] = len(calls)
+        await anyio.sleep(0.2)
+        seen["later"] = len(calls)
+
+    anyio.run(main)
+    return seen
+
+
+def test_a_cancel_stops_a_stream_within_one_step(model, tokenizer):
+    scheduler = single_stream(model, tokenizer)
+    calls, holding, release = held_steps(scheduler, hold_at=4)
+    seen = cancelled_while_held(scheduler, Request(tokenizer.encode("Once upon a time", bos=True), sampling=GREEDY,
+                                                   max_tokens=100), calls, holding, release)
+    # The step running when the cancel landed finished; the steps queued behind it never started.
+    assert seen == {"at_cancel": 4, "after": 4, "later": 4}, seen
+
+
+def test_a_cancel_during_a_long_prompt_waits_for_one_chunk(model, tokenizer):
+    scheduler = single_stream(model, tokenizer, prefill_chunk=4)
+    calls, holding, release = held_steps(scheduler, hold_at=2)
+    seen = cancelled_while_held(scheduler, Request((1,) + (100,) * 99, sampling=GREEDY, max_tokens=5), calls,
+                                holding, release)
+    # The chunk running finished; none of the 23 chunks after it started.
+    assert seen == {"at_cancel": 2, "after": 2, "later": 2}, seen
