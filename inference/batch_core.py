@@ -14,6 +14,9 @@ submits jobs, flags cancels and counts what consumers took (``jobs.Job``). A ste
    end of what it holds;
 5. records what was fed and drawn: counters, full pages registered under their prefix key, a
    ``TokenEvent`` per drawn token, and the jobs that finished, whose pages are released.
+
+A job decoding alone, with nothing else to do, skips 1 to 4: its lone backend gives its token
+straight away, and only 5 remains (``BatchCore.step``).
 """
 
 from __future__ import annotations
@@ -147,11 +150,50 @@ class BatchCore:
         return self._backends
 
     def step(self) -> StepResult:
+        """One call of the step thread: the steps of a job decoding alone, straight from its lone
+        backend's token to its event (``_lone_job``); else one step of the plan, and those after
+        it while a job decodes alone on the operator (``_step``).
+
+        The short path skips what a batch needs and a lone job does not: admission, the plan and
+        its lists, the backend's choice, the counters' loop over rows. Its pages were reserved at
+        admission; a full page still gets its prefix key (``_fed``). It gives way the moment
+        anything else asks for a step (``_alone_again``): the next call takes the plan.
+        """
         # The scheduler's step thread is in inference mode already (its StepWorker's scope).
-        if torch.is_inference_mode_enabled():
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.step()
+        job = self._lone_job()
+        if job is None:
             return self._step()
-        with torch.inference_mode():
-            return self._step()
+        token = self._backends.lone[job.draw].token
+        self.cache.drop_mirrors()  # rows fed past the packed forward's mirror
+        events: list[tuple[Job, TokenEvent]] = []
+        until = time.perf_counter() + LONE_STEPS_S
+        while True:
+            drawn = token(job)
+            self._fed(job)
+            self.counters.steps += 1
+            made, done = self._record(((job, drawn),))
+            events += made
+            if done:
+                self._release(job)
+                return StepResult(tuple(events), (job,))
+            if not self._alone_again(until):
+                return StepResult(tuple(events))
+
+    def _lone_job(self) -> Job | None:
+        """The one job, when it decodes alone with nothing else to do and its step needs no plan:
+        nothing incoming, waiting or cancelled, no drafts, room in its channel, and a lone backend
+        for how it draws (``StepBackends.lone``) that can read its pages as they are."""
+        if len(self.active) != 1 or self.incoming or self.waiting or self.speculation is not None:
+            return None
+        job = self.active[0]
+        lone = None if self._backends is None else self._backends.lone.get(job.draw)
+        if (lone is None or job.cancelled or len(job.tokens) - job.fed != 1
+                or job.produced - job.received >= self.settings.buffer_size):
+            return None
+        return None if lone.wants_consecutive and not consecutive(job.pages) else job
 
     def _step(self) -> StepResult:
         released = [job for job in self.active if job.cancelled]
@@ -189,17 +231,17 @@ class BatchCore:
             for job in done:
                 self._release(job)
             finished += done
-            if not self._alone_again(plan, backend is backends.lone_greedy or backend is backends.rows, until):
+            if plan.runs or backend not in backends.operator or not self._alone_again(until):
                 return StepResult(tuple(events), tuple(released + finished))
 
-    def _alone_again(self, plan: StepPlan, operator: bool, until: float) -> bool:
-        """Whether this call goes on to the next step of a job decoding alone on the CPU
-        operator (greedy, sampled or drafting), for up to ``LONE_STEPS_S``, while nothing else asks
-        for a step: a job arriving, a cancel, a full channel. The Python between two of a small
-        model's steps, and the hand-off of each to the step thread and of its result to the event
-        loop, were a visible share of its token (docs/batching.md, "A job alone"); a reader cannot
-        see 10 ms, and a step longer than that is one a call as before."""
-        if not operator or plan.runs or len(self.active) != 1 or self.incoming or self.waiting:
+    def _alone_again(self, until: float) -> bool:
+        """Whether this call goes on to the next step of a job decoding alone, for up to
+        ``LONE_STEPS_S``, while nothing else asks for a step: a job arriving, a cancel, a full
+        channel. The Python between two of a small model's steps, and the hand-off of each to the
+        step thread and of its result to the event loop, were a visible share of its token
+        (docs/batching.md, "A job alone"); a reader cannot see 10 ms, and a step longer than that
+        is one a call as before."""
+        if len(self.active) != 1 or self.incoming or self.waiting:
             return False
         job = self.active[0]
         return (not job.cancelled and job.produced - job.received < self.settings.buffer_size
@@ -392,17 +434,21 @@ class BatchCore:
 
     def _advance(self, plan: StepPlan) -> None:
         """What the plan fed is now in the pages: count it, and give full pages their prefix keys."""
-        size, c = self.settings.page_size, self.counters
+        c = self.counters
         c.steps += 1
         c.mixed_steps += bool(plan.rows and plan.runs)
         for job in plan.rows:
             c.prefill_tokens += job.fed < job.prompt_len  # a prompt's last token, or one cut by the budget
-            job.fed += 1
-            if job.fed // size > len(job.keys):
-                self._register(job)
+            self._fed(job)
         for job, n in plan.runs:
             c.prefill_tokens += max(0, min(job.fed + n, job.prompt_len) - job.fed)
             job.fed += n
+            self._register(job)
+
+    def _fed(self, job: Job) -> None:
+        """One more token of ``job`` is in its pages: a page it filled gets its prefix key."""
+        job.fed += 1
+        if job.fed // self.settings.page_size > len(job.keys):
             self._register(job)
 
     def _record(self, sampled) -> tuple[list[tuple[Job, TokenEvent]], list[Job]]:

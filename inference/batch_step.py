@@ -12,6 +12,7 @@ holds. The backends:
 - ``OperatorDecodes``: the same call for the batch's common step, every row decoding, laid out
   without the lists the other plans need;
 - ``LoneGreedy``: one row decoding greedily, its token picked inside the operator;
+- ``LoneSampled``: one row decoding with temperature and top-p alone, through the operator;
 - ``GraphedLone``: one row on consecutive pages through the static step of ``decode_step.py``
   (compiled, and on CUDA a CUDA graph, the next step queued before the token is read); the
   packed forward where its window does not fit;
@@ -19,7 +20,8 @@ holds. The backends:
   (``bucket_step.py``), with static shapes.
 
 ``StepBackends.make`` builds them once and fixes which one takes each kind of step (``Kind``): a
-step looks its kind up, and nothing is chosen again.
+step looks its kind up, and nothing is chosen again. The three lone ones (``LoneStep``) also give
+a job's next token with no plan at all (``token``), for a job decoding alone (``BatchCore.step``).
 Nothing here decides who runs or which pages they hold, nor counts what ran: the core does.
 """
 
@@ -91,6 +93,14 @@ class Backend(Protocol):
     wants_consecutive: bool
 
     def run(self, plan: StepPlan) -> Drawn: ...
+
+
+class LoneStep(Backend, Protocol):
+    """A backend of one row decoding, which also takes the row's job with no plan around it."""
+
+    def token(self, job: Job) -> int:
+        """The token after ``job``'s last, fed at ``job.fed`` (the mirrors dropped already)."""
+        ...
 
 
 def consecutive(pages: list[int]) -> bool:
@@ -332,10 +342,35 @@ class LoneGreedy:
 
     def run(self, plan: StepPlan) -> Drawn:
         self.cache.drop_mirrors()  # a row fed past the packed forward's mirror
-        job = plan.rows[0]
+        return plan.rows, [self.token(plan.rows[0])]
+
+    def token(self, job: Job) -> int:
         position = job.fed
-        return plan.rows, [self.pick(job.tokens[position], position, job.pages[:position // self.page_size + 1],
-                                     self.sample_ids)]
+        return self.pick(job.tokens[position], position, job.pages[:position // self.page_size + 1], self.sample_ids)
+
+
+class LoneSampled:
+    """One row decoding with temperature and top-p alone: the operator's logits, drawn from as
+    ``OperatorRows`` draws a row, with the job's uniform of this position."""
+
+    wants_consecutive = False
+
+    def __init__(self, decoder: cpu_decode.PagedDecoder, cache: PagedKVCache, settings: CoreSettings,
+                 sample_ids: int | None) -> None:
+        self.with_picks = decoder.with_picks
+        self.cache = cache
+        self.page_size = settings.page_size
+        self.sample_ids = sample_ids
+
+    def run(self, plan: StepPlan) -> Drawn:
+        self.cache.drop_mirrors()  # a row fed past the packed forward's mirror
+        return plan.rows, [self.token(plan.rows[0])]
+
+    def token(self, job: Job) -> int:
+        position = job.fed
+        logits, picks = self.with_picks([job.tokens[position]], [position],
+                                        [job.pages[:position // self.page_size + 1]], self.sample_ids)
+        return sample_rows(logits, (job,), picks, self.sample_ids)[0]
 
 
 class GraphedLone:
@@ -350,16 +385,16 @@ class GraphedLone:
         self.packed = packed
 
     def run(self, plan: StepPlan) -> Drawn:
-        job = plan.rows[0]
-        size = self.packed.settings.page_size
-        used = job.pages[:job.fed // size + 1]
-        if consecutive(used) and consecutive(job.pages):
-            token = self.step.token(job, job.pages, size)
+        return plan.rows, [self.token(plan.rows[0])]
+
+    def token(self, job: Job) -> int:
+        if consecutive(job.pages):
+            token = self.step.token(job, job.pages, self.packed.settings.page_size)
             if token is not None:
                 self.packed.cache.drop_mirrors()  # a row fed past the packed forward's mirror
-                return plan.rows, [token]
+                return token
         self.step.discard()
-        return self.packed.run(plan)
+        return self.packed.run(StepPlan([job], [], True))[1][0]
 
 
 class BucketedDecodes:
@@ -430,9 +465,12 @@ class StepBackends:
     table: tuple[Backend, ...]  # by ``Kind``
     verifies_drafts: bool  # whether a step may feed drafts (the operator's rows take them)
     step_tokens: int  # most tokens a step's plan may feed
-    lone_greedy: Backend | None = None  # the operator's pick, when the operator reads the model here
-    rows: Backend | None = None
+    # The operator's steps after which a job decoding alone goes on to its next step in the same
+    # call (``BatchCore._alone_again``).
+    operator: tuple[Backend, ...] = ()
     buckets: BucketedDecodes | None = None  # with static shapes and ``CoreSettings.bucket_graphs``
+    # The table's lone steps that take a job with no plan, by how the job draws.
+    lone: dict[Draw, LoneStep] = field(default_factory=dict)
 
     @classmethod
     def make(cls, model: Transformer, cache: PagedKVCache, settings: CoreSettings, *, device: torch.device,
@@ -450,21 +488,24 @@ class StepBackends:
             many: Backend = buckets or packed
             table = {Kind.DRAFTS: packed, Kind.RUNS: packed, Kind.DECODES: many, Kind.ROWS: many,
                      Kind.LONE_GREEDY: graphed or many, Kind.LONE_SAMPLED: graphed or many, Kind.LONE_OTHER: many}
-            return cls(tuple(table[k] for k in Kind), False, settings.step_tokens, buckets=buckets)
+            lone = {} if graphed is None else {Draw.GREEDY: graphed, Draw.SAMPLED: graphed}
+            return cls(tuple(table[k] for k in Kind), False, settings.step_tokens, buckets=buckets, lone=lone)
         as_rows = prompts_as_rows(settings, decoder)
         step_tokens = settings.step_tokens
         if as_rows:
             step_tokens = min(step_tokens, max(ONE_CALL_PROMPT_ROWS, 2 * settings.max_batch))
         rows = OperatorRows(decoder, cache, settings, sample_ids)
         lone_greedy = LoneGreedy(decoder, cache, settings, sample_ids)
+        lone_sampled = LoneSampled(decoder, cache, settings, sample_ids)
         # With --compile a lone row keeps the compiled graph; one whose draw needs the host (the
         # processors, logprobs) the packed forward, as a compiled run's other steps.
+        lone: dict[Draw, LoneStep] = {Draw.GREEDY: graphed or lone_greedy, Draw.SAMPLED: graphed or lone_sampled}
         table = {Kind.DRAFTS: rows, Kind.RUNS: rows if as_rows else packed,
                  Kind.DECODES: OperatorDecodes(decoder, cache, settings, sample_ids),
                  Kind.ROWS: rows,
-                 Kind.LONE_GREEDY: graphed or lone_greedy, Kind.LONE_SAMPLED: graphed or rows,
+                 Kind.LONE_GREEDY: lone[Draw.GREEDY], Kind.LONE_SAMPLED: lone[Draw.SAMPLED],
                  Kind.LONE_OTHER: rows if graphed is None else packed}
-        return cls(tuple(table[k] for k in Kind), True, step_tokens, lone_greedy, rows)
+        return cls(tuple(table[k] for k in Kind), True, step_tokens, (lone_greedy, lone_sampled, rows), lone=lone)
 
     def choose(self, plan: StepPlan) -> Backend:
         """The backend of a step of ``plan`` (a plan with at least one row or run)."""

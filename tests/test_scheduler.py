@@ -11,6 +11,7 @@ import torch
 
 from builders import endless_model, single_stream
 from llama_chat.inference import batch_step
+from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.batch_step import Kind, StepBackends
 from llama_chat.inference.jobs import Job
 from llama_chat.inference.decode_step import LoneGraph
@@ -445,39 +446,78 @@ def test_a_step_past_the_mirror_drops_it(model, tokenizer, monkeypatch, between)
         assert torch.allclose(got, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("short, max_batch", [(Kind.LONE_GREEDY, 1), (Kind.DECODES, 4)],
-                         ids=["a lone greedy job", "a batch decoding"])
-def test_the_short_steps_give_the_general_steps_tokens_and_counters(model, tokenizer, monkeypatch, short, max_batch):
-    # Two steps skip the general plan's lists (batch_step.py): a lone greedy job's, the operator's
-    # pick alone (a chat's scheduler: one job at a time), and the batch's common step, every job
-    # decoding. Each must give what the general operator step (OperatorRows) gives: tokens,
-    # stops, counters.
+def short_step_requests(vocab: int) -> list[Request]:
     g = torch.Generator().manual_seed(11)
-    vocab = tokenizer.vocab_size
-    requests = [Request(random_prompt(g, 20, vocab), sampling=GREEDY, max_tokens=40, request_id="long"),
-                Request(random_prompt(g, 9, vocab), sampling=GREEDY, max_tokens=7, request_id="short"),
-                Request(random_prompt(g, 12, vocab), sampling=SamplingParams(temperature=0.8), seed=3,
-                        max_tokens=10, request_id="sampled")]
+    return [Request(random_prompt(g, 20, vocab), sampling=GREEDY, max_tokens=40, request_id="long"),
+            Request(random_prompt(g, 9, vocab), sampling=GREEDY, max_tokens=7, request_id="short"),
+            Request(random_prompt(g, 12, vocab), sampling=SamplingParams(temperature=0.8), seed=3,
+                    max_tokens=10, request_id="sampled")]
+
+
+def test_the_batchs_common_step_gives_the_general_steps_tokens_and_counters(model, tokenizer, monkeypatch):
+    # The batch's common step, every job decoding, skips the general plan's lists (batch_step.py):
+    # it must give what the general operator step (OperatorRows) gives: tokens, stops, counters.
+    requests = short_step_requests(tokenizer.vocab_size)
     choose = StepBackends.choose
     took = set()
 
     def spied(self, plan):
         backend = choose(self, plan)
-        if backend is self.table[short]:
+        if backend is self.table[Kind.DECODES]:
             took.update(job.request_id for job in plan.rows)
         return backend
 
     monkeypatch.setattr(StepBackends, "choose", spied)
-    fast, fast_stats = batched(model, tokenizer, requests, max_batch=max_batch)
-    # A lone sampled job is not greedy: it takes the general step.
-    assert took == ({"long", "short"} if short == Kind.LONE_GREEDY else {"long", "short", "sampled"})
+    fast, fast_stats = batched(model, tokenizer, requests, max_batch=4)
+    assert took == {"long", "short", "sampled"}
 
     def general(self, plan):
         backend = choose(self, plan)
-        return self.rows if backend is self.table[short] else backend
+        return self.table[Kind.ROWS] if backend is self.table[Kind.DECODES] else backend
 
     monkeypatch.setattr(StepBackends, "choose", general)
-    planned, planned_stats = batched(model, tokenizer, requests, max_batch=max_batch)
+    planned, planned_stats = batched(model, tokenizer, requests, max_batch=4)
+    assert {k: (v.token_ids, v.finish_reason) for k, v in fast.items()} == \
+        {k: (v.token_ids, v.finish_reason) for k, v in planned.items()}
+    assert fast_stats == planned_stats
+
+
+def test_a_job_alone_takes_the_short_path_with_the_general_steps_tokens_and_counters(model, tokenizer, monkeypatch):
+    # A job decoding alone (a chat's turn, a prompt of the command) goes from the step thread
+    # straight to its lone backend's token, with no plan (BatchCore.step): greedy through the
+    # operator's pick, sampled through its logits. Each must give what the general operator step
+    # (OperatorRows, planned every token) gives: the same tokens, seeded draws, stops, counters.
+    requests = short_step_requests(tokenizer.vocab_size)
+    lone_kinds = (Kind.LONE_GREEDY, Kind.LONE_SAMPLED)
+    choose = StepBackends.choose
+    planned_lone, tokens = [], []
+    for lone in (batch_step.LoneGreedy, batch_step.LoneSampled):
+        monkeypatch.setattr(lone, "token", lambda self, job, token=lone.token: tokens.append(1) or token(self, job))
+
+    def spied(self, plan):
+        planned_lone.append(batch_step.kind_of(plan) in lone_kinds)
+        return choose(self, plan)
+
+    def each_alone():
+        scheduler = Scheduler(model, tokenizer, ALONE)
+        return {r.request_id: scheduler.generate(r) for r in requests}, scheduler.stats
+
+    monkeypatch.setattr(StepBackends, "choose", spied)
+    fast, fast_stats = each_alone()
+    if not tokens:
+        pytest.skip("the one-call CPU step is not loaded here")
+    # Every token but each job's first (its prompt's step draws it) came from a lone backend,
+    # nearly all without a plan.
+    assert len(tokens) == sum(len(c.token_ids) - 1 for c in fast.values())
+    assert sum(planned_lone) * 4 < len(tokens)
+
+    def general(self, plan):
+        backend = choose(self, plan)
+        return self.table[Kind.ROWS] if batch_step.kind_of(plan) in lone_kinds else backend
+
+    monkeypatch.setattr(StepBackends, "choose", general)
+    monkeypatch.setattr(BatchCore, "_lone_job", lambda self: None)
+    planned, planned_stats = each_alone()
     assert {k: (v.token_ids, v.finish_reason) for k, v in fast.items()} == \
         {k: (v.token_ids, v.finish_reason) for k, v in planned.items()}
     assert fast_stats == planned_stats
