@@ -67,9 +67,9 @@ def emit(**row) -> None:
     print(json.dumps(row), flush=True)
 
 
-def long_shape(key: str) -> tuple[str, Shape]:
+def long_shape(key: str, ctx: int = CTX) -> tuple[str, Shape]:
     """The shape under its own key, with a context that holds the longest prompt."""
-    return f"{key}-ctx{CTX // 1024}k", dataclasses.replace(SHAPES[key], ctx=CTX)
+    return f"{key}-ctx{ctx // 1024}k", dataclasses.replace(SHAPES[key], ctx=ctx)
 
 
 def tokenizer_for(cache: Path, shape: Shape) -> Path:
@@ -77,10 +77,10 @@ def tokenizer_for(cache: Path, shape: Shape) -> Path:
     return write_tokenizer(cache / "tokenizer" / name, shape.vocab)
 
 
-def prepare(peer: LlamaCpp, cache: Path, shapes: list[str], types: list[str], threads: int) -> dict:
+def prepare(peer: LlamaCpp, cache: Path, shapes: list[str], types: list[str], threads: int, ctx: int = CTX) -> dict:
     files = {}
     for key in shapes:
-        name, shape = long_shape(key)
+        name, shape = long_shape(key, ctx)
         tokenizer = tokenizer_for(cache, shape)
         hf = write_checkpoint(shape, cache / "models" / name / "hf", tokenizer)
         for ftype in types:
@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="build jobs for llama.cpp")
     parser.add_argument("--cache", type=Path, default=Path("~/.cache/llama-chat-bench"))
     parser.add_argument("--prepare", action="store_true", help="make the files, measure nothing")
+    parser.add_argument("--ctx", type=int, default=CTX,
+                        help=f"the files' context in tokens, a multiple of 1024 (default {CTX}; the folder says it)")
     parser.add_argument("--report", type=Path, help="print the table from a saved run's output")
     parser.add_argument("--products", action="store_true", help="only the operator's products, per core")
     parser.add_argument("--product-rows", default="64,512", help="rows for --products (default 64,512)")
@@ -234,10 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"bench_prefill: --tokens {args.tokens!r} is not a list of numbers", file=sys.stderr)
         return 2
+    if args.ctx < max(lengths, default=0) + 64 or args.ctx % 1024:
+        print(f"bench_prefill: --ctx {args.ctx} must be a multiple of 1024 that holds the longest prompt", file=sys.stderr)
+        return 2
     cache = args.cache.expanduser().resolve()
     try:
         peer = peer_mod.ensure_llama_cpp(cache, jobs=args.jobs, log=log)
-        files = prepare(peer, cache, shapes, types, args.threads)
+        files = prepare(peer, cache, shapes, types, args.threads, args.ctx)
     except PeerError as e:
         print(f"bench_prefill: {e}", file=sys.stderr)
         return 1
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {}
     for key in shapes:
         (cache / "prompts" / str(SHAPES[key].vocab)).mkdir(parents=True, exist_ok=True)
-        _, shape = long_shape(key)
+        _, shape = long_shape(key, args.ctx)
         for n in lengths:
             prompts[key, n] = prefill_prompt(cache / "prompts" / str(shape.vocab), tokenizer_for(cache, shape), n)
     short = cache / "prompt-short.txt"
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     for (key, ftype), path in files.items():
         emit(shape=key, type=ftype, macs_per_token=product_macs_per_token(path))
         try:  # untimed: builds the kernels if their cache is cold, and reads the file in
-            run_llama_chat(path, short, 1, CTX, env, extra=["--lookup", "off"])
+            run_llama_chat(path, short, 1, args.ctx, env, extra=["--lookup", "off"])
         except RunFailed as e:
             log(f"llama-chat failed on {path.name}: {e}")
             continue
