@@ -31,12 +31,15 @@ ones). Measured, per config and dtype (float32; bfloat16 for the Python systems;
   median of the per-pair ratios. The main rows measure each system's runs together, minutes
   apart from the peer's; on a shared machine whose speed drifts from one minute to the next, a
   ratio of two runs made seconds apart is the steadier one (``bench_batch.py`` does the same).
-  Both are printed under the targets.
+  Both are printed under the targets. With ``--baseline DIR`` (a folder holding another tree as
+  ``llama_chat``), that tree's own copy of this script runs in each round too, and the table adds
+  its ratio to run.c and this tree's over it.
 
 It also prints whether the float32 greedy tokens agree: llama-chat (both rows) and llama2.c
 ``run.c`` against ``transformers``. Prints one JSON line per measurement and a Markdown table last.
 
     python benchmarks/bench_decode.py [--configs 15m,110m,1.1b] [--runs 3] [--new 200] [--threads 2] [--pairs 5]
+    python benchmarks/bench_decode.py --configs 15m,110m --pairs-only --pairs 6 --baseline /tmp/oldpkg
 """
 
 from __future__ import annotations
@@ -221,8 +224,9 @@ def run_child(cmd: list[str], env: dict, timeout: float) -> tuple[int, str, str,
 
 
 def python_system(system: str, key: str, path: str, dtype: str, args, env: dict, compile: bool = False,
-                  quantize: str = "none") -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", system, "--path", path, "--configs", key,
+                  quantize: str = "none", script: str = os.path.abspath(__file__)) -> dict:
+    """One worker process; ``script`` is this file, or another tree's copy of it (``--baseline``)."""
+    cmd = [sys.executable, script, "--worker", system, "--path", path, "--configs", key,
            "--dtype", dtype, "--new", str(new_tokens(args, CONFIGS[key])), "--runs", str(args.runs),
            "--threads", str(args.threads), "--quantize", quantize]
     if compile:
@@ -420,26 +424,37 @@ def measure_config(key: str, c: dict, args, bins: dict, envs: dict) -> list[dict
 
 
 def paired_with_run_c(key: str, args, bins: dict, envs: dict) -> dict | None:
-    """llama-chat's float32 decode over run.c's in ``--pairs`` back-to-back pairs, one run each,
-    alternating which goes first: the per-pair ratios and their median."""
+    """llama-chat's float32 decode over run.c's in ``--pairs`` back-to-back rounds, one run each,
+    rotating which goes first: the per-round ratios and their median. With ``--baseline``, the
+    other tree runs in each round too (its own copy of this script, on ``PYTHONPATH``)."""
     work = os.path.join(args.work, key)
     one = argparse.Namespace(**{**vars(args), "runs": 1})
-    ratios = []
+    runs = {"ours": lambda: python_system("llama_chat", key, os.path.join(work, "hf"), "float32", one, envs["python"]),
+            "run.c": lambda: llama2c_system(bins["run"], os.path.join(work, "v0.bin"),
+                                            os.path.join(work, "tokenizer.bin"), one, envs["c"])}
+    if args.baseline:
+        script = os.path.join(args.baseline, "llama_chat", "benchmarks", "bench_decode.py")
+        env = dict(envs["python"], PYTHONPATH=args.baseline)
+        runs["baseline"] = lambda: python_system("llama_chat", key, os.path.join(work, "hf"), "float32", one, env,
+                                                 script=script)
+    ratios: dict[str, list[float]] = {"ours": [], "baseline": []}
     for i in range(args.pairs):
-        order = ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours")
-        got = {}
-        for who in order:
-            if who == "ours":
-                got[who] = python_system("llama_chat", key, os.path.join(work, "hf"), "float32", one, envs["python"])
-            else:
-                got[who] = llama2c_system(bins["run"], os.path.join(work, "v0.bin"),
-                                          os.path.join(work, "tokenizer.bin"), one, envs["c"])
+        order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
+        got = {who: runs[who]() for who in order}
         if not all("decode" in r for r in got.values()):
             return None
-        ratios.append(got["ours"]["decode"]["median"] / got["theirs"]["decode"]["median"])
-    if not ratios:
+        for who in ratios:
+            if who in got:
+                ratios[who].append(got[who]["decode"]["median"] / got["run.c"]["decode"]["median"])
+    if not ratios["ours"]:
         return None
-    return dict(config=key, ratios=ratios, median=statistics.median(ratios), min=min(ratios), max=max(ratios))
+    found = dict(config=key, ratios=ratios["ours"], median=statistics.median(ratios["ours"]),
+                 min=min(ratios["ours"]), max=max(ratios["ours"]))
+    if ratios["baseline"]:
+        over = [a / b for a, b in zip(ratios["ours"], ratios["baseline"])]
+        found.update(baseline_ratios=ratios["baseline"], baseline_median=statistics.median(ratios["baseline"]),
+                     over_baseline=statistics.median(over), over_baseline_min=min(over), over_baseline_max=max(over))
+    return found
 
 
 def check_tokens(key: str, found: dict) -> None:
@@ -531,6 +546,10 @@ def print_targets(rows: list[dict], pairs: list[dict] = ()) -> None:
         print(f"| decode >= 1.0x, {len(p['ratios'])} back-to-back pairs | {CONFIGS[p['config']]['name']}-sized | "
               f"llama-chat float32 | run.c float32 | {p['median']:.2f}x (pairs {p['min']:.2f}-{p['max']:.2f}) | "
               f"{'yes' if p['median'] >= 1.0 else 'no'} |")
+        if "baseline_median" in p:
+            print(f"| (--baseline) | {CONFIGS[p['config']]['name']}-sized | baseline float32 | run.c float32 | "
+                  f"{p['baseline_median']:.2f}x; this tree over the baseline {p['over_baseline']:.2f}x "
+                  f"(rounds {p['over_baseline_min']:.2f}-{p['over_baseline_max']:.2f}) | |")
 
 
 def main() -> None:
@@ -548,6 +567,9 @@ def main() -> None:
                     help="back-to-back pairs of llama-chat and run.c float32 decode per config (0: none)")
     ap.add_argument("--pairs-only", action="store_true",
                     help="only the back-to-back pairs with run.c (a quick A/B of two trees)")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="with the pairs: a folder holding another tree as llama_chat (e.g. a git worktree linked "
+                         "there), run in each round beside this tree and run.c")
     ap.add_argument("--out", default=None, help="write every row as JSON here")
     ap.add_argument("--worker", choices=("llama_chat", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)

@@ -58,11 +58,13 @@ KV cache (float32, CTX positions) + baseline.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
 import platform
 import random
+import re
 import shlex
 import shutil
 import statistics
@@ -114,9 +116,21 @@ SHAPES = {
     "gemma-2-2b": Shape("Gemma-2-2B", dim=2304, n_layers=26, n_heads=8, n_kv_heads=4, hidden=9216, ctx=2048,
                         tied=True, family="gemma2", vocab=256000, head_dim=256),
 }
+LONGER = re.compile(r"(?P<base>.+)-ctx(?P<k>\d+)k")  # "qwen2.5-1.5b-ctx8k": the shape with an 8,192 context
+
+
+def shape_of(key: str) -> Shape:
+    """A shape by its key, where a ``-ctxNk`` suffix gives it a context of N x 1,024 (its own files)."""
+    longer = LONGER.fullmatch(key)
+    if longer and longer["base"] in SHAPES:
+        return dataclasses.replace(SHAPES[longer["base"]], ctx=int(longer["k"]) * 1024)
+    return SHAPES[key]
+
+
 # How each type is made: by the converter from the checkpoint, or by llama-quantize from F16.
 TYPES = {"f16": ("convert", "f16"), "q8_0": ("convert", "q8_0"), "q4_0": ("quantize", "Q4_0"),
          "q4_k_m": ("quantize", "Q4_K_M")}
+BASELINE = "llama-chat baseline"  # the system name of --baseline's runs
 MEMORY_SLACK = 1.1  # the memory rule's allowance over the file's bytes
 SHORT_PROMPT = "Once upon a time"
 RETRIES = 3  # a failed llama-chat run, other than a usage error, is retried: the tree may be mid-change
@@ -389,29 +403,36 @@ def measure_round(peer: LlamaCpp, files: dict[tuple[str, str], Path], prompts: d
                   failed: set[Path]) -> None:
     env = child_env(args)
     for (key, ftype), path in files.items():
-        ctx = SHAPES[key].ctx
+        ctx = shape_of(key).ctx
         cpp = peer_mod.llama_bench(peer, path, threads=args.threads, prompt=args.prompt_tokens, gen=args.gen, env=env)
         emit(round=round_no, shape=key, type=ftype, system="llama.cpp", prefill_tok_s=cpp.prefill_tok_s,
              decode_tok_s=cpp.decode_tok_s, peak_rss_mb=cpp.peak_rss_bytes / 1e6, wall_s=cpp.wall_s)
 
         # A file that failed in an earlier round is tried again, once, without waiting.
         retries = 0 if path in failed else RETRIES
-        try:
-            pre, pre_m = run_llama_chat(path, prompts["long"], 1, ctx, env, retries, args.chat_args)
-            dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, ctx, env, retries, args.chat_args)
-        except RunFailed as e:
-            failed.add(path)
-            log(f"llama-chat failed on {path.name}: {e}")
-            emit(round=round_no, shape=key, type=ftype, system="llama-chat", error=str(e))
-            continue
-        if pre["prompt_tokens"] != args.prompt_tokens:
-            log(f"llama-chat read the prefill prompt as {pre['prompt_tokens']} tokens, not {args.prompt_tokens}")
-        if dec["completion_tokens"] != args.gen:
-            log(f"llama-chat generated {dec['completion_tokens']} tokens, not {args.gen}")
-        emit(round=round_no, shape=key, type=ftype, system="llama-chat", prefill_tok_s=pre["timings"]["prefill_tok_s"],
-             prompt_tokens=pre["prompt_tokens"], decode_tok_s=dec["timings"]["decode_tok_s"],
-             completion_tokens=dec["completion_tokens"],
-             peak_rss_mb=max(pre_m.peak_rss_bytes, dec_m.peak_rss_bytes) / 1e6, wall_s=pre_m.wall_s + dec_m.wall_s)
+        trees = [("llama-chat", env)]
+        if args.baseline:
+            trees.append((BASELINE, dict(env, PYTHONPATH=os.pathsep.join(
+                p for p in (str(args.baseline), env.get("PYTHONPATH", "")) if p))))
+            if round_no % 2 == 0:  # each tree goes first in every other round
+                trees.reverse()
+        for system, tree_env in trees:
+            try:
+                pre, pre_m = run_llama_chat(path, prompts["long"], 1, ctx, tree_env, retries, args.chat_args)
+                dec, dec_m = run_llama_chat(path, prompts["short"], args.gen, ctx, tree_env, retries, args.chat_args)
+            except RunFailed as e:
+                failed.add(path)
+                log(f"{system} failed on {path.name}: {e}")
+                emit(round=round_no, shape=key, type=ftype, system=system, error=str(e))
+                continue
+            if pre["prompt_tokens"] != args.prompt_tokens:
+                log(f"{system} read the prefill prompt as {pre['prompt_tokens']} tokens, not {args.prompt_tokens}")
+            if dec["completion_tokens"] != args.gen:
+                log(f"{system} generated {dec['completion_tokens']} tokens, not {args.gen}")
+            emit(round=round_no, shape=key, type=ftype, system=system, prefill_tok_s=pre["timings"]["prefill_tok_s"],
+                 prompt_tokens=pre["prompt_tokens"], decode_tok_s=dec["timings"]["decode_tok_s"],
+                 completion_tokens=dec["completion_tokens"],
+                 peak_rss_mb=max(pre_m.peak_rss_bytes, dec_m.peak_rss_bytes) / 1e6, wall_s=pre_m.wall_s + dec_m.wall_s)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -446,7 +467,7 @@ def report(rows: list[dict], cache: Path) -> None:
           f"and tg{run.get('gen', 128)}, tok/s; ratios are llama-chat's median over llama.cpp's. Baseline "
           f"(llama-chat on the shipped model): {baseline_mb:.0f} MB peak RSS.")
     for key in dict.fromkeys(k for k, _ in results):
-        shape = SHAPES[key]
+        shape = shape_of(key)
         kv_mb = 2 * shape.n_layers * shape.ctx * shape.kv_dim * 4 / 1e6
         print(f"\n#### {shape.name}-shaped (dim {shape.dim}, {shape.n_layers} layers, {shape.n_heads}/"
               f"{shape.n_kv_heads} heads, ffn {shape.hidden}, vocab {shape.vocab}, {'tied' if shape.tied else 'untied'}); "
@@ -477,6 +498,8 @@ def report(rows: list[dict], cache: Path) -> None:
                   f"| {_ratio(hp, cp)} | {_f(crss, 0)} | {_f(hrss, 0)} | {rule:.0f} | {holds} |")
         if failures:
             print("\n" + "\n".join(failures))
+        if any(BASELINE == system for r in results.values() for system, _ in r.values):
+            against_baseline(key, results, run.get("baseline", "?"))
     loads = [r["load_average_1min"] for r in rows if "load_average_1min" in r]
     if run.get("omp_wait_policy", "default") == "default" and max(loads, default=0) > (os.cpu_count() or 1):
         print(f"\n**The machine was busy** (load average up to {max(loads):.1f} on {os.cpu_count()} CPUs): "
@@ -487,6 +510,21 @@ def report(rows: list[dict], cache: Path) -> None:
           f"{os.cpu_count()} CPUs. llama.cpp build: {run['build_s']:.0f} s"
           f"{' (this run)' if run['built_now'] else ' (cached)'}. Python {platform.python_version()}.")
     print(f"\nCommand: `python benchmarks/bench_gguf.py {run.get('command', '')}`")
+
+
+def against_baseline(key: str, results: dict[tuple[str, str], Results], baseline: str) -> None:
+    """This tree over ``--baseline``, each a median over the rounds (the two run alternately)."""
+    print(f"\nThis tree against --baseline {baseline} (run alternately in each round):\n")
+    print("| type | decode this | decode baseline | this / baseline | prefill this | prefill baseline | this / baseline |")
+    print("|---|" + "---:|" * 6)
+    for (k, ftype), r in results.items():
+        if k != key:
+            continue
+        cells = []
+        for measure in ("decode_tok_s", "prefill_tok_s"):
+            ours, theirs = r.median("llama-chat", measure), r.median(BASELINE, measure)
+            cells.append(f"{r.spread('llama-chat', measure)} | {r.spread(BASELINE, measure)} | {_ratio(ours, theirs)}")
+        print(f"| {ftype} | " + " | ".join(cells) + " |")
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -510,6 +548,9 @@ def parse_args(argv: list[str] | None = None):
                    help="more options for llama-chat's measured runs (default: --lookup off; '' runs it as it "
                         "ships, which on random weights that repeat themselves measures prompt lookup's drafts)")
     p.add_argument("--jobs", type=int, default=2, help="parallel jobs for llama.cpp's build (default 2)")
+    p.add_argument("--baseline", type=Path, metavar="DIR",
+                   help="a folder holding another tree as llama_chat (e.g. a git worktree linked there): run it "
+                        "too, on PYTHONPATH, alternately with this tree, and print this tree over it")
     p.add_argument("--report", type=Path, metavar="FILE",
                    help="print the tables again from a run's saved output (its JSON lines), and run nothing")
     p.add_argument("--prompt-tokens", type=int, default=512, help=argparse.SUPPRESS)
@@ -520,7 +561,9 @@ def parse_args(argv: list[str] | None = None):
     args.chat_args = shlex.split(args.chat_args)
     args.shape_keys = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
     args.type_keys = [t.strip().lower() for t in args.types.split(",") if t.strip()]
-    for name, given, known in (("shape", args.shape_keys, SHAPES), ("type", args.type_keys, TYPES)):
+    longer = [k for k in args.shape_keys if (m := LONGER.fullmatch(k)) and m["base"] in SHAPES]
+    known_shapes = [*SHAPES, *longer]
+    for name, given, known in (("shape", args.shape_keys, known_shapes), ("type", args.type_keys, TYPES)):
         bad = [g for g in given if g not in known]
         if bad or not given:
             p.error(f"unknown {name} {', '.join(bad) or '(none given)'}; expected some of {', '.join(known)}")
@@ -533,7 +576,7 @@ def check_disk(cache: Path, shapes: list[str], types: list[str]) -> None:
     """Refuse to start when the files cannot fit: F16 is two bytes a weight, the others less."""
     need = 0
     for key in shapes:
-        s = SHAPES[key]
+        s = shape_of(key)
         params = s.n_layers * (2 * s.dim * s.q_dim + 2 * s.dim * s.kv_dim + 3 * s.dim * s.hidden)
         params += s.vocab * s.dim * (1 if s.tied else 2)
         if not (cache / "models" / key / "hf" / "config.json").is_file():
@@ -570,15 +613,16 @@ def main(argv: list[str] | None = None) -> int:
     emit(llama_cpp=peer.commit, sdist=peer.version, build_s=round(peer.build_s, 1), built_now=peer.built_now,
          cmake_flags=list(peer_mod.CMAKE_FLAGS), threads=args.threads, omp_wait_policy=args.omp_wait_policy,
          prompt_tokens=args.prompt_tokens, gen=args.gen,
-         command=" ".join(sys.argv[1:] if argv is None else argv), llama_chat=llama_chat_revision())
+         command=" ".join(sys.argv[1:] if argv is None else argv), llama_chat=llama_chat_revision(),
+         baseline=str(args.baseline) if args.baseline else None)
 
     tokenizer = write_tokenizer(cache / "tokenizer" / "tokenizer.model")
     files: dict[tuple[str, str], Path] = {}
     try:
         for key in args.shape_keys:
-            vocab = SHAPES[key].vocab
+            vocab = shape_of(key).vocab
             own = tokenizer if vocab == VOCAB else write_tokenizer(cache / "tokenizer" / f"tokenizer-{vocab}.model", vocab)
-            hf_dir = write_checkpoint(SHAPES[key], cache / "models" / key / "hf", own)
+            hf_dir = write_checkpoint(shape_of(key), cache / "models" / key / "hf", own)
             for ftype in args.type_keys:
                 files[key, ftype] = make_file(peer, cache, key, hf_dir, ftype, args.threads)
     except PeerError as e:
@@ -599,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_gguf: llama-chat fails on the shipped model: {e}", file=sys.stderr)
         return 1
     try:
-        run_llama_chat(smallest[1], prompts["short"], 8, SHAPES[smallest[0][0]].ctx, env)
+        run_llama_chat(smallest[1], prompts["short"], 8, shape_of(smallest[0][0]).ctx, env)
     except RunFailed as e:
         failed.add(smallest[1])
         log(f"llama-chat failed on {smallest[1].name}: {e}")
