@@ -50,17 +50,6 @@ def _show_version(value: bool) -> None:
         raise typer.Exit()
 
 
-app = new_app()
-app.command(name="llama-chat", cls=GroupedHelp,
-            help="Generate text from a Llama-family model, or chat with it. The prompt comes from --prompt, "
-                 "from --file or piped stdin, or both (prompt first, a blank line, then the rest). With no "
-                 "prompt on a terminal, or with --chat, an interactive chat starts (/help lists its "
-                 "commands). `llama-chat serve` serves a model over OpenAI's HTTP API (see llama-chat serve "
-                 "--help).")(command(Options, lambda opts: execute(opts), extra={"show_version": (
-                     Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
-                                                  help="Print the version and exit.")], False)}))
-
-
 def resolve_color(mode: str) -> str:
     """``auto`` becomes ``never`` when NO_COLOR is set to anything non-empty (no-color.org)."""
     if mode == "auto" and os.environ.get("NO_COLOR"):
@@ -195,6 +184,17 @@ def execute(opts: Options) -> int:
 
         _error(err, failure_line(e))
         return exit_status.FAILURE
+
+
+app = new_app()
+app.command(name="llama-chat", cls=GroupedHelp,
+            help="Generate text from a Llama-family model, or chat with it. The prompt comes from --prompt, "
+                 "from --file or piped stdin, or both (prompt first, a blank line, then the rest). With no "
+                 "prompt on a terminal, or with --chat, an interactive chat starts (/help lists its "
+                 "commands). `llama-chat serve` serves a model over OpenAI's HTTP API (see llama-chat serve "
+                 "--help).")(command(Options, execute, extra={"show_version": (
+                     Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                                  help="Print the version and exit.")], False)}))
 
 
 _loading.__exit__(None, None, None)

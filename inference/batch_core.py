@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llama_chat.inference.batch_step import CoreSettings, StepBackends, StepPlan, consecutive
+from llama_chat.inference.batch_step import Backend, CoreSettings, StepBackends, StepPlan, consecutive
 from llama_chat.inference.draft_model import DraftRunner, guess_share
 from llama_chat.inference.decode_step import LoneGraph
 from llama_chat.inference.jobs import Draw, Job
@@ -156,8 +156,9 @@ class BatchCore:
 
         The short path skips what a batch needs and a lone job does not: admission, the plan and
         its lists, the backend's choice, the counters' loop over rows. Its pages were reserved at
-        admission; a full page still gets its prefix key (``_fed``). It gives way the moment
-        anything else asks for a step (``_alone_again``): the next call takes the plan.
+        admission; a full page still gets its prefix key (``_fed``). A step whose draft prompt
+        lookup finds is planned as a batch's. It gives way the moment anything else asks for a
+        step (``_alone_again``): the next call takes the plan.
         """
         # The scheduler's step thread is in inference mode already (its StepWorker's scope).
         if not torch.is_inference_mode_enabled():
@@ -166,15 +167,25 @@ class BatchCore:
         job = self._lone_job()
         if job is None:
             return self._step()
-        token = self._backends.lone[job.draw].token
+        backends = self._backends
+        token = backends.lone[job.draw].token
+        drafts: list[tuple[Job, list[int]]] = []
         self.cache.drop_mirrors()  # rows fed past the packed forward's mirror
         events: list[tuple[Job, TokenEvent]] = []
         until = time.perf_counter() + LONE_STEPS_S
         while True:
-            drawn = token(job)
-            self._fed(job)
-            self.counters.steps += 1
-            made, done = self._record(((job, drawn),))
+            if job.lookup is not None:
+                drafts = self._drafts([job])
+            if drafts:
+                made, done = self._take(StepPlan([], [], False, drafts), backends)[1:]
+            else:
+                start = time.perf_counter()
+                drawn = token(job)
+                if self.speculation is not None:  # what a row costs, as the plan's steps time it
+                    self.draft_costs.stepped(1, time.perf_counter() - start)
+                self._fed(job)
+                self.counters.steps += 1
+                made, done = self._record(((job, drawn),))
             events += made
             if done:
                 self._release(job)
@@ -184,14 +195,15 @@ class BatchCore:
 
     def _lone_job(self) -> Job | None:
         """The one job, when it decodes alone with nothing else to do and its step needs no plan:
-        nothing incoming, waiting or cancelled, no drafts, room in its channel, and a lone backend
-        for how it draws (``StepBackends.lone``) that can read its pages as they are."""
-        if len(self.active) != 1 or self.incoming or self.waiting or self.speculation is not None:
+        nothing incoming, waiting or cancelled, no draft model, room in its channel, and a lone
+        backend for how it draws (``StepBackends.lone``) that can read its pages as they are."""
+        if len(self.active) != 1 or self.incoming or self.waiting or self._backends is None:
             return None
         job = self.active[0]
-        lone = None if self._backends is None else self._backends.lone.get(job.draw)
-        if (lone is None or job.cancelled or len(job.tokens) - job.fed != 1
-                or job.produced - job.received >= self.settings.buffer_size):
+        lone = self._backends.lone.get(job.draw)
+        if (lone is None or job.cancelled or job.model_draft is not None or len(job.tokens) - job.fed != 1
+                or job.produced - job.received >= self.settings.buffer_size
+                or job.lookup is not None and not self._backends.verifies_drafts):
             return None
         return None if lone.wants_consecutive and not consecutive(job.pages) else job
 
@@ -210,29 +222,33 @@ class BatchCore:
                 if not self.active and not self.waiting and not self.incoming:
                     self._settle()
                 return StepResult(tuple(events), tuple(released + finished), idle=not events)
-            self._settled = False
-            backend = backends.choose(plan)
-            if backend.wants_consecutive and len(plan.rows) == 1 and not plan.runs:
-                # Alone in this step and, with no prompt being prefilled, likely in the next ones.
-                job = plan.rows[0]
-                if not consecutive(job.pages):
-                    self._compact(job)
-            start = time.perf_counter()
-            jobs, tokens = backend.run(plan)
-            took = time.perf_counter() - start
-            if plan.runs:
-                if self.sizer is not None:
-                    self.sizer.record(sum(n for _, n in plan.runs), took)
-            elif self.speculation is not None:  # decoding rows alone: what a row costs
-                self.draft_costs.stepped(len(plan.rows) + sum(len(d) + 1 for _, d in plan.drafts), took)
-            self._advance(plan)
-            made, done = self._record(zip(jobs, tokens))
+            backend, made, done = self._take(plan, backends)
             events += made
             for job in done:
                 self._release(job)
             finished += done
             if plan.runs or backend not in backends.operator or not self._alone_again(until):
                 return StepResult(tuple(events), tuple(released + finished))
+
+    def _take(self, plan: StepPlan, backends: StepBackends) -> tuple[Backend, list[tuple[Job, TokenEvent]], list[Job]]:
+        """One step of ``plan``: the backend that took it, its events and the jobs it finished."""
+        self._settled = False
+        backend = backends.choose(plan)
+        if backend.wants_consecutive and len(plan.rows) == 1 and not plan.runs:
+            # Alone in this step and, with no prompt being prefilled, likely in the next ones.
+            job = plan.rows[0]
+            if not consecutive(job.pages):
+                self._compact(job)
+        start = time.perf_counter()
+        jobs, tokens = backend.run(plan)
+        took = time.perf_counter() - start
+        if plan.runs:
+            if self.sizer is not None:
+                self.sizer.record(sum(n for _, n in plan.runs), took)
+        elif self.speculation is not None:  # decoding rows alone: what a row costs
+            self.draft_costs.stepped(len(plan.rows) + sum(len(d) + 1 for _, d in plan.drafts), took)
+        self._advance(plan)
+        return backend, *self._record(zip(jobs, tokens))
 
     def _alone_again(self, until: float) -> bool:
         """Whether this call goes on to the next step of a job decoding alone, for up to

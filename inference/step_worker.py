@@ -222,43 +222,44 @@ class StepWorker:
     # -- the thread ------------------------------------------------------------------------------
 
     def _run(self, thread: _StepThread) -> bool:
-        """The block's calls, on ``thread``, until ``__aexit__``; then whether the thread is parked."""
+        """The block's calls, on ``thread``, until ``__aexit__``; then whether the thread is parked.
+
+        The calls run from this frame itself: each frame between the thread and a step is paid
+        on every call, and a lone job's tokens come from the step's own frame
+        (``BatchCore.step``)."""
         notify = self._notify
         assert notify is not None
-        with self._scope():
-            self._serve_calls(notify)
-        parked = thread.release()  # before the block may end: the next one finds it parked
-        notify(self._thread_exited)
-        return parked
-
-    def _serve_calls(self, notify: Callable[[Callable[[], None]], None]) -> None:
         failed = False
         done: list[StepCall] = []
         last_report = float("-inf")
-        while True:
-            call = self._queue.get()
-            if call is _STOP:
-                break
-            assert isinstance(call, StepCall)
-            if not (call.revoked or failed):
-                try:
-                    with interrupt.running(call.abandoned):
-                        call.result = call.fn(*call.args)
-                except BaseException as e:  # handed to the awaiting task, raised there
-                    call.error = e
-                    failed = True
-            elif not call.revoked:
-                call.revoked = True
-            done.append(call)
-            now = time.perf_counter()
-            # Almost nothing queued: the producer has to act before this thread can go on, so tell
-            # it now, while the last queued calls still keep the thread busy.
-            if self._queue.qsize() <= REPORT_AT_QUEUED or now - last_report >= self._report_every_s:
-                notify(lambda calls=done: self._finish(calls))
-                done = []
-                last_report = now
+        with self._scope():
+            while True:
+                call = self._queue.get()
+                if call is _STOP:
+                    break
+                assert isinstance(call, StepCall)
+                if not (call.revoked or failed):
+                    try:
+                        with interrupt.running(call.abandoned):
+                            call.result = call.fn(*call.args)
+                    except BaseException as e:  # handed to the awaiting task, raised there
+                        call.error = e
+                        failed = True
+                elif not call.revoked:
+                    call.revoked = True
+                done.append(call)
+                now = time.perf_counter()
+                # Almost nothing queued: the producer has to act before this thread can go on, so
+                # tell it now, while the last queued calls still keep the thread busy.
+                if self._queue.qsize() <= REPORT_AT_QUEUED or now - last_report >= self._report_every_s:
+                    notify(lambda calls=done: self._finish(calls))
+                    done = []
+                    last_report = now
         if done:
             notify(lambda calls=done: self._finish(calls))
+        parked = thread.release()  # before the block may end: the next one finds it parked
+        notify(self._thread_exited)
+        return parked
 
     def _finish(self, calls: list[StepCall]) -> None:  # on the event loop
         for call in calls:
