@@ -234,6 +234,12 @@ def sentencepiece_proto(tokens: Sequence[str], scores: Sequence[float], types: S
     """
     out = bytearray()
     for piece, score, kind in zip(tokens, scores, types):
+        if kind == USER_DEFINED:
+            # A user-defined piece is matched whole in the text (llama.cpp splits the text on them
+            # first; Hugging Face's files list them as added tokens). SentencePiece matches them
+            # after its normalizer has escaped the spaces, so a piece of spaces (Gemma's runs of
+            # indentation) must be spelled with the escape to be found at all.
+            piece = piece.replace(" ", "\u2581")
         body = _field_bytes(1, piece.encode("utf-8")) + _field_float(2, float(score)) + _field_varint(3, kind)
         out += _field_bytes(1, body)
     trainer = _field_varint(3, 2) + _field_varint(4, len(tokens))  # model_type BPE, vocab_size
