@@ -1,7 +1,9 @@
 """How deep a request goes: the frames of llama-chat's own code from the command's ``main`` to
 where it hands a request to the scheduler (``Scheduler.submit``, in the calling thread), and from
 the step thread's loop to the CPU operator's decode step (``ml/cpu/decode.py``'s call of
-``decode_step``). Library frames (typer, anyio, torch) are not counted.
+``decode_step``). Library frames (typer, anyio, torch) are not counted. The first chain runs once a
+request; the last call of the second is printed, a lone job's token (``BatchCore.step``'s short
+path) where the job decodes alone. Their sum is the count from ``main`` to the kernel.
 
 Runs the command in this process with the arguments given and prints each chain on stderr:
 
@@ -65,6 +67,8 @@ def report() -> None:
               file=sys.stderr)
         for f in frames:
             print(f"  {os.path.relpath(os.path.realpath(f.filename), PACKAGE)}:{f.lineno} {f.name}", file=sys.stderr)
+    if len(chains) == 2:
+        print(f"\nboth chains: {sum(len(seen[-1][1]) for seen in chains.values())} frames of ours", file=sys.stderr)
     sys.stderr.flush()
 
 

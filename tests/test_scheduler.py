@@ -776,3 +776,27 @@ def test_a_cancel_during_a_long_prompt_waits_for_one_chunk(model, tokenizer):
                                 holding, release)
     # The chunk running finished; none of the 23 chunks after it started.
     assert seen == {"at_cancel": 2, "after": 2, "later": 2}, seen
+
+
+def test_a_job_alone_on_the_static_step_takes_the_short_path_with_the_planned_tokens(model, tokenizer, monkeypatch):
+    # The graphed lone step (decode_step.LoneGraph, uncompiled here) is a lone backend too: a job
+    # alone on consecutive pages takes its token with no plan, greedy or seeded, and gets the
+    # tokens the planned steps give it.
+    g = torch.Generator().manual_seed(17)
+    requests = [Request(random_prompt(g, 11, tokenizer.vocab_size), sampling=GREEDY, max_tokens=24, request_id="g"),
+                Request(random_prompt(g, 7, tokenizer.vocab_size), sampling=SamplingParams(temperature=0.9, top_p=0.9),
+                        seed=5, max_tokens=24, request_id="s")]
+    tokens, planned = [], []
+    token, choose = batch_step.GraphedLone.token, StepBackends.choose
+    monkeypatch.setattr(batch_step.GraphedLone, "token", lambda self, job: tokens.append(1) or token(self, job))
+    monkeypatch.setattr(StepBackends, "choose", lambda self, plan: planned.append(1) or choose(self, plan))
+
+    def each_alone():
+        scheduler = single_stream(model, tokenizer, static=True, backend=None)
+        return {r.request_id: scheduler.generate(r).token_ids for r in requests}
+
+    short = each_alone()
+    assert len(tokens) == sum(len(ids) - 1 for ids in short.values())
+    assert len(planned) * 4 < len(tokens)
+    monkeypatch.setattr(BatchCore, "_lone_job", lambda self: None)
+    assert each_alone() == short
