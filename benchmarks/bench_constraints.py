@@ -60,6 +60,7 @@ from llama_chat.ml.sampling import sample  # noqa: E402
 from llama_chat.model import cpu_decode  # noqa: E402
 from llama_chat.model.args import ModelArgs  # noqa: E402
 from llama_chat.model.kv_cache import KVCache  # noqa: E402
+from llama_chat.model.paged_kv_cache import PagedKVCache  # noqa: E402
 from llama_chat.model.tokenizers.hf import HFTokenizer  # noqa: E402
 from llama_chat.model.transformer import Transformer  # noqa: E402
 
@@ -163,20 +164,20 @@ STEP_KINDS = ("operator's pick", "eager step with a processor", "eager step with
 
 
 class _DenseStep:
-    """The model over a dense cache of one row, and the operator's one-call step over it where it
-    reads the model: one kind of step at a time, with nothing around it."""
+    """The model over a dense cache of one row, and the operator's one-call step over it (the row
+    as one page) where it reads the model: one kind of step at a time, with nothing around it."""
 
     def __init__(self, model: Transformer, vocab: int) -> None:
         model.fuse_projections()
         self.model = model
         self.cache = KVCache.for_model(model.args, 1)
         with torch.inference_mode():
-            self.one_call = cpu_decode.operator_for(model, self.cache)
+            self.one_call = cpu_decode.operator_for(model, PagedKVCache.of_row(self.cache))
         self.sample_ids = vocab if vocab < model.args.vocab_size else None
 
     def forward(self, rows: list[list[int]], starts: list[int]) -> torch.Tensor:
         if self.one_call is not None and len(rows) == 1 and len(rows[0]) == 1:
-            return self.one_call(rows[0][0], starts[0])
+            return self.one_call([rows[0][0]], [starts[0]], [[0]])
         tokens = torch.tensor(rows, dtype=torch.long)
         positions = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(tokens.shape[1])
         return self.model(tokens, positions, self.cache, last_only=True)[:, -1, :]
@@ -195,7 +196,7 @@ def paired_steps(engine: Scheduler, prompt: list[int], steps: int) -> dict[str, 
 
     def pick(token: int, position: int) -> None:
         if step.one_call is not None:
-            step.one_call.pick(token, position, step.sample_ids)
+            step.one_call.pick(token, position, [0], step.sample_ids)
         else:
             cpu_kernels.argmax(step.forward([[token]], [position])[:, :vocab])
 

@@ -9,7 +9,7 @@ whole step is a single graph replay instead of a thousand kernel launches.
 
 The job's pages are consecutive (the core moves a lone job onto consecutive pages), so its keys
 are one slice of the page pool, ``(kv_heads, slots, head_dim)`` from its first page on: a window
-of views into the pool (``PagedKVCache.slice_views``) is the dense cache the step attends over,
+of views into the pool (``PagedKVCache.slice_views``) is the ``WholeCache`` the step attends over,
 and the keys it writes land in the job's own pages, where the other backends and the prefix cache
 find them. Slots of the window past the job's position belong to other pages; the mask hides them.
 On CUDA the window is the whole context from the first page, or what the pool has past it (a
@@ -32,7 +32,7 @@ import torch
 
 from llama_chat.ml.sampling import SamplingMode, SamplingParams, sample_in_graph
 from llama_chat.ml.user_cache import user_cache_dir
-from llama_chat.model.kv_cache import KVCache
+from llama_chat.model.kv_cache import WholeCache
 from llama_chat.model.paged_kv_cache import SCRATCH_PAGE, PagedKVCache
 from llama_chat.model.transformer import Transformer
 
@@ -119,7 +119,7 @@ class LoneGraph:
             except Exception as exc:  # noqa: BLE001 - a backend unknown here: the other backends
                 self.failure = compile_failure_text(exc)
         self._graphs: dict[tuple[SamplingMode, int], torch.cuda.CUDAGraph] = {}
-        self._windows: dict[tuple[int, int], KVCache] = {}
+        self._windows: dict[tuple[int, int], WholeCache] = {}
         self._serial = 0  # the job whose settings the buffers hold
         # The step queued ahead: its job, position, token and first page.
         self._ahead: tuple[int, int, int, int] | None = None
@@ -181,10 +181,8 @@ class LoneGraph:
         if job.uniforms is not None:
             self.uniforms.copy_(job.uniforms[:self.max_seq_len])
 
-    def _step(self, mode: SamplingMode, window: KVCache) -> None:
-        logits = self.model(self.token_buffer, self.position, window, last_only=True, static=True,
-                            row_products=self.row_products,
-                            window=None if self.cuda_graph else window.keys[0].shape[2])
+    def _step(self, mode: SamplingMode, window: WholeCache) -> None:
+        logits = self.model(self.token_buffer, self.position, window, last_only=True)
         logits = logits[:, -1, :self.sample_ids]
         uniform = self.uniforms[self.position[:, -1]]
         chosen = sample_in_graph(logits, mode, self.temperature, self.top_p, uniform)
@@ -223,7 +221,7 @@ class LoneGraph:
         self._queue_read()
         return True
 
-    def _window(self, first: int, position: int) -> KVCache | None:
+    def _window(self, first: int, position: int) -> WholeCache | None:
         """The slots from page ``first`` that a step at ``position`` attends over (None: past the pool)."""
         start = first * self.cache.page_size
         whole = self.max_seq_len if self.cuda_graph else (position // WINDOW_STEP + 1) * WINDOW_STEP
@@ -235,7 +233,7 @@ class LoneGraph:
         if window is None:
             if len(self._windows) > 64:
                 self._windows.clear()
-            window = KVCache.over(self.cache.slice_views(start, length))
+            window = WholeCache(*self.cache.slice_views(start, length), row_products=self.row_products)
             self._windows[key] = window
         return window
 
@@ -255,7 +253,7 @@ class LoneGraph:
             done.record()
         self._in_flight.append((host, done))
 
-    def _warm(self, mode: SamplingMode, window: KVCache, position: int, runs: int = 1) -> None:
+    def _warm(self, mode: SamplingMode, window: WholeCache, position: int, runs: int = 1) -> None:
         """Run the step ``runs`` times from ``position`` of ``window`` (it compiles, picks its
         kernels), leaving the slots it writes and the buffers as they were."""
         saved = [t[:, :, position:position + runs].clone() for t in (*window.keys, *window.values)]
@@ -270,13 +268,13 @@ class LoneGraph:
         if self.compile:
             self._compiled.add(mode)
 
-    def _capture(self, window: KVCache) -> torch.cuda.CUDAGraph:
+    def _capture(self, window: WholeCache) -> torch.cuda.CUDAGraph:
         # Warm-up on a side stream, as CUDA graph capture requires: it compiles, picks kernels and
         # makes the libraries' lazy allocations outside the graph.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._warm(self.mode, window, window.max_seq_len - 2, runs=2)
+            self._warm(self.mode, window, window.length - 2, runs=2)
         torch.cuda.current_stream(self.device).wait_stream(side)
         token, position = self.token_buffer.clone(), self.position.clone()
         graph = torch.cuda.CUDAGraph()

@@ -5,33 +5,31 @@ A decode step on the CPU is some 25 (stories15M-sized) to 90 (TinyLlama-sized) p
 product's parallel region wakes torch's sleeping OpenMP helper, which costs about as much as the
 product itself. ``torch.ops.llama_chat_cpu.decode_step`` (``ml/cpu/decode.cpp``) runs one token of
 each of several rows through every layer and the classifier in one parallel region instead, its
-threads spinning only while that token is computed. Two ways in:
+threads spinning only while that token is computed.
 
 The operator computes a Llama's layer and the switches of the families (``OPERATOR_PARTS``): Qwen's
 parts of a head, Gemma's scaled embedding, GeGLU, output norms, windows, scores' scale and soft
 caps, and each layer's rotary table (``step_switches``). A model with a switch it lacks
 (``operator_gaps``) keeps the layers.
 
-* ``decoder`` gives a ``Decoder`` of one token of one row over a dense ``KVCache`` (the tests'
-  reference for the paged step) where ``takes`` says it reads the model: on the CPU, without gradients, with
-  fused projections whose weights the operator reads (float32, bfloat16, float16, int8 with
-  per-row scales, or GGUF's packed blocks: ``ml/packed.py``; a GGUF file's 16-bit weights are
-  ``ml/half.py``'s layers), the operator loaded. The model's own ``forward`` never calls it;
-* the scheduler's backends hand it a step of one-token rows over its page pool, each row with its
-  own position and block table (``takes_rows``, ``operator_for``, ``forward_rows``).
+The scheduler's backends hand it a step of one-token rows over its page pool, each row with its
+own position and block table (``takes_rows``, ``operator_for``, ``forward_rows``), where it reads
+the model: on the CPU, without gradients, with fused projections whose weights the operator reads
+(float32, bfloat16, float16, int8 with per-row scales, or GGUF's packed blocks: ``ml/packed.py``;
+a GGUF file's 16-bit weights are ``ml/half.py``'s layers), the operator loaded. The model's own
+``forward`` never calls it.
 
 The tensors the operator reads are gathered once per model and kept: the norms as float32 copies,
 everything else as the model's own tensors, whose weights are first moved into one block of
 2 MiB pages (``gather``); float32 weights are also packed as panels for steps of several rows
-(``DecodeWeights.packed_weights``). The decoders that call the operator with them
-(``Decoder``, and ``RowsDecoder`` under ``PagedDecoder``) are ``ml/cpu/decode.py``'s.
+(``DecodeWeights.packed_weights``). The decoder that calls the operator with them
+(``RowsDecoder``, under ``PagedDecoder``) is ``ml/cpu/decode.py``'s.
 """
 
 from __future__ import annotations
 
-import weakref
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,9 +37,8 @@ from torch import nn
 from llama_chat.ml import half, packed, quantize
 from llama_chat.ml.cpu import decode
 from llama_chat.ml.cpu import kernels as cpu_kernels
-from llama_chat.ml.cpu.decode import PANEL, Decoder, LayerWeights, Projection, StepWeights, Switches
+from llama_chat.ml.cpu.decode import PANEL, LayerWeights, Projection, StepWeights, Switches
 from llama_chat.model.formats.common import in_file_mapping, release_heap, release_pages
-from llama_chat.model.kv_cache import KVCache
 from llama_chat.model.paged_kv_cache import PagedKVCache
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,11 +75,10 @@ class DecodeWeights:
     """What of one model the operator reads besides the token and the cache, kept on the model
     (``_weights_of``): the one record per layer of its weight rows (``rows``, made once by
     ``gather``) and, for steps of several rows, a second one of float32 panels (``packed_weights``),
-    made at the first such step; and the decoders made of them."""
+    made at the first such step."""
 
     key: tuple
     rows: StepWeights
-    decoders: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     packed: StepWeights | None = None  # ``packed_weights``, once made
 
     def step_weights(self, packed: bool = False) -> StepWeights:
@@ -356,15 +352,6 @@ def _readable(model: nn.Module, fused: bool = True) -> bool:
     return _weight(model.output) is not None
 
 
-def takes(model: nn.Module, tokens: torch.Tensor, cache) -> bool:
-    """Whether ``model(tokens, positions, cache)`` is one the operator computes."""
-    if not (tokens.shape == (1, 1) and tokens.device.type == "cpu" and type(cache) is KVCache
-            and not torch.is_grad_enabled() and cpu_kernels.loaded()):
-        return False
-    # A float16 dense cache is a float16 model's, whose norms the step cannot take.
-    return _weights_of(model) is not None and cache.keys[0].dtype in CACHE_DTYPES and cache.keys[0].dtype != torch.float16
-
-
 @dataclass
 class _Unsupported:
     """What ``_weights_of`` keeps for a model the operator cannot read (until its weights change)."""
@@ -382,32 +369,12 @@ def _weights_of(model: nn.Module) -> DecodeWeights | None:
     return found if isinstance(found, DecodeWeights) else None
 
 
-def forward(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits ``(1, 1, vocab)``, float32, of the token at its position, its keys and values cached."""
-    return decoder(model, cache)(int(tokens.reshape(-1)[0]), int(positions.reshape(-1)[0])).view(1, 1, -1)
-
-
-def decoder(model: nn.Module, cache: KVCache) -> Decoder:
-    """The ``Decoder`` of ``model`` over row 0 of ``cache``, made once (until either's tensors change)."""
-    found = _weights_of(model)
-    if found is None:
-        raise ValueError("the one-call step cannot read this model's weights")
-    made = found.decoders.get(cache)
-    if made is None or made.keys_ptr != cache.keys[0].data_ptr():
-        weights = found.step_weights(packed=found.packs_for(alone=True))
-        made = found.decoders[cache] = Decoder(weights, [k[0] for k in cache.keys], [v[0] for v in cache.values])
-    return made
-
-
-def operator_for(model: nn.Module, cache: KVCache | PagedKVCache) -> Decoder | PagedDecoder | None:
-    """The one place the CPU operator is chosen: its decoder of ``model`` over ``cache`` (over a
-    dense cache's row 0, one token a call; over a paged cache, rows of tokens through their block
-    tables), or None where it does not take them (no kernels built, not the CPU, weights or a
-    cache type it cannot read). The model's own forward never calls it. In inference mode."""
-    if isinstance(cache, PagedKVCache):
-        return PagedDecoder(model, cache) if takes_rows(model, cache) else None
-    one = torch.zeros(1, 1, dtype=torch.long, device=cache.keys[0].device)
-    return decoder(model, cache) if takes(model, one, cache) else None
+def operator_for(model: nn.Module, cache: PagedKVCache) -> PagedDecoder | None:
+    """The one place the CPU operator is chosen: its decoder of ``model`` over the page pool
+    ``cache`` (rows of tokens through their block tables), or None where it does not take them (no
+    kernels built, not the CPU, weights or a cache type it cannot read). The model's own forward
+    never calls it. In inference mode."""
+    return PagedDecoder(model, cache) if takes_rows(model, cache) else None
 
 
 def takes_rows(model: nn.Module, cache) -> bool:

@@ -25,7 +25,8 @@ import torch
 
 from llama_chat.ml import ops
 from llama_chat.ml.kv_centers import KeyCenters
-from llama_chat.model.kv_cache import mapped_zeros
+from llama_chat.model import interrupt
+from llama_chat.model.kv_cache import KVCache, mapped_zeros
 from llama_chat.model.kv_types import Center, KVType, of_dtype
 
 # Page 0 is never handed to a sequence: padding tokens write their keys there and padded block
@@ -129,6 +130,22 @@ class PagedKVCache:
     def for_model(cls, args, num_pages: int, page_size: int, *, device: torch.device | str = "cpu",
                   dtype: torch.dtype | KVType = torch.float32) -> PagedKVCache:
         return cls(args.n_layers, num_pages, page_size, args.n_kv_heads, args.head_dim, device=device, dtype=dtype)
+
+    @classmethod
+    def of_row(cls, cache: KVCache, row: int = 0) -> PagedKVCache:
+        """Row ``row`` of a dense ``cache`` seen as a pool of one page of all its slots (views:
+        nothing is copied), so that a paged step over page 0 reads and writes that row's keys."""
+        pool = cls.__new__(cls)
+        pool.kv_type = cache.kv_type
+        pool.keys = [k[row].unsqueeze(1) for k in cache.keys]
+        pool.values = [v[row].unsqueeze(1) for v in cache.values]
+        pool._mappings = []
+        pool.num_pages, pool.page_size = 1, cache.max_seq_len
+        pool.device = cache.keys[0].device
+        pool._gathered = None
+        pool._mirrors = [None] * len(cache.keys)
+        pool.key_centers = None
+        return pool
 
     def center_keys_by(self, centers: KeyCenters | None) -> None:
         """Keep keys by the model's measure (``key_centers``), where the type does; before any
@@ -305,13 +322,12 @@ class PagedKVCache:
 
 
 class PagedView:
-    """One step's window on a ``PagedKVCache``: writes the step's keys, attends each sequence.
-
-    ``paged`` tells the transformer to hand attention to ``attend`` instead of its own
-    whole-row path. The index tensors and masks are built once here and reused by every layer.
+    """One step's window on a ``PagedKVCache``, and the layout of its forward: writes the step's
+    keys, attends each sequence. The index tensors and masks are built once here and reused by
+    every layer.
     """
 
-    paged = True
+    row_products = False
 
     def __init__(self, cache: PagedKVCache, batch: PagedBatch) -> None:
         self.cache = cache
@@ -344,6 +360,13 @@ class PagedView:
             keys = torch.arange(width, device=cache.device)
             positions = batch.positions[first:first + length]
             self._run_masks.append((keys.view(1, width) <= positions.view(length, 1)).view(1, 1, length, width))
+
+    def layout(self, positions: torch.Tensor) -> PagedView:
+        """The view itself: its batch says where every token is (``positions`` are its own)."""
+        return self
+
+    def between_layers(self) -> None:
+        interrupt.check()  # a long prompt's chunk stops soon after a cancel
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rule: ops.AttentionRule = ops.PLAIN_ATTENTION) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,8 @@ from llama_chat.ml import half, ops, packed, quantize
 from llama_chat.model import interrupt
 from llama_chat.model.args import ModelArgs
 from llama_chat.model.formats.common import release_pages
-from llama_chat.model.kv_cache import KVCache
+from llama_chat.model.kv_cache import DenseLayout, KVCache, WholeCache
+from llama_chat.model.paged_kv_cache import PagedView
 
 
 # A forward over a CPU cache takes a long run of tokens in pieces whose activations hold at most
@@ -54,30 +55,46 @@ def norm_of(args: ModelArgs, dim: int | None = None) -> nn.Module:
     return kind(args.dim if dim is None else dim, args.norm_eps)
 
 
-@dataclass(frozen=True)
-class StepLayout:
-    """What every layer of one forward needs to know about where its tokens sit."""
+# The kinds of cache a forward takes; each gives the layout its attention runs by (``layout``).
+Cache = KVCache | WholeCache | PagedView
 
-    positions: torch.Tensor  # (batch, seq) int64
-    mask: torch.Tensor | None  # (batch, 1, seq, kv_len) bool, or None when all keys are visible
-    kv_len: int
-    contiguous_from: int | None
-    causal: bool  # no cache: plain causal attention among the given tokens
-    whole_cache: bool = False  # attention over every cache slot, masked (a static step)
-    row_products: bool = False  # projections as multiply-and-sum (see ops.linear)
-    paged: bool = False  # the cache is a PagedView: it writes the keys and attends per sequence
 
-    @classmethod
-    def over_whole_cache(cls, positions: torch.Tensor, capacity: int, *, row_products: bool = False) -> StepLayout:
-        """Every row attends over all ``capacity`` cache slots, masked to its own past.
+class AttentionLayout(Protocol):
+    """How every layer of one forward writes its keys and attends: one per kind of cache
+    (``kv_cache.DenseLayout``, ``kv_cache.WholeCacheLayout``, ``paged_kv_cache.PagedView``), and
+    ``OwnTokens`` without one. ``row_products``: projections as multiply-and-sum (``ops.linear``)."""
 
-        Built from device tensors alone, with shapes that do not depend on the positions: the
-        layout of a step that is compiled once and replayed at every position.
-        """
-        batch, seq = positions.shape
-        keys = torch.arange(capacity, device=positions.device)
-        mask = keys.view(1, 1, 1, capacity) <= positions.view(batch, 1, seq, 1)
-        return cls(positions, mask, capacity, None, causal=False, whole_cache=True, row_products=row_products)
+    row_products: bool
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rule: ops.AttentionRule) -> torch.Tensor:
+        """``q`` ``(batch, heads, seq, head_dim)``, ``k``/``v`` the tokens' own ``(batch, kv_heads,
+        seq, head_dim)``: their keys stored where the layout keeps them, the heads' outputs
+        ``(batch, heads, seq, head_dim)``."""
+
+    def between_layers(self) -> None:
+        """Called between two layers (``interrupt.check`` where the forward is eager)."""
+
+
+class OwnTokens:
+    """No cache: the tokens attend among themselves, causally, or (``visible``, ``(batch, 1, 1,
+    seq)`` bool) to every token of their row that is not padding (an encoder)."""
+
+    row_products = False
+
+    def __init__(self, positions: torch.Tensor, visible: torch.Tensor | None = None) -> None:
+        self.positions = positions
+        self.visible = visible
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rule: ops.AttentionRule = ops.PLAIN_ATTENTION) -> torch.Tensor:
+        if not rule.plain:  # keys sit at the tokens' own positions
+            seen = ops.visible_keys(self.positions, self.positions, rule.window)
+            return ops.ruled_attention(q, k, v, seen, rule)
+        return ops.attention(q, k, v, self.visible, causal=self.visible is None)
+
+    def between_layers(self) -> None:
+        interrupt.check()
 
 
 class Attention(nn.Module):
@@ -114,8 +131,8 @@ class Attention(nn.Module):
                 del self.bq, self.bk, self.bv
                 self.bq = self.bk = self.bv = None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, layout: StepLayout,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, layout: AttentionLayout,
+                layer: int) -> torch.Tensor:
         """``rope`` is None where positions are learned embeddings (BERT): nothing is rotated."""
         batch, seq, _ = x.shape
         if self.wqkv is not None:
@@ -149,24 +166,10 @@ class Attention(nn.Module):
             if rope is not None:
                 q, k = ops.apply_rope(q, rope), ops.apply_rope(k, rope)
             v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if layout.paged:  # packed sequences over pages (model/paged_kv_cache.py)
-            out = cache.attend(layer, q, k, v, self.rule)
-            return self._output(out.transpose(1, 2).reshape(batch, seq, -1), layout)
-        if cache is not None:
-            k, v = cache.update(layer, k, v, layout.positions, layout.kv_len, layout.contiguous_from)
-        if not self.rule.plain:
-            # Keys sit at their positions: a cache's from 0, the tokens' own without one.
-            keys = layout.positions if cache is None else torch.arange(k.shape[2], device=k.device)
-            mask = ops.visible_keys(layout.positions, keys, self.rule.window)
-            out = ops.ruled_attention(q, k, v, mask, self.rule)
-        elif layout.whole_cache:
-            out = ops.attention_over_cache(q, k, v, layout.mask)
-        else:
-            out = ops.attention(q, k, v, layout.mask, causal=layout.causal)
+        out = layout.attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.rule)
         return self._output(out.transpose(1, 2).reshape(batch, seq, -1), layout)
 
-    def _output(self, heads: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+    def _output(self, heads: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
         if self.bo is not None:
             return ops.biased_project(heads, self.wo, self.bo)
         return ops.project(heads, self.wo, layout.row_products)
@@ -252,12 +255,12 @@ class TransformerBlock(nn.Module):
         self.attention_post_norm = RMSNorm(args.dim, args.norm_eps) if args.post_norms else None
         self.ffn_post_norm = RMSNorm(args.dim, args.norm_eps) if args.post_norms else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: StepLayout,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], layout: AttentionLayout,
+                layer: int) -> torch.Tensor:
         if self.norm_after_residual:  # BERT's post-LN; the sublayers' outputs are fresh: summed in place
-            h = self.attention_norm(self.attention(x, rope, layout, cache, layer).add_(x))
+            h = self.attention_norm(self.attention(x, rope, layout, layer).add_(x))
             return self.ffn_norm(self.feed_forward(h, layout.row_products).add_(h))
-        out = self.attention(self.attention_norm(x), rope, layout, cache, layer)
+        out = self.attention(self.attention_norm(x), rope, layout, layer)
         h = x + (out if self.attention_post_norm is None else self.attention_post_norm(out))
         out = self.feed_forward(self.ffn_norm(h), layout.row_products)
         return h + (out if self.ffn_post_norm is None else self.ffn_post_norm(out))
@@ -343,45 +346,34 @@ class Transformer(nn.Module):
             else:
                 p.normal_(0.0, std, generator=generator)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, *, last_only: bool = False,
-                static: bool = False, row_products: bool = False, window: int | None = None,
-                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: Cache | None = None, *,
+                last_only: bool = False, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` and ``positions`` are ``(batch, seq)``; returns ``(batch, seq or 1, vocab)``.
 
-        Without a cache the tokens attend causally among themselves (training, scoring). With a
-        cache each row's keys are written at its positions and it attends to everything it has
-        stored up to its own position. ``last_only`` projects only the last token of each row.
-        ``static`` attends over the whole cache with a mask instead of the part the positions
-        reach: no host sync and the same shapes at every position, for a compiled step.
-        ``row_products`` (static only) spells projections out for the compiler (``ops.linear``).
-        ``window`` (static only): attend over the first ``window`` cache slots instead of all of
-        them; every position must be below it.
-        A ``PagedView`` cache (``model/paged_kv_cache.py``) takes one row of packed sequences;
-        ``logits_at`` then picks the tokens whose logits are wanted: ``(1, len(logits_at), vocab)``.
+        The cache's type picks how attention runs (``cache.layout``). Without a cache the tokens
+        attend causally among themselves (training, scoring). Over a ``KVCache`` each row's keys
+        are written at its positions and it attends to everything it has stored up to its own
+        position. Over a ``WholeCache`` a row attends over every slot, masked: no host sync and
+        the same shapes at every position, for a compiled step. A ``PagedView``
+        (``model/paged_kv_cache.py``) takes one row of packed sequences; ``logits_at`` then picks
+        the tokens whose logits are wanted: ``(1, len(logits_at), vocab)``. ``last_only`` projects
+        only the last token of each row.
         """
         batch, seq = tokens.shape
         device = tokens.device
         if positions is None:
             positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
-        if getattr(cache, "paged", False):
-            layout = StepLayout(positions, None, 0, None, causal=False, paged=True)
-        elif static:
-            if cache is None:
-                raise ValueError("a static forward needs a KV cache")
-            layout = StepLayout.over_whole_cache(positions, window or cache.max_seq_len, row_products=row_products)
-        else:
-            layout = self._layout(positions, cache)
-            rows = self._piece_rows(layout, seq, device) if last_only else None
-            if rows is not None:
-                # The earlier pieces leave only their keys and values in the cache.
-                last = (seq - 1) // rows * rows
-                for start in range(0, last, rows):
-                    piece = positions[:, start:start + rows]
-                    self._hidden(tokens[:, start:start + rows], piece, self._layout(piece, cache), cache)
-                tokens, positions = tokens[:, last:], positions[:, last:]
-                layout = self._layout(positions, cache)
-        h = self._hidden(tokens, positions, layout, cache)
+        layout = OwnTokens(positions) if cache is None else cache.layout(positions)
+        rows = self._piece_rows(layout, seq, device) if last_only else None
+        if rows is not None:
+            # The earlier pieces leave only their keys and values in the cache.
+            last = (seq - 1) // rows * rows
+            for start in range(0, last, rows):
+                piece = positions[:, start:start + rows]
+                self._hidden(tokens[:, start:start + rows], piece, cache.layout(piece))
+            tokens, positions = tokens[:, last:], positions[:, last:]
+            layout = cache.layout(positions)
+        h = self._hidden(tokens, positions, layout)
         if last_only:
             h = h[:, -1:, :]
         elif logits_at is not None:
@@ -400,12 +392,8 @@ class Transformer(nn.Module):
         """
         batch, seq = tokens.shape
         positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand(batch, seq)
-        if self.args.encoder:
-            visible = positions < lengths.view(batch, 1)
-            layout = StepLayout(positions, visible.view(batch, 1, 1, seq), seq, None, causal=False)
-        else:
-            layout = StepLayout(positions, None, seq, None, causal=True)
-        h = self._hidden(tokens, positions, layout, None, types)
+        visible = (positions < lengths.view(batch, 1)).view(batch, 1, 1, seq) if self.args.encoder else None
+        h = self._hidden(tokens, positions, OwnTokens(positions, visible), types)
         return h if self.norm is None else self.norm(h)
 
     @torch.no_grad()
@@ -428,9 +416,9 @@ class Transformer(nn.Module):
         ``encode``) ``(batch, len(ids))``: a reranker scored on its answer (Qwen3-Reranker)."""
         return ops.project(self.last_states(tokens, lengths), self.output).float()[:, ids]
 
-    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, layout: StepLayout,
-                cache: KVCache | None, types: torch.Tensor | None = None) -> torch.Tensor:
-        """The last layer's output for ``tokens``, their keys and values written into ``cache``."""
+    def _hidden(self, tokens: torch.Tensor, positions: torch.Tensor, layout: AttentionLayout,
+                types: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's output for ``tokens``, their keys and values written where ``layout`` keeps them."""
         h = self.tok_embeddings(tokens)
         a = self.args
         if a.embedding_scale:  # Gemma: sqrt(dim) rounded to the activations' dtype, as its own code does
@@ -447,9 +435,8 @@ class Transformer(nn.Module):
             local = ops.rope_at(self.rope_table(tokens.device, local=True), positions) \
                 if a.local_rope_theta is not None else rope
         for i, layer in enumerate(self.layers):
-            if not layout.whole_cache:  # a static step is compiled: no host calls in it
-                interrupt.check()  # between two layers: a long prefill stops soon after a cancel
-            h = layer(h, local if a.local_rope(i) else rope, layout, cache, i)
+            layout.between_layers()
+            h = layer(h, local if a.local_rope(i) else rope, layout, i)
         return h
 
     def rows_per_forward(self) -> int:
@@ -467,34 +454,13 @@ class Transformer(nn.Module):
         fit = int(weights * PROMPT_MEMORY_SHARE) // per_token // PIECE_STEP * PIECE_STEP
         return max(FEWEST_PIECE_ROWS, fit)
 
-    def _piece_rows(self, layout: StepLayout, seq: int, device: torch.device) -> int | None:
-        """Tokens per pass when a run of ``seq`` over a CPU cache goes in pieces, else None."""
-        if layout.contiguous_from is None or device.type != "cpu" or seq <= FEWEST_PIECE_ROWS:
-            return None  # no cache, rows at positions of their own, a GPU (the rule is the host's), short
+    def _piece_rows(self, layout: AttentionLayout, seq: int, device: torch.device) -> int | None:
+        """Tokens per pass when a run of ``seq`` over a dense CPU cache goes in pieces, else None."""
+        if not isinstance(layout, DenseLayout) or layout.contiguous_from is None or device.type != "cpu" \
+                or seq <= FEWEST_PIECE_ROWS:
+            return None  # another cache, rows at positions of their own, a GPU (the rule is the host's), short
         most = self.rows_per_forward()
         if seq <= most:
             return None
         pieces = -(-seq // most)
         return min(most, -(-seq // pieces) + PIECE_STEP - 1) // PIECE_STEP * PIECE_STEP
-
-    def _layout(self, positions: torch.Tensor, cache: KVCache | None) -> StepLayout:
-        batch, seq = positions.shape
-        if cache is None:
-            return StepLayout(positions, None, seq, None, causal=True)
-        # One host sync per forward: the positions decide how much of the cache is read.
-        first = positions[:, 0]
-        lo, hi = int(first.min()), int(positions.max())
-        if hi >= cache.max_seq_len:
-            raise IndexError(f"position {hi} is past the cache length {cache.max_seq_len}")
-        same_run = lo == int(first.max()) and (
-            seq == 1 or bool((positions == positions[:1, :1] + torch.arange(seq, device=positions.device)).all())
-        )
-        kv_len = hi + 1
-        if same_run and seq == 1:
-            mask = None  # every row is at the last cached position: all keys visible
-        elif same_run and lo == 0:
-            return StepLayout(positions, None, kv_len, 0, causal=True)  # a fresh prefill
-        else:
-            keys = torch.arange(kv_len, device=positions.device)
-            mask = (keys.view(1, 1, 1, kv_len) <= positions.view(batch, 1, seq, 1))
-        return StepLayout(positions, mask, kv_len, lo if same_run else None, causal=False)

@@ -147,15 +147,17 @@ def separate_greedy_choices(hf, seed: int, scale) -> None:
 
 
 def decode_one(model, token: int, position: int, cache) -> torch.Tensor:
-    """``(1, 1, vocab)`` logits of one token at ``position`` over a dense ``cache``: through the CPU
-    operator where it takes the model and the cache (``cpu_decode.takes``, as a generation step
-    chooses it), else through the model's layers. Patching ``takes`` to False compares the two."""
+    """``(1, 1, vocab)`` logits of one token at ``position`` over row 0 of a dense ``cache``: through
+    the paged CPU operator, the row seen as one page (``PagedKVCache.of_row``), where it takes the
+    model and the cache (``cpu_decode.takes_rows``, as a generation step chooses it), else through
+    the model's layers. Patching ``takes_rows`` to False compares the two."""
     from llama_chat.model import cpu_decode
+    from llama_chat.model.paged_kv_cache import PagedKVCache
 
-    tokens, positions = torch.tensor([[token]]), torch.tensor([[position]])
-    if cpu_decode.takes(model, tokens, cache):
-        return cpu_decode.forward(model, tokens, positions, cache)
-    return model(tokens, positions, cache)
+    pool = PagedKVCache.of_row(cache)
+    if cpu_decode.takes_rows(model, pool):
+        return cpu_decode.forward_rows(model, [token], [position], [[0]], pool).view(1, 1, -1)
+    return model(torch.tensor([[token]]), torch.tensor([[position]]), cache)
 
 
 def cached_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:

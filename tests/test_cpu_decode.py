@@ -42,7 +42,12 @@ def _model(kind: str, seed: int = 0, vocab_size: int = 97, **overrides) -> torch
 
 
 def _layer_by_layer(monkeypatch):
-    monkeypatch.setattr(cpu_decode, "takes", lambda *args: False)
+    monkeypatch.setattr(cpu_decode, "takes_rows", lambda *args: False)
+
+
+def _takes(model, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the operator reads ``model`` over a cache of ``dtype`` (its weights gathered now)."""
+    return cpu_decode.takes_rows(model, PagedKVCache.for_model(model.args, num_pages=2, page_size=16, dtype=dtype))
 
 
 def _steps(model, cache_dtype, prompt, tokens, monkeypatch, one_call: bool):
@@ -66,7 +71,7 @@ def test_one_call_equals_the_layers(kind, heads, kv_heads, monkeypatch):
     dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
     prompt, tokens = [3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]
     with torch.inference_mode():
-        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1, dtype=dtype))
+        assert _takes(model, dtype)
     got, got_cache = _steps(model, dtype, prompt, tokens, monkeypatch, one_call=True)
     want, want_cache = _steps(model, dtype, prompt, tokens, monkeypatch, one_call=False)
     # float32: the same sums in another order. bfloat16: the layers round every intermediate to
@@ -96,7 +101,7 @@ def test_any_shape_matches_the_layers(dim_heads, hidden, layers, prompt, seed):
     with torch.inference_mode():
         for cache in caches:
             model(ids[:, :prompt], torch.arange(prompt).unsqueeze(0), cache)
-        assert cpu_decode.takes(model, ids[:, prompt:], caches[0])
+        assert cpu_decode.takes_rows(model, PagedKVCache.of_row(caches[0]))
         got = decode_one(model, int(ids[0, prompt]), prompt, caches[0])
         want = model(ids[:, prompt:], torch.tensor([[prompt]]), caches[1])  # the layers
     assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
@@ -107,7 +112,6 @@ def test_greedy_tokens_are_the_layers_tokens(monkeypatch):
     fast = single_stream(model)
     fast.warm_up()  # its backends made now, with the operator
     _layer_by_layer(monkeypatch)
-    monkeypatch.setattr(cpu_decode, "takes_rows", lambda *args: False)  # the paged operator too
     layers = single_stream(model)
     layers.warm_up()
     # The fast step picks inside the operator; the other has no operator to pick with.
@@ -119,11 +123,11 @@ def test_greedy_tokens_are_the_layers_tokens(monkeypatch):
 def test_the_prepared_call_checks_its_token_and_position():
     model = _model("float32", max_seq_len=8)
     with torch.inference_mode():
-        decoder = cpu_decode.decoder(model, KVCache.for_model(model.args, 1))
-        with pytest.raises(IndexError, match="past the cache length 8"):
-            decoder(1, 8)
+        decoder = cpu_decode.PagedDecoder(model, PagedKVCache.of_row(KVCache.for_model(model.args, 1)))
+        with pytest.raises(RuntimeError, match="past its cache"):
+            decoder([1], [8], [[0]])
         with pytest.raises(IndexError, match="outside the vocabulary"):
-            decoder(97, 0)
+            decoder([97], [0], [[0]])
 
 
 def test_threads_do_not_change_the_result():
@@ -141,26 +145,25 @@ def test_threads_do_not_change_the_result():
     assert torch.equal(*results)
 
 
-def test_only_one_token_of_one_row_without_gradients_takes_it():
+def test_only_a_page_pool_without_gradients_takes_it():
     model = _model("float32")
-    cache = KVCache.for_model(model.args, 2)
+    dense = KVCache.for_model(model.args, 2)
+    paged = PagedKVCache.for_model(model.args, num_pages=4, page_size=16)
     with torch.inference_mode():
-        assert cpu_decode.takes(model, torch.tensor([[1]]), cache)
-        assert not cpu_decode.takes(model, torch.tensor([[1, 2]]), cache)
-        assert not cpu_decode.takes(model, torch.tensor([[1], [2]]), cache)
-        assert not cpu_decode.takes(model, torch.tensor([[1]]), None)
-        paged = PagedKVCache.for_model(model.args, num_pages=4, page_size=16)
-        assert not cpu_decode.takes(model, torch.tensor([[1]]), paged)
+        assert cpu_decode.takes_rows(model, paged)
+        assert cpu_decode.takes_rows(model, PagedKVCache.of_row(dense, 1))
+        assert not cpu_decode.takes_rows(model, dense)
+        assert not cpu_decode.takes_rows(model, None)
+        assert cpu_decode.operator_for(model, dense) is None
     with torch.enable_grad():
-        assert not cpu_decode.takes(model, torch.tensor([[1]]), cache)
+        assert not cpu_decode.takes_rows(model, paged)
 
 
 def test_models_it_cannot_read_keep_the_layers():
     unfused = random_model(tiny_args(97))
     half = _model("float32").to(torch.float16)
     with torch.inference_mode():
-        assert not cpu_decode.takes(unfused, torch.tensor([[1]]), KVCache.for_model(unfused.args, 1))
-        assert not cpu_decode.takes(half, torch.tensor([[1]]), KVCache.for_model(half.args, 1, dtype=torch.float16))
+        assert not _takes(unfused)
     assert cpu_decode.supports(unfused) and cpu_decode.supports(_model("int8"))
     assert not cpu_decode.supports(half)
 
@@ -172,7 +175,7 @@ def test_the_step_follows_a_cast_of_the_model():
         decode_one(model, 1, 0, cache)
         model.to(torch.bfloat16)
         cache = KVCache.for_model(model.args, 1, dtype=torch.bfloat16)
-        assert cpu_decode.takes(model, torch.tensor([[1]]), cache)
+        assert cpu_decode.takes_rows(model, PagedKVCache.of_row(cache))
         assert model._cpu_decode.rows.layers[0].qkv.weight.dtype == torch.bfloat16
         assert decode_one(model, 1, 0, cache).dtype == torch.float32
 
@@ -194,7 +197,7 @@ def test_the_weights_move_onto_large_pages_with_their_values_and_ties(monkeypatc
     prompt, tokens = [3, 14, 15, 92, 65], [35, 89, 79, 32]
     want, _ = _steps(model, torch.float32, prompt, tokens, monkeypatch, one_call=False)
     with torch.inference_mode():
-        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+        assert _takes(model)
     moved = _projection_weights(model)
     if cpu_kernels.large_pages():
         block = moved[0].untyped_storage()
@@ -219,7 +222,7 @@ def test_a_memory_mapped_weight_is_copied_out_of_its_file(tmp_path, monkeypatch)
     model.fuse_projections()
     assert in_file_mapping(model.output.weight)
     with torch.inference_mode():
-        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+        assert _takes(model)
     assert torch.equal(model.output.weight, saved.output.weight)
     assert model.tok_embeddings.weight is model.output.weight
     assert in_file_mapping(model.output.weight) is not cpu_kernels.large_pages()
@@ -230,7 +233,7 @@ def test_without_large_pages_the_weights_stay_where_they_are(monkeypatch):
     model = _large()
     where = [w.data_ptr() for w in _projection_weights(model)]
     with torch.inference_mode():
-        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+        assert _takes(model)
     assert [w.data_ptr() for w in _projection_weights(model)] == where
 
 
@@ -250,11 +253,11 @@ def test_the_step_picks_as_argmax_does_whatever_the_threads(threads, tie, nan, b
     try:
         torch.set_num_threads(threads)
         with torch.inference_mode():
-            decoder = cpu_decode.decoder(model, KVCache.for_model(model.args, 1))
-            logits = decoder(token, position)  # the pick's step writes the same keys again
-            picked = decoder.pick(token, position, below)
+            decoder = cpu_decode.PagedDecoder(model, PagedKVCache.for_model(model.args, num_pages=2, page_size=32))
+            logits = decoder([token], [position], [[1]])  # the pick's step writes the same keys again
+            picked = decoder.pick(token, position, [1], below)
             assert picked == int(logits[0, :below].argmax())
-            assert decoder.pick(token, position) == int(logits[0].argmax())
+            assert decoder.pick(token, position, [1]) == int(logits[0].argmax())
     finally:
         torch.set_num_threads(before)
 
@@ -275,8 +278,11 @@ def test_a_step_of_rows_picks_each_rows_argmax(rows):
         assert torch.equal(picks, logits.argmax(dim=-1))
 
 
-def test_a_position_past_the_cache_is_an_error():
+def test_a_position_past_the_cache_is_an_error(monkeypatch):
     model = _model("float32", max_seq_len=8)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="past its cache"):
+        decode_one(model, 1, 8, KVCache.for_model(model.args, 1))
+    _layer_by_layer(monkeypatch)
     with torch.inference_mode(), pytest.raises(IndexError, match="past the cache length 8"):
         decode_one(model, 1, 8, KVCache.for_model(model.args, 1))
 
@@ -475,20 +481,12 @@ def test_a_single_stream_takes_the_panels_only_while_the_copy_is_small(monkeypat
     model = _model("float32", vocab_size=128)
     found = cpu_decode._weights_of(model)
     paged = PagedKVCache.for_model(model.args, num_pages=4, page_size=4)
-    dense = KVCache.for_model(model.args, 1)
-
-    def single_stream():
-        found.decoders.clear()
-        return cpu_decode.decoder(model, dense).weights
-
     with torch.inference_mode():
         assert cpu_decode.PagedDecoder(model, paged).weights_for(rows=3).packed
         assert cpu_decode.PagedDecoder(model, paged).weights_for(rows=1).packed
-        assert single_stream().packed
         monkeypatch.setattr(cpu_decode, "PANELS_ALONE_AT_MOST", found.panel_bytes() - 1)
         assert cpu_decode.PagedDecoder(model, paged).weights_for(rows=3).packed
         assert not cpu_decode.PagedDecoder(model, paged).weights_for(rows=1).packed
-        assert not single_stream().packed
         # bfloat16 weights: float32 panels for several rows, their own rows for one
         model.to(torch.bfloat16)
         halves = cpu_decode.PagedDecoder(model, paged)

@@ -44,6 +44,7 @@ from llama_chat.ml.packed import PackedLinear  # noqa: E402
 from llama_chat.model import cpu_decode  # noqa: E402
 from llama_chat.model.formats.common import in_file_mapping  # noqa: E402
 from llama_chat.model.kv_cache import KVCache  # noqa: E402
+from llama_chat.model.paged_kv_cache import PagedKVCache  # noqa: E402
 from llama_chat.model.loader import load_model  # noqa: E402
 
 COMPILER = shutil.which(os.environ.get("CXX") or "c++")
@@ -360,8 +361,8 @@ def _assert_same_greedy_run(model, reference, one_call: bool) -> None:
     reference.fuse_projections()
     cache = KVCache.for_model(model.args, 1)
     with torch.inference_mode():
-        assert cpu_decode.takes(model, torch.zeros(1, 1, dtype=torch.long), cache) == one_call
-        assert cpu_decode.takes(reference, torch.zeros(1, 1, dtype=torch.long), cache) == one_call
+        assert cpu_decode.takes_rows(model, PagedKVCache.of_row(cache)) == one_call
+        assert cpu_decode.takes_rows(reference, PagedKVCache.of_row(cache)) == one_call
     prompt = torch.randint(3, 400, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
     ids, logits = _greedy(model, prompt, NEW_TOKENS)
     want_ids, want_logits = _greedy(reference, prompt, NEW_TOKENS)

@@ -99,18 +99,17 @@ def test_the_cpu_operator_takes_every_familys_layers_and_gives_transformers_toke
     assert cpu_decode.supports(loaded.model)
     loaded.model.fuse_projections()
     prompt = _prompt(vocab, seed=4)
-    token = torch.tensor([[5]])
     with torch.inference_mode():
-        assert cpu_decode.takes(loaded.model, token, KVCache.for_model(loaded.args, 1, max_seq_len=8))
+        assert cpu_decode.takes_rows(loaded.model, PagedKVCache.for_model(loaded.args, num_pages=2, page_size=8))
     assert cached_greedy(loaded.model, prompt, NEW_TOKENS) == _hf_greedy(hf, prompt)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
-def test_the_operators_logits_are_the_layers_past_gemmas_windows(tmp_path, sp_model_path, vocab, family, monkeypatch):
-    """Every token of a prompt longer than the window, one step each through the dense cache's
-    ``Decoder`` and in chunks of rows through the paged ``PagedDecoder`` (pages out of order, the
-    windows starting inside them), against the layers: the same logits. Gemma 2's caps are set
-    low enough to bite."""
+def test_the_operators_logits_are_the_layers_past_gemmas_windows(tmp_path, sp_model_path, vocab, family):
+    """Every token of a prompt longer than the window, through ``PagedDecoder`` one step each over
+    a dense cache's row (one page: ``PagedKVCache.of_row``) and in chunks of rows over pages out of
+    order (the windows starting inside them), against the layers: the same logits. Gemma 2's caps
+    are set low enough to bite."""
     if not cpu_kernels.load():
         pytest.skip(f"the CPU operator could not be built here: {cpu_kernels.failure()}")
     caps = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0) if family == "gemma2" else {}
@@ -124,12 +123,11 @@ def test_the_operators_logits_are_the_layers_past_gemmas_windows(tmp_path, sp_mo
     paged = PagedKVCache.for_model(loaded.args, num_pages=PROMPT_LEN // page + 1, page_size=page)
     table = list(range(PROMPT_LEN // page, 0, -1))
     with torch.inference_mode():
-        assert cpu_decode.takes(model, torch.tensor([[1]]), dense[0]) and cpu_decode.takes_rows(model, paged)
+        assert cpu_decode.takes_rows(model, PagedKVCache.of_row(dense[0])) and cpu_decode.takes_rows(model, paged)
         got = [decode_one(model, t, p, dense[0])[0] for p, t in enumerate(ids)]
         rows = cpu_decode.PagedDecoder(model, paged)
         chunked = [rows(ids[p:p + chunk], list(range(p, min(p + chunk, PROMPT_LEN))), [table] * len(ids[p:p + chunk]))
                    for p in range(0, PROMPT_LEN, chunk)]
-        monkeypatch.setattr(cpu_decode, "takes", lambda *args: False)
         want = [model(torch.tensor([[t]]), torch.tensor([[p]]), dense[1])[0] for p, t in enumerate(ids)]
     want = torch.cat(want)
     assert (torch.cat(got) - want).abs().max().item() <= 1e-4

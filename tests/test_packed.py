@@ -314,14 +314,15 @@ def test_the_one_call_step_reads_packed_blocks_and_picks_the_layers_tokens(cpu_k
     # differs, so the logits agree far below the gaps between the ids picked.
     from llama_chat.model import cpu_decode
     from llama_chat.model.kv_cache import KVCache
+    from llama_chat.model.paged_kv_cache import PagedKVCache
 
     model, _ = packed_model()
     with torch.inference_mode():
-        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+        assert cpu_decode.takes_rows(model, PagedKVCache.of_row(KVCache.for_model(model.args, 1)))
     prompt = [3, 14, 15, 92, 65]
     ids, logits = _greedy(model, prompt, 12)
     with monkeypatch.context() as patch:
-        patch.setattr(cpu_decode, "takes", lambda *args: False)
+        patch.setattr(cpu_decode, "takes_rows", lambda *args: False)
         layer_ids, layer_logits = _greedy(model, prompt, 12)
     assert ids == layer_ids
     assert (logits - layer_logits).abs().max() < 1e-3
@@ -353,6 +354,7 @@ def test_packed_blocks_of_a_mapped_file_move_onto_large_pages_with_their_bytes(c
     from llama_chat.model import cpu_decode
     from llama_chat.model.formats.common import in_file_mapping
     from llama_chat.model.kv_cache import KVCache
+    from llama_chat.model.paged_kv_cache import PagedKVCache
 
     model, _ = packed_model(vocab_size=32768)  # a classifier of more than one 2 MiB page
     path = tmp_path / "blocks.bin"
@@ -365,7 +367,7 @@ def test_packed_blocks_of_a_mapped_file_move_onto_large_pages_with_their_bytes(c
     prompt = [3, 14, 15, 92, 65]
     want, _ = _greedy(model, prompt, 4)  # the prompt through the layers, then one-call steps
     with torch.inference_mode():
-        assert cpu_decode.takes(model, torch.tensor([[1]]), KVCache.for_model(model.args, 1))
+        assert cpu_decode.takes_rows(model, PagedKVCache.of_row(KVCache.for_model(model.args, 1)))
     assert all(torch.equal(layer.data, bytes_) for layer, bytes_ in zip(layers, before))
     if cpu_kernels.large_pages():
         storage = model.output.data.untyped_storage().data_ptr()
@@ -414,7 +416,7 @@ def test_the_one_call_step_reads_every_kind(cpu_kernels_loaded, kind, monkeypatc
     prompt = [3, 14, 15, 92, 65]
     ids, logits = _greedy(model, prompt, 6)
     with monkeypatch.context() as patch:
-        patch.setattr(cpu_decode, "takes", lambda *args: False)
+        patch.setattr(cpu_decode, "takes_rows", lambda *args: False)
         layer_ids, layer_logits = _greedy(model, prompt, 6)
     assert cpu_decode._weights_of(model) is not None  # the steps after the prompt took the operator
     assert torch.isfinite(logits).all() and logits.std() > 0

@@ -5,10 +5,10 @@ What the step reads of a model comes in as ``StepWeights`` (one ``LayerWeights``
 which the C++ side reads by name), laid out by the model's side
 (``model/cpu_decode.py`` gathers them from a model's modules and packs the panels), with the
 family's ``Switches`` (Gemma's embedding scale, GeGLU, windows, scores' scale and soft caps).
-Here are the objects that call the operator with them, everything but the tokens and positions
-prepared once: ``Decoder`` for the one sequence of a dense cache, ``RowsDecoder`` for rows over a
-paged cache. Greedy picks can be made inside the step (``Decoder.pick``, ``RowsDecoder.with_picks``), by the
-threads that write the logits.
+Here is the object that calls the operator with them, everything but the tokens, positions and
+block tables prepared once: ``RowsDecoder``, for rows over a paged cache. Greedy picks can be made
+inside the step (``RowsDecoder.pick``, ``RowsDecoder.with_picks``), by the threads that write the
+logits.
 """
 
 from __future__ import annotations
@@ -153,58 +153,6 @@ def _decode_step():
     return torch.ops.llama_chat_cpu.decode_step.default
 
 
-class Decoder:
-    """``decoder(token, position)``: the logits ``(1, vocab)`` of one token of one sequence, its keys
-    and values written into ``keys`` and ``values`` (per layer, the sequence's
-    ``(kv_heads, length, head_dim)``), with everything but the token and the position prepared
-    once (the sequence's slots as one page of the cache's length): the Python around each call
-    was a visible part of a small model's step."""
-
-    def __init__(self, weights: StepWeights, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        # Detached: a step needs no inference or no-grad mode around it (``pick`` in the engine),
-        # and a plain tensor slices faster than a parameter.
-        self.weights = weights
-        self.embedding = _plain(weights.embedding)
-        self.vocab_size, dim = _shape(self.embedding)
-        self.classes = weights.classes  # logits per step
-        self.capacity = keys[0].shape[1]
-        self.keys_ptr = keys[0].data_ptr()
-        self._run = _decode_step()
-        self._model = weights.over([k.unsqueeze(1) for k in keys], [v.unsqueeze(1) for v in values], self.capacity)
-        self._table = torch.zeros(1, 1, dtype=torch.long)  # the one page
-        # The position goes in through a NumPy view of a kept tensor: a new tensor per token cost
-        # far more than the copy.
-        self._position = torch.zeros(1, dtype=torch.long)
-        self._position_slot = self._position.numpy()
-        self._picks = torch.zeros(1, dtype=torch.long)
-        self._pick_slot = self._picks.numpy()
-        # So does a float32 embedding row (``_EmbeddingRows``).
-        self._hidden_row = torch.zeros(1, dim)
-        self._hidden_bytes = memoryview(self._hidden_row.numpy()).cast("B")
-        self._embedding_rows = _EmbeddingRows.of(self.embedding)
-
-    def __call__(self, token: int, position: int) -> torch.Tensor:
-        return self._run(self._model, self._hidden(token, position), self._position, self._table)
-
-    def pick(self, token: int, position: int, below: int | None = None) -> int:
-        """The greedy pick after the token: the first id of the largest logit among the ids below
-        ``below`` (all of them: None), found by the step's own threads as they write the logits."""
-        self._run(self._model, self._hidden(token, position), self._position, self._table, self._picks,
-                  self.classes if below is None else below)
-        return int(self._pick_slot[0])
-
-    def _hidden(self, token: int, position: int) -> torch.Tensor:
-        if not 0 <= position < self.capacity:
-            raise IndexError(f"position {position} is past the cache length {self.capacity}")
-        if not 0 <= token < self.vocab_size:
-            raise IndexError(f"token id {token} is outside the vocabulary ({self.vocab_size})")
-        self._position_slot[0] = position
-        if self._embedding_rows is None:
-            return _rows(self.embedding, [token])
-        self._embedding_rows.copy((token,), self._hidden_bytes)
-        return self._hidden_row
-
-
 class RowsDecoder:
     """``decoder(tokens, positions, tables)``: logits ``(rows, vocab)``, float32, where row ``r``
     is token ``tokens[r]`` at ``positions[r]`` of the sequence whose pages of the paged cache
@@ -248,7 +196,7 @@ class RowsDecoder:
     def with_picks(self, tokens: list[int], positions: list[int], tables: list[list[int]],
                    below: int | None = None, sampled: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits and each row's greedy pick among the ids below ``below`` (all: None), picked
-        by the step's own threads as they write the logits (``Decoder.pick``); with ``sampled``,
+        by the step's own threads as they write the logits; with ``sampled``,
         of those rows only, in that order (rows of a prompt's chunk but its last need none). The
         picks tensor of a number of rows is the same one every time: read it before the next
         step."""
