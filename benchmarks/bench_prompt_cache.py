@@ -1,6 +1,7 @@
 """An agent's first token: a request that offers ``bench_tools.py``'s 20 tools, cold, warm in the
 same process, and after a restart with the prompt cache on disk (``--prompt-cache``), through real
-``llama-chat serve`` processes; ``llama-server`` beside it, cold and warm with its ``cache_prompt``.
+``llama-chat serve`` processes; ``llama-server`` beside it, cold and warm with its ``cache_prompt``;
+both with the file's whole context (``-c 0``).
 
     python benchmarks/bench_prompt_cache.py FILE.gguf [--rounds 3] [--threads 2] [--no-llama-cpp]
 
@@ -44,6 +45,12 @@ from bench_speculative import CACHE, machine
 from bench_tools import QUESTION, TEMPLATE, first_token_s, tools
 
 START_S = 600.0
+# The longest wait for a server's answer: a cold prefill of the request sends nothing before its
+# first token, and takes minutes on a 1.5B model's shape on two cores.
+REQUEST_S = 3600.0
+# Both servers get the file's whole context (``-c 0``): the request is longer than llama-chat's
+# default context on a long model.
+FULL_CONTEXT = ("-c", "0")
 
 
 def log(msg: str) -> None:
@@ -54,7 +61,8 @@ def serve(model: str, work: Path, threads: int, *extra: str) -> tuple[subprocess
     """A ``llama-chat serve`` of ``model`` on a free port, once its /health says ready."""
     port = free_port()
     out = open(work / f"serve-{port}.log", "wb")
-    proc = subprocess.Popen([*llama_chat(), "serve", "-m", model, "--port", str(port), "--max-batch", "1", *extra],
+    proc = subprocess.Popen([*llama_chat(), "serve", "-m", model, "--port", str(port), "--max-batch", "1",
+                             *FULL_CONTEXT, *extra],
                             stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                             env={**child_env(), "OMP_NUM_THREADS": str(threads)})
     url = f"http://127.0.0.1:{port}"
@@ -89,19 +97,21 @@ def request(prompt: str, *, logprobs: bool = False) -> dict:
             **({"logprobs": 3} if logprobs else {})}
 
 
-def first_logprobs(url: str, prompt: str) -> dict[str, float]:
-    """The first token's top log-probabilities of a non-streamed answer."""
-    response = httpx.post(f"{url}/v1/completions", json=request(prompt, logprobs=True), timeout=600)
+def first_logprobs(url: str, prompt: str) -> tuple[dict[str, float], int]:
+    """The first token's top log-probabilities of a non-streamed answer, and its prompt tokens."""
+    response = httpx.post(f"{url}/v1/completions", json=request(prompt, logprobs=True), timeout=REQUEST_S)
     assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    answer = response.json()
+    return answer["choices"][0]["logprobs"]["top_logprobs"][0], answer["usage"]["prompt_tokens"]
 
 
 def ttft(url: str, prompt: str) -> float:
-    return first_token_s(url, "/v1/completions", request(prompt))
+    return first_token_s(url, "/v1/completions", request(prompt), timeout=REQUEST_S)
 
 
 def ours(model: str, prompt: str, work: Path, threads: int, rounds: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"cold": [], "warm": [], "restart": [], "disk_tokens": [], "difference": []}
+    times: dict[str, list[float]] = {"cold": [], "warm": [], "restart": [], "disk_tokens": [], "difference": [],
+                                     "prompt_tokens": []}
     for r in range(rounds):
         proc, url = serve(model, work, threads)
         try:
@@ -112,17 +122,18 @@ def ours(model: str, prompt: str, work: Path, threads: int, rounds: int) -> dict
         folder = work / f"prompt-cache-{r}"
         proc, url = serve(model, work, threads, "--prompt-cache", str(folder))
         try:
-            cold_logprobs = first_logprobs(url, prompt)  # cold too: it writes the pages
+            cold_logprobs, prompt_tokens = first_logprobs(url, prompt)  # cold too: it writes the pages
         finally:
             stop(proc)  # the blocks queued are written before it exits
         proc, url = serve(model, work, threads, "--prompt-cache", str(folder))
         try:
             times["restart"].append(ttft(url, prompt))
-            again = first_logprobs(url, prompt)
+            again, _ = first_logprobs(url, prompt)
             metrics = httpx.get(f"{url}/metrics", timeout=60).text
         finally:
             stop(proc)
         assert sorted(again) == sorted(cold_logprobs), f"other top tokens after the restart: {again} {cold_logprobs}"
+        times["prompt_tokens"].append(prompt_tokens)
         times["difference"].append(max(abs(again[t] - cold_logprobs[t]) for t in again))
         times["disk_tokens"].append(next(float(line.split()[1]) for line in metrics.splitlines()
                                          if line.startswith("llama_chat_prompt_cache_disk_tokens_total ")))
@@ -135,7 +146,7 @@ def ours(model: str, prompt: str, work: Path, threads: int, rounds: int) -> dict
 def llama_server(server: Path, model: str, prompt: str, threads: int, rounds: int) -> dict[str, list[float]]:
     """llama-server's time to its first streamed token, cold and warm (``cache_prompt``)."""
     port = free_port()
-    proc = subprocess.Popen([str(server), "-m", model, "--port", str(port), "-np", "1", "-c", "8192",
+    proc = subprocess.Popen([str(server), "-m", model, "--port", str(port), "-np", "1", *FULL_CONTEXT,
                              "-t", str(threads), "--no-webui", "--temp", "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     times: dict[str, list[float]] = {"cold": [], "warm": []}
@@ -146,7 +157,7 @@ def llama_server(server: Path, model: str, prompt: str, threads: int, rounds: in
         sent = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
                                       headers={"Content-Type": "application/json"})
         start = time.perf_counter()
-        with urllib.request.urlopen(sent, timeout=3600) as response:
+        with urllib.request.urlopen(sent, timeout=REQUEST_S) as response:
             for line in response:
                 if line.startswith(b"data: "):
                     return time.perf_counter() - start
@@ -173,12 +184,7 @@ def main() -> None:
     prompt = agent_prompt(args.model)
     with tempfile.TemporaryDirectory() as work:
         times = ours(args.model, prompt, Path(work), args.threads, args.rounds)
-        proc, url = serve(args.model, Path(work), args.threads)
-        try:
-            tokens = httpx.post(f"{url}/v1/completions", json={**request(prompt), "max_tokens": 1},
-                                timeout=600).json()["usage"]["prompt_tokens"]
-        finally:
-            stop(proc)
+    tokens = int(times["prompt_tokens"][0])
     cpp: dict[str, list[float]] = {}
     if not args.no_llama_cpp:
         server = peer_mod.ensure_llama_cpp(CACHE, log=log).bench.parent / "llama-server"

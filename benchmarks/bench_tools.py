@@ -105,10 +105,11 @@ def mask_cost(constraints: Constraints, constraint: Constraint, steps: int) -> d
             "advance_us": statistics.median(advances) * 1e6}
 
 
-def first_token_s(url: str, route: str, body: dict) -> float:
-    """Seconds from sending a streamed request to its first event with text or a call."""
+def first_token_s(url: str, route: str, body: dict, timeout: float = 120) -> float:
+    """Seconds from sending a streamed request to its first event with text or a call (``timeout``:
+    the longest silence, which a long prompt's prefill before the first event must fit in)."""
     start = time.perf_counter()
-    with httpx.stream("POST", f"{url}{route}", json={**body, "stream": True}, timeout=120) as response:
+    with httpx.stream("POST", f"{url}{route}", json={**body, "stream": True}, timeout=timeout) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if not line.startswith("data: {"):
