@@ -156,9 +156,9 @@ class BatchCore:
 
         The short path skips what a batch needs and a lone job does not: admission, the plan and
         its lists, the backend's choice, the counters' loop over rows. Its pages were reserved at
-        admission; a full page still gets its prefix key (``_fed``). A step whose draft prompt
-        lookup finds is planned as a batch's. It gives way the moment anything else asks for a
-        step (``_alone_again``): the next call takes the plan.
+        admission; a full page still gets its prefix key (``_fed``). A step for which prompt
+        lookup finds a draft is planned as a batch's. It gives way the moment anything else asks
+        for a step (``_alone_again``): the next call takes the plan.
         """
         # The scheduler's step thread is in inference mode already (its StepWorker's scope).
         if not torch.is_inference_mode_enabled():
@@ -169,12 +169,13 @@ class BatchCore:
             return self._step()
         backends = self._backends
         token = backends.lone[job.draw].token
+        drafting = job.lookup is not None and backends.verifies_drafts  # as the plan drafts
         drafts: list[tuple[Job, list[int]]] = []
         self.cache.drop_mirrors()  # rows fed past the packed forward's mirror
         events: list[tuple[Job, TokenEvent]] = []
         until = time.perf_counter() + LONE_STEPS_S
         while True:
-            if job.lookup is not None:
+            if drafting:
                 drafts = self._drafts([job])
             if drafts:
                 made, done = self._take(StepPlan([], [], False, drafts), backends)[1:]
@@ -202,8 +203,7 @@ class BatchCore:
         job = self.active[0]
         lone = self._backends.lone.get(job.draw)
         if (lone is None or job.cancelled or job.model_draft is not None or len(job.tokens) - job.fed != 1
-                or job.produced - job.received >= self.settings.buffer_size
-                or job.lookup is not None and not self._backends.verifies_drafts):
+                or job.produced - job.received >= self.settings.buffer_size):
             return None
         return None if lone.wants_consecutive and not consecutive(job.pages) else job
 
