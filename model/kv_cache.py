@@ -171,6 +171,15 @@ class DenseLayout:
         self.contiguous_from = contiguous_from
         self.causal = causal
 
+    @property
+    def one_run(self) -> bool:
+        """Whether every row holds the same run of positions (a forward that may go in pieces)."""
+        return self.contiguous_from is not None
+
+    def piece(self, start: int, stop: int) -> DenseLayout:
+        """The layout of the forward's tokens ``[start, stop)``, once those before are cached."""
+        return self.cache.layout(self.positions[:, start:stop])
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rule: ops.AttentionRule = ops.PLAIN_ATTENTION) -> torch.Tensor:
         k, v = self.cache.update(layer, k, v, self.positions, self.kv_len, self.contiguous_from)

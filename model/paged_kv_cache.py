@@ -368,6 +368,19 @@ class PagedView:
     def between_layers(self) -> None:
         interrupt.check()  # a long prompt's chunk stops soon after a cancel
 
+    @property
+    def one_run(self) -> bool:
+        """Whether the step is one sequence's run of tokens (a prompt's chunk, which may go in pieces)."""
+        return not self.batch.singles and len(self.batch.runs) == 1
+
+    def piece(self, start: int, stop: int) -> PagedView:
+        """The view of tokens ``[start, stop)`` of a step of one run, once those before are written."""
+        batch = self.batch
+        (_, _, table, position), = batch.runs
+        pages = -(-(position + stop) // self.cache.page_size)
+        run = ((0, stop - start, table[:pages], position + start),)
+        return PagedView(self.cache, PagedBatch(batch.slots[start:stop], batch.positions[start:stop], 0, None, run))
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rule: ops.AttentionRule = ops.PLAIN_ATTENTION) -> torch.Tensor:
         """Store ``k``/``v`` (``(1, kv_heads, tokens, head_dim)``) at the step's slots, then attend.

@@ -364,15 +364,15 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
         layout = OwnTokens(positions) if cache is None else cache.layout(positions)
-        rows = self._piece_rows(layout, seq, device) if last_only else None
+        rows, last = self._pieces(layout, seq, device, last_only, logits_at)
         if rows is not None:
             # The earlier pieces leave only their keys and values in the cache.
-            last = (seq - 1) // rows * rows
             for start in range(0, last, rows):
-                piece = positions[:, start:start + rows]
-                self._hidden(tokens[:, start:start + rows], piece, cache.layout(piece))
-            tokens, positions = tokens[:, last:], positions[:, last:]
-            layout = cache.layout(positions)
+                self._hidden(tokens[:, start:start + rows], positions[:, start:start + rows],
+                             layout.piece(start, start + rows))
+            tokens, positions, layout = tokens[:, last:], positions[:, last:], layout.piece(last, seq)
+            if logits_at is not None:
+                logits_at = logits_at - last
         h = self._hidden(tokens, positions, layout)
         if last_only:
             h = h[:, -1:, :]
@@ -454,13 +454,21 @@ class Transformer(nn.Module):
         fit = int(weights * PROMPT_MEMORY_SHARE) // per_token // PIECE_STEP * PIECE_STEP
         return max(FEWEST_PIECE_ROWS, fit)
 
-    def _piece_rows(self, layout: AttentionLayout, seq: int, device: torch.device) -> int | None:
-        """Tokens per pass when a run of ``seq`` over a dense CPU cache goes in pieces, else None."""
-        if not isinstance(layout, DenseLayout) or layout.contiguous_from is None or device.type != "cpu" \
-                or seq <= FEWEST_PIECE_ROWS:
-            return None  # another cache, rows at positions of their own, a GPU (the rule is the host's), short
+    def _pieces(self, layout: AttentionLayout, seq: int, device: torch.device, last_only: bool,
+                logits_at: torch.Tensor | None) -> tuple[int | None, int]:
+        """Tokens per pass and the last piece's first token when a run of ``seq`` over a CPU cache
+        goes in pieces, else ``(None, 0)``: a dense cache's rows of one run, or a page pool's step
+        of one sequence's run (a prompt's chunk), whose wanted logits are all in the last piece."""
+        if device.type != "cpu" or seq <= FEWEST_PIECE_ROWS or not (last_only or logits_at is not None):
+            return None, 0  # a GPU (the rule is the host's), short, or every token's logits wanted
+        if not isinstance(layout, (DenseLayout, PagedView)) or not layout.one_run:
+            return None, 0  # no cache, a static step, rows at positions of their own
         most = self.rows_per_forward()
         if seq <= most:
-            return None
+            return None, 0
         pieces = -(-seq // most)
-        return min(most, -(-seq // pieces) + PIECE_STEP - 1) // PIECE_STEP * PIECE_STEP
+        rows = min(most, -(-seq // pieces) + PIECE_STEP - 1) // PIECE_STEP * PIECE_STEP
+        last = (seq - 1) // rows * rows
+        if not last_only and logits_at.numel() and int(logits_at.min()) < last:
+            return None, 0
+        return rows, last

@@ -23,6 +23,7 @@ from builders_gguf import DEFAULT_ROPE, T, write_gguf  # noqa: E402
 from llama_chat.inference.scheduler import SchedulerOptions, build_core  # noqa: E402
 from llama_chat.model.formats.common import in_file_mapping  # noqa: E402
 from llama_chat.model.kv_cache import KVCache  # noqa: E402
+from llama_chat.model.paged_kv_cache import PagedBatch, PagedKVCache  # noqa: E402
 from llama_chat.model.loader import load_model  # noqa: E402
 from llama_chat.model.transformer import FEWEST_PIECE_ROWS, PIECE_STEP, Transformer  # noqa: E402
 
@@ -68,6 +69,45 @@ def test_a_long_run_goes_in_pieces_that_leave_the_cache_and_logits_of_one_pass(m
     for a, b in zip((*pieces.keys, *pieces.values), (*whole.keys, *whole.values)):
         torch.testing.assert_close(a[:, :, :200], b[:, :, :200], rtol=1e-5, atol=1e-5)
         assert not a[:, :, 200:].any()
+
+
+def _paged_chunk(model: Transformer, tokens: list[int], start: int, cache: PagedKVCache,
+                 logits_at: list[int]) -> torch.Tensor:
+    """A prompt's chunk from ``start``, one sequence's run over pages 1, 2, ... as the scheduler
+    steps it (``batch_step.PackedForward``)."""
+    size = cache.page_size
+    positions = list(range(start, start + len(tokens)))
+    table = torch.arange(1, -(-(start + len(tokens)) // size) + 1)
+    slots = [int(table[p // size]) * size + p % size for p in positions]
+    batch = PagedBatch(torch.tensor(slots), torch.tensor(positions), 0, None, ((0, len(tokens), table, start),))
+    with torch.inference_mode():
+        return model(torch.tensor([tokens]), torch.tensor([positions]), cache.view(batch),
+                     logits_at=torch.tensor(logits_at, dtype=torch.long))
+
+
+def test_a_prompt_chunk_over_pages_goes_in_pieces_that_leave_the_pool_and_logits_of_one_pass(monkeypatch):
+    # The scheduler's path: a first chunk, then the rest of the prompt in one step of one run,
+    # its last token's logits wanted; and a chunk that wants none.
+    model = random_model(tiny_args(300, max_seq_len=512), seed=4)
+    ids = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    calls = _layer_calls(model)
+    pools = [PagedKVCache.for_model(model.args, num_pages=20, page_size=16) for _ in range(2)]
+    got = [_paged_chunk(model, ids[:20], 0, pools[0], []), _paged_chunk(model, ids[20:220], 20, pools[0], [199]),
+           _paged_chunk(model, ids[220:], 220, pools[0], [])]
+    assert calls == [20, 64, 64, 64, 8, 48, 32]
+    calls.clear()
+    _whole(monkeypatch)
+    want = [_paged_chunk(model, ids[:20], 0, pools[1], []), _paged_chunk(model, ids[20:220], 20, pools[1], [199]),
+            _paged_chunk(model, ids[220:], 220, pools[1], [])]
+    assert calls == [20, 200, 80]
+    assert [g.shape for g in got] == [w.shape for w in want] == [(1, 0, 300), (1, 1, 300), (1, 0, 300)]
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip((*pools[0].keys, *pools[0].values), (*pools[1].keys, *pools[1].values)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    calls.clear()
+    monkeypatch.undo()
+    _paged_chunk(model, ids[20:220], 20, pools[0], [0, 199])  # a logit of the first piece: one pass
+    assert calls == [200]
 
 
 def test_runs_that_want_every_logit_or_have_no_cache_or_rows_of_their_own_go_whole():
@@ -155,11 +195,11 @@ def _greedy(model: Transformer, prompt: torch.Tensor, n: int) -> list[int]:
     return ids
 
 
-# Run in a fresh process: the model loaded as a user's run loads it, its projections fused, and a
-# prompt prefilled by the model's forward in a worker thread (a first chunk, then the rest, which
-# the forward takes in pieces) over a dense cache; then the process's peak resident set.
+# Run in a fresh process: the model loaded as a user's run loads it, and a prompt through a
+# single stream's scheduler (its projections fused, its prompt in chunks, a long chunk through the
+# layers in pieces) over its page pool, to one token; then the process's peak resident set.
 _PREFILL_CHILD = """
-import json, sys, threading
+import json, sys
 from pathlib import Path
 
 def status_bytes(field):
@@ -167,30 +207,22 @@ def status_bytes(field):
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
 
-path, context, length, first = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-import torch
+path, context, length, tests = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+sys.path.insert(0, tests)
+from builders import IdsTokenizer
+from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
+from llama_chat.inference.types import Request
 from llama_chat.ml.cpu import kernels
-from llama_chat.model.kv_cache import KVCache
+from llama_chat.ml.sampling import SamplingParams
 from llama_chat.model.loader import load_model
 
 kernels.load()
 model = load_model(path, device="cpu").model
-model.fuse_projections()
-cache = KVCache.for_model(model.args, 1, max_seq_len=context)
 vocab = model.args.vocab_size
-prompt = [3 + i * 7919 % (vocab - 3) for i in range(length)]
-
-def forward(ids, start):
-    with torch.inference_mode():
-        model(torch.tensor([ids]), torch.arange(start, start + len(ids)).unsqueeze(0), cache, last_only=True)
-
-def prefill():
-    forward(prompt[:first], 0)
-    forward(prompt[first:], first)
-
-worker = threading.Thread(target=prefill)
-worker.start()
-worker.join()
+scheduler = Scheduler(model, IdsTokenizer(vocab), SchedulerOptions(max_batch=1, max_seq_len=context))
+prompt = tuple(3 + i * 7919 % (vocab - 3) for i in range(length))
+scheduler.generate(Request(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=1))
+cache = scheduler.core.cache
 kv = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
 print(json.dumps({"peak": status_bytes("VmHWM"), "kv": kv, "file": Path(path).stat().st_size,
                   "rows": model.rows_per_forward()}))
@@ -198,8 +230,8 @@ print(json.dumps({"peak": status_bytes("VmHWM"), "kv": kv, "file": Path(path).st
 
 
 def _prefill_peak(path: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", _PREFILL_CHILD, str(path), str(CONTEXT), str(PROMPT), str(FIRST_CHUNK)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _PREFILL_CHILD, str(path), str(CONTEXT), str(PROMPT),
+                           str(Path(__file__).parent)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
 
