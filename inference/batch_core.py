@@ -163,7 +163,7 @@ class BatchCore:
         # The scheduler's step thread is in inference mode already (its StepWorker's scope).
         if not torch.is_inference_mode_enabled():
             with torch.inference_mode():
-                return self.step()
+                return BatchCore.step(self)  # the method, not a wrapper a caller put on the instance
         job = self._lone_job()
         if job is None:
             return self._step()
