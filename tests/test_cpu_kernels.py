@@ -119,8 +119,7 @@ def test_a_compiled_step_calls_the_kernels_and_decodes_the_eager_tokens(dtype, m
     compiles what lies between the products."""
     # Against the eager model layer by layer, which rounds where the compiled graph does (the
     # one-call step keeps float32 between its products: bfloat16 tokens part after a while).
-    monkeypatch.setattr(cpu_decode, "takes", lambda *args: False)
-    monkeypatch.setattr(cpu_decode, "takes_rows", lambda *args: False)  # the paged operator too
+    monkeypatch.setattr(cpu_decode, "takes_rows", lambda *args: False)
     model = random_model(tiny_args(300, max_seq_len=96), seed=5).to(dtype)
     model.fuse_projections()
     eager = single_stream(model)
