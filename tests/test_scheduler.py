@@ -227,6 +227,29 @@ def test_a_slow_consumer_holds_back_only_its_own_job(model, tokenizer):
     assert produced <= 4  # its channel's size: nothing piled up for the reader that never came
 
 
+def test_a_job_alone_stops_at_a_full_channel_and_goes_on_when_it_is_read(model, tokenizer):
+    # A job alone takes the short path; with nobody reading it stops at its channel's size, and
+    # goes on, to the same tokens as a reader that keeps up, once a slow reader takes them.
+    request = Request(random_prompt(torch.Generator().manual_seed(8), 9, tokenizer.vocab_size), sampling=GREEDY,
+                      max_tokens=40)
+
+    async def main():
+        async with Scheduler(model, tokenizer, SchedulerOptions(max_batch=1, buffer_size=3)) as s:
+            stream = s.submit(request)
+            with anyio.fail_after(WAIT_S):
+                while stream.job.produced < 3:
+                    await anyio.sleep(0.01)
+            await anyio.sleep(0.2)
+            unread = stream.job.produced
+            async for _ in stream:
+                await anyio.sleep(0.002)
+            return unread, stream.completion()
+
+    unread, slowly = anyio.run(main)
+    assert unread == 3
+    assert slowly.token_ids == Scheduler(model, tokenizer, ALONE).generate(request).token_ids
+
+
 def test_the_chat_next_turn_reuses_its_pages(model, tokenizer):
     chat = Llama2ChatFormat(tokenizer)
     dialog = [Message("user", "Once upon a time there was a little fox who lived in the forest.")]
