@@ -10,16 +10,17 @@ with a llama2.c-style ``tokenizer.bin`` (``bench_gpu.write_checkpoint``). Then, 
   each, greedy, ``-n --new``, ``--max-batch 64``), its aggregate tok/s read from its ``--stats``
   line (generated tokens over the batch's own time, the model's load left out); then
   ``--clients`` concurrent streaming ``/v1/completions`` requests of the same jobs (greedy; each
-  on a connection of its own, read by a small HTTP/1.1 client on asyncio's streams that undoes
-  the chunked coding and parses the server-sent events itself: on the server's two cores, a
-  client library's own work per event is taken from the server). Every one must finish with
+  on a connection of its own; one thread reads them all, every ``POLL_S``, each read timed, and
+  undoes the chunked coding and parses the server-sent events itself once a response has ended:
+  on the server's two cores, a client's wake-up and parse for every event is taken from the
+  server). Every one must finish with
   ``length``, its streamed text must equal ``--batch``'s text for the same prompt, and its token
   count ``--new`` (a token lost or sent twice changes one or the other), and equal the text of
   the same request without ``stream`` (sent next with httpx, all at once too: its tok/s shows
   what streaming costs the server). Aggregate tok/s: all tokens over the wall time from the
   first request sent to the last response ended. Time to first token and inter-token latency
   are the client's: from sending to the first text event, and between two text events of one
-  stream (an event carries the text of the tokens waiting to be sent: one, or a few when a
+  stream, each as read, up to ``POLL_S`` after it came (an event carries the text of the tokens waiting to be sent: one, or a few when a
   character spans tokens or the stream fell behind). The ratio of streaming's tok/s to
   ``--batch``'s is taken within each run and its median printed: a busy machine's speed swings
   between minutes (as in ``bench_batch.py``). The clients run on the server's machine, so the
@@ -38,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import os
 import re
+import selectors
 import signal
 import socket
 import statistics
@@ -63,7 +66,9 @@ MAX_BATCH = 64
 START_S = 300.0  # the server's process starting, torch imported, the model loaded
 REQUEST_S = 600.0  # one request on a busy machine
 SOAK_FIRST = 200  # the requests after which the soak's first RSS is read
-DISCONNECT_AFTER = 3  # text events a disconnecting client reads before it goes
+DISCONNECT_AFTER = 3  # events a disconnecting client reads before it goes
+READ_BYTES = 65536
+POLL_S = 0.005  # between two looks at every stream's connection
 
 
 @dataclass
@@ -224,29 +229,121 @@ async def sse_data(reader: asyncio.StreamReader, headers: dict[str, str]) -> Asy
                 yield b"\n".join(data).decode()
 
 
-async def stream_one(url: str, prompt: str, new: int, disconnect_after: int | None = None) -> Stream:
-    """One streamed completion, read as it comes (``post``, ``sse_data``); ``disconnect_after``
-    text events, if given, and the client goes."""
-    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    seen = Stream(sent=time.perf_counter())
-    reader, writer, headers = await post(url, "/v1/completions", body)
-    try:
-        async for data in sse_data(reader, headers):
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("usage"):
-                seen.tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk["choices"]:
-                if choice.get("text"):
-                    seen.events.append(time.perf_counter())
-                    seen.text += choice["text"]
-                seen.finish_reason = choice.get("finish_reason") or seen.finish_reason
-            if disconnect_after is not None and len(seen.events) >= disconnect_after:
-                break  # closing the connection below leaves mid-stream
-    finally:
-        writer.close()
+def timed_events(reads: list[tuple[float, bytes]], headers: dict[str, str]) -> list[tuple[float, str]]:
+    """The ``data`` of each server-sent event of a body read as ``(time, bytes)`` pieces, with the
+    time of the read its last byte came in: chunked transfer coding undone, as ``sse_data`` does."""
+    raw = b"".join(piece for _, piece in reads)
+    read_ends, at = [], 0
+    for _, piece in reads:
+        at += len(piece)
+        read_ends.append(at)
+    payload, arrived = bytearray(), []  # arrived: (end of a piece of payload, its time)
+
+    def took(raw_end: int) -> float:
+        return reads[bisect.bisect_left(read_ends, raw_end)][0]
+
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        at = 0
+        while (line_end := raw.find(b"\r\n", at)) >= 0 and (size := int(raw[at:line_end].split(b";", 1)[0], 16)):
+            start = line_end + 2
+            payload += raw[start:start + size]
+            arrived.append((len(payload), took(start + size)))
+            at = start + size + 2
+    else:
+        payload += raw
+        arrived = [(end, when) for end, (when, _) in zip(read_ends, reads)]
+    ends = [end for end, _ in arrived]
+    out, at = [], 0
+    text = bytes(payload)  # the server ends its events' lines with LF alone
+    while (stop := text.find(b"\n\n", at)) >= 0:
+        data = [line[5:].removeprefix(b" ") for line in text[at:stop].split(b"\n") if line.startswith(b"data:")]
+        if data:
+            out.append((arrived[bisect.bisect_left(ends, stop + 2)][1], b"\n".join(data).decode()))
+        at = stop + 2
+    return out
+
+
+@dataclass
+class Reading:
+    """One streamed request's connection, as the poller reads it: every read timed."""
+
+    sock: socket.socket
+    seen: Stream
+    leave_after: int | None  # events read before the client goes; None: to the end
+    reads: list[tuple[float, bytes]] = field(default_factory=list)
+    events: int = 0
+
+
+def stream_wave(url: str, prompts: list[str], new: int, disconnecting: int = 0) -> tuple[list[Stream], float]:
+    """All ``prompts`` at once as streamed completions, the first ``disconnecting`` of them going
+    after ``DISCONNECT_AFTER`` events; and the wall time, from the first request sent to the last
+    byte read. One thread reads every connection, ``POLL_S`` apart, and parses the responses once
+    they end (``timed_events``): the clients share the server's cores, and a wake-up and a parse
+    for every event took a share of them. An event's time is that of the read it ended in."""
+    where = urlsplit(url)
+    selector = selectors.DefaultSelector()
+    start = time.perf_counter()
+    readings = []
+    for i, prompt in enumerate(prompts):
+        body = json.dumps({"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        seen = Stream(sent=time.perf_counter())
+        sock = socket.create_connection((where.hostname, where.port), timeout=REQUEST_S)
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {where.netloc}\r\nContent-Type: application/json\r\n"
+                     f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                     + body)
+        sock.setblocking(False)
+        reading = Reading(sock, seen, DISCONNECT_AFTER if i < disconnecting else None)
+        selector.register(sock, selectors.EVENT_READ, reading)
+        readings.append(reading)
+    deadline, left = start + REQUEST_S, len(readings)
+    while left:
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"{left} streams still open after {REQUEST_S:.0f} s")
+        for key, _ in selector.select(timeout=1.0):
+            reading = key.data
+            piece = reading.sock.recv(READ_BYTES)
+            if piece:
+                reading.reads.append((time.perf_counter(), piece))
+                reading.events += piece.count(b"\n\n")  # an event's end; the chunked coding's lines end in CRLF
+            if not piece or reading.leave_after is not None and reading.events >= reading.leave_after:
+                selector.unregister(reading.sock)
+                reading.sock.close()  # mid-stream, for a client that leaves early
+                left -= 1
+        time.sleep(POLL_S)
+    selector.close()
+    end = max((r.reads[-1][0] for r in readings if r.reads), default=time.perf_counter())
+    return [read_stream(r) for r in readings], end - start
+
+
+def read_stream(reading: Reading) -> Stream:
+    """What a stream's client saw: its status and headers, then its events (``timed_events``)."""
+    seen, reads = reading.seen, reading.reads
+    raw = b"".join(piece for _, piece in reads)
+    head_end = raw.find(b"\r\n\r\n")
+    lines = raw[:max(head_end, 0)].decode("latin-1").split("\r\n")
+    status = lines[0].split(" ", 2)
+    if head_end < 0 or len(status) < 2 or status[1] != "200":
+        raise RuntimeError(f"status {' '.join(status[1:]) or 'missing'}")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    skip, body_reads = head_end + 4, []  # the body's pieces, each with the time of its read
+    for when, piece in reads:
+        body_reads.append((when, piece[skip:]))
+        skip = max(0, skip - len(piece))
+    for when, data in timed_events([r for r in body_reads if r[1]], headers):
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            seen.tokens = chunk["usage"]["completion_tokens"]
+        for choice in chunk["choices"]:
+            if choice.get("text"):
+                seen.events.append(when)
+                seen.text += choice["text"]
+            seen.finish_reason = choice.get("finish_reason") or seen.finish_reason
     return seen
 
 
@@ -262,19 +359,15 @@ async def whole_one(client: httpx.AsyncClient, prompt: str, new: int) -> Stream:
     return seen
 
 
-async def wave(url: str, prompts: list[str], new: int, disconnecting: int = 0,
-               stream: bool = True) -> tuple[list[Stream], float]:
-    """All ``prompts`` at once, the first ``disconnecting`` of them going early; and the wall time."""
+async def whole_wave(url: str, prompts: list[str], new: int) -> tuple[list[Stream], float]:
+    """All ``prompts`` at once without ``stream``; and the wall time."""
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_S, limits=limits) as client:
         out: list[Stream | None] = [None] * len(prompts)
 
         async def one(i: int) -> None:
             with anyio.fail_after(REQUEST_S):
-                if stream:
-                    out[i] = await stream_one(url, prompts[i], new, DISCONNECT_AFTER if i < disconnecting else None)
-                else:
-                    out[i] = await whole_one(client, prompts[i], new)
+                out[i] = await whole_one(client, prompts[i], new)
 
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
@@ -316,7 +409,7 @@ def soak(proc: subprocess.Popen, url: str, total: int, clients: int, new: int) -
     while done < total:
         size = min(clients, total - done, SOAK_FIRST - done if done < SOAK_FIRST else clients)
         leaving = size // 4
-        streams, _ = anyio.run(wave, url, job_prompts(size, first=done), new, leaving)
+        streams, _ = stream_wave(url, job_prompts(size, first=done), new, leaving)
         for i, s in enumerate(streams):
             if i >= leaving and (s.finish_reason != "length" or s.tokens != new):
                 problems += 1
@@ -363,20 +456,20 @@ def main() -> None:
         bad_jobs = 0
         batch_stats, batch_wall, served, served_whole, ttft, itl, client_cores = [], [], [], [], [], [], []
         try:
-            anyio.run(wave, url, prompts[:1], 8)  # warm-up: first touch of the weights and the kernels
+            stream_wave(url, prompts[:1], 8)  # warm-up: first touch of the weights and the kernels
             for run in range(runs):  # --batch and the server back to back, so that their ratio is a fair one
                 batch, stats_tok_s, wall_tok_s = run_batch(model, prompts, args.new, work)
                 batch_stats.append(stats_tok_s)
                 batch_wall.append(wall_tok_s)
                 emit(run=run, measure="batch", jobs=clients, stats_tok_s=stats_tok_s, wall_tok_s=round(wall_tok_s, 1))
                 cpu = time.process_time()
-                streams, wall = anyio.run(wave, url, prompts, args.new)
+                streams, wall = stream_wave(url, prompts, args.new)
                 client_cores.append((time.process_time() - cpu) / wall)
                 served.append(sum(s.tokens for s in streams) / wall)
                 ttft += [(s.events[0] - s.sent) * 1000 for s in streams if s.events]
                 itl += [(b - a) * 1000 for s in streams for a, b in zip(s.events, s.events[1:])]
                 emit(run=run, measure="serve", clients=clients, tok_s=round(served[-1], 1))
-                whole, whole_wall = anyio.run(wave, url, prompts, args.new, 0, False)
+                whole, whole_wall = anyio.run(whole_wave, url, prompts, args.new)
                 served_whole.append(sum(s.tokens for s in whole) / whole_wall)
                 emit(run=run, measure="serve_whole", clients=clients, tok_s=round(served_whole[-1], 1))
                 found = check_streams(streams, batch, args.new)
