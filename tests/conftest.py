@@ -15,6 +15,10 @@ from pathlib import Path
 # the cores with each other and with the commands under test. OpenMP helpers that spin between
 # the many small parallel regions would take those cores (see cli_support.cli_env).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The package's modules and the tests compiled once and cached, even where PYTHONDONTWRITEBYTECODE
+# is set: every worker, fork server and command the suite starts would compile them again (a few
+# seconds of a core for each worker's collection).
+sys.dont_write_bytecode = False
 
 import pytest  # noqa: E402
 import sentencepiece as spm
@@ -47,6 +51,13 @@ def pytest_xdist_auto_num_workers(config) -> int:
     servers it started, and a third worker on two cores keeps both busy (docs/benchmarks.md, "The
     test suite")."""
     return (os.cpu_count() or 1) + 1
+
+
+def pytest_configure(config) -> None:
+    # Newer pytest-xdist releases hand out the files with the most tests first unless told not to,
+    # which puts the longest files last; the order below is the one wanted.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
