@@ -31,6 +31,13 @@ class Server:
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=WAIT_S)
 
+    def anthropic_client(self):
+        """Anthropic's own client. Imported on use: the package takes two seconds of a core to
+        import, which every test worker would otherwise spend collecting."""
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.url, api_key="none", max_retries=0, timeout=WAIT_S)
+
     def metrics(self, api_key: str | None = None) -> dict[str, float]:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         response = httpx.get(f"{self.url}/metrics", headers=headers, timeout=WAIT_S)

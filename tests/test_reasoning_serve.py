@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import jsonschema
 import openai
 import pytest
@@ -169,8 +168,10 @@ def test_earlier_thinking_sent_back_renders_as_the_template_does(qwen3):
 
 
 def test_anthropic_gets_a_thinking_block_before_the_text_whole_and_streamed(qwen3):
+    import anthropic  # on use, as serve_support.Server.anthropic_client
+
     server, _ = qwen3
-    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=WAIT_S)
+    client = server.anthropic_client()
     ask = dict(model="m", max_tokens=30, extra_body={"temperature": 0}, messages=MESSAGES,
                thinking={"type": "enabled", "budget_tokens": 4})
     message = client.messages.create(**ask)
@@ -207,8 +208,10 @@ def test_bad_thinking_controls_are_refused_in_one_line(qwen3, extra, words):
 
 
 def test_anthropic_refuses_a_budget_at_or_above_max_tokens(qwen3):
+    import anthropic  # on use, as serve_support.Server.anthropic_client
+
     server, _ = qwen3
-    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=WAIT_S)
+    client = server.anthropic_client()
     with pytest.raises(anthropic.BadRequestError) as refused:
         client.messages.create(model="m", max_tokens=16, messages=MESSAGES,
                                thinking={"type": "enabled", "budget_tokens": 16})

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema
 import openai
@@ -120,7 +119,7 @@ def test_the_same_answer_on_every_route(server):
     chat = server.client().chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION}],
                                                    temperature=0, max_tokens=24)
     response = create(server)
-    messages = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=WAIT_S).messages.create(
+    messages = server.anthropic_client().messages.create(
         model="m", max_tokens=24, messages=[{"role": "user", "content": QUESTION}], extra_body={"temperature": 0})
     assert response.output_text == chat.choices[0].message.content == messages.content[-1].text
     assert response.usage.input_tokens == chat.usage.prompt_tokens == messages.usage.input_tokens
@@ -157,7 +156,7 @@ def test_every_route_renders_the_same_tools_the_same_way(server):
         model="m", messages=ask, max_tokens=1, tools=[{"type": "function", "function": {
             "name": "get_weather", "description": "The weather", "parameters": WEATHER}}])
     response = create(server, max_output_tokens=1, tools=[TOOL])
-    messages = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=WAIT_S).messages.create(
+    messages = server.anthropic_client().messages.create(
         model="m", max_tokens=1, messages=ask,
         tools=[{"name": "get_weather", "description": "The weather", "input_schema": WEATHER}])
     assert chat.usage.prompt_tokens == response.usage.input_tokens == messages.usage.input_tokens
