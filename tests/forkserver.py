@@ -286,8 +286,10 @@ class ForkedProcess:
             except BrokenPipeError:
                 pass
 
-        threads = [threading.Thread(target=drain, args=(name,), daemon=True)
-                   for name in ("stdout", "stderr") if getattr(self, name) is not None]
+        # A pipe the test has closed is not read, as with ``Popen.communicate``.
+        pipes = {"stdout": self.stdout, "stderr": self.stderr}
+        readable = [name for name, pipe in pipes.items() if pipe is not None and not pipe.closed]
+        threads = [threading.Thread(target=drain, args=(name,), daemon=True) for name in readable]
         threads += [threading.Thread(target=feed, daemon=True)] if self.stdin is not None else []
         for thread in threads:
             thread.start()

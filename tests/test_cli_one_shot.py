@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from cli_support import ANSI, RUN_TIMEOUT_S, build_tiny_model, cli_env, json_result, llama_chat_command, run_cli
+from cli_support import (ANSI, RUN_TIMEOUT_S, build_tiny_model, cli_env, json_result, llama_chat_command, popen_cli,
+                         run_cli)
 from llama_chat.cmd.sanitize import displayable
 from llama_chat.model.tokenizers.sentencepiece import SentencePieceTokenizer
 
@@ -49,13 +50,12 @@ def test_piped_output_ends_its_line_so_the_finish_line_stands_alone(tiny):
     """`2>&1`: the answer, a newline, then the finish line, as llm and Ollama write them; --json
     is one line of JSON as before."""
     read_fd, write_fd = os.pipe()
-    proc = subprocess.run([*llama_chat_command(), "-m", str(tiny.path), "-t", "0", "-n", "9", "-p", PROMPT],
-                          stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, env=cli_env(),
-                          timeout=RUN_TIMEOUT_S)
+    proc = popen_cli([*llama_chat_command(), "-m", str(tiny.path), "-t", "0", "-n", "9", "-p", PROMPT], cli_env(),
+                     stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd)
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as both:
         shown = both.read().decode()
-    assert proc.returncode == 0
+    assert proc.wait(timeout=RUN_TIMEOUT_S) == 0
     text = greedy(tiny, "-n", "9", "-p", PROMPT)["text"]
     assert text and not text.endswith("\n")
     assert shown == displayable(text) + "\nfinish: max_tokens\n"
@@ -194,12 +194,13 @@ def test_a_model_or_draft_that_is_nowhere_is_refused_before_torch_is_imported(tm
 def test_no_prompt_and_stdin_a_terminal_is_a_usage_error(tiny):
     primary, secondary = os.openpty()
     try:
-        proc = subprocess.run([*llama_chat_command(), "-m", str(tiny.path)], stdin=secondary,
-                              capture_output=True, timeout=RUN_TIMEOUT_S, env=cli_env())
+        proc = popen_cli([*llama_chat_command(), "-m", str(tiny.path)], cli_env(), stdin=secondary,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         os.close(primary)
         os.close(secondary)
-    assert proc.returncode == 2 and b"no prompt" in proc.stderr
+    assert proc.returncode == 2 and b"no prompt" in err
 
 
 def test_other_failures_exit_1_with_one_line_and_a_traceback_only_with_debug(tiny, tmp_path):

@@ -219,8 +219,8 @@ def _pty_run(tiny, *args: str, interrupt_after_output: bool = False, **env: str)
     """Run with stdout and stderr on a 160-column pseudo-terminal; return (status, everything shown)."""
     primary, secondary = os.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-    proc = subprocess.Popen([*llama_chat_command(), "-m", str(tiny.path), *args], stdin=subprocess.DEVNULL,
-                            stdout=secondary, stderr=secondary, env=cli_env(TERM="xterm-256color", **env))
+    proc = popen_cli([*llama_chat_command(), "-m", str(tiny.path), *args], cli_env(TERM="xterm-256color", **env),
+                     stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary)
     os.close(secondary)
     shown = b""
     interrupted = False

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_support import build_tiny_model, cli_env, finish, full_pipe, llama_chat_command
+from cli_support import build_tiny_model, cli_env, finish, full_pipe, llama_chat_command, popen_cli, run_cli
 from llama_chat.cmd.sanitize import displayable, one_line
 from terminal_support import SGR, WAIT_S, Pty, held_bytes_model, screen
 
@@ -136,11 +136,18 @@ def test_stderr_closed_still_succeeds(tiny):
     assert proc.returncode == 0 and proc.stdout
 
 
+def _forked(args: list[str], **streams) -> subprocess.CompletedProcess:
+    """A run to its end with the given stdio (``stdout``: a pipe unless given)."""
+    streams.setdefault("stdout", subprocess.PIPE)
+    proc = popen_cli([*llama_chat_command(), *args], cli_env(), **streams)
+    out, err = proc.communicate(timeout=WAIT_S)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
 def test_finish_line_starts_on_a_fresh_line_when_stdout_is_piped(tiny):
     primary, secondary = os.openpty()
-    proc = subprocess.run([*llama_chat_command(), "-m", str(tiny.path), "-p", "hi", "-n", "5", "-t", "0"],
-                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=secondary, timeout=WAIT_S,
-                          env=cli_env())
+    proc = _forked(["-m", str(tiny.path), "-p", "hi", "-n", "5", "-t", "0"], stdin=subprocess.DEVNULL,
+                   stderr=secondary)
     os.close(secondary)
     err = b""
     while select.select([primary], [], [], 0.5)[0]:
@@ -159,8 +166,8 @@ def test_finish_line_starts_on_a_fresh_line_when_stdout_is_piped(tiny):
 
 def test_reader_leaving_before_any_output_stops_quietly(tiny):
     long_prompt = " ".join(["Once upon a time"] * 200)
-    proc = subprocess.Popen([*llama_chat_command(), "-m", str(tiny.path), "-t", "0", "-p", long_prompt],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    proc = popen_cli([*llama_chat_command(), "-m", str(tiny.path), "-t", "0", "-p", long_prompt], cli_env(),
+                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader is gone before anything was written
     _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 141 and err == b""
@@ -169,47 +176,40 @@ def test_reader_leaving_before_any_output_stops_quietly(tiny):
 def test_no_stdin_and_file_options(tiny, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Once upon a time\n")
-    base = [*llama_chat_command(), "-m", str(tiny.path), "-n", "3", "-t", "0", "--json"]
+    base = ["-m", str(tiny.path), "-n", "3", "-t", "0", "--json"]
     # A pipe that never closes: without --no-stdin the run would wait for it for ever.
     waiting = subprocess.Popen(["sleep", "120"], stdout=subprocess.PIPE)
     try:
-        proc = subprocess.run([*base, "-p", "Once upon a time", "--no-stdin"], stdin=waiting.stdout,
-                              capture_output=True, timeout=WAIT_S, env=cli_env())
-        from_file = subprocess.run([*base, "-f", str(prompt)], stdin=waiting.stdout, capture_output=True,
-                                   timeout=WAIT_S, env=cli_env())
+        proc = _forked([*base, "-p", "Once upon a time", "--no-stdin"], stdin=waiting.stdout, stderr=subprocess.PIPE)
+        from_file = _forked([*base, "-f", str(prompt)], stdin=waiting.stdout, stderr=subprocess.PIPE)
     finally:
         waiting.kill()
         waiting.wait()
-    from_stdin = subprocess.run([*base, "-f", "-"], input=b"Once upon a time\n", capture_output=True,
-                                timeout=WAIT_S, env=cli_env())
+    from_stdin = run_cli(*base, "-f", "-", stdin=b"Once upon a time\n", timeout=WAIT_S)
     assert proc.returncode == from_file.returncode == from_stdin.returncode == 0, proc.stderr
     texts = [json.loads(p.stdout)["text"] for p in (proc, from_file, from_stdin)]
     assert texts[0] == texts[1] == texts[2]
-    missing = subprocess.run([*base, "-f", str(tmp_path / "nope")], capture_output=True, timeout=WAIT_S,
-                             env=cli_env())
+    missing = run_cli(*base, "-f", str(tmp_path / "nope"), timeout=WAIT_S)
     assert missing.returncode == 2 and missing.stderr.decode().count("\n") == 1
     assert "cannot read it" in missing.stderr.decode()
 
 
 def test_ctx_size_limits_the_context(tiny):
-    proc = subprocess.run([*llama_chat_command(), "-m", str(tiny.path), "-c", "8", "-p",
-                           "Once upon a time there was a little fox who lived in the forest"],
-                          stdin=subprocess.DEVNULL, capture_output=True, timeout=WAIT_S, env=cli_env())
+    proc = run_cli("-m", str(tiny.path), "-c", "8", "-p",
+                   "Once upon a time there was a little fox who lived in the forest", timeout=WAIT_S)
     assert proc.returncode == 2 and b"the context holds 8" in proc.stderr
 
 
 def test_usage_errors_are_one_line_with_a_hint():
     for args in (["--top-p", "0"], ["--bogus"], ["-n", "0"], ["--dtype", "float8"], ["-c", "-1"]):
-        proc = subprocess.run([*llama_chat_command(), *args], stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=WAIT_S, env=cli_env())
+        proc = run_cli(*args, timeout=WAIT_S)
         lines = proc.stderr.decode().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, (args, lines)
         assert lines[0].startswith("llama-chat: error: ") and lines[0].endswith("(see llama-chat --help)")
 
 
 def test_help_states_each_range_once():
-    helped = subprocess.run([*llama_chat_command(), "--help"], capture_output=True, timeout=WAIT_S,
-                            env=cli_env(COLUMNS="200")).stdout.decode()
+    helped = run_cli("--help", timeout=WAIT_S, COLUMNS="200").stdout.decode()
     assert "0 < p <= 1" in helped and "<=x<=" not in helped and "x>=" not in helped
     for option in ("--ctx-size", "--file", "--no-stdin"):
         assert option in helped
