@@ -41,8 +41,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 # The files that take longest (servers per format, many processes): handed to the parallel
 # workers first, so that the workers end together instead of one running a long file alone at
 # the end (the workers take whole files, in the order collected: alphabetical, otherwise).
-LONGEST_FIRST = ("test_tools.py", "test_hostile_inputs_2.py", "test_cli_one_shot.py", "test_cli_chat.py",
-                 "test_cli_terminal.py", "test_remote.py", "test_cli_signals.py", "test_f16_weights.py")
+LONGEST_FIRST = ("test_tools.py", "test_kernel_cache.py", "test_hostile_inputs_2.py", "test_cli_one_shot.py",
+                 "test_cli_chat.py", "test_cli_terminal.py", "test_constraints.py", "test_remote.py",
+                 "test_cli_signals.py", "test_f16_weights.py", "test_speculative_distribution.py")
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
