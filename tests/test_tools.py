@@ -254,16 +254,17 @@ def _streamed(chunks) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_required_gives_calls_that_fit_their_schema_100_of_100_whole_and_streamed(served):
+def test_required_gives_calls_that_fit_their_schema_60_of_60_whole_and_streamed(served):
     family, server, model_dir = served
     client = server.client()
     ids = set()
     # One call a reply: a random model that prefers the way on to another call over the way out
-    # would make calls until its budget ends (parallel calls: the next test). 50 whole replies,
-    # then 50 streamed.
+    # would make calls until its budget ends (parallel calls: the next test). 30 whole replies,
+    # then 30 streamed, in each format (80 replies a format drawn within its grammar are checked
+    # against the schemas without a server: test_any_reply_the_grammar_allows_reads_the_same...).
     for seed in (11,):
         reply = client.chat.completions.create(model="gpt-4o-mini", messages=ASK, tools=TOOLS, tool_choice="required",
-                                               n=50, max_tokens=200, seed=seed, parallel_tool_calls=False)
+                                               n=30, max_tokens=200, seed=seed, parallel_tool_calls=False)
         assert reply.model == model_dir.name  # any name is answered by the one model served, which it names
         for choice in reply.choices:
             assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
@@ -271,13 +272,13 @@ def test_required_gives_calls_that_fit_their_schema_100_of_100_whole_and_streame
             ids.update(c.id for c in choice.message.tool_calls)
             if family == "mistral":
                 assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
-    assert len(ids) >= 50  # every call its own id
+    assert len(ids) >= 30  # every call its own id
     for seed in (13,):
-        chunks = client.chat.completions.create(model="gpt-4o-mini", messages=ASK, tools=TOOLS, n=50, seed=seed,
+        chunks = client.chat.completions.create(model="gpt-4o-mini", messages=ASK, tools=TOOLS, n=30, seed=seed,
                                                 tool_choice="required", max_tokens=200, stream=True,
                                                 parallel_tool_calls=False)
         choices = _streamed(chunks)
-        assert len(choices) == 50
+        assert len(choices) == 30
         for got in choices.values():
             assert got["finish"] == "tool_calls" and got["content"] == "", got
             assert got["calls"]
