@@ -335,7 +335,7 @@ class LoneGreedy:
 
     def __init__(self, decoder: cpu_decode.PagedDecoder, cache: PagedKVCache, settings: CoreSettings,
                  sample_ids: int | None) -> None:
-        self.pick = decoder.pick
+        self.decoder = decoder
         self.cache = cache
         self.page_size = settings.page_size
         self.sample_ids = sample_ids
@@ -346,30 +346,20 @@ class LoneGreedy:
 
     def token(self, job: Job) -> int:
         position = job.fed
-        return self.pick(job.tokens[position], position, job.pages[:position // self.page_size + 1], self.sample_ids)
+        return self.decoder.pick(job.tokens[position], position, self._pages(job, position), self.sample_ids)
+
+    def _pages(self, job: Job, position: int) -> list[int]:
+        return job.pages[:position // self.page_size + 1]
 
 
-class LoneSampled:
+class LoneSampled(LoneGreedy):
     """One row decoding with temperature and top-p alone: the operator's logits, drawn from as
     ``OperatorRows`` draws a row, with the job's uniform of this position."""
 
-    wants_consecutive = False
-
-    def __init__(self, decoder: cpu_decode.PagedDecoder, cache: PagedKVCache, settings: CoreSettings,
-                 sample_ids: int | None) -> None:
-        self.with_picks = decoder.with_picks
-        self.cache = cache
-        self.page_size = settings.page_size
-        self.sample_ids = sample_ids
-
-    def run(self, plan: StepPlan) -> Drawn:
-        self.cache.drop_mirrors()  # a row fed past the packed forward's mirror
-        return plan.rows, [self.token(plan.rows[0])]
-
     def token(self, job: Job) -> int:
         position = job.fed
-        logits, picks = self.with_picks([job.tokens[position]], [position],
-                                        [job.pages[:position // self.page_size + 1]], self.sample_ids)
+        logits, picks = self.decoder.with_picks([job.tokens[position]], [position], [self._pages(job, position)],
+                                                self.sample_ids)
         return sample_rows(logits, (job,), picks, self.sample_ids)[0]
 
 
