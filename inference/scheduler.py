@@ -55,17 +55,6 @@ from llama_chat.model.prompt_cache import PromptCache, PromptCacheCounts, Prompt
 from llama_chat.model.transformer import Transformer
 
 DEFAULT_PAGE_SIZE = 16
-# Events for this many jobs wake as many consumers, whose work holds the GIL for
-# milliseconds (a server's: text, JSON and a socket write each). Started at once, it catches the
-# step thread between two forwards, which then waits for the GIL and, on a busy CPU, for the
-# kernel's next tick before its next forward. The loop lets it reach that forward first.
-HANDOFF_JOBS = 8
-HANDOFF_S = 0.002
-
-
-def wakes_many(result: StepResult) -> bool:
-    """Whether ``result`` carries events for ``HANDOFF_JOBS`` jobs or more."""
-    return len(result.events) >= HANDOFF_JOBS and len({id(job) for job, _ in result.events}) >= HANDOFF_JOBS
 
 
 @dataclass(frozen=True)
@@ -436,11 +425,7 @@ class Scheduler:
         inflight = deque(worker.submit(self.core.step) for _ in range(self.options.lookahead))
         idle = False
         while inflight:
-            call = inflight.popleft()
-            woken = not call.done.is_set()  # this result woke the loop: its thread is between two steps
-            result: StepResult = await worker.result(call)
-            if woken and wakes_many(result):
-                await anyio.sleep(HANDOFF_S)
+            result: StepResult = await worker.result(inflight.popleft())
             self._deliver(result)
             idle = idle or result.idle
             if not idle:
