@@ -79,6 +79,10 @@ class PageTable:
         self.free = [p for p in range(num_pages - 1, -1, -1) if p != SCRATCH_PAGE]
         self.cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, keyed; oldest first
         self.evictions = 0
+        # The keyed pages of the sequence released last: kept whatever the pool's keep, so that
+        # an agent's next request finds the whole of its long prompt (as a llama-server slot
+        # does), while what a burst of many sequences wrote still goes back.
+        self.last_prefix_pages = 0
 
     @property
     def usable(self) -> int:
@@ -163,6 +167,7 @@ class PageTable:
                 self.cached[page] = None
             else:
                 self.free.append(page)
+        self.last_prefix_pages = sum(self.key_of[page] is not None for page in pages)
         self._give_back()
 
     def register(self, page: int, key: PageKey) -> None:
@@ -183,12 +188,12 @@ class PageTable:
             self.resident += 1
 
     def _give_back(self) -> None:
-        """Give the oldest unheld written pages back to the system, down to the pool's keep,
-        once they pass it (twice over while jobs hold pages, so that a long burst does not pay
-        for it at every job's end)."""
+        """Give the oldest unheld written pages back to the system, down to the pool's keep (or
+        the prefix of the sequence released last, when longer), once they pass it (twice over
+        while jobs hold pages, so that a long burst does not pay for it at every job's end)."""
         if self.pool is None:
             return
-        keep, unheld = self.pool.keep_pages, self.unheld_resident
+        keep, unheld = max(self.pool.keep_pages, self.last_prefix_pages), self.unheld_resident
         if unheld <= (keep if self.in_use == 0 else 2 * keep):
             return
         # Oldest first: free pages deepest in the list (the last ones are taken first), then

@@ -58,8 +58,9 @@ def test_cached_pages_go_back_after_free_ones_and_lose_their_prefix():
     kept, spare = table.allocate(2), table.allocate(1)
     for page, key in zip(kept, (b"k1", b"k2")):
         table.register(page, key)
-    table.release(spare)
-    table.release(kept)  # 3 unheld, keep 1: the free page, then the oldest cached (the prefix's tail)
+    table.release(kept)  # 2 unheld: the prefix of the sequence released last stays whole
+    assert pool.asked == []
+    table.release(spare)  # 3 unheld, keep 1: the free page, then the oldest cached (the prefix's tail)
     assert pool.asked == [sorted([spare[0], kept[1], 4, 5, 6, 7])]
     assert table.lookup([b"k1", b"k2"]) == [kept[0]] and list(table.cached) == [kept[0]]
 
@@ -173,9 +174,12 @@ def test_a_scheduler_of_q8_0_pages_gives_each_job_its_tokens_alone_and_gives_pag
     assert together == alone
     page_bytes = stats.kv_reserved_bytes // (stats.pages_total + 1)
     # Some 16 pages were written; a page of a head is 2,176 bytes here, so the system's pages
-    # cover runs of them: all went back but the scratch page and those at a run's two ends.
+    # cover runs of them: all went back but the scratch page, the last job's full pages (its
+    # prefix, for the next request: its prompt's run and its reply's) and those at the two ends
+    # of each run.
     assert stats.pages_peak >= 14
-    assert page_bytes <= stats.kv_resident_bytes <= 3 * page_bytes
+    last_prefix = max((len(p) + 6) // 64 for p in prompts)
+    assert page_bytes <= stats.kv_resident_bytes <= (1 + last_prefix + 2 * 2) * page_bytes
 
 
 def test_a_scheduler_of_q4_0_pages_keeps_keys_by_the_models_measure_and_each_job_its_tokens_alone(sp_model_path):
@@ -319,3 +323,22 @@ def test_a_files_key_measure_is_kept_and_read_back_until_the_file_changes(sp_mod
         m.setattr(key_centers, "measure", measured_again)
         with pytest.raises(AssertionError, match="measured again"):
             key_centers.of_model(model, tokenizer, source=source)
+
+
+def test_the_last_sequence_keeps_its_whole_prefix_past_the_keep_and_an_older_one_goes_back():
+    pool = FakePool(keep=2)
+    table = PageTable(16, pool)
+    long, short = table.allocate(6), table.allocate(3)
+    for i, page in enumerate(long):
+        table.register(page, f"long{i}".encode())
+    for i, page in enumerate(short[:2]):  # the last page is not full: no key
+        table.register(page, f"short{i}".encode())
+    table.release(short)
+    table.release(long)  # nothing held: the long prompt's 6 pages stay, not the keep's 2
+    assert table.lookup([f"long{i}".encode() for i in range(6)]) == long
+    assert table.lookup([b"short0", b"short1"]) == []  # older, and past the keep: given back
+    assert table.unheld_resident == 6
+    again = table.allocate(1)
+    table.register(again[0], b"next0")
+    table.release(again)  # a short sequence next: the keep is the pool's again, the oldest go
+    assert table.unheld_resident == 2 and table.lookup([b"next0"]) == again
