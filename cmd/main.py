@@ -9,12 +9,15 @@ Exit statuses are listed in ``exit_status.py``; usage errors are one line on std
 
 from __future__ import annotations
 
-import signal
-
 # A Ctrl+C is recorded from this module's first line on, while ``startup`` itself is imported
 # (on a busy machine that takes long enough to be hit), and acted on as ``deferred_signals`` acts.
+# ``_signal`` is built in: ``signal`` builds its enums first, a window of its own.
+import _signal
+
 _early: list[int] = []
-_before = signal.signal(signal.SIGINT, lambda signum, frame: _early.append(signum))
+_before = _signal.signal(_signal.SIGINT, lambda signum, frame: _early.append(signum))
+
+import signal  # noqa: E402
 
 from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds, exit_cancelled  # noqa: E402
 

@@ -85,14 +85,18 @@ def test_sigint_at_any_moment_of_start_up_gives_130_and_no_traceback(tiny):
         # Onto a full pipe the run cannot write its first text, so however fast this machine it is
         # still starting (or about to show that text) when the signal lands, never finished.
         read_fd, write_fd, filled = full_pipe()
+        started = time.monotonic()
         proc = subprocess.Popen([*_real_command(), "-m", str(tiny.path), *LONG], stdin=subprocess.DEVNULL,
                                 stdout=write_fd, stderr=subprocess.PIPE, env=cli_env())
         os.close(write_fd)
         time.sleep(delay)
         assert proc.poll() is None, (delay, proc.returncode, proc.stderr.read())
         proc.send_signal(signal.SIGINT)
-        _, err = finish(proc, read_fd, filled)
-        return delay, proc.returncode, err
+        sent = time.monotonic() - started
+        out, err = finish(proc, read_fd, filled)
+        # When the signal really went, and how much text came after it: where a failure landed.
+        seen = f"signal at {sent:.2f} s, exit at {time.monotonic() - started:.2f} s, {len(out)} bytes after it"
+        return delay, proc.returncode, err + seen.encode()
 
     # While the interpreter is still starting (its site module and .pth files: 0.1-0.2 s on a
     # quiet machine, longer on a loaded one) a Ctrl+C is Python's own business and ends in
