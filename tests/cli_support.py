@@ -127,6 +127,26 @@ def popen_cli(argv: list[str], env: dict[str, str], *, terminal: bool = False, a
     return server.popen(argv, env=env, terminal=terminal, address_space=address_space, **streams)
 
 
+def run_python(code: str, *args: str, env: dict[str, str], timeout: float = RUN_TIMEOUT_S
+               ) -> subprocess.CompletedProcess:
+    """``python -c code *args`` to completion in a process of its own, its output captured;
+    forked where ``run_cli`` would fork (the result's ``max_rss`` then says its peak resident set)."""
+    server = fork_server()
+    if server is None or needs_own_start(env, server.env):
+        return subprocess.run([sys.executable, "-c", code, *args], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=timeout, env=env)
+    return server.run(["-c", *args], input=None, env=env, timeout=timeout, code=code)
+
+
+def popen_python(code: str, *args: str, env: dict[str, str], **streams) -> subprocess.Popen:
+    """``subprocess.Popen([python, "-c", code, *args], env=env, **streams)``, forked where
+    ``run_cli`` would fork."""
+    server = fork_server()
+    if server is None or needs_own_start(env, server.env):
+        return subprocess.Popen([sys.executable, "-c", code, *args], env=env, **streams)
+    return server.popen(["-c", *args], env=env, code=code, **streams)
+
+
 def _limits(terminal: bool = False, address_space: int | None = None):
     """What a run started as installed does before it starts: as the fork server's child does."""
     if not terminal and address_space is None:

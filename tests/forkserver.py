@@ -6,7 +6,8 @@ hundred times. A fork server pays for those imports once per test worker. It imp
 then waits on a Unix socket; for each run it is sent the run's argv, environment, working
 directory and three file descriptors (stdin, stdout, stderr), forks, and the child runs the
 command's ``main`` as the installed script would, in a process of its own: its own pid, pipes,
-exit status and signals. What the fork skips is the interpreter's start and the imports, so a
+exit status and signals (and its peak resident set, which the server reads as it reaps it). A run
+may also be a Python script (``python -c``) instead of the command. What the fork skips is the interpreter's start and the imports, so a
 run is sent here only where its environment differs from the server's in nothing that start-up
 reads (``needs_own_start``); tests of the start itself, of terminals, of signals during a run and
 of servers start the installed command as before.
@@ -42,7 +43,8 @@ START_UP_PREFIXES = ("PYTHON", "LC_", "LANG", "OMP_", "KMP_", "GOMP_", "MKL_", "
 # Of those, read again at each use: the compile cache's folder, which the tests' own process sets
 # once it compiles (inference/decode_step.py).
 READ_AT_USE = {"TORCHINDUCTOR_CACHE_DIR"}
-_STATUS = struct.Struct("!q")
+_PID = struct.Struct("!q")
+_EXIT = struct.Struct("!qq")  # the exit status, and the peak resident set in KiB (``ru_maxrss``)
 _MAX_REQUEST = 1 << 20
 
 
@@ -99,31 +101,32 @@ def serve(path: str) -> None:
                 for fd in fds:
                     os.close(fd)
                 children[pid] = connection
-                _send(connection, pid)
+                _send(connection, _PID.pack(pid))
             else:
                 os.read(wake_read, 4096)
                 while children:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    pid, status, usage = os.wait4(-1, os.WNOHANG)
                     if pid == 0:
                         break
                     connection = children.pop(pid, None)
                     if connection is not None:
                         with connection:
-                            _send(connection, os.waitstatus_to_exitcode(status))
+                            _send(connection, _EXIT.pack(os.waitstatus_to_exitcode(status), usage.ru_maxrss))
 
 
-def _send(connection: socket.socket, number: int) -> None:
-    """A pid or an exit status to the test that asked; one that went away (a test that failed
-    before it waited) does not end the server."""
+def _send(connection: socket.socket, message: bytes) -> None:
+    """A pid or an exit to the test that asked; one that went away (a test that failed before it
+    waited) does not end the server."""
     try:
-        connection.sendall(_STATUS.pack(number))
+        connection.sendall(message)
     except OSError:
         pass
 
 
 def _run(request: dict, fds: list[int], main) -> None:
     """The child: the run's descriptors, environment and arguments, then the command's main, as
-    the installed script calls it. Never returns."""
+    the installed script calls it, or the request's Python script, as ``python -c`` runs it. Never
+    returns."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -144,7 +147,10 @@ def _run(request: dict, fds: list[int], main) -> None:
         os.chdir(request["cwd"])
         sys.argv = request["argv"]
         try:
-            main()
+            if request.get("code") is not None:
+                exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                main()
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -191,25 +197,32 @@ class ForkServer:
         self._folder.cleanup()
 
     def run(self, argv: list[str], *, input: bytes | None, env: dict[str, str], timeout: float,
-            cwd: str | None = None, address_space: int | None = None) -> subprocess.CompletedProcess:
-        """``subprocess.run(argv, input=input, capture_output=True, ...)``, forked."""
+            cwd: str | None = None, address_space: int | None = None, code: str | None = None
+            ) -> subprocess.CompletedProcess:
+        """``subprocess.run(argv, input=input, capture_output=True, ...)``, forked; the
+        ``CompletedProcess`` also has the run's ``max_rss``."""
         proc = self.popen(argv, env=env, stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, address_space=address_space)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, address_space=address_space,
+                          code=code)
         try:
             out, err = proc.communicate(input, timeout)
         except subprocess.TimeoutExpired as e:
             proc.kill()
             proc.wait()
             raise subprocess.TimeoutExpired(argv, timeout, e.output, e.stderr) from None
-        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        done = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        done.max_rss = proc.max_rss
+        return done
 
     def popen(self, argv: list[str], *, env: dict[str, str], stdin=None, stdout=None, stderr=None,
-              cwd: str | None = None, terminal: bool = False, address_space: int | None = None) -> ForkedProcess:
+              cwd: str | None = None, terminal: bool = False, address_space: int | None = None,
+              code: str | None = None) -> ForkedProcess:
         """A forked run with ``subprocess.Popen``'s face for what the tests use of it; each of the
         three streams is ``subprocess.PIPE`` (a pipe, as the attribute of that name),
         ``subprocess.DEVNULL``, a descriptor or a file, or None (this process's own). ``terminal``:
         stdin is a terminal, which becomes the run's controlling terminal, in a session of its own.
-        ``address_space``: the run's ``RLIMIT_AS``, in bytes."""
+        ``address_space``: the run's ``RLIMIT_AS``, in bytes. ``code``: a Python script the child
+        runs instead of the command (``argv`` is then its ``sys.argv``)."""
         ends, theirs = {}, []
         for name, how, fd, reading in (("stdin", stdin, 0, False), ("stdout", stdout, 1, True),
                                        ("stderr", stderr, 2, True)):
@@ -228,9 +241,9 @@ class ForkServer:
         try:
             connection.connect(self.path)
             request = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "terminal": terminal,
-                                  "address_space": address_space}).encode()
+                                  "address_space": address_space, "code": code}).encode()
             socket.send_fds(connection, [request], theirs)
-            pid = _STATUS.unpack(_receive(connection, _STATUS.size, time.monotonic() + 60))[0]
+            pid = _PID.unpack(_receive(connection, _PID.size, time.monotonic() + 60))[0]
         except BaseException:
             connection.close()
             raise
@@ -242,13 +255,16 @@ class ForkServer:
 
 class ForkedProcess:
     """A forked run as ``subprocess.Popen`` shows one: its pid, its pipes, and its exit status
-    (negative: the signal that ended it), which the server sends when it reaps the child."""
+    (negative: the signal that ended it), which the server sends when it reaps the child, with
+    ``max_rss``: the child's peak resident set in bytes, which counts the pages it was forked with
+    (the server's: the interpreter, torch and the command imported, as a run started alone has)."""
 
     def __init__(self, args: list[str], pid: int, connection: socket.socket, stdin=None, stdout=None,
                  stderr=None) -> None:
         self.args, self.pid, self._connection = args, pid, connection
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.returncode: int | None = None
+        self.max_rss: int | None = None
         self._received = b""
 
     def poll(self) -> int | None:
@@ -301,16 +317,17 @@ class ForkedProcess:
     def _status(self, deadline: float) -> int | None:
         if self.returncode is not None:
             return self.returncode
-        while len(self._received) < _STATUS.size:
+        while len(self._received) < _EXIT.size:
             self._connection.settimeout(max(0.0, deadline - time.monotonic()))
             try:
-                chunk = self._connection.recv(_STATUS.size - len(self._received))
+                chunk = self._connection.recv(_EXIT.size - len(self._received))
             except (socket.timeout, BlockingIOError):
                 return None
             if not chunk:
                 raise RuntimeError("the fork server went away")
             self._received += chunk
-        self.returncode = _STATUS.unpack(self._received)[0]
+        self.returncode, max_rss_kib = _EXIT.unpack(self._received)
+        self.max_rss = max_rss_kib * 1024
         self._connection.close()
         return self.returncode
 

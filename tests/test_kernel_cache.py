@@ -3,8 +3,10 @@ short, an unrelated library under its name, a FIFO for its failure note, a direc
 write, two processes building at once, a compiler that hangs or names itself with escape codes.
 Each ends in a working run, on the operator or on PyTorch's products, with at most one line said.
 
-Each case runs in a fresh process over a cache directory of its own (``LLAMA_CHAT_KERNEL_DIR``):
+Each case runs in a process of its own over a cache directory of its own (``LLAMA_CHAT_KERNEL_DIR``):
 a process that has loaded a library keeps it, and a crash must end the child, not the suite. The
+children are forked from a process that has imported torch and the package but loaded no library
+(``tests/forkserver.py``), where the environment allows it. The
 compiled steps' cache that cannot be written is checked in this process (a child would compile
 cold).
 """
@@ -18,7 +20,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +28,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from cli_support import build_tiny_model, cli_env, llama_chat_command
+from cli_support import build_tiny_model, cli_env, llama_chat_command, popen_cli, popen_python, run_cli, run_python
 from llama_chat.cmd.run_command import warm_up
 from llama_chat.inference.decode_step import COMPILE_CACHE_ENV, use_persistent_compile_cache
 from llama_chat.ml import user_cache
@@ -42,12 +43,11 @@ LOAD = ("import json; from llama_chat.ml.cpu import kernels as k; ok = k.load();
 
 
 def load_in_child(kernel_dir: Path, **env: str) -> dict:
-    """``kernels.load()`` in a fresh process over ``kernel_dir``: whether it loaded, and why not."""
+    """``kernels.load()`` in a process of its own over ``kernel_dir``: whether it loaded, and why not."""
     base = {k: v for k, v in os.environ.items() if k not in ("CXX", "LLAMA_CHAT_KERNEL_DIR")}
-    run = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=TIMEOUT,
-                         env={**base, "LLAMA_CHAT_KERNEL_DIR": str(kernel_dir), **env})
-    assert run.returncode == 0, run.stderr  # no crash (a library cut short would end it with SIGBUS)
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    run = run_python(LOAD, env={**base, "LLAMA_CHAT_KERNEL_DIR": str(kernel_dir), **env}, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr.decode()  # no crash (a library cut short would end it with SIGBUS)
+    return json.loads(run.stdout.decode().strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +134,12 @@ head -c {built.stat().st_size // 2} "{built}" > "$out" && sleep 0.2 && cat "{bui
     compiler.chmod(0o755)
     base = {k: v for k, v in os.environ.items() if k not in ("CXX", "LLAMA_CHAT_KERNEL_DIR")}
     env = {**base, "CXX": str(compiler), "LLAMA_CHAT_KERNEL_DIR": str(kernel_dir)}
-    children = [subprocess.Popen([sys.executable, "-c", LOAD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=env) for _ in range(2)]
+    children = [popen_python(LOAD, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for _ in range(2)]
     for child in children:
         out, err = child.communicate(timeout=TIMEOUT)
-        assert child.returncode == 0, err
-        assert json.loads(out.strip().splitlines()[-1]) == {"loaded": True, "failure": None}
+        assert child.returncode == 0, err.decode()
+        assert json.loads(out.decode().strip().splitlines()[-1]) == {"loaded": True, "failure": None}
     assert len(list(started.iterdir())) == linkers  # with the lock, the second loads the first's build
     libraries = sorted(p.name for p in kernel_dir.iterdir() if p.suffix != ".lock")
     assert libraries == [built.name], libraries  # no half-written leftovers
@@ -152,8 +152,8 @@ def tiny(tmp_path_factory):
 
 
 def _run(tiny, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*llama_chat_command(), "-m", str(tiny.path), "-p", "hello", "-n", "4", "-t", "0",
-                           "--no-stdin", *args], capture_output=True, timeout=TIMEOUT, env=cli_env(**env))
+    return run_cli("-m", str(tiny.path), "-p", "hello", "-n", "4", "-t", "0", "--no-stdin", *args, timeout=TIMEOUT,
+                   **env)
 
 
 def test_a_compiler_named_with_escape_codes_is_shown_safely(tiny, tmp_path):
@@ -206,9 +206,9 @@ def test_a_compiler_that_hangs_is_announced_and_ctrl_c_ends_the_wait(tiny, tmp_p
     hang = tmp_path / "hang-cc"
     hang.write_text("#!/bin/sh\nexec sleep 600\n")
     hang.chmod(0o755)
-    proc = subprocess.Popen([*llama_chat_command(), "-m", str(tiny.path), "-p", "hello", "-n", "4", "--no-stdin",
-                             "--quantize", "int8"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=cli_env(CXX=str(hang), LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "k")))
+    proc = popen_cli([*llama_chat_command(), "-m", str(tiny.path), "-p", "hello", "-n", "4", "--no-stdin",
+                      "--quantize", "int8"], cli_env(CXX=str(hang), LLAMA_CHAT_KERNEL_DIR=str(tmp_path / "k")),
+                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         line = proc.stderr.readline().decode()  # said in a pipe too, once the wait passes a second
         assert line == "llama-chat: building the CPU kernels for this machine (first run only; a minute or more)\n"
