@@ -48,6 +48,12 @@ MATCH_CLASSES = (1, 2, 3, 4, 6, 8, 12, 16, 24, LONGEST_MATCH)
 # How many drafts the expected share of a match's class weighs against its evidence: a class no
 # draft of the job (or of every job) has come from is judged by its length alone.
 PRIOR_DRAFTS = 2.0
+# A match at least this long drafts one token where its rows were timed at a step a token or
+# more (nothing shorter does), and its class then pauses: a cost read on a busier moment is timed
+# again, and a copy found again once the rows pay.
+STRONG_MATCH = 8
+# The row count whose steps are timed most (a job decoding alone, no draft): the others' times move with its.
+LOAD_FOLLOWED = 1
 # After a draft that did not pay, steps without drafting: doubled at each such draft up to the
 # last, and back to none once a draft pays.
 PAUSES = (0, 1, 2, 4, 8, 16, 32)
@@ -101,12 +107,21 @@ class DraftCosts:
     kept_by_match: dict[int, list[float]] = field(default_factory=dict)
 
     def stepped(self, rows: int, seconds: float) -> None:
-        """A step that fed ``rows`` rows of decoding jobs (their last tokens and drafts) took ``seconds``."""
+        """A step that fed ``rows`` rows of decoding jobs (their last tokens and drafts) took
+        ``seconds``. A job decoding alone times its plain steps far more often than its drafts'
+        steps, and the other row counts' times move with its (``LOAD_FOLLOWED``): a busier or
+        quieter machine moves them alike, and a draft's cost, a share of a plain step, stays what
+        the steps of both said when last timed."""
         old = self.step_s.get(rows)
         if old is None:
             line = self.line()
             old = seconds = seconds if line is None else min(seconds, OUTLIER * (line[0] + line[1] * rows))
         self.step_s[rows] = old + NEWEST_WEIGHT * (min(seconds, OUTLIER * old) - old)
+        if rows == LOAD_FOLLOWED and old > 0:
+            moved = self.step_s[rows] / old
+            for n in self.step_s:
+                if n != rows:
+                    self.step_s[n] *= moved
         for n in self.step_weight:
             self.step_weight[n] *= FADE
         self.step_weight[rows] = self.step_weight.get(rows, 0.0) + 1.0
@@ -187,7 +202,7 @@ class DraftCosts:
     def drafts_now(self, pace: Pace, jobs: int = 1) -> bool:
         """Whether ``pace``'s drafter drafts now, ``jobs`` jobs decoding. Not where its tokens were
         timed (or, untimed beside other jobs, estimated) at what a kept one saves or more: no draft
-        can pay, whatever is kept. A draft model, for a job alone, only where its best draft gives
+        can pay, whatever is kept (lookup's strong matches aside: ``STRONG_MATCH``). A draft model, for a job alone, only where its best draft gives
         more tokens a second than a plain step, with as many of its guesses kept as ``share_of``
         says (a guess costs nearly a step where the draft model is not much smaller)."""
         if not self.timed(pace):
@@ -195,7 +210,7 @@ class DraftCosts:
             # pay (a draft model's first draft late in a batch catches up a long reply).
             return jobs == 1 or self.per_token(pace, jobs) < 1
         if self.per_token(pace, jobs) >= 1:
-            return False
+            return isinstance(pace, Lookup)  # its match decides (``Lookup.draft``: only a strong one)
         if jobs != 1 or not isinstance(pace, ModelDraft) or 1 not in self.step_s:
             return True
         p = self.share_of(pace)
@@ -294,6 +309,8 @@ class Lookup(Pace):
     drafts each. Its length is the longest that pays with that share (``DraftCosts.longest``).
     A draft that did not pay pauses its class, not the job: the next 1, 2, 4 ... 32 matches of
     that class draft nothing, while a longer (or shorter) match drafts as its own class says.
+    Where rows were timed at a step a token or more, only a match of ``STRONG_MATCH`` tokens or
+    more drafts, one token, and its class pauses as after any draft that did not pay.
     (``Pace``'s growing size and job-wide pauses are a draft model's; lookup does not use them.)"""
 
     length: int = 0  # how many of the job's tokens the index has taken
@@ -315,8 +332,11 @@ class Lookup(Pace):
         if pause is not None and pause[0] > 0:
             pause[0] -= 1
             return []
+        cost = costs.per_token(self, jobs)
+        if cost >= 1 and match.length < STRONG_MATCH:
+            return []
         share = self.share(match.length, costs)
-        self.pending_cost = costs.per_token(self, jobs)
+        self.pending_cost = cost
         self.pending_class = kind
         want = min(room, costs.longest(self, jobs, share))
         return copied(tokens, match.at, want)
@@ -468,6 +488,6 @@ class ModelDraft(Pace):
         self.agreed = n
 
 
-__all__ = ["DraftCosts", "GUESSES_TIMED", "LONGEST_MATCH", "Lookup", "MATCH_CLASSES", "Match", "ModelDraft",
-           "NGRAM_SIZES", "PAUSES", "Pace", "ROW_SHARE_UNTIMED", "Speculation", "copied", "expected_share",
-           "longest_paying", "match_class"]
+__all__ = ["DraftCosts", "GUESSES_TIMED", "LOAD_FOLLOWED", "LONGEST_MATCH", "Lookup", "MATCH_CLASSES", "Match",
+           "ModelDraft", "NGRAM_SIZES", "PAUSES", "Pace", "ROW_SHARE_UNTIMED", "STRONG_MATCH", "Speculation", "copied",
+           "expected_share", "longest_paying", "match_class"]

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from builders import endless_model
 from llama_chat.inference.batch_core import BatchCore
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
-from llama_chat.inference.speculative import (GUESSES_TIMED, LONGEST_MATCH, PAUSES, ROW_SHARE_UNTIMED, DraftCosts,
-                                              Lookup, Match, ModelDraft, Pace, Speculation, expected_share,
-                                              longest_paying, match_class)
+from llama_chat.inference.speculative import (GUESSES_TIMED, LONGEST_MATCH, PAUSES, ROW_SHARE_UNTIMED, STRONG_MATCH,
+                                              DraftCosts, Lookup, Match, ModelDraft, Pace, Speculation,
+                                              expected_share, longest_paying, match_class)
 from llama_chat.inference.types import Request
 from llama_chat.ml.sampling import SamplingParams
 
@@ -364,6 +364,45 @@ def test_a_draft_that_does_not_pay_for_its_rows_pauses_its_match_class():
     lookup.taken(3, 1, 0.3)  # 1 of 3 that cost 0.9: it paid
     assert lookup.paused[4] == [0, 0]
     assert 8 not in lookup.paused
+
+
+def test_where_rows_were_timed_at_a_step_a_token_only_a_strong_match_drafts_one_token():
+    costs = DraftCosts()
+    costs.stepped(1, 0.010)
+    costs.stepped(2, 0.022)  # a row timed at 1.2 steps (a busy moment): no draft can pay by it
+    lookup = Lookup(draft_max=8)
+    assert costs.per_token(lookup) == pytest.approx(1.2) and costs.timed(lookup) and costs.drafts_now(lookup)
+    line = list(range(10, 30))
+    prompt = [1] + line + [5, 6]
+    assert lookup.draft(prompt + line[:STRONG_MATCH - 1], 8, costs) == []  # not strong enough
+    strong = prompt + line[:STRONG_MATCH]
+    assert lookup.match(strong).length == STRONG_MATCH
+    assert lookup.draft(strong, 8, costs) == [line[STRONG_MATCH]]  # one token: its step times the rows again
+    lookup.taken(1, 1, lookup.pending_cost)  # kept, but it cost more than the step it saved
+    kind = match_class(STRONG_MATCH)
+    assert lookup.paused[kind] == [PAUSES[1], 1]
+    assert lookup.draft(strong + line[STRONG_MATCH:STRONG_MATCH + 1], 8, costs) == []  # its class pauses
+    # New text over a small vocabulary, its rows at 1.2 steps: long matches are rare, and drafts with them.
+    g = random.Random(3)
+    kept, steps, drafted = drafted_reply([g.randrange(3, 19) for _ in range(40)],
+                                         [g.randrange(3, 19) for _ in range(400)], costs)
+    assert drafted * (costs.per_token(lookup) - 1) < 0.03 * steps, (drafted, steps)
+
+
+def test_the_timed_rows_follow_the_load_the_plain_steps_show():
+    costs = DraftCosts()
+    costs.stepped(1, 0.010)
+    costs.stepped(2, 0.016)  # a row at 0.6 of a step
+    assert costs.per_token(Lookup(8)) == pytest.approx(0.6)
+    for _ in range(60):  # the machine quietens: plain steps take half as long, and no draft is timed
+        costs.stepped(1, 0.005)
+    assert costs.step_s[1] == pytest.approx(0.005, rel=0.01)
+    # The row's time moved with them: its cost is still what both steps said when timed together,
+    # not 0.006 s over 0.005 s (which would stop every draft).
+    assert costs.step_s[2] == pytest.approx(0.008, rel=0.01)
+    assert costs.per_token(Lookup(8)) == pytest.approx(0.6)
+    costs.stepped(2, 0.0065)  # a row timed again, at 0.3 of a step
+    assert 0.5 < costs.per_token(Lookup(8)) < 0.6
 
 
 def test_the_longest_draft_is_the_one_whose_last_token_still_pays():
