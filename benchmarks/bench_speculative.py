@@ -297,6 +297,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--tasks", help="comma-separated task names or kinds (default: all)")
+    ap.add_argument("--show", action="store_true", help="print each task's reply (does it copy the file?)")
     args = ap.parse_args()
     if args.tasks:
         picked = {t.strip() for t in args.tasks.split(",")}
@@ -338,6 +339,8 @@ def main() -> None:
                 if done.speculation is not None:
                     kept[mode][name] = done.speculation
             assert all(replies[m] == replies["off"] for m in modes), f"{name}: the replies differ with drafts"
+            if args.show and r == args.rounds:
+                log(f"--- {name}, the reply:\n{loaded.tokenizer.decode(list(replies['off']))}\n---")
             log(f"round {r} {name}: " + "  ".join(f"{m} {rates[name][m][-1]:.1f}" for m in modes if rates[name][m]))
 
     server = None if args.no_llama_cpp else peer_mod.ensure_llama_cpp(CACHE, log=log).bench.parent / "llama-server"
