@@ -208,9 +208,18 @@ def source(loaded, mode: str, jobs: int, draft: str | None = None):
 
 
 def one_job(scheduler, ids: list[int], tokens: int, sampling):
+    """The reply, and the process's CPU seconds from its first token to its last (the decode's:
+    the prompt's are the same with drafts and without)."""
     from llama_chat.inference.types import Request
 
-    return scheduler.generate(Request(tuple(ids), sampling=sampling, max_tokens=tokens, seed=SEED))
+    async def main():
+        first = None
+        async with scheduler.stream(Request(tuple(ids), sampling=sampling, max_tokens=tokens, seed=SEED)) as stream:
+            async for _ in stream:
+                first = time.process_time() if first is None else first
+        return stream.completion(), time.process_time() - first
+
+    return anyio.run(main)
 
 
 def together(scheduler, prompts: list[list[int]], tokens: int) -> tuple[float, list[tuple[int, ...]]]:
@@ -269,8 +278,9 @@ def llama_server_rates(server: Path, path: Path, prompts: dict[str, list[int]], 
 def print_table(mode: str, names: tuple[str, str, str], rates: dict, kept: dict, cpp: dict, cpu_s: dict) -> None:
     """One Markdown table: each task's speed in ``mode`` against no drafts, ours and llama.cpp's.
     ``names``: the mode's column, llama.cpp's, and llama.cpp's in the last column's title. "by CPU
-    time": the reply's process CPU seconds without drafts over those with them (the whole reply,
-    prompt included), which other processes on a shared machine move much less than the clock."""
+    time": the reply's process CPU seconds without drafts over those with them, from its first
+    token to its last (the prompt's are the same either way), which other processes on a shared
+    machine move much less than the clock."""
     ours, theirs, short = names
     print(f"| task | kind | llama-chat off | {ours} | {ours} / off | by CPU time | drafts kept | llama.cpp off | "
           f"{theirs} | its ratio | ours {ours} / its {short} |")
@@ -329,9 +339,7 @@ def main() -> None:
         for name, ids in prompts.items():
             replies = {}
             for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-                cpu = time.process_time()
-                done = one_job(schedulers[mode], ids, args.tokens, sampling_of(name))
-                cpu = time.process_time() - cpu
+                done, cpu = one_job(schedulers[mode], ids, args.tokens, sampling_of(name))
                 replies[mode] = done.token_ids
                 if r:
                     rates[name][mode].append(done.timings.decode_tok_s)
