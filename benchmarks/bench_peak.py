@@ -70,19 +70,21 @@ constexpr int kAcc = 12;  // independent accumulators: enough for any of these l
                      "\n\tvpaddd %%ymm" #c ", %[acc" #c "], %[acc" #c "]\n\t"
 #define PEAK_ADD16(c) "vpmaddubsw %[b], %[a], %%ymm" #c "\n\tvpaddw %%ymm" #c ", %[acc" #c "], %[acc" #c "]\n\t"
 #define PEAK_OPERANDS                                                                               \
-  : [acc10] "+x"(acc[0]), [acc11] "+x"(acc[1]), [acc12] "+x"(acc[2]), [acc13] "+x"(acc[3]),         \
-    [acc14] "+x"(acc[4]), [acc15] "+x"(acc[5])                                                      \
+  : [acc10] "+x"(acc0), [acc11] "+x"(acc1), [acc12] "+x"(acc2), [acc13] "+x"(acc3), [acc14] "+x"(acc4), \
+    [acc15] "+x"(acc5)                                                                              \
   : [a] "x"(a), [b] "x"(b), [ones] "x"(ones)                                                        \
   : "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
 
 uint64_t avx2_maddubs_madd(uint64_t iters) {
   const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), ones = _mm256_set1_epi16(1);
-  __m256i acc[6];
-  for (auto& v : acc) v = _mm256_setzero_si256();
+  // Six variables, not an array: an array's elements were stored to memory after every
+  // iteration, and those stores, not the multiplies, bounded the loop.
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0;
   for (uint64_t n = 0; n < iters; ++n) {
     __asm__ volatile(PEAK_MADD(10) PEAK_MADD(11) PEAK_MADD(12) PEAK_MADD(13) PEAK_MADD(14) PEAK_MADD(15)
                      PEAK_OPERANDS);
   }
+  const __m256i acc[6] = {acc0, acc1, acc2, acc3, acc4, acc5};
   __m256i s = acc[0];
   for (int i = 1; i < 6; ++i) s = _mm256_add_epi32(s, acc[i]);
   return static_cast<uint64_t>(_mm256_extract_epi32(s, 0));
@@ -90,12 +92,14 @@ uint64_t avx2_maddubs_madd(uint64_t iters) {
 // vpmaddubsw into int16 sums: the instruction's own ceiling.
 uint64_t avx2_maddubs_add16(uint64_t iters) {
   const __m256i a = _mm256_set1_epi8(1), b = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
-  __m256i acc[6];
-  for (auto& v : acc) v = _mm256_setzero_si256();
+  // Six variables, not an array: an array's elements were stored to memory after every
+  // iteration, and those stores, not the multiplies, bounded the loop.
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0;
   for (uint64_t n = 0; n < iters; ++n) {
     __asm__ volatile(PEAK_ADD16(10) PEAK_ADD16(11) PEAK_ADD16(12) PEAK_ADD16(13) PEAK_ADD16(14) PEAK_ADD16(15)
                      PEAK_OPERANDS);
   }
+  const __m256i acc[6] = {acc0, acc1, acc2, acc3, acc4, acc5};
   __m256i s = acc[0];
   for (int i = 1; i < 6; ++i) s = _mm256_add_epi16(s, acc[i]);
   return static_cast<uint64_t>(_mm256_extract_epi16(s, 0));

@@ -7,13 +7,12 @@ builds of other instruction sets must agree within the block rounding that test_
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from builders import OPERATOR_VARIANT_LOAD, skip_where_the_native_build_lacks
+from cli_support import run_python
 from llama_chat.ml import packed
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from test_packed import assert_operator_result, in_features_for, needs_kernels, random_weight
@@ -77,6 +76,35 @@ def test_every_row_count_from_1_to_600_on_a_narrow_weight(cpu_kernels_loaded, ki
         torch.set_num_threads(threads)
 
 
+# Tiles are decoded in groups (1 MiB of codes, at most 16 tiles) that take a block of input rows
+# at a time (128 KiB of them, at most 64 rows): 256 inputs make groups of 16 tiles and blocks of
+# 64 rows, 8,960 inputs groups of 14 tiles (7 of 16 rows with AVX-512 VNNI) and blocks of 12 rows
+# (8); rows that fit one block take no group. The outputs end inside the second group's last
+# tile; the rows cross several blocks.
+GROUP_CASES = [(256, 149, [13, 64, 65, 130]), (8960, 123, [12, 13, 25, 40])]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q4_k", "q8_0", "q6_k", "q4_0"])
+@pytest.mark.parametrize("in_features, out_features, row_counts", GROUP_CASES, ids=["short-rows", "long-rows"])
+def test_groups_of_tiles_and_blocks_of_rows_give_each_row_its_bits_alone(cpu_kernels_loaded, kind, in_features,
+                                                                         out_features, row_counts):
+    assert cpu_kernels_loaded, cpu_kernels.failure()
+    weight = random_weight(kind, out_features, in_features, seed=53)
+    most = max(row_counts)
+    x = torch.randn(most, in_features, generator=torch.Generator().manual_seed(53))
+    alone = torch.cat([product(x[r:r + 1], weight) for r in range(most)])
+    assert_operator_result(alone, x, weight)
+    for rows in row_counts:
+        assert torch.equal(product(x[:rows], weight), alone[:rows]), f"{kind}: {rows} rows differ from the rows alone"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread takes every group of the weight
+    try:
+        assert torch.equal(product(x, weight), alone), f"{kind}: {most} rows on one thread differ from the rows alone"
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernels
 def test_a_weight_of_one_row_and_inputs_of_one_block_take_the_tiles_too(cpu_kernels_loaded):
     for kind in packed.PACKED_TYPES:
@@ -104,8 +132,8 @@ def test_builds_without_avx512_or_avx_agree_on_many_rows(cpu_kernels_loaded, tmp
     skip_where_the_native_build_lacks(takes_away)
     cases = [case(kind, 130, seed=20 + i) for i, kind in enumerate(packed.PACKED_TYPES)]
     torch.save([(w.kind, x, w.data) for x, w in cases], tmp_path / "cases.pt")
-    run = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
-                         env=operator_variant_env(flags), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    run = run_python(_VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt"),
+                     env=operator_variant_env(flags), cwd=tmp_path, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     for (x, weight), got in zip(cases, torch.load(tmp_path / "out.pt")):
         assert_operator_result(got, x, weight)

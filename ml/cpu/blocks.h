@@ -1156,12 +1156,19 @@ LLAMA_CHAT_HOT typename L::Vec lanes_sum(const typename L::Vec* a) {
 }
 
 // A tile's blocks are taken this many at a time (its codes for them about 16 KiB, held in L1
-// while every pass of input rows reads them), and the input rows this many at a time (their
-// rounded values for those blocks, 2 KiB a row, held in L2 while every pass reads its rows): a
-// long row (the feed-forward's down projection, 8,960 or more inputs) decoded whole was read
-// from L2 by every pass, and a prompt's rows from L3 by every tile.
+// while every pass of input rows reads them).
 template <class L>
 constexpr int64_t kChunkBlocks = (16 << 10) / (32 * L::kRows);
+// Tiles are decoded a group at a time (their codes about kGroupBytes, at most kMostTiles tiles)
+// and the input rows taken a block of rows at a time (their rounded values about kRowBlockBytes,
+// at most kRowBlock rows), every tile of the group against every row of the block: the block's
+// rows stay in L2 while the group's tiles take them, and a prompt's rows are read from memory
+// once a group instead of once a tile. Short rows' groups (1,536 inputs: 16 tiles, 192 KiB) stay
+// in L2 beside the block; long rows' (8,960: 14 tiles) in L3, each tile read from there once a
+// block of rows (12), which costs less than reading the whole prompt once every tile or two.
+constexpr int64_t kGroupBytes = 1 << 20;
+constexpr int64_t kMostTiles = 16;
+constexpr int64_t kRowBlockBytes = 128 << 10;
 constexpr int64_t kRowBlock = 64;
 
 template <bool Add, Packed K>
@@ -1170,29 +1177,45 @@ void packed_tiles_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
   using L = TileLanes;
   using F = typename L::Vec;
   const int64_t row_bytes = packed_row_bytes(K, in.k), blocks = in.k / kQuantBlock;
-  DecodedTile tile;
+  const int64_t row_block =
+      std::max<int64_t>(L::kPassRows, std::min(kRowBlock, kRowBlockBytes / in.padded / L::kPassRows * L::kPassRows));
+  // Rows that fit one block take each tile once either way: a group would only push its codes
+  // out of L1.
+  const int64_t group = row_stop - row_first <= row_block
+                            ? 1
+                            : std::clamp<int64_t>(kGroupBytes / (L::kRows * in.padded), 1, kMostTiles);
+  std::vector<DecodedTile> tiles(static_cast<size_t>(group));
   std::vector<F, AlignedAllocator<F>> state(static_cast<size_t>(kRowBlock * 8));
   F(*lanes)[8] = reinterpret_cast<F(*)[8]>(state.data());
   alignas(64) float values[L::kRows];
-  for (int64_t tile_first = first; tile_first < stop; tile_first += L::kRows) {
-    const int64_t count = std::min<int64_t>(L::kRows, stop - tile_first);
-    decode_tile<K>(data, row_bytes, tile_first, count, blocks, L::kRows, tile);
-    for (int64_t rb = row_first; rb < row_stop; rb += kRowBlock) {
-      const int64_t re = std::min(row_stop, rb + kRowBlock);
-      for (int64_t i = 0; i < (re - rb) * 8; ++i) state[i] = L::zero();
-      for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks<L>) {
-        const int64_t b1 = std::min(blocks, b0 + kChunkBlocks<L>);
-        int64_t r = rb;
-        for (; r + L::kPassRows <= re; r += L::kPassRows) tile_pass<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
-        for (; r + 2 <= re; r += 2) tile_pass<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
-        if (r < re) tile_pass<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
-      }
-      for (int64_t r = rb; r < re; ++r) {
-        L::store(values, lanes_sum<L>(lanes[r - rb]));
-        float* o = out + (r - row_first) * row_stride + (tile_first - first);
-        for (int64_t j = 0; j < count; ++j) {
-          if constexpr (Add) o[j] += values[j];
-          else o[j] = values[j];
+  for (int64_t group_first = first; group_first < stop; group_first += group * L::kRows) {
+    const int64_t in_group = std::min(group, (stop - group_first + L::kRows - 1) / L::kRows);
+    for (int64_t t = 0; t < in_group; ++t) {
+      const int64_t tile_first = group_first + t * L::kRows;
+      decode_tile<K>(data, row_bytes, tile_first, std::min<int64_t>(L::kRows, stop - tile_first), blocks, L::kRows,
+                     tiles[t]);
+    }
+    for (int64_t rb = row_first; rb < row_stop; rb += row_block) {
+      const int64_t re = std::min(row_stop, rb + row_block);
+      for (int64_t t = 0; t < in_group; ++t) {
+        const DecodedTile& tile = tiles[t];
+        const int64_t tile_first = group_first + t * L::kRows, count = std::min<int64_t>(L::kRows, stop - tile_first);
+        for (int64_t i = 0; i < (re - rb) * 8; ++i) state[i] = L::zero();
+        for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks<L>) {
+          const int64_t b1 = std::min(blocks, b0 + kChunkBlocks<L>);
+          int64_t r = rb;
+          for (; r + L::kPassRows <= re; r += L::kPassRows)
+            tile_pass<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
+          for (; r + 2 <= re; r += 2) tile_pass<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
+          if (r < re) tile_pass<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
+        }
+        for (int64_t r = rb; r < re; ++r) {
+          L::store(values, lanes_sum<L>(lanes[r - rb]));
+          float* o = out + (r - row_first) * row_stride + (tile_first - first);
+          for (int64_t j = 0; j < count; ++j) {
+            if constexpr (Add) o[j] += values[j];
+            else o[j] = values[j];
+          }
         }
       }
     }
