@@ -127,15 +127,21 @@ def popen_cli(argv: list[str], env: dict[str, str], *, terminal: bool = False, a
     return server.popen(argv, env=env, terminal=terminal, address_space=address_space, **streams)
 
 
-def run_python(code: str, *args: str, env: dict[str, str], timeout: float = RUN_TIMEOUT_S
-               ) -> subprocess.CompletedProcess:
-    """``python -c code *args`` to completion in a process of its own, its output captured;
-    forked where ``run_cli`` would fork (the result's ``max_rss`` then says its peak resident set)."""
+def run_python(code: str, *args: str, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT_S,
+               cwd: Path | str | None = None, text: bool = False) -> subprocess.CompletedProcess:
+    """``python -c code *args`` to completion in a process of its own (in ``env``, default this
+    process's), its output captured (decoded where ``text``); forked where ``run_cli`` would fork,
+    and then the result's ``max_rss`` says its peak resident set."""
+    env = dict(os.environ) if env is None else env
     server = fork_server()
     if server is None or needs_own_start(env, server.env):
         return subprocess.run([sys.executable, "-c", code, *args], stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=timeout, env=env)
-    return server.run(["-c", *args], input=None, env=env, timeout=timeout, code=code)
+                              timeout=timeout, env=env, cwd=cwd, text=text)
+    done = server.run(["-c", *args], input=None, env=env, timeout=timeout, cwd=None if cwd is None else str(cwd),
+                      code=code)
+    if text:
+        done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
+    return done
 
 
 def popen_python(code: str, *args: str, env: dict[str, str], **streams) -> subprocess.Popen:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builders import greedy_ids, random_model, single_stream, tiny_args
-from cli_support import build_tiny_model, run_cli
+from cli_support import build_tiny_model, run_cli, run_python
 from llama_chat.ml import quantize
 from llama_chat.ml.cpu import kernels as cpu_kernels
 from llama_chat.ml.sampling import SamplingParams
@@ -165,8 +163,7 @@ def test_a_compiler_that_fails_is_one_line_and_tried_once(tmp_path):
     code = ("from llama_chat.ml.cpu import kernels as k; ok = k.load(); "
             "print(ok, k.failure(), k.library_path().with_suffix('.failed').exists(), sep='|')")
     env = {"LLAMA_CHAT_KERNEL_DIR": str(tmp_path), "CXX": "/bin/false", "PATH": "/usr/bin:/bin"}
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                           env={**_base_env(), **env}) for _ in range(2)]
+    runs = [run_python(code, text=True, timeout=300, env={**_base_env(), **env}) for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr
         ok, why, marker = run.stdout.strip().split("|")

@@ -37,7 +37,7 @@ pytest.importorskip("transformers")
 from builders import (OPERATOR_VARIANT_LOAD, decode_one, skip_where_the_native_build_lacks,  # noqa: E402
                       train_sentencepiece)
 from builders_gguf import DEFAULT_ROPE, T, hf_config, hf_llama, write_gguf  # noqa: E402
-from cli_support import cli_env, fork_server, llama_chat_command, run_cli  # noqa: E402
+from cli_support import cli_env, fork_server, llama_chat_command, run_cli, run_python  # noqa: E402
 from llama_chat.ml import half, ops  # noqa: E402
 from llama_chat.ml.cpu import kernels as cpu_kernels  # noqa: E402
 from llama_chat.ml.packed import PackedLinear  # noqa: E402
@@ -262,8 +262,8 @@ def test_the_operator_built_without_avx512_gives_float16_products_equal_to_float
     cases = [_half_case(torch.float16, rows, 29, k, seed=rows) for rows in range(1, 17) for k in (5, 64, 300)]
     prompts = [_half_case(torch.float16, rows, n, k, seed=rows) for rows, n, k in SHAPES if rows > 16]
     torch.save(cases + prompts, tmp_path / "cases.pt")
-    run = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
-                         env=operator_variant_env(flags), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    run = run_python(_VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt"),
+                     env=operator_variant_env(flags), cwd=tmp_path, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     for i, ((x, weight), (halves, floats)) in enumerate(zip(cases + prompts, torch.load(tmp_path / "out.pt"))):
         if i < len(cases):

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -26,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from builders import OPERATOR_VARIANT_LOAD, decode_one, skip_where_the_native_build_lacks
+from cli_support import run_python
 from llama_chat.ml import packed
 from llama_chat.ml.cpu import kernels as cpu_kernels
 
@@ -230,8 +229,8 @@ def test_builds_without_vnni_avx512_or_avx_give_the_same_products(tmp_path, flag
             cases.append((kind, x, weight.data))
             weights.append(weight)
     torch.save(cases, tmp_path / "cases.pt")
-    run = subprocess.run([sys.executable, "-c", _VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
-                         env=operator_variant_env(flags), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    run = run_python(_VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt"),
+                     env=operator_variant_env(flags), cwd=tmp_path, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     for (kind, x, _), weight, got in zip(cases, weights, torch.load(tmp_path / "out.pt")):
         assert_operator_result(got, x, weight)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from builders import IdsTokenizer, decode_one, random_model, tiny_args, train_sentencepiece  # noqa: E402
+from cli_support import run_python  # noqa: E402
 from builders_gguf import DEFAULT_ROPE, T, write_gguf  # noqa: E402
 from llama_chat.inference.scheduler import SchedulerOptions, build_core  # noqa: E402
 from llama_chat.model.formats.common import in_file_mapping  # noqa: E402
@@ -230,8 +229,8 @@ print(json.dumps({"peak": status_bytes("VmHWM"), "kv": kv, "file": Path(path).st
 
 
 def _prefill_peak(path: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", _PREFILL_CHILD, str(path), str(CONTEXT), str(PROMPT),
-                           str(Path(__file__).parent)], capture_output=True, text=True, timeout=600)
+    done = run_python(_PREFILL_CHILD, str(path), str(CONTEXT), str(PROMPT), str(Path(__file__).parent), text=True,
+                      timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -249,7 +248,6 @@ def test_a_prompt_peaks_within_the_memory_rule(files):
 
 
 _CACHE_CHILD = """
-import sys
 from pathlib import Path
 import torch
 from llama_chat.model.kv_cache import KVCache
@@ -272,7 +270,7 @@ print(made - before, anon() - made)
 
 @needs_linux
 def test_a_cpu_cache_is_resident_where_it_is_written():
-    done = subprocess.run([sys.executable, "-c", _CACHE_CHILD], capture_output=True, text=True, timeout=300)
+    done = run_python(_CACHE_CHILD, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     made, written = (int(v) for v in done.stdout.split())
     quarter = 64 * 2**20 // 4

@@ -8,8 +8,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 import torch
 
 from builders import random_model, tiny_args
+from cli_support import run_python
 from llama_chat.inference.page_table import page_keys
 from llama_chat.inference.scheduler import Scheduler, SchedulerOptions
 from llama_chat.inference.types import Request
@@ -87,8 +86,7 @@ print(json.dumps({{"cold": cold, "warm": warm, "written": scheduler.core.prompt_
 
 
 def write_in_another_process(directory: Path, cache_type: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", WRITER, str(directory), cache_type], capture_output=True,
-                          text=True, timeout=300)
+    done = run_python(WRITER, str(directory), cache_type, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
