@@ -13,6 +13,12 @@ Content-Length, bytes that are not HTTP) uvicorn answers with a plain-text 400; 
 OpenAI error object, with 431 for headers too large and 414 for a request line too long. h11's
 bound holds only for a head that arrives in pieces, so ``head_refusal`` applies the same bound to
 every request that reached the application.
+
+A streamed reply writes its events through ``BodyWriter`` (the ASGI scope's ``BODY_WRITER``
+extension) straight to the connection, as uvicorn's ``send`` writes a body message: a reply sends
+an event per token, and the ASGI layers and h11's bookkeeping for each are a share of the event
+loop's work on every token, which on two cores is taken from the forward. Its start and its last
+message still go through ASGI.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import math
 from http import HTTPStatus
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from llama_chat.cmd.openai_api import ApiError, dumps
 
@@ -30,6 +37,8 @@ from llama_chat.cmd.openai_api import ApiError, dumps
 DEFAULT_MAX_HEAD_BYTES = 16 * 1024
 # A refused request may leave bytes unread: its connection cannot carry another one.
 CLOSE = {"Connection": "close"}
+# Where a request's scope carries its connection's ``BodyWriter`` (under "extensions").
+BODY_WRITER = "llama_chat.body_writer"
 
 
 def head_refusal(scope: dict) -> ApiError | None:
@@ -53,9 +62,47 @@ def reject(status: int, message: str, code: str) -> bytes:
     return head.encode("ascii") + body
 
 
+class BodyWriter:
+    """Pieces of one response's body written to its connection as uvicorn's ``send`` writes an
+    ``http.response.body`` message with more to come: in chunked coding to an HTTP/1.1 client (a
+    body of unknown length, as h11 frames it), as they are to HTTP/1.0 (the close ends it); after a
+    wait while the connection's buffer is full; dropped once the client has gone."""
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        self._chunked = cycle.conn.their_http_version == b"1.1"
+
+    async def write(self, data: bytes) -> bool:
+        """``data`` sent on (or dropped, the client gone); False, and nothing written, where the
+        response has not started or has ended: send it as a message then."""
+        cycle = self._cycle
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if cycle.disconnected:
+            return True
+        if not cycle.response_started or cycle.response_complete or cycle.conn.our_state is not h11.SEND_BODY:
+            return False
+        if data:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        return True
+
+
+def _with_body_writer(app: ASGIApp) -> ASGIApp:
+    """``app`` with a ``BodyWriter`` in the scope of each request whose body it may write: uvicorn's
+    own ``send`` given, a method other than HEAD (whose response has no body)."""
+
+    async def run(scope: Scope, receive: Receive, send: Send) -> None:
+        cycle = getattr(send, "__self__", None)
+        if isinstance(cycle, RequestResponseCycle) and scope.get("type") == "http" and scope.get("method") != "HEAD":
+            scope.setdefault("extensions", {})[BODY_WRITER] = BodyWriter(cycle)
+        await app(scope, receive, send)
+
+    return run
+
+
 class GuardedProtocol(H11Protocol):
-    """uvicorn's ``H11Protocol`` with the header timeout and JSON refusals (``guarded_protocol``
-    sets the timeout)."""
+    """uvicorn's ``H11Protocol`` with the header timeout, JSON refusals (``guarded_protocol``
+    sets the timeout) and each request's ``BodyWriter``."""
 
     header_timeout_s: float = math.inf
 
@@ -74,6 +121,7 @@ class GuardedProtocol(H11Protocol):
                 raise
 
         self.conn.next_event = next_event_kept
+        self.app = _with_body_writer(self.app)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -132,4 +180,5 @@ def guarded_protocol(header_timeout_s: float) -> type[GuardedProtocol]:
     return type("GuardedProtocol", (GuardedProtocol,), {"header_timeout_s": header_timeout_s})
 
 
-__all__ = ["CLOSE", "DEFAULT_MAX_HEAD_BYTES", "GuardedProtocol", "guarded_protocol", "head_refusal", "reject"]
+__all__ = ["BODY_WRITER", "CLOSE", "DEFAULT_MAX_HEAD_BYTES", "BodyWriter", "GuardedProtocol", "guarded_protocol",
+           "head_refusal", "reject"]

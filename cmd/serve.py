@@ -15,6 +15,7 @@ Requests and the server's state are logged one line each on stderr (``--quiet``:
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 import signal
@@ -450,6 +451,11 @@ async def _serve_model(opts: ServeOptions, state: ServerState, model, log: Serve
     loaded = opts.named(loaded)
     if scheduler is None:
         return await _serve_embeddings(opts, state, loaded, log, stop, server, server_done)
+    # Everything made so far lives as long as the server: the collector's full passes, which hold
+    # the GIL the step thread needs between two forwards, need not walk it again. (Several models
+    # are loaded and dropped: their objects are left to the collector.)
+    gc.collect()
+    gc.freeze()
     served = _chat_served(opts, state, loaded, scheduler)
     serving = served.serving
     while True:

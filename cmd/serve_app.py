@@ -43,7 +43,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message as AsgiMessage, Receive, Scope, Send
 
 from llama_chat.cmd.anthropic_api import MessageReply, error_body, matched_stop, parse_messages, sse
-from llama_chat.cmd.http_protocol import CLOSE, head_refusal
+from llama_chat.cmd.http_protocol import BODY_WRITER, CLOSE, head_refusal
 from llama_chat.cmd.openai_api import (ApiError, ChatMessage, Generation, LogprobsWriter, Reply, StreamEvents, bad,
                                        dumps, event, parse_chat, parse_completion, tool_call_deltas, usage)
 from llama_chat.cmd.prompt import dialog_ids
@@ -65,6 +65,7 @@ from llama_chat.model.safe_input import BadInput, NotText, json_problem, loads
 from llama_chat.model.tokenizers.base import encode_prompt
 
 if TYPE_CHECKING:
+    from llama_chat.cmd.http_protocol import BodyWriter
     from llama_chat.cmd.models import Models
     from llama_chat.inference.serving import Choice
 
@@ -555,8 +556,12 @@ class GenerationResponse:
         # and an uncontended turn does not yield to the event loop (``fast_acquire``). A single
         # choice's task is the only sender and needs no lock.
         self._lock = anyio.Lock(fast_acquire=True) if len(choices) > 1 else None
+        self._writer: BodyWriter | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The events go straight to the connection where uvicorn's writer is at hand
+        # (``http_protocol.BodyWriter``); the start and the last message go through ASGI.
+        self._writer = scope.get("extensions", {}).get(BODY_WRITER)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch, receive, tg.cancel_scope)
@@ -623,7 +628,8 @@ class GenerationResponse:
             await self._send(send, event(self.reply.chunk(index, "", first=True)))
         sent = 0
         reader = None if self.readers is None else self.readers[index]
-        async for text, thought in choice.parts():
+        while (part := await choice.take()) is not None:
+            text, thought = part
             if thought:
                 await self._send(send, event(self.reply.chunk(index, "", reasoning=thought)))
             if not text:
@@ -684,6 +690,8 @@ class GenerationResponse:
         await send({"type": "http.response.body", "body": dumps(body)})
 
     async def _send(self, send: Send, data: bytes) -> None:
+        if self._writer is not None and await self._writer.write(data):
+            return  # whole: another choice's event never lands inside it
         message = {"type": "http.response.body", "body": data, "more_body": True}
         if self._lock is None:
             await send(message)

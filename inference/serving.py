@@ -199,19 +199,25 @@ class Choice:
     async def parts(self) -> AsyncIterator[tuple[str, str]]:
         """``(answer, thinking)``: the text each batch of responses commits to each (never both
         empty; a thinking model's thinking: ``inference/reasoning.py``)."""
+        while (part := await self.take()) is not None:
+            yield part
+
+    async def take(self) -> tuple[str, str] | None:
+        """The next of ``parts`` (waiting for it), or None at the end: ``parts`` without an async
+        generator's own step for every piece, for a caller that handles one per token."""
+        stream = self.stream
         while True:
             try:
-                response = await self.stream.__anext__()
+                response = await stream.__anext__()
             except StopAsyncIteration:
-                return
-            texts, thoughts = [self._observe(response)], [response.reasoning]
-            while not response.state.finished and self.stream.ready():
-                response = await self.stream.__anext__()
-                texts.append(self._observe(response))
-                thoughts.append(response.reasoning)
-            text, thought = "".join(texts), "".join(thoughts)
+                return None
+            text, thought = self._observe(response), response.reasoning
+            while not response.state.finished and (waiting := stream.next_ready()) is not None:
+                response = waiting
+                text += self._observe(response)
+                thought += response.reasoning
             if text or thought:
-                yield text, thought
+                return text, thought
 
     def completion(self) -> Completion:
         """What the job came to; after a cancel, the text so far and finish reason ``cancelled``."""

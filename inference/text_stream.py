@@ -73,6 +73,18 @@ class TextStream:
             return 0
         return self._receive.statistics().current_buffer_used
 
+    def next_ready(self) -> Response | None:
+        """The next response where its event is already waiting, else None (without waiting; the
+        end of the stream is left to ``__anext__``)."""
+        if self._done or self._receive is None:
+            return None
+        try:
+            event = self._receive.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return None
+        self._taken()
+        return self._respond(event)
+
     def completion(self) -> Completion:
         """The whole result; a stream left early keeps what was held (``cut_off``)."""
         self.cut_off()

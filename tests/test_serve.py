@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 
 import httpx
 import openai
@@ -144,6 +145,67 @@ def test_streams_on_the_wire_are_openai_chunks_with_every_token_once(server):
         assert all(set(m["delta"]) == {"content"} for m in mine[1:-1])
         assert "".join(m["delta"].get("content", "") for m in mine) == said
         assert [m["finish_reason"] for m in mine] == [None] * (len(mine) - 1) + ["length"]
+
+
+def read_response(sock: socket.socket, buffered: bytes = b"") -> tuple[str, dict[str, str], bytes, bytes]:
+    """One response read off ``sock``: its status line, headers, body (chunked coding undone, each
+    chunk's size line checked; else up to the close) and the bytes after it."""
+    data = buffered
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or pytest.fail(f"closed within the head: {data!r}")
+    head, _, data = data.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    if headers.get("transfer-encoding") != "chunked":
+        while piece := sock.recv(65536):
+            data += piece
+        return status, headers, data, b""
+    body = b""
+    while True:
+        while b"\r\n" not in data:
+            data += sock.recv(65536) or pytest.fail(f"closed within a chunk's size: {data!r}")
+        size_line, _, data = data.partition(b"\r\n")
+        assert re.fullmatch(rb"[0-9a-f]+", size_line), size_line
+        size = int(size_line, 16)
+        while len(data) < size + 2:
+            data += sock.recv(65536) or pytest.fail("closed within a chunk")
+        assert data[size:size + 2] == b"\r\n"
+        if size == 0:
+            return status, headers, body, data[2:]
+        body, data = body + data[:size], data[size + 2:]
+
+
+def test_a_stream_is_the_same_events_over_http_1_1_and_1_0(server):
+    """Streamed events go straight to the connection (``http_protocol.BodyWriter``): chunked to an
+    HTTP/1.1 client, whose kept connection then carries the next request; as they are to HTTP/1.0,
+    whose connection the server closes. Both bodies are the events of the same greedy text."""
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+                       "stream": True}).encode()
+
+    def request(version: str) -> bytes:
+        return (f"POST /v1/completions HTTP/{version}\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    def text_of(events: bytes) -> str:
+        assert events.endswith(b"data: [DONE]\n\n"), events[-200:]
+        chunks = [json.loads(e.removeprefix(b"data: ")) for e in events.split(b"\n\n")[:-2]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        return "".join(c["choices"][0]["text"] for c in chunks)
+
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        sock.sendall(request("1.1"))
+        status, headers, first, rest = read_response(sock)
+        assert status.startswith("HTTP/1.1 200") and headers["content-type"].startswith("text/event-stream")
+        sock.sendall(request("1.1"))  # the same connection, kept
+        status, _, second, rest = read_response(sock, rest)
+        assert status.startswith("HTTP/1.1 200") and rest == b""
+    assert text_of(first) == text_of(second) != ""
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        sock.sendall(request("1.0"))
+        status, headers, old, _ = read_response(sock)
+    assert status.startswith("HTTP/1.1 200") and "transfer-encoding" not in headers
+    assert text_of(old) == text_of(first)
 
 
 def test_n_choices_run_together_each_with_its_own_seed(server):
