@@ -19,7 +19,13 @@ _before = _signal.signal(_signal.SIGINT, lambda signum, frame: _early.append(sig
 
 import signal  # noqa: E402
 
-from llama_chat.cmd.startup import Terminated, deferred_signals, ensure_std_fds, exit_cancelled  # noqa: E402
+from llama_chat.cmd.startup import (  # noqa: E402
+    Terminated,
+    deferred_signals,
+    ensure_std_fds,
+    exit_cancelled,
+    silence_stdout,
+)
 
 # First of all, before any module opens a file that could take over fd 1 or 2 (`llama-chat >&-`).
 ensure_std_fds()
@@ -76,8 +82,10 @@ def main() -> None:
                 from llama_chat.cmd.app import app as command
 
                 args = optional_batch_file(sys.argv[1:])
-        # Not standalone: usage errors come back here as exceptions and are printed on one line.
-        status = command(args=args, prog_name=name, standalone_mode=False)
+            from llama_chat.cmd.typer_command import parse
+
+        # Usage errors come back here as exceptions and are printed on one line.
+        status = parse(command, args, name)()
         status = exit_status.OK if status is None else status
     except typer.Abort:  # Ctrl+C while the options were parsed
         status = exit_status.SIGINT
@@ -89,6 +97,9 @@ def main() -> None:
         status = exit_status.for_signal(e.signum)
     except KeyboardInterrupt:
         status = exit_status.SIGINT
+    except BrokenPipeError:  # stdout's reader left before a command that does not watch for it wrote
+        silence_stdout()
+        status = exit_status.OUTPUT_CLOSED
     _exit_now(status)
 
 

@@ -2,7 +2,8 @@
 
 ``llama-chat`` (``Options``, ``cmd/options.py``) and ``llama-chat serve`` (``ServeOptions``) each
 declare their options once, as the fields of a dataclass with typer annotations; ``command``
-turns such a dataclass and the function that runs it into the command typer reads.
+turns such a dataclass and the function that runs it into the command typer reads, and ``parse``
+reads a command line into the run it asks for.
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ import inspect
 import re
 from collections.abc import Callable
 from dataclasses import fields
+from functools import partial
 from typing import Any, get_type_hints
 
 import typer
 
 
 def command(options: type, run: Callable[[Any], int], *, extra: dict[str, tuple[Any, Any]] | None = None
-            ) -> Callable[..., None]:
+            ) -> Callable[..., Callable[[], int]]:
     """The typer command whose parameters are ``options``' fields: calling it builds an
-    ``options`` from what was given and exits with ``run``'s status. ``extra``: parameters that
-    are not options (name -> (annotation, default)), such as an eager ``--version``; dropped
-    before the dataclass is built."""
+    ``options`` from what was given and returns ``run`` bound to it, for ``parse``'s caller to
+    call. ``extra``: parameters that are not options (name -> (annotation, default)), such as an
+    eager ``--version``; dropped before the dataclass is built."""
     hints = get_type_hints(options, include_extras=True)
     params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
               for f in fields(options)]
@@ -29,14 +31,27 @@ def command(options: type, run: Callable[[Any], int], *, extra: dict[str, tuple[
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
                for name, (annotation, default) in extra.items()]
 
-    def run_command(**kwargs) -> None:
+    def bound_run(**kwargs) -> Callable[[], int]:
         for name in extra:
             kwargs.pop(name, None)
-        raise typer.Exit(run(options(**kwargs)))
+        return partial(run, options(**kwargs))
 
-    run_command.__signature__ = inspect.Signature(params)
-    run_command.__annotations__ = {p.name: p.annotation for p in params}
-    return run_command
+    bound_run.__signature__ = inspect.Signature(params)
+    bound_run.__annotations__ = {p.name: p.annotation for p in params}
+    return bound_run
+
+
+def parse(app: typer.Typer, args: list[str], prog_name: str) -> Callable[[], int | None]:
+    """What ``args`` ask of ``app``: its run, bound to the options read, or what ends the command
+    while they are read (``--help``, ``--version``: their status). The caller calls it, so the run
+    starts from the caller's own frame, not from inside the parser's. A usage error is raised as
+    click's ``ClickException``."""
+    parsed = app(args=args, prog_name=prog_name, standalone_mode=False)
+    return parsed if callable(parsed) else partial(_status, parsed)
+
+
+def _status(status: int | None) -> int | None:
+    return status
 
 
 class GroupedHelp(typer.core.TyperCommand):

@@ -122,9 +122,48 @@ class _StepThread:
             return len(cls._serving)
 
     def _serve(self) -> None:
+        """Each block's calls, in order, until its ``__aexit__``; then parked for the next block,
+        or ended.
+
+        The calls run from this frame itself: each frame between the thread and a step is paid on
+        every call, and a lone job's tokens come from the step's own frame (``BatchCore.step``)."""
         try:
-            while self._inbox.get()._run(self):
-                pass
+            parked = True
+            while parked:
+                worker = self._inbox.get()
+                notify = worker._notify
+                assert notify is not None
+                failed = False
+                done: list[StepCall] = []
+                last_report = float("-inf")
+                with worker._scope():
+                    while True:
+                        call = worker._queue.get()
+                        if call is _STOP:
+                            break
+                        assert isinstance(call, StepCall)
+                        if not (call.revoked or failed):
+                            try:
+                                with interrupt.running(call.abandoned):
+                                    call.result = call.fn(*call.args)
+                            except BaseException as e:  # handed to the awaiting task, raised there
+                                call.error = e
+                                failed = True
+                        elif not call.revoked:
+                            call.revoked = True
+                        done.append(call)
+                        now = time.perf_counter()
+                        # Almost nothing queued: the producer has to act before this thread can go
+                        # on, so tell it now, while the last queued calls still keep the thread busy.
+                        if (worker._queue.qsize() <= REPORT_AT_QUEUED
+                                or now - last_report >= worker._report_every_s):
+                            notify(lambda calls=done, worker=worker: worker._finish(calls))
+                            done = []
+                            last_report = now
+                if done:
+                    notify(lambda calls=done, worker=worker: worker._finish(calls))
+                parked = self.release()  # before the block may end: the next one finds it parked
+                notify(worker._thread_exited)
         finally:  # ended, or failed (an event loop gone under it): neither serving nor parked
             with self._lock:
                 self._serving.discard(self)
@@ -219,47 +258,7 @@ class StepWorker:
             raise RuntimeError("a revoked step was awaited")  # a bug in the caller, never input
         return call.result
 
-    # -- the thread ------------------------------------------------------------------------------
-
-    def _run(self, thread: _StepThread) -> bool:
-        """The block's calls, on ``thread``, until ``__aexit__``; then whether the thread is parked.
-
-        The calls run from this frame itself: each frame between the thread and a step is paid
-        on every call, and a lone job's tokens come from the step's own frame
-        (``BatchCore.step``)."""
-        notify = self._notify
-        assert notify is not None
-        failed = False
-        done: list[StepCall] = []
-        last_report = float("-inf")
-        with self._scope():
-            while True:
-                call = self._queue.get()
-                if call is _STOP:
-                    break
-                assert isinstance(call, StepCall)
-                if not (call.revoked or failed):
-                    try:
-                        with interrupt.running(call.abandoned):
-                            call.result = call.fn(*call.args)
-                    except BaseException as e:  # handed to the awaiting task, raised there
-                        call.error = e
-                        failed = True
-                elif not call.revoked:
-                    call.revoked = True
-                done.append(call)
-                now = time.perf_counter()
-                # Almost nothing queued: the producer has to act before this thread can go on, so
-                # tell it now, while the last queued calls still keep the thread busy.
-                if self._queue.qsize() <= REPORT_AT_QUEUED or now - last_report >= self._report_every_s:
-                    notify(lambda calls=done: self._finish(calls))
-                    done = []
-                    last_report = now
-        if done:
-            notify(lambda calls=done: self._finish(calls))
-        parked = thread.release()  # before the block may end: the next one finds it parked
-        notify(self._thread_exited)
-        return parked
+    # -- the event loop's side of the thread (``_StepThread._serve``) ----------------------------
 
     def _finish(self, calls: list[StepCall]) -> None:  # on the event loop
         for call in calls:

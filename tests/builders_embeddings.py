@@ -408,6 +408,7 @@ def embed_cli(monkeypatch, capsys, *args: str, stdin: str = "", terminal: bool =
     usage error as one line), stdin given: (status, stdout, stderr). ``terminal``: stderr is one."""
     from llama_chat.cmd.embed_command import embed_app, rerank_app
     from llama_chat.cmd.main import ClickException, usage_error
+    from llama_chat.cmd.typer_command import parse
 
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     err = _Terminal() if terminal else None
@@ -415,7 +416,7 @@ def embed_cli(monkeypatch, capsys, *args: str, stdin: str = "", terminal: bool =
         monkeypatch.setattr(sys, "stderr", err)
     app = embed_app if args[0] == "embed" else rerank_app
     try:
-        status = app(args=list(args[1:]), prog_name=f"llama-chat {args[0]}", standalone_mode=False)
+        status = parse(app, list(args[1:]), f"llama-chat {args[0]}")()
     except ClickException as e:
         status = usage_error(e, f"llama-chat {args[0]}")
     out, captured = capsys.readouterr()

@@ -182,9 +182,8 @@ def test_usage_errors_exit_2_with_one_line(tiny, tmp_path, case):
 
 def test_a_model_or_draft_that_is_nowhere_is_refused_before_torch_is_imported(tmp_path):
     for args in (["-m", str(tmp_path / "nowhere")], ["--draft", str(tmp_path / "nowhere")]):
-        code = ("import sys; from llama_chat.cmd.app import app\n"
-                "try: app(args=sys.argv[1:], prog_name='llama-chat')\n"
-                "except SystemExit as e: print(e.code, 'torch' in sys.modules)")
+        code = ("import sys; from llama_chat.cmd.app import app; from llama_chat.cmd.typer_command import parse\n"
+                "print(parse(app, sys.argv[1:], 'llama-chat')(), 'torch' in sys.modules)")
         proc = subprocess.run([sys.executable, "-c", code, *args, "-p", "hi", "--no-stdin"], capture_output=True,
                               text=True, timeout=RUN_TIMEOUT_S, env=cli_env())
         assert proc.stdout.split() == ["2", "False"], proc.stderr

@@ -25,6 +25,7 @@ from builders_formats import write_hf_checkpoint, write_meta_shards
 from cli_support import run_cli
 from llama_chat.cmd import app as cli_app
 from llama_chat.cmd import main as cli_main
+from llama_chat.cmd.typer_command import parse
 
 ESC = "\x1b]0;pwned\x07\x1b[2J\x1b[31m"
 TIMEOUT = 120  # generous: a busy two-core machine; a case that hangs or eats memory fails here
@@ -211,7 +212,7 @@ def test_bad_input_is_one_safe_line_and_exit_2(cases, case, capsys):
     args, expect = cases[case]
     capsys.readouterr()
     try:
-        status = cli_app.app(args=[*args, "--no-stdin"], prog_name="llama-chat", standalone_mode=False)
+        status = parse(cli_app.app, [*args, "--no-stdin"], "llama-chat")()
     except cli_main.ClickException as e:  # what main() does with a usage error
         status = cli_main.usage_error(e)
     out, err = capsys.readouterr()
