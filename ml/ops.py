@@ -347,6 +347,39 @@ def attention(
     return out.reshape(batch, heads, seq, head_dim)  # some kernels return another layout
 
 
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    """``attention`` of a prompt's chunk that follows ``past`` positions of its sequence: ``k`` and
+    ``v`` hold those and the chunk's own (``past + q.shape[2]`` keys), and query ``i`` sees keys
+    ``0 .. past + i``; ``mask`` says so as ``attention`` takes it (None where ``past`` is 0), for
+    where the way below is not taken.
+
+    Eager on the CPU, the past keys are attended with no mask and the chunk's own causally, and
+    the two are joined by their log-sum-exps: the mask (which SDPA turns into a float matrix of
+    every query head's rows) is never made, and the masked half of the chunk's own square is never
+    computed, which at a long prompt's last chunks is a visible share of the attention.
+    """
+    if past == 0 or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return attention(q, k, v, mask, causal=mask is None)
+    batch, heads, seq, head_dim = q.shape
+    kv_heads = k.shape[1]
+    n_rep = heads // kv_heads
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    # The query heads that share a key head as extra rows of it, as ``attention`` groups them.
+    grouped = q.reshape(batch, kv_heads, n_rep * seq, head_dim)
+    before, before_lse = flash(grouped, k[:, :, :past], v[:, :, :past], 0.0, False)
+    own_k, own_v = k[:, :, past:], v[:, :, past:]
+    if n_rep > 1:
+        own_k, own_v = own_k.repeat_interleave(n_rep, dim=1), own_v.repeat_interleave(n_rep, dim=1)
+    own, own_lse = flash(q, own_k, own_v, 0.0, True)
+    own, own_lse = own.reshape(before.shape), own_lse.reshape(before_lse.shape)
+    top = torch.maximum(before_lse, own_lse)
+    w_before, w_own = (before_lse - top).exp_(), (own_lse - top).exp_()
+    total = w_before + w_own
+    out = before.float() * (w_before / total).unsqueeze(-1) + own.float() * (w_own / total).unsqueeze(-1)
+    return out.to(q.dtype).reshape(batch, heads, seq, head_dim)
+
+
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """``(batch, 1, seq, kv_len)`` bool: which keys each query sees (its own past, and with a
     ``window`` only the last ``window`` positions of it). ``query_positions`` is ``(batch, seq)``,

@@ -443,7 +443,7 @@ class PagedView:
             end = start + length  # the keys this run reads: its sequence's, up to its last token
             keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
             values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
-            parts.append(ops.attention(q[:, :, first:first + length], keys, values, mask, causal=mask is None))
+            parts.append(ops.chunk_attention(q[:, :, first:first + length], keys, values, start, mask))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def _read_pages(self, layer: int, store_k: torch.Tensor, store_v: torch.Tensor,

@@ -106,6 +106,27 @@ def test_fused_projections_give_the_same_logits():
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,length,past", [(12, 2, 37, 100), (4, 4, 1, 5), (8, 2, 16, 16), (6, 3, 64, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_chunk_after_its_past_attends_as_the_mask_says(heads, kv_heads, length, past, dtype):
+    """``chunk_attention`` joins the past's unmasked attention and the chunk's causal one: the same
+    as the chunk's mask through SDPA (float32 inputs: to float32 rounding; bf16: to the output's)."""
+    g = torch.Generator().manual_seed(length + past)
+    # The chunk's queries a slice of the step's, as the paged view passes them.
+    q = torch.randn(1, heads, length + 7, 32, generator=g)[:, :, 3:3 + length].to(dtype)
+    k = torch.randn(1, kv_heads, past + length, 32, generator=g).to(dtype)
+    v = torch.randn(1, kv_heads, past + length, 32, generator=g).to(dtype)
+    mask = (torch.arange(past + length).view(1, -1) <= torch.arange(past, past + length).view(-1, 1)).view(
+        1, 1, length, -1)
+    rep = heads // kv_heads
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1), attn_mask=mask)
+    got = ops.chunk_attention(q, k, v, past, mask)
+    assert got.dtype == dtype and got.shape == q.shape
+    tolerance = {} if dtype == torch.float32 else {"rtol": 0.0, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), expected, **tolerance)
+
+
 def test_attention_over_the_cache_matches_sdpa():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 8, 1, 16, generator=g)
