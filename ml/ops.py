@@ -401,13 +401,43 @@ def ruled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     n_rep = heads // kv_heads
     grouped = q.reshape(batch, kv_heads, n_rep * seq, head_dim)
     scale = rule.scale if rule.scale is not None else 1.0 / math.sqrt(head_dim)
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale
+    # In place: the scores are the largest tensor of a long prompt's step.
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float().mul_(scale)
     if rule.softcap is not None:
-        scores = torch.tanh(scores / rule.softcap) * rule.softcap
+        scores.div_(rule.softcap).tanh_().mul_(rule.softcap)
     mask = mask.unsqueeze(2).expand(batch, mask.shape[1], n_rep, seq, kv_len)
-    scores = scores.masked_fill(~mask.reshape(batch, mask.shape[1], n_rep * seq, kv_len), float("-inf"))
+    scores.masked_fill_(~mask.reshape(batch, mask.shape[1], n_rep * seq, kv_len), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(batch, heads, seq, head_dim)
+
+
+# Queries a block in ``ruled_run_attention``: a block's scores at 4,096 keys (8 query heads) are
+# 16 MB, within a last-level cache; a 512-token chunk's whole were 64 MB, written and read again
+# by each step of the rule.
+RULED_BLOCK_ROWS = 128
+
+
+def ruled_run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, rule: AttentionRule,
+                        rows: int = RULED_BLOCK_ROWS) -> torch.Tensor:
+    """``ruled_attention`` of one sequence's run of queries at positions ``start, start + 1, ...``
+    over its keys at positions ``0 .. k.shape[2] - 1``, ``rows`` queries at a time, each block
+    against only the keys it can see (none past its last query, none before its first query's
+    window): a long prompt's scores are never made whole, and the keys no query of a block sees
+    are not multiplied."""
+    seq = q.shape[2]
+    if seq <= rows:
+        seen = visible_keys(torch.arange(start, start + seq, device=q.device).view(1, seq),
+                            torch.arange(k.shape[2], device=q.device), rule.window)
+        return ruled_attention(q, k, v, seen, rule)
+    parts = []
+    for first in range(0, seq, rows):
+        stop = min(seq, first + rows)
+        low = 0 if rule.window is None else max(0, start + first - rule.window + 1)
+        high = start + stop
+        seen = visible_keys(torch.arange(start + first, start + stop, device=q.device).view(1, stop - first),
+                            torch.arange(low, high, device=q.device), rule.window)
+        parts.append(ruled_attention(q[:, :, first:stop], k[:, :, low:high], v[:, :, low:high], seen, rule))
+    return torch.cat(parts, dim=2)
 
 
 def attention_over_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -484,9 +484,7 @@ class PagedView:
             end = start + length
             keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
             values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
-            seen = ops.visible_keys(batch.positions[first:first + length].view(1, length),
-                                    torch.arange(end, device=q.device), rule.window)
-            parts.append(ops.ruled_attention(q[:, :, first:first + length], keys, values, seen, rule))
+            parts.append(ops.ruled_run_attention(q[:, :, first:first + length], keys, values, start, rule))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def _attend_rows_by_head(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,21 @@ def test_a_chunk_after_its_past_attends_as_the_mask_says(heads, kv_heads, length
     torch.testing.assert_close(got.float(), expected, **tolerance)
 
 
+@pytest.mark.parametrize("rule", [ops.AttentionRule(softcap=50.0), ops.AttentionRule(window=7, softcap=30.0),
+                                  ops.AttentionRule(window=40, scale=0.1)], ids=["cap", "window-cap", "window-scale"])
+@pytest.mark.parametrize("length,start", [(23, 0), (23, 30), (4, 60)])
+def test_a_ruled_run_in_blocks_of_queries_is_the_run_attended_whole(rule, length, start):
+    """Blocks of 5 queries, each over the keys it can see, give the whole run's attention under
+    the rule's mask: the same products of the same keys, the cut-off keys' weights exactly 0."""
+    g = torch.Generator().manual_seed(length + start)
+    q = torch.randn(1, 8, length, 16, generator=g)
+    k = torch.randn(1, 2, start + length, 16, generator=g)
+    v = torch.randn(1, 2, start + length, 16, generator=g)
+    seen = ops.visible_keys(torch.arange(start, start + length).view(1, length), torch.arange(start + length), rule.window)
+    torch.testing.assert_close(ops.ruled_run_attention(q, k, v, start, rule, rows=5),
+                               ops.ruled_attention(q, k, v, seen, rule))
+
+
 def test_attention_over_the_cache_matches_sdpa():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 8, 1, 16, generator=g)
