@@ -261,8 +261,10 @@ def llama2c_system(binary: str, model: str, tokenizer: str, args, env: dict) -> 
 # -- the workers (run in the child processes) --------------------------------------------------
 
 
-def long_prompt(c: dict) -> tuple[int, ...]:
-    g = torch.Generator().manual_seed(1)
+def long_prompt(c: dict, seed: int = 1) -> tuple[int, ...]:
+    """A prompt of random ids; each seed's its own, so llama-chat's prefix cache holds none of it
+    (a prompt seen before would be timed from the pages it left)."""
+    g = torch.Generator().manual_seed(seed)
     return (BOS, *torch.randint(259, c["vocab"], (PREFILL - 1,), generator=g).tolist())
 
 
@@ -292,8 +294,9 @@ def llama_chat_worker(args, c: dict) -> dict:
         decode.append(done.timings.decode_tok_s)
         tokens = list(done.token_ids)
     prefill, ttft = [], []
-    for _ in range(args.runs):
-        done = source.generate(Request(long_prompt(c), sampling=greedy, max_tokens=1))
+    for run in range(args.runs):
+        done = source.generate(Request(long_prompt(c, seed=2 + run), sampling=greedy, max_tokens=1))
+        assert done.cached_tokens == 0, done.cached_tokens
         prefill.append(done.timings.prefill_tok_s)
         ttft.append(done.timings.ttft_s)
     return dict(decode=spread(decode), prefill=spread(prefill), ttft=spread(ttft), load_s=load_s,
