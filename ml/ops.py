@@ -399,12 +399,15 @@ def ruled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     batch, heads, seq, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     n_rep = heads // kv_heads
-    grouped = q.reshape(batch, kv_heads, n_rep * seq, head_dim)
     scale = rule.scale if rule.scale is not None else 1.0 / math.sqrt(head_dim)
-    # In place: the scores are the largest tensor of a long prompt's step.
-    scores = torch.matmul(grouped, k.transpose(-1, -2)).float().mul_(scale)
+    # The scale, and the cap's division, go on the queries: the scores are the largest tensor of a
+    # long prompt's step, and each pass over them costs more than the queries' one. In place too.
     if rule.softcap is not None:
-        scores.div_(rule.softcap).tanh_().mul_(rule.softcap)
+        scale /= rule.softcap
+    grouped = (q * scale).reshape(batch, kv_heads, n_rep * seq, head_dim)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float()
+    if rule.softcap is not None:
+        scores.tanh_().mul_(rule.softcap)
     mask = mask.unsqueeze(2).expand(batch, mask.shape[1], n_rep, seq, kv_len)
     scores.masked_fill_(~mask.reshape(batch, mask.shape[1], n_rep * seq, kv_len), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
