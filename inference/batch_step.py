@@ -139,7 +139,7 @@ def verify(logits: torch.Tensor, picks: torch.Tensor | None, job: Job, draft: li
     plain_greedy = job.controls is None and params.greedy
     if plain_greedy and picks is None:
         picks = cpu_kernels.argmax(logits[:, :sample_ids])
-    damaged = ~finite_best(logits[:, :sample_ids])
+    damaged = ~finite_best(logits[:, :sample_ids], picks)
     kept: list[int] = []
     for i in range(len(draft) + 1):
         if bool(damaged[i]):

@@ -174,10 +174,14 @@ def pick(logits: torch.Tensor) -> torch.Tensor:
     return cpu_kernels.argmax(logits)
 
 
-def finite_best(logits: torch.Tensor) -> torch.Tensor:
+def finite_best(logits: torch.Tensor, picks: torch.Tensor | None = None) -> torch.Tensor:
     """``(rows,)`` bool: whether each row's best score is finite. NaN wins a maximum, and so does
-    +inf: a row without one holds neither, and a draw from it means something."""
-    return torch.isfinite(logits.amax(dim=-1))
+    +inf: a row without one holds neither, and a draw from it means something. ``picks``: the
+    rows' greedy picks (``pick``'s, where NaN and +inf win too), whose scores are the best: only
+    those are read, where a maximum over a batch's rows opens a parallel region every step."""
+    if picks is None:
+        return torch.isfinite(logits.amax(dim=-1))
+    return torch.isfinite(logits.gather(-1, picks.view(-1, 1).to(logits.device, torch.long)).view(-1))
 
 
 def sample(
@@ -341,7 +345,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[Row | None], picks: torch.T
     """
     if picks is None:
         picks = pick(logits[:, :sample_ids])
-    hopeless = ~finite_best(logits[:, :sample_ids])
+    hopeless = ~finite_best(logits[:, :sample_ids], None if any(drawn) else picks)
     for i, row in enumerate(rows):
         if row is None or (row.controls is None and (row.request.sampling.greedy or i < len(drawn) and drawn[i])):
             continue

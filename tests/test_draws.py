@@ -66,6 +66,22 @@ def test_every_greedy_form_takes_the_lowest_id_of_the_largest(rows, vocab, cpu_k
     assert int(nan.argmax(dim=-1)[0]) == vocab // 4
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_a_rows_best_read_at_its_pick_is_finite_as_its_maximum_is(seed):
+    """The step's check for damaged scores reads each row's score at its greedy pick: the same
+    answer as the row's maximum, with NaN, +inf and -inf anywhere, any number of times."""
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 1 + seed % 9, [7, 300, 4099][seed % 3]
+    logits = logits_with_ties(rows, vocab, seed)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        hit = torch.rand(rows, vocab, generator=g) < torch.rand(rows, 1, generator=g) ** 4
+        logits = torch.where(hit & (torch.rand(rows, 1, generator=g) < 0.5), value, logits)
+    logits[torch.rand(rows, generator=g) < 0.2] = float("-inf")
+    want = sampling.finite_best(logits)
+    assert torch.equal(sampling.finite_best(logits, pick(logits)), want)
+    assert torch.equal(sampling.finite_best(logits, logits.argmax(dim=-1)), want)
+
+
 @pytest.mark.parametrize(("rows", "vocab"), SHAPES)
 @pytest.mark.parametrize("params", SAMPLED, ids=["full", "nucleus-0.5", "nucleus-0.95"])
 def test_every_sampled_form_draws_the_same_token_from_the_same_uniform(rows, vocab, params, monkeypatch):
