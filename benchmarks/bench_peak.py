@@ -18,6 +18,10 @@ instruction sums it):
 * ``int8 avx2 maddubs+add16``: ``vpmaddubsw`` and ``vpaddw`` into int16 sums, ``vpmaddubsw``'s
   own ceiling (int16 sums overflow past a few products: a bound, not a usable kernel);
 * ``int8 avx-vnni`` / ``int8 avx512-vnni``: ``vpdpbusd`` on 256 / 512 bits (32 / 64 each);
+* ``int8 avx512-vnni, block steps`` (``+offsets``): the same with the float step that each
+  32-value block of eight input rows takes under the packed products' numerics (ml/cpu/blocks.h):
+  per row the block's int32 sum converted, scaled and added (and for Q4_K and Q5_K the offset's
+  multiply-add): the most a prompt's products can reach with those numerics, below the peak;
 * ``int8 amx``: ``tdpbusd`` on 16x64 tiles, where the CPU has AMX and the kernel grants its tile
   state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); else said so;
 * ``fp32 fma``: ``vfmadd231ps`` on 256 (and 512) bits; ``bf16 avx512``: ``vdpbf16ps`` where the
@@ -170,6 +174,42 @@ uint64_t avx512_vnni(uint64_t iters) {
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+// The sequence of a prompt's products under their numerics (ml/cpu/blocks.h, "Many rows"): a
+// 32-value block is eight vpdpbusd into a fresh int32 sum for each of eight input rows (the rows
+// share each weight vector), then the block's float step for each row: the sum converted, times
+// the weights' scale times the row's step, added to the row's float sum; and with Offset (Q4_K,
+// Q5_K) the weights' offset times the row's step sum added too. The rate those numerics allow.
+template <bool Offset>
+uint64_t avx512_vnni_blocks(uint64_t iters) {
+  __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  __m512 scale = _mm512_set1_ps(1e-3f), offset = _mm512_set1_ps(-1e-3f);
+  alignas(64) static float steps[8] = {1e-3f, 2e-3f, 3e-3f, 4e-3f, 5e-3f, 6e-3f, 7e-3f, 8e-3f};
+  __m512 acc[8];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  for (uint64_t n = 0; n < iters; ++n) {
+    __m512i s[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) s[i] = _mm512_set1_epi32(i);  // unequal: each row's sums computed
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) s[i] = _mm512_dpbusd_epi32(s[i], a, b);
+      __asm__ volatile("" : "+v"(a), "+v"(b));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(scale, _mm512_set1_ps(steps[i])), acc[i]);
+      if (Offset) acc[i] = _mm512_fmadd_ps(offset, _mm512_set1_ps(steps[i]), acc[i]);
+    }
+    __asm__ volatile("" : "+v"(scale), "+v"(offset) : : "memory");
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < 8; ++i) s = _mm512_add_ps(s, acc[i]);
+  return static_cast<uint64_t>(_mm512_reduce_add_ps(s));
+}
+#endif
+
 #if defined(__AVX512BF16__)
 uint64_t avx512_bf16(uint64_t iters) {
   __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f80);
@@ -233,6 +273,8 @@ const std::vector<Kernel>& kernels() {
 #endif
 #if defined(__AVX512VNNI__)
       {"int8 avx512-vnni", avx512_vnni, 64.0 * kAcc},
+      {"int8 avx512-vnni, block steps", avx512_vnni_blocks<false>, 64.0 * 8 * 8},
+      {"int8 avx512-vnni, block steps+offsets", avx512_vnni_blocks<true>, 64.0 * 8 * 8},
 #endif
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
       {"int8 amx", amx_int8, 4.0 * 16 * 16 * 64},
