@@ -4,9 +4,10 @@ its quantizer, and every product against ``dequantize(w) @ rounded(x)`` in float
 machine's build, in builds without VNNI, without AVX-512 and without AVX, and without the operator.
 
 The operator's tolerance: |got - dequantize(w) @ rounded(x)| <= 1e-5 * (|dequantize(w)| @ |rounded(x)|),
-where rounded(x) is x rounded per 32 values to int8 steps of max|x| / 127. Each block's integer sum
-is exact, so what is left is float32 rounding of a few hundred scaled block sums (about 1e-7 of the
-same size, measured); a wrong code, scale, offset or zero point is far outside it.
+where rounded(x) is x rounded to int8 steps of max|x| / 127, a step per 32 values (per 256 for the
+K-quants, as llama.cpp's Q8_K). Each block's integer sum is exact, so what is left is float32
+rounding of a few hundred scaled sums (about 1e-7 of the same size, measured); a wrong code, scale,
+offset or zero point is far outside it.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def random_weight(kind: str, out_features: int, in_features: int, seed: int) -> 
     return packed.PackedWeight(kind, raw.view(out_features, -1), in_features)
 
 
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    """x rounded per 32 values as the operator rounds it: step max|x| / 127, nearest, ties to even."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+def rounded(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x rounded as the operator rounds it for ``kind``: step max|x| / 127 per 32 values (per 256 for
+    the K-quants), nearest, ties to even."""
+    blocks = x.reshape(x.shape[0], -1, 256 if kind.endswith("_k") else 32)
     step = blocks.abs().amax(dim=-1, keepdim=True) / 127
     inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
     return (torch.round(blocks * inverse) * step).reshape(x.shape)
@@ -58,7 +60,7 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
 
 def assert_operator_result(got: torch.Tensor, x: torch.Tensor, weight: packed.PackedWeight) -> None:
     w = weight.dequantize().double()
-    xr = rounded(x).double()
+    xr = rounded(x, weight.kind).double()
     want = xr @ w.T
     bound = RELATIVE_TOLERANCE * (xr.abs() @ w.abs().T)
     assert got.shape == want.shape and got.dtype == torch.float32
@@ -206,10 +208,12 @@ def test_without_the_operator_a_product_is_the_dequantized_one(pytorch_products,
 
 
 # A build of the operator's products alone (kernels.cpp) with some instruction sets taken away,
-# in a process of its own: it writes each case's product for the test to check.
+# in a process of its own: it writes each case's product, and each row's alone, for the test to check.
 _VARIANT_SCRIPT = OPERATOR_VARIANT_LOAD + """
 cases = torch.load(sys.argv[1])
-torch.save([torch.ops.llama_chat_cpu.packed_product(x, data, kind) for kind, x, data in cases], sys.argv[2])
+product = torch.ops.llama_chat_cpu.packed_product
+torch.save([(product(x, data, kind), torch.cat([product(x[r:r + 1], data, kind) for r in range(len(x))]))
+            for kind, x, data in cases], sys.argv[2])
 """
 
 
@@ -232,8 +236,10 @@ def test_builds_without_vnni_avx512_or_avx_give_the_same_products(tmp_path, flag
     run = run_python(_VARIANT_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt"),
                      env=operator_variant_env(flags), cwd=tmp_path, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
-    for (kind, x, _), weight, got in zip(cases, weights, torch.load(tmp_path / "out.pt")):
+    for (kind, x, _), weight, (got, alone) in zip(cases, weights, torch.load(tmp_path / "out.pt")):
         assert_operator_result(got, x, weight)
+        # Each path of the build (a row alone, four rows, the tiles of 16) gives a row the same bits.
+        assert torch.equal(alone, got), kind
 
 
 # --- a model of packed layers -----------------------------------------------------------------

@@ -2,16 +2,21 @@
 // as they are: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32 values) and Q4_K, Q5_K, Q6_K (super-blocks
 // of 256). Shared by the products (kernels.cpp, packed_product) and the one-call decode step.
 //
-// Numerics. The input rows are first rounded per block of 32 values to int8 steps, as llama.cpp
-// rounds its activations: step = max|x| / 127 (float32), q = x / step rounded to nearest, ties to
-// even (x * (1 / step), then the rounding), a block of zeros has step 0. Then each weight block's
-// codes meet the rounded inputs in exact integer sums, and a block's sum is scaled in float32:
+// Numerics. The input rows are first rounded to int8 steps, as llama.cpp rounds its activations:
+// per block of 32 values for the 32-value kinds (Q8_0's), per super-block of 256 for the K-quants
+// (Q8_K's). step = max|x| / 127 (float32), q = x / step rounded to nearest, ties to even
+// (x * (1 / step), then the rounding); a span of zeros has step 0. Then each weight block's codes
+// meet the rounded inputs in exact integer sums. Blocks of 32 are scaled one by one in float32:
 //     product = sum over blocks b of  a_b * step_b * sum_i (u_i - z) * q_i  +  c_b * step_b * sum_i q_i
 // where a weight value is a_b * (u_i - z) + c_b (u the stored code, z its zero point, a the block's
-// or sub-block's scale, c its offset: the min of Q4_1/Q5_1, -dmin * min of Q4_K/Q5_K; Q6_K's
-// scale is d * its 16-value sub-block's int8 scale). So the result equals
-// dequantize(w) @ (the rounded rows) up to the order of the float32 additions (which differs
-// between the scalar and the vector paths, never with the thread count or the rows beside a row).
+// scale, c the min of Q4_1/Q5_1). A K-quant super-block g is one integer and one float step:
+//     I_g = sum over its sub-blocks j of  s_j * sum_i (u_i - z) * q_i,   M_g = sum_j m_j * sum_i q_i
+//     product = sum over g, in order, of  fma(I_g, d_g * step_g, ...) then fma(M_g, -dmin_g * step_g, ...)
+// (s_j, m_j the 6-bit scales and mins of Q4_K/Q5_K's 32-value sub-blocks, z 0; Q6_K: s the int8
+// scale of each 16 values, z 32, no M). So the result equals dequantize(w) @ (the rounded rows)
+// up to the order of the float32 additions. For the K-quants that order is one and the same on
+// every path; for blocks of 32 it differs between the scalar and the vector paths, never with the
+// thread count or the rows beside a row.
 //
 // Vector paths (256-bit vectors; each 32-value block one vector of unsigned codes): with
 // AVX-512 VNNI (or AVX-VNNI), vpdpbusd multiplies the codes by the signed rounded inputs and sums
@@ -130,43 +135,51 @@ LLAMA_CHAT_HOT float half_to_float(const uint8_t* p) {
 constexpr int64_t kQuantBlock = 32;   // input values per step
 constexpr int64_t kQuantGroup = 256;  // values a vector step takes: eight blocks
 
-// Input rows rounded per block of 32 (see the numerics above), each row padded with zeros to a
+// Values an input step spans for weights of `kind`: a super-block for the K-quants (see the
+// numerics above).
+inline int64_t step_span(Packed kind) { return layout_of(kind).values == kQuantGroup ? kQuantGroup : kQuantBlock; }
+
+// Input rows rounded per `span` values (see the numerics above), each row padded with zeros to a
 // multiple of 256 values so that a group's loads never pass its end.
 struct RoundedBlocks {
-  int64_t rows = 0, k = 0, padded = 0;
+  int64_t rows = 0, k = 0, padded = 0, span = kQuantBlock;
   std::vector<int8_t> q;            // the rounded values, `padded` a row
-  std::vector<float> steps;         // per block of 32: its step
-  std::vector<float> step_sums;     // per block of 32: its step times the sum of its values
+  std::vector<float> steps;         // per span: its step
+  std::vector<float> step_sums;     // span 32: per block, its step times the sum of its values
   std::vector<int32_t> sums;        // per block of 32: the sum of its values
+  std::vector<int16_t> sums16;      // span 256: the same as int16, side by side (pairs for vpmaddwd)
   std::vector<int16_t> half_sums;   // per 16 values: their sum (Q6_K's sub-blocks are 16 long)
   std::vector<int8_t> interleaved;  // q, each group of 256 as interleave_group lays a weight group
   std::vector<int8_t> paired;       // q, each group's blocks in the order 0 2 1 3 4 6 5 7 (kPairedOrder)
 
   const int8_t* q_of(int64_t r) const { return q.data() + r * padded; }
-  const float* steps_of(int64_t r) const { return steps.data() + r * (padded / kQuantBlock); }
+  const float* steps_of(int64_t r) const { return steps.data() + r * (padded / span); }
   const float* step_sums_of(int64_t r) const { return step_sums.data() + r * (padded / kQuantBlock); }
   const int32_t* sums_of(int64_t r) const { return sums.data() + r * (padded / kQuantBlock); }
+  const int16_t* sums16_of(int64_t r) const { return sums16.data() + r * (padded / kQuantBlock); }
   const int16_t* half_sums_of(int64_t r) const { return half_sums.data() + r * (padded / 16); }
   const int8_t* interleaved_of(int64_t r) const { return interleaved.data() + r * padded; }
   const int8_t* paired_of(int64_t r) const { return paired.data() + r * padded; }
 };
 
-// One block of n (at most 32) values.
-inline void round_block(const float* x, int64_t n, int8_t* q, float& step, float& step_sum, int32_t& sum,
-                        int16_t* half_sums) {
+inline float largest_of(const float* x, int64_t n) {
   float largest = 0.f;
   for (int64_t i = 0; i < n; ++i) largest = std::max(largest, std::abs(x[i]));
-  const float d = largest / 127.f;
-  const float inverse = d != 0.f ? 1.f / d : 0.f;
+  return largest;
+}
+
+inline float inverse_of(float step) { return step != 0.f ? 1.f / step : 0.f; }
+
+// One block of n (at most 32) values rounded with the inverse of their step: its values' sum and
+// each half's.
+inline void round_block(const float* x, int64_t n, float inverse, int8_t* q, int32_t& sum, int16_t* half_sums) {
   int32_t halves[2] = {0, 0};
   for (int64_t i = 0; i < kQuantBlock; ++i) {
     const int32_t v = i < n ? static_cast<int32_t>(std::nearbyint(x[i] * inverse)) : 0;
     q[i] = static_cast<int8_t>(v);
     halves[i / 16] += v;
   }
-  step = d;
   sum = halves[0] + halves[1];
-  step_sum = d * static_cast<float>(sum);
   half_sums[0] = static_cast<int16_t>(halves[0]);
   half_sums[1] = static_cast<int16_t>(halves[1]);
 }
@@ -179,29 +192,28 @@ inline int32_t horizontal_sum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// round_block of a whole block in vectors: the same operations, so the same bits.
-inline void round_block32(const float* x, int8_t* q, float& step, float& step_sum, int32_t& sum, int16_t* half_sums) {
+// largest_of and round_block of whole blocks in vectors: the same operations, so the same bits.
+inline float largest_of32(const float* x, int64_t blocks) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 v[4];
-  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
-  const __m256 most = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
-                                    _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+  __m256 most = _mm256_setzero_ps();
+  for (int64_t i = 0; i < 4 * blocks; ++i) most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(x + 8 * i), magnitude));
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  const float d = _mm_cvtss_f32(m) / 127.f;
-  const __m256 inverse = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  return _mm_cvtss_f32(m);
+}
+
+inline void round_block32(const float* x, float inverse_step, int8_t* q, int32_t& sum, int16_t* half_sums) {
+  const __m256 inverse = _mm256_set1_ps(inverse_step);
   __m256i i32[4];
-  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // to nearest, ties to even
+  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), inverse));  // to nearest, ties to even
   const int32_t low = horizontal_sum_i32(_mm256_add_epi32(i32[0], i32[1]));
   const int32_t high = horizontal_sum_i32(_mm256_add_epi32(i32[2], i32[3]));
   // The packs interleave 128-bit lanes; the permutation puts the values back in order.
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  step = d;
   sum = low + high;
-  step_sum = d * static_cast<float>(sum);
   half_sums[0] = static_cast<int16_t>(low);
   half_sums[1] = static_cast<int16_t>(high);
 }
@@ -253,37 +265,51 @@ struct Serially {
   void operator()(int64_t n, const Body& body) const { body(0, n); }
 };
 
-// Rows [0, rows) of x (each k long, `stride` apart) into `out`, whose vectors are reused; the
-// rows are rounded in the ranges `split` gives (each row on its own: any split, the same bytes).
+// Rows [0, rows) of x (each k long, `stride` apart) into `out`, whose vectors are reused, a step
+// per `span` values (step_span: 32, or 256 where k is whole super-blocks); the rows are rounded in
+// the ranges `split` gives (each row on its own: any split, the same bytes).
 template <class Split = Serially>
 inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride, RoundedBlocks& out,
-                         const Split& split = {}) {
+                         int64_t span = kQuantBlock, const Split& split = {}) {
   out.rows = rows;
   out.k = k;
+  out.span = span;
   out.padded = (k + kQuantGroup - 1) / kQuantGroup * kQuantGroup;
-  const int64_t blocks = out.padded / kQuantBlock;
+  const int64_t blocks = out.padded / kQuantBlock, spans = out.padded / span, per_span = span / kQuantBlock;
   out.q.assign(static_cast<size_t>(rows * out.padded), 0);
-  out.steps.assign(static_cast<size_t>(rows * blocks), 0.f);
-  out.step_sums.assign(static_cast<size_t>(rows * blocks), 0.f);
+  out.steps.assign(static_cast<size_t>(rows * spans), 0.f);
+  out.step_sums.assign(span == kQuantBlock ? static_cast<size_t>(rows * blocks) : 0, 0.f);
   out.sums.assign(static_cast<size_t>(rows * blocks), 0);
+  out.sums16.assign(span == kQuantBlock ? 0 : static_cast<size_t>(rows * blocks), 0);
   out.half_sums.assign(static_cast<size_t>(rows * blocks * 2), 0);
   split(rows, [&](int64_t first, int64_t stop) {
     for (int64_t r = first; r < stop; ++r) {
       const float* xr = x + r * stride;
       int8_t* q = out.q.data() + r * out.padded;
-      float* steps = out.steps.data() + r * blocks;
-      float* step_sums = out.step_sums.data() + r * blocks;
       int32_t* sums = out.sums.data() + r * blocks;
       int16_t* halves = out.half_sums.data() + r * blocks * 2;
-      for (int64_t b = 0; b * kQuantBlock < k; ++b) {
-        const int64_t n = std::min(kQuantBlock, k - b * kQuantBlock);
+      for (int64_t t = 0; t * span < k; ++t) {
+        const int64_t values = std::min(span, k - t * span), whole = values / kQuantBlock;
+        const float* xs = xr + t * span;
+        float largest = 0.f;
 #ifdef LLAMA_CHAT_AVX2
-        if (n == kQuantBlock) {
-          round_block32(xr + b * kQuantBlock, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
-          continue;
-        }
+        largest = largest_of32(xs, whole);
+        largest = std::max(largest, largest_of(xs + whole * kQuantBlock, values - whole * kQuantBlock));
+#else
+        largest = largest_of(xs, values);
 #endif
-        round_block(xr + b * kQuantBlock, n, q + b * kQuantBlock, steps[b], step_sums[b], sums[b], halves + 2 * b);
+        const float step = largest / 127.f, inverse = inverse_of(step);
+        out.steps[static_cast<size_t>(r * spans + t)] = step;
+        for (int64_t j = 0; j * kQuantBlock < values; ++j) {
+          const int64_t b = t * per_span + j, n = std::min(kQuantBlock, values - j * kQuantBlock);
+#ifdef LLAMA_CHAT_AVX2
+          if (n == kQuantBlock) round_block32(xr + b * kQuantBlock, inverse, q + b * kQuantBlock, sums[b], halves + 2 * b);
+          else
+#endif
+            round_block(xr + b * kQuantBlock, n, inverse, q + b * kQuantBlock, sums[b], halves + 2 * b);
+          if (span == kQuantBlock) out.step_sums[static_cast<size_t>(r * blocks + b)] = step * static_cast<float>(sums[b]);
+          else out.sums16[static_cast<size_t>(r * blocks + b)] = static_cast<int16_t>(sums[b]);
+        }
       }
     }
   });
@@ -313,12 +339,15 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
 // Scalar path: one block of 32 codes at a time.
 
 // Block b (the b-th 32 values) of a row: codes u, zero point z, the integer scale of each half
-// (Q6_K's sub-blocks; 1 elsewhere), the float scale a and offset c.
+// (Q6_K's sub-blocks; 1 elsewhere), the float scale a and offset c; of a K-quant's super-block,
+// the block's integer scale s and min m (Q4_K, Q5_K) and the super-block's d and -dmin.
 struct ScalarBlock {
   int32_t u[32];
   int32_t z = 0;
   int32_t halves[2] = {1, 1};
   float a = 0.f, c = 0.f;
+  int32_t s = 1, m = 0;
+  float d = 0.f, neg_dmin = 0.f;
 };
 
 // Q4_K/Q5_K's 6-bit scale and min of sub-block j from their 12 bytes (llama.cpp's get_scale_min_k4).
@@ -368,13 +397,14 @@ inline void decode_block(Packed kind, const uint8_t* row, int64_t b, ScalarBlock
     out.z = 32;
     out.halves[0] = static_cast<int8_t>(p[192 + 2 * j]);
     out.halves[1] = static_cast<int8_t>(p[192 + 2 * j + 1]);
-    out.a = half_to_float(p + 208);
+    out.d = half_to_float(p + 208);
+    out.s = 1;
+    out.m = 0;
     return;
   }
-  int32_t scale, min;
-  k_scale_min(p + 4, j, scale, min);
-  out.a = half_to_float(p) * static_cast<float>(scale);
-  out.c = -half_to_float(p + 2) * static_cast<float>(min);
+  k_scale_min(p + 4, j, out.s, out.m);
+  out.d = half_to_float(p);
+  out.neg_dmin = -half_to_float(p + 2);
   const bool five = kind == Packed::q5_k;
   const uint8_t* qs = p + (five ? 48 : 16) + 32 * (j / 2);
   for (int l = 0; l < 32; ++l) {
@@ -383,11 +413,14 @@ inline void decode_block(Packed kind, const uint8_t* row, int64_t b, ScalarBlock
   }
 }
 
-// One weight row of `blocks` 32-value blocks against one rounded row.
-inline float packed_dot_scalar(Packed kind, const uint8_t* row, int64_t blocks, const int8_t* q, const float* steps,
-                               const float* step_sums) {
+// One weight row of `blocks` 32-value blocks against rounded row r.
+inline float packed_dot_scalar(Packed kind, const uint8_t* row, int64_t blocks, const RoundedBlocks& in, int64_t r) {
+  const int8_t* q = in.q_of(r);
+  const float* steps = in.steps_of(r);
+  const bool super = in.span == kQuantGroup;
   ScalarBlock block;
   float total = 0.f;
+  int32_t scaled = 0, mins = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     decode_block(kind, row, b, block);
     int32_t sum = 0;
@@ -396,8 +429,19 @@ inline float packed_dot_scalar(Packed kind, const uint8_t* row, int64_t blocks, 
       for (int i = 16 * h; i < 16 * h + 16; ++i) part += (block.u[i] - block.z) * q[b * 32 + i];
       sum += part * block.halves[h];
     }
-    total += block.a * steps[b] * static_cast<float>(sum);
-    if (block.c != 0.f) total += block.c * step_sums[b];
+    if (!super) {
+      total += block.a * steps[b] * static_cast<float>(sum);
+      if (block.c != 0.f) total += block.c * in.step_sums_of(r)[b];
+      continue;
+    }
+    scaled += block.s * sum;
+    mins += block.m * in.sums_of(r)[b];
+    if (b % 8 == 7) {
+      const float step = steps[b / 8];
+      total = madd(static_cast<float>(scaled), block.d * step, total);
+      if (kind != Packed::q6_k) total = madd(static_cast<float>(mins), block.neg_dmin * step, total);
+      scaled = mins = 0;
+    }
   }
   return total;
 }
@@ -492,7 +536,11 @@ template <Packed K>
 constexpr int kZeroShift = K == Packed::q4_0 ? 3 : K == Packed::q5_0 ? 4 : (K == Packed::q8_0 && !kSignTrick<K>) ? 7 : 0;
 
 template <Packed K>
-constexpr bool kOffset = K == Packed::q4_1 || K == Packed::q5_1 || K == Packed::q4_k || K == Packed::q5_k;
+constexpr bool kOffset = K == Packed::q4_1 || K == Packed::q5_1;
+
+// Q4_K and Q5_K: mins, taken off a super-block's sum as one integer (the numerics above).
+template <Packed K>
+constexpr bool kMins = K == Packed::q4_k || K == Packed::q5_k;
 
 // Eight blocks of a row, decoded.
 struct Group {
@@ -502,6 +550,9 @@ struct Group {
   __m256i scales16;  // Q6_K: the sixteen sub-block scales as int16, for the zero point
   __m256 scale;      // a, per block
   __m256 offset;     // c, per block
+  __m256i scales;    // Q4_K, Q5_K: the blocks' integer scales
+  __m128i mins16;    // Q4_K, Q5_K: the blocks' mins, as int16
+  float d, neg_dmin;  // K-quants: the super-block's d and -dmin
 };
 
 // Blocks [8g, 8g + count) of a row of 32-value blocks (count from 1 to 8; the rest are zeros).
@@ -541,7 +592,15 @@ LLAMA_CHAT_HOT void decode_small_group(const uint8_t* row, int64_t g, int count,
   }
 }
 
-// Super-block g of a Q4_K/Q5_K row: scales d * sc_j and offsets -dmin * m_j.
+// A Q4_K/Q5_K super-block's scales and mins (bytes 0-7 and 8-15 of `both`), d and dmin.
+LLAMA_CHAT_HOT void k_scales_of(const uint8_t* p, __m128i both, Group& out) {
+  out.scales = _mm256_cvtepu8_epi32(both);
+  out.mins16 = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(both, both));
+  out.d = half_to_float(p);
+  out.neg_dmin = -half_to_float(p + 2);
+}
+
+// Super-block g of a Q4_K/Q5_K row: its integer scales and mins.
 // The 12 bytes are taken apart four at a time (llama.cpp's way): k_scale_min for all eight.
 LLAMA_CHAT_HOT void k_scales(const uint8_t* p, Group& out) {
   uint32_t w[4];
@@ -552,12 +611,9 @@ LLAMA_CHAT_HOT void k_scales(const uint8_t* p, Group& out) {
   w[1] = (w[2] & four) | (((w[0] >> 6) & two) << 4);          // scales 4-7
   w[2] = mins;
   w[0] &= six;                                                 // scales 0-3
-  const __m128i both = _mm_setr_epi32(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
-                                      static_cast<int>(w[3]));
-  const __m256 scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
-  const __m256 minimums = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(both, both)));
-  out.scale = _mm256_mul_ps(_mm256_set1_ps(half_to_float(p)), scales);
-  out.offset = _mm256_mul_ps(_mm256_set1_ps(-half_to_float(p + 2)), minimums);
+  k_scales_of(p, _mm_setr_epi32(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                                 static_cast<int>(w[3])),
+              out);
 }
 
 template <Packed K, bool Interleave>
@@ -606,12 +662,39 @@ LLAMA_CHAT_HOT void decode_super_block(const uint8_t* row, int64_t g, Group& out
     const __m128i ordered = _mm_shuffle_epi8(s8, order);
     out.halves[0] = _mm256_cvtepi8_epi32(ordered);
     out.halves[1] = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(ordered, ordered));
-    out.scale = _mm256_set1_ps(half_to_float(p + 208));
+    out.d = half_to_float(p + 208);
   }
   if constexpr (Interleave) interleave_group(out.u);
 }
 
-// One rounded row's share of a decoded group, added to acc.
+template <Packed K>
+constexpr bool kSuperSteps = kPackedLayouts[static_cast<int>(K)].values == kQuantGroup;
+
+// The sum of the four int32 in v's low 128 bits and the four high ones' (lane 0) and those of
+// u (lane 1): two horizontal sums for the price of one.
+LLAMA_CHAT_HOT __m128i two_sums(__m256i v, __m128i u) {
+  const __m128i t = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)), u);
+  return _mm_hadd_epi32(t, t);
+}
+
+// A K-quant super-block's float step (the numerics above) for one rounded row, its blocks' sums
+// in s (lane j: block j, Q6_K's scaled and less its zero point), added to acc in lane 0.
+template <Packed K>
+LLAMA_CHAT_HOT __m256 super_step(__m256i s, const Group& w, const RoundedBlocks& in, int64_t r, int64_t g, __m256 acc) {
+  const float step = in.steps_of(r)[g];
+  float total = _mm256_cvtss_f32(acc);
+  if constexpr (K == Packed::q6_k) {
+    total = madd(static_cast<float>(horizontal_sum_i32(s)), w.d * step, total);
+  } else {
+    const __m128i mins = _mm_madd_epi16(w.mins16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(in.sums16_of(r) + 8 * g)));
+    const __m128i both = two_sums(_mm256_mullo_epi32(s, w.scales), mins);
+    total = madd(static_cast<float>(_mm_cvtsi128_si32(both)), w.d * step, total);
+    total = madd(static_cast<float>(_mm_extract_epi32(both, 1)), w.neg_dmin * step, total);
+  }
+  return _mm256_castps128_ps256(_mm_set_ss(total));
+}
+
+// One rounded row's share of a decoded group, added to acc (a K-quant's: to its lane 0).
 template <Packed K, bool Interleaved>
 LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t r, int64_t g, __m256 acc) {
   __m256i quads[2];
@@ -645,9 +728,12 @@ LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t
   }
   __m256i s = join_halves(quads);
   const int64_t b = g * (kQuantGroup / kQuantBlock);
-  if constexpr (K == Packed::q6_k) {
-    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));
-    s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(halves, w.scales16), 5));
+  if constexpr (kSuperSteps<K>) {
+    if constexpr (K == Packed::q6_k) {
+      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));
+      s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(halves, w.scales16), 5));
+    }
+    return super_step<K>(s, w, in, r, g, acc);
   } else if constexpr (kZeroShift<K> > 0) {
     const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.sums_of(r) + b));
     s = _mm256_sub_epi32(s, _mm256_slli_epi32(sums, kZeroShift<K>));
@@ -700,25 +786,14 @@ LLAMA_CHAT_HOT __m256i join_pairs(__m512i quads, __m512i first, __m512i second) 
 // one port takes them all, and they bound a group's pace): the 12 bytes of scales and mins
 // (read as 16, the last 4 left out) sorted by one byte shuffle into the sources of scales 0-3,
 // 4-7 (low bits), mins 0-3 and 4-7 (low bits); the high bits of 4-7 come from the sources of
-// 0-3, 30 bits below in the same 64 bits. d and dmin are converted in one instruction.
+// 0-3, 30 bits below in the same 64 bits.
 LLAMA_CHAT_HOT void k_scales_wide(const uint8_t* p, Group& out) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
   const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
   const __m128i low = _mm_and_si128(a, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0));
   const __m128i high = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
   const __m128i top = _mm_and_si128(_mm_slli_epi64(a, 30), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-  const __m128i both = _mm_ternarylogic_epi32(low, high, top, 0xfe);  // low | high | top
-  const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));  // scales 0-7, mins 0-7
-  // d to lanes 0-7, -dmin to 8-15.
-  const __m256 pair = _mm256_cvtph_ps(_mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(p))));
-  const __m512i sides = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i negate = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN,
-                                           INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN);
-  const __m512 factors = _mm512_castsi512_ps(
-      _mm512_xor_si512(_mm512_castps_si512(_mm512_permutexvar_ps(sides, _mm512_castps256_ps512(pair))), negate));
-  const __m512 products = _mm512_mul_ps(factors, values);
-  out.scale = _mm512_castps512_ps256(products);
-  out.offset = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(products), 1));
+  k_scales_of(p, _mm_ternarylogic_epi32(low, high, top, 0xfe), out);  // low | high | top
 }
 
 template <Packed K>
@@ -726,8 +801,6 @@ inline float packed_dot_wide(const uint8_t* row, const RoundedBlocks& in, int64_
   constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
   const int64_t groups = in.k / kQuantGroup;
   const int8_t* y = K == Packed::q6_k ? in.q_of(r) : in.paired_of(r);
-  const float* steps = in.steps_of(r);
-  const float* step_sums = in.step_sums_of(r);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   // Q6_K's pairs are blocks (0, 1), (2, 3), (4, 5), (6, 7); Q4_K's and Q5_K's (0, 2), (1, 3),
   // (4, 6), (5, 7) (kPairedOrder). Where each block's halves land in sums_of_pairs:
@@ -755,7 +828,7 @@ inline float packed_dot_wide(const uint8_t* row, const RoundedBlocks& in, int64_
       }
       const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
       w.scales16 = _mm256_cvtepi8_epi16(s8);
-      w.scale = _mm256_set1_ps(half_to_float(p + 208));
+      w.d = half_to_float(p + 208);
     } else {
       k_scales_wide(p, w);
       const uint8_t* qs = p + (K == Packed::q5_k ? 48 : 16);
@@ -794,10 +867,9 @@ inline float packed_dot_wide(const uint8_t* row, const RoundedBlocks& in, int64_
       const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));
       s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(halves, w.scales16), 5));
     }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.scale, _mm256_loadu_ps(steps + b)), acc);
-    if constexpr (kOffset<K>) acc = _mm256_fmadd_ps(w.offset, _mm256_loadu_ps(step_sums + b), acc);
+    acc = super_step<K>(s, w, in, r, g, acc);
   }
-  return horizontal_sum(acc);
+  return _mm256_cvtss_f32(acc);
 }
 #endif
 
@@ -831,7 +903,7 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
       for (int i = 0; i < R; ++i) acc[i] = add_group<K, interleave>(w, in, r0 + i, full, acc[i]);
     }
   }
-  for (int i = 0; i < R; ++i) out[i] = horizontal_sum(acc[i]);
+  for (int i = 0; i < R; ++i) out[i] = super ? _mm256_cvtss_f32(acc[i]) : horizontal_sum(acc[i]);
 }
 #endif
 
@@ -885,6 +957,16 @@ struct Lanes8 : Floats8 {
   static I iload(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const I*>(p)); }
   static I iset1(int32_t v) { return _mm256_set1_epi32(v); }
   static I idot(I acc, I u, I y) { return dot_add(acc, u, y); }
+  // acc plus, in each int32 lane, the sum of its two int16 products.
+  static I idot16(I acc, I a, I b) {
+#if defined(LLAMA_CHAT_AVX_VNNI)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#elif defined(LLAMA_CHAT_VNNI)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+  }
   static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
   static I imullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
@@ -902,6 +984,7 @@ struct Lanes16 : Floats16 {
   static I iload(const int32_t* p) { return _mm512_load_si512(p); }
   static I iset1(int32_t v) { return _mm512_set1_epi32(v); }
   static I idot(I acc, I u, I y) { return _mm512_dpbusd_epi32(acc, u, y); }
+  static I idot16(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
   static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
   static I imullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
@@ -939,8 +1022,11 @@ LLAMA_CHAT_HOT void transpose_8x8(__m256i* v) {
 struct DecodedTile {
   int64_t blocks = 0, n = 0;
   std::vector<int32_t, AlignedAllocator<int32_t>> codes;  // [(b * 8 + c) * n + j]: values 4c..4c + 3 of block b
-  std::vector<float, AlignedAllocator<float>> scale;      // [b * n + j]: the block's a
-  std::vector<float, AlignedAllocator<float>> offset;     // [b * n + j]: the block's c
+  std::vector<float, AlignedAllocator<float>> scale;      // [b * n + j]: the block's a (K-quants: [g * n + j] d)
+  std::vector<float, AlignedAllocator<float>> offset;     // [b * n + j]: the block's c (K-quants: [g * n + j] -dmin)
+  std::vector<int32_t, AlignedAllocator<int32_t>> scales;  // Q4_K, Q5_K: [b * n + j] the block's integer scale
+  std::vector<int32_t, AlignedAllocator<int32_t>> mins;    // Q4_K, Q5_K: [(4g + p) * n + j] mins 2p, 2p + 1 as int16
+  std::vector<int32_t, AlignedAllocator<int32_t>> scales16;  // Q4_K, Q5_K without VNNI: scales as int16, twice
   std::vector<int32_t, AlignedAllocator<int32_t>> halves;  // [(2b + h) * n + j]: Q6_K's scale of half h
   std::vector<int32_t, AlignedAllocator<int32_t>> signs;   // as codes: Q8_0's signed codes (sign trick)
   // Q6_K, as int16 pairs: [(2b + h) * n + j] half h's scale twice, [(2 blocks + b) * n + j] the
@@ -953,6 +1039,11 @@ struct DecodedTile {
     codes.resize(static_cast<size_t>(blocks * 8 * n));
     if (sign_trick) signs.resize(codes.size());
     if (kind == Packed::q6_k) halves16.resize(static_cast<size_t>(blocks * 3 * n));
+    if (kind == Packed::q4_k || kind == Packed::q5_k) {
+      scales.resize(static_cast<size_t>(blocks * n));
+      scales16.resize(static_cast<size_t>(blocks * n));
+      mins.resize(static_cast<size_t>(blocks / 2 * n));
+    }
     scale.resize(static_cast<size_t>(blocks * n));
     offset.resize(static_cast<size_t>(blocks * n));
     halves.resize(static_cast<size_t>(blocks * 2 * n));
@@ -977,20 +1068,35 @@ void decode_tile(const uint8_t* data, int64_t row_bytes, int64_t first, int64_t 
         if (j >= here) {
           for (int b = 0; b < 8; ++b) w[j].u[b] = w[j].signs[b] = _mm256_setzero_si256();
           w[j].scale = w[j].offset = _mm256_setzero_ps();
+          w[j].scales = _mm256_setzero_si256();
+          w[j].mins16 = _mm_setzero_si128();
+          w[j].d = w[j].neg_dmin = 0.f;
           continue;
         }
         const uint8_t* row = data + (first + eighth + j) * row_bytes;
         if constexpr (super) decode_super_block<K, false>(row, g, w[j]);
         else decode_small_group<K, false>(row, g, in_group, w[j]);
         if constexpr (!kOffset<K>) w[j].offset = _mm256_setzero_ps();
+        if constexpr (!kMins<K>) w[j].scales = _mm256_setzero_si256();
       }
       __m256i scales[8], offsets[8];
       for (int j = 0; j < 8; ++j) {
-        scales[j] = _mm256_castps_si256(w[j].scale);
+        scales[j] = super ? w[j].scales : _mm256_castps_si256(w[j].scale);
         offsets[j] = _mm256_castps_si256(w[j].offset);
       }
       transpose_8x8(scales);
       transpose_8x8(offsets);
+      if constexpr (super) {
+        for (int64_t j = 0; j < 8; ++j) {
+          tile.scale[g * n + eighth + j] = w[j].d;
+          tile.offset[g * n + eighth + j] = w[j].neg_dmin;
+          if constexpr (kMins<K>) {
+            alignas(16) int32_t pairs[4];
+            _mm_store_si128(reinterpret_cast<__m128i*>(pairs), w[j].mins16);
+            for (int64_t m = 0; m < 4; ++m) tile.mins[(4 * g + m) * n + eighth + j] = pairs[m];
+          }
+        }
+      }
       for (int bb = 0; bb < in_group; ++bb) {
         const int64_t b = 8 * g + bb;
         __m256i v[8];
@@ -1004,8 +1110,14 @@ void decode_tile(const uint8_t* data, int64_t row_bytes, int64_t first, int64_t 
           for (int c = 0; c < 8; ++c)
             _mm256_store_si256(reinterpret_cast<__m256i*>(tile.signs.data() + (b * 8 + c) * n + eighth), v[c]);
         }
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tile.scale.data() + b * n + eighth), scales[bb]);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tile.offset.data() + b * n + eighth), offsets[bb]);
+        if constexpr (kMins<K>) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tile.scales.data() + b * n + eighth), scales[bb]);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tile.scales16.data() + b * n + eighth),
+                             _mm256_or_si256(scales[bb], _mm256_slli_epi32(scales[bb], 16)));
+        } else if constexpr (!super) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tile.scale.data() + b * n + eighth), scales[bb]);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tile.offset.data() + b * n + eighth), offsets[bb]);
+        }
         if constexpr (K == Packed::q6_k) {
           for (int64_t j = 0; j < 8; ++j) {
             const uint8_t* p = data + (first + eighth + j) * row_bytes + g * bytes;
@@ -1067,8 +1179,9 @@ LLAMA_CHAT_HOT void tile_sums(const DecodedTile& tile, const RoundedBlocks& in, 
       }
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        // Q6_K's pairs are widened by its half's scale (tile_pass), the others' by ones.
-        const I wide = K == Packed::q6_k ? L::widen_by(t[i], by) : L::widen(t[i]);
+        // Q6_K's pairs are widened by its half's scale, Q4_K's and Q5_K's by their block's
+        // (block_sums), the others' by ones.
+        const I wide = K == Packed::q6_k || kMins<K> ? L::widen_by(t[i], by) : L::widen(t[i]);
         s[i] = c == C0 ? wide : L::iadd(s[i], wide);
       }
     }
@@ -1080,6 +1193,61 @@ LLAMA_CHAT_HOT void tile_sums(const DecodedTile& tile, const RoundedBlocks& in, 
       const I wv = L::iload(codes + c * n);
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) s[i] = L::idot(s[i], wv, L::iset1(word_at(in.q_of(r0 + i) + 32 * b + 4 * c)));
+    }
+  }
+}
+
+// s[i] = block b of rounded row r0 + i against the tile: each lane the exact integer sum of its
+// weight row's products less the zero point, times the scale where it is an integer (Q6_K's
+// halves, Q4_K's and Q5_K's blocks).
+template <Packed K, class L, int R>
+LLAMA_CHAT_HOT void block_sums(const DecodedTile& tile, const RoundedBlocks& in, int64_t r0, int64_t b,
+                               typename L::I* s) {
+  using I = typename L::I;
+  constexpr int64_t n = L::kRows;
+  if constexpr (K == Packed::q6_k && L::kPairs) {
+    // Each half's pair sums widened by vpmaddwd with the half's scale instead of ones, and
+    // both halves' zero points in one vpmaddwd of the input's two half sums with the two
+    // scales: sc0 * (raw0 - 32 hs0) + sc1 * (raw1 - 32 hs1), the integer of the branch below.
+    tile_sums<K, L, R, 0, 4>(tile, in, r0, b, s, L::iload(tile.halves16.data() + (2 * b) * n));
+    I second[R];
+    tile_sums<K, L, R, 4, 8>(tile, in, r0, b, second, L::iload(tile.halves16.data() + (2 * b + 1) * n));
+    const I pair = L::iload(tile.halves16.data() + (2 * tile.blocks + b) * n);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      int32_t both;
+      std::memcpy(&both, in.half_sums_of(r0 + i) + 2 * b, sizeof both);
+      s[i] = L::isub(L::iadd(s[i], second[i]), L::ishl5(L::widen_by(L::iset1(both), pair)));
+    }
+  } else if constexpr (K == Packed::q6_k) {
+    // Each half's sum less its zero point, times the half's scale: the same integer as the
+    // old path's scaled halves less 32 times the scaled input sums.
+    I first_half[R];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      if (h == 0) tile_sums<K, L, R, 0, 4>(tile, in, r0, b, s);
+      else tile_sums<K, L, R, 4, 8>(tile, in, r0, b, s);
+      const I scale = L::iload(tile.halves.data() + (2 * b + h) * n);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        s[i] = L::imullo(L::isub(s[i], L::iset1(static_cast<int32_t>(in.half_sums_of(r0 + i)[2 * b + h]) << 5)), scale);
+        if (h == 0) first_half[i] = s[i];
+        else s[i] = L::iadd(s[i], first_half[i]);
+      }
+    }
+  } else if constexpr (kMins<K> && L::kPairs) {
+    // The pairs widened by the block's scale: its sum times the scale, as the branch below.
+    tile_sums<K, L, R, 0, 8>(tile, in, r0, b, s, L::iload(tile.scales16.data() + b * n));
+  } else {
+    tile_sums<K, L, R, 0, 8>(tile, in, r0, b, s);
+    if constexpr (kMins<K>) {
+      const I scale = L::iload(tile.scales.data() + b * n);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) s[i] = L::imullo(s[i], scale);
+    }
+    if constexpr (kZeroShift<K> > 0) {
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) s[i] = L::isub(s[i], L::iset1(in.sums_of(r0 + i)[b] << kZeroShift<K>));
     }
   }
 }
@@ -1099,43 +1267,7 @@ LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, 
     for (int i = 0; i < R; ++i) acc[i] = lanes[i][l];
     for (int64_t b = b0 + ((l - b0) % 8 + 8) % 8; b < b1; b += 8) {
       I s[R];
-      if constexpr (K == Packed::q6_k && L::kPairs) {
-        // Each half's pair sums widened by vpmaddwd with the half's scale instead of ones, and
-        // both halves' zero points in one vpmaddwd of the input's two half sums with the two
-        // scales: sc0 * (raw0 - 32 hs0) + sc1 * (raw1 - 32 hs1), the integer of the branch below.
-        tile_sums<K, L, R, 0, 4>(tile, in, r0, b, s, L::iload(tile.halves16.data() + (2 * b) * n));
-        I second[R];
-        tile_sums<K, L, R, 4, 8>(tile, in, r0, b, second, L::iload(tile.halves16.data() + (2 * b + 1) * n));
-        const I pair = L::iload(tile.halves16.data() + (2 * tile.blocks + b) * n);
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-          int32_t both;
-          std::memcpy(&both, in.half_sums_of(r0 + i) + 2 * b, sizeof both);
-          s[i] = L::isub(L::iadd(s[i], second[i]), L::ishl5(L::widen_by(L::iset1(both), pair)));
-        }
-      } else if constexpr (K == Packed::q6_k) {
-        // Each half's sum less its zero point, times the half's scale: the same integer as the
-        // old path's scaled halves less 32 times the scaled input sums.
-        I first_half[R];
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          if (h == 0) tile_sums<K, L, R, 0, 4>(tile, in, r0, b, s);
-          else tile_sums<K, L, R, 4, 8>(tile, in, r0, b, s);
-          const I scale = L::iload(tile.halves.data() + (2 * b + h) * n);
-#pragma GCC unroll 8
-          for (int i = 0; i < R; ++i) {
-            s[i] = L::imullo(L::isub(s[i], L::iset1(static_cast<int32_t>(in.half_sums_of(r0 + i)[2 * b + h]) << 5)), scale);
-            if (h == 0) first_half[i] = s[i];
-            else s[i] = L::iadd(s[i], first_half[i]);
-          }
-        }
-      } else {
-        tile_sums<K, L, R, 0, 8>(tile, in, r0, b, s);
-        if constexpr (kZeroShift<K> > 0) {
-#pragma GCC unroll 8
-          for (int i = 0; i < R; ++i) s[i] = L::isub(s[i], L::iset1(in.sums_of(r0 + i)[b] << kZeroShift<K>));
-        }
-      }
+      block_sums<K, L, R>(tile, in, r0, b, s);
       const F scale = L::load(tile.scale.data() + b * n);
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
@@ -1147,6 +1279,53 @@ LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, 
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) lanes[i][l] = acc[i];
   }
+}
+
+// Input rows [r0, r0 + R) against the K-quant super-blocks [b0 / 8, b1 / 8) of a tile: lanes[i][0]
+// lane j goes on adding row r0 + i's super-block steps with the tile's row j (the numerics
+// above), super-block after super-block: the order of super_step, so the bits of a row alone.
+template <Packed K, class L, int R>
+LLAMA_CHAT_HOT void tile_pass_super(const DecodedTile& tile, const RoundedBlocks& in, int64_t r0, int64_t b0,
+                                    int64_t b1, typename L::Vec (*lanes)[8]) {
+  using I = typename L::I;
+  using F = typename L::Vec;
+  constexpr int64_t n = L::kRows;
+  F acc[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i] = lanes[i][0];
+  for (int64_t g = b0 / 8; g < b1 / 8; ++g) {
+    I total[R];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) total[i] = L::izero();
+#pragma GCC unroll 1
+    for (int bb = 0; bb < 8; ++bb) {
+      const int64_t b = 8 * g + bb;
+      I s[R];
+      block_sums<K, L, R>(tile, in, r0, b, s);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) total[i] = L::iadd(total[i], s[i]);
+    }
+    const F d = L::load(tile.scale.data() + g * n);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) acc[i] = L::fmadd(L::to_float(total[i]), L::mul(d, L::set1(in.steps_of(r0 + i)[g])), acc[i]);
+    if constexpr (kMins<K>) {
+      const F neg_dmin = L::load(tile.offset.data() + g * n);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        I m = L::izero();
+        const int16_t* sums = in.sums16_of(r0 + i) + 8 * g;
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          int32_t pair;
+          std::memcpy(&pair, sums + 2 * p, sizeof pair);
+          m = L::idot16(m, L::iload(tile.mins.data() + (4 * g + p) * n), L::iset1(pair));
+        }
+        acc[i] = L::fmadd(L::to_float(m), L::mul(neg_dmin, L::set1(in.steps_of(r0 + i)[g])), acc[i]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) lanes[i][0] = acc[i];
 }
 
 // A row's eight lanes added in horizontal_sum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -1204,13 +1383,20 @@ void packed_tiles_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
         for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks<L>) {
           const int64_t b1 = std::min(blocks, b0 + kChunkBlocks<L>);
           int64_t r = rb;
-          for (; r + L::kPassRows <= re; r += L::kPassRows)
-            tile_pass<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
-          for (; r + 2 <= re; r += 2) tile_pass<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
-          if (r < re) tile_pass<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
+          if constexpr (kSuperSteps<K>) {
+            for (; r + L::kPassRows <= re; r += L::kPassRows)
+              tile_pass_super<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
+            for (; r + 2 <= re; r += 2) tile_pass_super<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
+            if (r < re) tile_pass_super<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
+          } else {
+            for (; r + L::kPassRows <= re; r += L::kPassRows)
+              tile_pass<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
+            for (; r + 2 <= re; r += 2) tile_pass<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
+            if (r < re) tile_pass<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
+          }
         }
         for (int64_t r = rb; r < re; ++r) {
-          L::store(values, lanes_sum<L>(lanes[r - rb]));
+          L::store(values, kSuperSteps<K> ? lanes[r - rb][0] : lanes_sum<L>(lanes[r - rb]));
           float* o = out + (r - row_first) * row_stride + (tile_first - first);
           for (int64_t j = 0; j < count; ++j) {
             if constexpr (Add) o[j] += values[j];
@@ -1267,8 +1453,7 @@ void packed_range_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
 #else
   for (int64_t j = first; j < stop; ++j)
     for (int64_t r = row_first; r < row_stop; ++r)
-      put(r, j, packed_dot_scalar(K, data + j * row_bytes, in.k / kQuantBlock, in.q_of(r), in.steps_of(r),
-                                  in.step_sums_of(r)));
+      put(r, j, packed_dot_scalar(K, data + j * row_bytes, in.k / kQuantBlock, in, r));
 #endif
 }
 

@@ -364,7 +364,9 @@ struct Inputs {
   const float* x = nullptr;
   const int16_t* rounded = nullptr;
   const float* steps = nullptr;
-  const RoundedBlocks* blocks = nullptr;  // for packed blocks: the rows rounded per 32 values
+  // for packed blocks: the rows rounded a step per 32 values, and per 256 (the K-quants')
+  const RoundedBlocks* blocks = nullptr;
+  const RoundedBlocks* super_blocks = nullptr;
   int64_t rows = 0, k = 0;
 };
 
@@ -439,8 +441,8 @@ void packed_products(const Matrix& m, const Inputs& in, int64_t first, int64_t s
     const Segment& s = m.segments[i];
     const int64_t from = std::max(first, s.first), to = std::min(stop, s.stop);
     if (from < to)
-      packed_range<Add>(s.kind, s.data, *in.blocks, 0, in.rows, from - s.first, to - s.first, out + (from - first),
-                        row_stride);
+      packed_range<Add>(s.kind, s.data, step_span(s.kind) == kQuantBlock ? *in.blocks : *in.super_blocks, 0, in.rows,
+                        from - s.first, to - s.first, out + (from - first), row_stride);
   }
 }
 
@@ -481,7 +483,7 @@ inline float inverse_rms(const float* x, int64_t dim, double eps) {
 struct Scratch {
   std::vector<float> normed, head, scores, steps, chosen, inverses, turned;
   std::vector<int16_t> rounded;
-  RoundedBlocks blocks;
+  RoundedBlocks blocks, super_blocks;
 
   // x: the rows as `m` reads them (interleaved for panels).
   Inputs inputs(const float* x, int64_t rows, int64_t k, const Matrix& m) {
@@ -496,9 +498,15 @@ struct Scratch {
       in.steps = steps.data();
     }
 #endif
-    if (m.blocks()) {
+    bool spans[2] = {false, false};  // a matrix's segments: of 32-value steps, of 256
+    for (int i = 0; i < m.segment_count; ++i) spans[step_span(m.segments[i].kind) == kQuantGroup] = true;
+    if (spans[0]) {
       round_blocks(x, rows, k, k, blocks);
       in.blocks = &blocks;
+    }
+    if (spans[1]) {
+      round_blocks(x, rows, k, k, super_blocks, kQuantGroup);
+      in.super_blocks = &super_blocks;
     }
     return in;
   }
