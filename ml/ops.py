@@ -24,6 +24,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x) * weight
 
 
+def activated(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """The feed-forward's activation of ``x``: "silu", "gelu_tanh" (GELU's tanh form) or "gelu"."""
+    if activation == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``activated(gate) * up`` of a fused gate/up projection's rows (the gate's half first).
+
+    Float32 rows on the CPU with the operator loaded take its one pass over the rows, the
+    arithmetic of its decode step (``gated_rows``, ``ml/cpu/decode.cpp``); torch's silu and
+    product took three passes over a prompt's widest rows.
+    """
+    if (activation in ("silu", "gelu_tanh") and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu"
+            and cpu_kernels.loaded()):
+        rows = gate_up.reshape(-1, gate_up.shape[-1])
+        hidden = torch.ops.llama_chat_cpu.gated_rows(rows, activation == "gelu_tanh")
+        return hidden.reshape(*gate_up.shape[:-1], hidden.shape[-1])
+    gate, up = gate_up.chunk(2, dim=-1)
+    return activated(gate, activation).mul_(up)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm (BERT's) computed in float32, as ``rms_norm`` is, and cast back to ``x``'s dtype."""
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).type_as(x)

@@ -202,23 +202,17 @@ class FeedForward(nn.Module):
             if self.activation == "gelu":
                 hidden = ops.biased_project(x, self.w1, self.b1, "gelu")
             else:
-                hidden = _activated(ops.biased_project(x, self.w1, self.b1), self.activation)
+                hidden = ops.activated(ops.biased_project(x, self.w1, self.b1), self.activation)
             return ops.biased_project(hidden, self.w2, self.b2)
         if self.w13 is not None:
-            gate, up = ops.project(x, self.w13, row_products).chunk(2, dim=-1)
+            hidden = ops.gated(ops.project(x, self.w13, row_products), self.activation)
         else:
             gate, up = ops.project(x, self.w1, row_products), ops.project(x, self.w3, row_products)
-        # The product in place and the gate and up rows let go before the last projection: a
-        # prompt's widest moment in a layer holds three hidden rows a token rather than four.
-        hidden = _activated(gate, self.activation).mul_(up)
-        del gate, up
+            # The product in place and the gate and up rows let go before the last projection: a
+            # prompt's widest moment in a layer holds three hidden rows a token rather than four.
+            hidden = ops.activated(gate, self.activation).mul_(up)
+            del gate, up
         return ops.project(hidden, self.w2, row_products)
-
-
-def _activated(x: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 def _fused_linear(*parts: nn.Module) -> nn.Module:

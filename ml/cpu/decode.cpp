@@ -109,9 +109,10 @@ inline float exp_and_sum(float* v, int64_t n, float shift) {
 // 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = beta (g + kappa g^3).
 constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kGeluKappa = 0.044715f;
 
-// gate[i] = act(gate[i]) * up[i], act(g) = g / (1 + e^(-z)): SwiGLU's z = g, GeGLU's z = 2u.
+// out[i] = act(gate[i]) * up[i], act(g) = g / (1 + e^(-z)): SwiGLU's z = g, GeGLU's z = 2u (out may
+// be gate).
 template <bool Gelu>
-inline void gated(float* gate, const float* up, int64_t n) {
+inline void gated(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
 #ifdef LLAMA_CHAT_AVX2
   const __m256 one = _mm256_set1_ps(1.f);
@@ -128,19 +129,19 @@ inline void gated(float* gate, const float* up, int64_t n) {
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
     const __m256 e = exp_of<Floats8>(minus_z(g));
-    _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
   }
   if (i < n) {  // the tail through the same e^x, so that where a range ends changes nothing
     float g[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, e[8];
     std::memcpy(g, gate + i, sizeof(float) * static_cast<size_t>(n - i));
     _mm256_storeu_ps(e, exp_of<Floats8>(minus_z(_mm256_loadu_ps(g))));
-    for (int64_t t = 0; i < n; ++i, ++t) gate[i] = g[t] / (1.f + e[t]) * up[i];
+    for (int64_t t = 0; i < n; ++i, ++t) out[i] = g[t] / (1.f + e[t]) * up[i];
   }
 #endif
   for (; i < n; ++i) {
     const float g = gate[i];
     const float z = Gelu ? 2.f * (kGeluBeta * (g + kGeluKappa * (g * g * g))) : g;
-    gate[i] = g / (1.f + std::exp(-z)) * up[i];
+    out[i] = g / (1.f + std::exp(-z)) * up[i];
   }
 }
 
@@ -1273,8 +1274,8 @@ class StepThread {
           for (int64_t r = 0; r < rows; ++r) {
             float* gate = s_.activated.data() + r * ffn + first;
             const float* up = s_.ups.data() + r * ffn + first;
-            if (m.gelu) gated<true>(gate, up, stop - first);
-            else gated<false>(gate, up, stop - first);
+            if (m.gelu) gated<true>(gate, up, stop - first, gate);
+            else gated<false>(gate, up, stop - first, gate);
           }
           if (interleaved)
             for (int64_t j = first; j < stop; ++j)
@@ -1424,10 +1425,31 @@ at::Tensor q4_0_rows(const at::Tensor& x, bool rotate) {
   return out;
 }
 
+// A prompt's gated activations: gate_up's rows hold the gate, then the up projection; each row of
+// the result is gated(gate, up) (SwiGLU, or GeGLU with `gelu`), as the decode step computes them.
+at::Tensor gated_rows(const at::Tensor& gate_up, bool gelu) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
+              "gated_rows: a float32 (rows, 2 * hidden) matrix");
+  const at::Tensor x = gate_up.contiguous();
+  const int64_t rows = x.size(0), hidden = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, hidden}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* to = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(hidden, 1)), [&](int64_t first, int64_t stop) {
+    for (int64_t r = first; r < stop; ++r) {
+      const float* row = in + r * 2 * hidden;
+      if (gelu) gated<true>(row, row + hidden, hidden, to + r * hidden);
+      else gated<false>(row, row + hidden, hidden, to + r * hidden);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
   m.def("q4_0_rows(Tensor x, bool rotate) -> Tensor");
+  m.def("gated_rows(Tensor gate_up, bool gelu) -> Tensor");
   m.class_<StepModel>("StepModel")
       .def(torch::init<std::vector<Named>, Named, Numbers, std::vector<int64_t>>());
   m.def(
@@ -1438,4 +1460,5 @@ TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
 TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {
   m.impl("decode_step", &decode_step);
   m.impl("q4_0_rows", &q4_0_rows);
+  m.impl("gated_rows", &gated_rows);
 }

@@ -33,13 +33,15 @@ using namespace llama_chat_cpu;
 // (docs/benchmark-log.md, "Measurements once in the CPU operator's comments").
 constexpr int64_t kBytesPerChunk = 1 << 18;
 
-// body(begin, end) over output rows [0, n), in chunks that threads take as they come. torch's
+// body(begin, end) over output rows [0, n), in chunks (a multiple of `unit` rows) that threads take
+// as they come. torch's
 // OpenMP helpers sleep between parallel regions (the command sets OMP_WAIT_POLICY=PASSIVE) and
 // are slow to wake: with a fixed half each, the calling thread would finish its half and wait
 // for the late helper's; taking chunks, it goes on with the rows the helper has not reached.
 template <typename Body>
-void for_rows(int64_t n, int64_t row_bytes, const Body& body) {
-  const int64_t chunk = std::max<int64_t>(1, kBytesPerChunk / std::max<int64_t>(row_bytes, 1));
+void for_rows(int64_t n, int64_t row_bytes, const Body& body, int64_t unit = 1) {
+  const int64_t rows = std::max<int64_t>(1, kBytesPerChunk / std::max<int64_t>(row_bytes, 1));
+  const int64_t chunk = (rows + unit - 1) / unit * unit;
   const int64_t chunks = (n + chunk - 1) / chunk;
   const int threads = at::get_num_threads();
 #ifdef _OPENMP
@@ -261,9 +263,9 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& data, c10::stri
   });
   const uint8_t* w = data.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  for_rows(n, row_bytes, [&](int64_t begin, int64_t end) {
-    packed_range(kind, w, rounded, 0, rows, begin, end, o + begin, n);
-  });
+  for_rows(
+      n, row_bytes, [&](int64_t begin, int64_t end) { packed_range(kind, w, rounded, 0, rows, begin, end, o + begin, n); },
+      packed_split_rows(rows));
   return out;
 }
 

@@ -402,6 +402,11 @@ def _register_fake() -> None:
     def _(x, data, kind):
         return x.new_empty((x.shape[0], data.shape[0]))
 
+    if hasattr(torch.ops.llama_chat_cpu, "gated_rows"):  # not in a build of the products alone
+        @torch.library.register_fake("llama_chat_cpu::gated_rows")
+        def _(gate_up, gelu):
+            return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
 
 def _build(target: Path) -> str | None:
     """Compile the source into ``target``; None, or one line saying why it failed."""
