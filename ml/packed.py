@@ -8,9 +8,9 @@ of four bytes a value. ``PackedLinear`` is the module a model's projections beco
 ``PackedEmbedding`` its token embedding (a lookup expands only the rows it reads).
 
 Products: with the CPU operator loaded (``ml/cpu/kernels.py``), products on the CPU take
-``torch.ops.llama_chat_cpu.packed_product`` (``ml/cpu/blocks.h``): the rows are rounded per 32
-values to int8 steps (step max|x| / 127, as llama.cpp rounds its activations) and meet the blocks
-in integer sums, so the result is ``dequantize(w) @ rounded(x)`` up to the order of float32
+``torch.ops.llama_chat_cpu.packed_product`` (``ml/cpu/blocks.h``): the rows are rounded to int8
+steps (step max|x| / 127) per 32 values, and per 256 for the K-quants, as llama.cpp rounds its
+activations (Q8_0, Q8_K), and meet the blocks in integer sums, so the result is ``dequantize(w) @ rounded(x)`` up to the order of float32
 additions (blocks.h states it exactly). A prompt's many rows take it too, against tiles of weight
 rows decoded once for all of them: it was faster than expanding the weights and one float32
 matrix product at every row count measured (``benchmarks/bench_packed.py --prefill``). Other

@@ -11,7 +11,7 @@ cross-entropy over the same targets:
 * MODE, prefill kernel: the same forwards with the quantized weights: for int8 on x86, fbgemm's
   product (the activations rounded to 7 bits, one range per 64 rows of similar magnitude); for
   q8_0 and q4_0, the packed product (``ml/packed.py``: the activations rounded to int8 steps per
-  32 values, as llama.cpp rounds them);
+  32 values, as llama.cpp rounds them against those blocks);
 * MODE, decode kernel: the first ``--decode-windows`` windows fed one token at a time through the
   KV cache, so every product is the one a decode step uses: for int8 our operator
   (``ml/cpu/kernels.cpp``, activations rounded to 2^-14 of their largest) as the command loads it,

@@ -11,12 +11,14 @@
 // where a weight value is a_b * (u_i - z) + c_b (u the stored code, z its zero point, a the block's
 // scale, c the min of Q4_1/Q5_1). A K-quant super-block g is one integer and one float step:
 //     I_g = sum over its sub-blocks j of  s_j * sum_i (u_i - z) * q_i,   M_g = sum_j m_j * sum_i q_i
-//     product = sum over g, in order, of  fma(I_g, d_g * step_g, ...) then fma(M_g, -dmin_g * step_g, ...)
+//     lane l = fma(M_g, -dmin_g * step_g, fma(I_g, d_g * step_g, lane l)) for g = l, l + 8, ... in order
+//     product = ((lane 0 + lane 4) + (lane 2 + lane 6)) + ((lane 1 + lane 5) + (lane 3 + lane 7))
 // (s_j, m_j the 6-bit scales and mins of Q4_K/Q5_K's 32-value sub-blocks, z 0; Q6_K: s the int8
 // scale of each 16 values, z 32, no M). So the result equals dequantize(w) @ (the rounded rows)
 // up to the order of the float32 additions. For the K-quants that order is one and the same on
-// every path; for blocks of 32 it differs between the scalar and the vector paths, never with the
-// thread count or the rows beside a row.
+// every path (a build without fused multiply-adds rounds twice where the others round once); for
+// blocks of 32 it differs between the scalar and the vector paths. Within a build it never
+// changes with the path, the thread count or the rows beside a row.
 //
 // Vector paths (256-bit vectors; each 32-value block one vector of unsigned codes): with
 // AVX-512 VNNI (or AVX-VNNI), vpdpbusd multiplies the codes by the signed rounded inputs and sums
@@ -27,7 +29,8 @@
 // rows the decoded weights are rearranged once so that each lane is one block's, and every row
 // just adds its products lane by lane: interleave_group), the zero points are taken off with the
 // inputs' block sums (exact integers), and one multiply-add by the eight blocks' scales times the
-// inputs' steps adds them to a float32 accumulator. AVX-512BW expands Q5's fifth bits from a mask
+// inputs' steps adds them to a float32 accumulator (a K-quant's eight sums times their integer
+// scales are summed into one integer first: super_step). AVX-512BW expands Q5's fifth bits from a mask
 // register; these vectors stay 256 bits wide with AVX-512 too, but for a row alone of Q4_K, Q5_K
 // or Q6_K blocks with AVX-512 VNNI, which takes two blocks a 512-bit vector (packed_dot_wide).
 // A call with several rows (a prompt's) takes tiles of weight rows decoded once instead, 512 bits
@@ -127,6 +130,19 @@ LLAMA_CHAT_HOT float half_to_float(const uint8_t* p) {
   }
   return sign ? -magnitude : magnitude;
 #endif
+}
+
+// A half as halves_of_8 (below) converts it: exact for every finite half, a large finite number
+// for an infinite or NaN one (a K-quant super-block's d and dmin, which a row alone converts
+// eight at a time).
+inline float half_as_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  const uint32_t bits = static_cast<uint32_t>(h & 0x7fff) << 13;
+  float magnitude;
+  std::memcpy(&magnitude, &bits, sizeof magnitude);
+  magnitude *= 0x1p112f;
+  return h & 0x8000 ? -magnitude : magnitude;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -397,14 +413,14 @@ inline void decode_block(Packed kind, const uint8_t* row, int64_t b, ScalarBlock
     out.z = 32;
     out.halves[0] = static_cast<int8_t>(p[192 + 2 * j]);
     out.halves[1] = static_cast<int8_t>(p[192 + 2 * j + 1]);
-    out.d = half_to_float(p + 208);
+    out.d = half_as_float(p + 208);
     out.s = 1;
     out.m = 0;
     return;
   }
   k_scale_min(p + 4, j, out.s, out.m);
-  out.d = half_to_float(p);
-  out.neg_dmin = -half_to_float(p + 2);
+  out.d = half_as_float(p);
+  out.neg_dmin = -half_as_float(p + 2);
   const bool five = kind == Packed::q5_k;
   const uint8_t* qs = p + (five ? 48 : 16) + 32 * (j / 2);
   for (int l = 0; l < 32; ++l) {
@@ -419,7 +435,7 @@ inline float packed_dot_scalar(Packed kind, const uint8_t* row, int64_t blocks, 
   const float* steps = in.steps_of(r);
   const bool super = in.span == kQuantGroup;
   ScalarBlock block;
-  float total = 0.f;
+  float total = 0.f, lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // K-quants: super-block g's in lane g mod 8
   int32_t scaled = 0, mins = 0;
   for (int64_t b = 0; b < blocks; ++b) {
     decode_block(kind, row, b, block);
@@ -438,11 +454,13 @@ inline float packed_dot_scalar(Packed kind, const uint8_t* row, int64_t blocks, 
     mins += block.m * in.sums_of(r)[b];
     if (b % 8 == 7) {
       const float step = steps[b / 8];
-      total = madd(static_cast<float>(scaled), block.d * step, total);
-      if (kind != Packed::q6_k) total = madd(static_cast<float>(mins), block.neg_dmin * step, total);
+      float& lane = lanes[(b / 8) % 8];
+      lane = madd(static_cast<float>(scaled), block.d * step, lane);
+      if (kind != Packed::q6_k) lane = madd(static_cast<float>(mins), block.neg_dmin * step, lane);
       scaled = mins = 0;
     }
   }
+  if (super) total = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
   return total;
 }
 
@@ -495,10 +513,18 @@ LLAMA_CHAT_HOT __m256i nibbles_of_16(const uint8_t* p) {
   return low_nibbles(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)));
 }
 
-// The fp16 numbers at p, p + Stride, ..., of `count` blocks (the rest 0), as eight floats. Each
-// is loaded as the low half of a 32-bit lane and blended in (no shuffles), then its bits are moved
-// into a float's place and scaled by 2^112: exact for every finite half, subnormal ones included
-// (an infinite or NaN half, in no sane file, becomes a large finite number).
+// The halves in the low 16 bits of v's lanes as eight floats: their bits moved into a float's
+// place and scaled by 2^112, exact for every finite half, subnormal ones included (an infinite or
+// NaN half, in no sane file, becomes a large finite number).
+LLAMA_CHAT_HOT __m256 halves_as_floats(__m256i v) {
+  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7fff)), 13);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x8000)), 16);
+  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p112f));
+  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
+}
+
+// The fp16 numbers at p, p + Stride, ..., of `count` blocks (the rest 0), as eight floats
+// (halves_as_floats). Each is loaded as the low half of a 32-bit lane and blended in (no shuffles).
 template <int64_t Stride>
 LLAMA_CHAT_HOT __m256 halves_of_8(const uint8_t* p, int count) {
   __m256i v = _mm256_setzero_si256();
@@ -509,10 +535,7 @@ LLAMA_CHAT_HOT __m256 halves_of_8(const uint8_t* p, int count) {
     std::memcpy(&word, p + j * Stride, sizeof word);
     v = _mm256_blend_epi32(v, _mm256_set1_epi32(word), 1 << j);
   }
-  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7fff)), 13);
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x8000)), 16);
-  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p112f));
-  return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
+  return halves_as_floats(v);
 }
 
 // 32 bits (little-endian) as 32 bytes: 0x10 where the bit is set (Q5_0/Q5_1's fifth bits).
@@ -596,8 +619,8 @@ LLAMA_CHAT_HOT void decode_small_group(const uint8_t* row, int64_t g, int count,
 LLAMA_CHAT_HOT void k_scales_of(const uint8_t* p, __m128i both, Group& out) {
   out.scales = _mm256_cvtepu8_epi32(both);
   out.mins16 = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(both, both));
-  out.d = half_to_float(p);
-  out.neg_dmin = -half_to_float(p + 2);
+  out.d = half_as_float(p);
+  out.neg_dmin = -half_as_float(p + 2);
 }
 
 // Super-block g of a Q4_K/Q5_K row: its integer scales and mins.
@@ -662,7 +685,8 @@ LLAMA_CHAT_HOT void decode_super_block(const uint8_t* row, int64_t g, Group& out
     const __m128i ordered = _mm_shuffle_epi8(s8, order);
     out.halves[0] = _mm256_cvtepi8_epi32(ordered);
     out.halves[1] = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(ordered, ordered));
-    out.d = half_to_float(p + 208);
+    out.d = half_as_float(p + 208);
+    out.neg_dmin = 0.f;
   }
   if constexpr (Interleave) interleave_group(out.u);
 }
@@ -670,33 +694,63 @@ LLAMA_CHAT_HOT void decode_super_block(const uint8_t* row, int64_t g, Group& out
 template <Packed K>
 constexpr bool kSuperSteps = kPackedLayouts[static_cast<int>(K)].values == kQuantGroup;
 
-// The sum of the four int32 in v's low 128 bits and the four high ones' (lane 0) and those of
-// u (lane 1): two horizontal sums for the price of one.
-LLAMA_CHAT_HOT __m128i two_sums(__m256i v, __m128i u) {
-  const __m128i t = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)), u);
-  return _mm_hadd_epi32(t, t);
-}
-
-// A K-quant super-block's float step (the numerics above) for one rounded row, its blocks' sums
-// in s (lane j: block j, Q6_K's scaled and less its zero point), added to acc in lane 0.
+// A K-quant super-block's two integers for one rounded row, from its blocks' sums s (lane j:
+// block j, Q6_K's already scaled and less its zero point), as one vector: lanes 0-3 add up to I,
+// the sums times their integer scales, and lanes 4-7 to M (Q4_K, Q5_K; 0 for Q6_K).
 template <Packed K>
-LLAMA_CHAT_HOT __m256 super_step(__m256i s, const Group& w, const RoundedBlocks& in, int64_t r, int64_t g, __m256 acc) {
-  const float step = in.steps_of(r)[g];
-  float total = _mm256_cvtss_f32(acc);
-  if constexpr (K == Packed::q6_k) {
-    total = madd(static_cast<float>(horizontal_sum_i32(s)), w.d * step, total);
-  } else {
-    const __m128i mins = _mm_madd_epi16(w.mins16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(in.sums16_of(r) + 8 * g)));
-    const __m128i both = two_sums(_mm256_mullo_epi32(s, w.scales), mins);
-    total = madd(static_cast<float>(_mm_cvtsi128_si32(both)), w.d * step, total);
-    total = madd(static_cast<float>(_mm_extract_epi32(both, 1)), w.neg_dmin * step, total);
-  }
-  return _mm256_castps128_ps256(_mm_set_ss(total));
+LLAMA_CHAT_HOT __m256i super_parts(__m256i s, const Group& w, const RoundedBlocks& in, int64_t r, int64_t g) {
+  const __m256i scaled = K == Packed::q6_k ? s : _mm256_mullo_epi32(s, w.scales);
+  const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(scaled), _mm256_extracti128_si256(scaled, 1));
+  __m128i mins = _mm_setzero_si128();
+  if constexpr (kMins<K>)
+    mins = _mm_madd_epi16(w.mins16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(in.sums16_of(r) + 8 * g)));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(sums), mins, 1);
 }
 
-// One rounded row's share of a decoded group, added to acc (a K-quant's: to its lane 0).
+// The d and -dmin of super-blocks [g0, g0 + count) (count from 1 to 8; first: g0's bytes), lane j
+// super-block g0 + j's, the rest 0.
+struct SuperScales {
+  __m256 d, neg_dmin;
+  __m256i taken;  // lanes under count
+
+  template <Packed K>
+  LLAMA_CHAT_HOT static SuperScales of(const uint8_t* first, int count) {
+    constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
+    SuperScales out;
+    out.taken = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    // One gather: Q4_K's and Q5_K's first 32 bits (d, then dmin), Q6_K's last (two scales, then
+    // d: a row's last bytes are its last super-block's d).
+    const __m256i words = _mm256_mask_i32gather_epi32(
+        _mm256_setzero_si256(), reinterpret_cast<const int*>(first + (K == Packed::q6_k ? 206 : 0)),
+        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(bytes))),
+        out.taken, 1);
+    out.d = halves_as_floats(K == Packed::q6_k ? _mm256_srli_epi32(words, 16) : words);
+    out.neg_dmin = _mm256_xor_ps(halves_as_floats(_mm256_srli_epi32(words, 16)), _mm256_set1_ps(-0.f));
+    return out;
+  }
+};
+
+// The float steps of super-blocks [g0, g0 + count) of one rounded row (parts[j]: super-block
+// g0 + j's super_parts, 0 past count; steps: the row's from g0), added to acc: lane j takes
+// super-block g0 + j's, in the order of the numerics above. Their I and M are summed from their
+// parts together, in six horizontal additions.
+template <Packed K>
+LLAMA_CHAT_HOT __m256 super_steps(const __m256i* parts, const SuperScales& scales, const float* steps, __m256 acc) {
+  const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(parts[0], parts[1]), _mm256_hadd_epi32(parts[2], parts[3]));
+  const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(parts[4], parts[5]), _mm256_hadd_epi32(parts[6], parts[7]));
+  const __m256 step = _mm256_maskload_ps(steps, scales.taken);  // lanes past the row's end add 0 * 0
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(low, high, 0x20)), _mm256_mul_ps(scales.d, step),
+                        acc);
+  if constexpr (kMins<K>)
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(low, high, 0x31)),
+                          _mm256_mul_ps(scales.neg_dmin, step), acc);
+  return acc;
+}
+
+// One rounded row's share of a decoded group: lane j, block j's sum less its zero point (Q6_K's
+// halves times their scales).
 template <Packed K, bool Interleaved>
-LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t r, int64_t g, __m256 acc) {
+LLAMA_CHAT_HOT __m256i group_sums(const Group& w, const RoundedBlocks& in, int64_t r, int64_t g) {
   __m256i quads[2];
   if constexpr (Interleaved) {
     const int8_t* y = in.interleaved_of(r) + g * kQuantGroup;
@@ -728,16 +782,21 @@ LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t
   }
   __m256i s = join_halves(quads);
   const int64_t b = g * (kQuantGroup / kQuantBlock);
-  if constexpr (kSuperSteps<K>) {
-    if constexpr (K == Packed::q6_k) {
-      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));
-      s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(halves, w.scales16), 5));
-    }
-    return super_step<K>(s, w, in, r, g, acc);
+  if constexpr (K == Packed::q6_k) {
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));
+    s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(halves, w.scales16), 5));
   } else if constexpr (kZeroShift<K> > 0) {
     const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.sums_of(r) + b));
     s = _mm256_sub_epi32(s, _mm256_slli_epi32(sums, kZeroShift<K>));
   }
+  return s;
+}
+
+// One rounded row's share of a decoded group of 32-value blocks, added to acc.
+template <Packed K, bool Interleaved>
+LLAMA_CHAT_HOT __m256 add_group(const Group& w, const RoundedBlocks& in, int64_t r, int64_t g, __m256 acc) {
+  const __m256i s = group_sums<K, Interleaved>(w, in, r, g);
+  const int64_t b = g * (kQuantGroup / kQuantBlock);
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(w.scale, _mm256_loadu_ps(in.steps_of(r) + b)), acc);
   if constexpr (kOffset<K>) acc = _mm256_fmadd_ps(w.offset, _mm256_loadu_ps(in.step_sums_of(r) + b), acc);
   return acc;
@@ -800,7 +859,7 @@ template <Packed K>
 inline float packed_dot_wide(const uint8_t* row, const RoundedBlocks& in, int64_t r) {
   constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
   const int64_t groups = in.k / kQuantGroup;
-  const int8_t* y = K == Packed::q6_k ? in.q_of(r) : in.paired_of(r);
+  const int8_t* ys = K == Packed::q6_k ? in.q_of(r) : in.paired_of(r);
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   // Q6_K's pairs are blocks (0, 1), (2, 3), (4, 5), (6, 7); Q4_K's and Q5_K's (0, 2), (1, 3),
   // (4, 6), (5, 7) (kPairedOrder). Where each block's halves land in sums_of_pairs:
@@ -809,67 +868,81 @@ inline float packed_dot_wide(const uint8_t* row, const RoundedBlocks& in, int64_
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(4));
   __m256 acc = _mm256_setzero_ps();
   Group w;
-  for (int64_t g = 0; g < groups; ++g, y += kQuantGroup) {
-    const uint8_t* p = row + g * bytes;
-    ask_ahead<bytes>(p);
-    __m512i codes[4];
-    if constexpr (K == Packed::q6_k) {
-      // ql's 64 bytes of a half hold blocks 4h, 4h + 1 in their low nibbles and 4h + 2, 4h + 3 in
-      // their high ones; qh's 32 bytes, in both 256-bit halves, give each its two high bits.
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m512i ql = _mm512_loadu_si512(p + 64 * h);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h)));
-        const __m512i pair = _mm512_set1_epi8(0x30);
-        codes[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
-                                       _mm512_and_si512(_mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)), pair));
-        codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
-                                           _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), pair));
+  // Eight super-blocks at a time, their parts in registers.
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int count = static_cast<int>(std::min<int64_t>(8, groups - g0));
+    __m256i parts[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      if (j >= count) {
+        parts[j] = _mm256_setzero_si256();
+        continue;
       }
-      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
-      w.scales16 = _mm256_cvtepi8_epi16(s8);
-      w.d = half_to_float(p + 208);
-    } else {
-      k_scales_wide(p, w);
-      const uint8_t* qs = p + (K == Packed::q5_k ? 48 : 16);
-#pragma GCC unroll 2
-      for (int c = 0; c < 2; ++c) {
-        const __m512i v = _mm512_loadu_si512(qs + 64 * c);
-        codes[2 * c] = _mm512_and_si512(v, low4);
-        codes[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const int64_t g = g0 + j;
+      const uint8_t* p = row + g * bytes;
+      const int8_t* y = ys + g * kQuantGroup;
+      ask_ahead<bytes>(p);
+      __m512i codes[4];
+      if constexpr (K == Packed::q6_k) {
+        // ql's 64 bytes of a half hold blocks 4h, 4h + 1 in their low nibbles and 4h + 2, 4h + 3 in
+        // their high ones; qh's 32 bytes, in both 256-bit halves, give each its two high bits.
+    #pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h)));
+          const __m512i pair = _mm512_set1_epi8(0x30);
+          codes[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                         _mm512_and_si512(_mm512_sllv_epi64(qh, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)), pair));
+          codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                             _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)), pair));
+        }
+        const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+        w.scales16 = _mm256_cvtepi8_epi16(s8);
+        w.d = half_as_float(p + 208);
+        w.neg_dmin = 0.f;
+      } else {
+        k_scales_wide(p, w);
+        const uint8_t* qs = p + (K == Packed::q5_k ? 48 : 16);
+    #pragma GCC unroll 2
+        for (int c = 0; c < 2; ++c) {
+          const __m512i v = _mm512_loadu_si512(qs + 64 * c);
+          codes[2 * c] = _mm512_and_si512(v, low4);
+          codes[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        if constexpr (K == Packed::q5_k) {
+          // Bit j of byte l is the fifth bit of block j's value l, moved to bit 4 of its place.
+          const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+          const __m512i bit4 = _mm512_set1_epi8(0x10);
+          const __m512i fifth[4] = {_mm512_sllv_epi64(high, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)),
+                                    _mm512_sllv_epi64(high, _mm512_setr_epi64(3, 3, 3, 3, 1, 1, 1, 1)),
+                                    _mm512_srlv_epi64(high, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)),
+                                    _mm512_srlv_epi64(high, _mm512_setr_epi64(1, 1, 1, 1, 3, 3, 3, 3))};
+    #pragma GCC unroll 4
+          for (int m = 0; m < 4; ++m) codes[m] = _mm512_or_si512(codes[m], _mm512_and_si512(fifth[m], bit4));
+        }
       }
-      if constexpr (K == Packed::q5_k) {
-        // Bit j of byte l is the fifth bit of block j's value l, moved to bit 4 of its place.
-        const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
-        const __m512i bit4 = _mm512_set1_epi8(0x10);
-        const __m512i fifth[4] = {_mm512_sllv_epi64(high, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2)),
-                                  _mm512_sllv_epi64(high, _mm512_setr_epi64(3, 3, 3, 3, 1, 1, 1, 1)),
-                                  _mm512_srlv_epi64(high, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2)),
-                                  _mm512_srlv_epi64(high, _mm512_setr_epi64(1, 1, 1, 1, 3, 3, 3, 3))};
-#pragma GCC unroll 4
-        for (int m = 0; m < 4; ++m) codes[m] = _mm512_or_si512(codes[m], _mm512_and_si512(fifth[m], bit4));
+      __m512i products[4];
+    #pragma GCC unroll 4
+      for (int m = 0; m < 4; ++m)
+        products[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[m], _mm512_loadu_si512(y + 64 * m));
+      __m512i quads = sums_of_pairs(products);
+      if constexpr (K == Packed::q6_k) {
+        // Lane 4k + m holds sub-block 4m + k (block 2m + k / 2, half k % 2).
+        const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+        quads = _mm512_mullo_epi32(quads, _mm512_cvtepi8_epi32(_mm_shuffle_epi8(s8, order)));
       }
+      __m256i s = join_pairs(quads, first, second);
+      const int64_t b = g * (kQuantGroup / kQuantBlock);
+      if constexpr (K == Packed::q6_k) {
+        const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));
+        s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(halves, w.scales16), 5));
+      }
+      parts[j] = super_parts<K>(s, w, in, r, g);
     }
-    __m512i products[4];
-#pragma GCC unroll 4
-    for (int m = 0; m < 4; ++m)
-      products[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[m], _mm512_loadu_si512(y + 64 * m));
-    __m512i quads = sums_of_pairs(products);
-    if constexpr (K == Packed::q6_k) {
-      // Lane 4k + m holds sub-block 4m + k (block 2m + k / 2, half k % 2).
-      const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-      const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
-      quads = _mm512_mullo_epi32(quads, _mm512_cvtepi8_epi32(_mm_shuffle_epi8(s8, order)));
-    }
-    __m256i s = join_pairs(quads, first, second);
-    const int64_t b = g * (kQuantGroup / kQuantBlock);
-    if constexpr (K == Packed::q6_k) {
-      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.half_sums_of(r) + 2 * b));
-      s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(halves, w.scales16), 5));
-    }
-    acc = super_step<K>(s, w, in, r, g, acc);
+    acc = super_steps<K>(parts, SuperScales::of<K>(row + g0 * bytes, count), in.steps_of(r) + g0, acc);
   }
-  return _mm256_cvtss_f32(acc);
+  return horizontal_sum(acc);
 }
 #endif
 
@@ -890,20 +963,39 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   Group w;
-  for (int64_t g = 0; g < full; ++g) {
-    ask_ahead<group_bytes>(row + g * group_bytes);
-    if constexpr (super) decode_super_block<K, interleave>(row, g, w);
-    else decode_small_group<K, interleave>(row, g, 8, w);
+  if constexpr (super) {
+    for (int64_t g0 = 0; g0 < full; g0 += 8) {  // eight super-blocks at a time, their parts in registers
+      const int count = static_cast<int>(std::min<int64_t>(8, full - g0));
+      __m256i parts[R][8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const int64_t g = g0 + j;
+        if (j < count) {
+          ask_ahead<group_bytes>(row + g * group_bytes);
+          decode_super_block<K, interleave>(row, g, w);
+        }
 #pragma GCC unroll 16
-    for (int i = 0; i < R; ++i) acc[i] = add_group<K, interleave>(w, in, r0 + i, g, acc[i]);
-  }
-  if constexpr (!super) {
+        for (int i = 0; i < R; ++i)
+          parts[i][j] = j < count ? super_parts<K>(group_sums<K, interleave>(w, in, r0 + i, g), w, in, r0 + i, g)
+                                  : _mm256_setzero_si256();
+      }
+      const SuperScales scales = SuperScales::of<K>(row + g0 * group_bytes, count);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) acc[i] = super_steps<K>(parts[i], scales, in.steps_of(r0 + i) + g0, acc[i]);
+    }
+  } else {
+    for (int64_t g = 0; g < full; ++g) {
+      ask_ahead<group_bytes>(row + g * group_bytes);
+      decode_small_group<K, interleave>(row, g, 8, w);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) acc[i] = add_group<K, interleave>(w, in, r0 + i, g, acc[i]);
+    }
     if (blocks % 8) {
       decode_small_group<K, interleave>(row, full, static_cast<int>(blocks % 8), w);
       for (int i = 0; i < R; ++i) acc[i] = add_group<K, interleave>(w, in, r0 + i, full, acc[i]);
     }
   }
-  for (int i = 0; i < R; ++i) out[i] = super ? _mm256_cvtss_f32(acc[i]) : horizontal_sum(acc[i]);
+  for (int i = 0; i < R; ++i) out[i] = horizontal_sum(acc[i]);
 }
 #endif
 
@@ -917,8 +1009,10 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 // its rows (lane j: row j), so one instruction takes four products for every row of the tile
 // against a broadcast of four input values, and every input row of the call reuses the tile
 // from the cache. The result is the same bits as packed_dot_rows: a block's integer sum is exact
-// in any order, and each row's float sums are kept as the old path's lanes keep them (block b in
-// lane b mod 8), in the same order, then added as horizontal_sum adds lanes.
+// in any order; a K-quant row's super-block steps are added in order into one float (lane j of
+// a vector holds weight row j's), and a 32-value kind's float sums are kept as the old path's
+// lanes keep them (block b in lane b mod 8), in the same order, then added as horizontal_sum adds
+// lanes.
 //
 // Without VNNI (AVX2) the four-product sums are vpmaddubsw's int16 pairs, added as int16 over as
 // many codes as cannot overflow before one vpmaddwd widens them (kPairRun), and Q8_0's signed
@@ -1285,18 +1379,15 @@ LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, 
   }
 }
 
-// Input rows [r0, r0 + R) against the K-quant super-blocks [b0 / 8, b1 / 8) of a tile: lanes[i][0]
-// lane j goes on adding row r0 + i's super-block steps with the tile's row j (the numerics
-// above), super-block after super-block: the order of super_step, so the bits of a row alone.
+// Input rows [r0, r0 + R) against the K-quant super-blocks [b0 / 8, b1 / 8) of a tile: lanes[i][l]
+// lane j goes on adding row r0 + i's steps of super-blocks g = l mod 8 with the tile's row j (the
+// numerics above), as super_steps adds a row alone's.
 template <Packed K, class L, int R>
 LLAMA_CHAT_HOT void tile_pass_super(const DecodedTile& tile, const RoundedBlocks& in, int64_t r0, int64_t b0,
                                     int64_t b1, typename L::Vec (*lanes)[8]) {
   using I = typename L::I;
   using F = typename L::Vec;
   constexpr int64_t n = L::kRows;
-  F acc[R];
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) acc[i] = lanes[i][0];
   for (int64_t g = b0 / 8; g < b1 / 8; ++g) {
     I total[R];
 #pragma GCC unroll 8
@@ -1311,7 +1402,8 @@ LLAMA_CHAT_HOT void tile_pass_super(const DecodedTile& tile, const RoundedBlocks
     }
     const F d = L::load(tile.scale.data() + g * n);
 #pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) acc[i] = L::fmadd(L::to_float(total[i]), L::mul(d, L::set1(in.steps_of(r0 + i)[g])), acc[i]);
+    for (int i = 0; i < R; ++i)
+      lanes[i][g % 8] = L::fmadd(L::to_float(total[i]), L::mul(d, L::set1(in.steps_of(r0 + i)[g])), lanes[i][g % 8]);
     if constexpr (kMins<K>) {
       const F neg_dmin = L::load(tile.offset.data() + g * n);
 #pragma GCC unroll 8
@@ -1324,12 +1416,10 @@ LLAMA_CHAT_HOT void tile_pass_super(const DecodedTile& tile, const RoundedBlocks
           std::memcpy(&pair, sums + 2 * p, sizeof pair);
           m = L::idot16(m, L::iload(tile.mins.data() + (4 * g + p) * n), L::iset1(pair));
         }
-        acc[i] = L::fmadd(L::to_float(m), L::mul(neg_dmin, L::set1(in.steps_of(r0 + i)[g])), acc[i]);
+        lanes[i][g % 8] = L::fmadd(L::to_float(m), L::mul(neg_dmin, L::set1(in.steps_of(r0 + i)[g])), lanes[i][g % 8]);
       }
     }
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) lanes[i][0] = acc[i];
 }
 
 // A row's eight lanes added in horizontal_sum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
@@ -1400,7 +1490,7 @@ void packed_tiles_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
           }
         }
         for (int64_t r = rb; r < re; ++r) {
-          L::store(values, kSuperSteps<K> ? lanes[r - rb][0] : lanes_sum<L>(lanes[r - rb]));
+          L::store(values, lanes_sum<L>(lanes[r - rb]));
           float* o = out + (r - row_first) * row_stride + (tile_first - first);
           for (int64_t j = 0; j < count; ++j) {
             if constexpr (Add) o[j] += values[j];
