@@ -523,10 +523,10 @@ LLAMA_CHAT_HOT __m256 halves_as_floats(__m256i v) {
   return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
-// The fp16 numbers at p, p + Stride, ..., of `count` blocks (the rest 0), as eight floats
-// (halves_as_floats). Each is loaded as the low half of a 32-bit lane and blended in (no shuffles).
+// The 32 bits at p, p + Stride, ..., of `count` blocks (the rest 0), each loaded into its lane and
+// blended in (no shuffles).
 template <int64_t Stride>
-LLAMA_CHAT_HOT __m256 halves_of_8(const uint8_t* p, int count) {
+LLAMA_CHAT_HOT __m256i words_of_8(const uint8_t* p, int count) {
   __m256i v = _mm256_setzero_si256();
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
@@ -535,8 +535,12 @@ LLAMA_CHAT_HOT __m256 halves_of_8(const uint8_t* p, int count) {
     std::memcpy(&word, p + j * Stride, sizeof word);
     v = _mm256_blend_epi32(v, _mm256_set1_epi32(word), 1 << j);
   }
-  return halves_as_floats(v);
+  return v;
 }
+
+// The fp16 numbers at p, p + Stride, ..., of `count` blocks (the rest 0), as eight floats.
+template <int64_t Stride>
+LLAMA_CHAT_HOT __m256 halves_of_8(const uint8_t* p, int count) { return halves_as_floats(words_of_8<Stride>(p, count)); }
 
 // 32 bits (little-endian) as 32 bytes: 0x10 where the bit is set (Q5_0/Q5_1's fifth bits).
 LLAMA_CHAT_HOT __m256i fifth_bits(const uint8_t* p) {
@@ -718,12 +722,18 @@ struct SuperScales {
     constexpr int64_t bytes = kPackedLayouts[static_cast<int>(K)].bytes;
     SuperScales out;
     out.taken = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    // One gather: Q4_K's and Q5_K's first 32 bits (d, then dmin), Q6_K's last (two scales, then
-    // d: a row's last bytes are its last super-block's d).
+    // Q4_K's and Q5_K's first 32 bits (d, then dmin), Q6_K's last (two scales, then d: a row's
+    // last bytes are its last super-block's d): in one gather with AVX-512, which was faster
+    // there than eight loads, and not on the AVX2 cores whose gathers are slow.
+    const uint8_t* at = first + (K == Packed::q6_k ? 206 : 0);
+#ifdef __AVX512F__
     const __m256i words = _mm256_mask_i32gather_epi32(
-        _mm256_setzero_si256(), reinterpret_cast<const int*>(first + (K == Packed::q6_k ? 206 : 0)),
+        _mm256_setzero_si256(), reinterpret_cast<const int*>(at),
         _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(bytes))),
         out.taken, 1);
+#else
+    const __m256i words = words_of_8<bytes>(at, count);
+#endif
     out.d = halves_as_floats(K == Packed::q6_k ? _mm256_srli_epi32(words, 16) : words);
     out.neg_dmin = _mm256_xor_ps(halves_as_floats(_mm256_srli_epi32(words, 16)), _mm256_set1_ps(-0.f));
     return out;
