@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -39,6 +41,19 @@ def _weights(kind: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tenso
 def test_the_kernels_build_here(cpu_kernels_loaded):
     assert cpu_kernels_loaded, cpu_kernels.failure()
     assert cpu_kernels.library_path().exists()
+
+
+@needs_kernels
+def test_the_kernels_are_built_for_this_cpu_where_the_compiler_can(cpu_kernels_loaded):
+    # A source that does not compile with -march=native falls back to a plain build (kernels.py),
+    # which passes every other test many times slower.
+    listed = subprocess.run([shutil.which(os.environ.get("CXX") or "c++"), "-march=native", "-dM", "-E", "-x", "c++", "-"],
+                            input="", capture_output=True, text=True, timeout=60).stdout
+    built = torch.ops.llama_chat_cpu.built_for().split()
+    if "#define __AVX2__ " in listed:
+        assert "avx2" in built, f"the operator was built without -march=native: {built}"
+    if "#define __AVX512VNNI__ " in listed:
+        assert "vnni" in built and "avx512" in built, built
 
 
 @needs_kernels

@@ -320,9 +320,30 @@ at::Tensor near_largest(const at::Tensor& row, double margin, int64_t most) {
   return out;
 }
 
+// The instruction sets this build's products take, by name: a build that fell back from
+// -march=native (kernels.py) takes none, and is many times slower.
+std::string built_for() {
+  std::string sets;
+#ifdef LLAMA_CHAT_AVX2
+  sets += "avx2 ";
+#endif
+#ifdef __AVX512F__
+  sets += "avx512 ";
+#endif
+#ifdef LLAMA_CHAT_VNNI
+  sets += "vnni ";
+#endif
+#ifdef _OPENMP
+  sets += "openmp ";
+#endif
+  if (!sets.empty()) sets.pop_back();
+  return sets;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llama_chat_cpu, m) {
+  m.def("built_for() -> str", &built_for);
   m.def("matvec(Tensor x, Tensor weight, Tensor? scales=None) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("near_largest(Tensor row, float margin, int most) -> Tensor");
