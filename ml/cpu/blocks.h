@@ -30,9 +30,10 @@
 // just adds its products lane by lane: interleave_group), the zero points are taken off with the
 // inputs' block sums (exact integers), and one multiply-add by the eight blocks' scales times the
 // inputs' steps adds them to a float32 accumulator (a K-quant's eight sums times their integer
-// scales are summed into one integer first: super_step). AVX-512BW expands Q5's fifth bits from a mask
-// register; these vectors stay 256 bits wide with AVX-512 too, but for a row alone of Q4_K, Q5_K
-// or Q6_K blocks with AVX-512 VNNI, which takes two blocks a 512-bit vector (packed_dot_wide).
+// scales are summed into one integer first: super_parts, super_steps). AVX-512BW expands Q5's
+// fifth bits from a mask register; these vectors stay 256 bits wide with AVX-512 too, but for a
+// row alone of Q4_K, Q5_K or Q6_K blocks with AVX-512 VNNI, which takes two blocks a 512-bit vector
+// (packed_dot_wide).
 // A call with several rows (a prompt's) takes tiles of weight rows decoded once instead, 512 bits
 // wide with AVX-512 VNNI ("Many rows" below). Every path gives the same bits. Without AVX2, a
 // scalar loop does the same sums.
@@ -212,7 +213,8 @@ inline int32_t horizontal_sum_i32(__m256i v) {
 inline float largest_of32(const float* x, int64_t blocks) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 most = _mm256_setzero_ps();
-  for (int64_t i = 0; i < 4 * blocks; ++i) most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(x + 8 * i), magnitude));
+  for (int64_t i = 0; i < 4 * blocks; ++i)
+    most = _mm256_max_ps(most, _mm256_and_ps(_mm256_loadu_ps(x + 8 * i), magnitude));
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
@@ -222,7 +224,8 @@ inline float largest_of32(const float* x, int64_t blocks) {
 inline void round_block32(const float* x, float inverse_step, int8_t* q, int32_t& sum, int16_t* half_sums) {
   const __m256 inverse = _mm256_set1_ps(inverse_step);
   __m256i i32[4];
-  for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), inverse));  // to nearest, ties to even
+  for (int i = 0; i < 4; ++i)  // to nearest, ties to even
+    i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), inverse));
   const int32_t low = horizontal_sum_i32(_mm256_add_epi32(i32[0], i32[1]));
   const int32_t high = horizontal_sum_i32(_mm256_add_epi32(i32[2], i32[3]));
   // The packs interleave 128-bit lanes; the permutation puts the values back in order.
@@ -319,12 +322,14 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
         for (int64_t j = 0; j * kQuantBlock < values; ++j) {
           const int64_t b = t * per_span + j, n = std::min(kQuantBlock, values - j * kQuantBlock);
 #ifdef LLAMA_CHAT_AVX2
-          if (n == kQuantBlock) round_block32(xr + b * kQuantBlock, inverse, q + b * kQuantBlock, sums[b], halves + 2 * b);
+          if (n == kQuantBlock)
+            round_block32(xr + b * kQuantBlock, inverse, q + b * kQuantBlock, sums[b], halves + 2 * b);
           else
 #endif
             round_block(xr + b * kQuantBlock, n, inverse, q + b * kQuantBlock, sums[b], halves + 2 * b);
-          if (span == kQuantBlock) out.step_sums[static_cast<size_t>(r * blocks + b)] = step * static_cast<float>(sums[b]);
-          else out.sums16[static_cast<size_t>(r * blocks + b)] = static_cast<int16_t>(sums[b]);
+          const size_t at = static_cast<size_t>(r * blocks + b);
+          if (span == kQuantBlock) out.step_sums[at] = step * static_cast<float>(sums[b]);
+          else out.sums16[at] = static_cast<int16_t>(sums[b]);
         }
       }
     }
@@ -540,7 +545,9 @@ LLAMA_CHAT_HOT __m256i words_of_8(const uint8_t* p, int count) {
 
 // The fp16 numbers at p, p + Stride, ..., of `count` blocks (the rest 0), as eight floats.
 template <int64_t Stride>
-LLAMA_CHAT_HOT __m256 halves_of_8(const uint8_t* p, int count) { return halves_as_floats(words_of_8<Stride>(p, count)); }
+LLAMA_CHAT_HOT __m256 halves_of_8(const uint8_t* p, int count) {
+  return halves_as_floats(words_of_8<Stride>(p, count));
+}
 
 // 32 bits (little-endian) as 32 bytes: 0x10 where the bit is set (Q5_0/Q5_1's fifth bits).
 LLAMA_CHAT_HOT __m256i fifth_bits(const uint8_t* p) {
@@ -1019,10 +1026,9 @@ inline void packed_dot_rows(const uint8_t* row, const RoundedBlocks& in, int64_t
 // its rows (lane j: row j), so one instruction takes four products for every row of the tile
 // against a broadcast of four input values, and every input row of the call reuses the tile
 // from the cache. The result is the same bits as packed_dot_rows: a block's integer sum is exact
-// in any order; a K-quant row's super-block steps are added in order into one float (lane j of
-// a vector holds weight row j's), and a 32-value kind's float sums are kept as the old path's
-// lanes keep them (block b in lane b mod 8), in the same order, then added as horizontal_sum adds
-// lanes.
+// in any order, and each row's float sums are kept as the old path's lanes keep them (a 32-value
+// kind's block b, a K-quant's super-block g, in lane b or g mod 8), in the same order, then added as
+// horizontal_sum adds lanes.
 //
 // Without VNNI (AVX2) the four-product sums are vpmaddubsw's int16 pairs, added as int16 over as
 // many codes as cannot overflow before one vpmaddwd widens them (kPairRun), and Q8_0's signed
