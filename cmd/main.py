@@ -24,11 +24,14 @@ from llama_chat.cmd.startup import (  # noqa: E402
     deferred_signals,
     ensure_std_fds,
     exit_cancelled,
+    keep_lost_signals,
     silence_stdout,
 )
 
 # First of all, before any module opens a file that could take over fd 1 or 2 (`llama-chat >&-`).
 ensure_std_fds()
+# Before the first window where a signal's exception can be raised, and so lost, in an import's callback.
+keep_lost_signals()
 # A Ctrl+C while the command's modules load ends the run with status 130 and no traceback.
 with deferred_signals(exit_now=True):
     import os

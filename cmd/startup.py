@@ -16,9 +16,11 @@ thread (``inference/thread_signals.py``).
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -47,6 +49,42 @@ def exit_cancelled(signum: int) -> None:
     except OSError:
         pass
     os._exit(128 + signum)
+
+
+def keep_lost_signals() -> None:
+    """A signal whose exception is raised where Python cannot raise it comes again, not lost.
+
+    A handler's ``KeyboardInterrupt`` (or ``Terminated``) that lands in a weakref callback or a
+    ``__del__`` is only printed, "Exception ignored in ...", and the run goes on as if no signal had
+    come. Imports hit it: each module's lock is released in such a callback
+    (``_get_module_lock.<locals>.cb``), so a Ctrl+C while a module loads outside
+    ``deferred_signals`` was lost. The signal is sent to the main thread again from a thread of its
+    own: raised from here, its handler would run, and raise, in this hook, where it is lost too.
+    """
+    previous = sys.unraisablehook
+
+    def redeliver(unraisable) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, KeyboardInterrupt):
+            signum = signal.SIGINT
+        elif isinstance(exc, Terminated):
+            signum = exc.signum
+        else:
+            previous(unraisable)
+            return
+        try:
+            # Not ``threading.Thread``: its start() waits, and the signal would land in that wait.
+            _thread.start_new_thread(_send_again, (main, signum))
+        except RuntimeError:  # the interpreter is shutting down: the run has ended anyway
+            pass
+
+    main = threading.main_thread().ident
+    sys.unraisablehook = redeliver
+
+
+def _send_again(main: int, signum: int) -> None:
+    thread_signals.block_in_this_thread()  # the process's signals are still the main thread's alone
+    signal.pthread_kill(main, signum)
 
 
 @contextmanager

@@ -131,3 +131,53 @@ def test_a_signal_that_comes_while_blocked_is_handled_as_the_block_is_left():
         assert taken == [signal.SIGWINCH]
     finally:
         signal.signal(signal.SIGWINCH, previous)
+
+
+LOST_SIGNAL_SCRIPT = r"""
+import signal, sys, time, weakref
+
+from llama_chat.cmd.signals import install_sync_handlers
+from llama_chat.cmd.startup import Terminated, keep_lost_signals
+
+install_sync_handlers()
+if sys.argv[1] == "kept":
+    keep_lost_signals()
+
+
+class Lock:
+    pass
+
+
+def released(_):
+    # As importlib's module-lock callback: the signal's handler runs, and raises, in here.
+    signal.raise_signal(getattr(signal, sys.argv[2]))
+
+
+lock = Lock()
+ref = weakref.ref(lock, released)
+try:
+    del lock
+    deadline = time.monotonic() + float(sys.argv[3])
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("lost")
+except KeyboardInterrupt:
+    print("interrupted")
+except Terminated as e:
+    print("terminated", e.signum)
+"""
+
+
+@pytest.mark.parametrize("signame, kept", [("SIGINT", "interrupted\n"), ("SIGTERM", f"terminated {signal.SIGTERM}\n")])
+def test_a_signal_whose_exception_lands_in_a_callback_is_delivered_again(signame, kept):
+    """CPython prints a handler's exception raised in a weakref callback and goes on: a Ctrl+C
+    that lands in an import's module-lock callback was lost, and the run went on to the end."""
+    def run(mode: str, wait_s: float) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", LOST_SIGNAL_SCRIPT, mode, signame, str(wait_s)],
+                              capture_output=True, text=True, timeout=WAIT_S, env=cli_env())
+
+    delivered = run("kept", WAIT_S / 2)  # it ends as soon as the signal comes again
+    assert delivered.stdout == kept and delivered.stderr == "", delivered
+    if signame == "SIGINT":  # without it, lost: the script waits and then carries on
+        lost = run("plain", 2.0)
+        assert lost.stdout == "lost\n" and "Exception ignored" in lost.stderr, lost
