@@ -126,6 +126,8 @@ def product(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     if x.shape[-1] != weight.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the {weight.kind} weight {weight.in_features}")
     rows = x.reshape(-1, weight.in_features).float()
+    if rows.shape[0] == 0:  # a chunk of a long prompt wants no logits: nothing to expand the weight for
+        return x.new_empty(*x.shape[:-1], weight.out_features)
     if _kernel_takes(x, weight.data):
         out = torch.ops.llama_chat_cpu.packed_product(rows, weight.data, weight.kind)
     else:

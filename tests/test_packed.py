@@ -207,6 +207,15 @@ def test_without_the_operator_a_product_is_the_dequantized_one(pytorch_products,
     assert layer.packed.nbytes == weight.data.numel() and layer.packed.out_features == 37
 
 
+def test_no_rows_expand_no_weight(monkeypatch):
+    """A long prompt's chunks before its last want no logits: the output layer, a vocabulary of
+    packed rows, is not expanded for nothing."""
+    weight = random_weight("q6_k", 8, 256, seed=1)
+    monkeypatch.setattr(packed.PackedWeight, "dequantize_rows", lambda *a: pytest.fail("expanded"))
+    layer = packed.PackedLinear(weight)
+    assert layer(torch.empty(1, 0, 256)).shape == (1, 0, 8)
+
+
 # A build of the operator's products alone (kernels.cpp) with some instruction sets taken away,
 # in a process of its own: it writes each case's product, and each row's alone, for the test to check.
 _VARIANT_SCRIPT = OPERATOR_VARIANT_LOAD + """
