@@ -403,6 +403,29 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
     return out.to(q.dtype).reshape(batch, heads, seq, head_dim)
 
 
+# Queries of a chunk from which the CPU operator's prompt attention is taken: it converts every key
+# and value the chunk sees first, which a few queries do not repay.
+MIN_OWN_ATTENTION_QUERIES = 16
+
+
+def own_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
+                         rule: AttentionRule = PLAIN_ATTENTION) -> torch.Tensor | None:
+    """A chunk's attention by the CPU operator (``ml/cpu/attention.cpp``: bfloat16 products,
+    float32 scores and an online softmax, about twice PyTorch's float32 flash kernel), or None
+    where it does not take it. Shapes as ``chunk_attention``'s, under ``rule``; query ``i`` sits
+    at position ``past + i`` and sees keys ``0 .. past + i`` (within the rule's window)."""
+    head_dim = q.shape[-1]
+    if not (q.shape[0] == 1 and q.shape[2] >= MIN_OWN_ATTENTION_QUERIES and head_dim % 64 == 0 and head_dim <= 256
+            and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and not torch.compiler.is_compiling() and cpu_kernels.attends_prompts()):
+        return None
+    scale = rule.scale if rule.scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.ops.llama_chat_cpu.prompt_attention(q[0], k[0], v[0], past, scale, rule.softcap or 0.0,
+                                                    rule.window or 0)
+    return out.unsqueeze(0)
+
+
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """``(batch, 1, seq, kv_len)`` bool: which keys each query sees (its own past, and with a
     ``window`` only the last ``window`` positions of it). ``query_positions`` is ``(batch, seq)``,

@@ -443,8 +443,19 @@ class PagedView:
             end = start + length  # the keys this run reads: its sequence's, up to its last token
             keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
             values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
-            parts.append(ops.chunk_attention(q[:, :, first:first + length], keys, values, start, mask))
+            chunk = q[:, :, first:first + length]
+            own = self._own_attention(chunk, keys, values, start, ops.PLAIN_ATTENTION)
+            parts.append(own if own is not None else ops.chunk_attention(chunk, keys, values, start, mask))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def _own_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                       rule: ops.AttentionRule) -> torch.Tensor | None:
+        """A prompt chunk's attention by the CPU operator (``ops.own_prompt_attention``, bfloat16
+        products) where the pages hold fewer bits than the model computes in (the CPU's default
+        float16 pages): a float32 cache asked for is attended in float32."""
+        if self.cache.reads_as(q.dtype):
+            return None
+        return ops.own_prompt_attention(q, keys, values, start, rule)
 
     def _read_pages(self, layer: int, store_k: torch.Tensor, store_v: torch.Tensor,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -484,7 +495,9 @@ class PagedView:
             end = start + length
             keys = store_k.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
             values = store_v.index_select(1, table).view(1, kv_heads, -1, head_dim)[:, :, :end]
-            parts.append(ops.ruled_run_attention(q[:, :, first:first + length], keys, values, start, rule))
+            chunk = q[:, :, first:first + length]
+            own = self._own_attention(chunk, keys, values, start, rule)
+            parts.append(own if own is not None else ops.ruled_run_attention(chunk, keys, values, start, rule))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def _attend_rows_by_head(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,8 @@ def test_the_kernels_are_built_for_this_cpu_where_the_compiler_can(cpu_kernels_l
         assert "avx2" in built, f"the operator was built without -march=native: {built}"
     if "#define __AVX512VNNI__ " in listed:
         assert "vnni" in built and "avx512" in built, built
+    if "#define __AVX512BF16__ " in listed:
+        assert "bf16" in built, built
 
 
 @needs_kernels

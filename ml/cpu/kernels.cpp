@@ -333,6 +333,9 @@ std::string built_for() {
 #ifdef LLAMA_CHAT_VNNI
   sets += "vnni ";
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  sets += "bf16 ";  // attention.cpp's prompt attention
+#endif
 #ifdef _OPENMP
   sets += "openmp ";
 #endif

@@ -74,7 +74,7 @@ from llama_chat.ml.user_cache import wanted_cache_dir, writable_dir
 
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is shared by both.
-SOURCES = (HERE / "kernels.cpp", HERE / "decode.cpp", HERE / "memory.cpp")
+SOURCES = (HERE / "kernels.cpp", HERE / "decode.cpp", HERE / "memory.cpp", HERE / "attention.cpp")
 HEADERS = (HERE / "dot.h", HERE / "panels.h", HERE / "pick.h", HERE / "blocks.h", HERE / "vectors.h",
            HERE / "kv_rows.h")
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
@@ -110,6 +110,16 @@ def enabled() -> bool:
 
 def loaded() -> bool:
     return bool(_state["loaded"])
+
+
+def attends_prompts() -> bool:
+    """Whether the loaded operator has the prompt attention (``attention.cpp``), which builds
+    with AVX-512 BF16 only."""
+    if not loaded():
+        return False
+    if _state.get("attends") is None:
+        _state["attends"] = bool(torch.ops.llama_chat_cpu.prompt_attention_built())
+    return bool(_state["attends"])
 
 
 def failure() -> str | None:

@@ -76,6 +76,35 @@ struct Floats16 {
 };
 #endif
 
+// The constants of e^x in vectors (exp_of): the clamp, log2(e), ln2 in two parts (n ln2 is
+// exact), and e^r ~ 1 + r + r^2 (kC[5] + kC[4] r + ... + kC[0] r^5), in Horner's order.
+namespace exp_poly {
+constexpr float kLowest = -87.3f, kHighest = 88.3f, kLog2e = 1.44269504f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kC[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_poly
+
+#ifdef LLAMA_CHAT_AVX2
+// e^x for a vector of floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (the
+// classic single-precision coefficients), 2^n put into the exponent bits. Relative error about
+// 2e-7; inputs are clamped to where a float's e^x is finite and normal. Softmax and SwiGLU take
+// one per score and hidden unit: std::exp, one value at a time, was a visible part of a batched
+// step (docs/batching.md, "Steps on the CPU").
+template <typename V>
+LLAMA_CHAT_VECTOR typename V::Vec exp_of(typename V::Vec x) {
+  using namespace exp_poly;
+  x = V::min(V::max(x, V::set1(kLowest)), V::set1(kHighest));
+  const typename V::Vec n = V::round(V::mul(x, V::set1(kLog2e)));
+  typename V::Vec r = V::fnmadd(n, V::set1(kLn2High), x);
+  r = V::fnmadd(n, V::set1(kLn2Low), r);
+  typename V::Vec p = V::set1(kC[0]);
+  for (int i = 1; i < 6; ++i) p = V::fmadd(p, r, V::set1(kC[i]));
+  p = V::fmadd(p, V::mul(r, r), V::add(r, V::set1(1.f)));
+  return V::mul(p, V::exp2_whole(n));
+}
+#endif
+
 // The widest vector of the build.
 #if defined(__AVX512F__)
 using Widest = Floats16;
