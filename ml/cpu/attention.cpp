@@ -148,13 +148,18 @@ void attend_block(const float* q, int64_t q_stride, int64_t rows, int64_t first,
       }
       const int64_t pos = first + r;
       const int64_t lo = rule.window > 0 ? pos - rule.window + 1 : 0;
+      const bool sees_all = k0 >= lo && k0 + kKeys - 1 <= pos;  // most blocks: no mask to make
       __m512 x[4];
       __mmask16 seen[4];
       __m512 top = _mm512_set1_ps(minus_inf);
       for (int c = 0; c < 4; ++c) {
-        const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + 16 * c)), lane);
-        seen[c] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) &
-                  _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(lo, -1))));
+        if (sees_all) {
+          seen[c] = 0xffff;
+        } else {
+          const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + 16 * c)), lane);
+          seen[c] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) &
+                    _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(lo, -1))));
+        }
         x[c] = _mm512_load_ps(s[r] + 16 * c);
         if (rule.cap > 0.f) x[c] = capped(x[c], rule.cap);
         top = _mm512_mask_max_ps(top, seen[c], top, x[c]);
@@ -166,7 +171,8 @@ void attend_block(const float* q, int64_t q_stride, int64_t rows, int64_t first,
         std::fill(pp[r], pp[r] + kKeys / 2, 0u);
         continue;
       }
-      alpha[r] = m[r] == minus_inf ? 0.f : std::exp(m[r] - m_new);
+      // Once the largest score is found, later blocks rarely raise it: no exp and no rescaling.
+      alpha[r] = m_new == m[r] ? 1.f : m[r] == minus_inf ? 0.f : std::exp(m[r] - m_new);
       m[r] = m_new;
       const __m512 shift = _mm512_set1_ps(m_new);
       __m512 e[4];
@@ -186,8 +192,11 @@ void attend_block(const float* q, int64_t q_stride, int64_t rows, int64_t first,
       for (int64_t c0 = 0; c0 < dim; c0 += 64) {
         __m512 acc[4][4];
         for (int i = 0; i < 4; ++i) {
-          const __m512 a = _mm512_set1_ps(alpha[4 * g + i]);
-          for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_mul_ps(_mm512_load_ps(o[4 * g + i] + c0 + 16 * c), a);
+          const float a = alpha[4 * g + i];
+          for (int c = 0; c < 4; ++c) {
+            acc[i][c] = _mm512_load_ps(o[4 * g + i] + c0 + 16 * c);
+            if (a != 1.f) acc[i][c] = _mm512_mul_ps(acc[i][c], _mm512_set1_ps(a));
+          }
         }
         for (int64_t t = 0; t < kKeys / 2; ++t) {
           const uint32_t* vp = vb + t * dim + c0;
