@@ -91,6 +91,20 @@ inline __m512 capped(__m512 y, float cap) {
   return _mm512_mul_ps(t, _mm512_set1_ps(cap));
 }
 
+// acc[i][c] += the pair of bfloat16 a[i * a_stride] times each pair of the four vectors at b (64
+// words): four rows of a block against sixteen lanes of four vectors, each vector loaded once.
+inline void dot_4x4(__m512 (&acc)[4][4], const uint32_t* b, const uint32_t* a, int64_t a_stride) {
+  const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 16),
+                 b2 = (__m512bh)_mm512_loadu_si512(b + 32), b3 = (__m512bh)_mm512_loadu_si512(b + 48);
+  for (int i = 0; i < 4; ++i) {
+    const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * a_stride]));
+    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+    acc[i][2] = _mm512_dpbf16_ps(acc[i][2], ai, b2);
+    acc[i][3] = _mm512_dpbf16_ps(acc[i][3], ai, b3);
+  }
+}
+
 struct Rule {
   float scale, cap;  // cap 0: none
   int64_t window;    // 0: none
@@ -124,18 +138,7 @@ void attend_block(const float* q, int64_t q_stride, int64_t rows, int64_t first,
       __m512 acc[4][4];
       for (auto& row : acc)
         for (auto& a : row) a = _mm512_setzero_ps();
-      for (int64_t p = 0; p < pairs; ++p) {
-        const uint32_t* kp = kb + p * kKeys;
-        const __m512bh k_0 = (__m512bh)_mm512_loadu_si512(kp), k_1 = (__m512bh)_mm512_loadu_si512(kp + 16),
-                       k_2 = (__m512bh)_mm512_loadu_si512(kp + 32), k_3 = (__m512bh)_mm512_loadu_si512(kp + 48);
-        for (int i = 0; i < 4; ++i) {
-          const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[4 * g + i][p]));
-          acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qb, k_0);
-          acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qb, k_1);
-          acc[i][2] = _mm512_dpbf16_ps(acc[i][2], qb, k_2);
-          acc[i][3] = _mm512_dpbf16_ps(acc[i][3], qb, k_3);
-        }
-      }
+      for (int64_t p = 0; p < pairs; ++p) dot_4x4(acc, kb + p * kKeys, &qp[4 * g][p], kMaxDim / 2);
       for (int i = 0; i < 4; ++i)
         for (int c = 0; c < 4; ++c) _mm512_store_ps(s[4 * g + i] + 16 * c, acc[i][c]);
     }
@@ -198,18 +201,7 @@ void attend_block(const float* q, int64_t q_stride, int64_t rows, int64_t first,
             if (a != 1.f) acc[i][c] = _mm512_mul_ps(acc[i][c], _mm512_set1_ps(a));
           }
         }
-        for (int64_t t = 0; t < kKeys / 2; ++t) {
-          const uint32_t* vp = vb + t * dim + c0;
-          const __m512bh v_0 = (__m512bh)_mm512_loadu_si512(vp), v_1 = (__m512bh)_mm512_loadu_si512(vp + 16),
-                         v_2 = (__m512bh)_mm512_loadu_si512(vp + 32), v_3 = (__m512bh)_mm512_loadu_si512(vp + 48);
-          for (int i = 0; i < 4; ++i) {
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[4 * g + i][t]));
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], pb, v_0);
-            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], pb, v_1);
-            acc[i][2] = _mm512_dpbf16_ps(acc[i][2], pb, v_2);
-            acc[i][3] = _mm512_dpbf16_ps(acc[i][3], pb, v_3);
-          }
-        }
+        for (int64_t t = 0; t < kKeys / 2; ++t) dot_4x4(acc, vb + t * dim + c0, &pp[4 * g][t], kKeys / 2);
         for (int i = 0; i < 4; ++i)
           for (int c = 0; c < 4; ++c) _mm512_store_ps(o[4 * g + i] + c0 + 16 * c, acc[i][c]);
       }
