@@ -65,7 +65,7 @@ def train_sentencepiece(out_dir: Path, *, vocab_size: int = 400, lines: list[str
 OPERATOR_VARIANT_LOAD = """
 import sys, torch
 from llama_chat.ml.cpu import kernels
-kernels.SOURCES = (kernels.HERE / "kernels.cpp",)
+kernels.SOURCES = (kernels.HERE / "kernels.cpp", kernels.HERE / "memory.cpp")
 assert kernels.load(), kernels.failure()
 """
 

@@ -207,6 +207,19 @@ def test_without_the_operator_a_product_is_the_dequantized_one(pytorch_products,
     assert layer.packed.nbytes == weight.data.numel() and layer.packed.out_features == 37
 
 
+def test_a_large_output_takes_the_memory_the_last_one_left(cpu_kernels_loaded):
+    """A prompt's outputs of a megabyte or more reuse the blocks that earlier ones freed (already
+    mapped: memory.cpp), and are written whole."""
+    weight = random_weight("q8_0", 1024, 256, seed=2)  # 512 rows of 1,024 outputs: 2 MiB
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(3))
+    first = torch.ops.llama_chat_cpu.packed_product(x, weight.data, "q8_0")
+    address, expected = first.data_ptr(), first.clone()
+    first.fill_(float("nan"))
+    del first
+    second = torch.ops.llama_chat_cpu.packed_product(x, weight.data, "q8_0")
+    assert second.data_ptr() == address and torch.equal(second, expected)
+
+
 def test_no_rows_expand_no_weight(monkeypatch):
     """A long prompt's chunks before its last want no logits: the output layer, a vocabulary of
     packed rows, is not expanded for nothing."""

@@ -12,6 +12,7 @@
 // Rounding the inputs costs the measured fidelity less than the int8 rounding of the products'
 // inputs already spreads (docs/benchmarks.md, "Prompt attention"). Elsewhere, and for what this
 // does not take (other widths, float16 or bfloat16 tensors), ml/ops.py keeps PyTorch's kernels.
+#include "memory.h"
 #include "vectors.h"
 
 #include <torch/library.h>
@@ -227,8 +228,8 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(past >= 0 && keys >= past + seq, "prompt_attention: the keys cover past + the queries");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prompt_attention: rows of contiguous channels");
   const int64_t blocks = round_up(keys, kKeys) / kKeys;
-  at::Tensor packed_k = at::empty({kv_heads, blocks * kKeys * dim / 2}, q.options().dtype(at::kInt));
-  at::Tensor packed_v = at::empty({kv_heads, blocks * kKeys * dim / 2}, q.options().dtype(at::kInt));
+  at::Tensor packed_k = kept_empty({kv_heads, blocks * kKeys * dim / 2}, q.options().dtype(at::kInt));
+  at::Tensor packed_v = kept_empty({kv_heads, blocks * kKeys * dim / 2}, q.options().dtype(at::kInt));
   auto* pk = reinterpret_cast<uint32_t*>(packed_k.data_ptr<int32_t>());
   auto* pv = reinterpret_cast<uint32_t*>(packed_v.data_ptr<int32_t>());
   const float *qd = q.data_ptr<float>(), *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
@@ -240,7 +241,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::
       pack_values(vd + h * v.stride(0), v.stride(1), keys, dim, b * kKeys / 2, (b + 1) * kKeys / 2, pv + h * head_words);
     }
   });
-  at::Tensor out = at::empty({heads, seq, dim}, q.options());
+  at::Tensor out = kept_empty({heads, seq, dim}, q.options());
   float* od = out.data_ptr<float>();
   const Rule rule{static_cast<float>(scale), static_cast<float>(cap), window};
   const int64_t n_rep = heads / kv_heads, q_blocks = (seq + kRows - 1) / kRows;

@@ -26,6 +26,7 @@
 #include "pick.h"
 #include "vectors.h"
 #include "kv_rows.h"
+#include "memory.h"
 
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -1403,7 +1404,7 @@ at::Tensor gated_rows(const at::Tensor& gate_up, bool gelu) {
               "gated_rows: a float32 (rows, 2 * hidden) matrix");
   const at::Tensor x = gate_up.contiguous();
   const int64_t rows = x.size(0), hidden = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, hidden}, x.options());
+  at::Tensor out = kept_empty({rows, hidden}, x.options());
   const float* in = x.data_ptr<float>();
   float* to = out.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(hidden, 1)), [&](int64_t first, int64_t stop) {

@@ -11,6 +11,7 @@
 #include "dot.h"
 #include "panels.h"
 #include "pick.h"
+#include "memory.h"
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -254,7 +255,7 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& data, c10::stri
   TORCH_CHECK(data.size(1) == row_bytes, "packed_product: ", k, " inputs of ", layout.name, " take ", row_bytes,
               " bytes a row, the blocks have ", data.size(1));
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({rows, n}, xc.options());
+  at::Tensor out = kept_empty({rows, n}, xc.options());
   if (rows == 0 || n == 0) return out;
   RoundedBlocks rounded;
   // A prompt's rows are rounded on every thread: on one, that was a few percent of a prefill.

@@ -75,7 +75,7 @@ from llama_chat.ml.user_cache import wanted_cache_dir, writable_dir
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is shared by both.
 SOURCES = (HERE / "kernels.cpp", HERE / "decode.cpp", HERE / "memory.cpp", HERE / "attention.cpp")
-HEADERS = (HERE / "dot.h", HERE / "panels.h", HERE / "pick.h", HERE / "blocks.h", HERE / "vectors.h",
+HEADERS = (HERE / "dot.h", HERE / "panels.h", HERE / "pick.h", HERE / "blocks.h", HERE / "vectors.h", HERE / "memory.h",
            HERE / "kv_rows.h")
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
