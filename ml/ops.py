@@ -411,7 +411,7 @@ MIN_OWN_ATTENTION_QUERIES = 16
 def own_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
                          rule: AttentionRule = PLAIN_ATTENTION) -> torch.Tensor | None:
     """A chunk's attention by the CPU operator (``ml/cpu/attention.cpp``: bfloat16 products,
-    float32 scores and an online softmax, about twice PyTorch's float32 flash kernel), or None
+    float32 scores and an online softmax; docs/benchmarks.md, "Prompt attention"), or None
     where it does not take it. Shapes as ``chunk_attention``'s, under ``rule``; query ``i`` sits
     at position ``past + i`` and sees keys ``0 .. past + i`` (within the rule's window)."""
     head_dim = q.shape[-1]

@@ -73,10 +73,10 @@ from llama_chat.ml.safe_files import open_regular, read_regular, write_atomic
 from llama_chat.ml.user_cache import wanted_cache_dir, writable_dir
 
 HERE = Path(__file__).parent
-# Compiled together into one library; the header is shared by both.
+# Compiled together into one library; the headers are shared.
 SOURCES = (HERE / "kernels.cpp", HERE / "decode.cpp", HERE / "memory.cpp", HERE / "attention.cpp")
-HEADERS = (HERE / "dot.h", HERE / "panels.h", HERE / "pick.h", HERE / "blocks.h", HERE / "vectors.h", HERE / "memory.h",
-           HERE / "kv_rows.h")
+HEADERS = (HERE / "dot.h", HERE / "panels.h", HERE / "pick.h", HERE / "blocks.h", HERE / "vectors.h",
+           HERE / "memory.h", HERE / "kv_rows.h")
 DISABLE_ENV = "LLAMA_CHAT_CPU_KERNELS"
 DIR_ENV = "LLAMA_CHAT_KERNEL_DIR"
 # A product of up to this many rows takes the operator (a decode step, or the packed decode rows

@@ -6,9 +6,9 @@
 // (docs/benchmark-log.md, "Measurements once in the CPU operator's comments").
 //
 // Large outputs of the operators (a 512-row prompt's gate/up product is 36 MB) come from blocks
-// that earlier outputs left behind (kept_empty). A fresh tensor that size is fresh memory from the
-// kernel, which faults in and zeroes every page as the product first writes it: an eighth of a
-// prompt's gate/up product.
+// that earlier outputs left behind (kept_empty). A fresh tensor that size, above glibc's largest
+// mmap threshold, is fresh memory from the kernel, which faults in and zeroes every page as the
+// product first writes it.
 //
 // Built on first use by llama_chat/ml/cpu/kernels.py, together with the other operators.
 #include "memory.h"
