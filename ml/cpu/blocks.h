@@ -160,6 +160,10 @@ inline int64_t step_span(Packed kind) { return layout_of(kind).values == kQuantG
 // multiple of 256 values so that a group's loads never pass its end.
 struct RoundedBlocks {
   int64_t rows = 0, k = 0, padded = 0, span = kQuantBlock;
+  // padded / span and padded / kQuantBlock: a row's steps and blocks. Kept, not divided out in
+  // each access: a division the compiler may not hoist out of a loop (it could trap) ran once
+  // per block and input row in the tiles.
+  int64_t row_spans = 0, row_blocks = 0;
   std::vector<int8_t> q;            // the rounded values, `padded` a row
   std::vector<float> steps;         // per span: its step
   std::vector<float> step_sums;     // span 32: per block, its step times the sum of its values
@@ -168,15 +172,24 @@ struct RoundedBlocks {
   std::vector<int16_t> half_sums;   // per 16 values: their sum (Q6_K's sub-blocks are 16 long)
   std::vector<int8_t> interleaved;  // q, each group of 256 as interleave_group lays a weight group
   std::vector<int8_t> paired;       // q, each group's blocks in the order 0 2 1 3 4 6 5 7 (kPairedOrder)
+  // q + 128, unsigned (kBiasedTiles), eight rows interleaved a word at a time: word w of row r at
+  // word (r / 8 * padded / 4 + w) * 8 + r % 8, so that a pass of the tiles (eight rows from a
+  // multiple of 8, or fewer within them) reaches its rows from one pointer at constant offsets
+  std::vector<uint8_t> biased;
 
   const int8_t* q_of(int64_t r) const { return q.data() + r * padded; }
-  const float* steps_of(int64_t r) const { return steps.data() + r * (padded / span); }
-  const float* step_sums_of(int64_t r) const { return step_sums.data() + r * (padded / kQuantBlock); }
-  const int32_t* sums_of(int64_t r) const { return sums.data() + r * (padded / kQuantBlock); }
-  const int16_t* sums16_of(int64_t r) const { return sums16.data() + r * (padded / kQuantBlock); }
-  const int16_t* half_sums_of(int64_t r) const { return half_sums.data() + r * (padded / 16); }
+  const float* steps_of(int64_t r) const { return steps.data() + r * row_spans; }
+  const float* step_sums_of(int64_t r) const { return step_sums.data() + r * row_blocks; }
+  const int32_t* sums_of(int64_t r) const { return sums.data() + r * row_blocks; }
+  const int16_t* sums16_of(int64_t r) const { return sums16.data() + r * row_blocks; }
+  const int16_t* half_sums_of(int64_t r) const { return half_sums.data() + r * 2 * row_blocks; }
   const int8_t* interleaved_of(int64_t r) const { return interleaved.data() + r * padded; }
   const int8_t* paired_of(int64_t r) const { return paired.data() + r * padded; }
+  std::vector<float> biased_steps;  // steps as `biased` lays the words: block b of row r at (r / 8 * blocks + b) * 8 + r % 8
+  // Row r of `biased`: its word w is 32 * w bytes on.
+  const uint8_t* biased_of(int64_t r) const { return biased.data() + r / 8 * 8 * padded + r % 8 * 4; }
+  // Row r of `biased_steps`: block b's step is 8 * b floats on.
+  const float* biased_steps_of(int64_t r) const { return biased_steps.data() + r / 8 * 8 * row_blocks + r % 8; }
 };
 
 inline float largest_of(const float* x, int64_t n) {
@@ -295,6 +308,8 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
   out.span = span;
   out.padded = (k + kQuantGroup - 1) / kQuantGroup * kQuantGroup;
   const int64_t blocks = out.padded / kQuantBlock, spans = out.padded / span, per_span = span / kQuantBlock;
+  out.row_spans = spans;
+  out.row_blocks = blocks;
   out.q.assign(static_cast<size_t>(rows * out.padded), 0);
   out.steps.assign(static_cast<size_t>(rows * spans), 0.f);
   out.step_sums.assign(span == kQuantBlock ? static_cast<size_t>(rows * blocks) : 0, 0.f);
@@ -341,6 +356,23 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
     for (int64_t at = 0; at < static_cast<int64_t>(out.q.size()); at += kQuantGroup)
       for (int j = 0; j < 8; ++j)
         std::memcpy(out.paired.data() + at + 32 * j, out.q.data() + at + 32 * kPairedOrder[j], 32);
+  }
+#endif
+#ifdef LLAMA_CHAT_VNNI
+  // Tiles of 32-value blocks with a zero point read these (kBiasedTiles).
+  if (rows >= kTiledFromRows && span == kQuantBlock) {
+    out.biased.assign(static_cast<size_t>((rows + 7) / 8 * 8 * out.padded), 0x80);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int8_t* q = out.q_of(r);
+      uint8_t* row = out.biased.data() + (out.biased_of(r) - out.biased.data());
+      for (int64_t w = 0; w < out.padded / 4; ++w)
+        for (int t = 0; t < 4; ++t) row[32 * w + t] = static_cast<uint8_t>(q[4 * w + t]) ^ 0x80;
+    }
+    out.biased_steps.assign(static_cast<size_t>((rows + 7) / 8 * 8 * blocks), 0.f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < blocks; ++b)
+        out.biased_steps[static_cast<size_t>(out.biased_steps_of(r) - out.biased_steps.data() + 8 * b)] =
+            out.steps_of(r)[b];
   }
 #endif
 #ifdef LLAMA_CHAT_AVX2
@@ -575,6 +607,19 @@ constexpr bool kOffset = K == Packed::q4_1 || K == Packed::q5_1;
 // Q4_K and Q5_K: mins, taken off a super-block's sum as one integer (the numerics above).
 template <Packed K>
 constexpr bool kMins = K == Packed::q4_k || K == Packed::q5_k;
+
+// With VNNI, the tiles of kinds with a zero point hold the codes less it (signed) and take the
+// rounded inputs plus 128 (unsigned, RoundedBlocks::biased): sum (u - z) (q + 128) is the block's
+// sum (u - z) q plus 128 sum (u - z), a constant of the weight row that the tile keeps
+// (DecodedTile::zero) and each sum starts from. Exact as the inputs' zero-point sums taken off
+// after, without a broadcast and a subtraction per block and input row.
+template <Packed K>
+constexpr bool kBiasedTiles =
+#ifdef LLAMA_CHAT_VNNI
+    kZeroShift<K> > 0;
+#else
+    false;
+#endif
 
 // Eight blocks of a row, decoded.
 struct Group {
@@ -1143,6 +1188,7 @@ struct DecodedTile {
   std::vector<int32_t, AlignedAllocator<int32_t>> scales16;  // Q4_K, Q5_K without VNNI: scales as int16, twice
   std::vector<int32_t, AlignedAllocator<int32_t>> halves;  // [(2b + h) * n + j]: Q6_K's scale of half h
   std::vector<int32_t, AlignedAllocator<int32_t>> signs;   // as codes: Q8_0's signed codes (sign trick)
+  std::vector<int32_t, AlignedAllocator<int32_t>> zero;    // kBiasedTiles: [b * n + j] -128 sum (u - z)
   // Q6_K, as int16 pairs: [(2b + h) * n + j] half h's scale twice, [(2 blocks + b) * n + j] the
   // scales of halves 0 and 1
   std::vector<int32_t, AlignedAllocator<int32_t>> halves16;
@@ -1152,6 +1198,7 @@ struct DecodedTile {
     n = rows;
     codes.resize(static_cast<size_t>(blocks * 8 * n));
     if (sign_trick) signs.resize(codes.size());
+    zero.resize(static_cast<size_t>(blocks * n));
     if (kind == Packed::q6_k) halves16.resize(static_cast<size_t>(blocks * 3 * n));
     if (kind == Packed::q4_k || kind == Packed::q5_k) {
       scales.resize(static_cast<size_t>(blocks * n));
@@ -1216,6 +1263,15 @@ void decode_tile(const uint8_t* data, int64_t row_bytes, int64_t first, int64_t 
         __m256i v[8];
         for (int j = 0; j < 8; ++j) v[j] = w[j].u[bb];
         transpose_8x8(v);
+        if constexpr (kBiasedTiles<K>) {
+          __m256i sum = _mm256_setzero_si256();
+          for (int c = 0; c < 8; ++c) {
+            v[c] = _mm256_sub_epi8(v[c], _mm256_set1_epi8(static_cast<char>(1 << kZeroShift<K>)));
+            sum = dot_add(sum, _mm256_set1_epi8(1), v[c]);
+          }
+          _mm256_store_si256(reinterpret_cast<__m256i*>(tile.zero.data() + b * n + eighth),
+                             _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7)));
+        }
         for (int c = 0; c < 8; ++c)
           _mm256_store_si256(reinterpret_cast<__m256i*>(tile.codes.data() + (b * 8 + c) * n + eighth), v[c]);
         if constexpr (kSignTrick<K>) {
@@ -1299,6 +1355,17 @@ LLAMA_CHAT_HOT void tile_sums(const DecodedTile& tile, const RoundedBlocks& in, 
         s[i] = c == C0 ? wide : L::iadd(s[i], wide);
       }
     }
+  } else if constexpr (kBiasedTiles<K>) {
+    const I zero = L::iload(tile.zero.data() + b * n);
+    const int8_t* biased = reinterpret_cast<const int8_t*>(in.biased_of(r0));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) s[i] = zero;
+#pragma GCC unroll 8
+    for (int c = C0; c < C1; ++c) {
+      const I wv = L::iload(codes + c * n);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) s[i] = L::idot(s[i], L::iset1(word_at(biased + 32 * (8 * b + c) + 4 * i)), wv);
+    }
   } else {
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) s[i] = L::izero();
@@ -1359,7 +1426,7 @@ LLAMA_CHAT_HOT void block_sums(const DecodedTile& tile, const RoundedBlocks& in,
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) s[i] = L::imullo(s[i], scale);
     }
-    if constexpr (kZeroShift<K> > 0) {
+    if constexpr (kZeroShift<K> > 0 && !kBiasedTiles<K>) {
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) s[i] = L::isub(s[i], L::iset1(in.sums_of(r0 + i)[b] << kZeroShift<K>));
     }
@@ -1385,7 +1452,8 @@ LLAMA_CHAT_HOT void tile_pass(const DecodedTile& tile, const RoundedBlocks& in, 
       const F scale = L::load(tile.scale.data() + b * n);
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        acc[i] = L::fmadd(L::to_float(s[i]), L::mul(scale, L::set1(in.steps_of(r0 + i)[b])), acc[i]);
+        const float step = kBiasedTiles<K> ? in.biased_steps_of(r0)[8 * b + i] : in.steps_of(r0 + i)[b];
+        acc[i] = L::fmadd(L::to_float(s[i]), L::mul(scale, L::set1(step)), acc[i]);
         if constexpr (kOffset<K>)
           acc[i] = L::fmadd(L::load(tile.offset.data() + b * n), L::set1(in.step_sums_of(r0 + i)[b]), acc[i]);
       }
@@ -1490,24 +1558,31 @@ void packed_tiles_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
         const DecodedTile& tile = tiles[t];
         const int64_t tile_first = group_first + t * L::kRows, count = std::min<int64_t>(L::kRows, stop - tile_first);
         for (int64_t i = 0; i < (re - rb) * 8; ++i) state[i] = L::zero();
-        for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks<L>) {
-          const int64_t b1 = std::min(blocks, b0 + kChunkBlocks<L>);
-          int64_t r = rb;
-          if constexpr (kSuperSteps<K>) {
-            for (; r + L::kPassRows <= re; r += L::kPassRows)
-              tile_pass_super<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
-            for (; r + 2 <= re; r += 2) tile_pass_super<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
-            if (r < re) tile_pass_super<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
-          } else {
-            for (; r + L::kPassRows <= re; r += L::kPassRows)
-              tile_pass<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
-            for (; r + 2 <= re; r += 2) tile_pass<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
-            if (r < re) tile_pass<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
+        for (int64_t r = rb; r < re;) {
+          const int pass = re - r >= L::kPassRows ? L::kPassRows : re - r >= 2 ? 2 : 1;
+          for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks<L>) {
+            const int64_t b1 = std::min(blocks, b0 + kChunkBlocks<L>);
+            if constexpr (kSuperSteps<K>) {
+              if (pass == L::kPassRows) tile_pass_super<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
+              else if (pass == 2) tile_pass_super<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
+              else tile_pass_super<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
+            } else {
+              if (pass == L::kPassRows) tile_pass<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
+              else if (pass == 2) tile_pass<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
+              else tile_pass<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
+            }
           }
+          r += pass;
         }
         for (int64_t r = rb; r < re; ++r) {
-          L::store(values, lanes_sum<L>(lanes[r - rb]));
+          const F sum = lanes_sum<L>(lanes[r - rb]);
           float* o = out + (r - row_first) * row_stride + (tile_first - first);
+          if (count == L::kRows) {  // stored straight: a copy through `values` was a call per row
+            if constexpr (Add) L::store(o, L::add(L::load(o), sum));
+            else L::store(o, sum);
+            continue;
+          }
+          L::store(values, sum);
           for (int64_t j = 0; j < count; ++j) {
             if constexpr (Add) o[j] += values[j];
             else o[j] = values[j];
