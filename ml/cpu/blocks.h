@@ -172,7 +172,7 @@ struct RoundedBlocks {
   std::vector<int16_t> half_sums;   // per 16 values: their sum (Q6_K's sub-blocks are 16 long)
   std::vector<int8_t> interleaved;  // q, each group of 256 as interleave_group lays a weight group
   std::vector<int8_t> paired;       // q, each group's blocks in the order 0 2 1 3 4 6 5 7 (kPairedOrder)
-  // q + 128, unsigned (kBiasedTiles), eight rows interleaved a word at a time: word w of row r at
+  // q + 128, unsigned (the tiles with VNNI: kBiasedTiles), eight rows interleaved a word at a time: word w of row r at
   // word (r / 8 * padded / 4 + w) * 8 + r % 8, so that a pass of the tiles (eight rows from a
   // multiple of 8, or fewer within them) reaches its rows from one pointer at constant offsets
   std::vector<uint8_t> biased;
@@ -185,7 +185,8 @@ struct RoundedBlocks {
   const int16_t* half_sums_of(int64_t r) const { return half_sums.data() + r * 2 * row_blocks; }
   const int8_t* interleaved_of(int64_t r) const { return interleaved.data() + r * padded; }
   const int8_t* paired_of(int64_t r) const { return paired.data() + r * padded; }
-  std::vector<float> biased_steps;  // steps as `biased` lays the words: block b of row r at (r / 8 * blocks + b) * 8 + r % 8
+  // span 32: the steps as `biased` lays the words, block b of row r at (r / 8 * blocks + b) * 8 + r % 8
+  std::vector<float> biased_steps;
   // Row r of `biased`: its word w is 32 * w bytes on.
   const uint8_t* biased_of(int64_t r) const { return biased.data() + r / 8 * 8 * padded + r % 8 * 4; }
   // Row r of `biased_steps`: block b's step is 8 * b floats on.
@@ -297,12 +298,39 @@ struct Serially {
   void operator()(int64_t n, const Body& body) const { body(0, n); }
 };
 
+// Whether the tiles of `kind` read RoundedBlocks::biased (kBiasedTiles, below): with VNNI, the
+// kinds whose codes have a zero point.
+constexpr bool biased_tiles(Packed kind) {
+#ifdef LLAMA_CHAT_VNNI
+  return kind == Packed::q8_0 || kind == Packed::q4_0 || kind == Packed::q5_0 || kind == Packed::q6_k;
+#else
+  (void)kind;
+  return false;
+#endif
+}
+
+// Row r of out.q into out.biased and its steps into out.biased_steps (where sized).
+inline void bias_row(RoundedBlocks& out, int64_t r) {
+  const int8_t* q = out.q_of(r);
+  uint8_t* row = out.biased.data() + (out.biased_of(r) - out.biased.data());
+  for (int64_t w = 0; w < out.padded / 4; ++w) {
+    uint32_t word;
+    std::memcpy(&word, q + 4 * w, sizeof word);
+    word ^= 0x80808080u;
+    std::memcpy(row + 32 * w, &word, sizeof word);
+  }
+  if (out.biased_steps.empty()) return;
+  float* steps = out.biased_steps.data() + (out.biased_steps_of(r) - out.biased_steps.data());
+  for (int64_t b = 0; b < out.row_blocks; ++b) steps[8 * b] = out.steps_of(r)[b];
+}
+
 // Rows [0, rows) of x (each k long, `stride` apart) into `out`, whose vectors are reused, a step
 // per `span` values (step_span: 32, or 256 where k is whole super-blocks); the rows are rounded in
-// the ranges `split` gives (each row on its own: any split, the same bytes).
+// the ranges `split` gives (each row on its own: any split, the same bytes). for_biased_tiles:
+// whether the weights are of a kind whose tiles read RoundedBlocks::biased (biased_tiles).
 template <class Split = Serially>
 inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride, RoundedBlocks& out,
-                         int64_t span = kQuantBlock, const Split& split = {}) {
+                         int64_t span = kQuantBlock, const Split& split = {}, bool for_biased_tiles = true) {
   out.rows = rows;
   out.k = k;
   out.span = span;
@@ -316,6 +344,16 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
   out.sums.assign(static_cast<size_t>(rows * blocks), 0);
   out.sums16.assign(span == kQuantBlock ? 0 : static_cast<size_t>(rows * blocks), 0);
   out.half_sums.assign(static_cast<size_t>(rows * blocks * 2), 0);
+  // Rows past the last, up to a multiple of 8, are zeros (128).
+  const bool biased =
+#ifdef LLAMA_CHAT_VNNI
+      for_biased_tiles && rows >= kTiledFromRows;
+#else
+      false;
+#endif
+  const int64_t eights = (rows + 7) / 8;
+  out.biased.assign(biased ? static_cast<size_t>(eights * 8 * out.padded) : 0, 0x80);
+  out.biased_steps.assign(biased && span == kQuantBlock ? static_cast<size_t>(eights * 8 * blocks) : 0, 0.f);
   split(rows, [&](int64_t first, int64_t stop) {
     for (int64_t r = first; r < stop; ++r) {
       const float* xr = x + r * stride;
@@ -347,6 +385,7 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
           else out.sums16[at] = static_cast<int16_t>(sums[b]);
         }
       }
+      if (biased) bias_row(out, r);
     }
   });
 #ifdef LLAMA_CHAT_WIDE_VNNI
@@ -356,23 +395,6 @@ inline void round_blocks(const float* x, int64_t rows, int64_t k, int64_t stride
     for (int64_t at = 0; at < static_cast<int64_t>(out.q.size()); at += kQuantGroup)
       for (int j = 0; j < 8; ++j)
         std::memcpy(out.paired.data() + at + 32 * j, out.q.data() + at + 32 * kPairedOrder[j], 32);
-  }
-#endif
-#ifdef LLAMA_CHAT_VNNI
-  // Tiles of 32-value blocks with a zero point read these (kBiasedTiles).
-  if (rows >= kTiledFromRows && span == kQuantBlock) {
-    out.biased.assign(static_cast<size_t>((rows + 7) / 8 * 8 * out.padded), 0x80);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int8_t* q = out.q_of(r);
-      uint8_t* row = out.biased.data() + (out.biased_of(r) - out.biased.data());
-      for (int64_t w = 0; w < out.padded / 4; ++w)
-        for (int t = 0; t < 4; ++t) row[32 * w + t] = static_cast<uint8_t>(q[4 * w + t]) ^ 0x80;
-    }
-    out.biased_steps.assign(static_cast<size_t>((rows + 7) / 8 * 8 * blocks), 0.f);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t b = 0; b < blocks; ++b)
-        out.biased_steps[static_cast<size_t>(out.biased_steps_of(r) - out.biased_steps.data() + 8 * b)] =
-            out.steps_of(r)[b];
   }
 #endif
 #ifdef LLAMA_CHAT_AVX2
@@ -608,18 +630,19 @@ constexpr bool kOffset = K == Packed::q4_1 || K == Packed::q5_1;
 template <Packed K>
 constexpr bool kMins = K == Packed::q4_k || K == Packed::q5_k;
 
-// With VNNI, the tiles of kinds with a zero point hold the codes less it (signed) and take the
+// The zero point of a kind's codes: kZeroShift's, and Q6_K's 32.
+template <Packed K>
+constexpr int kTileZero = K == Packed::q6_k ? 32 : kZeroShift<K> > 0 ? 1 << kZeroShift<K> : 0;
+
+// With VNNI, the tiles of kinds with a zero point z hold the codes less it (signed) and take the
 // rounded inputs plus 128 (unsigned, RoundedBlocks::biased): sum (u - z) (q + 128) is the block's
 // sum (u - z) q plus 128 sum (u - z), a constant of the weight row that the tile keeps
 // (DecodedTile::zero) and each sum starts from. Exact as the inputs' zero-point sums taken off
-// after, without a broadcast and a subtraction per block and input row.
+// after, without a broadcast and a subtraction per block (Q6_K: half) and input row; and the
+// inputs, laid out eight rows interleaved, are reached from one pointer. Q4_K and Q5_K (no zero
+// point) ran no faster so. Which kinds: biased_tiles.
 template <Packed K>
-constexpr bool kBiasedTiles =
-#ifdef LLAMA_CHAT_VNNI
-    kZeroShift<K> > 0;
-#else
-    false;
-#endif
+constexpr bool kBiasedTiles = biased_tiles(K);
 
 // Eight blocks of a row, decoded.
 struct Group {
@@ -1189,6 +1212,7 @@ struct DecodedTile {
   std::vector<int32_t, AlignedAllocator<int32_t>> halves;  // [(2b + h) * n + j]: Q6_K's scale of half h
   std::vector<int32_t, AlignedAllocator<int32_t>> signs;   // as codes: Q8_0's signed codes (sign trick)
   std::vector<int32_t, AlignedAllocator<int32_t>> zero;    // kBiasedTiles: [b * n + j] -128 sum (u - z)
+  std::vector<int32_t, AlignedAllocator<int32_t>> zero_halves;  // Q6_K: [(2b + h) * n + j] the same of half h
   // Q6_K, as int16 pairs: [(2b + h) * n + j] half h's scale twice, [(2 blocks + b) * n + j] the
   // scales of halves 0 and 1
   std::vector<int32_t, AlignedAllocator<int32_t>> halves16;
@@ -1199,6 +1223,7 @@ struct DecodedTile {
     codes.resize(static_cast<size_t>(blocks * 8 * n));
     if (sign_trick) signs.resize(codes.size());
     zero.resize(static_cast<size_t>(blocks * n));
+    if (kind == Packed::q6_k) zero_halves.resize(static_cast<size_t>(blocks * 2 * n));
     if (kind == Packed::q6_k) halves16.resize(static_cast<size_t>(blocks * 3 * n));
     if (kind == Packed::q4_k || kind == Packed::q5_k) {
       scales.resize(static_cast<size_t>(blocks * n));
@@ -1264,13 +1289,18 @@ void decode_tile(const uint8_t* data, int64_t row_bytes, int64_t first, int64_t 
         for (int j = 0; j < 8; ++j) v[j] = w[j].u[bb];
         transpose_8x8(v);
         if constexpr (kBiasedTiles<K>) {
-          __m256i sum = _mm256_setzero_si256();
+          __m256i half[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
           for (int c = 0; c < 8; ++c) {
-            v[c] = _mm256_sub_epi8(v[c], _mm256_set1_epi8(static_cast<char>(1 << kZeroShift<K>)));
-            sum = dot_add(sum, _mm256_set1_epi8(1), v[c]);
+            v[c] = _mm256_sub_epi8(v[c], _mm256_set1_epi8(static_cast<char>(kTileZero<K>)));
+            half[c / 4] = dot_add(half[c / 4], _mm256_set1_epi8(1), v[c]);
           }
+          const auto times_128 = [](__m256i sum) { return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7)); };
           _mm256_store_si256(reinterpret_cast<__m256i*>(tile.zero.data() + b * n + eighth),
-                             _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7)));
+                             times_128(_mm256_add_epi32(half[0], half[1])));
+          if constexpr (K == Packed::q6_k)
+            for (int h = 0; h < 2; ++h)
+              _mm256_store_si256(reinterpret_cast<__m256i*>(tile.zero_halves.data() + (2 * b + h) * n + eighth),
+                                 times_128(half[h]));
         }
         for (int c = 0; c < 8; ++c)
           _mm256_store_si256(reinterpret_cast<__m256i*>(tile.codes.data() + (b * 8 + c) * n + eighth), v[c]);
@@ -1356,7 +1386,8 @@ LLAMA_CHAT_HOT void tile_sums(const DecodedTile& tile, const RoundedBlocks& in, 
       }
     }
   } else if constexpr (kBiasedTiles<K>) {
-    const I zero = L::iload(tile.zero.data() + b * n);
+    const I zero = C1 - C0 == 8 ? L::iload(tile.zero.data() + b * n)
+                                : L::iload(tile.zero_halves.data() + (2 * b + C0 / 4) * n);
     const int8_t* biased = reinterpret_cast<const int8_t*>(in.biased_of(r0));
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) s[i] = zero;
@@ -1411,7 +1442,9 @@ LLAMA_CHAT_HOT void block_sums(const DecodedTile& tile, const RoundedBlocks& in,
       const I scale = L::iload(tile.halves.data() + (2 * b + h) * n);
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        s[i] = L::imullo(L::isub(s[i], L::iset1(static_cast<int32_t>(in.half_sums_of(r0 + i)[2 * b + h]) << 5)), scale);
+        if constexpr (!kBiasedTiles<K>)
+          s[i] = L::isub(s[i], L::iset1(static_cast<int32_t>(in.half_sums_of(r0 + i)[2 * b + h]) << 5));
+        s[i] = L::imullo(s[i], scale);
         if (h == 0) first_half[i] = s[i];
         else s[i] = L::iadd(s[i], first_half[i]);
       }

@@ -261,7 +261,7 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& data, c10::stri
   // A prompt's rows are rounded on every thread: on one, that was a few percent of a prefill.
   round_blocks(xc.data_ptr<float>(), rows, k, k, rounded, step_span(kind), [&](int64_t count, const auto& body) {
     at::parallel_for(0, count, std::max<int64_t>(1, (1 << 16) / k), body);
-  });
+  }, biased_tiles(kind));
   const uint8_t* w = data.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   for_rows(
