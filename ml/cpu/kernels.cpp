@@ -33,18 +33,24 @@ using namespace llama_chat_cpu;
 // 256 KiB was as fast as fixed halves or faster, and smaller chunks slower
 // (docs/benchmark-log.md, "Measurements once in the CPU operator's comments").
 constexpr int64_t kBytesPerChunk = 1 << 18;
+// Chunks per thread, at least, of a product of many rows (tiles): see for_rows.
+constexpr int64_t kTiledChunksPerThread = 4;
 
 // body(begin, end) over output rows [0, n), in chunks (a multiple of `unit` rows) that threads take
 // as they come. torch's
 // OpenMP helpers sleep between parallel regions (the command sets OMP_WAIT_POLICY=PASSIVE) and
 // are slow to wake: with a fixed half each, the calling thread would finish its half and wait
 // for the late helper's; taking chunks, it goes on with the rows the helper has not reached.
+// `fewest`: the chunks a product bound by its multiply-adds is cut into at least, per thread, so
+// that the last chunks even out (a prompt's 2,048 outputs of Q4_K in 7 chunks of 256 KiB ran 4
+// on one thread and 3 on the other).
 template <typename Body>
-void for_rows(int64_t n, int64_t row_bytes, const Body& body, int64_t unit = 1) {
-  const int64_t rows = std::max<int64_t>(1, kBytesPerChunk / std::max<int64_t>(row_bytes, 1));
+void for_rows(int64_t n, int64_t row_bytes, const Body& body, int64_t unit = 1, int64_t fewest = 0) {
+  const int threads = at::get_num_threads();
+  int64_t rows = std::max<int64_t>(1, kBytesPerChunk / std::max<int64_t>(row_bytes, 1));
+  if (fewest > 0) rows = std::min(rows, (n + fewest * threads - 1) / (fewest * threads));
   const int64_t chunk = (rows + unit - 1) / unit * unit;
   const int64_t chunks = (n + chunk - 1) / chunk;
-  const int threads = at::get_num_threads();
 #ifdef _OPENMP
   if (threads > 1 && chunks > 2 && !at::in_parallel_region()) {
     std::atomic<int64_t> next{0};
@@ -266,7 +272,7 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& data, c10::stri
   float* o = out.data_ptr<float>();
   for_rows(
       n, row_bytes, [&](int64_t begin, int64_t end) { packed_range(kind, w, rounded, 0, rows, begin, end, o + begin, n); },
-      packed_split_rows(rows));
+      packed_split_rows(rows), rows >= kTiledFromRows ? kTiledChunksPerThread : 0);
   return out;
 }
 
