@@ -29,12 +29,18 @@ def built(cpu_kernels_loaded) -> None:
 
 
 
+# The operator's e^x of the softmax's weights, relative (attention.cpp, exp_of_nonpositive).
+EXP_ERROR = 4e-6
+
+
 def tolerance(v: torch.Tensor) -> dict:
-    """The softmax's weights are rounded to bfloat16, each by a factor 1 + d with |d| <= 2^-9, and
-    normalised by their rounded sum: an output moves by sum_j p_j d_j (v_j - out) / sum_j p_j (1 +
-    d_j), at most 2^-9 / (1 - 2^-9) of the values' spread. The float32 sums add far less."""
+    """The softmax's weights are made within EXP_ERROR and rounded to bfloat16, each by a factor
+    1 + d with |d| <= D = 2^-9 + EXP_ERROR (1 + 2^-9), and normalised by their rounded sum: an
+    output moves by sum_j p_j d_j (v_j - out) / sum_j p_j (1 + d_j), at most D / (1 - D) of the
+    values' spread. The float32 sums add far less."""
     spread = float(bf16(v).max() - bf16(v).min())
-    return {"rtol": 0.0, "atol": spread * 2**-9 / (1 - 2**-9) + 1e-5}
+    most = 2**-9 + EXP_ERROR * (1 + 2**-9)
+    return {"rtol": 0.0, "atol": spread * most / (1 - most) + 1e-5}
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
