@@ -208,17 +208,19 @@ void attend_block(const float* q, int64_t q_stride, int64_t rows, int64_t first,
       sum = _mm512_add_ps(sum, bf16_low_as_floats(_mm512_extracti64x4_epi64(p23, 1)));
       l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
     }
+    // Rescaled apart from the products: done in their loop, the branches made GCC keep an
+    // accumulator on the stack, stored and loaded again every step.
+    for (int64_t r = 0; r < rows; ++r) {
+      if (alpha[r] == 1.f) continue;
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (int64_t c = 0; c < dim; c += 16) _mm512_store_ps(o[r] + c, _mm512_mul_ps(_mm512_load_ps(o[r] + c), a));
+    }
     const uint32_t* vb = values + k0 / 2 * dim;
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t c0 = 0; c0 < dim; c0 += 64) {
         __m512 acc[4][4];
-        for (int i = 0; i < 4; ++i) {
-          const float a = alpha[4 * g + i];
-          for (int c = 0; c < 4; ++c) {
-            acc[i][c] = _mm512_load_ps(o[4 * g + i] + c0 + 16 * c);
-            if (a != 1.f) acc[i][c] = _mm512_mul_ps(acc[i][c], _mm512_set1_ps(a));
-          }
-        }
+        for (int i = 0; i < 4; ++i)
+          for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_load_ps(o[4 * g + i] + c0 + 16 * c);
         for (int64_t t = 0; t < kKeys / 2; ++t) dot_4x4(acc, vb + t * dim + c0, &pp[4 * g][t], kKeys / 2);
         for (int i = 0; i < 4; ++i)
           for (int c = 0; c < 4; ++c) _mm512_store_ps(o[4 * g + i] + c0 + 16 * c, acc[i][c]);
