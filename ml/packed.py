@@ -189,6 +189,8 @@ class PackedConcat(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
         self.segments = tuple((p.kind, p.out_features) for p in parts)
         self.register_buffer("data", torch.cat([p.data.reshape(-1) for p in parts]))
+        # (kind, rows) pairs as the operator's one call for all the segments reads them
+        self.register_buffer("pairs", segment_pairs(self.segments), persistent=False)
 
     @property
     def parts(self) -> list[PackedWeight]:
@@ -200,6 +202,11 @@ class PackedConcat(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] == self.in_features and _kernel_takes(x, self.data):
+            # One call: the rows rounded once, each segment's outputs written in place (no cat).
+            rows = torch.ops.llama_chat_cpu.packed_segments_product(x.reshape(-1, self.in_features).float(),
+                                                                    self.data, self.pairs)
+            return rows.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return torch.cat([product(x, part) for part in self.parts], dim=-1)
 
     def extra_repr(self) -> str:
@@ -212,11 +219,17 @@ PACKED_LAYERS = (PackedLinear, PackedConcat)
 
 def fuse(parts: list[nn.Module]) -> nn.Module:
     """Packed layers' outputs side by side, as one layer: a ``PackedLinear`` of their rows when
-    they are of one kind, else a ``PackedConcat``. The parts' bytes are copied once."""
+    they are of one kind, else a ``PackedConcat`` of runs of one kind (a Q4_K_M q/k/v: q and k one
+    run, v another). The parts' bytes are copied once."""
     weights = [w for part in parts for w in (part.parts if isinstance(part, PackedConcat) else [part.packed])]
-    if len({w.kind for w in weights}) == 1:
-        return PackedLinear(PackedWeight(weights[0].kind, torch.cat([w.data for w in weights]), weights[0].in_features))
-    return PackedConcat(weights)
+    runs: list[list[PackedWeight]] = []  # neighbours of one kind become one run of rows
+    for w in weights:
+        if runs and runs[-1][0].kind == w.kind:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    joined = [PackedWeight(run[0].kind, torch.cat([w.data for w in run]), run[0].in_features) for run in runs]
+    return PackedLinear(joined[0]) if len(joined) == 1 else PackedConcat(joined)
 
 
 def step_layout(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,8 +237,13 @@ def step_layout(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     (uint8, a ``PackedLinear``'s as (rows, row bytes), so that its first size counts its outputs
     as a weight's does), and its runs of rows as int64 (kind, rows) pairs, the kind as its place
     in ``PACKED_TYPES`` (the operator's order too)."""
-    pairs = [v for kind, rows in layer.segments for v in (PACKED_TYPES.index(kind), rows)]
-    return layer.data, torch.tensor(pairs, dtype=torch.int64)
+    return layer.data, segment_pairs(layer.segments)
+
+
+def segment_pairs(segments: tuple[tuple[str, int], ...]) -> torch.Tensor:
+    """Runs of rows ``(kind, rows)`` as the operator reads them: int64 pairs, the kind as its place
+    in ``PACKED_TYPES``."""
+    return torch.tensor([v for kind, rows in segments for v in (PACKED_TYPES.index(kind), rows)], dtype=torch.int64)
 
 
 class PackedEmbedding(nn.Module):

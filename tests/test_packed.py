@@ -298,18 +298,41 @@ def packed_model(seed: int = 1, vocab_size: int = 97):
 def test_fusing_packed_layers_keeps_their_blocks_and_products():
     model, _ = packed_model()
     attention, ffn = model.layers[0].attention, model.layers[0].feed_forward
-    assert isinstance(attention.wqkv, packed.PackedConcat)  # q4_0 q and k, q8_0 v
-    assert attention.wqkv.segments == (("q4_0", 64), ("q4_0", 32), ("q8_0", 32))
+    assert isinstance(attention.wqkv, packed.PackedConcat)  # q4_0 q and k (one run), q8_0 v
+    assert attention.wqkv.segments == (("q4_0", 96), ("q8_0", 32))
     assert isinstance(ffn.w13, packed.PackedLinear) and ffn.w13.kind == "q4_0" and ffn.w13.out_features == 320
     data, layout = packed.step_layout(attention.wqkv)
     assert data.dtype == torch.uint8 and data.numel() == attention.wqkv.data.numel()
     assert packed.step_layout(model.output)[0].shape[0] == 97  # the classifier's outputs
-    assert layout.tolist() == [1, 64, 1, 32, 0, 32]
+    assert layout.tolist() == [1, 96, 0, 32]
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     parts = attention.wqkv.parts
     want = torch.cat([x.double() @ p.dequantize().double().T for p in parts], dim=1)
-    torch.testing.assert_close(packed.dequantized_product(x, parts[0]).double(), want[:, :64], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.dequantized_product(x, parts[0]).double(), want[:, :96], rtol=1e-5, atol=1e-5)
     assert attention.wqkv(x).shape == (3, 128)
+
+
+@pytest.mark.parametrize("kinds", [("q4_k", "q6_k"), ("q8_0", "q4_0", "q8_0"), ("q4_0", "q6_k", "q4_1")],
+                         ids=["q4_k-q6_k", "q8_0-q4_0-q8_0", "spans-mixed"])
+@pytest.mark.parametrize("rows", [1, 5, 12, 40])
+def test_segments_in_one_call_give_each_segments_product_bit_for_bit(cpu_kernels_loaded, kinds, rows):
+    # The operator's one call for a PackedConcat rounds the rows once per step span and writes each
+    # segment's outputs in place: the same bits as each segment's own product.
+    weights = [random_weight(kind, 16 * (i + 1), 512, rows + i) for i, kind in enumerate(kinds)]
+    layer = packed.PackedConcat(weights)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    want = torch.cat([torch.ops.llama_chat_cpu.packed_product(x, w.data, w.kind) for w in weights], dim=1)
+    assert torch.equal(layer(x), want)
+    assert torch.equal(layer(x.view(1, rows, 512)), want.view(1, rows, -1))
+
+
+def test_segments_that_do_not_match_their_bytes_are_refused(cpu_kernels_loaded):
+    weight = packed.pack("q8_0", torch.randn(32, 64))
+    data = weight.data.reshape(-1)
+    x = torch.randn(2, 64)
+    for pairs, words in (([0, 31], "bytes"), ([9, 32], "no \\(kind, rows\\) pair"), ([0], "int64 \\(kind, rows\\) pairs")):
+        with pytest.raises(RuntimeError, match=words):
+            torch.ops.llama_chat_cpu.packed_segments_product(x, data, torch.tensor(pairs, dtype=torch.int64))
 
 
 def _greedy(model, prompt: list[int], count: int) -> tuple[list[int], torch.Tensor]:

@@ -240,11 +240,30 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
+// x's rows rounded into `rounded`, a step per `span` values, on every thread: on one, that was a
+// few percent of a prefill.
+void round_on_threads(const at::Tensor& x, RoundedBlocks& rounded, int64_t span, bool for_biased_tiles) {
+  const int64_t k = x.size(1);
+  round_blocks(x.data_ptr<float>(), x.size(0), k, k, rounded, span, [&](int64_t count, const auto& body) {
+    at::parallel_for(0, count, std::max<int64_t>(1, (1 << 16) / k), body);
+  }, for_biased_tiles);
+}
+
+// Outputs [0, n) of packed weight rows w of `kind` against the rounded rows, into out (row r's at
+// out + r * row_stride), on the threads.
+void packed_outputs(Packed kind, const uint8_t* w, const RoundedBlocks& rounded, int64_t n, float* out,
+                    int64_t row_stride) {
+  const int64_t rows = rounded.rows;
+  for_rows(
+      n, packed_row_bytes(kind, rounded.k),
+      [&](int64_t begin, int64_t end) { packed_range(kind, w, rounded, 0, rows, begin, end, out + begin, row_stride); },
+      packed_split_rows(rows), rows >= kTiledFromRows ? kTiledChunksPerThread : 0);
+}
+
 // x @ dequantize(data).T for weights kept as GGUF's packed blocks (blocks.h, which states the
 // numerics: the rows are rounded per 32 values to int8 steps first). x: float32 (rows, k); data:
 // uint8 (n, row bytes), never written (it may be a memory-mapped file). Any number of rows: the
 // weights a thread takes are read from memory once and decoded once for all of them.
-
 at::Tensor packed_product(const at::Tensor& x, const at::Tensor& data, c10::string_view kind_name) {
   Packed kind;
   TORCH_CHECK(packed_kind(std::string_view(kind_name.data(), kind_name.size()), kind),
@@ -264,15 +283,59 @@ at::Tensor packed_product(const at::Tensor& x, const at::Tensor& data, c10::stri
   at::Tensor out = kept_empty({rows, n}, xc.options());
   if (rows == 0 || n == 0) return out;
   RoundedBlocks rounded;
-  // A prompt's rows are rounded on every thread: on one, that was a few percent of a prefill.
-  round_blocks(xc.data_ptr<float>(), rows, k, k, rounded, step_span(kind), [&](int64_t count, const auto& body) {
-    at::parallel_for(0, count, std::max<int64_t>(1, (1 << 16) / k), body);
-  }, biased_tiles(kind));
+  round_on_threads(xc, rounded, step_span(kind), biased_tiles(kind));
+  packed_outputs(kind, data.data_ptr<uint8_t>(), rounded, n, out.data_ptr<float>(), n);
+  return out;
+}
+
+// x @ the packed rows of each segment, side by side (a fused q/k/v whose v rows are of another
+// kind): data is the segments' bytes one after another (uint8, 1-D), segments (kind, rows) pairs,
+// the kind as its place in Packed (ml/packed.py's PACKED_TYPES). The rows are rounded once for
+// every segment that takes the same step span, and each segment's outputs go straight into its
+// columns.
+at::Tensor packed_segments_product(const at::Tensor& x, const at::Tensor& data, const at::Tensor& segments) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "packed_segments_product: x must be a float32 (rows, k) CPU matrix");
+  TORCH_CHECK(data.dim() == 1 && data.scalar_type() == at::kByte && data.is_contiguous() && data.device().is_cpu(),
+              "packed_segments_product: the blocks must be a contiguous 1-D uint8 CPU buffer");
+  TORCH_CHECK(segments.dim() == 1 && segments.scalar_type() == at::kLong && segments.numel() % 2 == 0 &&
+                  segments.numel() > 0,
+              "packed_segments_product: segments are int64 (kind, rows) pairs");
+  const int64_t rows = x.size(0), k = x.size(1), count = segments.numel() / 2;
+  const at::Tensor pairs = segments.contiguous();
+  const int64_t* pair = pairs.data_ptr<int64_t>();
+  constexpr int64_t kinds = sizeof kPackedLayouts / sizeof kPackedLayouts[0];
+  int64_t n = 0, bytes = 0;
+  bool spans[2] = {false, false}, biased[2] = {false, false};
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(pair[2 * i] >= 0 && pair[2 * i] < kinds && pair[2 * i + 1] >= 0,
+                "packed_segments_product: segment ", i, " is no (kind, rows) pair");
+    const Packed kind = static_cast<Packed>(pair[2 * i]);
+    TORCH_CHECK(k % layout_of(kind).values == 0, "packed_segments_product: ", k, " inputs are not whole ",
+                layout_of(kind).name, " blocks of ", layout_of(kind).values);
+    const bool super = step_span(kind) == kQuantGroup;
+    spans[super] = true;
+    biased[super] = biased[super] || biased_tiles(kind);
+    n += pair[2 * i + 1];
+    bytes += pair[2 * i + 1] * packed_row_bytes(kind, k);
+  }
+  TORCH_CHECK(data.numel() == bytes, "packed_segments_product: the segments take ", bytes, " bytes, the buffer has ",
+              data.numel());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = kept_empty({rows, n}, xc.options());
+  if (rows == 0 || n == 0) return out;
+  RoundedBlocks rounded[2];
+  for (int super = 0; super < 2; ++super)
+    if (spans[super]) round_on_threads(xc, rounded[super], super ? kQuantGroup : kQuantBlock, biased[super]);
   const uint8_t* w = data.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  for_rows(
-      n, row_bytes, [&](int64_t begin, int64_t end) { packed_range(kind, w, rounded, 0, rows, begin, end, o + begin, n); },
-      packed_split_rows(rows), rows >= kTiledFromRows ? kTiledChunksPerThread : 0);
+  for (int64_t i = 0, column = 0; i < count; ++i) {
+    const Packed kind = static_cast<Packed>(pair[2 * i]);
+    const int64_t outputs = pair[2 * i + 1];
+    packed_outputs(kind, w, rounded[step_span(kind) == kQuantGroup], outputs, o + column, n);
+    w += outputs * packed_row_bytes(kind, k);
+    column += outputs;
+  }
   return out;
 }
 
@@ -358,6 +421,7 @@ TORCH_LIBRARY(llama_chat_cpu, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("near_largest(Tensor row, float margin, int most) -> Tensor");
   m.def("packed_product(Tensor x, Tensor data, str kind) -> Tensor");
+  m.def("packed_segments_product(Tensor x, Tensor data, Tensor segments) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {
@@ -365,4 +429,5 @@ TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("near_largest", &near_largest);
   m.impl("packed_product", &packed_product);
+  m.impl("packed_segments_product", &packed_segments_product);
 }
