@@ -142,7 +142,7 @@ class Attention(nn.Module):
             else:
                 qkv = ops.project(x, self.wqkv, layout.row_products)
                 if self.bqkv is not None:
-                    qkv = qkv + self.bqkv
+                    qkv = qkv.add_(self.bqkv)  # the product's own fresh output: no copy of a prompt's rows
             if rope is None:
                 q = qkv[..., :q_width].view(batch, seq, self.n_heads, self.head_dim)
                 k = qkv[..., q_width:q_width + kv_width].view(batch, seq, self.n_kv_heads, self.head_dim)
@@ -254,10 +254,11 @@ class TransformerBlock(nn.Module):
         if self.norm_after_residual:  # BERT's post-LN; the sublayers' outputs are fresh: summed in place
             h = self.attention_norm(self.attention(x, rope, layout, layer).add_(x))
             return self.ffn_norm(self.feed_forward(h, layout.row_products).add_(h))
+        # The sublayers' outputs are fresh here too: the residual is added into them in place.
         out = self.attention(self.attention_norm(x), rope, layout, layer)
-        h = x + (out if self.attention_post_norm is None else self.attention_post_norm(out))
+        h = (out if self.attention_post_norm is None else self.attention_post_norm(out)).add_(x)
         out = self.feed_forward(self.ffn_norm(h), layout.row_products)
-        return h + (out if self.ffn_post_norm is None else self.ffn_post_norm(out))
+        return (out if self.ffn_post_norm is None else self.ffn_post_norm(out)).add_(h)
 
 
 class Transformer(nn.Module):

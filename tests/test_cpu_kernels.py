@@ -245,3 +245,23 @@ def test_int8_rows_taken_four_at_a_time_equal_each_row_alone(rows, k, seed):
     together = cpu_kernels.matvec(x, weight, scales)
     alone = torch.cat([cpu_kernels.matvec(x[r:r + 1], weight, scales) for r in range(rows)])
     assert torch.equal(together, alone)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dim=st.sampled_from([2, 40, 64, 80, 128, 256]), seq=st.integers(1, 40), heads=st.integers(1, 6),
+       spare=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_rope_rows_rotate_as_torchs_formula_bit_for_bit(cpu_kernels_loaded, dim, seq, heads, spare, seed):
+    # The operator's rotary embedding of a prompt (one pass) against the formula it replaces, on
+    # strided views (a fused q/k/v's queries and keys) and rows at their own positions.
+    from llama_chat.ml import ops
+
+    g = torch.Generator().manual_seed(seed)
+    table = ops.rope_table(dim, 200, 10000.0)
+    positions = torch.randint(0, 200, (2, seq), generator=g)
+    cos, sin = ops.rope_at(table, positions)
+    x = torch.randn(2, seq, heads + spare, dim, generator=g)[:, :, :heads]
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    want = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    got = torch.ops.llama_chat_cpu.rope_rows(x, cos, sin)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert torch.equal(ops.apply_rope(x, (cos, sin)), want)

@@ -1397,6 +1397,71 @@ at::Tensor q4_0_rows(const at::Tensor& x, bool rotate) {
   return out;
 }
 
+// rotate's arithmetic from `in` into `out`, each product rounded before the sum as torch rounds
+// it (no fused multiply-adds, which the compiler would otherwise make of x0 c - x1 s).
+__attribute__((optimize("fp-contract=off"))) void rotate_uncontracted(const float* in, const float* cos_sin,
+                                                                    int64_t dim, float* out) {
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const float c = cos_sin[2 * i], s = cos_sin[2 * i + 1];
+    const float x0 = in[2 * i], x1 = in[2 * i + 1];
+    out[2 * i] = x0 * c - x1 * s;
+    out[2 * i + 1] = x0 * s + x1 * c;
+  }
+}
+
+// A prompt's rotary embedding: x (batch, seq, heads, head_dim), any strides but contiguous
+// channels, its interleaved pairs rotated by each token's angles, cos and sin (batch, seq, 1,
+// head_dim / 2) as ops.rope_at gives them (views of the table, strided); the result contiguous.
+// One pass, torch's arithmetic bit for bit (x0 c - x1 s, x0 s + x1 c, each product rounded),
+// where torch's six operations made copies.
+at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && x.stride(3) == 1 && x.size(3) % 2 == 0,
+              "rope_rows: x is float32 (batch, seq, heads, head_dim) of contiguous channels");
+  const int64_t batch = x.size(0), seq = x.size(1), heads = x.size(2), dim = x.size(3), half = dim / 2;
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == at::kFloat && t->size(0) == batch && t->size(1) == seq &&
+                    t->size(3) == half,
+                "rope_rows: cos and sin are float32 (batch, seq, 1, head_dim / 2)");
+  at::Tensor out = at::empty({batch, seq, heads, dim}, x.options());
+  const float *xd = x.data_ptr<float>(), *cd = cos.data_ptr<float>(), *sd = sin.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, batch * seq, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, heads * dim)),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> cos_sin(static_cast<size_t>(dim));
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t b = token / seq, t = token % seq;
+      const float* c = cd + b * cos.stride(0) + t * cos.stride(1);
+      const float* s = sd + b * sin.stride(0) + t * sin.stride(1);
+      for (int64_t i = 0; i < half; ++i) {
+        cos_sin[2 * i] = c[i * cos.stride(3)];
+        cos_sin[2 * i + 1] = s[i * sin.stride(3)];
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* in = xd + b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
+        float* o = od + ((token * heads) + h) * dim;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        // rotate's products and sums sixteen channels at a time, rounded as it rounds them:
+        // even channels x0 c - x1 s, odd ones x1 c + x0 s.
+        const __m512i pair_swap = _mm512_set_epi32(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1);
+        const __m512i evens = _mm512_set_epi32(14, 14, 12, 12, 10, 10, 8, 8, 6, 6, 4, 4, 2, 2, 0, 0);
+        for (; i < dim; i += 16) {
+          const __mmask16 lanes = dim - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (dim - i)) - 1);
+          const __m512 v = _mm512_maskz_loadu_ps(lanes, in + i), both = _mm512_maskz_loadu_ps(lanes, cos_sin.data() + i);
+          const __m512 c = _mm512_permutexvar_ps(evens, both);
+          const __m512 sn = _mm512_permutexvar_ps(_mm512_add_epi32(evens, _mm512_set1_epi32(1)), both);
+          const __m512 straight = _mm512_mul_ps(v, c), crossed = _mm512_mul_ps(_mm512_permutexvar_ps(pair_swap, v), sn);
+          _mm512_mask_storeu_ps(o + i, lanes,
+                                _mm512_mask_sub_ps(_mm512_add_ps(straight, crossed), 0x5555, straight, crossed));
+        }
+#endif
+        if (i < dim) rotate_uncontracted(in + i, cos_sin.data() + i, dim - i, o + i);
+      }
+    }
+  });
+  return out;
+}
+
 // A prompt's gated activations: gate_up's rows hold the gate, then the up projection; each row of
 // the result is gated(gate, up) (SwiGLU, or GeGLU with `gelu`), as the decode step computes them.
 at::Tensor gated_rows(const at::Tensor& gate_up, bool gelu) {
@@ -1422,6 +1487,7 @@ at::Tensor gated_rows(const at::Tensor& gate_up, bool gelu) {
 TORCH_LIBRARY_FRAGMENT(llama_chat_cpu, m) {
   m.def("q4_0_rows(Tensor x, bool rotate) -> Tensor");
   m.def("gated_rows(Tensor gate_up, bool gelu) -> Tensor");
+  m.def("rope_rows(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.class_<StepModel>("StepModel")
       .def(torch::init<std::vector<Named>, Named, Numbers, std::vector<int64_t>>());
   m.def(
@@ -1433,4 +1499,5 @@ TORCH_LIBRARY_IMPL(llama_chat_cpu, CPU, m) {
   m.impl("decode_step", &decode_step);
   m.impl("q4_0_rows", &q4_0_rows);
   m.impl("gated_rows", &gated_rows);
+  m.impl("rope_rows", &rope_rows);
 }
