@@ -172,9 +172,10 @@ struct RoundedBlocks {
   std::vector<int16_t> half_sums;   // per 16 values: their sum (Q6_K's sub-blocks are 16 long)
   std::vector<int8_t> interleaved;  // q, each group of 256 as interleave_group lays a weight group
   std::vector<int8_t> paired;       // q, each group's blocks in the order 0 2 1 3 4 6 5 7 (kPairedOrder)
-  // q + 128, unsigned (the tiles with VNNI: kBiasedTiles), eight rows interleaved a word at a time: word w of row r at
-  // word (r / 8 * padded / 4 + w) * 8 + r % 8, so that a pass of the tiles (eight rows from a
-  // multiple of 8, or fewer within them) reaches its rows from one pointer at constant offsets
+  // q + 128, unsigned (the tiles with VNNI: kBiasedTiles), eight rows interleaved a word at a
+  // time: word w of row r at word (r / 8 * padded / 4 + w) * 8 + r % 8, so that a pass of the
+  // tiles (eight rows from a multiple of 8, or fewer within them) reaches its rows from one
+  // pointer at constant offsets
   std::vector<uint8_t> biased;
 
   const int8_t* q_of(int64_t r) const { return q.data() + r * padded; }
@@ -185,7 +186,8 @@ struct RoundedBlocks {
   const int16_t* half_sums_of(int64_t r) const { return half_sums.data() + r * 2 * row_blocks; }
   const int8_t* interleaved_of(int64_t r) const { return interleaved.data() + r * padded; }
   const int8_t* paired_of(int64_t r) const { return paired.data() + r * padded; }
-  // span 32: the steps as `biased` lays the words, block b of row r at (r / 8 * blocks + b) * 8 + r % 8
+  // span 32: the steps as `biased` lays the words, block b of row r at
+  // (r / 8 * row_blocks + b) * 8 + r % 8
   std::vector<float> biased_steps;
   // Row r of `biased`: its word w is 32 * w bytes on.
   const uint8_t* biased_of(int64_t r) const { return biased.data() + r / 8 * 8 * padded + r % 8 * 4; }
@@ -1591,21 +1593,20 @@ void packed_tiles_of(const uint8_t* data, const RoundedBlocks& in, int64_t row_f
         const DecodedTile& tile = tiles[t];
         const int64_t tile_first = group_first + t * L::kRows, count = std::min<int64_t>(L::kRows, stop - tile_first);
         for (int64_t i = 0; i < (re - rb) * 8; ++i) state[i] = L::zero();
-        for (int64_t r = rb; r < re;) {
-          const int pass = re - r >= L::kPassRows ? L::kPassRows : re - r >= 2 ? 2 : 1;
-          for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks<L>) {
-            const int64_t b1 = std::min(blocks, b0 + kChunkBlocks<L>);
-            if constexpr (kSuperSteps<K>) {
-              if (pass == L::kPassRows) tile_pass_super<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
-              else if (pass == 2) tile_pass_super<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
-              else tile_pass_super<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
-            } else {
-              if (pass == L::kPassRows) tile_pass<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
-              else if (pass == 2) tile_pass<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
-              else tile_pass<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
-            }
+        for (int64_t b0 = 0; b0 < blocks; b0 += kChunkBlocks<L>) {
+          const int64_t b1 = std::min(blocks, b0 + kChunkBlocks<L>);
+          int64_t r = rb;
+          if constexpr (kSuperSteps<K>) {
+            for (; r + L::kPassRows <= re; r += L::kPassRows)
+              tile_pass_super<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
+            for (; r + 2 <= re; r += 2) tile_pass_super<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
+            if (r < re) tile_pass_super<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
+          } else {
+            for (; r + L::kPassRows <= re; r += L::kPassRows)
+              tile_pass<K, L, L::kPassRows>(tile, in, r, b0, b1, lanes + (r - rb));
+            for (; r + 2 <= re; r += 2) tile_pass<K, L, 2>(tile, in, r, b0, b1, lanes + (r - rb));
+            if (r < re) tile_pass<K, L, 1>(tile, in, r, b0, b1, lanes + (r - rb));
           }
-          r += pass;
         }
         for (int64_t r = rb; r < re; ++r) {
           const F sum = lanes_sum<L>(lanes[r - rb]);
