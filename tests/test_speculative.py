@@ -455,6 +455,27 @@ def test_a_lone_jobs_draft_is_as_long_as_gives_most_tokens_a_second_by_the_timed
     assert costs.longest(Lookup(8)) == 3  # a job's first draft: as long as every job's drafts say
 
 
+def test_a_long_draft_is_judged_by_the_nearest_timed_steps():
+    # A 1.5B model's steps on 2 cores: up to 11 rows share each decoded weight (12 ms a row), from
+    # 12 on the rows take tiles of weights decoded once (a dearer start, 6 ms a row after it).
+    costs = DraftCosts()
+    for rows, ms in {1: 34, 2: 42.5, 4: 64, 8: 124, 12: 201, 16: 237, 33: 331}.items():
+        costs.stepped(rows, ms / 1000)
+    assert costs.step_time(8) == costs.step_s[8]
+    assert costs.step_time(24) == pytest.approx(costs.step_s[16] + (costs.step_s[33] - costs.step_s[16]) * 8 / 17)
+    fixed, row = costs.line()
+    assert costs.step_time(40) == pytest.approx(fixed + row * 40)  # past the last count timed: the line
+    copy = Lookup(32)
+    for _ in range(50):  # a copied file: its drafts kept whole
+        copy.taken(32, 32, 0.1)
+    # 33 rows give 0.10 tokens a ms, 8 rows 0.065: the longest draft.
+    assert costs.longest(copy) == 32
+    new_text = Lookup(32)
+    for _ in range(50):
+        new_text.taken(8, 6, 0.1)  # three in four kept: short drafts, where a row shares the weights
+    assert 1 <= costs.longest(new_text) <= 7
+
+
 def test_a_drafter_timed_at_a_step_a_token_stops_drafting():
     costs = DraftCosts(guess_share_untimed=2.0)
     model = ModelDraft(8)
