@@ -406,9 +406,12 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
     return out.to(q.dtype).reshape(batch, heads, seq, head_dim)
 
 
-# Queries of a chunk from which the CPU operator's prompt attention is taken: it converts every key
-# and value the chunk sees first, which a few queries do not repay.
-MIN_OWN_ATTENTION_QUERIES = 16
+# Queries of a chunk from which the CPU operator's prompt attention is taken: every chunk (one
+# token goes as a decode row). A query's result does not depend on the chunk it comes in, so a
+# prompt read back from the prefix cache or from disk, whose last tokens come as a chunk of their
+# own, gives the logits its cold run gave; the float path joins the past and the chunk's own keys
+# at the chunk's start, and would round otherwise (a few queries repay the keys' conversion less).
+MIN_OWN_ATTENTION_QUERIES = 2
 
 
 def own_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,

@@ -88,6 +88,25 @@ def test_the_operator_is_attention_of_its_rounded_inputs(built, heads_and_kv, di
     torch.testing.assert_close(operator(q, k, v, past, rule), reference(q, k, v, past, rule), **tolerance(v))
 
 
+@settings(max_examples=40, deadline=None)
+@given(dim=st.sampled_from([64, 128, 256]), keys=st.integers(2, 700), data=st.data(),
+       window=st.sampled_from([0, 50]), cap=st.sampled_from([0.0, 30.0]), seed=st.integers(0, 2**16))
+def test_a_querys_result_does_not_depend_on_where_its_chunk_starts(built, dim, keys, data, window, cap, seed):
+    """A prompt read back from the cache has its last tokens computed in a chunk of their own; the
+    cold run computed them inside a longer one. Every chunk of two queries or more takes the
+    operator (``MIN_OWN_ATTENTION_QUERIES``), and each query's bits are the same either way."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(h, keys, dim, generator=g) for h in (4, 2, 2))
+    first = data.draw(st.integers(0, keys - 2), label="first")
+    later = data.draw(st.integers(first, keys - ops.MIN_OWN_ATTENTION_QUERIES), label="later")
+
+    def chunk(start: int) -> torch.Tensor:
+        return torch.ops.llama_chat_cpu.prompt_attention(q[:, start:].contiguous(), k, v, start, dim ** -0.5, cap,
+                                                         window)
+
+    assert torch.equal(chunk(first)[:, later - first:], chunk(later))
+
+
 @pytest.mark.parametrize("window", [None, 20])
 def test_keys_a_query_does_not_see_never_count(built, window):
     """Keys past a query's position, and before its window, hold huge values: the output is that
