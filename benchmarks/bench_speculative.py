@@ -31,7 +31,8 @@ picks some of them by name or kind (``--tasks "edit,story,explain,story t=0.8,ex
 
 Targets: at least 1.8x on the repeating tasks and the edits at one job; no more than 3 % slower
 on the open-ended ones and at 16 jobs; ahead of llama.cpp's speculative speed on the same file.
-``--jobs 0`` leaves the 16 jobs out.
+``--jobs 0`` leaves the 16 jobs out. ``--step-curve 1,2,4,8,16,33`` times a step by its rows instead
+(what a drafted token costs, which bounds what drafts can give).
 """
 
 from __future__ import annotations
@@ -133,8 +134,9 @@ def report(path, n):
     for word, count in words:
         print(f"{word}: {count}")
 '''
+REPEAT = f"Repeat the following text exactly, word for word:\n\n{PASSAGE}"
 TASKS = {
-    "repeat": ("grounded", f"Repeat the following text exactly, word for word:\n\n{PASSAGE}"),
+    "repeat": ("grounded", REPEAT),
     "edit": ("grounded", f"Rewrite the following text, replacing the word 'user' with 'reader' everywhere, and "
                          f"change nothing else:\n\n{PASSAGE}"),
     "code": ("grounded", f"Add a one-line docstring to each of these Python functions and return the whole "
@@ -271,6 +273,32 @@ def print_table(mode: str, names: tuple[str, str, str], rates: dict, kept: dict,
               + " | ".join(cells) + " |")
 
 
+def step_curve(loaded, ids: list[int], rows: list[int]) -> None:
+    """A decoding step's milliseconds by its rows (a job's last token and its draft), for a job
+    alone: the repeat task with lookup made to draft ``rows - 1`` tokens at every step (each kept,
+    for the reply copies the passage), medians of the steps timed at each count over two passes."""
+    from llama_chat.inference import speculative
+
+    drafted, times = [0], {}
+    speculative.DraftCosts.longest = lambda self, pace, jobs=1, share=None: drafted[0]
+    speculative.DraftCosts.drafts_now = lambda self, pace, jobs=1: True
+    stepped = speculative.DraftCosts.stepped
+
+    def timed(self, n: int, seconds: float) -> None:
+        times.setdefault(n, []).append(seconds * 1000)
+        stepped(self, n, seconds)
+
+    speculative.DraftCosts.stepped = timed
+    scheduler = source(loaded, "on", 1)
+    for n in rows * 2:
+        drafted[0] = n - 1
+        one_job(scheduler, ids, 100, sampling_of("repeat"))
+    print(f"\nA step's time by its rows, {machine()}\n\n| rows | steps | ms | ms a token |\n|---|---|---|---|")
+    for n in sorted(times):
+        ms = statistics.median(times[n])
+        print(f"| {n} | {len(times[n])} | {ms:.1f} | {ms / n:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help=f"a GGUF file (llama.cpp reads the same), or one of {', '.join(MODELS)}")
@@ -282,6 +310,8 @@ def main() -> None:
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--tasks", help="comma-separated task names or kinds (default: all)")
     ap.add_argument("--show", action="store_true", help="print each task's reply (does it copy the file?)")
+    ap.add_argument("--step-curve", metavar="ROWS", help="comma-separated row counts: time a step at each "
+                    "(step_curve) and stop")
     args = ap.parse_args()
     if args.tasks:
         picked = {t.strip() for t in args.tasks.split(",")}
@@ -306,6 +336,9 @@ def main() -> None:
     kernels.load()
     prompts = {name: prompt_ids(text, system=None, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
                for name, (_, text) in TASKS.items()}
+    if args.step_curve:
+        ids = prompt_ids(REPEAT, system=None, tokenizer=loaded.tokenizer, chat_format=loaded.chat_format)
+        return step_curve(loaded, list(ids), [int(n) for n in args.step_curve.split(",")])
     modes = ("off", "on", "draft") if args.draft else ("off", "on")
     schedulers = {mode: source(loaded, mode, 1, args.draft) for mode in modes}
     rates: dict[str, dict[str, list[float]]] = {name: {m: [] for m in modes} for name in TASKS}
