@@ -189,30 +189,33 @@ class DraftCosts:
             cost += (self.guess_s if timed else self.guess_share_untimed * (fixed + row)) / per_job
         return cost
 
-    def _best(self, pace: Pace, p: float) -> tuple[int, float]:
-        """For a job alone, timed: the draft length whose step gives most tokens a second, and
-        how many (the step's time as timed at its rows: a call's rows go through the products in
-        groups, and one more row may cost a group's time; the tokens expected as
-        ``Pace.longest_paying`` expects them)."""
+    def _best(self, pace: Pace, p: float, jobs: int = 1) -> tuple[int, float]:
+        """Timed: the length of ``pace``'s job's draft whose step, ``jobs`` jobs decoding, gives
+        most tokens a second, and how many (the step's time as timed at its rows: a call's rows go
+        through the products in groups, and one more row may cost a group's time; the tokens
+        expected as ``Pace.longest_paying`` expects them)."""
         guess = self.guess_s if isinstance(pace, ModelDraft) else 0.0
 
         def tokens_a_second(k: int) -> float:
             kept = k if p >= 1 else p * (1 - p ** k) / (1 - p)
-            return (1 + kept) / (self.step_time(1 + k) + k * guess)
+            return (jobs + kept) / (self.step_time(jobs + k) + k * guess)
 
         best = max(range(1, pace.draft_max + 1), key=tokens_a_second)
         return best, tokens_a_second(best)
 
     def longest(self, pace: Pace, jobs: int = 1, share: float | None = None) -> int:
         """The longest draft worth making for ``pace``'s job, ``jobs`` jobs decoding, each token
-        kept with ``share`` once the one before was (default: ``share_of``): for a job alone whose
-        costs are timed, the length that gives most tokens a second (``_best``), else the longest
-        whose last token pays (``longest_paying``)."""
+        kept with ``share`` once the one before was (default: ``share_of``): where the costs are
+        timed, the length whose step gives most tokens a second (``_best``), none beside other
+        jobs where that is no more than their step without it gives (their rows already share
+        the weights: a row more may cost as much as a kept token saves); else the longest whose
+        last token pays (``longest_paying``)."""
         cost = self.per_token(pace, jobs)
         p = self.share_of(pace) if share is None else share
-        if jobs != 1 or p is None or cost >= 1 or not self.timed(pace):
+        if p is None or cost >= 1 or not self.timed(pace):
             return longest_paying(p, cost, pace.draft_max)
-        return self._best(pace, p)[0]
+        best, rate = self._best(pace, p, jobs)
+        return best if jobs == 1 or rate > jobs / self.step_time(jobs) else 0
 
     def timed(self, pace: Pace) -> bool:
         """Whether what ``pace``'s drafter costs has been timed, not only estimated."""

@@ -448,7 +448,7 @@ def test_a_lone_jobs_draft_is_as_long_as_gives_most_tokens_a_second_by_the_timed
     assert lookup.kept_share == pytest.approx(7 / 8)
     # Four rows go through the products together and a fifth costs a group's time: drafts of 3.
     assert costs.longest(lookup) == 3
-    assert costs.longest(lookup, jobs=2) == lookup.longest_paying(costs.per_token(lookup, 2)) == 4
+    assert costs.longest(lookup, jobs=2) == 2  # beside another job: its two rows and two drafted fill a group
     assert costs.longest(Lookup(8)) == 8  # nothing drafted yet, by this job or any
     for _ in range(50):
         costs.kept(lookup, 8, 7)
@@ -474,6 +474,10 @@ def test_a_long_draft_is_judged_by_the_nearest_timed_steps():
     for _ in range(50):
         new_text.taken(8, 6, 0.1)  # three in four kept: short drafts, where a row shares the weights
     assert 1 <= costs.longest(new_text) <= 7
+    # Beside three other jobs a row more costs about what a kept token saves (4 rows 64 ms, 8 124):
+    # new text drafts nothing, a copied file still drafts into the tiles.
+    assert costs.longest(new_text, jobs=4) == 0
+    assert costs.longest(copy, jobs=4) == 29
 
 
 def test_a_drafter_timed_at_a_step_a_token_stops_drafting():
